@@ -1,0 +1,90 @@
+//! A bucket: a named keyspace of vbuckets with a memory quota.
+
+use std::sync::atomic::{AtomicIsize, AtomicU64, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::config::BucketConfig;
+use crate::hash::vbucket_of;
+use crate::vbucket::VBucket;
+
+#[derive(Debug, Default)]
+pub struct BucketStats {
+    pub sets: AtomicU64,
+    pub deletes: AtomicU64,
+    pub gets: AtomicU64,
+    pub get_misses: AtomicU64,
+    pub tmp_failures: AtomicU64,
+    pub expired_on_access: AtomicU64,
+    pub expired_by_pager: AtomicU64,
+    pub tombstones_purged: AtomicU64,
+    pub cursors_dropped: AtomicU64,
+}
+
+pub struct Bucket {
+    pub id: u16,
+    pub config: BucketConfig,
+    vbuckets: Vec<Mutex<VBucket>>,
+    /// Bytes held by items and checkpoints, kept current under each vbucket's lock.
+    mem_used: AtomicIsize,
+    checkpoint_mem: AtomicIsize,
+    pub stats: BucketStats,
+}
+
+impl Bucket {
+    pub fn new(id: u16, config: BucketConfig, vbuckets: Vec<VBucket>) -> Bucket {
+        let b = Bucket {
+            id,
+            config,
+            vbuckets: vbuckets.into_iter().map(Mutex::new).collect(),
+            mem_used: AtomicIsize::new(0),
+            checkpoint_mem: AtomicIsize::new(0),
+            stats: BucketStats::default(),
+        };
+        for vb in &b.vbuckets {
+            b.account(&mut vb.lock());
+        }
+        b
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn num_vbuckets(&self) -> u16 {
+        self.vbuckets.len() as u16
+    }
+
+    pub fn vbucket_of(&self, key: &[u8]) -> u16 {
+        vbucket_of(key, self.num_vbuckets())
+    }
+
+    pub fn lock_vbucket(&self, vb: u16) -> Option<MutexGuard<'_, VBucket>> {
+        self.vbuckets.get(vb as usize).map(|m| m.lock())
+    }
+
+    /// Brings the bucket's memory counters up to date with one vbucket; call with its lock held.
+    pub fn account(&self, vb: &mut VBucket) {
+        let total = vb.mem_bytes();
+        let cp = vb.checkpoints.mem_bytes();
+        self.mem_used.fetch_add(total as isize - vb.accounted.0 as isize, Ordering::Relaxed);
+        self.checkpoint_mem.fetch_add(cp as isize - vb.accounted.1 as isize, Ordering::Relaxed);
+        vb.accounted = (total, cp);
+    }
+
+    pub fn mem_used(&self) -> usize {
+        self.mem_used.load(Ordering::Relaxed).max(0) as usize
+    }
+
+    pub fn checkpoint_mem(&self) -> usize {
+        self.checkpoint_mem.load(Ordering::Relaxed).max(0) as usize
+    }
+
+    pub fn above_high_watermark(&self) -> bool {
+        self.mem_used() > self.config.high_watermark_bytes()
+    }
+
+    pub fn over_checkpoint_quota(&self) -> bool {
+        self.checkpoint_mem() > self.config.checkpoint_quota_bytes()
+    }
+}

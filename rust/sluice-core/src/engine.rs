@@ -1,0 +1,772 @@
+//! The engine: buckets, the write and read paths, the WAL, and the background work (expiry
+//! pager, tombstone purger, checkpoint quota, periodic snapshots).
+//!
+//! Lock order: a vbucket's lock, then the WAL queue lock. The WAL writer takes vbucket locks
+//! only after releasing its queue lock, and the snapshot writer holds one vbucket lock at a time.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::backfill::Backfill;
+use crate::bucket::Bucket;
+use crate::checkpoint::{CursorDropPolicy, CursorHandle, CursorId, CursorRead, DropSlowest, Registration, PERSISTENCE_CURSOR};
+use crate::config::{BucketConfig, Durability, EngineConfig};
+use crate::error::{Error, Result};
+use crate::failover::FailoverEntry;
+use crate::hlc::now_secs;
+use crate::item::{absolute_expiry, is_expired, validate_key, ChangeOp, Item, ItemMeta};
+use crate::recovery;
+use crate::snapshot;
+use crate::vbucket::{VBucket, VbState};
+use crate::wal::writer::{Failpoint, MetaRecord, WalConfig, WalPayload};
+use crate::wal::{WalMode, WalWriter};
+
+/// How a store treats an existing key (memcached's SET, ADD, REPLACE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreMode {
+    Set,
+    Add,
+    Replace,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreRequest<'a> {
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub flags: u32,
+    /// memcached rules: 0 never, up to 30 days relative, else absolute Unix time.
+    pub expiry: u32,
+    pub datatype: u8,
+    /// Non-zero: only if the current CAS matches.
+    pub cas: u64,
+    pub mode: StoreMode,
+    /// None: the bucket's default level.
+    pub durability: Option<Durability>,
+}
+
+impl<'a> StoreRequest<'a> {
+    pub fn set(key: &'a [u8], value: &'a [u8]) -> StoreRequest<'a> {
+        StoreRequest { key, value, flags: 0, expiry: 0, datatype: 0, cas: 0, mode: StoreMode::Set, durability: None }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MutationResult {
+    pub cas: u64,
+    pub vbucket: u16,
+    pub seqno: u64,
+    pub lsn: u64,
+}
+
+/// The live buckets, shared with the WAL writer's callback.
+#[derive(Default)]
+pub struct Catalog {
+    buckets: RwLock<Vec<Arc<Bucket>>>,
+}
+
+impl Catalog {
+    pub fn all(&self) -> Vec<Arc<Bucket>> {
+        self.buckets.read().clone()
+    }
+
+    pub fn by_id(&self, id: u16) -> Option<Arc<Bucket>> {
+        self.buckets.read().iter().find(|b| b.id == id).cloned()
+    }
+
+    pub fn by_name(&self, name: &str) -> Option<Arc<Bucket>> {
+        self.buckets.read().iter().find(|b| b.name() == name).cloned()
+    }
+
+    /// The WAL writer reports synced seqnos: advance each vbucket's persistence cursor.
+    fn persisted(&self, upto: &[(u16, u16, u64)]) {
+        let buckets = self.buckets.read();
+        for &(b, v, seqno) in upto {
+            let Some(bucket) = buckets.iter().find(|x| x.id == b) else { continue };
+            let Some(mut vb) = bucket.lock_vbucket(v) else { continue };
+            vb.persisted_seqno = vb.persisted_seqno.max(seqno);
+            if let Some(c) = vb.persistence_cursor {
+                vb.checkpoints.advance(c, seqno);
+            }
+            bucket.account(&mut vb);
+        }
+    }
+}
+
+struct Background {
+    stop: Mutex<bool>,
+    wake: Condvar,
+    /// Set by writers when checkpoint memory passes its quota.
+    quota_pressure: AtomicBool,
+}
+
+struct Inner {
+    config: EngineConfig,
+    catalog: Arc<Catalog>,
+    wal: WalWriter,
+    instance: String,
+    snap_dir: PathBuf,
+    wal_dir: PathBuf,
+    snapshot_lock: Mutex<()>,
+    closed: AtomicBool,
+    drop_policy: RwLock<Arc<dyn CursorDropPolicy>>,
+    background: Background,
+    recovery_report: Mutex<recovery::Report>,
+    _lock_file: File,
+}
+
+pub struct Engine {
+    inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn lock_data_dir(dir: &Path) -> Result<File> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
+    let path = dir.join("LOCK");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(path.display(), e))?;
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: flock on an fd we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(Error::Io(format!("data directory {} is in use by another sluice process", dir.display())));
+    }
+    Ok(f)
+}
+
+impl Engine {
+    /// Opens (recovering if there is data) the data directory and starts the background work.
+    pub fn open(config: EngineConfig) -> Result<Engine> {
+        config.validate()?;
+        let lock_file = lock_data_dir(&config.data_dir)?;
+        let wal_dir = config.data_dir.join("wal");
+        let snap_dir = config.data_dir.join("snap");
+        for d in [&wal_dir, &snap_dir] {
+            std::fs::create_dir_all(d).map_err(|e| Error::io(d.display(), e))?;
+        }
+        let started = Instant::now();
+        let recovered = recovery::recover(&wal_dir, &snap_dir, config.force_recovery)?;
+        let catalog = Arc::new(Catalog::default());
+        let weak: Weak<Catalog> = Arc::downgrade(&catalog);
+        let wal = WalWriter::start(
+            WalConfig {
+                dir: wal_dir.clone(),
+                mode: config.wal_mode,
+                instance: recovered.instance.clone(),
+                segment_size: config.wal_segment_size,
+                block_size: 256 << 10,
+            },
+            recovered.last_lsn + 1,
+            Box::new(move |upto| {
+                if let Some(c) = weak.upgrade() {
+                    c.persisted(upto)
+                }
+            }),
+        )?;
+        let mut report = recovered.report.clone();
+        let inner = Arc::new(Inner {
+            catalog,
+            wal,
+            instance: recovered.instance.clone(),
+            snap_dir,
+            wal_dir,
+            snapshot_lock: Mutex::new(()),
+            closed: AtomicBool::new(false),
+            drop_policy: RwLock::new(Arc::new(DropSlowest)),
+            background: Background { stop: Mutex::new(false), wake: Condvar::new(), quota_pressure: AtomicBool::new(false) },
+            recovery_report: Mutex::new(recovery::Report::default()),
+            _lock_file: lock_file,
+            config,
+        });
+        Engine::install_buckets(&inner, recovered)?;
+        report.duration = started.elapsed();
+        *inner.recovery_report.lock() = report;
+        let engine = Engine { inner, threads: Mutex::new(Vec::new()) };
+        engine.start_background()?;
+        Ok(engine)
+    }
+
+    /// Turns recovered state into live buckets, creates configured buckets that are new, and
+    /// records a failover entry for every active vbucket after an unclean shutdown.
+    fn install_buckets(inner: &Arc<Inner>, recovered: recovery::Recovered) -> Result<()> {
+        let ckpt = inner.config.checkpoint;
+        let mut by_name: HashMap<String, (u16, Vec<VBucket>)> = HashMap::new();
+        let mut max_id = 0u16;
+        for rb in recovered.buckets {
+            max_id = max_id.max(rb.id + 1);
+            by_name.insert(rb.name, (rb.id, rb.vbuckets));
+        }
+        let mut live = Vec::new();
+        let mut configs: Vec<BucketConfig> = inner.config.buckets.clone();
+        // Buckets with data but no longer configured stay served with default settings.
+        for name in by_name.keys() {
+            if !configs.iter().any(|c| &c.name == name) {
+                log::warn!("bucket {name:?} has data but is not in the configuration; serving it with defaults");
+                configs.push(BucketConfig::named(name));
+            }
+        }
+        for cfg in configs {
+            let (id, mut vbs, fresh) = match by_name.remove(&cfg.name) {
+                Some((id, vbs)) => (id, vbs, false),
+                None => {
+                    let id = max_id;
+                    max_id += 1;
+                    let vbs = (0..cfg.num_vbuckets).map(|v| VBucket::new(id, v, VbState::Active, ckpt)).collect();
+                    (id, vbs, true)
+                }
+            };
+            if vbs.len() != cfg.num_vbuckets as usize {
+                return Err(Error::InvalidConfig {
+                    key: format!("buckets.{}.num_vbuckets", cfg.name),
+                    reason: format!("the data directory holds this bucket with {} vbuckets; it cannot change", vbs.len()),
+                });
+            }
+            {
+                let mut a = inner.wal.appender();
+                if fresh {
+                    a.push(WalPayload::Meta {
+                        bucket: id,
+                        vbucket: 0,
+                        record: MetaRecord::Bucket { name: cfg.name.clone(), num_vbuckets: cfg.num_vbuckets },
+                    });
+                }
+                for vb in vbs.iter_mut() {
+                    vb.finish_recovery(ckpt);
+                    if fresh {
+                        vb.last_lsn = a.push(WalPayload::Meta {
+                            bucket: id,
+                            vbucket: vb.id,
+                            record: MetaRecord::VbucketState { state: VbState::Active, high_seqno: 0 },
+                        });
+                    }
+                    if vb.state == VbState::Active && (fresh || recovered.unclean) {
+                        let e = vb.failover.create_entry(vb.high_seqno);
+                        vb.last_lsn = a.push(WalPayload::Meta { bucket: id, vbucket: vb.id, record: MetaRecord::FailoverEntry(e) });
+                    }
+                    if inner.wal.mode() != WalMode::None {
+                        let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, vb.high_seqno);
+                        vb.persistence_cursor = Some(reg.id);
+                    }
+                }
+            }
+            live.push(Arc::new(Bucket::new(id, cfg, vbs)));
+        }
+        *inner.catalog.buckets.write() = live;
+        Ok(())
+    }
+
+    fn start_background(&self) -> Result<()> {
+        let mut threads = self.threads.lock();
+        let inner = self.inner.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("sluice-pager".into())
+                .spawn(move || maintenance_loop(inner))
+                .map_err(|e| Error::io("spawning the pager", e))?,
+        );
+        if !self.inner.config.snapshot_interval.is_zero() {
+            let inner = self.inner.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("sluice-snapshot".into())
+                    .spawn(move || snapshot_loop(inner))
+                    .map_err(|e| Error::io("spawning the snapshotter", e))?,
+            );
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    pub fn instance(&self) -> &str {
+        &self.inner.instance
+    }
+
+    pub fn recovery_report(&self) -> recovery::Report {
+        self.inner.recovery_report.lock().clone()
+    }
+
+    pub fn bucket(&self, name: &str) -> Result<Arc<Bucket>> {
+        self.inner.catalog.by_name(name).ok_or_else(|| Error::NoSuchBucket(name.to_string()))
+    }
+
+    pub fn buckets(&self) -> Vec<Arc<Bucket>> {
+        self.inner.catalog.all()
+    }
+
+    pub fn wal(&self) -> &WalWriter {
+        &self.inner.wal
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        Ok(())
+    }
+
+    /// Refuses a write early: closed engine, failing WAL, memory over the high watermark, or a
+    /// durability level this node cannot provide.
+    fn admit_write(&self, bucket: &Bucket, durability: Durability) -> Result<()> {
+        self.check_open()?;
+        if self.inner.wal.is_failing() {
+            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
+            let why = self.inner.wal.last_error().unwrap_or_default();
+            return Err(Error::TempFail(format!("the WAL cannot write ({why}); retry later")));
+        }
+        if bucket.above_high_watermark() {
+            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::TempFail(format!(
+                "bucket {:?} memory {} bytes is above its high watermark {}",
+                bucket.name(),
+                bucket.mem_used(),
+                bucket.config.high_watermark_bytes()
+            )));
+        }
+        match durability {
+            Durability::None => Ok(()),
+            Durability::Persist if self.inner.wal.mode() == WalMode::None => {
+                Err(Error::DurabilityImpossible("wal.mode is none, nothing is persisted".into()))
+            }
+            Durability::Persist => Ok(()),
+            _ => Err(Error::DurabilityImpossible(format!("level {} needs replicas and this node has none", durability.as_str()))),
+        }
+    }
+
+    fn note_checkpoint_pressure(&self, bucket: &Bucket) {
+        if bucket.over_checkpoint_quota() && !self.inner.background.quota_pressure.swap(true, Ordering::AcqRel) {
+            self.inner.background.wake.notify_all();
+        }
+    }
+
+    fn finish_write(&self, bucket: &Bucket, durability: Durability, r: MutationResult) -> Result<MutationResult> {
+        self.note_checkpoint_pressure(bucket);
+        if durability == Durability::Persist {
+            self.inner.wal.wait_durable(r.lsn, None)?;
+        }
+        Ok(r)
+    }
+
+    /// SET / ADD / REPLACE, with CAS and a durability level.
+    pub fn store(&self, bucket: &Bucket, req: &StoreRequest<'_>) -> Result<MutationResult> {
+        validate_key(req.key)?;
+        if req.value.len() > bucket.config.max_item_size {
+            return Err(Error::TooBig { size: req.value.len(), max: bucket.config.max_item_size });
+        }
+        let durability = req.durability.unwrap_or(bucket.config.durability);
+        self.admit_write(bucket, durability)?;
+        let vbid = bucket.vbucket_of(req.key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        let now = now_secs();
+        let existing = vb.store.get(req.key).map(|i| i.meta());
+        let live = existing.filter(|m| !m.deleted && !is_expired(m, now));
+        match (req.mode, live) {
+            (StoreMode::Add, Some(_)) => return Err(Error::Exists),
+            (StoreMode::Replace, None) => return Err(Error::NotFound),
+            _ => {}
+        }
+        if req.cas != 0 {
+            match live {
+                None => return Err(Error::NotFound),
+                Some(m) if m.cas != req.cas => return Err(Error::Exists),
+                _ => {}
+            }
+        }
+        let meta = ItemMeta {
+            flags: req.flags,
+            expiry: absolute_expiry(req.expiry, now),
+            datatype: req.datatype,
+            rev_seqno: existing.map(|m| m.rev_seqno + 1).unwrap_or(1),
+            ..Default::default()
+        };
+        let r = self.inner.apply_locked(bucket, &mut vb, ChangeOp::Mutation, req.key, req.value, meta);
+        drop(vb);
+        bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
+        self.finish_write(bucket, durability, r)
+    }
+
+    /// Many SETs in one call: grouped by vbucket, one lock and one WAL queue lock per group.
+    /// Returns the last LSN written; with `persist`, returns once all of them are durable.
+    pub fn set_many(&self, bucket: &Bucket, items: &[(&[u8], &[u8])], flags: u32, expiry: u32, durability: Option<Durability>) -> Result<u64> {
+        let durability = durability.unwrap_or(bucket.config.durability);
+        for (k, v) in items {
+            validate_key(k)?;
+            if v.len() > bucket.config.max_item_size {
+                return Err(Error::TooBig { size: v.len(), max: bucket.config.max_item_size });
+            }
+        }
+        self.admit_write(bucket, durability)?;
+        let n = bucket.num_vbuckets() as usize;
+        let mut groups: Vec<Vec<u32>> = vec![Vec::new(); n];
+        for (i, (k, _)) in items.iter().enumerate() {
+            groups[bucket.vbucket_of(k) as usize].push(i as u32);
+        }
+        let now = now_secs();
+        let mut last_lsn = 0;
+        let mut changes = Vec::new();
+        for (vbid, group) in groups.iter().enumerate() {
+            if group.is_empty() {
+                continue;
+            }
+            let mut vb = bucket.lock_vbucket(vbid as u16).expect("in range");
+            if vb.state != VbState::Active {
+                return Err(Error::NotMyVbucket(vbid as u16));
+            }
+            changes.clear();
+            for &i in group {
+                let (k, v) = items[i as usize];
+                let rev = vb.store.get(k).map(|it| it.meta().rev_seqno + 1).unwrap_or(1);
+                let meta = ItemMeta { flags, expiry: absolute_expiry(expiry, now), rev_seqno: rev, ..Default::default() };
+                changes.push(vb.apply_local(ChangeOp::Mutation, k, v, meta).0);
+            }
+            {
+                let mut a = self.inner.wal.appender();
+                for c in changes.drain(..) {
+                    last_lsn = a.push(WalPayload::Change(c));
+                }
+            }
+            vb.last_lsn = last_lsn;
+            bucket.account(&mut vb);
+        }
+        bucket.stats.sets.fetch_add(items.len() as u64, Ordering::Relaxed);
+        self.note_checkpoint_pressure(bucket);
+        if durability == Durability::Persist {
+            self.inner.wal.wait_durable(last_lsn, None)?;
+        }
+        Ok(last_lsn)
+    }
+
+    pub fn delete(&self, bucket: &Bucket, key: &[u8], cas: u64, durability: Option<Durability>) -> Result<MutationResult> {
+        validate_key(key)?;
+        let durability = durability.unwrap_or(bucket.config.durability);
+        self.admit_write(bucket, durability)?;
+        let vbid = bucket.vbucket_of(key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        let now = now_secs();
+        let existing = vb.store.get(key).map(|i| i.meta());
+        let Some(old) = existing.filter(|m| !m.deleted && !is_expired(m, now)) else {
+            return Err(Error::NotFound);
+        };
+        if cas != 0 && old.cas != cas {
+            return Err(Error::Exists);
+        }
+        let meta = ItemMeta { expiry: now, rev_seqno: old.rev_seqno + 1, deleted: true, ..Default::default() };
+        let r = self.inner.apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta);
+        drop(vb);
+        bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
+        self.finish_write(bucket, durability, r)
+    }
+
+    /// The live item, or None. An expired item found here turns into an EXPIRATION change
+    /// (on an active vbucket) and reads as missing.
+    pub fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Item>> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        bucket.stats.gets.fetch_add(1, Ordering::Relaxed);
+        let now = now_secs();
+        let found = match vb.store.get(key) {
+            Some(i) if i.meta().deleted => None,
+            Some(i) if is_expired(&i.meta(), now) => {
+                let meta = i.meta();
+                self.inner.expire_locked(bucket, &mut vb, key, &meta, now);
+                bucket.stats.expired_on_access.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Some(i) => Some(i.to_item()),
+            None => None,
+        };
+        if found.is_none() {
+            bucket.stats.get_misses.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(found)
+    }
+
+    /// The current version of a key including tombstones, regardless of vbucket state.
+    pub fn get_meta(&self, bucket: &Bucket, key: &[u8]) -> Option<Item> {
+        let vb = bucket.lock_vbucket(bucket.vbucket_of(key))?;
+        vb.store.get(key).map(|i| i.to_item())
+    }
+
+    /// Changes a vbucket's state; becoming active adds a failover entry.
+    pub fn set_vbucket_state(&self, bucket: &Bucket, vbid: u16, state: VbState) -> Result<()> {
+        self.check_open()?;
+        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        if vb.state == state {
+            return Ok(());
+        }
+        let high = vb.high_seqno;
+        vb.state = state;
+        let mut a = self.inner.wal.appender();
+        vb.last_lsn = a.push(WalPayload::Meta { bucket: bucket.id, vbucket: vbid, record: MetaRecord::VbucketState { state, high_seqno: high } });
+        if state == VbState::Active {
+            let e = vb.failover.create_entry(high);
+            vb.last_lsn = a.push(WalPayload::Meta { bucket: bucket.id, vbucket: vbid, record: MetaRecord::FailoverEntry(e) });
+        }
+        Ok(())
+    }
+
+    pub fn vbucket_state(&self, bucket: &Bucket, vbid: u16) -> Option<VbState> {
+        bucket.lock_vbucket(vbid).map(|vb| vb.state)
+    }
+
+    pub fn high_seqnos(&self, bucket: &Bucket) -> Vec<u64> {
+        (0..bucket.num_vbuckets()).map(|v| bucket.lock_vbucket(v).expect("in range").high_seqno).collect()
+    }
+
+    pub fn persisted_seqnos(&self, bucket: &Bucket) -> Vec<u64> {
+        (0..bucket.num_vbuckets()).map(|v| bucket.lock_vbucket(v).expect("in range").persisted_seqno).collect()
+    }
+
+    pub fn failover_log(&self, bucket: &Bucket, vbid: u16) -> Option<Vec<FailoverEntry>> {
+        bucket.lock_vbucket(vbid).map(|vb| vb.failover.entries().to_vec())
+    }
+
+    pub fn purge_seqno(&self, bucket: &Bucket, vbid: u16) -> Option<u64> {
+        bucket.lock_vbucket(vbid).map(|vb| vb.purge_seqno)
+    }
+
+    /// Registers a cursor for a reader holding everything up to `have_seqno`; when the
+    /// checkpoints no longer hold what comes next, also starts the backfill that covers the
+    /// gap, atomically with the registration so that nothing falls between them.
+    pub fn open_cursor(&self, bucket: &Arc<Bucket>, vbid: u16, name: &str, have_seqno: u64) -> Result<(Registration, CursorHandle, Option<Backfill>)> {
+        self.check_open()?;
+        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        let have = have_seqno.min(vb.high_seqno);
+        let (reg, handle) = vb.checkpoints.register_cursor(name, have);
+        let backfill = reg.backfill.map(|(start, end)| Backfill::begin_locked(bucket.clone(), &mut vb, start, end));
+        bucket.account(&mut vb);
+        Ok((reg, handle, backfill))
+    }
+
+    pub fn read_cursor(&self, bucket: &Bucket, vbid: u16, id: CursorId, limit: usize) -> CursorRead {
+        let Some(mut vb) = bucket.lock_vbucket(vbid) else { return CursorRead::Dropped };
+        let (read, _) = vb.checkpoints.read(id, limit);
+        bucket.account(&mut vb);
+        read
+    }
+
+    pub fn remove_cursor(&self, bucket: &Bucket, vbid: u16, id: CursorId) {
+        if let Some(mut vb) = bucket.lock_vbucket(vbid) {
+            vb.checkpoints.remove_cursor(id);
+            bucket.account(&mut vb);
+        }
+    }
+
+    /// A backfill of `[start, end]` (end capped at the high seqno now) for a reader with no cursor.
+    pub fn backfill(&self, bucket: &Arc<Bucket>, vbid: u16, start: u64, end: u64) -> Result<Backfill> {
+        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        Ok(Backfill::begin_locked(bucket.clone(), &mut vb, start, end))
+    }
+
+    pub fn set_cursor_drop_policy(&self, policy: Arc<dyn CursorDropPolicy>) {
+        *self.inner.drop_policy.write() = policy;
+    }
+
+    /// Drops cursors chosen by the policy while a bucket's checkpoints are over quota.
+    pub fn enforce_checkpoint_quota(&self) -> usize {
+        enforce_checkpoint_quota(&self.inner)
+    }
+
+    /// Expires items past their time and purges old tombstones now.
+    pub fn run_expiry_pager(&self) -> usize {
+        run_pager(&self.inner)
+    }
+
+    /// Writes a snapshot now and removes what retention no longer needs.
+    pub fn snapshot_now(&self) -> Result<PathBuf> {
+        self.check_open()?;
+        snapshot::write(&self.inner.catalog, &self.inner.wal, &self.inner.snap_dir, &self.inner.wal_dir, &self.inner.instance, self.inner.config.snapshot_count, &self.inner.snapshot_lock)
+    }
+
+    pub fn set_wal_failpoint(&self, fp: Failpoint) {
+        self.inner.wal.set_failpoint(fp);
+    }
+
+    fn stop_background(&self) {
+        *self.inner.background.stop.lock() = true;
+        self.inner.background.wake.notify_all();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// Flushes the WAL, closes its segment cleanly and stops the background threads.
+    pub fn close(&self) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.stop_background();
+        self.inner.wal.shutdown();
+    }
+
+    /// For recovery tests: stops as `kill -9` right after the last WAL write would.
+    pub fn crash(&self) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.stop_background();
+        self.inner.wal.crash();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn enforce_checkpoint_quota(inner: &Inner) -> usize {
+    let mut dropped = 0;
+    for bucket in inner.catalog.all() {
+        if !bucket.over_checkpoint_quota() {
+            continue;
+        }
+        let over_by = bucket.checkpoint_mem() - bucket.config.checkpoint_quota_bytes();
+        let mut infos = Vec::new();
+        for v in 0..bucket.num_vbuckets() {
+            let vb = bucket.lock_vbucket(v).expect("in range");
+            infos.extend(vb.checkpoints.cursor_infos(bucket.id, v));
+        }
+        let policy = inner.drop_policy.read().clone();
+        for (_, v, id) in policy.choose(over_by, &infos) {
+            if let Some(mut vb) = bucket.lock_vbucket(v) {
+                if Some(id) != vb.persistence_cursor {
+                    vb.checkpoints.drop_cursor(id);
+                    bucket.account(&mut vb);
+                    bucket.stats.cursors_dropped.fetch_add(1, Ordering::Relaxed);
+                    dropped += 1;
+                }
+            }
+        }
+    }
+    dropped
+}
+
+fn run_pager(inner: &Inner) -> usize {
+    let now = now_secs();
+    let purge_age = inner.config.tombstone_purge_age.as_secs().min(u32::MAX as u64) as u32;
+    let mut n = 0;
+    for bucket in inner.catalog.all() {
+        for v in 0..bucket.num_vbuckets() {
+            let mut vb = bucket.lock_vbucket(v).expect("in range");
+            vb.checkpoints.check_period();
+            if vb.state == VbState::Active && !inner.wal.is_failing() {
+                for key in vb.store.keys_where(|m| is_expired(m, now)) {
+                    let meta = vb.store.get(&key).expect("listed above").meta();
+                    inner.expire_locked(&bucket, &mut vb, &key, &meta, now);
+                    bucket.stats.expired_by_pager.fetch_add(1, Ordering::Relaxed);
+                    n += 1;
+                }
+            }
+            if !vb.store.has_range_reads() {
+                let old = vb.store.keys_where(|m| m.deleted && m.expiry.saturating_add(purge_age) <= now);
+                let mut purged_upto = vb.purge_seqno;
+                for key in &old {
+                    if let Some(m) = vb.store.purge(key) {
+                        purged_upto = purged_upto.max(m.by_seqno);
+                    }
+                }
+                if purged_upto > vb.purge_seqno {
+                    vb.purge_seqno = purged_upto;
+                    let lsn = inner.wal.appender().push(WalPayload::Meta { bucket: bucket.id, vbucket: v, record: MetaRecord::PurgeSeqno(purged_upto) });
+                    vb.last_lsn = lsn;
+                    bucket.stats.tombstones_purged.fetch_add(old.len() as u64, Ordering::Relaxed);
+                }
+            }
+            bucket.account(&mut vb);
+        }
+    }
+    n
+}
+
+impl Inner {
+    /// Applies a local change to a locked vbucket and queues it for the WAL.
+    fn apply_locked(&self, bucket: &Bucket, vb: &mut VBucket, op: ChangeOp, key: &[u8], value: &[u8], meta: ItemMeta) -> MutationResult {
+        let (change, _) = vb.apply_local(op, key, value, meta);
+        let (cas, seqno) = (change.item.meta.cas, change.item.meta.by_seqno);
+        let lsn = self.wal.appender().push(WalPayload::Change(change));
+        vb.last_lsn = lsn;
+        bucket.account(vb);
+        MutationResult { cas, vbucket: vb.id, seqno, lsn }
+    }
+
+    /// Turns an expired item into an EXPIRATION change with its own seqno.
+    fn expire_locked(&self, bucket: &Bucket, vb: &mut VBucket, key: &[u8], old: &ItemMeta, now: u32) {
+        let meta = ItemMeta { flags: old.flags, expiry: now, rev_seqno: old.rev_seqno + 1, deleted: true, ..Default::default() };
+        self.apply_locked(bucket, vb, ChangeOp::Expiration, key, b"", meta);
+    }
+}
+
+fn maintenance_loop(inner: Arc<Inner>) {
+    let tick = Duration::from_millis(200);
+    let mut last_pager = Instant::now();
+    loop {
+        {
+            let mut stop = inner.background.stop.lock();
+            if *stop {
+                return;
+            }
+            if !inner.background.quota_pressure.load(Ordering::Acquire) {
+                inner.background.wake.wait_for(&mut stop, tick);
+            }
+            if *stop {
+                return;
+            }
+        }
+        if inner.background.quota_pressure.swap(false, Ordering::AcqRel) {
+            enforce_checkpoint_quota(&inner);
+        }
+        if last_pager.elapsed() >= inner.config.expiry_pager_interval {
+            run_pager(&inner);
+            last_pager = Instant::now();
+        } else {
+            for bucket in inner.catalog.all() {
+                for v in 0..bucket.num_vbuckets() {
+                    let mut vb = bucket.lock_vbucket(v).expect("in range");
+                    vb.checkpoints.check_period();
+                    bucket.account(&mut vb);
+                }
+            }
+        }
+    }
+}
+
+fn snapshot_loop(inner: Arc<Inner>) {
+    let interval = inner.config.snapshot_interval;
+    loop {
+        {
+            let deadline = Instant::now() + interval;
+            let mut stop = inner.background.stop.lock();
+            while !*stop && !inner.background.wake.wait_until(&mut stop, deadline).timed_out() {}
+            if *stop {
+                return;
+            }
+        }
+        if let Err(e) = snapshot::write(&inner.catalog, &inner.wal, &inner.snap_dir, &inner.wal_dir, &inner.instance, inner.config.snapshot_count, &inner.snapshot_lock) {
+            log::error!("periodic snapshot failed: {e}");
+        }
+    }
+}

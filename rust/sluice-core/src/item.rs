@@ -1,0 +1,129 @@
+//! Items and the changes that carry them through checkpoints, the WAL and streams.
+
+use crate::error::{Error, Result};
+
+pub const MAX_KEY_LEN: usize = 250;
+/// Relative expiry times are at most 30 days; anything larger is an absolute Unix time.
+pub const RELATIVE_EXPIRY_LIMIT: u32 = 30 * 24 * 3600;
+
+/// What kind of change produced a seqno.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChangeOp {
+    Mutation,
+    Deletion,
+    Expiration,
+}
+
+impl ChangeOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeOp::Mutation => "mutation",
+            ChangeOp::Deletion => "deletion",
+            ChangeOp::Expiration => "expiration",
+        }
+    }
+}
+
+/// Everything about an item but its key and value. For a tombstone `expiry` holds the delete
+/// time (seconds since the epoch), as Couchbase stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ItemMeta {
+    pub cas: u64,
+    pub rev_seqno: u64,
+    pub by_seqno: u64,
+    pub flags: u32,
+    pub expiry: u32,
+    pub datatype: u8,
+    pub deleted: bool,
+}
+
+/// An owned item: key and value in one allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    pub meta: ItemMeta,
+    key_len: u8,
+    data: Box<[u8]>,
+}
+
+impl Item {
+    pub fn new(key: &[u8], value: &[u8], meta: ItemMeta) -> Item {
+        debug_assert!(key.len() <= MAX_KEY_LEN);
+        let mut data = Vec::with_capacity(key.len() + value.len());
+        data.extend_from_slice(key);
+        data.extend_from_slice(value);
+        Item { meta, key_len: key.len() as u8, data: data.into_boxed_slice() }
+    }
+
+    pub fn key(&self) -> &[u8] {
+        &self.data[..self.key_len as usize]
+    }
+
+    pub fn value(&self) -> &[u8] {
+        &self.data[self.key_len as usize..]
+    }
+
+    /// Bytes of key plus value.
+    pub fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// One change of one vbucket, shared by the checkpoint that holds it, the WAL writer's queue
+/// and any stream reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub op: ChangeOp,
+    pub bucket: u16,
+    pub vbucket: u16,
+    pub item: Item,
+}
+
+pub fn validate_key(key: &[u8]) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::InvalidKey("key is empty".into()));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(Error::InvalidKey(format!(
+            "key is {} bytes, at most {MAX_KEY_LEN} allowed",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+/// memcached's rules: 0 never expires, up to 30 days is relative to now, larger is absolute.
+/// Returns the absolute Unix time, or 0 for never. A relative time that lands beyond u32 is
+/// clamped rather than wrapped.
+pub fn absolute_expiry(expiry: u32, now: u32) -> u32 {
+    if expiry == 0 {
+        0
+    } else if expiry <= RELATIVE_EXPIRY_LIMIT {
+        now.saturating_add(expiry)
+    } else {
+        expiry
+    }
+}
+
+pub fn is_expired(meta: &ItemMeta, now: u32) -> bool {
+    !meta.deleted && meta.expiry != 0 && meta.expiry <= now
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiry_rules() {
+        assert_eq!(absolute_expiry(0, 1000), 0);
+        assert_eq!(absolute_expiry(10, 1000), 1010);
+        assert_eq!(absolute_expiry(RELATIVE_EXPIRY_LIMIT, 1000), 1000 + RELATIVE_EXPIRY_LIMIT);
+        assert_eq!(absolute_expiry(RELATIVE_EXPIRY_LIMIT + 1, 1000), RELATIVE_EXPIRY_LIMIT + 1);
+    }
+
+    #[test]
+    fn key_limits() {
+        assert!(validate_key(b"").is_err());
+        assert!(validate_key(&[b'k'; 250]).is_ok());
+        assert!(validate_key(&[b'k'; 251]).is_err());
+    }
+}

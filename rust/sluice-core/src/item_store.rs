@@ -1,0 +1,494 @@
+//! One vbucket's items: a log of compact slots in by-seqno order plus a hash index from key to
+//! log position. The log order is the seqno index that backfill walks; the hash index serves
+//! key lookups. An overwritten or purged version's slot turns dead (its bytes are freed at once)
+//! and is squeezed out by compaction.
+//!
+//! While a backfill range read is open, an overwritten version is kept as *stale* instead, with
+//! the seqno of the version that replaced it, so that the reader still sees the latest version
+//! of each key as of its end seqno while writes go on (Couchbase ephemeral buckets keep stale
+//! items in their sequence list for the same reason).
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::ptr::NonNull;
+
+use hashbrown::HashTable;
+
+use crate::item::{Item, ItemMeta};
+
+/// Slots per chunk. Chunks have a fixed capacity, so growing the log never copies it and
+/// never leaves more than one partly used chunk per vbucket.
+const CHUNK: usize = 1024;
+
+const LIVE: u8 = 0;
+const STALE: u8 = 1;
+const DEAD: u8 = 2;
+
+/// 48 bytes: the key and value live in one allocation of exactly their length; the lengths
+/// sit here so that the pointer can be thin.
+struct Slot {
+    data: NonNull<u8>,
+    cas: u64,
+    rev_seqno: u64,
+    by_seqno: u64,
+    flags: u32,
+    expiry: u32,
+    value_len: u32,
+    key_len: u8,
+    datatype: u8,
+    state: u8,
+    deleted: bool,
+}
+
+// SAFETY: a Slot uniquely owns the allocation behind `data`.
+unsafe impl Send for Slot {}
+unsafe impl Sync for Slot {}
+
+impl Slot {
+    fn new(key: &[u8], value: &[u8], meta: &ItemMeta) -> Slot {
+        let mut v = Vec::with_capacity(key.len() + value.len());
+        v.extend_from_slice(key);
+        v.extend_from_slice(value);
+        let boxed: Box<[u8]> = v.into_boxed_slice();
+        // SAFETY: Box::into_raw never returns null.
+        let data = unsafe { NonNull::new_unchecked(Box::into_raw(boxed) as *mut u8) };
+        Slot {
+            data,
+            cas: meta.cas,
+            rev_seqno: meta.rev_seqno,
+            by_seqno: meta.by_seqno,
+            flags: meta.flags,
+            expiry: meta.expiry,
+            value_len: value.len() as u32,
+            key_len: key.len() as u8,
+            datatype: meta.datatype,
+            state: LIVE,
+            deleted: meta.deleted,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.key_len as usize + self.value_len as usize
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.state == DEAD {
+            return &[];
+        }
+        // SAFETY: `data` points at `len()` initialised bytes owned by this slot until kill().
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr(), self.len()) }
+    }
+
+    fn key(&self) -> &[u8] {
+        &self.bytes()[..self.key_len as usize]
+    }
+
+    fn value(&self) -> &[u8] {
+        &self.bytes()[self.key_len as usize..]
+    }
+
+    fn meta(&self) -> ItemMeta {
+        ItemMeta {
+            cas: self.cas,
+            rev_seqno: self.rev_seqno,
+            by_seqno: self.by_seqno,
+            flags: self.flags,
+            expiry: self.expiry,
+            datatype: self.datatype,
+            deleted: self.deleted,
+        }
+    }
+
+    /// Frees the bytes; the seqno stays so that binary search over the log still works.
+    fn kill(&mut self) {
+        if self.state != DEAD {
+            let len = self.len();
+            // SAFETY: reconstructs exactly the Box<[u8]> leaked in new().
+            unsafe {
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.data.as_ptr(), len)));
+            }
+            self.state = DEAD;
+            self.data = NonNull::dangling();
+            self.key_len = 0;
+            self.value_len = 0;
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A borrowed view of one stored version.
+pub struct ItemRef<'a> {
+    slot: &'a Slot,
+}
+
+impl<'a> ItemRef<'a> {
+    pub fn key(&self) -> &'a [u8] {
+        self.slot.key()
+    }
+    pub fn value(&self) -> &'a [u8] {
+        self.slot.value()
+    }
+    pub fn meta(&self) -> ItemMeta {
+        self.slot.meta()
+    }
+    pub fn to_item(&self) -> Item {
+        Item::new(self.key(), self.value(), self.meta())
+    }
+}
+
+/// Approximate bytes a stored item costs beyond its key and value (slot, index, allocator).
+pub const ITEM_OVERHEAD: usize = std::mem::size_of::<Slot>() + 16;
+
+#[derive(Default)]
+pub struct ItemStore {
+    chunks: Vec<Vec<Slot>>,
+    len: usize,
+    index: HashTable<u32>,
+    hasher: foldhash::fast::FixedState,
+    /// Versions in the index (live items and tombstones).
+    current: usize,
+    /// Current versions that are tombstones.
+    tombstones: usize,
+    dead: usize,
+    data_bytes: usize,
+    range_reads: u32,
+    /// seqno of a stale version -> seqno of the version that replaced it.
+    stale_successor: HashMap<u64, u64>,
+}
+
+impl ItemStore {
+    pub fn new() -> ItemStore {
+        ItemStore::default()
+    }
+
+    fn slot(&self, pos: usize) -> &Slot {
+        &self.chunks[pos / CHUNK][pos % CHUNK]
+    }
+
+    fn slot_mut(&mut self, pos: usize) -> &mut Slot {
+        &mut self.chunks[pos / CHUNK][pos % CHUNK]
+    }
+
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn find_pos(&self, key: &[u8]) -> Option<usize> {
+        let h = self.hash(key);
+        let chunks = &self.chunks;
+        self.index
+            .find(h, |&p| chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key)
+            .map(|&p| p as usize)
+    }
+
+    /// The current version of `key` (possibly a tombstone).
+    pub fn get(&self, key: &[u8]) -> Option<ItemRef<'_>> {
+        self.find_pos(key).map(|p| ItemRef { slot: self.slot(p) })
+    }
+
+    fn push_slot(&mut self, slot: Slot) -> usize {
+        if self.len % CHUNK == 0 {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let pos = self.len;
+        self.chunks.last_mut().expect("chunk pushed above").push(slot);
+        self.len += 1;
+        pos
+    }
+
+    /// Retires an older version: stale while a range read may still need it, else dead.
+    fn retire(&mut self, pos: usize, successor_seqno: u64) {
+        let range_reads = self.range_reads;
+        let slot = self.slot_mut(pos);
+        let bytes = slot.len();
+        let seqno = slot.by_seqno;
+        if range_reads > 0 {
+            slot.state = STALE;
+            self.stale_successor.insert(seqno, successor_seqno);
+        } else {
+            slot.kill();
+            self.dead += 1;
+            self.data_bytes -= bytes;
+        }
+    }
+
+    /// Stores a new version of a key. Its by_seqno must be above every seqno already stored.
+    /// Returns the metadata of the version it replaced.
+    pub fn upsert(&mut self, key: &[u8], value: &[u8], meta: &ItemMeta) -> Option<ItemMeta> {
+        debug_assert!(self.len == 0 || self.slot(self.len - 1).by_seqno < meta.by_seqno);
+        let h = self.hash(key);
+        let new_pos = self.push_slot(Slot::new(key, value, meta));
+        self.data_bytes += key.len() + value.len();
+        if meta.deleted {
+            self.tombstones += 1;
+        }
+        let chunks = &self.chunks;
+        let hasher = &self.hasher;
+        let entry = self.index.entry(
+            h,
+            |&p| chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key,
+            |&p| hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key()),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(mut o) => {
+                let old_pos = *o.get() as usize;
+                *o.get_mut() = new_pos as u32;
+                let old = self.slot(old_pos).meta();
+                if old.deleted {
+                    self.tombstones -= 1;
+                }
+                self.retire(old_pos, meta.by_seqno);
+                self.maybe_compact();
+                Some(old)
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(new_pos as u32);
+                self.current += 1;
+                None
+            }
+        }
+    }
+
+    /// Drops the current version of a key altogether (tombstone purge, rollback).
+    pub fn purge(&mut self, key: &[u8]) -> Option<ItemMeta> {
+        let h = self.hash(key);
+        let chunks = &self.chunks;
+        let found = self
+            .index
+            .find_entry(h, |&p| chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key)
+            .ok()?;
+        let (pos, _) = found.remove();
+        let pos = pos as usize;
+        let meta = self.slot(pos).meta();
+        if meta.deleted {
+            self.tombstones -= 1;
+        }
+        self.current -= 1;
+        self.retire(pos, u64::MAX);
+        self.maybe_compact();
+        Some(meta)
+    }
+
+    fn maybe_compact(&mut self) {
+        if self.range_reads == 0 && self.dead >= CHUNK && self.dead >= self.current {
+            self.compact();
+        }
+    }
+
+    /// Squeezes dead slots out of the log and re-points the index. Never runs during a range
+    /// read, so positions only move when nobody holds one.
+    pub fn compact(&mut self) {
+        debug_assert_eq!(self.range_reads, 0);
+        let old = std::mem::take(&mut self.chunks);
+        self.len = 0;
+        self.dead = 0;
+        for slot in old.into_iter().flatten() {
+            if slot.state != DEAD {
+                self.push_slot(slot);
+            }
+        }
+        self.index.clear();
+        let chunks = &self.chunks;
+        let hasher = &self.hasher;
+        for pos in 0..self.len {
+            let key = chunks[pos / CHUNK][pos % CHUNK].key();
+            self.index.insert_unique(hasher.hash_one(key), pos as u32, |&p| {
+                hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key())
+            });
+        }
+        self.index.shrink_to_fit(|&p| {
+            hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key())
+        });
+    }
+
+    /// First log position whose seqno is >= `seqno`.
+    fn lower_bound(&self, seqno: u64) -> usize {
+        let (mut lo, mut hi) = (0usize, self.len);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if self.slot(mid).by_seqno < seqno {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Opens a range read: until the matching `end_range_read`, replaced versions stay readable.
+    pub fn begin_range_read(&mut self) {
+        self.range_reads += 1;
+    }
+
+    pub fn end_range_read(&mut self) {
+        debug_assert!(self.range_reads > 0);
+        self.range_reads = self.range_reads.saturating_sub(1);
+        if self.range_reads == 0 && !self.stale_successor.is_empty() {
+            let stale: Vec<u64> = self.stale_successor.drain().map(|(s, _)| s).collect();
+            for seqno in stale {
+                let pos = self.lower_bound(seqno);
+                if pos < self.len && self.slot(pos).by_seqno == seqno && self.slot(pos).state == STALE {
+                    let bytes = self.slot(pos).len();
+                    self.slot_mut(pos).kill();
+                    self.dead += 1;
+                    self.data_bytes -= bytes;
+                }
+            }
+            self.maybe_compact();
+        }
+    }
+
+    /// Within an open range read: the latest version of each key as of `end`, for seqnos in
+    /// `[from, end]`, at most `limit` of them, in seqno order. Returns the seqno to continue from
+    /// (None when the range is done).
+    pub fn read_range(
+        &self,
+        from: u64,
+        end: u64,
+        limit: usize,
+        mut emit: impl FnMut(ItemRef<'_>),
+    ) -> Option<u64> {
+        let mut pos = self.lower_bound(from);
+        let mut emitted = 0;
+        while pos < self.len {
+            let slot = self.slot(pos);
+            if slot.by_seqno > end {
+                return None;
+            }
+            if emitted == limit {
+                return Some(slot.by_seqno);
+            }
+            let visible = match slot.state {
+                LIVE => true,
+                STALE => self.stale_successor.get(&slot.by_seqno).is_some_and(|&s| s > end),
+                _ => false,
+            };
+            if visible {
+                emit(ItemRef { slot });
+                emitted += 1;
+            }
+            pos += 1;
+        }
+        None
+    }
+
+    /// Every current version (items and tombstones) in seqno order.
+    pub fn for_each_current(&self, mut f: impl FnMut(ItemRef<'_>)) {
+        for slot in self.chunks.iter().flatten() {
+            if slot.state == LIVE {
+                f(ItemRef { slot });
+            }
+        }
+    }
+
+    /// Keys of current versions matching a predicate on their metadata (expiry pager, purger).
+    pub fn keys_where(&self, mut pred: impl FnMut(&ItemMeta) -> bool) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        for slot in self.chunks.iter().flatten() {
+            if slot.state == LIVE && pred(&slot.meta()) {
+                out.push(slot.key().to_vec());
+            }
+        }
+        out
+    }
+
+    /// Current versions, tombstones included.
+    pub fn len(&self) -> usize {
+        self.current
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.current == 0
+    }
+
+    /// Current versions that are not tombstones.
+    pub fn live_items(&self) -> usize {
+        self.current - self.tombstones
+    }
+
+    pub fn tombstones(&self) -> usize {
+        self.tombstones
+    }
+
+    pub fn has_range_reads(&self) -> bool {
+        self.range_reads > 0
+    }
+
+    /// Bytes held: keys and values plus slot and index overhead.
+    pub fn mem_bytes(&self) -> usize {
+        self.data_bytes
+            + self.chunks.len() * CHUNK * std::mem::size_of::<Slot>()
+            + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(seqno: u64, deleted: bool) -> ItemMeta {
+        ItemMeta { by_seqno: seqno, rev_seqno: 1, cas: seqno, deleted, ..Default::default() }
+    }
+
+    #[test]
+    fn slot_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<Slot>(), 48);
+    }
+
+    #[test]
+    fn upsert_get_and_compaction() {
+        let mut s = ItemStore::new();
+        let mut seq = 0;
+        for round in 0..5 {
+            for k in 0..2000u32 {
+                seq += 1;
+                let v = format!("v{round}-{k}");
+                s.upsert(&k.to_be_bytes(), v.as_bytes(), &meta(seq, false));
+            }
+        }
+        assert_eq!(s.len(), 2000);
+        assert!(s.len <= 2000 + 2 * 2000 + CHUNK, "compaction keeps the log bounded: {}", s.len);
+        for k in 0..2000u32 {
+            let it = s.get(&k.to_be_bytes()).unwrap();
+            assert_eq!(it.value(), format!("v4-{k}").as_bytes());
+        }
+        let mut seqnos = Vec::new();
+        s.for_each_current(|i| seqnos.push(i.meta().by_seqno));
+        assert!(seqnos.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(seqnos.len(), 2000);
+    }
+
+    #[test]
+    fn range_read_sees_the_snapshot_while_writes_go_on() {
+        let mut s = ItemStore::new();
+        for k in 1..=10u64 {
+            s.upsert(&k.to_be_bytes(), b"old", &meta(k, false));
+        }
+        s.begin_range_read();
+        // key 3 replaced twice past the end, key 4 replaced inside the range, key 5 purged.
+        s.upsert(&3u64.to_be_bytes(), b"new", &meta(11, false));
+        s.upsert(&3u64.to_be_bytes(), b"newer", &meta(12, false));
+        s.upsert(&4u64.to_be_bytes(), b"x", &meta(13, true));
+        s.purge(&5u64.to_be_bytes());
+        let mut got = Vec::new();
+        let mut from = 1;
+        while let Some(next) = s.read_range(from, 10, 3, |i| got.push((i.meta().by_seqno, i.value().to_vec()))) {
+            from = next;
+        }
+        let seqnos: Vec<u64> = got.iter().map(|g| g.0).collect();
+        assert_eq!(seqnos, (1..=10).collect::<Vec<_>>());
+        assert!(got.iter().all(|g| g.1 == b"old"));
+        s.end_range_read();
+        assert_eq!(s.get(&3u64.to_be_bytes()).unwrap().value(), b"newer");
+        assert!(s.get(&5u64.to_be_bytes()).is_none());
+        assert!(s.stale_successor.is_empty());
+        let mut got = Vec::new();
+        s.read_range(0, 13, usize::MAX, |i| got.push(i.meta().by_seqno));
+        assert_eq!(got, vec![1, 2, 6, 7, 8, 9, 10, 12, 13]);
+    }
+}

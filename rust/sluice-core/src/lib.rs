@@ -1,0 +1,24 @@
+//! sluice-core: the storage engine. Items in vbuckets, seqnos and failover logs, the WAL,
+//! snapshots and recovery, the checkpoint manager with cursors, dedup and backfill.
+//! No sockets and no Python here.
+
+pub mod backfill;
+pub mod bucket;
+pub mod checkpoint;
+pub mod config;
+pub mod dump;
+pub mod engine;
+pub mod error;
+pub mod failover;
+pub mod hash;
+pub mod hlc;
+pub mod item;
+pub mod item_store;
+pub mod recovery;
+pub mod snapshot;
+pub mod vbucket;
+pub mod wal;
+
+pub use config::{BucketConfig, Durability, EngineConfig};
+pub use engine::{Engine, MutationResult, StoreMode, StoreRequest};
+pub use error::{Error, Result};

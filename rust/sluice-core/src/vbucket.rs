@@ -1,0 +1,132 @@
+//! One vbucket: its items, recent changes, failover log, clock and seqno counters.
+
+use std::sync::Arc;
+
+use crate::checkpoint::{CheckpointConfig, CheckpointManager, CursorId};
+use crate::failover::FailoverLog;
+use crate::hlc::HybridClock;
+use crate::item::{Change, ChangeOp, Item, ItemMeta};
+use crate::item_store::ItemStore;
+
+/// The memcached protocol's vbucket state codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum VbState {
+    Active = 1,
+    Replica = 2,
+    Pending = 3,
+    Dead = 4,
+}
+
+impl VbState {
+    pub fn from_code(c: u32) -> Option<VbState> {
+        match c {
+            1 => Some(VbState::Active),
+            2 => Some(VbState::Replica),
+            3 => Some(VbState::Pending),
+            4 => Some(VbState::Dead),
+            _ => None,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<VbState> {
+        match s {
+            "active" => Some(VbState::Active),
+            "replica" => Some(VbState::Replica),
+            "pending" => Some(VbState::Pending),
+            "dead" => Some(VbState::Dead),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VbState::Active => "active",
+            VbState::Replica => "replica",
+            VbState::Pending => "pending",
+            VbState::Dead => "dead",
+        }
+    }
+}
+
+pub struct VBucket {
+    pub bucket: u16,
+    pub id: u16,
+    pub state: VbState,
+    pub store: ItemStore,
+    pub checkpoints: CheckpointManager,
+    pub failover: FailoverLog,
+    pub clock: HybridClock,
+    pub high_seqno: u64,
+    pub persisted_seqno: u64,
+    pub purge_seqno: u64,
+    /// Last WAL LSN applied to this vbucket; snapshots record it so replay skips what they hold.
+    pub last_lsn: u64,
+    pub persistence_cursor: Option<CursorId>,
+    /// (total, checkpoint) bytes last reported to the bucket's counters.
+    pub accounted: (usize, usize),
+}
+
+impl VBucket {
+    pub fn new(bucket: u16, id: u16, state: VbState, checkpoint: CheckpointConfig) -> VBucket {
+        VBucket {
+            bucket,
+            id,
+            state,
+            store: ItemStore::new(),
+            checkpoints: CheckpointManager::new(checkpoint, 0),
+            failover: FailoverLog::default(),
+            clock: HybridClock::default(),
+            high_seqno: 0,
+            persisted_seqno: 0,
+            purge_seqno: 0,
+            last_lsn: 0,
+            persistence_cursor: None,
+            accounted: (0, 0),
+        }
+    }
+
+    /// Applies a new change decided on this node: next seqno, next CAS. Returns the change
+    /// (shared with the checkpoint) and the memory delta in bytes.
+    pub fn apply_local(
+        &mut self,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        mut meta: ItemMeta,
+    ) -> (Arc<Change>, isize) {
+        self.high_seqno += 1;
+        meta.by_seqno = self.high_seqno;
+        meta.cas = self.clock.next();
+        self.apply(op, key, value, meta)
+    }
+
+    /// Stores a change with its seqno and CAS already decided (recovery, a replica's stream).
+    pub fn apply(&mut self, op: ChangeOp, key: &[u8], value: &[u8], meta: ItemMeta) -> (Arc<Change>, isize) {
+        let before = self.store.mem_bytes() as isize;
+        self.high_seqno = self.high_seqno.max(meta.by_seqno);
+        self.clock.observe(meta.cas);
+        self.store.upsert(key, value, &meta);
+        let change = Arc::new(Change { op, bucket: self.bucket, vbucket: self.id, item: Item::new(key, value, meta) });
+        let cp_delta = self.checkpoints.queue(change.clone());
+        (change, self.store.mem_bytes() as isize - before + cp_delta)
+    }
+
+    /// During recovery only: into the store, bypassing checkpoints.
+    pub fn recover_item(&mut self, key: &[u8], value: &[u8], meta: &ItemMeta) {
+        self.high_seqno = self.high_seqno.max(meta.by_seqno);
+        self.clock.observe(meta.cas);
+        self.store.upsert(key, value, meta);
+    }
+
+    /// After recovery: checkpoints start at the recovered high seqno, all of it persisted.
+    pub fn finish_recovery(&mut self, checkpoint: CheckpointConfig) {
+        self.checkpoints = CheckpointManager::new(checkpoint, self.high_seqno);
+        self.persisted_seqno = self.high_seqno;
+        self.persistence_cursor = None;
+    }
+
+    pub fn mem_bytes(&self) -> usize {
+        self.store.mem_bytes() + self.checkpoints.mem_bytes()
+    }
+}

@@ -1,0 +1,474 @@
+//! The WAL writer: one dedicated thread drains everything queued, encodes it into blocks,
+//! writes it with one write and (in fsync mode) syncs once per batch: group commit. LSNs are
+//! handed out under the queue lock, so the file order is the LSN order.
+//!
+//! When a write or sync fails (disk full, I/O error) the batch stays with the writer, which
+//! retries it with back-off; meanwhile `is_failing()` tells the engine to refuse new writes,
+//! waiters of the failed and later LSNs get `Error::WalFailed`, and nothing written before is
+//! touched. Writing resumes by itself when the disk has room again.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::record::{Record, RecordBody};
+use super::xlog::{self, FileHeader, FileKind};
+use crate::error::{Error, Result};
+use crate::failover::FailoverEntry;
+use crate::item::Change;
+use crate::vbucket::VbState;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WalMode {
+    /// Nothing is written: a pure cache.
+    None,
+    /// write() per batch: survives the process dying, not the machine.
+    Write,
+    /// write() and fdatasync() per batch.
+    Fsync,
+}
+
+impl WalMode {
+    pub fn parse(s: &str) -> Option<WalMode> {
+        match s {
+            "none" => Some(WalMode::None),
+            "write" => Some(WalMode::Write),
+            "fsync" => Some(WalMode::Fsync),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WalMode::None => "none",
+            WalMode::Write => "write",
+            WalMode::Fsync => "fsync",
+        }
+    }
+}
+
+/// Records other than item changes.
+#[derive(Debug, Clone)]
+pub enum MetaRecord {
+    VbucketState { state: VbState, high_seqno: u64 },
+    FailoverEntry(FailoverEntry),
+    Bucket { name: String, num_vbuckets: u16 },
+    PurgeSeqno(u64),
+}
+
+pub enum WalPayload {
+    Change(Arc<Change>),
+    Meta { bucket: u16, vbucket: u16, record: MetaRecord },
+}
+
+struct Queued {
+    lsn: u64,
+    payload: WalPayload,
+}
+
+impl Queued {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let rec = match &self.payload {
+            WalPayload::Change(c) => Record {
+                lsn: self.lsn,
+                bucket: c.bucket,
+                vbucket: c.vbucket,
+                body: RecordBody::Change { op: c.op, key: c.item.key(), value: c.item.value(), meta: c.item.meta },
+            },
+            WalPayload::Meta { bucket, vbucket, record } => Record {
+                lsn: self.lsn,
+                bucket: *bucket,
+                vbucket: *vbucket,
+                body: match record {
+                    MetaRecord::VbucketState { state, high_seqno } => {
+                        RecordBody::VbucketState { state: *state, high_seqno: *high_seqno }
+                    }
+                    MetaRecord::FailoverEntry(e) => RecordBody::FailoverEntry(*e),
+                    MetaRecord::Bucket { name, num_vbuckets } => {
+                        RecordBody::Bucket { name: name.as_bytes(), num_vbuckets: *num_vbuckets }
+                    }
+                    MetaRecord::PurgeSeqno(s) => RecordBody::PurgeSeqno(*s),
+                },
+            },
+        };
+        rec.encode(out);
+    }
+}
+
+/// Called by the writer after each batch reaches the disk with, per (bucket, vbucket), the
+/// highest seqno it carried.
+pub type PersistedCallback = Box<dyn Fn(&[(u16, u16, u64)]) + Send>;
+
+/// Failpoints for tests: make the next writes fail as a full disk or a broken device would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failpoint {
+    Off = 0,
+    NoSpace = 1,
+    IoError = 2,
+}
+
+struct QueueState {
+    next_lsn: u64,
+    pending: Vec<Queued>,
+    shutdown: bool,
+    /// With shutdown: stop after writing, without closing the segment (as `kill -9` would).
+    crash: bool,
+    rotate: bool,
+}
+
+struct DurableState {
+    /// Highest LSN written (and synced, in fsync mode).
+    durable: u64,
+    error: Option<String>,
+    stopped: bool,
+}
+
+struct Shared {
+    mode: WalMode,
+    queue: Mutex<QueueState>,
+    queue_cv: Condvar,
+    durable: Mutex<DurableState>,
+    durable_cv: Condvar,
+    failing: AtomicBool,
+    failpoint: AtomicU8,
+}
+
+pub struct WalConfig {
+    pub dir: PathBuf,
+    pub mode: WalMode,
+    pub instance: String,
+    pub segment_size: u64,
+    /// Largest payload per block; a batch larger than this spans several blocks.
+    pub block_size: usize,
+}
+
+pub struct WalWriter {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Holds the queue lock: every `push` gets the next LSN, in order.
+pub struct Appender<'a> {
+    guard: parking_lot::MutexGuard<'a, QueueState>,
+    shared: &'a Shared,
+    was_empty: bool,
+}
+
+impl Appender<'_> {
+    pub fn push(&mut self, payload: WalPayload) -> u64 {
+        let lsn = self.guard.next_lsn;
+        self.guard.next_lsn += 1;
+        if self.shared.mode != WalMode::None {
+            self.guard.pending.push(Queued { lsn, payload });
+        }
+        lsn
+    }
+
+    /// The last LSN handed out.
+    pub fn last_lsn(&self) -> u64 {
+        self.guard.next_lsn - 1
+    }
+}
+
+impl Drop for Appender<'_> {
+    fn drop(&mut self) {
+        if self.was_empty && !self.guard.pending.is_empty() {
+            self.shared.queue_cv.notify_one();
+        }
+    }
+}
+
+struct Segment {
+    file: File,
+    path: PathBuf,
+    first_lsn: u64,
+    size: u64,
+    records: u64,
+}
+
+impl Segment {
+    fn create(cfg: &WalConfig, first_lsn: u64) -> io::Result<Segment> {
+        let path = cfg.dir.join(format!("{}.inprogress", xlog::file_name(first_lsn, "xlog")));
+        let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+        let mut head = Vec::new();
+        FileHeader { kind: FileKind::Xlog, instance: cfg.instance.clone(), lsn: first_lsn }.encode(&mut head);
+        file.write_all_at(&head, 0)?;
+        if cfg.mode == WalMode::Fsync {
+            file.sync_data()?;
+            xlog::sync_dir(&cfg.dir)?;
+        }
+        Ok(Segment { file, path, first_lsn, size: head.len() as u64, records: 0 })
+    }
+
+    /// Writes at the end; a failed write is cut back off so a retry starts clean.
+    fn append(&mut self, buf: &[u8], mode: WalMode, failpoint: Failpoint) -> io::Result<()> {
+        let result = match failpoint {
+            Failpoint::NoSpace => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
+            Failpoint::IoError => Err(io::Error::from_raw_os_error(libc::EIO)),
+            Failpoint::Off => self.file.write_all_at(buf, self.size).and_then(|_| {
+                if mode == WalMode::Fsync {
+                    self.file.sync_data()
+                } else {
+                    Ok(())
+                }
+            }),
+        };
+        match result {
+            Ok(()) => {
+                self.size += buf.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.file.set_len(self.size);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the EOF marker, syncs, and renames `.inprogress` away. An empty segment is removed.
+    fn close(self, dir: &Path) -> io::Result<()> {
+        if self.records == 0 {
+            drop(self.file);
+            std::fs::remove_file(&self.path)?;
+            return xlog::sync_dir(dir);
+        }
+        self.file.write_all_at(&xlog::EOF_MARKER.to_be_bytes(), self.size)?;
+        self.file.sync_all()?;
+        let done = dir.join(xlog::file_name(self.first_lsn, "xlog"));
+        std::fs::rename(&self.path, &done)?;
+        xlog::sync_dir(dir)
+    }
+}
+
+impl WalWriter {
+    /// Starts the writer. `next_lsn` is the first LSN to hand out (last recovered + 1).
+    pub fn start(cfg: WalConfig, next_lsn: u64, on_persisted: PersistedCallback) -> Result<WalWriter> {
+        let shared = Arc::new(Shared {
+            mode: cfg.mode,
+            queue: Mutex::new(QueueState { next_lsn, pending: Vec::new(), shutdown: false, crash: false, rotate: false }),
+            queue_cv: Condvar::new(),
+            durable: Mutex::new(DurableState { durable: next_lsn - 1, error: None, stopped: false }),
+            durable_cv: Condvar::new(),
+            failing: AtomicBool::new(false),
+            failpoint: AtomicU8::new(Failpoint::Off as u8),
+        });
+        let thread = if cfg.mode == WalMode::None {
+            None
+        } else {
+            std::fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(cfg.dir.display(), e))?;
+            let segment = Segment::create(&cfg, next_lsn).map_err(|e| Error::io(cfg.dir.display(), e))?;
+            let sh = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("sluice-wal".into())
+                    .spawn(move || writer_loop(sh, cfg, segment, on_persisted))
+                    .map_err(|e| Error::io("spawning the WAL writer", e))?,
+            )
+        };
+        Ok(WalWriter { shared, thread: Mutex::new(thread) })
+    }
+
+    pub fn mode(&self) -> WalMode {
+        self.shared.mode
+    }
+
+    pub fn appender(&self) -> Appender<'_> {
+        let guard = self.shared.queue.lock();
+        let was_empty = guard.pending.is_empty();
+        Appender { guard, shared: &self.shared, was_empty }
+    }
+
+    /// The last LSN handed out.
+    pub fn last_lsn(&self) -> u64 {
+        self.shared.queue.lock().next_lsn - 1
+    }
+
+    /// Highest LSN on disk (synced, in fsync mode).
+    pub fn durable_lsn(&self) -> u64 {
+        self.shared.durable.lock().durable
+    }
+
+    /// True while the writer cannot write; new changes should be refused.
+    pub fn is_failing(&self) -> bool {
+        self.shared.failing.load(Ordering::Acquire)
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.shared.durable.lock().error.clone()
+    }
+
+    pub fn set_failpoint(&self, fp: Failpoint) {
+        self.shared.failpoint.store(fp as u8, Ordering::Release);
+    }
+
+    /// Blocks until `lsn` is durable, the writer fails, or `timeout` passes.
+    pub fn wait_durable(&self, lsn: u64, timeout: Option<Duration>) -> Result<()> {
+        if self.shared.mode == WalMode::None {
+            return Err(Error::DurabilityImpossible("wal.mode is none".into()));
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut d = self.shared.durable.lock();
+        loop {
+            if d.durable >= lsn {
+                return Ok(());
+            }
+            if self.shared.failing.load(Ordering::Acquire) {
+                let why = d.error.clone().unwrap_or_else(|| "unknown error".into());
+                return Err(Error::WalFailed(format!("{why}; the change is kept in memory and retried")));
+            }
+            if d.stopped {
+                return Err(Error::Closed);
+            }
+            match deadline {
+                Some(dl) => {
+                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.durable < lsn {
+                        return Err(Error::TempFail("timed out waiting for the WAL".into()));
+                    }
+                }
+                None => self.shared.durable_cv.wait(&mut d),
+            }
+        }
+    }
+
+    /// Asks the writer to start a new segment (before a snapshot, so old ones can be removed).
+    pub fn request_rotate(&self) {
+        let mut q = self.shared.queue.lock();
+        q.rotate = true;
+        self.shared.queue_cv.notify_one();
+    }
+
+    /// Writes everything queued, closes the segment cleanly and stops the thread.
+    pub fn shutdown(&self) {
+        {
+            let mut q = self.shared.queue.lock();
+            q.shutdown = true;
+            self.shared.queue_cv.notify_one();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+        let mut d = self.shared.durable.lock();
+        d.stopped = true;
+        self.shared.durable_cv.notify_all();
+    }
+
+    /// For tests of recovery: writes what is queued, then stops without the EOF marker or the
+    /// rename, leaving the files as `kill -9` right after the last write would.
+    pub fn crash(&self) {
+        self.shared.queue.lock().crash = true;
+        self.shutdown();
+    }
+}
+
+impl Drop for WalWriter {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_persisted: PersistedCallback) {
+    let mut buf: Vec<u8> = Vec::with_capacity(4 << 20);
+    let mut per_vb: HashMap<(u16, u16), u64> = HashMap::new();
+    let mut persisted: Vec<(u16, u16, u64)> = Vec::new();
+    loop {
+        let (batch, shutdown, rotate) = {
+            let mut q = shared.queue.lock();
+            while q.pending.is_empty() && !q.shutdown && !q.rotate {
+                shared.queue_cv.wait(&mut q);
+            }
+            let rotate = std::mem::take(&mut q.rotate);
+            (std::mem::take(&mut q.pending), q.shutdown, rotate)
+        };
+        if !batch.is_empty() {
+            buf.clear();
+            let mut at = xlog::begin_block(&mut buf);
+            for q in &batch {
+                if buf.len() - at - xlog::BLOCK_HEADER_LEN >= cfg.block_size {
+                    xlog::finish_block(&mut buf, at);
+                    at = xlog::begin_block(&mut buf);
+                }
+                q.encode(&mut buf);
+            }
+            xlog::finish_block(&mut buf, at);
+            let last = batch.last().expect("non-empty").lsn;
+            let mut backoff = Duration::from_millis(20);
+            let failing_since = Instant::now();
+            loop {
+                let fp = match shared.failpoint.load(Ordering::Acquire) {
+                    1 => Failpoint::NoSpace,
+                    2 => Failpoint::IoError,
+                    _ => Failpoint::Off,
+                };
+                match segment.append(&buf, cfg.mode, fp) {
+                    Ok(()) => break,
+                    Err(e) => {
+                        let msg = format!("writing {}: {e}", segment.path.display());
+                        if !shared.failing.swap(true, Ordering::AcqRel) {
+                            log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
+                        }
+                        {
+                            let mut d = shared.durable.lock();
+                            d.error = Some(msg);
+                            shared.durable_cv.notify_all();
+                        }
+                        if shared.queue.lock().shutdown && failing_since.elapsed() > Duration::from_secs(3) {
+                            log::error!("WAL writer stopping with LSNs {}..={last} unwritten", batch[0].lsn);
+                            return;
+                        }
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+            if shared.failing.swap(false, Ordering::AcqRel) {
+                log::warn!("WAL writes succeed again; accepting writes");
+            }
+            segment.records += batch.len() as u64;
+            {
+                let mut d = shared.durable.lock();
+                d.durable = last;
+                d.error = None;
+                shared.durable_cv.notify_all();
+            }
+            per_vb.clear();
+            for q in &batch {
+                if let WalPayload::Change(c) = &q.payload {
+                    let e = per_vb.entry((c.bucket, c.vbucket)).or_default();
+                    *e = (*e).max(c.item.meta.by_seqno);
+                }
+            }
+            persisted.clear();
+            persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
+            drop(batch);
+            on_persisted(&persisted);
+        }
+        let next_lsn = shared.durable.lock().durable + 1;
+        if (rotate && segment.records > 0) || segment.size >= cfg.segment_size {
+            match Segment::create(&cfg, next_lsn) {
+                Ok(new) => {
+                    let old = std::mem::replace(&mut segment, new);
+                    if let Err(e) = old.close(&cfg.dir) {
+                        log::error!("closing WAL segment: {e}");
+                    }
+                }
+                Err(e) => log::error!("cannot start a new WAL segment, continuing in the current one: {e}"),
+            }
+        }
+        if shutdown && shared.queue.lock().pending.is_empty() {
+            if shared.queue.lock().crash {
+                return;
+            }
+            if let Err(e) = segment.close(&cfg.dir) {
+                log::error!("closing WAL segment at shutdown: {e}");
+            }
+            return;
+        }
+    }
+}
