@@ -5,12 +5,9 @@
 //! even from the open checkpoint, so memory follows the slowest reader, not the write rate.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use hashbrown::HashTable;
 
 use crate::item::Change;
 
@@ -34,11 +31,11 @@ impl Default for CheckpointConfig {
 struct Entry {
     seqno: u64,
     /// None once deduplicated away by a newer change of the same key.
-    change: Option<Arc<Change>>,
+    change: Option<Change>,
 }
 
 fn entry_cost(c: &Change) -> usize {
-    std::mem::size_of::<Entry>() + std::mem::size_of::<Change>() + 16 + c.item.data_len()
+    std::mem::size_of::<Entry>() + std::mem::size_of::<crate::item::ChangeHeader>() + 16 + c.data_len()
 }
 
 struct Checkpoint {
@@ -49,8 +46,6 @@ struct Checkpoint {
     start: u64,
     end: u64,
     entries: VecDeque<Entry>,
-    /// Open checkpoint only: key -> seqno of its entry, for dedup.
-    keys: HashTable<u64>,
     mem: usize,
 }
 
@@ -63,19 +58,21 @@ impl Checkpoint {
             start,
             end: start.saturating_sub(1),
             entries: VecDeque::new(),
-            keys: HashTable::new(),
             mem: 0,
         }
     }
 
     fn position(&self, seqno: u64) -> Result<usize, usize> {
+        // Seqnos in a checkpoint are usually contiguous: try the direct slot first.
+        if let Some(front) = self.entries.front() {
+            let guess = seqno.wrapping_sub(front.seqno) as usize;
+            if self.entries.get(guess).is_some_and(|e| e.seqno == seqno) {
+                return Ok(guess);
+            }
+        }
         self.entries.binary_search_by_key(&seqno, |e| e.seqno)
     }
 
-    fn key_at(entries: &VecDeque<Entry>, seqno: u64) -> &[u8] {
-        let i = entries.binary_search_by_key(&seqno, |e| e.seqno).expect("dedup index points at an entry");
-        entries[i].change.as_ref().expect("dedup index points at a live entry").item.key()
-    }
 }
 
 /// Where a newly registered cursor starts, and what must come from backfill first.
@@ -92,7 +89,7 @@ pub struct CheckpointBatch {
     pub checkpoint_id: u64,
     pub start: u64,
     pub end: u64,
-    pub changes: Vec<Arc<Change>>,
+    pub changes: Vec<Change>,
 }
 
 #[derive(Debug)]
@@ -166,7 +163,6 @@ pub struct CheckpointManager {
     cursors: HashMap<CursorId, Cursor>,
     next_cursor: CursorId,
     next_checkpoint: u64,
-    hasher: foldhash::fast::FixedState,
     mem: usize,
     /// Highest seqno queued.
     high: u64,
@@ -181,7 +177,6 @@ impl CheckpointManager {
             cursors: HashMap::new(),
             next_cursor: 1,
             next_checkpoint: 1,
-            hasher: Default::default(),
             mem: 0,
             high: high_seqno,
         };
@@ -198,7 +193,6 @@ impl CheckpointManager {
     fn close_open_checkpoint(&mut self) {
         if let Some(cp) = self.checkpoints.back_mut() {
             cp.open = false;
-            cp.keys = HashTable::new();
         }
         self.open_checkpoint();
     }
@@ -206,47 +200,43 @@ impl CheckpointManager {
     fn open_needs_closing(&self) -> bool {
         let cp = self.checkpoints.back().expect("always one open checkpoint");
         let queued = (cp.end + 1).saturating_sub(cp.start) as usize;
-        queued > 0 && (queued >= self.config.max_items || cp.created.elapsed() >= self.config.period)
+        queued >= self.config.max_items
     }
 
-    /// Closes the open checkpoint if it is old enough; called from a timer.
+    /// Closes the open checkpoint if it is older than the period. Called from the engine's
+    /// maintenance tick rather than per change, which keeps clock reads off the write path.
     pub fn check_period(&mut self) {
-        if self.open_needs_closing() {
+        let cp = self.checkpoints.back().expect("always one open checkpoint");
+        if cp.end >= cp.start && cp.created.elapsed() >= self.config.period {
             self.close_open_checkpoint();
         }
     }
 
-    /// Queues a change whose seqno is above everything queued before. Returns the change in
-    /// memory bytes (after dedup and expelling).
-    pub fn queue(&mut self, change: Arc<Change>) -> isize {
+    /// Queues a change whose seqno is above everything queued before. `replaces` is the seqno
+    /// of the key's previous version (the item store knows it): if that version is still in the
+    /// open checkpoint it is deduplicated away, without a key index of our own. Returns the
+    /// change in memory bytes (after dedup and expelling).
+    pub fn queue(&mut self, change: Change, replaces: Option<u64>) -> isize {
         let before = self.mem as isize;
         if self.open_needs_closing() {
             self.close_open_checkpoint();
         }
-        let seqno = change.item.meta.by_seqno;
+        let seqno = change.seqno();
         debug_assert!(seqno > self.high);
         self.high = seqno;
         let cost = entry_cost(&change);
-        let hasher = &self.hasher;
         let cp = self.checkpoints.back_mut().expect("always one open checkpoint");
-        let h = hasher.hash_one(change.item.key());
-        let entries = &cp.entries;
-        let found = cp.keys.find_mut(h, |&s| Checkpoint::key_at(entries, s) == change.item.key());
-        if let Some(slot) = found {
-            let old = *slot;
-            *slot = seqno;
-            let i = cp.position(old).expect("dedup index points at an entry");
-            if let Some(c) = cp.entries[i].change.take() {
-                let freed = entry_cost(&c);
-                cp.mem -= freed;
-                self.mem -= freed;
+        if let Some(old) = replaces.filter(|&s| s >= cp.start) {
+            if let Ok(i) = cp.position(old) {
+                if let Some(c) = cp.entries[i].change.take() {
+                    debug_assert_eq!(c.key(), change.key());
+                    let freed = entry_cost(&c);
+                    cp.mem -= freed;
+                    self.mem -= freed;
+                }
             }
-            cp.entries.push_back(Entry { seqno, change: Some(change) });
-        } else {
-            cp.entries.push_back(Entry { seqno, change: Some(change) });
-            let entries = &cp.entries;
-            cp.keys.insert_unique(h, seqno, |&s| hasher.hash_one(Checkpoint::key_at(entries, s)));
         }
+        cp.entries.push_back(Entry { seqno, change: Some(change) });
         cp.end = seqno;
         cp.mem += cost;
         self.mem += cost;
@@ -366,7 +356,6 @@ impl CheckpointManager {
             let cp = self.checkpoints.pop_front().expect("len > 1");
             self.mem -= cp.mem;
         }
-        let hasher = &self.hasher;
         for cp in self.checkpoints.iter_mut() {
             if cp.start > min {
                 break;
@@ -379,14 +368,6 @@ impl CheckpointManager {
                     let freed = entry_cost(c);
                     cp.mem -= freed;
                     self.mem -= freed;
-                    if cp.open {
-                        let seqno = e.seqno;
-                        let h = hasher.hash_one(c.item.key());
-                        let entries = &cp.entries;
-                        if let Ok(o) = cp.keys.find_entry(h, |&s| s == seqno && Checkpoint::key_at(entries, s) == c.item.key()) {
-                            o.remove();
-                        }
-                    }
                 }
                 cp.entries.pop_front();
             }
@@ -461,11 +442,11 @@ impl CheckpointManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::item::{ChangeOp, Item, ItemMeta};
+    use crate::item::{ChangeOp, ItemMeta};
 
-    fn change(key: &str, seqno: u64) -> Arc<Change> {
+    fn change(key: &str, seqno: u64) -> Change {
         let meta = ItemMeta { by_seqno: seqno, rev_seqno: 1, cas: seqno, ..Default::default() };
-        Arc::new(Change { op: ChangeOp::Mutation, bucket: 0, vbucket: 0, item: Item::new(key.as_bytes(), b"value", meta) })
+        Change::new(ChangeOp::Mutation, 0, 0, key.as_bytes(), b"value", meta)
     }
 
     fn cfg(max_items: usize) -> CheckpointConfig {
@@ -474,7 +455,7 @@ mod tests {
 
     fn read_seqnos(m: &mut CheckpointManager, id: CursorId) -> Vec<u64> {
         match m.read(id, usize::MAX).0 {
-            CursorRead::Batches(b) => b.iter().flat_map(|b| b.changes.iter().map(|c| c.item.meta.by_seqno)).collect(),
+            CursorRead::Batches(b) => b.iter().flat_map(|b| b.changes.iter().map(|c| c.seqno())).collect(),
             CursorRead::Dropped => panic!("dropped"),
         }
     }
@@ -483,10 +464,10 @@ mod tests {
     fn dedup_in_the_open_checkpoint_only() {
         let mut m = CheckpointManager::new(cfg(3), 0);
         let (r, _) = m.register_cursor("reader", 0);
-        m.queue(change("a", 1));
-        m.queue(change("b", 2));
-        m.queue(change("a", 3)); // dedups seqno 1 in the open checkpoint
-        m.queue(change("a", 4)); // new checkpoint (3 queued): no dedup across checkpoints
+        m.queue(change("a", 1), None);
+        m.queue(change("b", 2), None);
+        m.queue(change("a", 3), Some(1)); // dedups seqno 1 in the open checkpoint
+        m.queue(change("a", 4), Some(3)); // new checkpoint (3 queued): no dedup across checkpoints
         assert_eq!(m.num_checkpoints(), 2);
         assert_eq!(read_seqnos(&mut m, r.id), vec![2, 3, 4]);
     }
@@ -497,7 +478,7 @@ mod tests {
         let (r, _) = m.register_cursor("reader", 10);
         let (r2, _) = m.register_cursor("r2", 10);
         for s in 11..=15 {
-            m.queue(change(&format!("k{s}"), s));
+            m.queue(change(&format!("k{s}"), s), None);
         }
         let CursorRead::Batches(b) = m.read(r.id, usize::MAX).0 else { panic!() };
         let ranges: Vec<(u64, u64)> = b.iter().map(|b| (b.start, b.end)).collect();
@@ -506,7 +487,7 @@ mod tests {
         let mut all = Vec::new();
         loop {
             let CursorRead::Batches(b) = m.read(r2.id, 2).0 else { panic!() };
-            let got: Vec<u64> = b.iter().flat_map(|b| b.changes.iter().map(|c| c.item.meta.by_seqno)).collect();
+            let got: Vec<u64> = b.iter().flat_map(|b| b.changes.iter().map(|c| c.seqno())).collect();
             if got.is_empty() {
                 break;
             }
@@ -525,7 +506,7 @@ mod tests {
         let (fast, _) = m.register_cursor("fast", 0);
         let (slow, _) = m.register_cursor("slow", 0);
         for s in 1..=100 {
-            m.queue(change(&format!("k{s}"), s));
+            m.queue(change(&format!("k{s}"), s), None);
         }
         read_seqnos(&mut m, fast.id);
         assert_eq!(m.num_items(), 100, "slow cursor pins everything");
@@ -546,7 +527,7 @@ mod tests {
         let (p, _) = m.register_cursor(PERSISTENCE_CURSOR, 0);
         let (slow, handle) = m.register_cursor("slow", 0);
         for s in 1..=50 {
-            m.queue(change(&format!("k{s}"), s));
+            m.queue(change(&format!("k{s}"), s), None);
         }
         m.advance(p.id, 50);
         let infos = m.cursor_infos(0, 0);

@@ -20,7 +20,7 @@ use crate::checkpoint::{CursorDropPolicy, CursorHandle, CursorId, CursorRead, Dr
 use crate::config::{BucketConfig, Durability, EngineConfig};
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
-use crate::hlc::now_secs;
+use crate::hlc::{now_nanos, now_secs};
 use crate::item::{absolute_expiry, is_expired, validate_key, ChangeOp, Item, ItemMeta};
 use crate::recovery;
 use crate::snapshot;
@@ -118,7 +118,8 @@ struct Inner {
     drop_policy: RwLock<Arc<dyn CursorDropPolicy>>,
     background: Background,
     recovery_report: Mutex<recovery::Report>,
-    _lock_file: File,
+    /// Held (flock) while open; released by close so the directory can be reopened at once.
+    lock_file: Mutex<Option<File>>,
 }
 
 pub struct Engine {
@@ -185,7 +186,7 @@ impl Engine {
             drop_policy: RwLock::new(Arc::new(DropSlowest)),
             background: Background { stop: Mutex::new(false), wake: Condvar::new(), quota_pressure: AtomicBool::new(false) },
             recovery_report: Mutex::new(recovery::Report::default()),
-            _lock_file: lock_file,
+            lock_file: Mutex::new(Some(lock_file)),
             config,
         });
         Engine::install_buckets(&inner, recovered)?;
@@ -234,24 +235,16 @@ impl Engine {
             {
                 let mut a = inner.wal.appender();
                 if fresh {
-                    a.push(WalPayload::Meta {
-                        bucket: id,
-                        vbucket: 0,
-                        record: MetaRecord::Bucket { name: cfg.name.clone(), num_vbuckets: cfg.num_vbuckets },
-                    });
+                    a.push(WalPayload::meta(id, 0, MetaRecord::Bucket { name: cfg.name.clone(), num_vbuckets: cfg.num_vbuckets },));
                 }
                 for vb in vbs.iter_mut() {
                     vb.finish_recovery(ckpt);
                     if fresh {
-                        vb.last_lsn = a.push(WalPayload::Meta {
-                            bucket: id,
-                            vbucket: vb.id,
-                            record: MetaRecord::VbucketState { state: VbState::Active, high_seqno: 0 },
-                        });
+                        vb.last_lsn = a.push(WalPayload::meta(id, vb.id, MetaRecord::VbucketState { state: VbState::Active, high_seqno: 0 },));
                     }
                     if vb.state == VbState::Active && (fresh || recovered.unclean) {
                         let e = vb.failover.create_entry(vb.high_seqno);
-                        vb.last_lsn = a.push(WalPayload::Meta { bucket: id, vbucket: vb.id, record: MetaRecord::FailoverEntry(e) });
+                        vb.last_lsn = a.push(WalPayload::meta(id, vb.id, MetaRecord::FailoverEntry(e)));
                     }
                     if inner.wal.mode() != WalMode::None {
                         let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, vb.high_seqno);
@@ -411,15 +404,28 @@ impl Engine {
             }
         }
         self.admit_write(bucket, durability)?;
+        // Counting sort of item indices by vbucket: one pass, two allocations per call.
         let n = bucket.num_vbuckets() as usize;
-        let mut groups: Vec<Vec<u32>> = vec![Vec::new(); n];
-        for (i, (k, _)) in items.iter().enumerate() {
-            groups[bucket.vbucket_of(k) as usize].push(i as u32);
+        let vbs: Vec<u16> = items.iter().map(|(k, _)| bucket.vbucket_of(k)).collect();
+        let mut starts = vec![0u32; n + 1];
+        for &v in &vbs {
+            starts[v as usize + 1] += 1;
+        }
+        for i in 0..n {
+            starts[i + 1] += starts[i];
+        }
+        let mut order = vec![0u32; items.len()];
+        let mut fill = starts.clone();
+        for (i, &v) in vbs.iter().enumerate() {
+            order[fill[v as usize] as usize] = i as u32;
+            fill[v as usize] += 1;
         }
         let now = now_secs();
+        let now_ns = now_nanos();
         let mut last_lsn = 0;
         let mut changes = Vec::new();
-        for (vbid, group) in groups.iter().enumerate() {
+        for vbid in 0..n {
+            let group = &order[starts[vbid] as usize..starts[vbid + 1] as usize];
             if group.is_empty() {
                 continue;
             }
@@ -430,9 +436,9 @@ impl Engine {
             changes.clear();
             for &i in group {
                 let (k, v) = items[i as usize];
-                let rev = vb.store.get(k).map(|it| it.meta().rev_seqno + 1).unwrap_or(1);
-                let meta = ItemMeta { flags, expiry: absolute_expiry(expiry, now), rev_seqno: rev, ..Default::default() };
-                changes.push(vb.apply_local(ChangeOp::Mutation, k, v, meta).0);
+                // rev_seqno 0: the store assigns the key's next revision during the same lookup.
+                let meta = ItemMeta { flags, expiry: absolute_expiry(expiry, now), ..Default::default() };
+                changes.push(vb.apply_local(ChangeOp::Mutation, k, v, meta, now_ns));
             }
             {
                 let mut a = self.inner.wal.appender();
@@ -520,10 +526,10 @@ impl Engine {
         let high = vb.high_seqno;
         vb.state = state;
         let mut a = self.inner.wal.appender();
-        vb.last_lsn = a.push(WalPayload::Meta { bucket: bucket.id, vbucket: vbid, record: MetaRecord::VbucketState { state, high_seqno: high } });
+        vb.last_lsn = a.push(WalPayload::meta(bucket.id, vbid, MetaRecord::VbucketState { state, high_seqno: high }));
         if state == VbState::Active {
             let e = vb.failover.create_entry(high);
-            vb.last_lsn = a.push(WalPayload::Meta { bucket: bucket.id, vbucket: vbid, record: MetaRecord::FailoverEntry(e) });
+            vb.last_lsn = a.push(WalPayload::meta(bucket.id, vbid, MetaRecord::FailoverEntry(e)));
         }
         Ok(())
     }
@@ -620,6 +626,7 @@ impl Engine {
         }
         self.stop_background();
         self.inner.wal.shutdown();
+        self.inner.lock_file.lock().take();
     }
 
     /// For recovery tests: stops as `kill -9` right after the last WAL write would.
@@ -629,6 +636,7 @@ impl Engine {
         }
         self.stop_background();
         self.inner.wal.crash();
+        self.inner.lock_file.lock().take();
     }
 }
 
@@ -691,7 +699,7 @@ fn run_pager(inner: &Inner) -> usize {
                 }
                 if purged_upto > vb.purge_seqno {
                     vb.purge_seqno = purged_upto;
-                    let lsn = inner.wal.appender().push(WalPayload::Meta { bucket: bucket.id, vbucket: v, record: MetaRecord::PurgeSeqno(purged_upto) });
+                    let lsn = inner.wal.appender().push(WalPayload::meta(bucket.id, v, MetaRecord::PurgeSeqno(purged_upto)));
                     vb.last_lsn = lsn;
                     bucket.stats.tombstones_purged.fetch_add(old.len() as u64, Ordering::Relaxed);
                 }
@@ -705,8 +713,8 @@ fn run_pager(inner: &Inner) -> usize {
 impl Inner {
     /// Applies a local change to a locked vbucket and queues it for the WAL.
     fn apply_locked(&self, bucket: &Bucket, vb: &mut VBucket, op: ChangeOp, key: &[u8], value: &[u8], meta: ItemMeta) -> MutationResult {
-        let (change, _) = vb.apply_local(op, key, value, meta);
-        let (cas, seqno) = (change.item.meta.cas, change.item.meta.by_seqno);
+        let change = vb.apply_local(op, key, value, meta, now_nanos());
+        let (cas, seqno) = (change.meta().cas, change.seqno());
         let lsn = self.wal.appender().push(WalPayload::Change(change));
         vb.last_lsn = lsn;
         bucket.account(vb);

@@ -18,8 +18,12 @@ pub fn now_secs() -> u32 {
 
 impl HybridClock {
     pub fn next(&mut self) -> u64 {
-        let physical = now_nanos() & !0xffff;
-        self.last = physical.max(self.last + 1);
+        self.next_at(now_nanos())
+    }
+
+    /// The next CAS given a wall-clock reading taken by the caller.
+    pub fn next_at(&mut self, now_ns: u64) -> u64 {
+        self.last = (now_ns & !0xffff).max(self.last + 1);
         self.last
     }
 

@@ -68,14 +68,75 @@ impl Item {
     }
 }
 
-/// One change of one vbucket, shared by the checkpoint that holds it, the WAL writer's queue
-/// and any stream reading it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Change {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChangeHeader {
     pub op: ChangeOp,
     pub bucket: u16,
     pub vbucket: u16,
-    pub item: Item,
+    key_len: u8,
+    pub meta: ItemMeta,
+}
+
+/// One change of one vbucket, shared by the checkpoint that holds it, the WAL writer's queue
+/// and any stream reading it: header, key and value in a single reference-counted allocation.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Change(triomphe::Arc<triomphe::HeaderSlice<ChangeHeader, [u8]>>);
+
+impl Change {
+    pub fn new(op: ChangeOp, bucket: u16, vbucket: u16, key: &[u8], value: &[u8], meta: ItemMeta) -> Change {
+        debug_assert!(key.len() <= MAX_KEY_LEN);
+        let header = ChangeHeader { op, bucket, vbucket, key_len: key.len() as u8, meta };
+        let mut u = triomphe::UniqueArc::from_header_and_uninit_slice(header, key.len() + value.len());
+        let dst = u.slice.as_mut_ptr() as *mut u8;
+        // SAFETY: `dst` has room for key.len() + value.len() bytes; both writes stay inside it
+        // and together initialise every byte before assume_init.
+        let u = unsafe {
+            std::ptr::copy_nonoverlapping(key.as_ptr(), dst, key.len());
+            std::ptr::copy_nonoverlapping(value.as_ptr(), dst.add(key.len()), value.len());
+            u.assume_init_slice_with_header()
+        };
+        Change(u.shareable())
+    }
+
+    pub fn op(&self) -> ChangeOp {
+        self.0.header.op
+    }
+    pub fn bucket(&self) -> u16 {
+        self.0.header.bucket
+    }
+    pub fn vbucket(&self) -> u16 {
+        self.0.header.vbucket
+    }
+    pub fn meta(&self) -> &ItemMeta {
+        &self.0.header.meta
+    }
+    pub fn seqno(&self) -> u64 {
+        self.0.header.meta.by_seqno
+    }
+    pub fn key(&self) -> &[u8] {
+        &self.0.slice[..self.0.header.key_len as usize]
+    }
+    pub fn value(&self) -> &[u8] {
+        &self.0.slice[self.0.header.key_len as usize..]
+    }
+    /// Bytes of key plus value.
+    pub fn data_len(&self) -> usize {
+        self.0.slice.len()
+    }
+    pub fn to_item(&self) -> Item {
+        Item::new(self.key(), self.value(), *self.meta())
+    }
+}
+
+impl std::fmt::Debug for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Change")
+            .field("op", &self.op())
+            .field("vbucket", &self.vbucket())
+            .field("key", &String::from_utf8_lossy(self.key()))
+            .field("meta", self.meta())
+            .finish()
+    }
 }
 
 pub fn validate_key(key: &[u8]) -> Result<()> {

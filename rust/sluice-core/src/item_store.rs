@@ -218,8 +218,9 @@ impl ItemStore {
     }
 
     /// Stores a new version of a key. Its by_seqno must be above every seqno already stored.
-    /// Returns the metadata of the version it replaced.
-    pub fn upsert(&mut self, key: &[u8], value: &[u8], meta: &ItemMeta) -> Option<ItemMeta> {
+    /// A `rev_seqno` of 0 asks for the next one (the old version's plus one, or 1), written back
+    /// into `meta`. Returns the metadata of the version it replaced.
+    pub fn upsert(&mut self, key: &[u8], value: &[u8], meta: &mut ItemMeta) -> Option<ItemMeta> {
         debug_assert!(self.len == 0 || self.slot(self.len - 1).by_seqno < meta.by_seqno);
         let h = self.hash(key);
         let new_pos = self.push_slot(Slot::new(key, value, meta));
@@ -239,6 +240,10 @@ impl ItemStore {
                 let old_pos = *o.get() as usize;
                 *o.get_mut() = new_pos as u32;
                 let old = self.slot(old_pos).meta();
+                if meta.rev_seqno == 0 {
+                    meta.rev_seqno = old.rev_seqno + 1;
+                    self.slot_mut(new_pos).rev_seqno = meta.rev_seqno;
+                }
                 if old.deleted {
                     self.tombstones -= 1;
                 }
@@ -248,6 +253,10 @@ impl ItemStore {
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(new_pos as u32);
+                if meta.rev_seqno == 0 {
+                    meta.rev_seqno = 1;
+                    self.slot_mut(new_pos).rev_seqno = 1;
+                }
                 self.current += 1;
                 None
             }
@@ -448,7 +457,7 @@ mod tests {
             for k in 0..2000u32 {
                 seq += 1;
                 let v = format!("v{round}-{k}");
-                s.upsert(&k.to_be_bytes(), v.as_bytes(), &meta(seq, false));
+                s.upsert(&k.to_be_bytes(), v.as_bytes(), &mut meta(seq, false));
             }
         }
         assert_eq!(s.len(), 2000);
@@ -467,13 +476,13 @@ mod tests {
     fn range_read_sees_the_snapshot_while_writes_go_on() {
         let mut s = ItemStore::new();
         for k in 1..=10u64 {
-            s.upsert(&k.to_be_bytes(), b"old", &meta(k, false));
+            s.upsert(&k.to_be_bytes(), b"old", &mut meta(k, false));
         }
         s.begin_range_read();
         // key 3 replaced twice past the end, key 4 replaced inside the range, key 5 purged.
-        s.upsert(&3u64.to_be_bytes(), b"new", &meta(11, false));
-        s.upsert(&3u64.to_be_bytes(), b"newer", &meta(12, false));
-        s.upsert(&4u64.to_be_bytes(), b"x", &meta(13, true));
+        s.upsert(&3u64.to_be_bytes(), b"new", &mut meta(11, false));
+        s.upsert(&3u64.to_be_bytes(), b"newer", &mut meta(12, false));
+        s.upsert(&4u64.to_be_bytes(), b"x", &mut meta(13, true));
         s.purge(&5u64.to_be_bytes());
         let mut got = Vec::new();
         let mut from = 1;

@@ -1,11 +1,9 @@
 //! One vbucket: its items, recent changes, failover log, clock and seqno counters.
 
-use std::sync::Arc;
-
 use crate::checkpoint::{CheckpointConfig, CheckpointManager, CursorId};
 use crate::failover::FailoverLog;
 use crate::hlc::HybridClock;
-use crate::item::{Change, ChangeOp, Item, ItemMeta};
+use crate::item::{Change, ChangeOp, ItemMeta};
 use crate::item_store::ItemStore;
 
 /// The memcached protocol's vbucket state codes.
@@ -86,37 +84,31 @@ impl VBucket {
         }
     }
 
-    /// Applies a new change decided on this node: next seqno, next CAS. Returns the change
-    /// (shared with the checkpoint) and the memory delta in bytes.
-    pub fn apply_local(
-        &mut self,
-        op: ChangeOp,
-        key: &[u8],
-        value: &[u8],
-        mut meta: ItemMeta,
-    ) -> (Arc<Change>, isize) {
+    /// Applies a new change decided on this node: next seqno, next CAS from the clock read
+    /// `now_ns` (one read serves a whole batch). Returns the change, shared with the checkpoint.
+    pub fn apply_local(&mut self, op: ChangeOp, key: &[u8], value: &[u8], mut meta: ItemMeta, now_ns: u64) -> Change {
         self.high_seqno += 1;
         meta.by_seqno = self.high_seqno;
-        meta.cas = self.clock.next();
+        meta.cas = self.clock.next_at(now_ns);
         self.apply(op, key, value, meta)
     }
 
     /// Stores a change with its seqno and CAS already decided (recovery, a replica's stream).
-    pub fn apply(&mut self, op: ChangeOp, key: &[u8], value: &[u8], meta: ItemMeta) -> (Arc<Change>, isize) {
-        let before = self.store.mem_bytes() as isize;
+    /// A `rev_seqno` of 0 takes the next revision of the key.
+    pub fn apply(&mut self, op: ChangeOp, key: &[u8], value: &[u8], mut meta: ItemMeta) -> Change {
         self.high_seqno = self.high_seqno.max(meta.by_seqno);
         self.clock.observe(meta.cas);
-        self.store.upsert(key, value, &meta);
-        let change = Arc::new(Change { op, bucket: self.bucket, vbucket: self.id, item: Item::new(key, value, meta) });
-        let cp_delta = self.checkpoints.queue(change.clone());
-        (change, self.store.mem_bytes() as isize - before + cp_delta)
+        let replaced = self.store.upsert(key, value, &mut meta);
+        let change = Change::new(op, self.bucket, self.id, key, value, meta);
+        self.checkpoints.queue(change.clone(), replaced.map(|m| m.by_seqno));
+        change
     }
 
     /// During recovery only: into the store, bypassing checkpoints.
     pub fn recover_item(&mut self, key: &[u8], value: &[u8], meta: &ItemMeta) {
         self.high_seqno = self.high_seqno.max(meta.by_seqno);
         self.clock.observe(meta.cas);
-        self.store.upsert(key, value, meta);
+        self.store.upsert(key, value, &mut meta.clone());
     }
 
     /// After recovery: checkpoints start at the recovered high seqno, all of it persisted.

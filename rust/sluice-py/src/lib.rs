@@ -1,1 +1,522 @@
+//! PyO3 glue only: the embedded engine handle, its configuration objects, exceptions, and the
+//! WAL dump. Every call that can block (disk, durability waits) releases the GIL.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use sluice_core::bucket::Bucket;
+use sluice_core::checkpoint::CheckpointConfig;
+use sluice_core::item::Item;
+use sluice_core::vbucket::VbState;
+use sluice_core::wal::writer::Failpoint;
+use sluice_core::wal::WalMode;
+use sluice_core::{BucketConfig, Durability, Engine, EngineConfig, Error, StoreMode, StoreRequest};
+
+pyo3::create_exception!(_native, SluiceError, PyException, "Base class of every sluice error.");
+pyo3::create_exception!(_native, InvalidKeyError, SluiceError, "Key empty or longer than 250 bytes.");
+pyo3::create_exception!(_native, TooBigError, SluiceError, "Value larger than the bucket's max_item_size.");
+pyo3::create_exception!(_native, NotFoundError, SluiceError, "The key does not exist (REPLACE, DELETE, CAS).");
+pyo3::create_exception!(_native, ExistsError, SluiceError, "The key exists (ADD) or its CAS does not match.");
+pyo3::create_exception!(_native, NotMyVbucketError, SluiceError, "The key's vbucket is not active here.");
+pyo3::create_exception!(_native, TempFailError, SluiceError, "Temporary failure (memory, WAL); retry later.");
+pyo3::create_exception!(_native, WalFailedError, SluiceError, "The WAL could not write this change; it is retried, durability unknown.");
+pyo3::create_exception!(_native, DurabilityImpossibleError, SluiceError, "The durability level cannot be met here.");
+pyo3::create_exception!(_native, NoSuchBucketError, SluiceError, "No bucket by that name.");
+pyo3::create_exception!(_native, ConfigError, SluiceError, "Invalid configuration: names the key and the reason.");
+pyo3::create_exception!(_native, CorruptionError, SluiceError, "Damaged data files: names the file and byte offset.");
+pyo3::create_exception!(_native, ClosedError, SluiceError, "The engine is closed.");
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::InvalidKey(_) => InvalidKeyError::new_err(msg),
+        Error::TooBig { .. } => TooBigError::new_err(msg),
+        Error::NotFound => NotFoundError::new_err(msg),
+        Error::Exists => ExistsError::new_err(msg),
+        Error::NotMyVbucket(_) => NotMyVbucketError::new_err(msg),
+        Error::TempFail(_) => TempFailError::new_err(msg),
+        Error::WalFailed(_) => WalFailedError::new_err(msg),
+        Error::DurabilityImpossible(_) => DurabilityImpossibleError::new_err(msg),
+        Error::NoSuchBucket(_) => NoSuchBucketError::new_err(msg),
+        Error::InvalidConfig { .. } | Error::InvalidArgument(_) => ConfigError::new_err(msg),
+        Error::Corrupt { .. } => CorruptionError::new_err(msg),
+        Error::Closed => ClosedError::new_err(msg),
+        Error::Io(_) => SluiceError::new_err(msg),
+    }
+}
+
+fn config_err(key: &str, reason: impl std::fmt::Display) -> PyErr {
+    ConfigError::new_err(format!("invalid config: {key}: {reason}"))
+}
+
+fn parse_durability(key: &str, s: Option<&str>) -> PyResult<Option<Durability>> {
+    s.map(|s| Durability::parse(s).ok_or_else(|| config_err(key, format!("unknown durability level {s:?}")))).transpose()
+}
+
+fn secs(key: &str, v: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| config_err(key, format!("{v} is not a non-negative number of seconds")))
+}
+
+/// One bucket's settings.
+#[pyclass(module = "sluice._native", frozen)]
+#[derive(Clone)]
+struct BucketSettings {
+    inner: BucketConfig,
+}
+
+#[pymethods]
+impl BucketSettings {
+    #[new]
+    #[pyo3(signature = (name, *, num_vbuckets=64, memory_quota=1<<30, high_watermark=0.85, max_item_size=20<<20, checkpoint_memory_ratio=0.3, durability="none"))]
+    fn new(
+        name: String,
+        num_vbuckets: u16,
+        memory_quota: usize,
+        high_watermark: f64,
+        max_item_size: usize,
+        checkpoint_memory_ratio: f64,
+        durability: &str,
+    ) -> PyResult<Self> {
+        let durability = parse_durability("durability", Some(durability))?.expect("Some in, Some out");
+        Ok(BucketSettings {
+            inner: BucketConfig { name, num_vbuckets, memory_quota, high_watermark, max_item_size, checkpoint_memory_ratio, durability },
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    #[getter]
+    fn num_vbuckets(&self) -> u16 {
+        self.inner.num_vbuckets
+    }
+
+    fn __repr__(&self) -> String {
+        format!("BucketSettings({:?}, num_vbuckets={})", self.inner.name, self.inner.num_vbuckets)
+    }
+}
+
+/// The engine's settings: one native object built from the validated TOML.
+#[pyclass(module = "sluice._native", frozen)]
+#[derive(Clone)]
+struct EngineSettings {
+    inner: EngineConfig,
+}
+
+#[pymethods]
+impl EngineSettings {
+    #[new]
+    #[pyo3(signature = (data_dir, *, wal_mode="write", wal_segment_size=64<<20, snapshot_count=2, snapshot_interval=3600.0, checkpoint_max_items=10_000, checkpoint_period=5.0, tombstone_purge_age=259_200.0, expiry_pager_interval=60.0, force_recovery=false, buckets=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        data_dir: PathBuf,
+        wal_mode: &str,
+        wal_segment_size: u64,
+        snapshot_count: usize,
+        snapshot_interval: f64,
+        checkpoint_max_items: usize,
+        checkpoint_period: f64,
+        tombstone_purge_age: f64,
+        expiry_pager_interval: f64,
+        force_recovery: bool,
+        buckets: Option<Vec<BucketSettings>>,
+    ) -> PyResult<Self> {
+        let wal_mode = WalMode::parse(wal_mode).ok_or_else(|| config_err("wal.mode", format!("{wal_mode:?} is not one of none, write, fsync")))?;
+        let buckets = match buckets {
+            Some(b) => b.into_iter().map(|b| b.inner).collect(),
+            None => vec![BucketConfig::named("default")],
+        };
+        let inner = EngineConfig {
+            data_dir,
+            wal_mode,
+            wal_segment_size,
+            snapshot_count,
+            snapshot_interval: secs("snapshot.interval", snapshot_interval)?,
+            checkpoint: CheckpointConfig { max_items: checkpoint_max_items, period: secs("checkpoint.period", checkpoint_period)? },
+            tombstone_purge_age: secs("tombstone_purge_age", tombstone_purge_age)?,
+            expiry_pager_interval: secs("expiry_pager_interval", expiry_pager_interval)?,
+            force_recovery,
+            buckets,
+        };
+        inner.validate().map_err(to_py)?;
+        Ok(EngineSettings { inner })
+    }
+
+    #[getter]
+    fn data_dir(&self) -> PathBuf {
+        self.inner.data_dir.clone()
+    }
+
+    #[getter]
+    fn wal_mode(&self) -> &'static str {
+        self.inner.wal_mode.as_str()
+    }
+
+    #[getter]
+    fn bucket_names(&self) -> Vec<String> {
+        self.inner.buckets.iter().map(|b| b.name.clone()).collect()
+    }
+}
+
+/// The result of a mutation.
+#[pyclass(module = "sluice._native", frozen, get_all)]
+struct Mutation {
+    cas: u64,
+    vbucket: u16,
+    seqno: u64,
+    lsn: u64,
+}
+
+#[pymethods]
+impl Mutation {
+    fn __repr__(&self) -> String {
+        format!("Mutation(cas={}, vbucket={}, seqno={}, lsn={})", self.cas, self.vbucket, self.seqno, self.lsn)
+    }
+}
+
+/// A stored item as read back.
+#[pyclass(module = "sluice._native", frozen, get_all)]
+struct ItemView {
+    key: Py<PyBytes>,
+    value: Py<PyBytes>,
+    flags: u32,
+    expiry: u32,
+    cas: u64,
+    rev_seqno: u64,
+    seqno: u64,
+    datatype: u8,
+    deleted: bool,
+}
+
+impl ItemView {
+    fn from_item(py: Python<'_>, it: &Item) -> ItemView {
+        ItemView {
+            key: PyBytes::new(py, it.key()).unbind(),
+            value: PyBytes::new(py, it.value()).unbind(),
+            flags: it.meta.flags,
+            expiry: it.meta.expiry,
+            cas: it.meta.cas,
+            rev_seqno: it.meta.rev_seqno,
+            seqno: it.meta.by_seqno,
+            datatype: it.meta.datatype,
+            deleted: it.meta.deleted,
+        }
+    }
+}
+
+#[pymethods]
+impl ItemView {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("ItemView(key={:?}, seqno={}, cas={}, deleted={})", self.key.bind(py), self.seqno, self.cas, self.deleted)
+    }
+}
+
+/// An open data directory: the storage engine embedded in this process.
+#[pyclass(module = "sluice._native", frozen)]
+struct EmbeddedEngine {
+    engine: Arc<Engine>,
+}
+
+impl EmbeddedEngine {
+    fn bucket(&self, name: &str) -> PyResult<Arc<Bucket>> {
+        self.engine.bucket(name).map_err(to_py)
+    }
+}
+
+fn vb_state(s: &str) -> PyResult<VbState> {
+    VbState::parse(s).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown vbucket state {s:?}")))
+}
+
+#[pymethods]
+impl EmbeddedEngine {
+    /// Opens the data directory, recovering what it holds.
+    #[new]
+    fn new(py: Python<'_>, settings: &EngineSettings) -> PyResult<Self> {
+        let cfg = settings.inner.clone();
+        let engine = py.allow_threads(|| Engine::open(cfg)).map_err(to_py)?;
+        Ok(EmbeddedEngine { engine: Arc::new(engine) })
+    }
+
+    #[pyo3(signature = (key, value, *, bucket="default", flags=0, expiry=0, datatype=0, cas=0, mode="set", durability=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn set(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        value: &[u8],
+        bucket: &str,
+        flags: u32,
+        expiry: u32,
+        datatype: u8,
+        cas: u64,
+        mode: &str,
+        durability: Option<&str>,
+    ) -> PyResult<Mutation> {
+        let b = self.bucket(bucket)?;
+        let mode = match mode {
+            "set" => StoreMode::Set,
+            "add" => StoreMode::Add,
+            "replace" => StoreMode::Replace,
+            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("mode {other:?} is not set, add or replace"))),
+        };
+        let durability = parse_durability("durability", durability)?;
+        let req = StoreRequest { key, value, flags, expiry, datatype, cas, mode, durability };
+        let r = py.allow_threads(|| self.engine.store(&b, &req)).map_err(to_py)?;
+        Ok(Mutation { cas: r.cas, vbucket: r.vbucket, seqno: r.seqno, lsn: r.lsn })
+    }
+
+    /// Many SETs in one call (grouped by vbucket inside). Returns the last LSN.
+    #[pyo3(signature = (items, *, bucket="default", flags=0, expiry=0, durability=None))]
+    fn set_many(&self, py: Python<'_>, items: &Bound<'_, PyList>, bucket: &str, flags: u32, expiry: u32, durability: Option<&str>) -> PyResult<u64> {
+        let b = self.bucket(bucket)?;
+        let durability = parse_durability("durability", durability)?;
+        let mut pairs: Vec<(&[u8], &[u8])> = Vec::with_capacity(items.len());
+        let owned: Vec<(Bound<'_, PyBytes>, Bound<'_, PyBytes>)> = items
+            .iter()
+            .map(|t| t.extract::<(Bound<'_, PyBytes>, Bound<'_, PyBytes>)>())
+            .collect::<PyResult<_>>()?;
+        for (k, v) in &owned {
+            pairs.push((k.as_bytes(), v.as_bytes()));
+        }
+        // The PyBytes stay alive in `owned`; their buffers are immutable.
+        let pairs_ptr = SendPtr(&pairs);
+        py.allow_threads(move || {
+            let pairs = pairs_ptr;
+            self.engine.set_many(&b, pairs.get(), flags, expiry, durability)
+        })
+        .map_err(to_py)
+    }
+
+    #[pyo3(signature = (key, *, bucket="default", cas=0, durability=None))]
+    fn delete(&self, py: Python<'_>, key: &[u8], bucket: &str, cas: u64, durability: Option<&str>) -> PyResult<Mutation> {
+        let b = self.bucket(bucket)?;
+        let durability = parse_durability("durability", durability)?;
+        let r = py.allow_threads(|| self.engine.delete(&b, key, cas, durability)).map_err(to_py)?;
+        Ok(Mutation { cas: r.cas, vbucket: r.vbucket, seqno: r.seqno, lsn: r.lsn })
+    }
+
+    /// The live item, or None.
+    #[pyo3(signature = (key, *, bucket="default"))]
+    fn get(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
+        let b = self.bucket(bucket)?;
+        let it = self.engine.get(&b, key).map_err(to_py)?;
+        Ok(it.map(|i| ItemView::from_item(py, &i)))
+    }
+
+    /// The current version including tombstones, whatever the vbucket's state.
+    #[pyo3(signature = (key, *, bucket="default"))]
+    fn get_meta(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
+        let b = self.bucket(bucket)?;
+        Ok(self.engine.get_meta(&b, key).map(|i| ItemView::from_item(py, &i)))
+    }
+
+    #[pyo3(signature = (key, *, bucket="default"))]
+    fn vbucket_of(&self, key: &[u8], bucket: &str) -> PyResult<u16> {
+        Ok(self.bucket(bucket)?.vbucket_of(key))
+    }
+
+    #[pyo3(signature = (*, bucket="default"))]
+    fn high_seqnos(&self, bucket: &str) -> PyResult<Vec<u64>> {
+        Ok(self.engine.high_seqnos(&*self.bucket(bucket)?))
+    }
+
+    #[pyo3(signature = (*, bucket="default"))]
+    fn persisted_seqnos(&self, bucket: &str) -> PyResult<Vec<u64>> {
+        Ok(self.engine.persisted_seqnos(&*self.bucket(bucket)?))
+    }
+
+    /// Newest first: [(uuid, seqno), ...].
+    #[pyo3(signature = (vbucket, *, bucket="default"))]
+    fn failover_log(&self, vbucket: u16, bucket: &str) -> PyResult<Vec<(u64, u64)>> {
+        let b = self.bucket(bucket)?;
+        let log = self.engine.failover_log(&b, vbucket).ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))?;
+        Ok(log.iter().map(|e| (e.uuid, e.seqno)).collect())
+    }
+
+    #[pyo3(signature = (vbucket, *, bucket="default"))]
+    fn vbucket_state(&self, vbucket: u16, bucket: &str) -> PyResult<&'static str> {
+        let b = self.bucket(bucket)?;
+        self.engine.vbucket_state(&b, vbucket).map(|s| s.as_str()).ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))
+    }
+
+    #[pyo3(signature = (vbucket, state, *, bucket="default"))]
+    fn set_vbucket_state(&self, vbucket: u16, state: &str, bucket: &str) -> PyResult<()> {
+        let b = self.bucket(bucket)?;
+        self.engine.set_vbucket_state(&b, vbucket, vb_state(state)?).map_err(to_py)
+    }
+
+    /// Writes a snapshot now; returns its path.
+    fn snapshot(&self, py: Python<'_>) -> PyResult<PathBuf> {
+        py.allow_threads(|| self.engine.snapshot_now()).map_err(to_py)
+    }
+
+    /// Runs the expiry pager and tombstone purger now; returns how many items expired.
+    fn run_expiry_pager(&self, py: Python<'_>) -> usize {
+        py.allow_threads(|| self.engine.run_expiry_pager())
+    }
+
+    /// Makes WAL writes fail as a full disk ("enospc") or a broken device ("eio") would, or not ("off").
+    fn set_wal_failpoint(&self, name: &str) -> PyResult<()> {
+        let fp = match name {
+            "off" => Failpoint::Off,
+            "enospc" => Failpoint::NoSpace,
+            "eio" => Failpoint::IoError,
+            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown failpoint {other:?}"))),
+        };
+        self.engine.set_wal_failpoint(fp);
+        Ok(())
+    }
+
+    /// Counters for one bucket.
+    #[pyo3(signature = (*, bucket="default"))]
+    fn stats<'py>(&self, py: Python<'py>, bucket: &str) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let b = self.bucket(bucket)?;
+        let d = PyDict::new(py);
+        let s = &b.stats;
+        d.set_item("mem_used", b.mem_used())?;
+        d.set_item("checkpoint_mem", b.checkpoint_mem())?;
+        d.set_item("memory_quota", b.config.memory_quota)?;
+        d.set_item("high_watermark", b.config.high_watermark_bytes())?;
+        d.set_item("checkpoint_quota", b.config.checkpoint_quota_bytes())?;
+        let (mut items, mut tombstones) = (0usize, 0usize);
+        for v in 0..b.num_vbuckets() {
+            let vb = b.lock_vbucket(v).expect("in range");
+            items += vb.store.live_items();
+            tombstones += vb.store.tombstones();
+        }
+        d.set_item("items", items)?;
+        d.set_item("tombstones", tombstones)?;
+        for (k, v) in [
+            ("sets", &s.sets),
+            ("deletes", &s.deletes),
+            ("gets", &s.gets),
+            ("get_misses", &s.get_misses),
+            ("tmp_failures", &s.tmp_failures),
+            ("expired_on_access", &s.expired_on_access),
+            ("expired_by_pager", &s.expired_by_pager),
+            ("tombstones_purged", &s.tombstones_purged),
+            ("cursors_dropped", &s.cursors_dropped),
+        ] {
+            d.set_item(k, v.load(Relaxed))?;
+        }
+        d.set_item("wal_last_lsn", self.engine.wal().last_lsn())?;
+        d.set_item("wal_durable_lsn", self.engine.wal().durable_lsn())?;
+        d.set_item("wal_failing", self.engine.wal().is_failing())?;
+        Ok(d)
+    }
+
+    /// What recovery found at open.
+    fn recovery_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.engine.recovery_report();
+        let d = PyDict::new(py);
+        d.set_item("snapshot", r.snapshot.map(|p| p.display().to_string()))?;
+        d.set_item("snapshot_lsn", r.snapshot_lsn)?;
+        d.set_item("snapshot_records", r.snapshot_records)?;
+        d.set_item("wal_segments", r.wal_segments)?;
+        d.set_item("wal_records", r.wal_records)?;
+        d.set_item("last_lsn", r.last_lsn)?;
+        d.set_item("unclean_shutdown", r.unclean_shutdown)?;
+        d.set_item("truncated", r.truncated.map(|(p, o)| (p.display().to_string(), o)))?;
+        d.set_item("skipped_damage", r.skipped_damage)?;
+        d.set_item("seconds", r.duration.as_secs_f64())?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn instance(&self) -> String {
+        self.engine.instance().to_string()
+    }
+
+    /// Flushes and closes the WAL cleanly. Further calls fail with ClosedError.
+    fn close(&self, py: Python<'_>) {
+        py.allow_threads(|| self.engine.close())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+/// A shared slice handed to a closure that runs without the GIL.
+struct SendPtr<'a, T>(&'a T);
+// SAFETY: the referenced Vec holds plain slices into immutable PyBytes kept alive by the caller.
+unsafe impl<T> Send for SendPtr<'_, T> {}
+impl<'a, T> SendPtr<'a, T> {
+    fn get(&self) -> &'a T {
+        self.0
+    }
+}
+
+/// Prints the records of a WAL segment or snapshot as JSON lines to the file descriptor `fd`.
+/// Returns how many records were printed.
+#[pyfunction]
+fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
+    use std::os::fd::FromRawFd;
+    py.allow_threads(|| {
+        // SAFETY: dup gives us our own descriptor to own and close.
+        let own = unsafe { libc::dup(fd) };
+        if own < 0 {
+            return Err(Error::Io(format!("bad file descriptor {fd}")));
+        }
+        let file = unsafe { std::fs::File::from_raw_fd(own) };
+        let mut out = std::io::BufWriter::new(file);
+        let n = sluice_core::dump::dump(&path, &mut out)?;
+        std::io::Write::flush(&mut out).map_err(|e| Error::io("writing output", e))?;
+        Ok(n)
+    })
+    .map_err(to_py)
+}
+
+/// The vbucket of a key for a bucket of `num_vbuckets` (Couchbase's mapping).
+#[pyfunction]
+fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
+    if num_vbuckets == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err("num_vbuckets must be positive"));
+    }
+    Ok(sluice_core::hash::vbucket_of(key, num_vbuckets))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let _ = pyo3_log::try_init();
+    let py = m.py();
+    m.add_class::<EngineSettings>()?;
+    m.add_class::<BucketSettings>()?;
+    m.add_class::<EmbeddedEngine>()?;
+    m.add_class::<Mutation>()?;
+    m.add_class::<ItemView>()?;
+    m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
+    m.add_function(wrap_pyfunction!(vbucket_of, m)?)?;
+    for (name, ty) in [
+        ("SluiceError", py.get_type::<SluiceError>()),
+        ("InvalidKeyError", py.get_type::<InvalidKeyError>()),
+        ("TooBigError", py.get_type::<TooBigError>()),
+        ("NotFoundError", py.get_type::<NotFoundError>()),
+        ("ExistsError", py.get_type::<ExistsError>()),
+        ("NotMyVbucketError", py.get_type::<NotMyVbucketError>()),
+        ("TempFailError", py.get_type::<TempFailError>()),
+        ("WalFailedError", py.get_type::<WalFailedError>()),
+        ("DurabilityImpossibleError", py.get_type::<DurabilityImpossibleError>()),
+        ("NoSuchBucketError", py.get_type::<NoSuchBucketError>()),
+        ("ConfigError", py.get_type::<ConfigError>()),
+        ("CorruptionError", py.get_type::<CorruptionError>()),
+        ("ClosedError", py.get_type::<ClosedError>()),
+    ] {
+        m.add(name, ty)?;
+    }
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

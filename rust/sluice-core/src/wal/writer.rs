@@ -64,8 +64,15 @@ pub enum MetaRecord {
 }
 
 pub enum WalPayload {
-    Change(Arc<Change>),
-    Meta { bucket: u16, vbucket: u16, record: MetaRecord },
+    Change(Change),
+    /// Boxed: meta records are rare and would otherwise triple the size of every queue entry.
+    Meta(Box<(u16, u16, MetaRecord)>),
+}
+
+impl WalPayload {
+    pub fn meta(bucket: u16, vbucket: u16, record: MetaRecord) -> WalPayload {
+        WalPayload::Meta(Box::new((bucket, vbucket, record)))
+    }
 }
 
 struct Queued {
@@ -78,15 +85,15 @@ impl Queued {
         let rec = match &self.payload {
             WalPayload::Change(c) => Record {
                 lsn: self.lsn,
-                bucket: c.bucket,
-                vbucket: c.vbucket,
-                body: RecordBody::Change { op: c.op, key: c.item.key(), value: c.item.value(), meta: c.item.meta },
+                bucket: c.bucket(),
+                vbucket: c.vbucket(),
+                body: RecordBody::Change { op: c.op(), key: c.key(), value: c.value(), meta: *c.meta() },
             },
-            WalPayload::Meta { bucket, vbucket, record } => Record {
+            WalPayload::Meta(m) => Record {
                 lsn: self.lsn,
-                bucket: *bucket,
-                vbucket: *vbucket,
-                body: match record {
+                bucket: m.0,
+                vbucket: m.1,
+                body: match &m.2 {
                     MetaRecord::VbucketState { state, high_seqno } => {
                         RecordBody::VbucketState { state: *state, high_seqno: *high_seqno }
                     }
@@ -375,16 +382,20 @@ impl Drop for WalWriter {
 
 fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_persisted: PersistedCallback) {
     let mut buf: Vec<u8> = Vec::with_capacity(4 << 20);
+    // Double buffering: the writer hands its drained batch vector back to the queue, so
+    // neither side regrows a vector per batch.
+    let mut batch: Vec<Queued> = Vec::new();
     let mut per_vb: HashMap<(u16, u16), u64> = HashMap::new();
     let mut persisted: Vec<(u16, u16, u64)> = Vec::new();
     loop {
-        let (batch, shutdown, rotate) = {
+        let (shutdown, rotate) = {
             let mut q = shared.queue.lock();
             while q.pending.is_empty() && !q.shutdown && !q.rotate {
                 shared.queue_cv.wait(&mut q);
             }
             let rotate = std::mem::take(&mut q.rotate);
-            (std::mem::take(&mut q.pending), q.shutdown, rotate)
+            std::mem::swap(&mut q.pending, &mut batch);
+            (q.shutdown, rotate)
         };
         if !batch.is_empty() {
             buf.clear();
@@ -440,13 +451,13 @@ fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_per
             per_vb.clear();
             for q in &batch {
                 if let WalPayload::Change(c) = &q.payload {
-                    let e = per_vb.entry((c.bucket, c.vbucket)).or_default();
-                    *e = (*e).max(c.item.meta.by_seqno);
+                    let e = per_vb.entry((c.bucket(), c.vbucket())).or_default();
+                    *e = (*e).max(c.seqno());
                 }
             }
             persisted.clear();
             persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
-            drop(batch);
+            batch.clear();
             on_persisted(&persisted);
         }
         let next_lsn = shared.durable.lock().durable + 1;

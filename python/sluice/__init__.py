@@ -1,0 +1,62 @@
+"""sluice: a replication daemon for key-value changes.
+
+The storage engine runs in Rust (``sluice._native``); this package configures it and drives it.
+"""
+
+from sluice._native import (
+    BucketSettings,
+    ClosedError,
+    ConfigError,
+    CorruptionError,
+    DurabilityImpossibleError,
+    EmbeddedEngine,
+    EngineSettings,
+    ExistsError,
+    InvalidKeyError,
+    ItemView,
+    Mutation,
+    NoSuchBucketError,
+    NotFoundError,
+    NotMyVbucketError,
+    SluiceError,
+    TempFailError,
+    TooBigError,
+    WalFailedError,
+    __version__,
+    vbucket_of,
+)
+from sluice.config import Config, load_config
+
+__all__ = [
+    "BucketSettings",
+    "ClosedError",
+    "Config",
+    "ConfigError",
+    "CorruptionError",
+    "DurabilityImpossibleError",
+    "EmbeddedEngine",
+    "EngineSettings",
+    "ExistsError",
+    "InvalidKeyError",
+    "ItemView",
+    "Mutation",
+    "NoSuchBucketError",
+    "NotFoundError",
+    "NotMyVbucketError",
+    "SluiceError",
+    "TempFailError",
+    "TooBigError",
+    "WalFailedError",
+    "__version__",
+    "load_config",
+    "open_engine",
+    "vbucket_of",
+]
+
+
+def open_engine(config: "Config | None" = None, **overrides: object) -> EmbeddedEngine:
+    """Opens the engine embedded in this process from a validated Config (defaults if None)."""
+    cfg = config if config is not None else Config.from_dict({})
+    if overrides:
+        cfg = cfg.with_overrides(**overrides)
+    return EmbeddedEngine(cfg.to_native())

@@ -1,0 +1,282 @@
+"""Configuration: one definition of every key, TOML validation with the key path and the
+reason in every error, and the conversion into the engine's native settings object.
+
+A bad value raises ``ConfigError`` naming the key, e.g.
+``invalid config: buckets.default.num_vbuckets: 0 is not in 1..1024``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from sluice._native import BucketSettings, ConfigError, EngineSettings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on older interpreters only
+    import tomli as tomllib
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3,
+}
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _fail(path: str, reason: str) -> ConfigError:
+    return ConfigError(f"invalid config: {path}: {reason}")
+
+
+def _int(path: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, f"expected an integer, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _float(path: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(path, f"expected a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(path, f"expected true or false, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _str(path: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, f"expected a string, got {type(v).__name__} {v!r}")
+    return v
+
+
+def parse_size(path: str, v: Any) -> int:
+    """Bytes from an integer or a string such as "64MiB" or "1GB"."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise _fail(path, f"{v!r} is not a size (examples: 4096, \"64MiB\", \"1GB\")")
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    n = _int(path, v)
+    if n < 0:
+        raise _fail(path, f"{n} is negative")
+    return n
+
+
+def parse_duration(path: str, v: Any) -> float:
+    """Seconds from a number or a string such as "500ms", "5s", "10m", "3d"."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*", v)
+        if not m:
+            raise _fail(path, f"{v!r} is not a duration (examples: 5, \"500ms\", \"10m\", \"3d\")")
+        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    s = _float(path, v)
+    if s < 0:
+        raise _fail(path, f"{s} is negative")
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One configuration key: where it lives, how it parses, its default, what it does."""
+
+    name: str
+    parse: Callable[[str, Any], Any]
+    default: Any
+    doc: str
+    type_name: str
+    check: Callable[[Any], str | None] | None = None
+    native: str | None = None  # keyword of the native settings object, when it differs
+
+    def value(self, path: str, raw: Any) -> Any:
+        v = self.parse(path, raw)
+        if self.check is not None:
+            why = self.check(v)
+            if why:
+                raise _fail(path, why)
+        return v
+
+
+def _choice(*options: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v in options else f"{v!r} is not one of {', '.join(options)}"
+
+
+def _between(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any], str | None]:
+    shown = f"({lo}, {hi}]" if lo_open else f"{lo}..{hi}"
+
+    def check(v: Any) -> str | None:
+        ok = (v > lo if lo_open else v >= lo) and v <= hi
+        return None if ok else f"{v} is not in {shown}"
+
+    return check
+
+
+def _at_least(lo: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= lo else f"{v} is below the minimum {lo}"
+
+
+DURABILITY_LEVELS = ("none", "persist", "majority", "majority_and_persist_active", "persist_to_majority")
+
+# Top-level and section keys, by dotted path.
+ENGINE_KEYS: list[Key] = [
+    Key("data_dir", lambda p, v: Path(_str(p, v)), Path("sluice-data"), "Directory holding wal/ and snap/.", "path"),
+    Key("force_recovery", _bool, False,
+        "Start even if WAL or snapshot files are damaged beyond a torn tail, skipping the damage.", "bool"),
+    Key("expiry_pager_interval", parse_duration, 60.0,
+        "How often expired items are turned into EXPIRATION changes and old tombstones purged.",
+        "duration", _between(0.001, 86400 * 365)),
+    Key("tombstone_purge_age", parse_duration, 3 * 86400.0,
+        "Tombstones older than this may be purged; streams starting below the purge seqno roll back to 0.",
+        "duration"),
+    Key("wal.mode", _str, "write",
+        "none: nothing on disk (a pure cache); write: write() per batch (survives a process crash); "
+        "fsync: write() and fdatasync() per batch (survives power loss).",
+        "string", _choice("none", "write", "fsync"), native="wal_mode"),
+    Key("wal.segment_size", parse_size, 64 * 1024**2, "A WAL segment is closed and a new one started past this size.",
+        "size", _at_least(4096), native="wal_segment_size"),
+    Key("snapshot.count", _int, 2, "How many snapshots to keep (with the WAL segments the oldest needs).",
+        "integer", _at_least(1), native="snapshot_count"),
+    Key("snapshot.interval", parse_duration, 3600.0, "Seconds between automatic snapshots; 0 turns them off.",
+        "duration", native="snapshot_interval"),
+    Key("checkpoint.max_items", _int, 10_000, "A checkpoint closes after this many changes.", "integer",
+        _at_least(1), native="checkpoint_max_items"),
+    Key("checkpoint.period", parse_duration, 5.0, "A checkpoint closes after this long.", "duration",
+        _between(0.001, 86400.0), native="checkpoint_period"),
+]
+
+BUCKET_KEYS: list[Key] = [
+    Key("num_vbuckets", _int, 64, "Number of vbuckets; fixed once the bucket has data.", "integer",
+        _between(1, 1024)),
+    Key("memory_quota", parse_size, 1024**3, "Bytes of items and checkpoints the bucket may hold.", "size",
+        _at_least(1024**2)),
+    Key("high_watermark", _float, 0.85, "Fraction of the quota above which writes get a temporary failure.",
+        "number", _between(0, 1, lo_open=True)),
+    Key("max_item_size", parse_size, 20 * 1024**2, "Largest value accepted, in bytes.", "size",
+        _between(1, 64 * 1024**2)),
+    Key("checkpoint_memory_ratio", _float, 0.3,
+        "Fraction of the quota checkpoints may use before the slowest cursors are dropped.", "number",
+        _between(0, 1, lo_open=True)),
+    Key("durability", _str, "none", "Default durability level of writes: " + ", ".join(DURABILITY_LEVELS) + ".",
+        "string", _choice(*DURABILITY_LEVELS)),
+]
+
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9_.%-]{1,100}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated configuration. Build it with ``load_config`` or ``Config.from_dict``."""
+
+    values: Mapping[str, Any]
+    buckets: Mapping[str, Mapping[str, Any]]
+    source: str = "<defaults>"
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> Config:
+        values = {k.name: k.default for k in ENGINE_KEYS}
+        by_name = {k.name: k for k in ENGINE_KEYS}
+        sections = {k.name.split(".")[0] for k in ENGINE_KEYS if "." in k.name}
+        buckets: dict[str, dict[str, Any]] = {}
+        for top, raw in doc.items():
+            if top == "buckets":
+                if not isinstance(raw, dict):
+                    raise _fail("buckets", "expected a table of buckets, e.g. [buckets.default]")
+                for name, table in raw.items():
+                    buckets[name] = _bucket(name, table)
+            elif top in sections:
+                if not isinstance(raw, dict):
+                    raise _fail(top, f"expected a table, got {type(raw).__name__}")
+                for sub, v in raw.items():
+                    path = f"{top}.{sub}"
+                    if path not in by_name:
+                        raise _fail(path, f"unknown key (known in [{top}]: "
+                                    f"{', '.join(k.name.split('.', 1)[1] for k in ENGINE_KEYS if k.name.startswith(top + '.'))})")
+                    values[path] = by_name[path].value(path, v)
+            elif top in by_name:
+                values[top] = by_name[top].value(top, raw)
+            else:
+                raise _fail(top, "unknown key")
+        buckets.setdefault("default", _bucket("default", {}))
+        return cls(values=values, buckets=buckets, source=source)
+
+    def with_overrides(self, **overrides: Any) -> Config:
+        """A copy with top-level keys replaced (command-line flags), validated the same way."""
+        by_name = {k.name: k for k in ENGINE_KEYS}
+        values = dict(self.values)
+        for name, raw in overrides.items():
+            path = name.replace("__", ".")
+            if path not in by_name:
+                raise _fail(path, "unknown key")
+            values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
+        return dataclasses.replace(self, values=values)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.values["data_dir"]
+
+    def to_native(self) -> EngineSettings:
+        kwargs = {(k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.name != "data_dir"}
+        buckets = [BucketSettings(name, **b) for name, b in self.buckets.items()]
+        return EngineSettings(str(self.values["data_dir"]), buckets=buckets, **kwargs)
+
+
+def _bucket(name: str, table: Any) -> dict[str, Any]:
+    path = f"buckets.{name}"
+    if not _BUCKET_NAME.fullmatch(name):
+        raise _fail(path, f"bucket name {name!r} must be 1 to 100 of A-Z a-z 0-9 _ . % -")
+    if not isinstance(table, dict):
+        raise _fail(path, f"expected a table, got {type(table).__name__}")
+    by_name = {k.name: k for k in BUCKET_KEYS}
+    out = {k.name: k.default for k in BUCKET_KEYS}
+    for key, raw in table.items():
+        if key not in by_name:
+            raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(by_name)})")
+        out[key] = by_name[key].value(f"{path}.{key}", raw)
+    return out
+
+
+def load_config(path: str | Path) -> Config:
+    """Reads and validates a TOML file. Errors name the file, the key path and the reason."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    try:
+        return Config.from_dict(doc, source=str(p))
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+def reference() -> str:
+    """Markdown reference of every key, generated from the definitions above."""
+    lines = ["# sluice configuration reference", "",
+             "Generated by `sluice config reference` from `python/sluice/config.py`.", "",
+             "Sizes take bytes or a unit (`\"64MiB\"`, `\"1GB\"`); durations take seconds or a unit "
+             "(`\"500ms\"`, `\"10m\"`, `\"3d\"`).", "",
+             "| key | type | default | meaning |", "|---|---|---|---|"]
+    for k in ENGINE_KEYS:
+        lines.append(f"| `{k.name}` | {k.type_name} | `{_show(k.default)}` | {k.doc} |")
+    lines += ["", "Buckets are tables under `[buckets.NAME]`; `default` always exists.", "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    for k in BUCKET_KEYS:
+        lines.append(f"| `buckets.NAME.{k.name}` | {k.type_name} | `{_show(k.default)}` | {k.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, Path):
+        return str(v)
+    return repr(v) if isinstance(v, str) else str(v)
