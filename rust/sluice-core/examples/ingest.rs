@@ -9,9 +9,15 @@ use sluice_core::{Engine, EngineConfig};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = args.get(1).expect("usage: ingest DIR [N] [MODE] [BATCH]");
-    let n: usize = args.get(2).map(|s| s.parse().expect("N")).unwrap_or(1_000_000);
+    let n: usize = args
+        .get(2)
+        .map(|s| s.parse().expect("N"))
+        .unwrap_or(1_000_000);
     let mode = args.get(3).map(String::as_str).unwrap_or("write");
-    let batch: usize = args.get(4).map(|s| s.parse().expect("BATCH")).unwrap_or(10_000);
+    let batch: usize = args
+        .get(4)
+        .map(|s| s.parse().expect("BATCH"))
+        .unwrap_or(10_000);
     let cfg = EngineConfig {
         data_dir: dir.into(),
         wal_mode: sluice_core::wal::WalMode::parse(mode).expect("mode is none, write or fsync"),
@@ -20,17 +26,21 @@ fn main() {
     };
     let engine = Engine::open(cfg).expect("open");
     let bucket = engine.bucket("default").expect("default bucket");
-    let keys: Vec<[u8; 16]> = (0..n).map(|i| {
-        let mut k = [b'k'; 16];
-        k[6..].copy_from_slice(format!("{i:010}").as_bytes());
-        k
-    }).collect();
+    let keys: Vec<[u8; 16]> = (0..n)
+        .map(|i| {
+            let mut k = [b'k'; 16];
+            k[6..].copy_from_slice(format!("{i:010}").as_bytes());
+            k
+        })
+        .collect();
     let value = [b'v'; 100];
     let t = Instant::now();
     let mut last = 0;
     for chunk in keys.chunks(batch) {
         let items: Vec<(&[u8], &[u8])> = chunk.iter().map(|k| (&k[..], &value[..])).collect();
-        last = engine.set_many(&bucket, &items, 0, 0, None).expect("set_many");
+        last = engine
+            .set_many(&bucket, &items, 0, 0, None)
+            .expect("set_many");
     }
     let applied = t.elapsed();
     if mode != "none" {

@@ -19,7 +19,12 @@ pub struct Backfill {
 
 impl Backfill {
     /// Begins under the caller's lock on `vb`; `end` is capped at the high seqno now.
-    pub(crate) fn begin_locked(bucket: Arc<Bucket>, vb: &mut VBucket, start: u64, end: u64) -> Backfill {
+    pub(crate) fn begin_locked(
+        bucket: Arc<Bucket>,
+        vb: &mut VBucket,
+        start: u64,
+        end: u64,
+    ) -> Backfill {
         let end = end.min(vb.high_seqno);
         let next = if start <= end {
             vb.store.begin_range_read();
@@ -27,7 +32,13 @@ impl Backfill {
         } else {
             None
         };
-        Backfill { bucket, vbucket: vb.id, start, end, next }
+        Backfill {
+            bucket,
+            vbucket: vb.id,
+            start,
+            end,
+            next,
+        }
     }
 
     /// The snapshot this backfill delivers: `[start, end]`.
@@ -45,10 +56,17 @@ impl Backfill {
 
     /// Up to `limit` items in seqno order; an empty result means the backfill is complete.
     pub fn next_chunk(&mut self, limit: usize) -> Vec<Item> {
-        let Some(from) = self.next else { return Vec::new() };
+        let Some(from) = self.next else {
+            return Vec::new();
+        };
         let mut out = Vec::with_capacity(limit.min(4096));
-        let mut vb = self.bucket.lock_vbucket(self.vbucket).expect("vbucket exists");
-        self.next = vb.store.read_range(from, self.end, limit.max(1), |i| out.push(i.to_item()));
+        let mut vb = self
+            .bucket
+            .lock_vbucket(self.vbucket)
+            .expect("vbucket exists");
+        self.next = vb
+            .store
+            .read_range(from, self.end, limit.max(1), |i| out.push(i.to_item()));
         if self.next.is_none() {
             vb.store.end_range_read();
             self.bucket.account(&mut vb);

@@ -67,8 +67,10 @@ impl Bucket {
     pub fn account(&self, vb: &mut VBucket) {
         let total = vb.mem_bytes();
         let cp = vb.checkpoints.mem_bytes();
-        self.mem_used.fetch_add(total as isize - vb.accounted.0 as isize, Ordering::Relaxed);
-        self.checkpoint_mem.fetch_add(cp as isize - vb.accounted.1 as isize, Ordering::Relaxed);
+        self.mem_used
+            .fetch_add(total as isize - vb.accounted.0 as isize, Ordering::Relaxed);
+        self.checkpoint_mem
+            .fetch_add(cp as isize - vb.accounted.1 as isize, Ordering::Relaxed);
         vb.accounted = (total, cp);
     }
 

@@ -24,7 +24,10 @@ pub struct CheckpointConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { max_items: 10_000, period: Duration::from_secs(5) }
+        CheckpointConfig {
+            max_items: 10_000,
+            period: Duration::from_secs(5),
+        }
     }
 }
 
@@ -35,7 +38,10 @@ struct Entry {
 }
 
 fn entry_cost(c: &Change) -> usize {
-    std::mem::size_of::<Entry>() + std::mem::size_of::<crate::item::ChangeHeader>() + 16 + c.data_len()
+    std::mem::size_of::<Entry>()
+        + std::mem::size_of::<crate::item::ChangeHeader>()
+        + 16
+        + c.data_len()
 }
 
 struct Checkpoint {
@@ -72,7 +78,6 @@ impl Checkpoint {
         }
         self.entries.binary_search_by_key(&seqno, |e| e.seqno)
     }
-
 }
 
 /// Where a newly registered cursor starts, and what must come from backfill first.
@@ -130,7 +135,7 @@ pub struct DropSlowest;
 impl CursorDropPolicy for DropSlowest {
     fn choose(&self, over_by: usize, candidates: &[CursorInfo]) -> Vec<(u16, u16, CursorId)> {
         let mut c: Vec<&CursorInfo> = candidates.iter().filter(|c| c.pinned_bytes > 0).collect();
-        c.sort_by(|a, b| b.pinned_bytes.cmp(&a.pinned_bytes));
+        c.sort_by_key(|info| std::cmp::Reverse(info.pinned_bytes));
         let mut freed = 0;
         let mut out = Vec::new();
         for info in c {
@@ -187,7 +192,8 @@ impl CheckpointManager {
     fn open_checkpoint(&mut self) {
         let id = self.next_checkpoint;
         self.next_checkpoint += 1;
-        self.checkpoints.push_back(Checkpoint::new(id, self.high + 1));
+        self.checkpoints
+            .push_back(Checkpoint::new(id, self.high + 1));
     }
 
     fn close_open_checkpoint(&mut self) {
@@ -225,7 +231,10 @@ impl CheckpointManager {
         debug_assert!(seqno > self.high);
         self.high = seqno;
         let cost = entry_cost(&change);
-        let cp = self.checkpoints.back_mut().expect("always one open checkpoint");
+        let cp = self
+            .checkpoints
+            .back_mut()
+            .expect("always one open checkpoint");
         if let Some(old) = replaces.filter(|&s| s >= cp.start) {
             if let Ok(i) = cp.position(old) {
                 if let Some(c) = cp.entries[i].change.take() {
@@ -236,7 +245,10 @@ impl CheckpointManager {
                 }
             }
         }
-        cp.entries.push_back(Entry { seqno, change: Some(change) });
+        cp.entries.push_back(Entry {
+            seqno,
+            change: Some(change),
+        });
         cp.end = seqno;
         cp.mem += cost;
         self.mem += cost;
@@ -246,7 +258,10 @@ impl CheckpointManager {
 
     /// The oldest seqno from which every later change is still held (possibly deduplicated).
     fn available_from(&self) -> u64 {
-        let cp = self.checkpoints.front().expect("always one open checkpoint");
+        let cp = self
+            .checkpoints
+            .front()
+            .expect("always one open checkpoint");
         match cp.entries.front() {
             Some(e) => e.seqno.max(cp.start),
             None => cp.end + 1,
@@ -264,7 +279,14 @@ impl CheckpointManager {
             (available - 1, Some((have_seqno + 1, available - 1)))
         };
         let dropped = Arc::new(AtomicBool::new(false));
-        self.cursors.insert(id, Cursor { name: name.to_string(), seqno, dropped: dropped.clone() });
+        self.cursors.insert(
+            id,
+            Cursor {
+                name: name.to_string(),
+                seqno,
+                dropped: dropped.clone(),
+            },
+        );
         (Registration { id, backfill }, CursorHandle { id, dropped })
     }
 
@@ -279,7 +301,11 @@ impl CheckpointManager {
     pub fn drop_cursor(&mut self, id: CursorId) -> isize {
         if let Some(c) = self.cursors.get(&id) {
             c.dropped.store(true, Ordering::Release);
-            log::info!("dropping checkpoint cursor '{}' at seqno {} to free memory", c.name, c.seqno);
+            log::info!(
+                "dropping checkpoint cursor '{}' at seqno {} to free memory",
+                c.name,
+                c.seqno
+            );
         }
         self.remove_cursor(id)
     }
@@ -322,7 +348,12 @@ impl CheckpointManager {
             let end = if exhausted { cp.end } else { last };
             budget -= changes.len();
             if !changes.is_empty() {
-                batches.push(CheckpointBatch { checkpoint_id: cp.id, start: (pos + 1).max(cp.start), end, changes });
+                batches.push(CheckpointBatch {
+                    checkpoint_id: cp.id,
+                    start: (pos + 1).max(cp.start),
+                    end,
+                    changes,
+                });
             }
             pos = end;
         }
@@ -342,7 +373,11 @@ impl CheckpointManager {
     }
 
     fn min_cursor(&self) -> u64 {
-        self.cursors.values().map(|c| c.seqno).min().unwrap_or(self.high)
+        self.cursors
+            .values()
+            .map(|c| c.seqno)
+            .min()
+            .unwrap_or(self.high)
     }
 
     /// Frees closed checkpoints behind every cursor and expels entries every cursor has passed.
@@ -384,13 +419,21 @@ impl CheckpointManager {
             .map(|(id, c)| {
                 // Only the unique slowest cursor frees anything when dropped alone: the
                 // entries between it and the next cursor (or the high seqno).
-                let pinned = if seqnos.first() == Some(&c.seqno) && seqnos.get(1) != Some(&c.seqno) {
+                let pinned = if seqnos.first() == Some(&c.seqno) && seqnos.get(1) != Some(&c.seqno)
+                {
                     let next = seqnos.get(1).copied().unwrap_or(self.high);
                     self.bytes_between(c.seqno, next)
                 } else {
                     0
                 };
-                CursorInfo { bucket, vbucket, id: *id, name: c.name.clone(), seqno: c.seqno, pinned_bytes: pinned }
+                CursorInfo {
+                    bucket,
+                    vbucket,
+                    id: *id,
+                    name: c.name.clone(),
+                    seqno: c.seqno,
+                    pinned_bytes: pinned,
+                }
             })
             .collect()
     }
@@ -400,7 +443,7 @@ impl CheckpointManager {
             .iter()
             .flat_map(|cp| cp.entries.iter())
             .filter(|e| e.seqno > after && e.seqno <= upto)
-            .filter_map(|e| e.change.as_ref().map(|c| entry_cost(c)))
+            .filter_map(|e| e.change.as_ref().map(entry_cost))
             .sum()
     }
 
@@ -418,7 +461,11 @@ impl CheckpointManager {
 
     /// Changes held (not counting deduplicated ones).
     pub fn num_items(&self) -> usize {
-        self.checkpoints.iter().flat_map(|c| c.entries.iter()).filter(|e| e.change.is_some()).count()
+        self.checkpoints
+            .iter()
+            .flat_map(|c| c.entries.iter())
+            .filter(|e| e.change.is_some())
+            .count()
     }
 
     pub fn high_seqno(&self) -> u64 {
@@ -445,17 +492,28 @@ mod tests {
     use crate::item::{ChangeOp, ItemMeta};
 
     fn change(key: &str, seqno: u64) -> Change {
-        let meta = ItemMeta { by_seqno: seqno, rev_seqno: 1, cas: seqno, ..Default::default() };
+        let meta = ItemMeta {
+            by_seqno: seqno,
+            rev_seqno: 1,
+            cas: seqno,
+            ..Default::default()
+        };
         Change::new(ChangeOp::Mutation, 0, 0, key.as_bytes(), b"value", meta)
     }
 
     fn cfg(max_items: usize) -> CheckpointConfig {
-        CheckpointConfig { max_items, period: Duration::from_secs(3600) }
+        CheckpointConfig {
+            max_items,
+            period: Duration::from_secs(3600),
+        }
     }
 
     fn read_seqnos(m: &mut CheckpointManager, id: CursorId) -> Vec<u64> {
         match m.read(id, usize::MAX).0 {
-            CursorRead::Batches(b) => b.iter().flat_map(|b| b.changes.iter().map(|c| c.seqno())).collect(),
+            CursorRead::Batches(b) => b
+                .iter()
+                .flat_map(|b| b.changes.iter().map(|c| c.seqno()))
+                .collect(),
             CursorRead::Dropped => panic!("dropped"),
         }
     }
@@ -480,14 +538,21 @@ mod tests {
         for s in 11..=15 {
             m.queue(change(&format!("k{s}"), s), None);
         }
-        let CursorRead::Batches(b) = m.read(r.id, usize::MAX).0 else { panic!() };
+        let CursorRead::Batches(b) = m.read(r.id, usize::MAX).0 else {
+            panic!()
+        };
         let ranges: Vec<(u64, u64)> = b.iter().map(|b| (b.start, b.end)).collect();
         assert_eq!(ranges, vec![(11, 12), (13, 14), (15, 15)]);
         // limited reads resume exactly where they stopped
         let mut all = Vec::new();
         loop {
-            let CursorRead::Batches(b) = m.read(r2.id, 2).0 else { panic!() };
-            let got: Vec<u64> = b.iter().flat_map(|b| b.changes.iter().map(|c| c.seqno())).collect();
+            let CursorRead::Batches(b) = m.read(r2.id, 2).0 else {
+                panic!()
+            };
+            let got: Vec<u64> = b
+                .iter()
+                .flat_map(|b| b.changes.iter().map(|c| c.seqno()))
+                .collect();
             if got.is_empty() {
                 break;
             }

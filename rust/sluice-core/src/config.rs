@@ -114,7 +114,10 @@ impl Default for EngineConfig {
 }
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Error {
-    Error::InvalidConfig { key: key.into(), reason: reason.into() }
+    Error::InvalidConfig {
+        key: key.into(),
+        reason: reason.into(),
+    }
 }
 
 impl EngineConfig {
@@ -142,15 +145,26 @@ impl EngineConfig {
             let key = |k: &str| format!("buckets[{i}].{k}");
             let name_ok = !b.name.is_empty()
                 && b.name.len() <= 100
-                && b.name.bytes().all(|c| c.is_ascii_alphanumeric() || b"-_.%".contains(&c));
+                && b.name
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || b"-_.%".contains(&c));
             if !name_ok {
-                return Err(invalid(key("name"), format!("{:?}: 1 to 100 of A-Z a-z 0-9 - _ . %", b.name)));
+                return Err(invalid(
+                    key("name"),
+                    format!("{:?}: 1 to 100 of A-Z a-z 0-9 - _ . %", b.name),
+                ));
             }
             if !names.insert(b.name.as_str()) {
-                return Err(invalid(key("name"), format!("bucket {:?} is defined twice", b.name)));
+                return Err(invalid(
+                    key("name"),
+                    format!("bucket {:?} is defined twice", b.name),
+                ));
             }
             if b.num_vbuckets == 0 || b.num_vbuckets > MAX_VBUCKETS {
-                return Err(invalid(key("num_vbuckets"), format!("{} is not in 1..={MAX_VBUCKETS}", b.num_vbuckets)));
+                return Err(invalid(
+                    key("num_vbuckets"),
+                    format!("{} is not in 1..={MAX_VBUCKETS}", b.num_vbuckets),
+                ));
             }
             if b.memory_quota < 1 << 20 {
                 return Err(invalid(key("memory_quota"), "must be at least 1 MiB"));
@@ -162,7 +176,10 @@ impl EngineConfig {
                 return Err(invalid(key("checkpoint_memory_ratio"), "must be in (0, 1]"));
             }
             if b.max_item_size == 0 || b.max_item_size > MAX_ITEM_SIZE_LIMIT {
-                return Err(invalid(key("max_item_size"), format!("must be in 1..={MAX_ITEM_SIZE_LIMIT}")));
+                return Err(invalid(
+                    key("max_item_size"),
+                    format!("must be in 1..={MAX_ITEM_SIZE_LIMIT}"),
+                ));
             }
         }
         if !self.buckets.iter().any(|b| b.name == "default") {

@@ -20,7 +20,12 @@ pub fn dump(path: &Path, out: &mut impl Write) -> Result<u64> {
         crate::wal::xlog::FileKind::Xlog => "xlog",
         crate::wal::xlog::FileKind::Snap => "snap",
     };
-    writeln!(out, "{}", serde_json::json!({"file": kind, "instance": header.instance, "lsn": header.lsn})).map_err(io)?;
+    writeln!(
+        out,
+        "{}",
+        serde_json::json!({"file": kind, "instance": header.instance, "lsn": header.lsn})
+    )
+    .map_err(io)?;
     let mut n = 0;
     loop {
         let end = match r.next_block()? {
@@ -34,7 +39,9 @@ pub fn dump(path: &Path, out: &mut impl Write) -> Result<u64> {
                             n += 1;
                         }
                         Err(e) => {
-                            bad = Some(serde_json::json!({"end": "corrupt", "offset": offset, "reason": e.to_string()}));
+                            bad = Some(
+                                serde_json::json!({"end": "corrupt", "offset": offset, "reason": e.to_string()}),
+                            );
                             break;
                         }
                     }
@@ -46,8 +53,12 @@ pub fn dump(path: &Path, out: &mut impl Write) -> Result<u64> {
             }
             Next::Eof { offset } => serde_json::json!({"end": "eof", "offset": offset}),
             Next::End { offset } => serde_json::json!({"end": "no-eof-marker", "offset": offset}),
-            Next::Torn { offset, reason } => serde_json::json!({"end": "torn", "offset": offset, "reason": reason}),
-            Next::Corrupt { offset, reason } => serde_json::json!({"end": "corrupt", "offset": offset, "reason": reason}),
+            Next::Torn { offset, reason } => {
+                serde_json::json!({"end": "torn", "offset": offset, "reason": reason})
+            }
+            Next::Corrupt { offset, reason } => {
+                serde_json::json!({"end": "corrupt", "offset": offset, "reason": reason})
+            }
         };
         writeln!(out, "{end}").map_err(io)?;
         return Ok(n);

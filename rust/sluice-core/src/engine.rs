@@ -16,7 +16,10 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::backfill::Backfill;
 use crate::bucket::Bucket;
-use crate::checkpoint::{CursorDropPolicy, CursorHandle, CursorId, CursorRead, DropSlowest, Registration, PERSISTENCE_CURSOR};
+use crate::checkpoint::{
+    CursorDropPolicy, CursorHandle, CursorId, CursorRead, DropSlowest, Registration,
+    PERSISTENCE_CURSOR,
+};
 use crate::config::{BucketConfig, Durability, EngineConfig};
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
@@ -53,7 +56,16 @@ pub struct StoreRequest<'a> {
 
 impl<'a> StoreRequest<'a> {
     pub fn set(key: &'a [u8], value: &'a [u8]) -> StoreRequest<'a> {
-        StoreRequest { key, value, flags: 0, expiry: 0, datatype: 0, cas: 0, mode: StoreMode::Set, durability: None }
+        StoreRequest {
+            key,
+            value,
+            flags: 0,
+            expiry: 0,
+            datatype: 0,
+            cas: 0,
+            mode: StoreMode::Set,
+            durability: None,
+        }
     }
 }
 
@@ -81,15 +93,23 @@ impl Catalog {
     }
 
     pub fn by_name(&self, name: &str) -> Option<Arc<Bucket>> {
-        self.buckets.read().iter().find(|b| b.name() == name).cloned()
+        self.buckets
+            .read()
+            .iter()
+            .find(|b| b.name() == name)
+            .cloned()
     }
 
     /// The WAL writer reports synced seqnos: advance each vbucket's persistence cursor.
     fn persisted(&self, upto: &[(u16, u16, u64)]) {
         let buckets = self.buckets.read();
         for &(b, v, seqno) in upto {
-            let Some(bucket) = buckets.iter().find(|x| x.id == b) else { continue };
-            let Some(mut vb) = bucket.lock_vbucket(v) else { continue };
+            let Some(bucket) = buckets.iter().find(|x| x.id == b) else {
+                continue;
+            };
+            let Some(mut vb) = bucket.lock_vbucket(v) else {
+                continue;
+            };
             vb.persisted_seqno = vb.persisted_seqno.max(seqno);
             if let Some(c) = vb.persistence_cursor {
                 vb.checkpoints.advance(c, seqno);
@@ -140,7 +160,10 @@ fn lock_data_dir(dir: &Path) -> Result<File> {
     // SAFETY: flock on an fd we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
-        return Err(Error::Io(format!("data directory {} is in use by another sluice process", dir.display())));
+        return Err(Error::Io(format!(
+            "data directory {} is in use by another sluice process",
+            dir.display()
+        )));
     }
     Ok(f)
 }
@@ -184,7 +207,11 @@ impl Engine {
             snapshot_lock: Mutex::new(()),
             closed: AtomicBool::new(false),
             drop_policy: RwLock::new(Arc::new(DropSlowest)),
-            background: Background { stop: Mutex::new(false), wake: Condvar::new(), quota_pressure: AtomicBool::new(false) },
+            background: Background {
+                stop: Mutex::new(false),
+                wake: Condvar::new(),
+                quota_pressure: AtomicBool::new(false),
+            },
             recovery_report: Mutex::new(recovery::Report::default()),
             lock_file: Mutex::new(Some(lock_file)),
             config,
@@ -192,7 +219,10 @@ impl Engine {
         Engine::install_buckets(&inner, recovered)?;
         report.duration = started.elapsed();
         *inner.recovery_report.lock() = report;
-        let engine = Engine { inner, threads: Mutex::new(Vec::new()) };
+        let engine = Engine {
+            inner,
+            threads: Mutex::new(Vec::new()),
+        };
         engine.start_background()?;
         Ok(engine)
     }
@@ -222,32 +252,54 @@ impl Engine {
                 None => {
                     let id = max_id;
                     max_id += 1;
-                    let vbs = (0..cfg.num_vbuckets).map(|v| VBucket::new(id, v, VbState::Active, ckpt)).collect();
+                    let vbs = (0..cfg.num_vbuckets)
+                        .map(|v| VBucket::new(id, v, VbState::Active, ckpt))
+                        .collect();
                     (id, vbs, true)
                 }
             };
             if vbs.len() != cfg.num_vbuckets as usize {
                 return Err(Error::InvalidConfig {
                     key: format!("buckets.{}.num_vbuckets", cfg.name),
-                    reason: format!("the data directory holds this bucket with {} vbuckets; it cannot change", vbs.len()),
+                    reason: format!(
+                        "the data directory holds this bucket with {} vbuckets; it cannot change",
+                        vbs.len()
+                    ),
                 });
             }
             {
                 let mut a = inner.wal.appender();
                 if fresh {
-                    a.push(WalPayload::meta(id, 0, MetaRecord::Bucket { name: cfg.name.clone(), num_vbuckets: cfg.num_vbuckets },));
+                    a.push(WalPayload::meta(
+                        id,
+                        0,
+                        MetaRecord::Bucket {
+                            name: cfg.name.clone(),
+                            num_vbuckets: cfg.num_vbuckets,
+                        },
+                    ));
                 }
                 for vb in vbs.iter_mut() {
                     vb.finish_recovery(ckpt);
                     if fresh {
-                        vb.last_lsn = a.push(WalPayload::meta(id, vb.id, MetaRecord::VbucketState { state: VbState::Active, high_seqno: 0 },));
+                        vb.last_lsn = a.push(WalPayload::meta(
+                            id,
+                            vb.id,
+                            MetaRecord::VbucketState {
+                                state: VbState::Active,
+                                high_seqno: 0,
+                            },
+                        ));
                     }
                     if vb.state == VbState::Active && (fresh || recovered.unclean) {
                         let e = vb.failover.create_entry(vb.high_seqno);
-                        vb.last_lsn = a.push(WalPayload::meta(id, vb.id, MetaRecord::FailoverEntry(e)));
+                        vb.last_lsn =
+                            a.push(WalPayload::meta(id, vb.id, MetaRecord::FailoverEntry(e)));
                     }
                     if inner.wal.mode() != WalMode::None {
-                        let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, vb.high_seqno);
+                        let (reg, _) = vb
+                            .checkpoints
+                            .register_cursor(PERSISTENCE_CURSOR, vb.high_seqno);
                         vb.persistence_cursor = Some(reg.id);
                     }
                 }
@@ -292,7 +344,10 @@ impl Engine {
     }
 
     pub fn bucket(&self, name: &str) -> Result<Arc<Bucket>> {
-        self.inner.catalog.by_name(name).ok_or_else(|| Error::NoSuchBucket(name.to_string()))
+        self.inner
+            .catalog
+            .by_name(name)
+            .ok_or_else(|| Error::NoSuchBucket(name.to_string()))
     }
 
     pub fn buckets(&self) -> Vec<Arc<Bucket>> {
@@ -317,7 +372,9 @@ impl Engine {
         if self.inner.wal.is_failing() {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
             let why = self.inner.wal.last_error().unwrap_or_default();
-            return Err(Error::TempFail(format!("the WAL cannot write ({why}); retry later")));
+            return Err(Error::TempFail(format!(
+                "the WAL cannot write ({why}); retry later"
+            )));
         }
         if bucket.above_high_watermark() {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
@@ -330,21 +387,35 @@ impl Engine {
         }
         match durability {
             Durability::None => Ok(()),
-            Durability::Persist if self.inner.wal.mode() == WalMode::None => {
-                Err(Error::DurabilityImpossible("wal.mode is none, nothing is persisted".into()))
-            }
+            Durability::Persist if self.inner.wal.mode() == WalMode::None => Err(
+                Error::DurabilityImpossible("wal.mode is none, nothing is persisted".into()),
+            ),
             Durability::Persist => Ok(()),
-            _ => Err(Error::DurabilityImpossible(format!("level {} needs replicas and this node has none", durability.as_str()))),
+            _ => Err(Error::DurabilityImpossible(format!(
+                "level {} needs replicas and this node has none",
+                durability.as_str()
+            ))),
         }
     }
 
     fn note_checkpoint_pressure(&self, bucket: &Bucket) {
-        if bucket.over_checkpoint_quota() && !self.inner.background.quota_pressure.swap(true, Ordering::AcqRel) {
+        if bucket.over_checkpoint_quota()
+            && !self
+                .inner
+                .background
+                .quota_pressure
+                .swap(true, Ordering::AcqRel)
+        {
             self.inner.background.wake.notify_all();
         }
     }
 
-    fn finish_write(&self, bucket: &Bucket, durability: Durability, r: MutationResult) -> Result<MutationResult> {
+    fn finish_write(
+        &self,
+        bucket: &Bucket,
+        durability: Durability,
+        r: MutationResult,
+    ) -> Result<MutationResult> {
         self.note_checkpoint_pressure(bucket);
         if durability == Durability::Persist {
             self.inner.wal.wait_durable(r.lsn, None)?;
@@ -356,7 +427,10 @@ impl Engine {
     pub fn store(&self, bucket: &Bucket, req: &StoreRequest<'_>) -> Result<MutationResult> {
         validate_key(req.key)?;
         if req.value.len() > bucket.config.max_item_size {
-            return Err(Error::TooBig { size: req.value.len(), max: bucket.config.max_item_size });
+            return Err(Error::TooBig {
+                size: req.value.len(),
+                max: bucket.config.max_item_size,
+            });
         }
         let durability = req.durability.unwrap_or(bucket.config.durability);
         self.admit_write(bucket, durability)?;
@@ -387,7 +461,14 @@ impl Engine {
             rev_seqno: existing.map(|m| m.rev_seqno + 1).unwrap_or(1),
             ..Default::default()
         };
-        let r = self.inner.apply_locked(bucket, &mut vb, ChangeOp::Mutation, req.key, req.value, meta);
+        let r = self.inner.apply_locked(
+            bucket,
+            &mut vb,
+            ChangeOp::Mutation,
+            req.key,
+            req.value,
+            meta,
+        );
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
         self.finish_write(bucket, durability, r)
@@ -395,12 +476,22 @@ impl Engine {
 
     /// Many SETs in one call: grouped by vbucket, one lock and one WAL queue lock per group.
     /// Returns the last LSN written; with `persist`, returns once all of them are durable.
-    pub fn set_many(&self, bucket: &Bucket, items: &[(&[u8], &[u8])], flags: u32, expiry: u32, durability: Option<Durability>) -> Result<u64> {
+    pub fn set_many(
+        &self,
+        bucket: &Bucket,
+        items: &[(&[u8], &[u8])],
+        flags: u32,
+        expiry: u32,
+        durability: Option<Durability>,
+    ) -> Result<u64> {
         let durability = durability.unwrap_or(bucket.config.durability);
         for (k, v) in items {
             validate_key(k)?;
             if v.len() > bucket.config.max_item_size {
-                return Err(Error::TooBig { size: v.len(), max: bucket.config.max_item_size });
+                return Err(Error::TooBig {
+                    size: v.len(),
+                    max: bucket.config.max_item_size,
+                });
             }
         }
         self.admit_write(bucket, durability)?;
@@ -437,7 +528,11 @@ impl Engine {
             for &i in group {
                 let (k, v) = items[i as usize];
                 // rev_seqno 0: the store assigns the key's next revision during the same lookup.
-                let meta = ItemMeta { flags, expiry: absolute_expiry(expiry, now), ..Default::default() };
+                let meta = ItemMeta {
+                    flags,
+                    expiry: absolute_expiry(expiry, now),
+                    ..Default::default()
+                };
                 changes.push(vb.apply_local(ChangeOp::Mutation, k, v, meta, now_ns));
             }
             {
@@ -449,7 +544,10 @@ impl Engine {
             vb.last_lsn = last_lsn;
             bucket.account(&mut vb);
         }
-        bucket.stats.sets.fetch_add(items.len() as u64, Ordering::Relaxed);
+        bucket
+            .stats
+            .sets
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
         self.note_checkpoint_pressure(bucket);
         if durability == Durability::Persist {
             self.inner.wal.wait_durable(last_lsn, None)?;
@@ -457,7 +555,13 @@ impl Engine {
         Ok(last_lsn)
     }
 
-    pub fn delete(&self, bucket: &Bucket, key: &[u8], cas: u64, durability: Option<Durability>) -> Result<MutationResult> {
+    pub fn delete(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        cas: u64,
+        durability: Option<Durability>,
+    ) -> Result<MutationResult> {
         validate_key(key)?;
         let durability = durability.unwrap_or(bucket.config.durability);
         self.admit_write(bucket, durability)?;
@@ -474,8 +578,15 @@ impl Engine {
         if cas != 0 && old.cas != cas {
             return Err(Error::Exists);
         }
-        let meta = ItemMeta { expiry: now, rev_seqno: old.rev_seqno + 1, deleted: true, ..Default::default() };
-        let r = self.inner.apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta);
+        let meta = ItemMeta {
+            expiry: now,
+            rev_seqno: old.rev_seqno + 1,
+            deleted: true,
+            ..Default::default()
+        };
+        let r = self
+            .inner
+            .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta);
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
         self.finish_write(bucket, durability, r)
@@ -498,7 +609,10 @@ impl Engine {
             Some(i) if is_expired(&i.meta(), now) => {
                 let meta = i.meta();
                 self.inner.expire_locked(bucket, &mut vb, key, &meta, now);
-                bucket.stats.expired_on_access.fetch_add(1, Ordering::Relaxed);
+                bucket
+                    .stats
+                    .expired_on_access
+                    .fetch_add(1, Ordering::Relaxed);
                 None
             }
             Some(i) => Some(i.to_item()),
@@ -519,17 +633,30 @@ impl Engine {
     /// Changes a vbucket's state; becoming active adds a failover entry.
     pub fn set_vbucket_state(&self, bucket: &Bucket, vbid: u16, state: VbState) -> Result<()> {
         self.check_open()?;
-        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        let mut vb = bucket
+            .lock_vbucket(vbid)
+            .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
         if vb.state == state {
             return Ok(());
         }
         let high = vb.high_seqno;
         vb.state = state;
         let mut a = self.inner.wal.appender();
-        vb.last_lsn = a.push(WalPayload::meta(bucket.id, vbid, MetaRecord::VbucketState { state, high_seqno: high }));
+        vb.last_lsn = a.push(WalPayload::meta(
+            bucket.id,
+            vbid,
+            MetaRecord::VbucketState {
+                state,
+                high_seqno: high,
+            },
+        ));
         if state == VbState::Active {
             let e = vb.failover.create_entry(high);
-            vb.last_lsn = a.push(WalPayload::meta(bucket.id, vbid, MetaRecord::FailoverEntry(e)));
+            vb.last_lsn = a.push(WalPayload::meta(
+                bucket.id,
+                vbid,
+                MetaRecord::FailoverEntry(e),
+            ));
         }
         Ok(())
     }
@@ -539,15 +666,21 @@ impl Engine {
     }
 
     pub fn high_seqnos(&self, bucket: &Bucket) -> Vec<u64> {
-        (0..bucket.num_vbuckets()).map(|v| bucket.lock_vbucket(v).expect("in range").high_seqno).collect()
+        (0..bucket.num_vbuckets())
+            .map(|v| bucket.lock_vbucket(v).expect("in range").high_seqno)
+            .collect()
     }
 
     pub fn persisted_seqnos(&self, bucket: &Bucket) -> Vec<u64> {
-        (0..bucket.num_vbuckets()).map(|v| bucket.lock_vbucket(v).expect("in range").persisted_seqno).collect()
+        (0..bucket.num_vbuckets())
+            .map(|v| bucket.lock_vbucket(v).expect("in range").persisted_seqno)
+            .collect()
     }
 
     pub fn failover_log(&self, bucket: &Bucket, vbid: u16) -> Option<Vec<FailoverEntry>> {
-        bucket.lock_vbucket(vbid).map(|vb| vb.failover.entries().to_vec())
+        bucket
+            .lock_vbucket(vbid)
+            .map(|vb| vb.failover.entries().to_vec())
     }
 
     pub fn purge_seqno(&self, bucket: &Bucket, vbid: u16) -> Option<u64> {
@@ -557,18 +690,36 @@ impl Engine {
     /// Registers a cursor for a reader holding everything up to `have_seqno`; when the
     /// checkpoints no longer hold what comes next, also starts the backfill that covers the
     /// gap, atomically with the registration so that nothing falls between them.
-    pub fn open_cursor(&self, bucket: &Arc<Bucket>, vbid: u16, name: &str, have_seqno: u64) -> Result<(Registration, CursorHandle, Option<Backfill>)> {
+    pub fn open_cursor(
+        &self,
+        bucket: &Arc<Bucket>,
+        vbid: u16,
+        name: &str,
+        have_seqno: u64,
+    ) -> Result<(Registration, CursorHandle, Option<Backfill>)> {
         self.check_open()?;
-        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        let mut vb = bucket
+            .lock_vbucket(vbid)
+            .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
         let have = have_seqno.min(vb.high_seqno);
         let (reg, handle) = vb.checkpoints.register_cursor(name, have);
-        let backfill = reg.backfill.map(|(start, end)| Backfill::begin_locked(bucket.clone(), &mut vb, start, end));
+        let backfill = reg
+            .backfill
+            .map(|(start, end)| Backfill::begin_locked(bucket.clone(), &mut vb, start, end));
         bucket.account(&mut vb);
         Ok((reg, handle, backfill))
     }
 
-    pub fn read_cursor(&self, bucket: &Bucket, vbid: u16, id: CursorId, limit: usize) -> CursorRead {
-        let Some(mut vb) = bucket.lock_vbucket(vbid) else { return CursorRead::Dropped };
+    pub fn read_cursor(
+        &self,
+        bucket: &Bucket,
+        vbid: u16,
+        id: CursorId,
+        limit: usize,
+    ) -> CursorRead {
+        let Some(mut vb) = bucket.lock_vbucket(vbid) else {
+            return CursorRead::Dropped;
+        };
         let (read, _) = vb.checkpoints.read(id, limit);
         bucket.account(&mut vb);
         read
@@ -582,8 +733,16 @@ impl Engine {
     }
 
     /// A backfill of `[start, end]` (end capped at the high seqno now) for a reader with no cursor.
-    pub fn backfill(&self, bucket: &Arc<Bucket>, vbid: u16, start: u64, end: u64) -> Result<Backfill> {
-        let mut vb = bucket.lock_vbucket(vbid).ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+    pub fn backfill(
+        &self,
+        bucket: &Arc<Bucket>,
+        vbid: u16,
+        start: u64,
+        end: u64,
+    ) -> Result<Backfill> {
+        let mut vb = bucket
+            .lock_vbucket(vbid)
+            .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
         Ok(Backfill::begin_locked(bucket.clone(), &mut vb, start, end))
     }
 
@@ -604,7 +763,15 @@ impl Engine {
     /// Writes a snapshot now and removes what retention no longer needs.
     pub fn snapshot_now(&self) -> Result<PathBuf> {
         self.check_open()?;
-        snapshot::write(&self.inner.catalog, &self.inner.wal, &self.inner.snap_dir, &self.inner.wal_dir, &self.inner.instance, self.inner.config.snapshot_count, &self.inner.snapshot_lock)
+        snapshot::write(
+            &self.inner.catalog,
+            &self.inner.wal,
+            &self.inner.snap_dir,
+            &self.inner.wal_dir,
+            &self.inner.instance,
+            self.inner.config.snapshot_count,
+            &self.inner.snapshot_lock,
+        )
     }
 
     pub fn set_wal_failpoint(&self, fp: Failpoint) {
@@ -675,7 +842,11 @@ fn enforce_checkpoint_quota(inner: &Inner) -> usize {
 
 fn run_pager(inner: &Inner) -> usize {
     let now = now_secs();
-    let purge_age = inner.config.tombstone_purge_age.as_secs().min(u32::MAX as u64) as u32;
+    let purge_age = inner
+        .config
+        .tombstone_purge_age
+        .as_secs()
+        .min(u32::MAX as u64) as u32;
     let mut n = 0;
     for bucket in inner.catalog.all() {
         for v in 0..bucket.num_vbuckets() {
@@ -685,12 +856,17 @@ fn run_pager(inner: &Inner) -> usize {
                 for key in vb.store.keys_where(|m| is_expired(m, now)) {
                     let meta = vb.store.get(&key).expect("listed above").meta();
                     inner.expire_locked(&bucket, &mut vb, &key, &meta, now);
-                    bucket.stats.expired_by_pager.fetch_add(1, Ordering::Relaxed);
+                    bucket
+                        .stats
+                        .expired_by_pager
+                        .fetch_add(1, Ordering::Relaxed);
                     n += 1;
                 }
             }
             if !vb.store.has_range_reads() {
-                let old = vb.store.keys_where(|m| m.deleted && m.expiry.saturating_add(purge_age) <= now);
+                let old = vb
+                    .store
+                    .keys_where(|m| m.deleted && m.expiry.saturating_add(purge_age) <= now);
                 let mut purged_upto = vb.purge_seqno;
                 for key in &old {
                     if let Some(m) = vb.store.purge(key) {
@@ -699,9 +875,16 @@ fn run_pager(inner: &Inner) -> usize {
                 }
                 if purged_upto > vb.purge_seqno {
                     vb.purge_seqno = purged_upto;
-                    let lsn = inner.wal.appender().push(WalPayload::meta(bucket.id, v, MetaRecord::PurgeSeqno(purged_upto)));
+                    let lsn = inner.wal.appender().push(WalPayload::meta(
+                        bucket.id,
+                        v,
+                        MetaRecord::PurgeSeqno(purged_upto),
+                    ));
                     vb.last_lsn = lsn;
-                    bucket.stats.tombstones_purged.fetch_add(old.len() as u64, Ordering::Relaxed);
+                    bucket
+                        .stats
+                        .tombstones_purged
+                        .fetch_add(old.len() as u64, Ordering::Relaxed);
                 }
             }
             bucket.account(&mut vb);
@@ -712,18 +895,44 @@ fn run_pager(inner: &Inner) -> usize {
 
 impl Inner {
     /// Applies a local change to a locked vbucket and queues it for the WAL.
-    fn apply_locked(&self, bucket: &Bucket, vb: &mut VBucket, op: ChangeOp, key: &[u8], value: &[u8], meta: ItemMeta) -> MutationResult {
+    fn apply_locked(
+        &self,
+        bucket: &Bucket,
+        vb: &mut VBucket,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        meta: ItemMeta,
+    ) -> MutationResult {
         let change = vb.apply_local(op, key, value, meta, now_nanos());
         let (cas, seqno) = (change.meta().cas, change.seqno());
         let lsn = self.wal.appender().push(WalPayload::Change(change));
         vb.last_lsn = lsn;
         bucket.account(vb);
-        MutationResult { cas, vbucket: vb.id, seqno, lsn }
+        MutationResult {
+            cas,
+            vbucket: vb.id,
+            seqno,
+            lsn,
+        }
     }
 
     /// Turns an expired item into an EXPIRATION change with its own seqno.
-    fn expire_locked(&self, bucket: &Bucket, vb: &mut VBucket, key: &[u8], old: &ItemMeta, now: u32) {
-        let meta = ItemMeta { flags: old.flags, expiry: now, rev_seqno: old.rev_seqno + 1, deleted: true, ..Default::default() };
+    fn expire_locked(
+        &self,
+        bucket: &Bucket,
+        vb: &mut VBucket,
+        key: &[u8],
+        old: &ItemMeta,
+        now: u32,
+    ) {
+        let meta = ItemMeta {
+            flags: old.flags,
+            expiry: now,
+            rev_seqno: old.rev_seqno + 1,
+            deleted: true,
+            ..Default::default()
+        };
         self.apply_locked(bucket, vb, ChangeOp::Expiration, key, b"", meta);
     }
 }
@@ -744,7 +953,11 @@ fn maintenance_loop(inner: Arc<Inner>) {
                 return;
             }
         }
-        if inner.background.quota_pressure.swap(false, Ordering::AcqRel) {
+        if inner
+            .background
+            .quota_pressure
+            .swap(false, Ordering::AcqRel)
+        {
             enforce_checkpoint_quota(&inner);
         }
         if last_pager.elapsed() >= inner.config.expiry_pager_interval {
@@ -768,12 +981,26 @@ fn snapshot_loop(inner: Arc<Inner>) {
         {
             let deadline = Instant::now() + interval;
             let mut stop = inner.background.stop.lock();
-            while !*stop && !inner.background.wake.wait_until(&mut stop, deadline).timed_out() {}
+            while !*stop
+                && !inner
+                    .background
+                    .wake
+                    .wait_until(&mut stop, deadline)
+                    .timed_out()
+            {}
             if *stop {
                 return;
             }
         }
-        if let Err(e) = snapshot::write(&inner.catalog, &inner.wal, &inner.snap_dir, &inner.wal_dir, &inner.instance, inner.config.snapshot_count, &inner.snapshot_lock) {
+        if let Err(e) = snapshot::write(
+            &inner.catalog,
+            &inner.wal,
+            &inner.snap_dir,
+            &inner.wal_dir,
+            &inner.instance,
+            inner.config.snapshot_count,
+            &inner.snapshot_lock,
+        ) {
             log::error!("periodic snapshot failed: {e}");
         }
     }

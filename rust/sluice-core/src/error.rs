@@ -8,7 +8,10 @@ pub enum Error {
     /// Key empty or longer than 250 bytes.
     InvalidKey(String),
     /// Value larger than the bucket's `max_item_size`.
-    TooBig { size: usize, max: usize },
+    TooBig {
+        size: usize,
+        max: usize,
+    },
     NotFound,
     /// ADD on an existing key, or a CAS mismatch.
     Exists,
@@ -22,10 +25,17 @@ pub enum Error {
     /// A durability level the bucket's configuration cannot provide (e.g. persist with wal.mode=none).
     DurabilityImpossible(String),
     NoSuchBucket(String),
-    InvalidConfig { key: String, reason: String },
+    InvalidConfig {
+        key: String,
+        reason: String,
+    },
     InvalidArgument(String),
     /// Damage found during recovery somewhere other than the torn tail of the last WAL segment.
-    Corrupt { file: PathBuf, offset: u64, reason: String },
+    Corrupt {
+        file: PathBuf,
+        offset: u64,
+        reason: String,
+    },
     Io(String),
     Closed,
 }
@@ -46,8 +56,16 @@ impl fmt::Display for Error {
             Error::NoSuchBucket(b) => write!(f, "no such bucket: {b}"),
             Error::InvalidConfig { key, reason } => write!(f, "invalid config: {key}: {reason}"),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
-            Error::Corrupt { file, offset, reason } => {
-                write!(f, "corrupt file {} at byte offset {offset}: {reason}", file.display())
+            Error::Corrupt {
+                file,
+                offset,
+                reason,
+            } => {
+                write!(
+                    f,
+                    "corrupt file {} at byte offset {offset}: {reason}",
+                    file.display()
+                )
             }
             Error::Io(why) => write!(f, "I/O error: {why}"),
             Error::Closed => write!(f, "engine is closed"),

@@ -33,7 +33,10 @@ impl FailoverLog {
 
     /// Adds a new branch of history at `seqno` with a fresh uuid and returns it.
     pub fn create_entry(&mut self, seqno: u64) -> FailoverEntry {
-        let e = FailoverEntry { uuid: random_uuid(), seqno };
+        let e = FailoverEntry {
+            uuid: random_uuid(),
+            seqno,
+        };
         self.push(e);
         e
     }

@@ -9,15 +9,21 @@ pub struct HybridClock {
 }
 
 pub fn now_nanos() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 pub fn now_secs() -> u32 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as u32)
+        .unwrap_or(0)
 }
 
 impl HybridClock {
-    pub fn next(&mut self) -> u64 {
+    pub fn tick(&mut self) -> u64 {
         self.next_at(now_nanos())
     }
 
@@ -44,10 +50,10 @@ mod tests {
     #[test]
     fn strictly_increasing_even_after_observing_the_future() {
         let mut c = HybridClock::default();
-        let a = c.next();
+        let a = c.tick();
         c.observe(a + (1 << 40));
-        let b = c.next();
+        let b = c.tick();
         assert_eq!(b, a + (1 << 40) + 1);
-        assert!(c.next() > b);
+        assert!(c.tick() > b);
     }
 }

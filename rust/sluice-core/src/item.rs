@@ -51,7 +51,11 @@ impl Item {
         let mut data = Vec::with_capacity(key.len() + value.len());
         data.extend_from_slice(key);
         data.extend_from_slice(value);
-        Item { meta, key_len: key.len() as u8, data: data.into_boxed_slice() }
+        Item {
+            meta,
+            key_len: key.len() as u8,
+            data: data.into_boxed_slice(),
+        }
     }
 
     pub fn key(&self) -> &[u8] {
@@ -83,10 +87,24 @@ pub struct ChangeHeader {
 pub struct Change(triomphe::Arc<triomphe::HeaderSlice<ChangeHeader, [u8]>>);
 
 impl Change {
-    pub fn new(op: ChangeOp, bucket: u16, vbucket: u16, key: &[u8], value: &[u8], meta: ItemMeta) -> Change {
+    pub fn new(
+        op: ChangeOp,
+        bucket: u16,
+        vbucket: u16,
+        key: &[u8],
+        value: &[u8],
+        meta: ItemMeta,
+    ) -> Change {
         debug_assert!(key.len() <= MAX_KEY_LEN);
-        let header = ChangeHeader { op, bucket, vbucket, key_len: key.len() as u8, meta };
-        let mut u = triomphe::UniqueArc::from_header_and_uninit_slice(header, key.len() + value.len());
+        let header = ChangeHeader {
+            op,
+            bucket,
+            vbucket,
+            key_len: key.len() as u8,
+            meta,
+        };
+        let mut u =
+            triomphe::UniqueArc::from_header_and_uninit_slice(header, key.len() + value.len());
         let dst = u.slice.as_mut_ptr() as *mut u8;
         // SAFETY: `dst` has room for key.len() + value.len() bytes; both writes stay inside it
         // and together initialise every byte before assume_init.
@@ -177,8 +195,14 @@ mod tests {
     fn expiry_rules() {
         assert_eq!(absolute_expiry(0, 1000), 0);
         assert_eq!(absolute_expiry(10, 1000), 1010);
-        assert_eq!(absolute_expiry(RELATIVE_EXPIRY_LIMIT, 1000), 1000 + RELATIVE_EXPIRY_LIMIT);
-        assert_eq!(absolute_expiry(RELATIVE_EXPIRY_LIMIT + 1, 1000), RELATIVE_EXPIRY_LIMIT + 1);
+        assert_eq!(
+            absolute_expiry(RELATIVE_EXPIRY_LIMIT, 1000),
+            1000 + RELATIVE_EXPIRY_LIMIT
+        );
+        assert_eq!(
+            absolute_expiry(RELATIVE_EXPIRY_LIMIT + 1, 1000),
+            RELATIVE_EXPIRY_LIMIT + 1
+        );
     }
 
     #[test]

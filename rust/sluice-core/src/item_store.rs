@@ -105,7 +105,10 @@ impl Slot {
             let len = self.len();
             // SAFETY: reconstructs exactly the Box<[u8]> leaked in new().
             unsafe {
-                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.data.as_ptr(), len)));
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    self.data.as_ptr(),
+                    len,
+                )));
             }
             self.state = DEAD;
             self.data = NonNull::dangling();
@@ -182,7 +185,9 @@ impl ItemStore {
         let h = self.hash(key);
         let chunks = &self.chunks;
         self.index
-            .find(h, |&p| chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key)
+            .find(h, |&p| {
+                chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key
+            })
             .map(|&p| p as usize)
     }
 
@@ -192,11 +197,14 @@ impl ItemStore {
     }
 
     fn push_slot(&mut self, slot: Slot) -> usize {
-        if self.len % CHUNK == 0 {
+        if self.len.is_multiple_of(CHUNK) {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
         let pos = self.len;
-        self.chunks.last_mut().expect("chunk pushed above").push(slot);
+        self.chunks
+            .last_mut()
+            .expect("chunk pushed above")
+            .push(slot);
         self.len += 1;
         pos
     }
@@ -269,7 +277,9 @@ impl ItemStore {
         let chunks = &self.chunks;
         let found = self
             .index
-            .find_entry(h, |&p| chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key)
+            .find_entry(h, |&p| {
+                chunks[p as usize / CHUNK][p as usize % CHUNK].key() == key
+            })
             .ok()?;
         let (pos, _) = found.remove();
         let pos = pos as usize;
@@ -306,9 +316,10 @@ impl ItemStore {
         let hasher = &self.hasher;
         for pos in 0..self.len {
             let key = chunks[pos / CHUNK][pos % CHUNK].key();
-            self.index.insert_unique(hasher.hash_one(key), pos as u32, |&p| {
-                hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key())
-            });
+            self.index
+                .insert_unique(hasher.hash_one(key), pos as u32, |&p| {
+                    hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key())
+                });
         }
         self.index.shrink_to_fit(|&p| {
             hasher.hash_one(chunks[p as usize / CHUNK][p as usize % CHUNK].key())
@@ -341,7 +352,10 @@ impl ItemStore {
             let stale: Vec<u64> = self.stale_successor.drain().map(|(s, _)| s).collect();
             for seqno in stale {
                 let pos = self.lower_bound(seqno);
-                if pos < self.len && self.slot(pos).by_seqno == seqno && self.slot(pos).state == STALE {
+                if pos < self.len
+                    && self.slot(pos).by_seqno == seqno
+                    && self.slot(pos).state == STALE
+                {
                     let bytes = self.slot(pos).len();
                     self.slot_mut(pos).kill();
                     self.dead += 1;
@@ -374,7 +388,10 @@ impl ItemStore {
             }
             let visible = match slot.state {
                 LIVE => true,
-                STALE => self.stale_successor.get(&slot.by_seqno).is_some_and(|&s| s > end),
+                STALE => self
+                    .stale_successor
+                    .get(&slot.by_seqno)
+                    .is_some_and(|&s| s > end),
                 _ => false,
             };
             if visible {
@@ -407,6 +424,7 @@ impl ItemStore {
     }
 
     /// Current versions, tombstones included.
+    #[allow(clippy::misnamed_getters)]
     pub fn len(&self) -> usize {
         self.current
     }
@@ -441,7 +459,13 @@ mod tests {
     use super::*;
 
     fn meta(seqno: u64, deleted: bool) -> ItemMeta {
-        ItemMeta { by_seqno: seqno, rev_seqno: 1, cas: seqno, deleted, ..Default::default() }
+        ItemMeta {
+            by_seqno: seqno,
+            rev_seqno: 1,
+            cas: seqno,
+            deleted,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -461,7 +485,11 @@ mod tests {
             }
         }
         assert_eq!(s.len(), 2000);
-        assert!(s.len <= 2000 + 2 * 2000 + CHUNK, "compaction keeps the log bounded: {}", s.len);
+        assert!(
+            s.len <= 2000 + 2 * 2000 + CHUNK,
+            "compaction keeps the log bounded: {}",
+            s.len
+        );
         for k in 0..2000u32 {
             let it = s.get(&k.to_be_bytes()).unwrap();
             assert_eq!(it.value(), format!("v4-{k}").as_bytes());
@@ -486,7 +514,9 @@ mod tests {
         s.purge(&5u64.to_be_bytes());
         let mut got = Vec::new();
         let mut from = 1;
-        while let Some(next) = s.read_range(from, 10, 3, |i| got.push((i.meta().by_seqno, i.value().to_vec()))) {
+        while let Some(next) = s.read_range(from, 10, 3, |i| {
+            got.push((i.meta().by_seqno, i.value().to_vec()))
+        }) {
             from = next;
         }
         let seqnos: Vec<u64> = got.iter().map(|g| g.0).collect();

@@ -10,9 +10,9 @@ use sluice_proto::msgpack::Reader;
 
 use crate::checkpoint::CheckpointConfig;
 use crate::error::{Error, Result};
+use crate::vbucket::{VBucket, VbState};
 use crate::wal::record::{self, Record, RecordBody};
 use crate::wal::xlog::{self, FileKind, Next, XlogReader};
-use crate::vbucket::{VBucket, VbState};
 
 pub struct RecoveredBucket {
     pub id: u16,
@@ -51,16 +51,29 @@ struct State {
 impl State {
     fn apply(&mut self, rec: &Record<'_>, from_wal: bool) -> std::result::Result<(), String> {
         if let RecordBody::Bucket { name, num_vbuckets } = rec.body {
-            let name = String::from_utf8(name.to_vec()).map_err(|_| "bucket name is not UTF-8".to_string())?;
+            let name = String::from_utf8(name.to_vec())
+                .map_err(|_| "bucket name is not UTF-8".to_string())?;
             match self.buckets.get(&rec.bucket) {
                 Some(b) if b.name != name || b.vbuckets.len() != num_vbuckets as usize => {
-                    return Err(format!("bucket id {} declared twice differently", rec.bucket))
+                    return Err(format!(
+                        "bucket id {} declared twice differently",
+                        rec.bucket
+                    ))
                 }
                 Some(_) => {}
                 None => {
                     let cfg = CheckpointConfig::default();
-                    let vbuckets = (0..num_vbuckets).map(|v| VBucket::new(rec.bucket, v, VbState::Dead, cfg)).collect();
-                    self.buckets.insert(rec.bucket, RecoveredBucket { id: rec.bucket, name, vbuckets });
+                    let vbuckets = (0..num_vbuckets)
+                        .map(|v| VBucket::new(rec.bucket, v, VbState::Dead, cfg))
+                        .collect();
+                    self.buckets.insert(
+                        rec.bucket,
+                        RecoveredBucket {
+                            id: rec.bucket,
+                            name,
+                            vbuckets,
+                        },
+                    );
                 }
             }
             return Ok(());
@@ -69,21 +82,36 @@ impl State {
             .buckets
             .get_mut(&rec.bucket)
             .and_then(|b| b.vbuckets.get_mut(rec.vbucket as usize))
-            .ok_or_else(|| format!("record for unknown bucket {} vbucket {}", rec.bucket, rec.vbucket))?;
+            .ok_or_else(|| {
+                format!(
+                    "record for unknown bucket {} vbucket {}",
+                    rec.bucket, rec.vbucket
+                )
+            })?;
         if from_wal && rec.lsn <= vb.last_lsn {
             return Ok(());
         }
         match &rec.body {
-            RecordBody::Change { key, value, meta, .. } => {
+            RecordBody::Change {
+                key, value, meta, ..
+            } => {
                 if meta.by_seqno <= vb.high_seqno && from_wal {
-                    return Err(format!("seqno {} of vbucket {} is not above its high seqno {}", meta.by_seqno, rec.vbucket, vb.high_seqno));
+                    return Err(format!(
+                        "seqno {} of vbucket {} is not above its high seqno {}",
+                        meta.by_seqno, rec.vbucket, vb.high_seqno
+                    ));
                 }
                 vb.recover_item(key, value, meta);
             }
             RecordBody::VbucketState { state, .. } => vb.state = *state,
             RecordBody::FailoverEntry(e) => vb.failover.push(*e),
             RecordBody::PurgeSeqno(s) => vb.purge_seqno = vb.purge_seqno.max(*s),
-            RecordBody::VbucketSnapshot { state, high_seqno, max_cas, purge_seqno } => {
+            RecordBody::VbucketSnapshot {
+                state,
+                high_seqno,
+                max_cas,
+                purge_seqno,
+            } => {
                 vb.state = *state;
                 vb.high_seqno = *high_seqno;
                 vb.clock.observe(*max_cas);
@@ -97,7 +125,11 @@ impl State {
 }
 
 fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> Error {
-    Error::Corrupt { file: path.to_path_buf(), offset, reason: reason.into() }
+    Error::Corrupt {
+        file: path.to_path_buf(),
+        offset,
+        reason: reason.into(),
+    }
 }
 
 /// Loads one snapshot whole; any damage makes it unusable.
@@ -115,21 +147,36 @@ fn load_snapshot(path: &Path, instance: &mut Option<String>) -> Result<(State, u
             Next::Block { offset, payload } => {
                 let mut rd = Reader::new(payload);
                 while !rd.is_empty() {
-                    let rec = record::decode(&mut rd).map_err(|e| corrupt(path, offset, e.to_string()))?;
-                    state.apply(&rec, false).map_err(|e| corrupt(path, offset, e))?;
+                    let rec = record::decode(&mut rd)
+                        .map_err(|e| corrupt(path, offset, e.to_string()))?;
+                    state
+                        .apply(&rec, false)
+                        .map_err(|e| corrupt(path, offset, e))?;
                     n += 1;
                 }
             }
             Next::Eof { .. } => return Ok((state, lsn, n)),
-            Next::End { offset } => return Err(corrupt(path, offset, "snapshot ends without its EOF marker")),
-            Next::Torn { offset, reason } | Next::Corrupt { offset, reason } => return Err(corrupt(path, offset, reason)),
+            Next::End { offset } => {
+                return Err(corrupt(
+                    path,
+                    offset,
+                    "snapshot ends without its EOF marker",
+                ))
+            }
+            Next::Torn { offset, reason } | Next::Corrupt { offset, reason } => {
+                return Err(corrupt(path, offset, reason))
+            }
         }
     }
 }
 
 fn check_instance(path: &Path, found: &str, instance: &mut Option<String>) -> Result<()> {
     match instance {
-        Some(i) if i != found => Err(corrupt(path, 0, format!("belongs to instance {found}, the data directory to {i}"))),
+        Some(i) if i != found => Err(corrupt(
+            path,
+            0,
+            format!("belongs to instance {found}, the data directory to {i}"),
+        )),
         Some(_) => Ok(()),
         None => {
             *instance = Some(found.to_string());
@@ -139,7 +186,11 @@ fn check_instance(path: &Path, found: &str, instance: &mut Option<String>) -> Re
 }
 
 fn new_instance() -> String {
-    format!("{:016x}{:016x}", crate::failover::random_uuid(), crate::failover::random_uuid())
+    format!(
+        "{:016x}{:016x}",
+        crate::failover::random_uuid(),
+        crate::failover::random_uuid()
+    )
 }
 
 pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered> {
@@ -176,7 +227,10 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     }
     if let Some(e) = first_error {
         // Falling back is only sound if the WAL covers everything after the snapshot used.
-        let reaches = segments.first().map(|s| s.0 <= snap_lsn + 1).unwrap_or(snaps.is_empty());
+        let reaches = segments
+            .first()
+            .map(|s| s.0 <= snap_lsn + 1)
+            .unwrap_or(snaps.is_empty());
         if !reaches && !force {
             return Err(e);
         }
@@ -190,12 +244,21 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     let needed: Vec<_> = segments
         .iter()
         .enumerate()
-        .filter(|(i, _)| segments.get(i + 1).map(|n| n.0 > snap_lsn + 1).unwrap_or(true))
+        .filter(|(i, _)| {
+            segments
+                .get(i + 1)
+                .map(|n| n.0 > snap_lsn + 1)
+                .unwrap_or(true)
+        })
         .map(|(_, s)| s.clone())
         .collect();
     if let Some((first, path, _)) = needed.first() {
         if *first > expected {
-            let e = corrupt(path, 0, format!("WAL starts at LSN {first}, LSN {expected} is missing"));
+            let e = corrupt(
+                path,
+                0,
+                format!("WAL starts at LSN {first}, LSN {expected} is missing"),
+            );
             if !force {
                 return Err(e);
             }
@@ -206,7 +269,19 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     }
     for (idx, (_, path, _)) in needed.iter().enumerate() {
         let is_last = idx + 1 == needed.len();
-        let mut r = XlogReader::open(path)?;
+        let mut r = match XlogReader::open(path) {
+            Ok(r) => r,
+            Err(Error::Corrupt { reason, offset, .. })
+                if is_last && reason == xlog::HEADER_TRUNCATED =>
+            {
+                log::warn!("WAL {}: header cut short at byte {offset} by a crash; removing the empty segment", path.display());
+                std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
+                report.truncated = Some((path.clone(), 0));
+                unclean = true;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if r.header().kind != FileKind::Xlog {
             return Err(corrupt(path, 0, "not a WAL segment"));
         }
@@ -231,7 +306,11 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                             continue;
                         }
                         if rec.lsn != expected {
-                            damage = Some(corrupt(path, offset, format!("LSN {} where {expected} was expected", rec.lsn)));
+                            damage = Some(corrupt(
+                                path,
+                                offset,
+                                format!("LSN {} where {expected} was expected", rec.lsn),
+                            ));
                             break;
                         }
                         if let Err(e) = state.apply(&rec, true) {
@@ -251,14 +330,25 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                     if is_last {
                         break Some(false);
                     }
-                    damage = Some(corrupt(path, offset, "segment ends without its EOF marker and is not the last"));
+                    damage = Some(corrupt(
+                        path,
+                        offset,
+                        "segment ends without its EOF marker and is not the last",
+                    ));
                     break None;
                 }
                 Next::Torn { offset, reason } => {
                     if is_last {
-                        log::warn!("WAL {}: torn tail at byte offset {offset} ({reason}); truncating", path.display());
-                        let f = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| Error::io(path.display(), e))?;
-                        f.set_len(offset).map_err(|e| Error::io(path.display(), e))?;
+                        log::warn!(
+                            "WAL {}: torn tail at byte offset {offset} ({reason}); truncating",
+                            path.display()
+                        );
+                        let f = std::fs::OpenOptions::new()
+                            .write(true)
+                            .open(path)
+                            .map_err(|e| Error::io(path.display(), e))?;
+                        f.set_len(offset)
+                            .map_err(|e| Error::io(path.display(), e))?;
                         f.sync_all().map_err(|e| Error::io(path.display(), e))?;
                         report.truncated = Some((path.clone(), offset));
                         break Some(false);
@@ -300,7 +390,13 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     }
     let instance = instance.unwrap_or_else(new_instance);
     let buckets = state.buckets.into_values().collect();
-    Ok(Recovered { instance, buckets, last_lsn, unclean, report })
+    Ok(Recovered {
+        instance,
+        buckets,
+        last_lsn,
+        unclean,
+        report,
+    })
 }
 
 /// Closes the recovered last segment for good: EOF marker appended (if missing) and the
@@ -313,11 +409,18 @@ fn seal_segment(path: &Path, has_eof: bool, records: u64) -> Result<()> {
     }
     if !has_eof {
         use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().append(true).open(path).map_err(io)?;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(io)?;
         f.write_all(&xlog::EOF_MARKER.to_be_bytes()).map_err(io)?;
         f.sync_all().map_err(io)?;
     }
-    if let Some(name) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".inprogress")) {
+    if let Some(name) = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_suffix(".inprogress"))
+    {
         let dest = path.with_file_name(name);
         std::fs::rename(path, &dest).map_err(io)?;
         if let Some(dir) = path.parent() {

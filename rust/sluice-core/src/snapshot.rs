@@ -67,14 +67,31 @@ pub fn write(
     let io = |e| Error::io(tmp.display(), e);
     let file = File::create(&tmp).map_err(io)?;
     let mut head = Vec::new();
-    FileHeader { kind: FileKind::Snap, instance: instance.to_string(), lsn }.encode(&mut head);
-    let mut w = BlockWriter { out: BufWriter::with_capacity(1 << 20, file), buf: Vec::with_capacity(2 * BLOCK_TARGET), at: 0 };
+    FileHeader {
+        kind: FileKind::Snap,
+        instance: instance.to_string(),
+        lsn,
+    }
+    .encode(&mut head);
+    let mut w = BlockWriter {
+        out: BufWriter::with_capacity(1 << 20, file),
+        buf: Vec::with_capacity(2 * BLOCK_TARGET),
+        at: 0,
+    };
     w.out.write_all(&head).map_err(io)?;
     w.at = xlog::begin_block(&mut w.buf);
     let mut items = 0u64;
     for bucket in catalog.all() {
         let name = bucket.name().to_string();
-        w.record(&Record { lsn: 0, bucket: bucket.id, vbucket: 0, body: RecordBody::Bucket { name: name.as_bytes(), num_vbuckets: bucket.num_vbuckets() } });
+        w.record(&Record {
+            lsn: 0,
+            bucket: bucket.id,
+            vbucket: 0,
+            body: RecordBody::Bucket {
+                name: name.as_bytes(),
+                num_vbuckets: bucket.num_vbuckets(),
+            },
+        });
         for v in 0..bucket.num_vbuckets() {
             {
                 let vb = bucket.lock_vbucket(v).expect("in range");
@@ -82,15 +99,39 @@ pub fn write(
                     lsn: vb.last_lsn,
                     bucket: bucket.id,
                     vbucket: v,
-                    body: RecordBody::VbucketSnapshot { state: vb.state, high_seqno: vb.high_seqno, max_cas: vb.clock.last(), purge_seqno: vb.purge_seqno },
+                    body: RecordBody::VbucketSnapshot {
+                        state: vb.state,
+                        high_seqno: vb.high_seqno,
+                        max_cas: vb.clock.last(),
+                        purge_seqno: vb.purge_seqno,
+                    },
                 });
                 for e in vb.failover.entries().iter().rev() {
-                    w.record(&Record { lsn: 0, bucket: bucket.id, vbucket: v, body: RecordBody::FailoverEntry(*e) });
+                    w.record(&Record {
+                        lsn: 0,
+                        bucket: bucket.id,
+                        vbucket: v,
+                        body: RecordBody::FailoverEntry(*e),
+                    });
                 }
                 vb.store.for_each_current(|i| {
                     let meta = i.meta();
-                    let op = if meta.deleted { ChangeOp::Deletion } else { ChangeOp::Mutation };
-                    w.record(&Record { lsn: 0, bucket: bucket.id, vbucket: v, body: RecordBody::Change { op, key: i.key(), value: i.value(), meta } });
+                    let op = if meta.deleted {
+                        ChangeOp::Deletion
+                    } else {
+                        ChangeOp::Mutation
+                    };
+                    w.record(&Record {
+                        lsn: 0,
+                        bucket: bucket.id,
+                        vbucket: v,
+                        body: RecordBody::Change {
+                            op,
+                            key: i.key(),
+                            value: i.value(),
+                            meta,
+                        },
+                    });
                     items += 1;
                 });
             }
@@ -98,8 +139,13 @@ pub fn write(
         }
     }
     w.seal(true).map_err(io)?;
-    w.out.write_all(&xlog::EOF_MARKER.to_be_bytes()).map_err(io)?;
-    let file = w.out.into_inner().map_err(|e| Error::io(tmp.display(), e.into_error()))?;
+    w.out
+        .write_all(&xlog::EOF_MARKER.to_be_bytes())
+        .map_err(io)?;
+    let file = w
+        .out
+        .into_inner()
+        .map_err(|e| Error::io(tmp.display(), e.into_error()))?;
     file.sync_all().map_err(io)?;
     drop(file);
     std::fs::rename(&tmp, &done).map_err(|e| Error::io(done.display(), e))?;
@@ -112,21 +158,29 @@ pub fn write(
 /// Removes snapshots beyond the newest `keep`, and WAL segments whose every LSN is covered by
 /// the oldest snapshot kept.
 pub fn collect_garbage(snap_dir: &Path, wal_dir: &Path, keep: usize) -> Result<()> {
-    let snaps: Vec<_> = xlog::list_files(snap_dir, "snap")?.into_iter().filter(|s| !s.2).collect();
+    let snaps: Vec<_> = xlog::list_files(snap_dir, "snap")?
+        .into_iter()
+        .filter(|s| !s.2)
+        .collect();
     if snaps.len() > keep {
         for (_, path, _) in &snaps[..snaps.len() - keep] {
             std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
             log::info!("removed old snapshot {}", path.display());
         }
     }
-    let Some(oldest_kept) = snaps.iter().rev().take(keep).last().map(|s| s.0) else { return Ok(()) };
+    let Some(oldest_kept) = snaps.get(snaps.len().saturating_sub(keep)).map(|s| s.0) else {
+        return Ok(());
+    };
     let segs = xlog::list_files(wal_dir, "xlog")?;
     for pair in segs.windows(2) {
         let (first, path, inprogress) = &pair[0];
         let next_first = pair[1].0;
         if !inprogress && next_first <= oldest_kept + 1 {
             std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
-            log::debug!("removed WAL segment {} (LSNs from {first} are in a snapshot)", path.display());
+            log::debug!(
+                "removed WAL segment {} (LSNs from {first} are in a snapshot)",
+                path.display()
+            );
         }
     }
     xlog::sync_dir(wal_dir).map_err(|e| Error::io(wal_dir.display(), e))?;

@@ -86,7 +86,14 @@ impl VBucket {
 
     /// Applies a new change decided on this node: next seqno, next CAS from the clock read
     /// `now_ns` (one read serves a whole batch). Returns the change, shared with the checkpoint.
-    pub fn apply_local(&mut self, op: ChangeOp, key: &[u8], value: &[u8], mut meta: ItemMeta, now_ns: u64) -> Change {
+    pub fn apply_local(
+        &mut self,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        mut meta: ItemMeta,
+        now_ns: u64,
+    ) -> Change {
         self.high_seqno += 1;
         meta.by_seqno = self.high_seqno;
         meta.cas = self.clock.next_at(now_ns);
@@ -100,7 +107,8 @@ impl VBucket {
         self.clock.observe(meta.cas);
         let replaced = self.store.upsert(key, value, &mut meta);
         let change = Change::new(op, self.bucket, self.id, key, value, meta);
-        self.checkpoints.queue(change.clone(), replaced.map(|m| m.by_seqno));
+        self.checkpoints
+            .queue(change.clone(), replaced.map(|m| m.by_seqno));
         change
     }
 

@@ -10,17 +10,31 @@ pub enum DecodeError {
     /// The input ended inside a value; `needed` more bytes were required.
     Truncated { offset: usize, needed: usize },
     /// A marker byte that is not the type the caller asked for.
-    UnexpectedMarker { offset: usize, marker: u8, expected: &'static str },
+    UnexpectedMarker {
+        offset: usize,
+        marker: u8,
+        expected: &'static str,
+    },
 }
 
 impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DecodeError::Truncated { offset, needed } => {
-                write!(f, "msgpack value truncated at offset {offset} ({needed} more bytes needed)")
+                write!(
+                    f,
+                    "msgpack value truncated at offset {offset} ({needed} more bytes needed)"
+                )
             }
-            DecodeError::UnexpectedMarker { offset, marker, expected } => {
-                write!(f, "msgpack marker 0x{marker:02x} at offset {offset}, expected {expected}")
+            DecodeError::UnexpectedMarker {
+                offset,
+                marker,
+                expected,
+            } => {
+                write!(
+                    f,
+                    "msgpack marker 0x{marker:02x} at offset {offset}, expected {expected}"
+                )
             }
         }
     }
@@ -130,7 +144,10 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let remaining = self.buf.len() - self.pos;
         if n > remaining {
-            return Err(DecodeError::Truncated { offset: self.pos, needed: n - remaining });
+            return Err(DecodeError::Truncated {
+                offset: self.pos,
+                needed: n - remaining,
+            });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -143,7 +160,10 @@ impl<'a> Reader<'a> {
     }
 
     fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
-        Ok(self.take(n)?.iter().fold(0u64, |acc, b| (acc << 8) | *b as u64))
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, b| (acc << 8) | *b as u64))
     }
 
     pub fn read_uint(&mut self) -> Result<u64, DecodeError> {
@@ -154,7 +174,11 @@ impl<'a> Reader<'a> {
             0xcd => self.be(2),
             0xce => self.be(4),
             0xcf => self.be(8),
-            _ => Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "unsigned integer" }),
+            _ => Err(DecodeError::UnexpectedMarker {
+                offset: at,
+                marker: m,
+                expected: "unsigned integer",
+            }),
         }
     }
 
@@ -172,7 +196,11 @@ impl<'a> Reader<'a> {
         match m {
             0xc2 => Ok(false),
             0xc3 => Ok(true),
-            _ => Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "boolean" }),
+            _ => Err(DecodeError::UnexpectedMarker {
+                offset: at,
+                marker: m,
+                expected: "boolean",
+            }),
         }
     }
 
@@ -182,7 +210,11 @@ impl<'a> Reader<'a> {
             0x90..=0x9f => Ok((m & 0x0f) as u32),
             0xdc => Ok(self.be(2)? as u32),
             0xdd => Ok(self.be(4)? as u32),
-            _ => Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "array" }),
+            _ => Err(DecodeError::UnexpectedMarker {
+                offset: at,
+                marker: m,
+                expected: "array",
+            }),
         }
     }
 
@@ -192,7 +224,11 @@ impl<'a> Reader<'a> {
             0x80..=0x8f => Ok((m & 0x0f) as u32),
             0xde => Ok(self.be(2)? as u32),
             0xdf => Ok(self.be(4)? as u32),
-            _ => Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "map" }),
+            _ => Err(DecodeError::UnexpectedMarker {
+                offset: at,
+                marker: m,
+                expected: "map",
+            }),
         }
     }
 
@@ -203,7 +239,13 @@ impl<'a> Reader<'a> {
             0xc4 => self.be(1)?,
             0xc5 => self.be(2)?,
             0xc6 => self.be(4)?,
-            _ => return Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "binary" }),
+            _ => {
+                return Err(DecodeError::UnexpectedMarker {
+                    offset: at,
+                    marker: m,
+                    expected: "binary",
+                })
+            }
         };
         self.take(n as usize)
     }
@@ -216,7 +258,13 @@ impl<'a> Reader<'a> {
             0xd9 => self.be(1)?,
             0xda => self.be(2)?,
             0xdb => self.be(4)?,
-            _ => return Err(DecodeError::UnexpectedMarker { offset: at, marker: m, expected: "string" }),
+            _ => {
+                return Err(DecodeError::UnexpectedMarker {
+                    offset: at,
+                    marker: m,
+                    expected: "string",
+                })
+            }
         };
         self.take(n as usize)
     }
@@ -235,7 +283,10 @@ mod tests {
             (0x80, &[0xcc, 0x80]),
             (0x100, &[0xcd, 0x01, 0x00]),
             (0x1_0000, &[0xce, 0x00, 0x01, 0x00, 0x00]),
-            (u64::MAX, &[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            (
+                u64::MAX,
+                &[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+            ),
         ];
         for (v, bytes) in cases {
             let mut out = Vec::new();
@@ -249,7 +300,13 @@ mod tests {
     fn hostile_bin_length_is_refused_without_allocating() {
         let input = [0xc6, 0xff, 0xff, 0xff, 0xff, 1, 2, 3];
         let err = Reader::new(&input).read_bin().unwrap_err();
-        assert_eq!(err, DecodeError::Truncated { offset: 5, needed: 0xffff_ffff - 3 });
+        assert_eq!(
+            err,
+            DecodeError::Truncated {
+                offset: 5,
+                needed: 0xffff_ffff - 3
+            }
+        );
     }
 
     proptest! {

@@ -17,18 +17,78 @@ use sluice_core::wal::writer::Failpoint;
 use sluice_core::wal::WalMode;
 use sluice_core::{BucketConfig, Durability, Engine, EngineConfig, Error, StoreMode, StoreRequest};
 
-pyo3::create_exception!(_native, SluiceError, PyException, "Base class of every sluice error.");
-pyo3::create_exception!(_native, InvalidKeyError, SluiceError, "Key empty or longer than 250 bytes.");
-pyo3::create_exception!(_native, TooBigError, SluiceError, "Value larger than the bucket's max_item_size.");
-pyo3::create_exception!(_native, NotFoundError, SluiceError, "The key does not exist (REPLACE, DELETE, CAS).");
-pyo3::create_exception!(_native, ExistsError, SluiceError, "The key exists (ADD) or its CAS does not match.");
-pyo3::create_exception!(_native, NotMyVbucketError, SluiceError, "The key's vbucket is not active here.");
-pyo3::create_exception!(_native, TempFailError, SluiceError, "Temporary failure (memory, WAL); retry later.");
-pyo3::create_exception!(_native, WalFailedError, SluiceError, "The WAL could not write this change; it is retried, durability unknown.");
-pyo3::create_exception!(_native, DurabilityImpossibleError, SluiceError, "The durability level cannot be met here.");
-pyo3::create_exception!(_native, NoSuchBucketError, SluiceError, "No bucket by that name.");
-pyo3::create_exception!(_native, ConfigError, SluiceError, "Invalid configuration: names the key and the reason.");
-pyo3::create_exception!(_native, CorruptionError, SluiceError, "Damaged data files: names the file and byte offset.");
+pyo3::create_exception!(
+    _native,
+    SluiceError,
+    PyException,
+    "Base class of every sluice error."
+);
+pyo3::create_exception!(
+    _native,
+    InvalidKeyError,
+    SluiceError,
+    "Key empty or longer than 250 bytes."
+);
+pyo3::create_exception!(
+    _native,
+    TooBigError,
+    SluiceError,
+    "Value larger than the bucket's max_item_size."
+);
+pyo3::create_exception!(
+    _native,
+    NotFoundError,
+    SluiceError,
+    "The key does not exist (REPLACE, DELETE, CAS)."
+);
+pyo3::create_exception!(
+    _native,
+    ExistsError,
+    SluiceError,
+    "The key exists (ADD) or its CAS does not match."
+);
+pyo3::create_exception!(
+    _native,
+    NotMyVbucketError,
+    SluiceError,
+    "The key's vbucket is not active here."
+);
+pyo3::create_exception!(
+    _native,
+    TempFailError,
+    SluiceError,
+    "Temporary failure (memory, WAL); retry later."
+);
+pyo3::create_exception!(
+    _native,
+    WalFailedError,
+    SluiceError,
+    "The WAL could not write this change; it is retried, durability unknown."
+);
+pyo3::create_exception!(
+    _native,
+    DurabilityImpossibleError,
+    SluiceError,
+    "The durability level cannot be met here."
+);
+pyo3::create_exception!(
+    _native,
+    NoSuchBucketError,
+    SluiceError,
+    "No bucket by that name."
+);
+pyo3::create_exception!(
+    _native,
+    ConfigError,
+    SluiceError,
+    "Invalid configuration: names the key and the reason."
+);
+pyo3::create_exception!(
+    _native,
+    CorruptionError,
+    SluiceError,
+    "Damaged data files: names the file and byte offset."
+);
 pyo3::create_exception!(_native, ClosedError, SluiceError, "The engine is closed.");
 
 fn to_py(e: Error) -> PyErr {
@@ -55,11 +115,16 @@ fn config_err(key: &str, reason: impl std::fmt::Display) -> PyErr {
 }
 
 fn parse_durability(key: &str, s: Option<&str>) -> PyResult<Option<Durability>> {
-    s.map(|s| Durability::parse(s).ok_or_else(|| config_err(key, format!("unknown durability level {s:?}")))).transpose()
+    s.map(|s| {
+        Durability::parse(s)
+            .ok_or_else(|| config_err(key, format!("unknown durability level {s:?}")))
+    })
+    .transpose()
 }
 
 fn secs(key: &str, v: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|_| config_err(key, format!("{v} is not a non-negative number of seconds")))
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| config_err(key, format!("{v} is not a non-negative number of seconds")))
 }
 
 /// One bucket's settings.
@@ -82,9 +147,18 @@ impl BucketSettings {
         checkpoint_memory_ratio: f64,
         durability: &str,
     ) -> PyResult<Self> {
-        let durability = parse_durability("durability", Some(durability))?.expect("Some in, Some out");
+        let durability =
+            parse_durability("durability", Some(durability))?.expect("Some in, Some out");
         Ok(BucketSettings {
-            inner: BucketConfig { name, num_vbuckets, memory_quota, high_watermark, max_item_size, checkpoint_memory_ratio, durability },
+            inner: BucketConfig {
+                name,
+                num_vbuckets,
+                memory_quota,
+                high_watermark,
+                max_item_size,
+                checkpoint_memory_ratio,
+                durability,
+            },
         })
     }
 
@@ -99,7 +173,10 @@ impl BucketSettings {
     }
 
     fn __repr__(&self) -> String {
-        format!("BucketSettings({:?}, num_vbuckets={})", self.inner.name, self.inner.num_vbuckets)
+        format!(
+            "BucketSettings({:?}, num_vbuckets={})",
+            self.inner.name, self.inner.num_vbuckets
+        )
     }
 }
 
@@ -128,7 +205,12 @@ impl EngineSettings {
         force_recovery: bool,
         buckets: Option<Vec<BucketSettings>>,
     ) -> PyResult<Self> {
-        let wal_mode = WalMode::parse(wal_mode).ok_or_else(|| config_err("wal.mode", format!("{wal_mode:?} is not one of none, write, fsync")))?;
+        let wal_mode = WalMode::parse(wal_mode).ok_or_else(|| {
+            config_err(
+                "wal.mode",
+                format!("{wal_mode:?} is not one of none, write, fsync"),
+            )
+        })?;
         let buckets = match buckets {
             Some(b) => b.into_iter().map(|b| b.inner).collect(),
             None => vec![BucketConfig::named("default")],
@@ -139,7 +221,10 @@ impl EngineSettings {
             wal_segment_size,
             snapshot_count,
             snapshot_interval: secs("snapshot.interval", snapshot_interval)?,
-            checkpoint: CheckpointConfig { max_items: checkpoint_max_items, period: secs("checkpoint.period", checkpoint_period)? },
+            checkpoint: CheckpointConfig {
+                max_items: checkpoint_max_items,
+                period: secs("checkpoint.period", checkpoint_period)?,
+            },
             tombstone_purge_age: secs("tombstone_purge_age", tombstone_purge_age)?,
             expiry_pager_interval: secs("expiry_pager_interval", expiry_pager_interval)?,
             force_recovery,
@@ -177,7 +262,10 @@ struct Mutation {
 #[pymethods]
 impl Mutation {
     fn __repr__(&self) -> String {
-        format!("Mutation(cas={}, vbucket={}, seqno={}, lsn={})", self.cas, self.vbucket, self.seqno, self.lsn)
+        format!(
+            "Mutation(cas={}, vbucket={}, seqno={}, lsn={})",
+            self.cas, self.vbucket, self.seqno, self.lsn
+        )
     }
 }
 
@@ -214,7 +302,13 @@ impl ItemView {
 #[pymethods]
 impl ItemView {
     fn __repr__(&self, py: Python<'_>) -> String {
-        format!("ItemView(key={:?}, seqno={}, cas={}, deleted={})", self.key.bind(py), self.seqno, self.cas, self.deleted)
+        format!(
+            "ItemView(key={:?}, seqno={}, cas={}, deleted={})",
+            self.key.bind(py),
+            self.seqno,
+            self.cas,
+            self.deleted
+        )
     }
 }
 
@@ -231,7 +325,9 @@ impl EmbeddedEngine {
 }
 
 fn vb_state(s: &str) -> PyResult<VbState> {
-    VbState::parse(s).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown vbucket state {s:?}")))
+    VbState::parse(s).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!("unknown vbucket state {s:?}"))
+    })
 }
 
 #[pymethods]
@@ -241,7 +337,9 @@ impl EmbeddedEngine {
     fn new(py: Python<'_>, settings: &EngineSettings) -> PyResult<Self> {
         let cfg = settings.inner.clone();
         let engine = py.allow_threads(|| Engine::open(cfg)).map_err(to_py)?;
-        Ok(EmbeddedEngine { engine: Arc::new(engine) })
+        Ok(EmbeddedEngine {
+            engine: Arc::new(engine),
+        })
     }
 
     #[pyo3(signature = (key, value, *, bucket="default", flags=0, expiry=0, datatype=0, cas=0, mode="set", durability=None))]
@@ -264,17 +362,45 @@ impl EmbeddedEngine {
             "set" => StoreMode::Set,
             "add" => StoreMode::Add,
             "replace" => StoreMode::Replace,
-            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("mode {other:?} is not set, add or replace"))),
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "mode {other:?} is not set, add or replace"
+                )))
+            }
         };
         let durability = parse_durability("durability", durability)?;
-        let req = StoreRequest { key, value, flags, expiry, datatype, cas, mode, durability };
-        let r = py.allow_threads(|| self.engine.store(&b, &req)).map_err(to_py)?;
-        Ok(Mutation { cas: r.cas, vbucket: r.vbucket, seqno: r.seqno, lsn: r.lsn })
+        let req = StoreRequest {
+            key,
+            value,
+            flags,
+            expiry,
+            datatype,
+            cas,
+            mode,
+            durability,
+        };
+        let r = py
+            .allow_threads(|| self.engine.store(&b, &req))
+            .map_err(to_py)?;
+        Ok(Mutation {
+            cas: r.cas,
+            vbucket: r.vbucket,
+            seqno: r.seqno,
+            lsn: r.lsn,
+        })
     }
 
     /// Many SETs in one call (grouped by vbucket inside). Returns the last LSN.
     #[pyo3(signature = (items, *, bucket="default", flags=0, expiry=0, durability=None))]
-    fn set_many(&self, py: Python<'_>, items: &Bound<'_, PyList>, bucket: &str, flags: u32, expiry: u32, durability: Option<&str>) -> PyResult<u64> {
+    fn set_many(
+        &self,
+        py: Python<'_>,
+        items: &Bound<'_, PyList>,
+        bucket: &str,
+        flags: u32,
+        expiry: u32,
+        durability: Option<&str>,
+    ) -> PyResult<u64> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?;
         let mut pairs: Vec<(&[u8], &[u8])> = Vec::with_capacity(items.len());
@@ -289,17 +415,32 @@ impl EmbeddedEngine {
         let pairs_ptr = SendPtr(&pairs);
         py.allow_threads(move || {
             let pairs = pairs_ptr;
-            self.engine.set_many(&b, pairs.get(), flags, expiry, durability)
+            self.engine
+                .set_many(&b, pairs.get(), flags, expiry, durability)
         })
         .map_err(to_py)
     }
 
     #[pyo3(signature = (key, *, bucket="default", cas=0, durability=None))]
-    fn delete(&self, py: Python<'_>, key: &[u8], bucket: &str, cas: u64, durability: Option<&str>) -> PyResult<Mutation> {
+    fn delete(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?;
-        let r = py.allow_threads(|| self.engine.delete(&b, key, cas, durability)).map_err(to_py)?;
-        Ok(Mutation { cas: r.cas, vbucket: r.vbucket, seqno: r.seqno, lsn: r.lsn })
+        let r = py
+            .allow_threads(|| self.engine.delete(&b, key, cas, durability))
+            .map_err(to_py)?;
+        Ok(Mutation {
+            cas: r.cas,
+            vbucket: r.vbucket,
+            seqno: r.seqno,
+            lsn: r.lsn,
+        })
     }
 
     /// The live item, or None.
@@ -314,7 +455,10 @@ impl EmbeddedEngine {
     #[pyo3(signature = (key, *, bucket="default"))]
     fn get_meta(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
         let b = self.bucket(bucket)?;
-        Ok(self.engine.get_meta(&b, key).map(|i| ItemView::from_item(py, &i)))
+        Ok(self
+            .engine
+            .get_meta(&b, key)
+            .map(|i| ItemView::from_item(py, &i)))
     }
 
     #[pyo3(signature = (key, *, bucket="default"))]
@@ -336,25 +480,33 @@ impl EmbeddedEngine {
     #[pyo3(signature = (vbucket, *, bucket="default"))]
     fn failover_log(&self, vbucket: u16, bucket: &str) -> PyResult<Vec<(u64, u64)>> {
         let b = self.bucket(bucket)?;
-        let log = self.engine.failover_log(&b, vbucket).ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))?;
+        let log = self.engine.failover_log(&b, vbucket).ok_or_else(|| {
+            pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}"))
+        })?;
         Ok(log.iter().map(|e| (e.uuid, e.seqno)).collect())
     }
 
     #[pyo3(signature = (vbucket, *, bucket="default"))]
     fn vbucket_state(&self, vbucket: u16, bucket: &str) -> PyResult<&'static str> {
         let b = self.bucket(bucket)?;
-        self.engine.vbucket_state(&b, vbucket).map(|s| s.as_str()).ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))
+        self.engine
+            .vbucket_state(&b, vbucket)
+            .map(|s| s.as_str())
+            .ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))
     }
 
     #[pyo3(signature = (vbucket, state, *, bucket="default"))]
     fn set_vbucket_state(&self, vbucket: u16, state: &str, bucket: &str) -> PyResult<()> {
         let b = self.bucket(bucket)?;
-        self.engine.set_vbucket_state(&b, vbucket, vb_state(state)?).map_err(to_py)
+        self.engine
+            .set_vbucket_state(&b, vbucket, vb_state(state)?)
+            .map_err(to_py)
     }
 
     /// Writes a snapshot now; returns its path.
     fn snapshot(&self, py: Python<'_>) -> PyResult<PathBuf> {
-        py.allow_threads(|| self.engine.snapshot_now()).map_err(to_py)
+        py.allow_threads(|| self.engine.snapshot_now())
+            .map_err(to_py)
     }
 
     /// Runs the expiry pager and tombstone purger now; returns how many items expired.
@@ -368,7 +520,11 @@ impl EmbeddedEngine {
             "off" => Failpoint::Off,
             "enospc" => Failpoint::NoSpace,
             "eio" => Failpoint::IoError,
-            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown failpoint {other:?}"))),
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "unknown failpoint {other:?}"
+                )))
+            }
         };
         self.engine.set_wal_failpoint(fp);
         Ok(())
@@ -424,7 +580,10 @@ impl EmbeddedEngine {
         d.set_item("wal_records", r.wal_records)?;
         d.set_item("last_lsn", r.last_lsn)?;
         d.set_item("unclean_shutdown", r.unclean_shutdown)?;
-        d.set_item("truncated", r.truncated.map(|(p, o)| (p.display().to_string(), o)))?;
+        d.set_item(
+            "truncated",
+            r.truncated.map(|(p, o)| (p.display().to_string(), o)),
+        )?;
         d.set_item("skipped_damage", r.skipped_damage)?;
         d.set_item("seconds", r.duration.as_secs_f64())?;
         Ok(d)
@@ -484,7 +643,9 @@ fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
 #[pyfunction]
 fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
     if num_vbuckets == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err("num_vbuckets must be positive"));
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "num_vbuckets must be positive",
+        ));
     }
     Ok(sluice_core::hash::vbucket_of(key, num_vbuckets))
 }
@@ -509,7 +670,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("NotMyVbucketError", py.get_type::<NotMyVbucketError>()),
         ("TempFailError", py.get_type::<TempFailError>()),
         ("WalFailedError", py.get_type::<WalFailedError>()),
-        ("DurabilityImpossibleError", py.get_type::<DurabilityImpossibleError>()),
+        (
+            "DurabilityImpossibleError",
+            py.get_type::<DurabilityImpossibleError>(),
+        ),
         ("NoSuchBucketError", py.get_type::<NoSuchBucketError>()),
         ("ConfigError", py.get_type::<ConfigError>()),
         ("CorruptionError", py.get_type::<CorruptionError>()),

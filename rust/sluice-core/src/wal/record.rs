@@ -21,17 +21,33 @@ const OP_VBUCKET_SNAPSHOT: u64 = 14;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
-    Change { op: ChangeOp, key: &'a [u8], value: &'a [u8], meta: ItemMeta },
+    Change {
+        op: ChangeOp,
+        key: &'a [u8],
+        value: &'a [u8],
+        meta: ItemMeta,
+    },
     /// A vbucket changed state; `high_seqno` is its high seqno at that moment.
-    VbucketState { state: VbState, high_seqno: u64 },
+    VbucketState {
+        state: VbState,
+        high_seqno: u64,
+    },
     FailoverEntry(FailoverEntry),
     /// Declares bucket id -> name; written once when a bucket is created.
-    Bucket { name: &'a [u8], num_vbuckets: u16 },
+    Bucket {
+        name: &'a [u8],
+        num_vbuckets: u16,
+    },
     /// Tombstones at or below this seqno may have been purged.
     PurgeSeqno(u64),
     /// Snapshot files only: a vbucket's counters as of the capture. The record's lsn is the last
     /// lsn applied to the vbucket, so WAL replay skips what the capture already holds.
-    VbucketSnapshot { state: VbState, high_seqno: u64, max_cas: u64, purge_seqno: u64 },
+    VbucketSnapshot {
+        state: VbState,
+        high_seqno: u64,
+        max_cas: u64,
+        purge_seqno: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,29 +93,100 @@ impl Record<'_> {
     pub fn encode(&self, out: &mut Vec<u8>) {
         let (b, v, l) = (self.bucket, self.vbucket, self.lsn);
         match &self.body {
-            RecordBody::Change { op, key, value, meta } => {
+            RecordBody::Change {
+                op,
+                key,
+                value,
+                meta,
+            } => {
                 let code = match op {
                     ChangeOp::Mutation => OP_MUTATION,
                     ChangeOp::Deletion => OP_DELETION,
                     ChangeOp::Expiration => OP_EXPIRATION,
                 };
                 write_fields(
-                    out, l, code, b, v, meta.by_seqno, meta.rev_seqno, meta.cas, meta.flags, meta.expiry,
-                    meta.datatype, key, value,
+                    out,
+                    l,
+                    code,
+                    b,
+                    v,
+                    meta.by_seqno,
+                    meta.rev_seqno,
+                    meta.cas,
+                    meta.flags,
+                    meta.expiry,
+                    meta.datatype,
+                    key,
+                    value,
                 );
             }
-            RecordBody::VbucketState { state, high_seqno } => {
-                write_fields(out, l, OP_VBUCKET_STATE, b, v, *high_seqno, 0, 0, *state as u32, 0, 0, b"", b"")
+            RecordBody::VbucketState { state, high_seqno } => write_fields(
+                out,
+                l,
+                OP_VBUCKET_STATE,
+                b,
+                v,
+                *high_seqno,
+                0,
+                0,
+                *state as u32,
+                0,
+                0,
+                b"",
+                b"",
+            ),
+            RecordBody::FailoverEntry(e) => write_fields(
+                out,
+                l,
+                OP_FAILOVER_ENTRY,
+                b,
+                v,
+                e.seqno,
+                0,
+                e.uuid,
+                0,
+                0,
+                0,
+                b"",
+                b"",
+            ),
+            RecordBody::Bucket { name, num_vbuckets } => write_fields(
+                out,
+                l,
+                OP_BUCKET,
+                b,
+                v,
+                0,
+                0,
+                0,
+                *num_vbuckets as u32,
+                0,
+                0,
+                name,
+                b"",
+            ),
+            RecordBody::PurgeSeqno(s) => {
+                write_fields(out, l, OP_PURGE_SEQNO, b, v, *s, 0, 0, 0, 0, 0, b"", b"")
             }
-            RecordBody::FailoverEntry(e) => {
-                write_fields(out, l, OP_FAILOVER_ENTRY, b, v, e.seqno, 0, e.uuid, 0, 0, 0, b"", b"")
-            }
-            RecordBody::Bucket { name, num_vbuckets } => {
-                write_fields(out, l, OP_BUCKET, b, v, 0, 0, 0, *num_vbuckets as u32, 0, 0, name, b"")
-            }
-            RecordBody::PurgeSeqno(s) => write_fields(out, l, OP_PURGE_SEQNO, b, v, *s, 0, 0, 0, 0, 0, b"", b""),
-            RecordBody::VbucketSnapshot { state, high_seqno, max_cas, purge_seqno } => write_fields(
-                out, l, OP_VBUCKET_SNAPSHOT, b, v, *high_seqno, *purge_seqno, *max_cas, *state as u32, 0, 0, b"", b"",
+            RecordBody::VbucketSnapshot {
+                state,
+                high_seqno,
+                max_cas,
+                purge_seqno,
+            } => write_fields(
+                out,
+                l,
+                OP_VBUCKET_SNAPSHOT,
+                b,
+                v,
+                *high_seqno,
+                *purge_seqno,
+                *max_cas,
+                *state as u32,
+                0,
+                0,
+                b"",
+                b"",
             ),
         }
     }
@@ -115,7 +202,9 @@ impl std::fmt::Display for RecordError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RecordError::Msgpack(e) => write!(f, "{e}"),
-            RecordError::Invalid { offset, reason } => write!(f, "invalid record at offset {offset}: {reason}"),
+            RecordError::Invalid { offset, reason } => {
+                write!(f, "invalid record at offset {offset}: {reason}")
+            }
         }
     }
 }
@@ -127,7 +216,10 @@ impl From<DecodeError> for RecordError {
 }
 
 fn narrow<T: TryFrom<u64>>(v: u64, what: &str, offset: usize) -> Result<T, RecordError> {
-    T::try_from(v).map_err(|_| RecordError::Invalid { offset, reason: format!("{what} {v} out of range") })
+    T::try_from(v).map_err(|_| RecordError::Invalid {
+        offset,
+        reason: format!("{what} {v} out of range"),
+    })
 }
 
 /// Decodes the next record; the slices borrow from the block.
@@ -135,7 +227,10 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
     let at = r.position();
     let n = r.read_array_len()?;
     if n != FIELDS {
-        return Err(RecordError::Invalid { offset: at, reason: format!("{n} fields, expected {FIELDS}") });
+        return Err(RecordError::Invalid {
+            offset: at,
+            reason: format!("{n} fields, expected {FIELDS}"),
+        });
     }
     let lsn = r.read_uint()?;
     let op = r.read_uint()?;
@@ -150,12 +245,18 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
     let key = r.read_bin()?;
     let value = r.read_bin()?;
     let state = || {
-        VbState::from_code(flags).ok_or_else(|| RecordError::Invalid { offset: at, reason: format!("vbucket state {flags}") })
+        VbState::from_code(flags).ok_or_else(|| RecordError::Invalid {
+            offset: at,
+            reason: format!("vbucket state {flags}"),
+        })
     };
     let body = match op {
         OP_MUTATION | OP_DELETION | OP_EXPIRATION => {
             if key.is_empty() || key.len() > crate::item::MAX_KEY_LEN {
-                return Err(RecordError::Invalid { offset: at, reason: format!("key of {} bytes", key.len()) });
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!("key of {} bytes", key.len()),
+                });
             }
             let change_op = match op {
                 OP_MUTATION => ChangeOp::Mutation,
@@ -171,18 +272,42 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
                 datatype,
                 deleted: change_op != ChangeOp::Mutation,
             };
-            RecordBody::Change { op: change_op, key, value, meta }
+            RecordBody::Change {
+                op: change_op,
+                key,
+                value,
+                meta,
+            }
         }
-        OP_VBUCKET_STATE => RecordBody::VbucketState { state: state()?, high_seqno: seqno },
+        OP_VBUCKET_STATE => RecordBody::VbucketState {
+            state: state()?,
+            high_seqno: seqno,
+        },
         OP_FAILOVER_ENTRY => RecordBody::FailoverEntry(FailoverEntry { uuid: cas, seqno }),
-        OP_BUCKET => RecordBody::Bucket { name: key, num_vbuckets: narrow::<u16>(flags as u64, "num_vbuckets", at)? },
+        OP_BUCKET => RecordBody::Bucket {
+            name: key,
+            num_vbuckets: narrow::<u16>(flags as u64, "num_vbuckets", at)?,
+        },
         OP_PURGE_SEQNO => RecordBody::PurgeSeqno(seqno),
-        OP_VBUCKET_SNAPSHOT => {
-            RecordBody::VbucketSnapshot { state: state()?, high_seqno: seqno, max_cas: cas, purge_seqno: rev_seqno }
+        OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
+            state: state()?,
+            high_seqno: seqno,
+            max_cas: cas,
+            purge_seqno: rev_seqno,
+        },
+        other => {
+            return Err(RecordError::Invalid {
+                offset: at,
+                reason: format!("unknown op {other}"),
+            })
         }
-        other => return Err(RecordError::Invalid { offset: at, reason: format!("unknown op {other}") }),
     };
-    Ok(Record { lsn, bucket, vbucket, body })
+    Ok(Record {
+        lsn,
+        bucket,
+        vbucket,
+        body,
+    })
 }
 
 impl Record<'_> {
@@ -201,7 +326,12 @@ impl Record<'_> {
             }
         };
         match &self.body {
-            RecordBody::Change { op, key, value, meta } => {
+            RecordBody::Change {
+                op,
+                key,
+                value,
+                meta,
+            } => {
                 put_bytes("key", key);
                 put_bytes("value", value);
                 m.insert("op".into(), json!(op.as_str()));
@@ -209,7 +339,15 @@ impl Record<'_> {
                 m.insert("rev_seqno".into(), json!(meta.rev_seqno));
                 m.insert("cas".into(), json!(meta.cas));
                 m.insert("flags".into(), json!(meta.flags));
-                m.insert(if meta.deleted { "delete_time" } else { "expiry" }.into(), json!(meta.expiry));
+                m.insert(
+                    if meta.deleted {
+                        "delete_time"
+                    } else {
+                        "expiry"
+                    }
+                    .into(),
+                    json!(meta.expiry),
+                );
                 m.insert("datatype".into(), json!(meta.datatype));
             }
             RecordBody::VbucketState { state, high_seqno } => {
@@ -231,7 +369,12 @@ impl Record<'_> {
                 m.insert("op".into(), json!("purge_seqno"));
                 m.insert("seqno".into(), json!(s));
             }
-            RecordBody::VbucketSnapshot { state, high_seqno, max_cas, purge_seqno } => {
+            RecordBody::VbucketSnapshot {
+                state,
+                high_seqno,
+                max_cas,
+                purge_seqno,
+            } => {
                 m.insert("op".into(), json!("vbucket_snapshot"));
                 m.insert("state".into(), json!(state.as_str()));
                 m.insert("high_seqno".into(), json!(high_seqno));
@@ -247,7 +390,9 @@ fn base64(b: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut s = String::with_capacity(b.len().div_ceil(3) * 4);
     for c in b.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
         for i in 0..4 {
             if i <= c.len() {
                 s.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
@@ -265,19 +410,62 @@ mod tests {
 
     #[test]
     fn every_body_roundtrips() {
-        let meta = ItemMeta { cas: 9, rev_seqno: 2, by_seqno: 7, flags: 0xdead, expiry: 5, datatype: 1, deleted: false };
+        let meta = ItemMeta {
+            cas: 9,
+            rev_seqno: 2,
+            by_seqno: 7,
+            flags: 0xdead,
+            expiry: 5,
+            datatype: 1,
+            deleted: false,
+        };
         let bodies = vec![
-            RecordBody::Change { op: ChangeOp::Mutation, key: b"k", value: b"v", meta },
-            RecordBody::Change { op: ChangeOp::Deletion, key: b"k", value: b"", meta: ItemMeta { deleted: true, ..meta } },
-            RecordBody::VbucketState { state: VbState::Replica, high_seqno: 4 },
-            RecordBody::FailoverEntry(FailoverEntry { uuid: u64::MAX, seqno: 3 }),
-            RecordBody::Bucket { name: b"default", num_vbuckets: 1024 },
+            RecordBody::Change {
+                op: ChangeOp::Mutation,
+                key: b"k",
+                value: b"v",
+                meta,
+            },
+            RecordBody::Change {
+                op: ChangeOp::Deletion,
+                key: b"k",
+                value: b"",
+                meta: ItemMeta {
+                    deleted: true,
+                    ..meta
+                },
+            },
+            RecordBody::VbucketState {
+                state: VbState::Replica,
+                high_seqno: 4,
+            },
+            RecordBody::FailoverEntry(FailoverEntry {
+                uuid: u64::MAX,
+                seqno: 3,
+            }),
+            RecordBody::Bucket {
+                name: b"default",
+                num_vbuckets: 1024,
+            },
             RecordBody::PurgeSeqno(77),
-            RecordBody::VbucketSnapshot { state: VbState::Active, high_seqno: 1, max_cas: 2, purge_seqno: 3 },
+            RecordBody::VbucketSnapshot {
+                state: VbState::Active,
+                high_seqno: 1,
+                max_cas: 2,
+                purge_seqno: 3,
+            },
         ];
         let mut buf = Vec::new();
-        let recs: Vec<Record> =
-            bodies.into_iter().enumerate().map(|(i, body)| Record { lsn: i as u64 + 1, bucket: 3, vbucket: 1023, body }).collect();
+        let recs: Vec<Record> = bodies
+            .into_iter()
+            .enumerate()
+            .map(|(i, body)| Record {
+                lsn: i as u64 + 1,
+                bucket: 3,
+                vbucket: 1023,
+                body,
+            })
+            .collect();
         for r in &recs {
             r.encode(&mut buf);
         }

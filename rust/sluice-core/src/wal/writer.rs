@@ -87,20 +87,27 @@ impl Queued {
                 lsn: self.lsn,
                 bucket: c.bucket(),
                 vbucket: c.vbucket(),
-                body: RecordBody::Change { op: c.op(), key: c.key(), value: c.value(), meta: *c.meta() },
+                body: RecordBody::Change {
+                    op: c.op(),
+                    key: c.key(),
+                    value: c.value(),
+                    meta: *c.meta(),
+                },
             },
             WalPayload::Meta(m) => Record {
                 lsn: self.lsn,
                 bucket: m.0,
                 vbucket: m.1,
                 body: match &m.2 {
-                    MetaRecord::VbucketState { state, high_seqno } => {
-                        RecordBody::VbucketState { state: *state, high_seqno: *high_seqno }
-                    }
+                    MetaRecord::VbucketState { state, high_seqno } => RecordBody::VbucketState {
+                        state: *state,
+                        high_seqno: *high_seqno,
+                    },
                     MetaRecord::FailoverEntry(e) => RecordBody::FailoverEntry(*e),
-                    MetaRecord::Bucket { name, num_vbuckets } => {
-                        RecordBody::Bucket { name: name.as_bytes(), num_vbuckets: *num_vbuckets }
-                    }
+                    MetaRecord::Bucket { name, num_vbuckets } => RecordBody::Bucket {
+                        name: name.as_bytes(),
+                        num_vbuckets: *num_vbuckets,
+                    },
                     MetaRecord::PurgeSeqno(s) => RecordBody::PurgeSeqno(*s),
                 },
             },
@@ -202,16 +209,33 @@ struct Segment {
 
 impl Segment {
     fn create(cfg: &WalConfig, first_lsn: u64) -> io::Result<Segment> {
-        let path = cfg.dir.join(format!("{}.inprogress", xlog::file_name(first_lsn, "xlog")));
-        let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+        let path = cfg
+            .dir
+            .join(format!("{}.inprogress", xlog::file_name(first_lsn, "xlog")));
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(&path)?;
         let mut head = Vec::new();
-        FileHeader { kind: FileKind::Xlog, instance: cfg.instance.clone(), lsn: first_lsn }.encode(&mut head);
+        FileHeader {
+            kind: FileKind::Xlog,
+            instance: cfg.instance.clone(),
+            lsn: first_lsn,
+        }
+        .encode(&mut head);
         file.write_all_at(&head, 0)?;
         if cfg.mode == WalMode::Fsync {
             file.sync_data()?;
             xlog::sync_dir(&cfg.dir)?;
         }
-        Ok(Segment { file, path, first_lsn, size: head.len() as u64, records: 0 })
+        Ok(Segment {
+            file,
+            path,
+            first_lsn,
+            size: head.len() as u64,
+            records: 0,
+        })
     }
 
     /// Writes at the end; a failed write is cut back off so a retry starts clean.
@@ -246,7 +270,8 @@ impl Segment {
             std::fs::remove_file(&self.path)?;
             return xlog::sync_dir(dir);
         }
-        self.file.write_all_at(&xlog::EOF_MARKER.to_be_bytes(), self.size)?;
+        self.file
+            .write_all_at(&xlog::EOF_MARKER.to_be_bytes(), self.size)?;
         self.file.sync_all()?;
         let done = dir.join(xlog::file_name(self.first_lsn, "xlog"));
         std::fs::rename(&self.path, &done)?;
@@ -256,12 +281,26 @@ impl Segment {
 
 impl WalWriter {
     /// Starts the writer. `next_lsn` is the first LSN to hand out (last recovered + 1).
-    pub fn start(cfg: WalConfig, next_lsn: u64, on_persisted: PersistedCallback) -> Result<WalWriter> {
+    pub fn start(
+        cfg: WalConfig,
+        next_lsn: u64,
+        on_persisted: PersistedCallback,
+    ) -> Result<WalWriter> {
         let shared = Arc::new(Shared {
             mode: cfg.mode,
-            queue: Mutex::new(QueueState { next_lsn, pending: Vec::new(), shutdown: false, crash: false, rotate: false }),
+            queue: Mutex::new(QueueState {
+                next_lsn,
+                pending: Vec::new(),
+                shutdown: false,
+                crash: false,
+                rotate: false,
+            }),
             queue_cv: Condvar::new(),
-            durable: Mutex::new(DurableState { durable: next_lsn - 1, error: None, stopped: false }),
+            durable: Mutex::new(DurableState {
+                durable: next_lsn - 1,
+                error: None,
+                stopped: false,
+            }),
             durable_cv: Condvar::new(),
             failing: AtomicBool::new(false),
             failpoint: AtomicU8::new(Failpoint::Off as u8),
@@ -270,7 +309,8 @@ impl WalWriter {
             None
         } else {
             std::fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(cfg.dir.display(), e))?;
-            let segment = Segment::create(&cfg, next_lsn).map_err(|e| Error::io(cfg.dir.display(), e))?;
+            let segment =
+                Segment::create(&cfg, next_lsn).map_err(|e| Error::io(cfg.dir.display(), e))?;
             let sh = shared.clone();
             Some(
                 std::thread::Builder::new()
@@ -279,7 +319,10 @@ impl WalWriter {
                     .map_err(|e| Error::io("spawning the WAL writer", e))?,
             )
         };
-        Ok(WalWriter { shared, thread: Mutex::new(thread) })
+        Ok(WalWriter {
+            shared,
+            thread: Mutex::new(thread),
+        })
     }
 
     pub fn mode(&self) -> WalMode {
@@ -289,7 +332,11 @@ impl WalWriter {
     pub fn appender(&self) -> Appender<'_> {
         let guard = self.shared.queue.lock();
         let was_empty = guard.pending.is_empty();
-        Appender { guard, shared: &self.shared, was_empty }
+        Appender {
+            guard,
+            shared: &self.shared,
+            was_empty,
+        }
     }
 
     /// The last LSN handed out.
@@ -328,14 +375,17 @@ impl WalWriter {
             }
             if self.shared.failing.load(Ordering::Acquire) {
                 let why = d.error.clone().unwrap_or_else(|| "unknown error".into());
-                return Err(Error::WalFailed(format!("{why}; the change is kept in memory and retried")));
+                return Err(Error::WalFailed(format!(
+                    "{why}; the change is kept in memory and retried"
+                )));
             }
             if d.stopped {
                 return Err(Error::Closed);
             }
             match deadline {
                 Some(dl) => {
-                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.durable < lsn {
+                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.durable < lsn
+                    {
                         return Err(Error::TempFail("timed out waiting for the WAL".into()));
                     }
                 }
@@ -380,7 +430,12 @@ impl Drop for WalWriter {
     }
 }
 
-fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_persisted: PersistedCallback) {
+fn writer_loop(
+    shared: Arc<Shared>,
+    cfg: WalConfig,
+    mut segment: Segment,
+    on_persisted: PersistedCallback,
+) {
     let mut buf: Vec<u8> = Vec::with_capacity(4 << 20);
     // Double buffering: the writer hands its drained batch vector back to the queue, so
     // neither side regrows a vector per batch.
@@ -422,15 +477,22 @@ fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_per
                     Err(e) => {
                         let msg = format!("writing {}: {e}", segment.path.display());
                         if !shared.failing.swap(true, Ordering::AcqRel) {
-                            log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
+                            log::error!(
+                                "WAL write failed, refusing new writes until it succeeds: {msg}"
+                            );
                         }
                         {
                             let mut d = shared.durable.lock();
                             d.error = Some(msg);
                             shared.durable_cv.notify_all();
                         }
-                        if shared.queue.lock().shutdown && failing_since.elapsed() > Duration::from_secs(3) {
-                            log::error!("WAL writer stopping with LSNs {}..={last} unwritten", batch[0].lsn);
+                        if shared.queue.lock().shutdown
+                            && failing_since.elapsed() > Duration::from_secs(3)
+                        {
+                            log::error!(
+                                "WAL writer stopping with LSNs {}..={last} unwritten",
+                                batch[0].lsn
+                            );
                             return;
                         }
                         std::thread::sleep(backoff);
@@ -469,7 +531,9 @@ fn writer_loop(shared: Arc<Shared>, cfg: WalConfig, mut segment: Segment, on_per
                         log::error!("closing WAL segment: {e}");
                     }
                 }
-                Err(e) => log::error!("cannot start a new WAL segment, continuing in the current one: {e}"),
+                Err(e) => log::error!(
+                    "cannot start a new WAL segment, continuing in the current one: {e}"
+                ),
             }
         }
         if shutdown && shared.queue.lock().pending.is_empty() {

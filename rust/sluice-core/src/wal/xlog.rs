@@ -1,13 +1,15 @@
 //! The file format shared by WAL segments and snapshots (Tarantool's xlog, simplified):
 //!
 //! ```text
-//! SLUICE-XLOG | SLUICE-SNAP \n  1 \n  Instance: <hex> \n  LSN: <n> \n  \n
+//! SLUICE-XLOG | SLUICE-SNAP \n  1 \n  Instance: <hex> \n  LSN: <n> \n  CRC32C: <hex of the lines above> \n  \n
 //! block*: magic 0xd5ba0bab (u32 BE) | payload length (u32 BE) | crc32c(payload) (u32 BE) | payload
 //! EOF marker 0xd510aded (u32 BE), written on a clean close
 //! ```
 //! A payload is a run of msgpack records (see `record`). The reader tells a torn tail (a short
 //! block, or a checksum mismatch in a block that runs to the end of the file) from damage
-//! elsewhere, so that recovery can truncate the one and refuse the other.
+//! elsewhere, so that recovery can truncate the one and refuse the other. A block that looks
+//! short is only a torn tail if no valid block follows it: a damaged length field in the middle
+//! of a file must not pass for the end of the file.
 
 use std::fs::File;
 use std::io::{self, BufReader, Read};
@@ -19,6 +21,8 @@ pub const BLOCK_HEADER_LEN: usize = 12;
 /// Larger than any block sluice writes (items are capped well below this).
 pub const MAX_BLOCK_LEN: usize = 256 << 20;
 const MAX_HEADER_LEN: usize = 4096;
+/// The reason recovery recognises as a segment cut short while its header was being written.
+pub const HEADER_TRUNCATED: &str = "file ends inside its header";
 pub const FORMAT_VERSION: &str = "1";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,10 +50,16 @@ pub struct FileHeader {
 
 impl FileHeader {
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(
-            format!("{}\n{}\nInstance: {}\nLSN: {}\n\n", self.kind.magic_line(), FORMAT_VERSION, self.instance, self.lsn)
-                .as_bytes(),
+        let lines = format!(
+            "{}\n{}\nInstance: {}\nLSN: {}\n",
+            self.kind.magic_line(),
+            FORMAT_VERSION,
+            self.instance,
+            self.lsn
         );
+        let crc = crc32c::crc32c(lines.as_bytes());
+        out.extend_from_slice(lines.as_bytes());
+        out.extend_from_slice(format!("CRC32C: {crc:08x}\n\n").as_bytes());
     }
 }
 
@@ -71,15 +81,28 @@ pub fn finish_block(out: &mut [u8], at: usize) {
 /// What the reader found at the current offset.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Next<'a> {
-    Block { offset: u64, payload: &'a [u8] },
+    Block {
+        offset: u64,
+        payload: &'a [u8],
+    },
     /// The EOF marker: the file was closed cleanly.
-    Eof { offset: u64 },
+    Eof {
+        offset: u64,
+    },
     /// The file ends at a block boundary without the EOF marker (still open, or a crash).
-    End { offset: u64 },
+    End {
+        offset: u64,
+    },
     /// An incomplete last write: everything from `offset` on is a torn tail.
-    Torn { offset: u64, reason: String },
+    Torn {
+        offset: u64,
+        reason: String,
+    },
     /// Damage that is not a torn tail.
-    Corrupt { offset: u64, reason: String },
+    Corrupt {
+        offset: u64,
+        reason: String,
+    },
 }
 
 pub struct XlogReader {
@@ -92,20 +115,27 @@ pub struct XlogReader {
 }
 
 fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> crate::Error {
-    crate::Error::Corrupt { file: path.to_path_buf(), offset, reason: reason.into() }
+    crate::Error::Corrupt {
+        file: path.to_path_buf(),
+        offset,
+        reason: reason.into(),
+    }
 }
 
 impl XlogReader {
     pub fn open(path: &Path) -> crate::Result<XlogReader> {
         let f = File::open(path).map_err(|e| crate::Error::io(path.display(), e))?;
-        let file_len = f.metadata().map_err(|e| crate::Error::io(path.display(), e))?.len();
+        let file_len = f
+            .metadata()
+            .map_err(|e| crate::Error::io(path.display(), e))?
+            .len();
         let mut r = BufReader::with_capacity(1 << 20, f);
         let mut head = Vec::new();
         // The header ends with an empty line; read byte-wise through the buffer.
         loop {
             let mut b = [0u8; 1];
             match r.read(&mut b) {
-                Ok(0) => return Err(corrupt(path, head.len() as u64, "file ends inside its header")),
+                Ok(0) => return Err(corrupt(path, head.len() as u64, HEADER_TRUNCATED)),
                 Ok(_) => head.push(b[0]),
                 Err(e) => return Err(crate::Error::io(path.display(), e)),
             }
@@ -118,7 +148,14 @@ impl XlogReader {
         }
         let header = parse_header(&head).map_err(|why| corrupt(path, 0, why))?;
         let offset = head.len() as u64;
-        Ok(XlogReader { path: path.to_path_buf(), r, file_len, offset, header, buf: Vec::new() })
+        Ok(XlogReader {
+            path: path.to_path_buf(),
+            r,
+            file_len,
+            offset,
+            header,
+            buf: Vec::new(),
+        })
     }
 
     pub fn header(&self) -> &FileHeader {
@@ -156,43 +193,103 @@ impl XlogReader {
         }
         let path = self.path.clone();
         let io_err = |e| crate::Error::io(path.display(), e);
-        let got = self.read_exact_or_short(BLOCK_HEADER_LEN.min(remaining as usize)).map_err(io_err)?;
+        let got = self
+            .read_exact_or_short(BLOCK_HEADER_LEN.min(remaining as usize))
+            .map_err(io_err)?;
         let head = &self.buf[..got];
         if got >= 4 && u32::from_be_bytes(head[..4].try_into().expect("4 bytes")) == EOF_MARKER {
             return Ok(Next::Eof { offset: at });
         }
         if got < BLOCK_HEADER_LEN {
-            return Ok(Next::Torn { offset: at, reason: format!("short block header ({got} bytes)") });
+            return Ok(Next::Torn {
+                offset: at,
+                reason: format!("short block header ({got} bytes)"),
+            });
         }
+        let head: [u8; BLOCK_HEADER_LEN] = head.try_into().expect("12 bytes");
         let magic = u32::from_be_bytes(head[0..4].try_into().expect("4 bytes"));
         let len = u32::from_be_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
         let crc = u32::from_be_bytes(head[8..12].try_into().expect("4 bytes"));
         if magic != BLOCK_MAGIC {
             let all_zero = head.iter().all(|b| *b == 0) && self.rest_is_zero().map_err(io_err)?;
             return Ok(if all_zero {
-                Next::Torn { offset: at, reason: "zero-filled tail".into() }
+                Next::Torn {
+                    offset: at,
+                    reason: "zero-filled tail".into(),
+                }
             } else {
-                Next::Corrupt { offset: at, reason: format!("bad block magic 0x{magic:08x}") }
+                Next::Corrupt {
+                    offset: at,
+                    reason: format!("bad block magic 0x{magic:08x}"),
+                }
             });
         }
         if len > MAX_BLOCK_LEN {
-            return Ok(Next::Corrupt { offset: at, reason: format!("block length {len} exceeds {MAX_BLOCK_LEN}") });
+            return Ok(Next::Corrupt {
+                offset: at,
+                reason: format!("block length {len} exceeds {MAX_BLOCK_LEN}"),
+            });
         }
         let body_remaining = remaining - BLOCK_HEADER_LEN as u64;
         if (len as u64) > body_remaining {
-            return Ok(Next::Torn { offset: at, reason: format!("short block: {len} bytes declared, {body_remaining} present") });
+            let reason = format!("short block: {len} bytes declared, {body_remaining} present");
+            return Ok(match self.valid_block_after(at + 4).map_err(io_err)? {
+                Some(next) => Next::Corrupt {
+                    offset: at,
+                    reason: format!("{reason}, but a valid block follows at {next}"),
+                },
+                None => Next::Torn { offset: at, reason },
+            });
         }
         let got = self.read_exact_or_short(len).map_err(io_err)?;
         if got < len {
-            return Ok(Next::Torn { offset: at, reason: "file shrank while reading".into() });
+            return Ok(Next::Torn {
+                offset: at,
+                reason: "file shrank while reading".into(),
+            });
         }
         let end = at + (BLOCK_HEADER_LEN + len) as u64;
         if crc32c::crc32c(&self.buf) != crc {
             let reason = "block checksum mismatch".to_string();
-            return Ok(if end == self.file_len { Next::Torn { offset: at, reason } } else { Next::Corrupt { offset: at, reason } });
+            return Ok(if end == self.file_len {
+                Next::Torn { offset: at, reason }
+            } else {
+                Next::Corrupt { offset: at, reason }
+            });
         }
         self.offset = end;
-        Ok(Next::Block { offset: at, payload: &self.buf })
+        Ok(Next::Block {
+            offset: at,
+            payload: &self.buf,
+        })
+    }
+
+    /// Scans the file from `from` for a block whose magic, length and checksum are all valid.
+    /// Only runs when something looks torn, so its cost never touches a healthy file.
+    fn valid_block_after(&self, from: u64) -> io::Result<Option<u64>> {
+        use std::io::{Seek, SeekFrom};
+        let mut f = self.r.get_ref().try_clone()?;
+        f.seek(SeekFrom::Start(from))?;
+        let mut rest = Vec::new();
+        f.read_to_end(&mut rest)?;
+        let magic = BLOCK_MAGIC.to_be_bytes();
+        let mut i = 0;
+        while i + BLOCK_HEADER_LEN <= rest.len() {
+            if rest[i..i + 4] == magic {
+                let len =
+                    u32::from_be_bytes(rest[i + 4..i + 8].try_into().expect("4 bytes")) as usize;
+                let crc = u32::from_be_bytes(rest[i + 8..i + 12].try_into().expect("4 bytes"));
+                let body = i + BLOCK_HEADER_LEN;
+                if len <= MAX_BLOCK_LEN
+                    && body + len <= rest.len()
+                    && crc32c::crc32c(&rest[body..body + len]) == crc
+                {
+                    return Ok(Some(from + i as u64));
+                }
+            }
+            i += 1;
+        }
+        Ok(None)
     }
 
     fn rest_is_zero(&mut self) -> io::Result<bool> {
@@ -223,12 +320,20 @@ fn parse_header(head: &[u8]) -> Result<FileHeader, String> {
     }
     let mut instance = None;
     let mut lsn = None;
+    let mut crc = None;
     for line in lines {
         if let Some(v) = line.strip_prefix("Instance: ") {
             instance = Some(v.to_string());
         } else if let Some(v) = line.strip_prefix("LSN: ") {
             lsn = Some(v.parse::<u64>().map_err(|_| format!("bad LSN {v:?}"))?);
+        } else if let Some(v) = line.strip_prefix("CRC32C: ") {
+            crc =
+                Some(u32::from_str_radix(v, 16).map_err(|_| format!("bad header checksum {v:?}"))?);
         }
+    }
+    let covered = text.find("CRC32C: ").ok_or("header has no CRC32C line")?;
+    if crc32c::crc32c(&head[..covered]) != crc.ok_or("header has no CRC32C line")? {
+        return Err("header checksum mismatch".into());
     }
     Ok(FileHeader {
         kind,
@@ -258,7 +363,9 @@ pub fn list_files(dir: &Path, ext: &str) -> crate::Result<Vec<(u64, PathBuf, boo
             Some(s) => (s, true),
             None => (name, false),
         };
-        let Some(lsn) = stem.strip_suffix(&format!(".{ext}")) else { continue };
+        let Some(lsn) = stem.strip_suffix(&format!(".{ext}")) else {
+            continue;
+        };
         if lsn.len() != 20 {
             continue;
         }
@@ -282,7 +389,12 @@ mod tests {
 
     fn write_file(path: &Path, blocks: &[&[u8]], eof: bool) -> Vec<u64> {
         let mut out = Vec::new();
-        FileHeader { kind: FileKind::Xlog, instance: "abc".into(), lsn: 1 }.encode(&mut out);
+        FileHeader {
+            kind: FileKind::Xlog,
+            instance: "abc".into(),
+            lsn: 1,
+        }
+        .encode(&mut out);
         let mut offsets = Vec::new();
         for b in blocks {
             offsets.push(out.len() as u64);
@@ -325,23 +437,40 @@ mod tests {
         let offs = write_file(&p, &[b"one", b"two"], false);
         // cut inside the second block: torn
         let len = std::fs::metadata(&p).unwrap().len();
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len - 1).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(len - 1)
+            .unwrap();
         let (blocks, end) = collect(&p);
         assert_eq!(blocks.len(), 1);
-        assert_eq!(end, format!("Torn {{ offset: {}, reason: \"short block: 3 bytes declared, 2 present\" }}", offs[1]));
+        assert_eq!(
+            end,
+            format!(
+                "Torn {{ offset: {}, reason: \"short block: 3 bytes declared, 2 present\" }}",
+                offs[1]
+            )
+        );
         // flip a byte in the first block's payload: damage, since another block follows
         write_file(&p, &[b"one", b"two"], false);
         let mut bytes = std::fs::read(&p).unwrap();
         bytes[offs[0] as usize + BLOCK_HEADER_LEN] ^= 0x40;
         std::fs::write(&p, &bytes).unwrap();
         let (_, end) = collect(&p);
-        assert!(end.starts_with(&format!("Corrupt {{ offset: {}", offs[0])), "{end}");
+        assert!(
+            end.starts_with(&format!("Corrupt {{ offset: {}", offs[0])),
+            "{end}"
+        );
         // the same flip in the last block is a torn tail
         write_file(&p, &[b"one", b"two"], false);
         let mut bytes = std::fs::read(&p).unwrap();
         bytes[offs[1] as usize + BLOCK_HEADER_LEN] ^= 0x40;
         std::fs::write(&p, &bytes).unwrap();
         let (_, end) = collect(&p);
-        assert!(end.starts_with(&format!("Torn {{ offset: {}", offs[1])), "{end}");
+        assert!(
+            end.starts_with(&format!("Torn {{ offset: {}", offs[1])),
+            "{end}"
+        );
     }
 }

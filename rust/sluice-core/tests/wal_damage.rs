@@ -1,0 +1,223 @@
+//! Damage to a WAL segment, at a random byte: a truncation, or a flipped bit. Recovery must
+//! either succeed with exactly a prefix of the acknowledged writes that includes every write in
+//! a block before the damage, or (for damage that is not a torn tail) refuse with the file and
+//! the byte offset of the damaged block. Nothing that was never written may appear.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use proptest::prelude::*;
+use sluice_core::wal::WalMode;
+use sluice_core::{Durability, Engine, Error, StoreRequest};
+
+const WRITES: usize = 24;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    data: PathBuf,
+    writes: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+fn segment(dir: &Path) -> PathBuf {
+    let mut segs: Vec<_> = std::fs::read_dir(dir.join("wal"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    segs.sort();
+    assert_eq!(segs.len(), 1, "one segment expected: {segs:?}");
+    segs.pop().unwrap()
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let engine = Engine::open(common::config(&data, WalMode::Write, 4)).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let mut writes = Vec::new();
+    for i in 0..WRITES {
+        let k = format!("k{i:03}").into_bytes();
+        let v = vec![b'a' + (i % 26) as u8; 1 + (i * 397) % 3000];
+        let mut req = StoreRequest::set(&k, &v);
+        req.durability = Some(Durability::Persist);
+        engine.store(&bucket, &req).unwrap();
+        writes.push((k, v));
+    }
+    engine.close();
+    Fixture {
+        _dir: dir,
+        data,
+        writes,
+    }
+}
+
+/// (header length, block start offsets, offset of the EOF marker).
+fn layout(bytes: &[u8]) -> (usize, Vec<usize>, usize) {
+    let header = bytes.windows(2).position(|w| w == b"\n\n").unwrap() + 2;
+    let mut blocks = Vec::new();
+    let mut at = header;
+    while u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap()) == 0xd5ba_0bab {
+        blocks.push(at);
+        at += 12 + u32::from_be_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
+    }
+    (header, blocks, at)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    for sub in ["wal", "snap"] {
+        std::fs::create_dir_all(to.join(sub)).unwrap();
+        for e in std::fs::read_dir(from.join(sub)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), to.join(sub).join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Damage {
+    Truncate(f64),
+    Flip(f64, u8),
+    /// A bit in the 12-byte header of a block chosen by the fraction.
+    FlipBlockHeader(f64, u8, u8),
+}
+
+fn check(fx: &Fixture, damage: Damage, force: bool) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fx.data, dir.path());
+    let seg = segment(dir.path());
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let (header, blocks, eof_at) = layout(&bytes);
+    let pos = match damage {
+        Damage::Truncate(f) => {
+            let pos = ((bytes.len() as f64) * f) as usize;
+            bytes.truncate(pos);
+            pos
+        }
+        Damage::Flip(f, bit) => {
+            let pos = (((bytes.len() - 1) as f64) * f) as usize;
+            bytes[pos] ^= 1 << (bit % 8);
+            pos
+        }
+        Damage::FlipBlockHeader(f, byte, bit) => {
+            let pos =
+                blocks[((blocks.len() as f64) * f) as usize % blocks.len()] + (byte % 12) as usize;
+            bytes[pos] ^= 1 << (bit % 8);
+            pos
+        }
+    };
+    std::fs::write(&seg, &bytes).unwrap();
+    // The block holding the damage (None: header or EOF marker).
+    let damaged_block = blocks
+        .iter()
+        .rposition(|&b| b <= pos)
+        .filter(|_| pos >= header && pos < eof_at);
+    // Writes wholly in blocks before the damage: the first block holds the bucket's creation,
+    // write i sits in block i + 1.
+    let must_survive = match damaged_block {
+        Some(b) => b.saturating_sub(1).min(WRITES),
+        None if pos < header => 0,
+        None => WRITES,
+    };
+    let mut cfg = common::config(dir.path(), WalMode::Write, 4);
+    cfg.force_recovery = force;
+    match Engine::open(cfg) {
+        Ok(engine) => {
+            let bucket = engine.bucket("default").unwrap();
+            let live = common::live(&engine, &bucket);
+            let k = live.len();
+            prop_assert!(
+                k >= must_survive || (force && damaged_block == Some(0)) || pos < header,
+                "{damage:?} at {pos}: {k} writes recovered, {must_survive} must survive"
+            );
+            for (i, (key, val)) in fx.writes.iter().enumerate() {
+                if i < k {
+                    prop_assert_eq!(live.get(key), Some(val), "write {} lost or changed", i);
+                }
+            }
+            prop_assert!(
+                live.keys()
+                    .all(|key| fx.writes[..k].iter().any(|w| &w.0 == key)),
+                "an unwritten key appeared"
+            );
+            let is_tail =
+                matches!(damage, Damage::Truncate(_)) || damaged_block == Some(blocks.len() - 1);
+            prop_assert!(force || damaged_block.is_none_or(|b| b + 1 == blocks.len()) || matches!(damage, Damage::Truncate(_)),
+                "damage in block {damaged_block:?} of {} (not the last) was recovered from silently", blocks.len());
+            prop_assert!(
+                force || is_tail || pos < header && matches!(damage, Damage::Truncate(_)),
+                "damage at {pos} in block {damaged_block:?} of {} was not reported",
+                blocks.len()
+            );
+            engine.close();
+        }
+        Err(Error::Corrupt {
+            file,
+            offset,
+            reason,
+        }) => {
+            prop_assert!(!force, "force recovery must not fail: {reason}");
+            prop_assert_eq!(file.file_name(), seg.file_name());
+            let expected = match damaged_block {
+                Some(b) => blocks[b] as u64,
+                None if pos < header => 0,
+                None => eof_at as u64,
+            };
+            prop_assert_eq!(
+                offset,
+                expected,
+                "{:?} at {}: reported at {} ({})",
+                damage,
+                pos,
+                offset,
+                reason
+            );
+        }
+        Err(e) => prop_assert!(false, "unexpected error {e}"),
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+    #[test]
+    fn damage_is_truncated_or_reported(f in 0.0f64..1.0, bit in any::<u8>(), byte in any::<u8>(), kind in 0..3, force in proptest::bool::weighted(0.2)) {
+        thread_local!(static FX: Fixture = fixture());
+        let damage = match kind {
+            0 => Damage::Truncate(f),
+            1 => Damage::Flip(f, bit),
+            _ => Damage::FlipBlockHeader(f, byte, bit),
+        };
+        FX.with(|fx| check(fx, damage, force))?;
+    }
+}
+
+#[test]
+fn every_bit_of_a_middle_block_header_is_reported() {
+    let fx = fixture();
+    let bytes = std::fs::read(segment(&fx.data)).unwrap();
+    let (_, blocks, _) = layout(&bytes);
+    let middle = blocks.len() / 2;
+    for byte in 0..12u8 {
+        for bit in 0..8u8 {
+            let f = (middle as f64 + 0.5) / blocks.len() as f64;
+            check(&fx, Damage::FlipBlockHeader(f, byte, bit), false).unwrap();
+        }
+    }
+}
+
+#[test]
+fn every_truncation_point_of_the_last_blocks_recovers_a_prefix() {
+    let fx = fixture();
+    let bytes = std::fs::read(segment(&fx.data)).unwrap();
+    let (_, blocks, _) = layout(&bytes);
+    let from = blocks[blocks.len() - 3];
+    for cut in from..bytes.len() {
+        check(
+            &fx,
+            Damage::Truncate(cut as f64 / bytes.len() as f64 + 1e-12),
+            false,
+        )
+        .unwrap();
+    }
+}
