@@ -32,16 +32,26 @@ def _fail(path: str, reason: str) -> ConfigError:
     return ConfigError(f"invalid config: {path}: {reason}")
 
 
+# The native settings hold counts and sizes as 64-bit integers; anything larger must fail here,
+# with the key path, rather than as an OverflowError when the settings are built.
+_MAX_INT = 2**63 - 1
+
+
 def _int(path: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise _fail(path, f"expected an integer, got {type(v).__name__} {v!r}")
+    if v > _MAX_INT:
+        raise _fail(path, f"{v} is too large (at most {_MAX_INT})")
     return v
 
 
 def _float(path: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(path, f"expected a number, got {type(v).__name__} {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise _fail(path, f"{v} is too large") from None
 
 
 def _bool(path: str, v: Any) -> bool:
@@ -56,13 +66,23 @@ def _str(path: str, v: Any) -> str:
     return v
 
 
+def _path(path: str, v: Any) -> Path:
+    # Path("") is ".", which would hide an empty value from the native "must not be empty" check.
+    if not _str(path, v):
+        raise _fail(path, "must not be empty")
+    return Path(v)
+
+
 def parse_size(path: str, v: Any) -> int:
     """Bytes from an integer or a string such as "64MiB" or "1GB"."""
     if isinstance(v, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
         if not m or m.group(2).lower() not in _SIZE_UNITS:
             raise _fail(path, f"{v!r} is not a size (examples: 4096, \"64MiB\", \"1GB\")")
-        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        if n > _MAX_INT:
+            raise _fail(path, f"{v!r} is too large (at most {_MAX_INT} bytes)")
+        return n
     n = _int(path, v)
     if n < 0:
         raise _fail(path, f"{n} is negative")
@@ -125,7 +145,7 @@ DURABILITY_LEVELS = ("none", "persist", "majority", "majority_and_persist_active
 
 # Top-level and section keys, by dotted path.
 ENGINE_KEYS: list[Key] = [
-    Key("data_dir", lambda p, v: Path(_str(p, v)), Path("sluice-data"), "Directory holding wal/ and snap/.", "path"),
+    Key("data_dir", _path, Path("sluice-data"), "Directory holding wal/ and snap/.", "path"),
     Key("force_recovery", _bool, False,
         "Start even if WAL or snapshot files are damaged beyond a torn tail, skipping the damage.", "bool"),
     Key("expiry_pager_interval", parse_duration, 60.0,
@@ -248,6 +268,8 @@ def load_config(path: str | Path) -> Config:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid UTF-8 (byte offset {e.start}); TOML files are UTF-8") from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

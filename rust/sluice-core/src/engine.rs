@@ -436,9 +436,7 @@ impl Engine {
         self.admit_write(bucket, durability)?;
         let vbid = bucket.vbucket_of(req.key);
         let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
-        if vb.state != VbState::Active {
-            return Err(Error::NotMyVbucket(vbid));
-        }
+        check_writable(&vb, 1)?;
         let now = now_secs();
         let existing = vb.store.get(req.key).map(|i| i.meta());
         let live = existing.filter(|m| !m.deleted && !is_expired(m, now));
@@ -521,9 +519,7 @@ impl Engine {
                 continue;
             }
             let mut vb = bucket.lock_vbucket(vbid as u16).expect("in range");
-            if vb.state != VbState::Active {
-                return Err(Error::NotMyVbucket(vbid as u16));
-            }
+            check_writable(&vb, group.len() as u64)?;
             changes.clear();
             for &i in group {
                 let (k, v) = items[i as usize];
@@ -567,9 +563,7 @@ impl Engine {
         self.admit_write(bucket, durability)?;
         let vbid = bucket.vbucket_of(key);
         let mut vb = bucket.lock_vbucket(vbid).expect("in range");
-        if vb.state != VbState::Active {
-            return Err(Error::NotMyVbucket(vbid));
-        }
+        check_writable(&vb, 1)?;
         let now = now_secs();
         let existing = vb.store.get(key).map(|i| i.meta());
         let Some(old) = existing.filter(|m| !m.deleted && !is_expired(m, now)) else {
@@ -813,6 +807,20 @@ impl Drop for Engine {
     }
 }
 
+/// An active vbucket with room for `n` more seqnos.
+fn check_writable(vb: &VBucket, n: u64) -> Result<()> {
+    if vb.state != VbState::Active {
+        return Err(Error::NotMyVbucket(vb.id));
+    }
+    if vb.high_seqno + n > crate::item_store::MAX_SEQNO {
+        return Err(Error::TempFail(format!(
+            "vbucket {} has used its 2^48 seqnos",
+            vb.id
+        )));
+    }
+    Ok(())
+}
+
 fn enforce_checkpoint_quota(inner: &Inner) -> usize {
     let mut dropped = 0;
     for bucket in inner.catalog.all() {
@@ -940,6 +948,7 @@ impl Inner {
 fn maintenance_loop(inner: Arc<Inner>) {
     let tick = Duration::from_millis(200);
     let mut last_pager = Instant::now();
+    let mut last_release = Instant::now();
     loop {
         {
             let mut stop = inner.background.stop.lock();
@@ -960,6 +969,13 @@ fn maintenance_loop(inner: Arc<Inner>) {
         {
             enforce_checkpoint_quota(&inner);
         }
+        #[cfg(feature = "mimalloc")]
+        if last_release.elapsed() >= Duration::from_secs(2) {
+            crate::alloc::release_free_memory();
+            last_release = Instant::now();
+        }
+        #[cfg(not(feature = "mimalloc"))]
+        let _ = &mut last_release;
         if last_pager.elapsed() >= inner.config.expiry_pager_interval {
             run_pager(&inner);
             last_pager = Instant::now();

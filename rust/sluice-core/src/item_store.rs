@@ -24,96 +24,142 @@ const LIVE: u8 = 0;
 const STALE: u8 = 1;
 const DEAD: u8 = 2;
 
-/// 48 bytes: the key and value live in one allocation of exactly their length; the lengths
-/// sit here so that the pointer can be thin.
+/// Seqnos and revision numbers are kept to 48 bits, as Couchbase does: 2^48 changes of one
+/// vbucket is nine years at a million a second. The engine refuses to go past it.
+pub const MAX_SEQNO: u64 = (1 << 48) - 1;
+const LOW48: u64 = MAX_SEQNO;
+
+/// 40 bytes. The key and value live in one allocation prefixed by the value length (4 bytes,
+/// little endian), so that the pointer is thin and the lengths cost the slot nothing:
+/// `seqno_word` packs by_seqno (48 bits), key length and datatype; `rev_word` packs rev_seqno
+/// (48 bits), state and the deleted flag.
 struct Slot {
     data: NonNull<u8>,
     cas: u64,
-    rev_seqno: u64,
-    by_seqno: u64,
+    seqno_word: u64,
+    rev_word: u64,
     flags: u32,
     expiry: u32,
-    value_len: u32,
-    key_len: u8,
-    datatype: u8,
-    state: u8,
-    deleted: bool,
 }
 
 // SAFETY: a Slot uniquely owns the allocation behind `data`.
 unsafe impl Send for Slot {}
 unsafe impl Sync for Slot {}
 
+const PREFIX: usize = 4;
+
 impl Slot {
     fn new(key: &[u8], value: &[u8], meta: &ItemMeta) -> Slot {
-        let mut v = Vec::with_capacity(key.len() + value.len());
+        debug_assert!(meta.by_seqno <= MAX_SEQNO && meta.rev_seqno <= MAX_SEQNO);
+        let mut v = Vec::with_capacity(PREFIX + key.len() + value.len());
+        v.extend_from_slice(&(value.len() as u32).to_le_bytes());
         v.extend_from_slice(key);
         v.extend_from_slice(value);
         let boxed: Box<[u8]> = v.into_boxed_slice();
         // SAFETY: Box::into_raw never returns null.
         let data = unsafe { NonNull::new_unchecked(Box::into_raw(boxed) as *mut u8) };
-        Slot {
+        let mut slot = Slot {
             data,
             cas: meta.cas,
-            rev_seqno: meta.rev_seqno,
-            by_seqno: meta.by_seqno,
+            seqno_word: (meta.by_seqno & LOW48)
+                | (key.len() as u64) << 48
+                | (meta.datatype as u64) << 56,
+            rev_word: 0,
             flags: meta.flags,
             expiry: meta.expiry,
-            value_len: value.len() as u32,
-            key_len: key.len() as u8,
-            datatype: meta.datatype,
-            state: LIVE,
-            deleted: meta.deleted,
-        }
+        };
+        slot.set_rev(meta.rev_seqno);
+        slot.set_state(LIVE, meta.deleted);
+        slot
     }
 
+    fn by_seqno(&self) -> u64 {
+        self.seqno_word & LOW48
+    }
+
+    fn key_len(&self) -> usize {
+        (self.seqno_word >> 48) as u8 as usize
+    }
+
+    fn datatype(&self) -> u8 {
+        (self.seqno_word >> 56) as u8
+    }
+
+    fn state(&self) -> u8 {
+        (self.rev_word >> 48) as u8
+    }
+
+    fn deleted(&self) -> bool {
+        (self.rev_word >> 56) & 1 == 1
+    }
+
+    fn set_state(&mut self, state: u8, deleted: bool) {
+        self.rev_word = (self.rev_word & LOW48) | (state as u64) << 48 | (deleted as u64) << 56;
+    }
+
+    fn set_rev(&mut self, rev: u64) {
+        self.rev_word = (self.rev_word & !LOW48) | (rev & LOW48);
+    }
+
+    fn value_len(&self) -> usize {
+        if self.state() == DEAD {
+            return 0;
+        }
+        // SAFETY: a live or stale slot's allocation starts with the 4-byte value length.
+        let prefix = unsafe { std::slice::from_raw_parts(self.data.as_ptr(), PREFIX) };
+        u32::from_le_bytes(prefix.try_into().expect("4 bytes")) as usize
+    }
+
+    /// Bytes of key plus value.
     fn len(&self) -> usize {
-        self.key_len as usize + self.value_len as usize
+        if self.state() == DEAD {
+            return 0;
+        }
+        self.key_len() + self.value_len()
     }
 
     fn bytes(&self) -> &[u8] {
-        if self.state == DEAD {
+        if self.state() == DEAD {
             return &[];
         }
-        // SAFETY: `data` points at `len()` initialised bytes owned by this slot until kill().
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr(), self.len()) }
+        // SAFETY: the allocation holds PREFIX + len() initialised bytes until kill().
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().add(PREFIX), self.len()) }
     }
 
     fn key(&self) -> &[u8] {
-        &self.bytes()[..self.key_len as usize]
+        &self.bytes()[..self.key_len()]
     }
 
     fn value(&self) -> &[u8] {
-        &self.bytes()[self.key_len as usize..]
+        &self.bytes()[self.key_len()..]
     }
 
     fn meta(&self) -> ItemMeta {
         ItemMeta {
             cas: self.cas,
-            rev_seqno: self.rev_seqno,
-            by_seqno: self.by_seqno,
+            rev_seqno: self.rev_word & LOW48,
+            by_seqno: self.by_seqno(),
             flags: self.flags,
             expiry: self.expiry,
-            datatype: self.datatype,
-            deleted: self.deleted,
+            datatype: self.datatype(),
+            deleted: self.deleted(),
         }
     }
 
     /// Frees the bytes; the seqno stays so that binary search over the log still works.
     fn kill(&mut self) {
-        if self.state != DEAD {
-            let len = self.len();
+        if self.state() != DEAD {
+            let total = PREFIX + self.len();
             // SAFETY: reconstructs exactly the Box<[u8]> leaked in new().
             unsafe {
                 drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
                     self.data.as_ptr(),
-                    len,
+                    total,
                 )));
             }
-            self.state = DEAD;
             self.data = NonNull::dangling();
-            self.key_len = 0;
-            self.value_len = 0;
+            self.seqno_word &= LOW48;
+            self.set_state(DEAD, false);
         }
     }
 }
@@ -145,7 +191,7 @@ impl<'a> ItemRef<'a> {
 }
 
 /// Approximate bytes a stored item costs beyond its key and value (slot, index, allocator).
-pub const ITEM_OVERHEAD: usize = std::mem::size_of::<Slot>() + 16;
+pub const ITEM_OVERHEAD: usize = std::mem::size_of::<Slot>() + PREFIX + 16;
 
 #[derive(Default)]
 pub struct ItemStore {
@@ -214,9 +260,10 @@ impl ItemStore {
         let range_reads = self.range_reads;
         let slot = self.slot_mut(pos);
         let bytes = slot.len();
-        let seqno = slot.by_seqno;
+        let seqno = slot.by_seqno();
         if range_reads > 0 {
-            slot.state = STALE;
+            let deleted = slot.deleted();
+            slot.set_state(STALE, deleted);
             self.stale_successor.insert(seqno, successor_seqno);
         } else {
             slot.kill();
@@ -229,7 +276,7 @@ impl ItemStore {
     /// A `rev_seqno` of 0 asks for the next one (the old version's plus one, or 1), written back
     /// into `meta`. Returns the metadata of the version it replaced.
     pub fn upsert(&mut self, key: &[u8], value: &[u8], meta: &mut ItemMeta) -> Option<ItemMeta> {
-        debug_assert!(self.len == 0 || self.slot(self.len - 1).by_seqno < meta.by_seqno);
+        debug_assert!(self.len == 0 || self.slot(self.len - 1).by_seqno() < meta.by_seqno);
         let h = self.hash(key);
         let new_pos = self.push_slot(Slot::new(key, value, meta));
         self.data_bytes += key.len() + value.len();
@@ -249,8 +296,8 @@ impl ItemStore {
                 *o.get_mut() = new_pos as u32;
                 let old = self.slot(old_pos).meta();
                 if meta.rev_seqno == 0 {
-                    meta.rev_seqno = old.rev_seqno + 1;
-                    self.slot_mut(new_pos).rev_seqno = meta.rev_seqno;
+                    meta.rev_seqno = (old.rev_seqno + 1).min(MAX_SEQNO);
+                    self.slot_mut(new_pos).set_rev(meta.rev_seqno);
                 }
                 if old.deleted {
                     self.tombstones -= 1;
@@ -263,7 +310,7 @@ impl ItemStore {
                 v.insert(new_pos as u32);
                 if meta.rev_seqno == 0 {
                     meta.rev_seqno = 1;
-                    self.slot_mut(new_pos).rev_seqno = 1;
+                    self.slot_mut(new_pos).set_rev(1);
                 }
                 self.current += 1;
                 None
@@ -307,7 +354,7 @@ impl ItemStore {
         self.len = 0;
         self.dead = 0;
         for slot in old.into_iter().flatten() {
-            if slot.state != DEAD {
+            if slot.state() != DEAD {
                 self.push_slot(slot);
             }
         }
@@ -331,7 +378,7 @@ impl ItemStore {
         let (mut lo, mut hi) = (0usize, self.len);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if self.slot(mid).by_seqno < seqno {
+            if self.slot(mid).by_seqno() < seqno {
                 lo = mid + 1;
             } else {
                 hi = mid;
@@ -353,8 +400,8 @@ impl ItemStore {
             for seqno in stale {
                 let pos = self.lower_bound(seqno);
                 if pos < self.len
-                    && self.slot(pos).by_seqno == seqno
-                    && self.slot(pos).state == STALE
+                    && self.slot(pos).by_seqno() == seqno
+                    && self.slot(pos).state() == STALE
                 {
                     let bytes = self.slot(pos).len();
                     self.slot_mut(pos).kill();
@@ -380,17 +427,17 @@ impl ItemStore {
         let mut emitted = 0;
         while pos < self.len {
             let slot = self.slot(pos);
-            if slot.by_seqno > end {
+            if slot.by_seqno() > end {
                 return None;
             }
             if emitted == limit {
-                return Some(slot.by_seqno);
+                return Some(slot.by_seqno());
             }
-            let visible = match slot.state {
+            let visible = match slot.state() {
                 LIVE => true,
                 STALE => self
                     .stale_successor
-                    .get(&slot.by_seqno)
+                    .get(&slot.by_seqno())
                     .is_some_and(|&s| s > end),
                 _ => false,
             };
@@ -406,7 +453,7 @@ impl ItemStore {
     /// Every current version (items and tombstones) in seqno order.
     pub fn for_each_current(&self, mut f: impl FnMut(ItemRef<'_>)) {
         for slot in self.chunks.iter().flatten() {
-            if slot.state == LIVE {
+            if slot.state() == LIVE {
                 f(ItemRef { slot });
             }
         }
@@ -416,7 +463,7 @@ impl ItemStore {
     pub fn keys_where(&self, mut pred: impl FnMut(&ItemMeta) -> bool) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
         for slot in self.chunks.iter().flatten() {
-            if slot.state == LIVE && pred(&slot.meta()) {
+            if slot.state() == LIVE && pred(&slot.meta()) {
                 out.push(slot.key().to_vec());
             }
         }
@@ -469,8 +516,22 @@ mod tests {
     }
 
     #[test]
-    fn slot_is_48_bytes() {
-        assert_eq!(std::mem::size_of::<Slot>(), 48);
+    fn slot_is_40_bytes_and_packs_losslessly() {
+        assert_eq!(std::mem::size_of::<Slot>(), 40);
+        let meta = ItemMeta {
+            cas: u64::MAX,
+            rev_seqno: MAX_SEQNO,
+            by_seqno: MAX_SEQNO,
+            flags: u32::MAX,
+            expiry: 7,
+            datatype: 0xff,
+            deleted: true,
+        };
+        let key = [b'k'; 250];
+        let s = Slot::new(&key, b"value", &meta);
+        assert_eq!(s.meta(), meta);
+        assert_eq!(s.key(), &key[..]);
+        assert_eq!(s.value(), b"value");
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! snapshots and recovery, the checkpoint manager with cursors, dedup and backfill.
 //! No sockets and no Python here.
 
+#[cfg(feature = "mimalloc")]
+pub mod alloc;
 pub mod backfill;
 pub mod bucket;
 pub mod checkpoint;

@@ -650,8 +650,12 @@ fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
     Ok(sluice_core::hash::vbucket_of(key, num_vbuckets))
 }
 
+#[global_allocator]
+static GLOBAL: sluice_core::alloc::Allocator = sluice_core::alloc::ALLOCATOR;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    sluice_core::alloc::tune();
     let _ = pyo3_log::try_init();
     let py = m.py();
     m.add_class::<EngineSettings>()?;

@@ -199,6 +199,11 @@ impl Drop for Appender<'_> {
     }
 }
 
+/// Encoded bytes written per write() call while draining a batch.
+const WRITE_CHUNK: usize = 4 << 20;
+/// Queue entries a drained vector keeps room for between batches.
+const MAX_KEPT_ENTRIES: usize = 64 * 1024;
+
 struct Segment {
     file: File,
     path: PathBuf,
@@ -238,29 +243,60 @@ impl Segment {
         })
     }
 
-    /// Writes at the end; a failed write is cut back off so a retry starts clean.
-    fn append(&mut self, buf: &[u8], mode: WalMode, failpoint: Failpoint) -> io::Result<()> {
+    /// Encodes a batch into blocks and writes it at the end of the segment in chunks of about
+    /// WRITE_CHUNK bytes (so the buffer stays small whatever the backlog), then syncs once in
+    /// fsync mode. On failure everything written for this batch is cut back off, so a retry
+    /// starts clean.
+    fn append_batch(
+        &mut self,
+        batch: &[Queued],
+        buf: &mut Vec<u8>,
+        cfg: &WalConfig,
+        failpoint: Failpoint,
+    ) -> io::Result<()> {
+        let start = self.size;
         let result = match failpoint {
             Failpoint::NoSpace => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
             Failpoint::IoError => Err(io::Error::from_raw_os_error(libc::EIO)),
-            Failpoint::Off => self.file.write_all_at(buf, self.size).and_then(|_| {
-                if mode == WalMode::Fsync {
+            Failpoint::Off => self.write_blocks(batch, buf, cfg.block_size).and_then(|_| {
+                if cfg.mode == WalMode::Fsync {
                     self.file.sync_data()
                 } else {
                     Ok(())
                 }
             }),
         };
-        match result {
-            Ok(()) => {
-                self.size += buf.len() as u64;
-                Ok(())
-            }
-            Err(e) => {
-                let _ = self.file.set_len(self.size);
-                Err(e)
-            }
+        if result.is_err() {
+            self.size = start;
+            let _ = self.file.set_len(start);
         }
+        result
+    }
+
+    fn write_blocks(
+        &mut self,
+        batch: &[Queued],
+        buf: &mut Vec<u8>,
+        block_size: usize,
+    ) -> io::Result<()> {
+        buf.clear();
+        let mut at = xlog::begin_block(buf);
+        for q in batch {
+            if buf.len() - at - xlog::BLOCK_HEADER_LEN >= block_size {
+                xlog::finish_block(buf, at);
+                if buf.len() >= WRITE_CHUNK {
+                    self.file.write_all_at(buf, self.size)?;
+                    self.size += buf.len() as u64;
+                    buf.clear();
+                }
+                at = xlog::begin_block(buf);
+            }
+            q.encode(buf);
+        }
+        xlog::finish_block(buf, at);
+        self.file.write_all_at(buf, self.size)?;
+        self.size += buf.len() as u64;
+        Ok(())
     }
 
     /// Writes the EOF marker, syncs, and renames `.inprogress` away. An empty segment is removed.
@@ -453,16 +489,6 @@ fn writer_loop(
             (q.shutdown, rotate)
         };
         if !batch.is_empty() {
-            buf.clear();
-            let mut at = xlog::begin_block(&mut buf);
-            for q in &batch {
-                if buf.len() - at - xlog::BLOCK_HEADER_LEN >= cfg.block_size {
-                    xlog::finish_block(&mut buf, at);
-                    at = xlog::begin_block(&mut buf);
-                }
-                q.encode(&mut buf);
-            }
-            xlog::finish_block(&mut buf, at);
             let last = batch.last().expect("non-empty").lsn;
             let mut backoff = Duration::from_millis(20);
             let failing_since = Instant::now();
@@ -472,7 +498,7 @@ fn writer_loop(
                     2 => Failpoint::IoError,
                     _ => Failpoint::Off,
                 };
-                match segment.append(&buf, cfg.mode, fp) {
+                match segment.append_batch(&batch, &mut buf, &cfg, fp) {
                     Ok(()) => break,
                     Err(e) => {
                         let msg = format!("writing {}: {e}", segment.path.display());
@@ -504,12 +530,8 @@ fn writer_loop(
                 log::warn!("WAL writes succeed again; accepting writes");
             }
             segment.records += batch.len() as u64;
-            {
-                let mut d = shared.durable.lock();
-                d.durable = last;
-                d.error = None;
-                shared.durable_cv.notify_all();
-            }
+            // Persisted seqnos first, then durability: whoever a durable LSN wakes must already
+            // see the vbuckets' persisted seqnos cover it.
             per_vb.clear();
             for q in &batch {
                 if let WalPayload::Change(c) = &q.payload {
@@ -520,7 +542,16 @@ fn writer_loop(
             persisted.clear();
             persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
             batch.clear();
+            // After a surge, give back what a normal batch does not need.
+            batch.shrink_to(MAX_KEPT_ENTRIES);
+            buf.shrink_to(WRITE_CHUNK + cfg.block_size);
             on_persisted(&persisted);
+            {
+                let mut d = shared.durable.lock();
+                d.durable = last;
+                d.error = None;
+                shared.durable_cv.notify_all();
+            }
         }
         let next_lsn = shared.durable.lock().durable + 1;
         if (rotate && segment.records > 0) || segment.size >= cfg.segment_size {

@@ -1,0 +1,172 @@
+"""A WAL that cannot write: the failpoint in the WAL writer, and a real full tmpfs.
+
+What a user must see: writes refused with a temporary failure (or WalFailedError for the
+write whose block failed), reads still served, nothing acknowledged lost, and writes resuming
+by themselves once the disk has room again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import open_engine
+
+import sluice
+
+WAL_ERRORS = (sluice.WalFailedError, sluice.TempFailError)
+
+
+def _write_until_it_works(e: sluice.EmbeddedEngine, key: bytes, value: bytes, bound: float = 10.0) -> float:
+    """Retries a persist write as a client would; returns how long the outage lasted."""
+    start = time.monotonic()
+    while True:
+        try:
+            e.set(key, value, durability="persist")
+            return time.monotonic() - start
+        except WAL_ERRORS:
+            if time.monotonic() - start > bound:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("failpoint", ["enospc", "eio"])
+def test_wal_failpoint(data_dir, failpoint):
+    acked: dict[bytes, bytes | None] = {}
+    with open_engine(data_dir, wal__mode="fsync") as e:
+        for i in range(50):
+            e.set(b"k%d" % i, b"v%d" % i, durability="persist")
+            acked[b"k%d" % i] = b"v%d" % i
+        e.delete(b"k0", durability="persist")
+        acked[b"k0"] = None
+        assert e.stats()["wal_failing"] is False
+
+        e.set_wal_failpoint(failpoint)
+        # The write whose block fails learns it; later writes are refused up front.
+        with pytest.raises(sluice.WalFailedError) as first:
+            e.set(b"in-failed-block", b"x", durability="persist")
+        assert "WAL" in str(first.value)
+        assert ("No space left" if failpoint == "enospc" else "Input/output error") in str(first.value)
+        assert e.stats()["wal_failing"] is True
+        for call in [lambda: e.set(b"k1", b"new", durability="persist"),
+                     lambda: e.set(b"other", b"x"),  # even without durability
+                     lambda: e.delete(b"k2"),
+                     lambda: e.set_many([(b"m", b"v")])]:
+            with pytest.raises(WAL_ERRORS) as info:
+                call()
+            assert "WAL" in str(info.value)
+        assert e.stats()["tmp_failures"] >= 4
+        # Reads are served meanwhile, and the refused writes changed nothing.
+        for k, v in acked.items():
+            assert (e.get(k).value if e.get(k) else None) == v
+        assert e.get(b"other") is None and e.get(b"m") is None
+
+        # Still failing a while later: the writer keeps retrying, it does not give up or skip.
+        time.sleep(0.5)
+        with pytest.raises(WAL_ERRORS):
+            e.set(b"still", b"x", durability="persist")
+
+        e.set_wal_failpoint("off")
+        outage = _write_until_it_works(e, b"after", b"recovered")
+        assert outage < 10
+        assert e.stats()["wal_failing"] is False
+        acked[b"after"] = b"recovered"
+        e.set(b"k1", b"new", durability="persist")
+        acked[b"k1"] = b"new"
+        # The change whose block failed was kept in memory and written by the retry.
+        assert e.get(b"in-failed-block").value == b"x"
+    del e
+    with open_engine(data_dir) as e:
+        assert e.recovery_report()["unclean_shutdown"] is False
+        for k, v in acked.items():
+            assert (e.get(k).value if e.get(k) else None) == v, k
+        assert e.get(b"in-failed-block").value == b"x"
+        assert e.get(b"still") is None
+
+
+def test_close_while_the_wal_is_failing_is_bounded(data_dir):
+    with open_engine(data_dir, wal__mode="write") as e:
+        for i in range(20):
+            e.set(b"k%d" % i, b"v", durability="persist")
+        e.set_wal_failpoint("enospc")
+        with pytest.raises(WAL_ERRORS):
+            e.set(b"lost", b"x", durability="persist")
+        start = time.monotonic()
+        e.close()  # must not hang on a disk that stays full
+        assert time.monotonic() - start < 15
+    del e
+    with open_engine(data_dir) as e:
+        for i in range(20):
+            assert e.get(b"k%d" % i).value == b"v"
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+def _umount(where: Path) -> None:
+    r = subprocess.run(["umount", str(where)], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def test_real_full_disk(tmp_path):
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "3m")
+    try:
+        filler = mnt / "filler"
+        filler.write_bytes(b"\0" * (_free_bytes(mnt) - 600 * 1024))
+        assert 500 * 1024 <= _free_bytes(mnt) <= 700 * 1024
+        data = mnt / "data"
+        acked: dict[bytes, bytes] = {}
+        failed_key = None
+        with open_engine(data, wal__mode="write") as e:
+            for i in range(1000):  # ~150 writes of 4 KiB fill 600 KiB; 1000 is the bound
+                key, value = b"k%04d" % i, os.urandom(2048).hex().encode()
+                try:
+                    e.set(key, value, durability="persist")
+                except WAL_ERRORS as err:
+                    assert "No space left on device" in str(err)
+                    failed_key = key
+                    break
+                acked[key] = value
+            else:
+                pytest.fail("1000 writes of 4 KiB fitted into 600 KiB")
+            assert len(acked) >= 50
+            assert e.stats()["wal_failing"] is True
+            with pytest.raises(WAL_ERRORS):
+                e.set(b"refused", b"x" * 4096, durability="persist")
+            for k, v in acked.items():
+                assert e.get(k).value == v
+
+            filler.unlink()
+            _write_until_it_works(e, b"after", b"room again")
+            assert e.stats()["wal_failing"] is False
+            for i in range(20):
+                e.set(b"more%d" % i, b"x" * 4096, durability="persist")
+        del e
+        with open_engine(data, wal__mode="write") as e:
+            assert e.recovery_report()["unclean_shutdown"] is False
+            assert e.recovery_report()["truncated"] is None
+            for k, v in acked.items():
+                assert e.get(k).value == v, k
+            assert e.get(b"after").value == b"room again"
+            assert all(e.get(b"more%d" % i) is not None for i in range(20))
+            assert e.get(failed_key) is not None, "the failed write was retried once there was room"
+            assert e.get(b"refused") is None
+        del e
+    finally:
+        _umount(mnt)
