@@ -35,18 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
     settings = cfg.to_native()
     started = time.monotonic()
-    log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
-    engine = _native.EmbeddedEngine(settings)
-    report = engine.recovery_report()
-    items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
-    log.info(
-        "sluice ready: %d items in %d bucket(s) %s, recovered in %.3f s "
-        "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
-        items, len(settings.bucket_names), ",".join(settings.bucket_names), report["seconds"],
-        report["snapshot_lsn"], report["wal_records"],
-        ", after an unclean shutdown" if report["unclean_shutdown"] else "",
-        time.monotonic() - started,
-    )
+    # Handlers go in before anything is announced: a SIGTERM sent right after the ready line
+    # (or during recovery) must still flush the WAL and exit 0, not kill the process.
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -55,6 +45,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
+    engine = _native.EmbeddedEngine(settings)
+    report = engine.recovery_report()
+    items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
+    log.info(
+        "sluice ready: %d items in %d bucket(s) %s, recovered in %.3f s "
+        "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
+        items,
+        len(settings.bucket_names),
+        ",".join(settings.bucket_names),
+        report["seconds"],
+        report["snapshot_lsn"],
+        report["wal_records"],
+        ", after an unclean shutdown" if report["unclean_shutdown"] else "",
+        time.monotonic() - started,
+    )
     while not stop.wait(1.0):
         pass
     engine.close()
@@ -90,20 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    s = sub.add_parser("serve", help="open the data directory and run the node",
-                       description="Recover the data directory and run the node until SIGTERM or Ctrl-C, "
-                                   "then flush the WAL and exit 0. Without --config, embedded defaults: "
-                                   "data in ./sluice-data, one bucket 'default' of 64 vbuckets.")
+    s = sub.add_parser(
+        "serve",
+        help="open the data directory and run the node",
+        description="Recover the data directory and run the node until SIGTERM or Ctrl-C, "
+        "then flush the WAL and exit 0. Without --config, embedded defaults: "
+        "data in ./sluice-data, one bucket 'default' of 64 vbuckets.",
+    )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
     s.add_argument("--data-dir", metavar="DIR", help="overrides data_dir")
-    s.add_argument("--force-recovery", action="store_true",
-                   help="start despite damaged WAL or snapshot files, skipping the damage")
+    s.add_argument(
+        "--force-recovery",
+        action="store_true",
+        help="start despite damaged WAL or snapshot files, skipping the damage",
+    )
     s.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("wal-dump", help="print a WAL segment or snapshot as JSON lines",
-                       description="Print the records of a .xlog or .snap file as JSON lines, then a last "
-                                   "line telling how the file ends (eof, no-eof-marker, torn, corrupt) "
-                                   "with its byte offset.")
+    d = sub.add_parser(
+        "wal-dump",
+        help="print a WAL segment or snapshot as JSON lines",
+        description="Print the records of a .xlog or .snap file as JSON lines, then a last "
+        "line telling how the file ends (eof, no-eof-marker, torn, corrupt) "
+        "with its byte offset.",
+    )
     d.add_argument("file")
     d.set_defaults(func=cmd_wal_dump)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from sluice._native import BucketSettings, ConfigError, EngineSettings
 
@@ -21,9 +22,14 @@ else:  # pragma: no cover - exercised on older interpreters only
     import tomli as tomllib
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3,
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
 }
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -78,7 +84,7 @@ def parse_size(path: str, v: Any) -> int:
     if isinstance(v, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
         if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise _fail(path, f"{v!r} is not a size (examples: 4096, \"64MiB\", \"1GB\")")
+            raise _fail(path, f'{v!r} is not a size (examples: 4096, "64MiB", "1GB")')
         n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
         if n > _MAX_INT:
             raise _fail(path, f"{v!r} is too large (at most {_MAX_INT} bytes)")
@@ -94,7 +100,7 @@ def parse_duration(path: str, v: Any) -> float:
     if isinstance(v, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*", v)
         if not m:
-            raise _fail(path, f"{v!r} is not a duration (examples: 5, \"500ms\", \"10m\", \"3d\")")
+            raise _fail(path, f'{v!r} is not a duration (examples: 5, "500ms", "10m", "3d")')
         return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     s = _float(path, v)
     if s < 0:
@@ -146,44 +152,133 @@ DURABILITY_LEVELS = ("none", "persist", "majority", "majority_and_persist_active
 # Top-level and section keys, by dotted path.
 ENGINE_KEYS: list[Key] = [
     Key("data_dir", _path, Path("sluice-data"), "Directory holding wal/ and snap/.", "path"),
-    Key("force_recovery", _bool, False,
-        "Start even if WAL or snapshot files are damaged beyond a torn tail, skipping the damage.", "bool"),
-    Key("expiry_pager_interval", parse_duration, 60.0,
+    Key(
+        "force_recovery",
+        _bool,
+        False,
+        "Start even if WAL or snapshot files are damaged beyond a torn tail, skipping the damage.",
+        "bool",
+    ),
+    Key(
+        "expiry_pager_interval",
+        parse_duration,
+        60.0,
         "How often expired items are turned into EXPIRATION changes and old tombstones purged.",
-        "duration", _between(0.001, 86400 * 365)),
-    Key("tombstone_purge_age", parse_duration, 3 * 86400.0,
+        "duration",
+        _between(0.001, 86400 * 365),
+    ),
+    Key(
+        "tombstone_purge_age",
+        parse_duration,
+        3 * 86400.0,
         "Tombstones older than this may be purged; streams starting below the purge seqno roll back to 0.",
-        "duration"),
-    Key("wal.mode", _str, "write",
+        "duration",
+    ),
+    Key(
+        "wal.mode",
+        _str,
+        "write",
         "none: nothing on disk (a pure cache); write: write() per batch (survives a process crash); "
         "fsync: write() and fdatasync() per batch (survives power loss).",
-        "string", _choice("none", "write", "fsync"), native="wal_mode"),
-    Key("wal.segment_size", parse_size, 64 * 1024**2, "A WAL segment is closed and a new one started past this size.",
-        "size", _at_least(4096), native="wal_segment_size"),
-    Key("snapshot.count", _int, 2, "How many snapshots to keep (with the WAL segments the oldest needs).",
-        "integer", _at_least(1), native="snapshot_count"),
-    Key("snapshot.interval", parse_duration, 3600.0, "Seconds between automatic snapshots; 0 turns them off.",
-        "duration", native="snapshot_interval"),
-    Key("checkpoint.max_items", _int, 10_000, "A checkpoint closes after this many changes.", "integer",
-        _at_least(1), native="checkpoint_max_items"),
-    Key("checkpoint.period", parse_duration, 5.0, "A checkpoint closes after this long.", "duration",
-        _between(0.001, 86400.0), native="checkpoint_period"),
+        "string",
+        _choice("none", "write", "fsync"),
+        native="wal_mode",
+    ),
+    Key(
+        "wal.segment_size",
+        parse_size,
+        64 * 1024**2,
+        "A WAL segment is closed and a new one started past this size.",
+        "size",
+        _at_least(4096),
+        native="wal_segment_size",
+    ),
+    Key(
+        "snapshot.count",
+        _int,
+        2,
+        "How many snapshots to keep (with the WAL segments the oldest needs).",
+        "integer",
+        _at_least(1),
+        native="snapshot_count",
+    ),
+    Key(
+        "snapshot.interval",
+        parse_duration,
+        3600.0,
+        "Seconds between automatic snapshots; 0 turns them off.",
+        "duration",
+        native="snapshot_interval",
+    ),
+    Key(
+        "checkpoint.max_items",
+        _int,
+        10_000,
+        "A checkpoint closes after this many changes.",
+        "integer",
+        _at_least(1),
+        native="checkpoint_max_items",
+    ),
+    Key(
+        "checkpoint.period",
+        parse_duration,
+        5.0,
+        "A checkpoint closes after this long.",
+        "duration",
+        _between(0.001, 86400.0),
+        native="checkpoint_period",
+    ),
 ]
 
 BUCKET_KEYS: list[Key] = [
-    Key("num_vbuckets", _int, 64, "Number of vbuckets; fixed once the bucket has data.", "integer",
-        _between(1, 1024)),
-    Key("memory_quota", parse_size, 1024**3, "Bytes of items and checkpoints the bucket may hold.", "size",
-        _at_least(1024**2)),
-    Key("high_watermark", _float, 0.85, "Fraction of the quota above which writes get a temporary failure.",
-        "number", _between(0, 1, lo_open=True)),
-    Key("max_item_size", parse_size, 20 * 1024**2, "Largest value accepted, in bytes.", "size",
-        _between(1, 64 * 1024**2)),
-    Key("checkpoint_memory_ratio", _float, 0.3,
-        "Fraction of the quota checkpoints may use before the slowest cursors are dropped.", "number",
-        _between(0, 1, lo_open=True)),
-    Key("durability", _str, "none", "Default durability level of writes: " + ", ".join(DURABILITY_LEVELS) + ".",
-        "string", _choice(*DURABILITY_LEVELS)),
+    Key(
+        "num_vbuckets",
+        _int,
+        64,
+        "Number of vbuckets; fixed once the bucket has data.",
+        "integer",
+        _between(1, 1024),
+    ),
+    Key(
+        "memory_quota",
+        parse_size,
+        1024**3,
+        "Bytes of items and checkpoints the bucket may hold.",
+        "size",
+        _at_least(1024**2),
+    ),
+    Key(
+        "high_watermark",
+        _float,
+        0.85,
+        "Fraction of the quota above which writes get a temporary failure.",
+        "number",
+        _between(0, 1, lo_open=True),
+    ),
+    Key(
+        "max_item_size",
+        parse_size,
+        20 * 1024**2,
+        "Largest value accepted, in bytes.",
+        "size",
+        _between(1, 64 * 1024**2),
+    ),
+    Key(
+        "checkpoint_memory_ratio",
+        _float,
+        0.3,
+        "Fraction of the quota checkpoints may use before the slowest cursors are dropped.",
+        "number",
+        _between(0, 1, lo_open=True),
+    ),
+    Key(
+        "durability",
+        _str,
+        "none",
+        "Default durability level of writes: " + ", ".join(DURABILITY_LEVELS) + ".",
+        "string",
+        _choice(*DURABILITY_LEVELS),
+    ),
 ]
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9_.%-]{1,100}")
@@ -215,8 +310,8 @@ class Config:
                 for sub, v in raw.items():
                     path = f"{top}.{sub}"
                     if path not in by_name:
-                        raise _fail(path, f"unknown key (known in [{top}]: "
-                                    f"{', '.join(k.name.split('.', 1)[1] for k in ENGINE_KEYS if k.name.startswith(top + '.'))})")
+                        known = [k.name.split(".", 1)[1] for k in ENGINE_KEYS if k.name.startswith(top + ".")]
+                        raise _fail(path, f"unknown key (known in [{top}]: {', '.join(known)})")
                     values[path] = by_name[path].value(path, v)
             elif top in by_name:
                 values[top] = by_name[top].value(top, raw)
@@ -282,15 +377,26 @@ def load_config(path: str | Path) -> Config:
 
 def reference() -> str:
     """Markdown reference of every key, generated from the definitions above."""
-    lines = ["# sluice configuration reference", "",
-             "Generated by `sluice config reference` from `python/sluice/config.py`.", "",
-             "Sizes take bytes or a unit (`\"64MiB\"`, `\"1GB\"`); durations take seconds or a unit "
-             "(`\"500ms\"`, `\"10m\"`, `\"3d\"`).", "",
-             "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = [
+        "# sluice configuration reference",
+        "",
+        "Generated by `sluice config reference` from `python/sluice/config.py`.",
+        "",
+        'Sizes take bytes or a unit (`"64MiB"`, `"1GB"`); durations take seconds or a unit '
+        '(`"500ms"`, `"10m"`, `"3d"`).',
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for k in ENGINE_KEYS:
         lines.append(f"| `{k.name}` | {k.type_name} | `{_show(k.default)}` | {k.doc} |")
-    lines += ["", "Buckets are tables under `[buckets.NAME]`; `default` always exists.", "",
-              "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "Buckets are tables under `[buckets.NAME]`; `default` always exists.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for k in BUCKET_KEYS:
         lines.append(f"| `buckets.NAME.{k.name}` | {k.type_name} | `{_show(k.default)}` | {k.doc} |")
     return "\n".join(lines) + "\n"
