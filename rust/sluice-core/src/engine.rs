@@ -365,9 +365,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Refuses a write early: closed engine, failing WAL, memory over the high watermark, or a
+    /// Refuses a write early: closed engine, failing WAL, memory over the high watermark (unless
+    /// the write is a deletion, which frees memory: a full bucket can always be emptied), or a
     /// durability level this node cannot provide.
-    fn admit_write(&self, bucket: &Bucket, durability: Durability) -> Result<()> {
+    fn admit_write(&self, bucket: &Bucket, durability: Durability, op: ChangeOp) -> Result<()> {
         self.check_open()?;
         if self.inner.wal.is_failing() {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
@@ -376,7 +377,7 @@ impl Engine {
                 "the WAL cannot write ({why}); retry later"
             )));
         }
-        if bucket.above_high_watermark() {
+        if op == ChangeOp::Mutation && bucket.above_high_watermark() {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
             return Err(Error::TempFail(format!(
                 "bucket {:?} memory {} bytes is above its high watermark {}",
@@ -433,7 +434,7 @@ impl Engine {
             });
         }
         let durability = req.durability.unwrap_or(bucket.config.durability);
-        self.admit_write(bucket, durability)?;
+        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
         let vbid = bucket.vbucket_of(req.key);
         let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
         check_writable(&vb, 1)?;
@@ -492,7 +493,7 @@ impl Engine {
                 });
             }
         }
-        self.admit_write(bucket, durability)?;
+        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
         // Counting sort of item indices by vbucket: one pass, two allocations per call.
         let n = bucket.num_vbuckets() as usize;
         let vbs: Vec<u16> = items.iter().map(|(k, _)| bucket.vbucket_of(k)).collect();
@@ -560,7 +561,7 @@ impl Engine {
     ) -> Result<MutationResult> {
         validate_key(key)?;
         let durability = durability.unwrap_or(bucket.config.durability);
-        self.admit_write(bucket, durability)?;
+        self.admit_write(bucket, durability, ChangeOp::Deletion)?;
         let vbid = bucket.vbucket_of(key);
         let mut vb = bucket.lock_vbucket(vbid).expect("in range");
         check_writable(&vb, 1)?;

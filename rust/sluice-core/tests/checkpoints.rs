@@ -274,3 +274,43 @@ fn a_cursor_that_never_reads_is_dropped_and_memory_returns_under_quota() {
         engine.high_seqnos(&bucket)
     );
 }
+
+#[test]
+fn above_the_high_watermark_sets_fail_temporarily_and_deletes_still_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = common::config(dir.path(), WalMode::Write, 4);
+    cfg.buckets[0].memory_quota = 4 << 20;
+    let engine = Engine::open(cfg).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let value = vec![b'x'; 8 << 10];
+    let mut stored = Vec::new();
+    let err = loop {
+        let key = format!("k{}", stored.len());
+        match engine.store(&bucket, &StoreRequest::set(key.as_bytes(), &value)) {
+            Ok(_) => stored.push(key),
+            Err(e) => break e,
+        }
+        assert!(stored.len() < 10_000, "the quota never bit");
+    };
+    assert!(
+        matches!(err, sluice_core::Error::TempFail(ref why) if why.contains("high watermark")),
+        "{err}"
+    );
+    assert!(
+        bucket.mem_used() <= bucket.config.memory_quota,
+        "never above the quota"
+    );
+    // Everything stored is intact and readable; deleting makes room again.
+    for k in &stored {
+        assert_eq!(
+            engine.get(&bucket, k.as_bytes()).unwrap().unwrap().value(),
+            &value[..]
+        );
+    }
+    for k in stored.iter().take(stored.len() / 2) {
+        engine.delete(&bucket, k.as_bytes(), 0, None).unwrap();
+    }
+    engine
+        .store(&bucket, &StoreRequest::set(b"after", &value))
+        .unwrap();
+}
