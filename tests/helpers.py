@@ -32,7 +32,10 @@ def open_engine(data_dir: Path, **overrides: object) -> sluice.EmbeddedEngine:
 def run_cli(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "sluice", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -71,12 +74,12 @@ def layout(path: Path) -> Layout:
     header_end = data.index(b"\n\n") + 2
     at, blocks, eof = header_end, [], None
     while at + 4 <= len(data):
-        (magic,) = struct.unpack(">I", data[at:at + 4])
+        (magic,) = struct.unpack(">I", data[at : at + 4])
         if magic == EOF_MARKER:
             eof = at
             break
         assert magic == BLOCK_MAGIC, f"{path}: bad magic at {at}"
-        length, _crc = struct.unpack(">II", data[at + 4:at + 12])
+        length, _crc = struct.unpack(">II", data[at + 4 : at + 12])
         blocks.append(Block(at, length))
         at += BLOCK_HEADER_LEN + length
     return Layout(header_end, blocks, eof, len(data))

@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import open_engine, run_cli
-
 import sluice
+from helpers import open_engine, run_cli
 from sluice import Config
 
 
@@ -26,8 +25,13 @@ def _assert_intact(e: sluice.EmbeddedEngine, expected: dict[bytes, bytes], high:
 
 @pytest.fixture
 def engine_with_items(data_dir: Path):
-    cfg = Config.from_dict({"data_dir": str(data_dir), "snapshot": {"interval": 0},
-                            "buckets": {"default": {"max_item_size": 1024}}})
+    cfg = Config.from_dict(
+        {
+            "data_dir": str(data_dir),
+            "snapshot": {"interval": 0},
+            "buckets": {"default": {"max_item_size": 1024}},
+        }
+    )
     with sluice.EmbeddedEngine(cfg.to_native()) as e:
         items = {b"item-%d" % i: b"value-%d" % i for i in range(50)}
         for k, v in items.items():
@@ -139,8 +143,9 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("doc", "path"), BAD_CONFIGS,
-                         ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_CONFIGS)])
+@pytest.mark.parametrize(
+    ("doc", "path"), BAD_CONFIGS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_CONFIGS)]
+)
 def test_bad_config_names_the_key(doc, path, tmp_path):
     doc = dict(doc)
     doc.setdefault("data_dir", str(tmp_path / "d"))
@@ -153,17 +158,21 @@ def test_bad_config_names_the_key(doc, path, tmp_path):
 
 
 def test_good_config_values(tmp_path):
-    cfg = Config.from_dict({
-        "data_dir": str(tmp_path / "d"),
-        "force_recovery": False,
-        "expiry_pager_interval": "500ms",
-        "tombstone_purge_age": "3d",
-        "wal": {"mode": "fsync", "segment_size": "1MiB"},
-        "snapshot": {"count": 3, "interval": "10m"},
-        "checkpoint": {"max_items": 100, "period": 2},
-        "buckets": {"default": {"memory_quota": "2GB", "max_item_size": 1_000_000, "high_watermark": 1},
-                    "b.2-x%": {"num_vbuckets": 1024, "durability": "persist"}},
-    })
+    cfg = Config.from_dict(
+        {
+            "data_dir": str(tmp_path / "d"),
+            "force_recovery": False,
+            "expiry_pager_interval": "500ms",
+            "tombstone_purge_age": "3d",
+            "wal": {"mode": "fsync", "segment_size": "1MiB"},
+            "snapshot": {"count": 3, "interval": "10m"},
+            "checkpoint": {"max_items": 100, "period": 2},
+            "buckets": {
+                "default": {"memory_quota": "2GB", "max_item_size": 1_000_000, "high_watermark": 1},
+                "b.2-x%": {"num_vbuckets": 1024, "durability": "persist"},
+            },
+        }
+    )
     assert cfg.values["wal.segment_size"] == 1 << 20
     assert cfg.values["expiry_pager_interval"] == 0.5
     assert cfg.values["tombstone_purge_age"] == 3 * 86400
@@ -185,13 +194,13 @@ def test_overrides_are_validated(tmp_path):
 TOML_CASES = [
     ("[buckets.default]\nnum_vbuckets = 0\n", "buckets.default.num_vbuckets"),
     ("[buckets.default]\nnum_vbuckets = 1025\n", "buckets.default.num_vbuckets"),
-    ("[buckets.default]\nnum_vbuckets = \"many\"\n", "buckets.default.num_vbuckets"),
-    ("[wal]\nmode = \"sometimes\"\n", "wal.mode"),
-    ("[wal]\nsegment_size = \"big\"\n", "wal.segment_size"),
-    ("[snapshot]\ninterval = \"often\"\n", "snapshot.interval"),
+    ('[buckets.default]\nnum_vbuckets = "many"\n', "buckets.default.num_vbuckets"),
+    ('[wal]\nmode = "sometimes"\n', "wal.mode"),
+    ('[wal]\nsegment_size = "big"\n', "wal.segment_size"),
+    ('[snapshot]\ninterval = "often"\n', "snapshot.interval"),
     ("[wal]\nflush = true\n", "wal.flush"),
-    ("colour = \"blue\"\n", "colour"),
-    ("[buckets.default]\nmemory_quota = \"99999999999GiB\"\n", "buckets.default.memory_quota"),
+    ('colour = "blue"\n', "colour"),
+    ('[buckets.default]\nmemory_quota = "99999999999GiB"\n', "buckets.default.memory_quota"),
 ]
 
 
@@ -211,8 +220,9 @@ def test_config_check_and_serve_reject_bad_files(tmp_path, text, path):
 
 def test_config_check_accepts_a_good_file(tmp_path):
     cfg = tmp_path / "sluice.toml"
-    cfg.write_text('data_dir = "d"\n[wal]\nmode = "fsync"\n'
-                   '[buckets.default]\n[buckets.users]\nnum_vbuckets = 16\n')
+    cfg.write_text(
+        'data_dir = "d"\n[wal]\nmode = "fsync"\n[buckets.default]\n[buckets.users]\nnum_vbuckets = 16\n'
+    )
     r = run_cli("config", "check", str(cfg))
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and "users" in r.stdout
@@ -222,12 +232,18 @@ def test_invalid_toml_and_unreadable_files(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[wal\nmode = fsync\n")
     binary = tmp_path / "binary.toml"
-    binary.write_bytes(b"mode = \"\xff\xfe\"\n")
+    binary.write_bytes(b'mode = "\xff\xfe"\n')
     missing = tmp_path / "missing.toml"
-    for f, words in [(bad, "not valid TOML"), (binary, "UTF-8"), (missing, "cannot read config file"),
-                     (tmp_path, "cannot read config file")]:
-        for args in (["config", "check", str(f)],
-                     ["serve", "--config", str(f), "--data-dir", str(tmp_path / "d")]):
+    for f, words in [
+        (bad, "not valid TOML"),
+        (binary, "UTF-8"),
+        (missing, "cannot read config file"),
+        (tmp_path, "cannot read config file"),
+    ]:
+        for args in (
+            ["config", "check", str(f)],
+            ["serve", "--config", str(f), "--data-dir", str(tmp_path / "d")],
+        ):
             r = run_cli(*args)
             assert r.returncode == 2, (args, r.stderr)
             assert words in r.stderr and str(f) in r.stderr, r.stderr

@@ -24,8 +24,12 @@ class Serve:
     """A `sluice serve` child whose stderr is read on a thread, so waits can be bounded."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         self._t = threading.Thread(target=self._read, daemon=True)
@@ -86,9 +90,18 @@ def serve():
         s.kill()
 
 
-@pytest.mark.parametrize("args", [
-    [], ["serve"], ["wal-dump"], ["config"], ["config", "check"], ["config", "reference"],
-], ids=lambda a: " ".join(a) or "sluice")
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["serve"],
+        ["wal-dump"],
+        ["config"],
+        ["config", "check"],
+        ["config", "reference"],
+    ],
+    ids=lambda a: " ".join(a) or "sluice",
+)
 def test_help(args):
     r = run_cli(*args, "--help")
     assert r.returncode == 0, r.stderr
@@ -108,7 +121,6 @@ def test_serve_ready_then_sigterm_stops_cleanly(data_dir, serve):
     with open_engine(data_dir) as e:
         for i in range(25):
             e.set(b"k%d" % i, b"v")
-    del e
     s = serve("--data-dir", str(data_dir))
     ready = s.wait_for("sluice ready")
     assert "25 items in 1 bucket(s) default" in ready
@@ -136,8 +148,10 @@ def test_serve_sigint_also_stops_cleanly(tmp_path, serve):
 
 def test_serve_uses_the_config_file(tmp_path, serve):
     cfg = tmp_path / "sluice.toml"
-    cfg.write_text(f'data_dir = "{tmp_path / "from-config"}"\n[wal]\nmode = "fsync"\n'
-                   '[buckets.default]\n[buckets.users]\nnum_vbuckets = 8\n')
+    cfg.write_text(
+        f'data_dir = "{tmp_path / "from-config"}"\n[wal]\nmode = "fsync"\n'
+        "[buckets.default]\n[buckets.users]\nnum_vbuckets = 8\n"
+    )
     s = serve("--config", str(cfg))
     ready = s.wait_for("sluice ready")
     assert "2 bucket(s)" in ready and "users" in ready
@@ -163,7 +177,6 @@ def test_serve_after_kill_9_reports_the_unclean_shutdown(data_dir, serve):
     with open_engine(data_dir) as e:
         for i in range(10):
             e.set(b"k%d" % i, b"v", durability="persist")
-    del e
     s = serve("--data-dir", str(data_dir))
     s.wait_for("sluice ready")
     assert s.stop(signal.SIGKILL)[0] == -signal.SIGKILL
@@ -178,7 +191,6 @@ def test_serve_refuses_damage_unless_forced(data_dir, serve):
     with open_engine(data_dir) as e:
         for i in range(5):
             e.set(b"k%d" % i, b"v", durability="persist")
-    del e
     (seg,) = segments(data_dir)
     first = layout(seg).blocks[0]
     flip_byte(seg, first.payload_offset + 5)
@@ -206,10 +218,15 @@ def test_wal_dump_prints_what_was_written(data_dir):
         assert e.get(b"gone") is None
         tomb = e.get_meta(b"gone")
         assert tomb.deleted and tomb.seqno == m.seqno + 1
-        written.append(("expiration", b"gone", b"", types.SimpleNamespace(seqno=tomb.seqno, vbucket=m.vbucket,
-                                                                            cas=tomb.cas)))
+        written.append(
+            (
+                "expiration",
+                b"gone",
+                b"",
+                types.SimpleNamespace(seqno=tomb.seqno, vbucket=m.vbucket, cas=tomb.cas),
+            )
+        )
         instance = e.instance
-    del e
     (seg,) = segments(data_dir)
     r = run_cli("wal-dump", str(seg))
     assert r.returncode == 0, r.stderr
@@ -218,8 +235,14 @@ def test_wal_dump_prints_what_was_written(data_dir):
     assert header == {"file": "xlog", "instance": instance, "lsn": 1}
     assert end == {"end": "eof", "offset": seg.stat().st_size - 4}
     assert [r["lsn"] for r in records] == list(range(1, len(records) + 1))
-    assert records[0] == {"lsn": 1, "op": "bucket", "bucket": 0, "vbucket": 0,
-                          "name": "default", "num_vbuckets": 64}
+    assert records[0] == {
+        "lsn": 1,
+        "op": "bucket",
+        "bucket": 0,
+        "vbucket": 0,
+        "name": "default",
+        "num_vbuckets": 64,
+    }
     changes = [r for r in records if r["op"] in ("mutation", "deletion", "expiration")]
     assert len(changes) == len(written)
 
@@ -241,17 +264,16 @@ def test_wal_dump_reports_how_a_damaged_file_ends(data_dir, tmp_path):
     with open_engine(data_dir) as e:
         for i in range(4):
             e.set(b"k%d" % i, b"v", durability="persist")
-    del e
     (seg,) = segments(data_dir)
     lay = layout(seg)
     good = seg.read_bytes()
 
     torn = tmp_path / "torn.xlog"
-    torn.write_bytes(good[:lay.blocks[-1].end - 3])
+    torn.write_bytes(good[: lay.blocks[-1].end - 3])
     assert wal_dump(torn)[-1]["end"] == "torn" and wal_dump(torn)[-1]["offset"] == lay.blocks[-1].offset
 
     open_end = tmp_path / "open.xlog"
-    open_end.write_bytes(good[:lay.eof_offset])
+    open_end.write_bytes(good[: lay.eof_offset])
     assert wal_dump(open_end)[-1] == {"end": "no-eof-marker", "offset": lay.eof_offset}
 
     corrupt = tmp_path / "corrupt.xlog"
@@ -276,6 +298,7 @@ def test_config_reference_matches_the_docs():
     r = run_cli("config", "reference")
     assert r.returncode == 0, r.stderr
     assert r.stdout == (REPO / "docs" / "config.md").read_text(encoding="utf-8"), (
-        "docs/config.md is stale: regenerate it with `python -m sluice config reference > docs/config.md`")
+        "docs/config.md is stale: regenerate it with `python -m sluice config reference > docs/config.md`"
+    )
     for key in ["data_dir", "wal.mode", "snapshot.count", "buckets.NAME.num_vbuckets"]:
         assert f"`{key}`" in r.stdout

@@ -90,12 +90,15 @@ class Model:
                 self.inflight = None
 
 
-def _run_child_and_kill(data_dir: Path, mode: str, seed: int, round_no: int, delay: float,
-                        tmp: Path) -> list[str]:
+def _run_child_and_kill(
+    data_dir: Path, mode: str, seed: int, round_no: int, delay: float, tmp: Path
+) -> list[str]:
     stderr = open(tmp / f"child-{mode}-{round_no}.err", "w+")
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(data_dir), mode, str(seed), str(round_no)],
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -149,7 +152,7 @@ def _check(data_dir: Path, model: Model, failover_before: FailoverLogs) -> Failo
             assert log[0][0] not in {uuid for uuid, _ in failover_before[vb]}
             assert log[0][1] == high[vb]
         for i in range(NUM_KEYS):
-            key = "key%03d" % i
+            key = f"key{i:03d}"
             it = e.get(key.encode())
             got = it.value.decode() if it is not None else None
             if it is not None:
@@ -161,7 +164,6 @@ def _check(data_dir: Path, model: Model, failover_before: FailoverLogs) -> Failo
                 model.acked[key] = got
             else:
                 assert got == want, f"{key}: acknowledged {want!r}, recovered {got!r}"
-    del e
     return logs
 
 
@@ -171,7 +173,6 @@ def test_kill_9_loses_nothing_acknowledged(tmp_path, mode):
     rng = random.Random(f"crash-{mode}")
     with open_engine(data_dir, wal__mode=mode) as e:
         failover = [e.failover_log(vb) for vb in range(64)]
-    del e
     model = Model()
     for round_no in range(4):
         seed, delay = rng.randrange(1 << 30), rng.uniform(0.3, 1.2)
@@ -187,4 +188,3 @@ def test_kill_9_loses_nothing_acknowledged(tmp_path, mode):
         for key, want in model.acked.items():
             it = e.get(key.encode())
             assert (it.value.decode() if it else None) == want
-

@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import open_engine
-
 import sluice
+from helpers import open_engine
 
 WAL_ERRORS = (sluice.WalFailedError, sluice.TempFailError)
 
@@ -50,10 +49,12 @@ def test_wal_failpoint(data_dir, failpoint):
         assert "WAL" in str(first.value)
         assert ("No space left" if failpoint == "enospc" else "Input/output error") in str(first.value)
         assert e.stats()["wal_failing"] is True
-        for call in [lambda: e.set(b"k1", b"new", durability="persist"),
-                     lambda: e.set(b"other", b"x"),  # even without durability
-                     lambda: e.delete(b"k2"),
-                     lambda: e.set_many([(b"m", b"v")])]:
+        for call in [
+            lambda: e.set(b"k1", b"new", durability="persist"),
+            lambda: e.set(b"other", b"x"),  # even without durability
+            lambda: e.delete(b"k2"),
+            lambda: e.set_many([(b"m", b"v")]),
+        ]:
             with pytest.raises(WAL_ERRORS) as info:
                 call()
             assert "WAL" in str(info.value)
@@ -77,7 +78,6 @@ def test_wal_failpoint(data_dir, failpoint):
         acked[b"k1"] = b"new"
         # The change whose block failed was kept in memory and written by the retry.
         assert e.get(b"in-failed-block").value == b"x"
-    del e
     with open_engine(data_dir) as e:
         assert e.recovery_report()["unclean_shutdown"] is False
         for k, v in acked.items():
@@ -96,7 +96,6 @@ def test_close_while_the_wal_is_failing_is_bounded(data_dir):
         start = time.monotonic()
         e.close()  # must not hang on a disk that stays full
         assert time.monotonic() - start < 15
-    del e
     with open_engine(data_dir) as e:
         for i in range(20):
             assert e.get(b"k%d" % i).value == b"v"
@@ -106,8 +105,12 @@ def _mount_tmpfs(where: Path, size: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
 
@@ -157,7 +160,6 @@ def test_real_full_disk(tmp_path):
             assert e.stats()["wal_failing"] is False
             for i in range(20):
                 e.set(b"more%d" % i, b"x" * 4096, durability="persist")
-        del e
         with open_engine(data, wal__mode="write") as e:
             assert e.recovery_report()["unclean_shutdown"] is False
             assert e.recovery_report()["truncated"] is None
@@ -167,6 +169,5 @@ def test_real_full_disk(tmp_path):
             assert all(e.get(b"more%d" % i) is not None for i in range(20))
             assert e.get(failed_key) is not None, "the failed write was retried once there was room"
             assert e.get(b"refused") is None
-        del e
     finally:
         _umount(mnt)
