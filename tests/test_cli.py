@@ -302,3 +302,20 @@ def test_config_reference_matches_the_docs():
     )
     for key in ["data_dir", "wal.mode", "snapshot.count", "buckets.NAME.num_vbuckets"]:
         assert f"`{key}`" in r.stdout
+
+
+def test_wal_dump_into_a_closed_pipe_ends_quietly(tmp_path):
+    with open_engine(tmp_path / "d") as e:
+        e.set_many([(b"k%05d" % i, b"v" * 200) for i in range(20000)])
+    seg = sorted((tmp_path / "d" / "wal").glob("*.xlog"))[0]
+    r = subprocess.run(
+        f"{sys.executable} -m sluice wal-dump {seg} | head -n 2; exit ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 2
+    assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr

@@ -141,8 +141,8 @@ impl EngineConfig {
             return Err(invalid("expiry_pager_interval", "must be positive"));
         }
         let mut names = std::collections::HashSet::new();
-        for (i, b) in self.buckets.iter().enumerate() {
-            let key = |k: &str| format!("buckets[{i}].{k}");
+        for b in self.buckets.iter() {
+            let key = |k: &str| format!("buckets.{}.{k}", b.name);
             let name_ok = !b.name.is_empty()
                 && b.name.len() <= 100
                 && b.name

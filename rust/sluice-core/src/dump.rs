@@ -13,8 +13,29 @@ use crate::wal::xlog::{Next, XlogReader};
 /// Damage is reported in that line (with its byte offset), not as an error, so that a person
 /// can see everything readable before it.
 pub fn dump(path: &Path, out: &mut impl Write) -> Result<u64> {
+    match dump_all(path, out) {
+        // The reader went away (`sluice wal-dump FILE | head`): not an error.
+        Err(DumpError::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(DumpError::Output(e)) => Err(Error::io("writing output", e)),
+        Err(DumpError::Input(e)) => Err(e),
+        Ok(n) => Ok(n),
+    }
+}
+
+enum DumpError {
+    Input(Error),
+    Output(std::io::Error),
+}
+
+impl From<Error> for DumpError {
+    fn from(e: Error) -> Self {
+        DumpError::Input(e)
+    }
+}
+
+fn dump_all(path: &Path, out: &mut impl Write) -> std::result::Result<u64, DumpError> {
     let mut r = XlogReader::open(path)?;
-    let io = |e| Error::io("writing output", e);
+    let io = DumpError::Output;
     let header = r.header().clone();
     let kind = match header.kind {
         crate::wal::xlog::FileKind::Xlog => "xlog",

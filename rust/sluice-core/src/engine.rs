@@ -198,6 +198,8 @@ impl Engine {
             }),
         )?;
         let mut report = recovered.report.clone();
+        let forced_past_damage =
+            !report.skipped_damage.is_empty() || !report.moved_aside.is_empty();
         let inner = Arc::new(Inner {
             catalog,
             wal,
@@ -217,6 +219,23 @@ impl Engine {
             config,
         });
         Engine::install_buckets(&inner, recovered)?;
+        if forced_past_damage {
+            // A snapshot now makes what was recovered the new starting point: later starts need
+            // neither the damaged files nor --force-recovery.
+            let path = snapshot::write(
+                &inner.catalog,
+                &inner.wal,
+                &inner.snap_dir,
+                &inner.wal_dir,
+                &inner.instance,
+                inner.config.snapshot_count,
+                &inner.snapshot_lock,
+            )?;
+            log::warn!(
+                "recovered past damage; wrote snapshot {} as the new starting point",
+                path.display()
+            );
+        }
         report.duration = started.elapsed();
         *inner.recovery_report.lock() = report;
         let engine = Engine {
@@ -240,10 +259,12 @@ impl Engine {
         let mut live = Vec::new();
         let mut configs: Vec<BucketConfig> = inner.config.buckets.clone();
         // Buckets with data but no longer configured stay served with default settings.
-        for name in by_name.keys() {
+        for (name, (_, vbs)) in by_name.iter() {
             if !configs.iter().any(|c| &c.name == name) {
-                log::warn!("bucket {name:?} has data but is not in the configuration; serving it with defaults");
-                configs.push(BucketConfig::named(name));
+                log::warn!("bucket {name:?} has data but is not in the configuration; serving it with default settings");
+                let mut cfg = BucketConfig::named(name);
+                cfg.num_vbuckets = vbs.len() as u16;
+                configs.push(cfg);
             }
         }
         for cfg in configs {
@@ -503,6 +524,15 @@ impl Engine {
         }
         for i in 0..n {
             starts[i + 1] += starts[i];
+        }
+        // All or nothing: every vbucket touched must accept writes before any is applied.
+        for vbid in 0..n {
+            if starts[vbid + 1] > starts[vbid] {
+                check_writable(
+                    &bucket.lock_vbucket(vbid as u16).expect("in range"),
+                    (starts[vbid + 1] - starts[vbid]) as u64,
+                )?;
+            }
         }
         let mut order = vec![0u32; items.len()];
         let mut fill = starts.clone();

@@ -31,13 +31,18 @@ pub struct Report {
     pub last_lsn: u64,
     pub unclean_shutdown: bool,
     pub truncated: Option<(PathBuf, u64)>,
+    /// Damage skipped under force recovery (empty otherwise).
     pub skipped_damage: Vec<String>,
+    /// Damaged files renamed to `*.damaged`.
+    pub moved_aside: Vec<PathBuf>,
     pub duration: Duration,
 }
 
 pub struct Recovered {
     pub instance: String,
     pub buckets: Vec<RecoveredBucket>,
+    /// The LSN to continue after: the last one replayed, or higher if files on disk hold
+    /// higher ones that could not be replayed.
     pub last_lsn: u64,
     pub unclean: bool,
     pub report: Report,
@@ -193,6 +198,25 @@ fn new_instance() -> String {
     )
 }
 
+/// Moves a damaged file out of the way (`NAME.damaged`), so that it is neither read, counted by
+/// retention, nor overwritten by a new file of the same name. Nothing damaged is ever deleted.
+fn move_aside(path: &Path, report: &mut Report) -> Result<()> {
+    let mut name = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(".damaged");
+    let dest = path.with_file_name(name);
+    std::fs::rename(path, &dest).map_err(|e| Error::io(path.display(), e))?;
+    log::warn!(
+        "moved damaged {} aside to {}",
+        path.display(),
+        dest.display()
+    );
+    report.moved_aside.push(dest);
+    Ok(())
+}
+
 pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered> {
     let mut report = Report::default();
     for (_, path, inprogress) in xlog::list_files(snap_dir, "snap")? {
@@ -203,11 +227,24 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     }
     let snaps = xlog::list_files(snap_dir, "snap")?;
     let segments = xlog::list_files(wal_dir, "xlog")?;
+    // The highest LSN any file on disk may hold: new LSNs start above it, whatever was lost,
+    // so that no LSN is ever handed out twice.
+    // A snapshot's name is an LSN it holds; a segment's name is the first LSN it may hold, so
+    // only the one before it is known to be used (records read below raise this further).
+    let mut max_seen = snaps.iter().map(|s| s.0).max().unwrap_or(0);
+    max_seen = max_seen.max(
+        segments
+            .iter()
+            .map(|s| s.0.saturating_sub(1))
+            .max()
+            .unwrap_or(0),
+    );
     let mut instance: Option<String> = None;
-    // Newest valid snapshot; an older one serves if the WAL still reaches back to it.
+
+    // The newest valid snapshot; an older one serves if the WAL still reaches back to it.
     let mut state = State::default();
     let mut snap_lsn = 0;
-    let mut first_error = None;
+    let mut damaged_snaps = Vec::new();
     for (lsn, path, _) in snaps.iter().rev() {
         let mut inst = instance.clone();
         match load_snapshot(path, &mut inst) {
@@ -221,22 +258,27 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
             }
             Err(e) => {
                 log::error!("snapshot {} (LSN {lsn}) is unusable: {e}", path.display());
-                first_error.get_or_insert(e);
+                damaged_snaps.push((path.clone(), e));
             }
         }
     }
-    if let Some(e) = first_error {
-        // Falling back is only sound if the WAL covers everything after the snapshot used.
+    if let Some((_, first_error)) = damaged_snaps.first() {
         let reaches = segments
             .first()
             .map(|s| s.0 <= snap_lsn + 1)
-            .unwrap_or(snaps.is_empty());
-        if !reaches && !force {
-            return Err(e);
+            .unwrap_or(false);
+        if !reaches {
+            if !force {
+                return Err(first_error.clone());
+            }
+            report.skipped_damage.push(first_error.to_string());
         }
-        report.skipped_damage.push(e.to_string());
+        for (path, _) in &damaged_snaps {
+            move_aside(path, &mut report)?;
+        }
     }
     report.snapshot_lsn = snap_lsn;
+
     let mut expected = snap_lsn + 1;
     let mut last_lsn = snap_lsn;
     let mut unclean = false;
@@ -252,22 +294,16 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         })
         .map(|(_, s)| s.clone())
         .collect();
-    if let Some((first, path, _)) = needed.first() {
-        if *first > expected {
-            let e = corrupt(
-                path,
-                0,
-                format!("WAL starts at LSN {first}, LSN {expected} is missing"),
-            );
-            if !force {
-                return Err(e);
-            }
-            log::error!("{e}; continuing because of --force-recovery");
-            report.skipped_damage.push(e.to_string());
-            expected = *first;
+    // Damage is fatal unless forced; forced, it is logged, reported, and skipped.
+    let note = |e: Error, report: &mut Report| -> Result<()> {
+        if !force {
+            return Err(e);
         }
-    }
-    for (idx, (_, path, _)) in needed.iter().enumerate() {
+        log::error!("{e}; skipping it because of --force-recovery");
+        report.skipped_damage.push(e.to_string());
+        Ok(())
+    };
+    for (idx, (first, path, _)) in needed.iter().enumerate() {
         let is_last = idx + 1 == needed.len();
         let mut r = match XlogReader::open(path) {
             Ok(r) => r,
@@ -280,62 +316,92 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 unclean = true;
                 continue;
             }
+            Err(e @ Error::Corrupt { .. }) => {
+                note(e, &mut report)?;
+                move_aside(path, &mut report)?;
+                unclean |= is_last;
+                continue;
+            }
             Err(e) => return Err(e),
         };
         if r.header().kind != FileKind::Xlog {
-            return Err(corrupt(path, 0, "not a WAL segment"));
+            note(corrupt(path, 0, "not a WAL segment"), &mut report)?;
+            move_aside(path, &mut report)?;
+            continue;
         }
         check_instance(path, &r.header().instance.clone(), &mut instance)?;
+        if *first > expected {
+            note(
+                corrupt(
+                    path,
+                    0,
+                    format!(
+                        "WAL segment starts at LSN {first}, LSNs {expected}..{first} are missing"
+                    ),
+                ),
+                &mut report,
+            )?;
+            expected = *first;
+        }
         report.wal_segments += 1;
         let mut records_in_file = 0u64;
-        let mut damage: Option<Error> = None;
-        let end = loop {
-            match r.next_block()? {
+        let mut damaged = false;
+        let clean = loop {
+            let damage = match r.next_block()? {
                 Next::Block { offset, payload } => {
                     let mut rd = Reader::new(payload);
+                    let mut bad = None;
                     while !rd.is_empty() {
                         let rec = match record::decode(&mut rd) {
                             Ok(rec) => rec,
                             Err(e) => {
-                                damage = Some(corrupt(path, offset, e.to_string()));
+                                bad = Some(corrupt(path, offset, e.to_string()));
                                 break;
                             }
                         };
                         records_in_file += 1;
+                        max_seen = max_seen.max(rec.lsn);
                         if rec.lsn < expected {
                             continue;
                         }
-                        if rec.lsn != expected {
-                            damage = Some(corrupt(
-                                path,
-                                offset,
-                                format!("LSN {} where {expected} was expected", rec.lsn),
-                            ));
-                            break;
+                        if rec.lsn > expected {
+                            note(
+                                corrupt(
+                                    path,
+                                    offset,
+                                    format!("LSN {} where {expected} was expected", rec.lsn),
+                                ),
+                                &mut report,
+                            )?;
+                            damaged = true;
+                            expected = rec.lsn;
                         }
                         if let Err(e) = state.apply(&rec, true) {
-                            damage = Some(corrupt(path, offset, e));
+                            bad = Some(corrupt(path, offset, e));
                             break;
                         }
                         expected += 1;
                         last_lsn = rec.lsn;
                         report.wal_records += 1;
                     }
-                    if damage.is_some() {
-                        break None;
+                    match bad {
+                        Some(e) => (e, offset),
+                        None => continue,
                     }
                 }
-                Next::Eof { .. } => break Some(true),
+                Next::Eof { .. } => break true,
                 Next::End { offset } => {
                     if is_last {
-                        break Some(false);
+                        break false;
                     }
-                    damage = Some(corrupt(
-                        path,
+                    (
+                        corrupt(
+                            path,
+                            offset,
+                            "segment ends without its EOF marker and is not the last",
+                        ),
                         offset,
-                        "segment ends without its EOF marker and is not the last",
-                    ));
-                    break None;
+                    )
                 }
                 Next::Torn { offset, reason } => {
                     if is_last {
@@ -351,34 +417,26 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                             .map_err(|e| Error::io(path.display(), e))?;
                         f.sync_all().map_err(|e| Error::io(path.display(), e))?;
                         report.truncated = Some((path.clone(), offset));
-                        break Some(false);
+                        break false;
                     }
-                    damage = Some(corrupt(path, offset, reason));
-                    break None;
+                    (corrupt(path, offset, reason), offset)
                 }
-                Next::Corrupt { offset, reason } => {
-                    damage = Some(corrupt(path, offset, reason));
-                    break None;
-                }
+                Next::Corrupt { offset, reason } => (corrupt(path, offset, reason), offset),
+            };
+            // Forced past damage: carry on from the next valid block, if any.
+            note(damage.0, &mut report)?;
+            damaged = true;
+            if !r
+                .resync_after(damage.1)
+                .map_err(|e| Error::io(path.display(), e))?
+            {
+                break false;
             }
         };
-        if let Some(e) = damage {
-            if !force {
-                return Err(e);
-            }
-            log::error!("{e}; skipping the rest of this file because of --force-recovery");
-            report.skipped_damage.push(e.to_string());
-            if let Some(next) = needed.get(idx + 1) {
-                expected = expected.max(next.0);
-            }
-            if is_last {
-                unclean = true;
-                seal_segment(path, false, records_in_file)?;
-            }
-            continue;
-        }
-        let clean = end.expect("loop ends with a verdict unless damaged");
-        if is_last {
+        if damaged {
+            move_aside(path, &mut report)?;
+            unclean |= is_last;
+        } else if is_last {
             unclean = !clean || path.extension().is_some_and(|e| e == "inprogress");
             seal_segment(path, clean, records_in_file)?;
         }
@@ -393,7 +451,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     Ok(Recovered {
         instance,
         buckets,
-        last_lsn,
+        last_lsn: last_lsn.max(max_seen),
         unclean,
         report,
     })

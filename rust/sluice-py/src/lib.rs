@@ -498,6 +498,11 @@ impl EmbeddedEngine {
     #[pyo3(signature = (vbucket, state, *, bucket="default"))]
     fn set_vbucket_state(&self, vbucket: u16, state: &str, bucket: &str) -> PyResult<()> {
         let b = self.bucket(bucket)?;
+        if vbucket >= b.num_vbuckets() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "no vbucket {vbucket}"
+            )));
+        }
         self.engine
             .set_vbucket_state(&b, vbucket, vb_state(state)?)
             .map_err(to_py)
@@ -585,6 +590,13 @@ impl EmbeddedEngine {
             r.truncated.map(|(p, o)| (p.display().to_string(), o)),
         )?;
         d.set_item("skipped_damage", r.skipped_damage)?;
+        d.set_item(
+            "moved_aside",
+            r.moved_aside
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>(),
+        )?;
         d.set_item("seconds", r.duration.as_secs_f64())?;
         Ok(d)
     }
@@ -633,8 +645,12 @@ fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
         let file = unsafe { std::fs::File::from_raw_fd(own) };
         let mut out = std::io::BufWriter::new(file);
         let n = sluice_core::dump::dump(&path, &mut out)?;
-        std::io::Write::flush(&mut out).map_err(|e| Error::io("writing output", e))?;
-        Ok(n)
+        match std::io::Write::flush(&mut out) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                Err(Error::io("writing output", e))
+            }
+            _ => Ok(n),
+        }
     })
     .map_err(to_py)
 }

@@ -264,6 +264,20 @@ impl XlogReader {
         })
     }
 
+    /// Moves to the first valid block after the damage at `offset`; false if there is none.
+    /// Only force recovery uses this, to keep what follows a damaged block.
+    pub fn resync_after(&mut self, offset: u64) -> io::Result<bool> {
+        use std::io::{Seek, SeekFrom};
+        match self.valid_block_after(offset + 1)? {
+            Some(at) => {
+                self.r.seek(SeekFrom::Start(at))?;
+                self.offset = at;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// Scans the file from `from` for a block whose magic, length and checksum are all valid.
     /// Only runs when something looks torn, so its cost never touches a healthy file.
     fn valid_block_after(&self, from: u64) -> io::Result<Option<u64>> {
