@@ -272,6 +272,9 @@ impl CheckpointManager {
     pub fn register_cursor(&mut self, name: &str, have_seqno: u64) -> (Registration, CursorHandle) {
         let id = self.next_cursor;
         self.next_cursor += 1;
+        // Release what the existing cursors have passed first, so a newcomer never pins memory
+        // that was already free to go.
+        self.free();
         let available = self.available_from();
         let (seqno, backfill) = if have_seqno + 1 >= available {
             (have_seqno.min(self.high), None)
@@ -362,12 +365,18 @@ impl CheckpointManager {
         (CursorRead::Batches(batches), self.mem as isize - before)
     }
 
-    /// Moves a cursor to `seqno` without reading (the WAL writer after a synced batch).
-    pub fn advance(&mut self, id: CursorId, seqno: u64) -> isize {
-        let before = self.mem as isize;
+    /// Moves a cursor to `seqno` without reading (the WAL writer after a synced batch). What
+    /// this makes freeable is freed by the next `queue` or `release`, on the writing thread:
+    /// freeing where the memory was allocated is cheaper than freeing from the WAL thread.
+    pub fn advance(&mut self, id: CursorId, seqno: u64) {
         if let Some(c) = self.cursors.get_mut(&id) {
             c.seqno = c.seqno.max(seqno.min(self.high));
         }
+    }
+
+    /// Frees what every cursor has passed; returns the change in memory bytes.
+    pub fn release(&mut self) -> isize {
+        let before = self.mem as isize;
         self.free();
         self.mem as isize - before
     }
@@ -577,6 +586,7 @@ mod tests {
         assert_eq!(m.num_items(), 100, "slow cursor pins everything");
         let pinned = m.mem_bytes();
         m.advance(slow.id, 95);
+        m.release();
         assert_eq!(m.num_items(), 5);
         assert!(m.mem_bytes() < pinned / 10);
         m.remove_cursor(slow.id);
@@ -595,6 +605,7 @@ mod tests {
             m.queue(change(&format!("k{s}"), s), None);
         }
         m.advance(p.id, 50);
+        m.release();
         let infos = m.cursor_infos(0, 0);
         assert_eq!(infos.len(), 1, "persistence cursor is never a candidate");
         assert!(infos[0].pinned_bytes > 0);

@@ -114,7 +114,6 @@ impl Catalog {
             if let Some(c) = vb.persistence_cursor {
                 vb.checkpoints.advance(c, seqno);
             }
-            bucket.account(&mut vb);
         }
     }
 }
@@ -891,6 +890,7 @@ fn run_pager(inner: &Inner) -> usize {
         for v in 0..bucket.num_vbuckets() {
             let mut vb = bucket.lock_vbucket(v).expect("in range");
             vb.checkpoints.check_period();
+            vb.checkpoints.release();
             if vb.state == VbState::Active && !inner.wal.is_failing() {
                 for key in vb.store.keys_where(|m| is_expired(m, now)) {
                     let meta = vb.store.get(&key).expect("listed above").meta();
@@ -1015,6 +1015,7 @@ fn maintenance_loop(inner: Arc<Inner>) {
                 for v in 0..bucket.num_vbuckets() {
                     let mut vb = bucket.lock_vbucket(v).expect("in range");
                     vb.checkpoints.check_period();
+                    vb.checkpoints.release();
                     bucket.account(&mut vb);
                 }
             }
