@@ -221,15 +221,7 @@ impl Engine {
         if forced_past_damage {
             // A snapshot now makes what was recovered the new starting point: later starts need
             // neither the damaged files nor --force-recovery.
-            let path = snapshot::write(
-                &inner.catalog,
-                &inner.wal,
-                &inner.snap_dir,
-                &inner.wal_dir,
-                &inner.instance,
-                inner.config.snapshot_count,
-                &inner.snapshot_lock,
-            )?;
+            let path = inner.write_snapshot()?;
             log::warn!(
                 "recovered past damage; wrote snapshot {} as the new starting point",
                 path.display()
@@ -787,15 +779,7 @@ impl Engine {
     /// Writes a snapshot now and removes what retention no longer needs.
     pub fn snapshot_now(&self) -> Result<PathBuf> {
         self.check_open()?;
-        snapshot::write(
-            &self.inner.catalog,
-            &self.inner.wal,
-            &self.inner.snap_dir,
-            &self.inner.wal_dir,
-            &self.inner.instance,
-            self.inner.config.snapshot_count,
-            &self.inner.snapshot_lock,
-        )
+        self.inner.write_snapshot()
     }
 
     pub fn set_wal_failpoint(&self, fp: Failpoint) {
@@ -933,6 +917,18 @@ fn run_pager(inner: &Inner) -> usize {
 }
 
 impl Inner {
+    fn write_snapshot(&self) -> Result<PathBuf> {
+        snapshot::write(
+            &self.catalog,
+            &self.wal,
+            &self.snap_dir,
+            &self.wal_dir,
+            &self.instance,
+            self.config.snapshot_count,
+            &self.snapshot_lock,
+        )
+    }
+
     /// Applies a local change to a locked vbucket and queues it for the WAL.
     fn apply_locked(
         &self,
@@ -1040,15 +1036,7 @@ fn snapshot_loop(inner: Arc<Inner>) {
                 return;
             }
         }
-        if let Err(e) = snapshot::write(
-            &inner.catalog,
-            &inner.wal,
-            &inner.snap_dir,
-            &inner.wal_dir,
-            &inner.instance,
-            inner.config.snapshot_count,
-            &inner.snapshot_lock,
-        ) {
+        if let Err(e) = inner.write_snapshot() {
             log::error!("periodic snapshot failed: {e}");
         }
     }
