@@ -64,8 +64,25 @@ pub fn write(
         return Ok(done);
     }
     let tmp = snap_dir.join(format!("{}.inprogress", xlog::file_name(lsn, "snap")));
+    let items = match write_file(catalog, &tmp, instance, lsn) {
+        Ok(n) => n,
+        Err(e) => {
+            // A snapshot that failed (disk full, I/O error) leaves nothing behind.
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&tmp, &done).map_err(|e| Error::io(done.display(), e))?;
+    xlog::sync_dir(snap_dir).map_err(|e| Error::io(snap_dir.display(), e))?;
+    log::info!("snapshot {} written: {items} items", done.display());
+    collect_garbage(snap_dir, wal_dir, keep)?;
+    Ok(done)
+}
+
+/// Writes every vbucket into `tmp`, synced; returns how many items it holds.
+fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> Result<u64> {
     let io = |e| Error::io(tmp.display(), e);
-    let file = File::create(&tmp).map_err(io)?;
+    let file = File::create(tmp).map_err(io)?;
     let mut head = Vec::new();
     FileHeader {
         kind: FileKind::Snap,
@@ -148,11 +165,7 @@ pub fn write(
         .map_err(|e| Error::io(tmp.display(), e.into_error()))?;
     file.sync_all().map_err(io)?;
     drop(file);
-    std::fs::rename(&tmp, &done).map_err(|e| Error::io(done.display(), e))?;
-    xlog::sync_dir(snap_dir).map_err(|e| Error::io(snap_dir.display(), e))?;
-    log::info!("snapshot {} written: {items} items", done.display());
-    collect_garbage(snap_dir, wal_dir, keep)?;
-    Ok(done)
+    Ok(items)
 }
 
 /// Removes snapshots beyond the newest `keep`, and WAL segments whose every LSN is covered by
