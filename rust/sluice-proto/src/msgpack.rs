@@ -43,19 +43,58 @@ impl fmt::Display for DecodeError {
 impl std::error::Error for DecodeError {}
 
 pub fn write_uint(out: &mut Vec<u8>, v: u64) {
+    let mut b = [0u8; MAX_UINT_LEN];
+    let n = put_uint(&mut b, 0, v);
+    out.extend_from_slice(&b[..n]);
+}
+
+/// Longest encoding of an unsigned integer.
+pub const MAX_UINT_LEN: usize = 9;
+
+/// Encodes an unsigned integer into `buf` at `at` and returns the position after it. For hot
+/// paths that assemble fixed fields in a stack buffer; `buf` needs MAX_UINT_LEN bytes from `at`.
+#[inline]
+pub fn put_uint(buf: &mut [u8], at: usize, v: u64) -> usize {
+    let b = &mut buf[at..at + MAX_UINT_LEN];
     if v < 0x80 {
-        out.push(v as u8);
+        b[0] = v as u8;
+        at + 1
     } else if v <= u8::MAX as u64 {
-        out.extend_from_slice(&[0xcc, v as u8]);
+        b[0] = 0xcc;
+        b[1] = v as u8;
+        at + 2
     } else if v <= u16::MAX as u64 {
-        out.push(0xcd);
-        out.extend_from_slice(&(v as u16).to_be_bytes());
+        b[0] = 0xcd;
+        b[1..3].copy_from_slice(&(v as u16).to_be_bytes());
+        at + 3
     } else if v <= u32::MAX as u64 {
-        out.push(0xce);
-        out.extend_from_slice(&(v as u32).to_be_bytes());
+        b[0] = 0xce;
+        b[1..5].copy_from_slice(&(v as u32).to_be_bytes());
+        at + 5
     } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
+        b[0] = 0xcf;
+        b[1..9].copy_from_slice(&v.to_be_bytes());
+        at + 9
+    }
+}
+
+/// Encodes the header of a binary payload of `len` bytes (bin 8/16/32) into `buf` at `at`;
+/// returns the position after it. `buf` needs 5 bytes from `at`.
+#[inline]
+pub fn put_bin_header(buf: &mut [u8], at: usize, len: usize) -> usize {
+    let b = &mut buf[at..at + 5];
+    if len <= u8::MAX as usize {
+        b[0] = 0xc4;
+        b[1] = len as u8;
+        at + 2
+    } else if len <= u16::MAX as usize {
+        b[0] = 0xc5;
+        b[1..3].copy_from_slice(&(len as u16).to_be_bytes());
+        at + 3
+    } else {
+        b[0] = 0xc6;
+        b[1..5].copy_from_slice(&(len as u32).to_be_bytes());
+        at + 5
     }
 }
 
@@ -92,16 +131,9 @@ pub fn write_map_len(out: &mut Vec<u8>, n: u32) {
 }
 
 pub fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
-    let n = b.len();
-    if n <= u8::MAX as usize {
-        out.extend_from_slice(&[0xc4, n as u8]);
-    } else if n <= u16::MAX as usize {
-        out.push(0xc5);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xc6);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
+    let mut h = [0u8; 5];
+    let n = put_bin_header(&mut h, 0, b.len());
+    out.extend_from_slice(&h[..n]);
     out.extend_from_slice(b);
 }
 

@@ -74,18 +74,29 @@ fn write_fields(
     key: &[u8],
     value: &[u8],
 ) {
-    msgpack::write_array_len(out, FIELDS);
-    msgpack::write_uint(out, lsn);
-    msgpack::write_uint(out, op);
-    msgpack::write_uint(out, bucket as u64);
-    msgpack::write_uint(out, vbucket as u64);
-    msgpack::write_uint(out, seqno);
-    msgpack::write_uint(out, rev_seqno);
-    msgpack::write_uint(out, cas);
-    msgpack::write_uint(out, flags as u64);
-    msgpack::write_uint(out, expiry as u64);
-    msgpack::write_uint(out, datatype as u64);
-    msgpack::write_bin(out, key);
+    // The fixed fields go into a stack buffer and then into `out` with one copy: this runs
+    // once per change on the WAL thread.
+    let mut head = [0u8; 1 + 10 * msgpack::MAX_UINT_LEN + 5];
+    head[0] = 0x90 | FIELDS as u8;
+    let mut at = 1;
+    for v in [
+        lsn,
+        op,
+        bucket as u64,
+        vbucket as u64,
+        seqno,
+        rev_seqno,
+        cas,
+        flags as u64,
+        expiry as u64,
+        datatype as u64,
+    ] {
+        at = msgpack::put_uint(&mut head, at, v);
+    }
+    at = msgpack::put_bin_header(&mut head, at, key.len());
+    out.reserve(at + key.len() + 5 + value.len());
+    out.extend_from_slice(&head[..at]);
+    out.extend_from_slice(key);
     msgpack::write_bin(out, value);
 }
 

@@ -476,7 +476,7 @@ fn writer_loop(
     // Double buffering: the writer hands its drained batch vector back to the queue, so
     // neither side regrows a vector per batch.
     let mut batch: Vec<Queued> = Vec::new();
-    let mut per_vb: HashMap<(u16, u16), u64> = HashMap::new();
+    let mut per_vb: HashMap<(u16, u16), u64, foldhash::fast::FixedState> = HashMap::default();
     let mut persisted: Vec<(u16, u16, u64)> = Vec::new();
     loop {
         let (shutdown, rotate) = {
@@ -532,12 +532,25 @@ fn writer_loop(
             segment.records += batch.len() as u64;
             // Persisted seqnos first, then durability: whoever a durable LSN wakes must already
             // see the vbuckets' persisted seqnos cover it.
+            // Seqnos rise with LSNs within a vbucket, and changes of one vbucket come in runs:
+            // note each run's last seqno.
             per_vb.clear();
+            let mut run: Option<((u16, u16), u64)> = None;
             for q in &batch {
                 if let WalPayload::Change(c) = &q.payload {
-                    let e = per_vb.entry((c.bucket(), c.vbucket())).or_default();
-                    *e = (*e).max(c.seqno());
+                    let vb = (c.bucket(), c.vbucket());
+                    match &mut run {
+                        Some((k, s)) if *k == vb => *s = c.seqno(),
+                        _ => {
+                            if let Some((k, s)) = run.replace((vb, c.seqno())) {
+                                per_vb.insert(k, s);
+                            }
+                        }
+                    }
                 }
+            }
+            if let Some((k, s)) = run {
+                per_vb.insert(k, s);
             }
             persisted.clear();
             persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
