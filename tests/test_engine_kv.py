@@ -399,3 +399,24 @@ def test_set_many_is_all_or_nothing_when_a_vbucket_is_not_active(engine):
     engine.set_vbucket_state(replica_vb, "active")
     engine.set_many([(k, b"v") for k in keys])
     assert all(engine.get(k).value == b"v" for k in keys)
+
+
+def test_read_modify_write_operations(engine):
+    with pytest.raises(sluice.NotStoredError):
+        engine.append(b"rmw", b"x")
+    engine.set(b"rmw", b"mid", flags=7)
+    engine.append(b"rmw", b"-end")
+    engine.prepend(b"rmw", b"start-")
+    item = engine.get(b"rmw")
+    assert (item.value, item.flags) == (b"start-mid-end", 7)
+    assert engine.incr(b"counter", 5, initial=10)[1] == 10
+    assert engine.incr(b"counter", 5)[1] == 15
+    assert engine.decr(b"counter", 100)[1] == 0
+    with pytest.raises(sluice.NotFoundError):
+        engine.incr(b"absent", 1, expiry=0xFFFFFFFF)
+    with pytest.raises(sluice.NotNumericError):
+        engine.incr(b"rmw", 1)
+    m, touched = engine.gat(b"rmw", 100)
+    assert touched.value == b"start-mid-end" and touched.expiry > 0 and m.seqno == touched.seqno
+    assert engine.flush() == 2
+    assert engine.get(b"rmw") is None and engine.get(b"counter") is None

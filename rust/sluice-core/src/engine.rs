@@ -69,6 +69,15 @@ impl<'a> StoreRequest<'a> {
     }
 }
 
+/// What a read-modify-write stores (see `Engine::update`); `expiry` is absolute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Update {
+    pub value: Vec<u8>,
+    pub flags: u32,
+    pub expiry: u32,
+    pub datatype: u8,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MutationResult {
     pub cas: u64,
@@ -606,6 +615,182 @@ impl Engine {
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
         self.finish_write(bucket, durability, r)
+    }
+
+    /// A read-modify-write of one live key under its vbucket's lock: `f` sees the current item
+    /// (None when missing, deleted or expired) and returns the new value, flags and absolute
+    /// expiry, or an error that leaves the item alone. `cas` non-zero must match. This is the
+    /// one path for APPEND, PREPEND, INCR, DECR and TOUCH.
+    pub fn update(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        cas: u64,
+        durability: Option<Durability>,
+        f: impl FnOnce(Option<&Item>) -> Result<Update>,
+    ) -> Result<(MutationResult, Item)> {
+        validate_key(key)?;
+        let durability = durability.unwrap_or(bucket.config.durability);
+        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
+        let vbid = bucket.vbucket_of(key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
+        check_writable(&vb, 1)?;
+        let now = now_secs();
+        let existing = vb.store.get(key).map(|i| i.to_item());
+        let rev = existing.as_ref().map(|i| i.meta.rev_seqno + 1).unwrap_or(1);
+        let live = existing.filter(|i| !i.meta.deleted && !is_expired(&i.meta, now));
+        if cas != 0 {
+            match &live {
+                None => return Err(Error::NotFound),
+                Some(i) if i.meta.cas != cas => return Err(Error::Exists),
+                _ => {}
+            }
+        }
+        let u = f(live.as_ref())?;
+        if u.value.len() > bucket.config.max_item_size {
+            return Err(Error::TooBig {
+                size: u.value.len(),
+                max: bucket.config.max_item_size,
+            });
+        }
+        let meta = ItemMeta {
+            flags: u.flags,
+            expiry: u.expiry,
+            datatype: u.datatype,
+            rev_seqno: rev,
+            ..Default::default()
+        };
+        let r = self
+            .inner
+            .apply_locked(bucket, &mut vb, ChangeOp::Mutation, key, &u.value, meta);
+        let item = vb.store.get(key).expect("just stored").to_item();
+        drop(vb);
+        bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
+        Ok((self.finish_write(bucket, durability, r)?, item))
+    }
+
+    /// APPEND (`at_end`) or PREPEND: the key must exist (memcached's NOT_STORED otherwise).
+    pub fn concat(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        data: &[u8],
+        at_end: bool,
+        cas: u64,
+        durability: Option<Durability>,
+    ) -> Result<MutationResult> {
+        self.update(bucket, key, cas, durability, |cur| {
+            let cur = cur.ok_or(Error::NotStored)?;
+            let mut value = Vec::with_capacity(cur.value().len() + data.len());
+            if at_end {
+                value.extend_from_slice(cur.value());
+                value.extend_from_slice(data);
+            } else {
+                value.extend_from_slice(data);
+                value.extend_from_slice(cur.value());
+            }
+            Ok(Update {
+                value,
+                flags: cur.meta.flags,
+                expiry: cur.meta.expiry,
+                datatype: cur.meta.datatype,
+            })
+        })
+        .map(|(r, _)| r)
+    }
+
+    /// INCR / DECR with memcached's rules: a missing key is created with `initial` unless
+    /// `expiry` is 0xffffffff; the value must be a decimal u64; INCR wraps at 2^64, DECR stops
+    /// at 0. Returns the new value.
+    #[allow(clippy::too_many_arguments)]
+    pub fn arithmetic(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        increment: bool,
+        cas: u64,
+        durability: Option<Durability>,
+    ) -> Result<(MutationResult, u64)> {
+        let now = now_secs();
+        let (r, item) = self.update(bucket, key, cas, durability, |cur| {
+            let (n, flags, exp) = match cur {
+                None if expiry == u32::MAX => return Err(Error::NotFound),
+                None => (initial, 0, absolute_expiry(expiry, now)),
+                Some(i) => {
+                    let text = std::str::from_utf8(i.value()).map_err(|_| Error::NotNumeric)?;
+                    let n: u64 = text.trim().parse().map_err(|_| Error::NotNumeric)?;
+                    let n = if increment {
+                        n.wrapping_add(delta)
+                    } else {
+                        n.saturating_sub(delta)
+                    };
+                    (n, i.meta.flags, i.meta.expiry)
+                }
+            };
+            Ok(Update {
+                value: n.to_string().into_bytes(),
+                flags,
+                expiry: exp,
+                datatype: 0,
+            })
+        })?;
+        let n = std::str::from_utf8(item.value())
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0);
+        Ok((r, n))
+    }
+
+    /// TOUCH: a new expiry for a live key (a mutation with its own seqno, as Couchbase does).
+    /// Returns the item as touched, for GAT.
+    pub fn touch(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        expiry: u32,
+        durability: Option<Durability>,
+    ) -> Result<(MutationResult, Item)> {
+        let now = now_secs();
+        self.update(bucket, key, 0, durability, |cur| {
+            let cur = cur.ok_or(Error::NotFound)?;
+            Ok(Update {
+                value: cur.value().to_vec(),
+                flags: cur.meta.flags,
+                expiry: absolute_expiry(expiry, now),
+                datatype: cur.meta.datatype,
+            })
+        })
+    }
+
+    /// FLUSH: deletes every live item of the bucket (each a DELETION with its own seqno, so
+    /// streams and replicas see it). Returns how many.
+    pub fn flush(&self, bucket: &Bucket) -> Result<usize> {
+        self.check_open()?;
+        let now = now_secs();
+        let mut n = 0;
+        for v in 0..bucket.num_vbuckets() {
+            let mut vb = bucket.lock_vbucket(v).expect("in range");
+            if vb.state != VbState::Active {
+                continue;
+            }
+            for key in vb.store.keys_where(|m| !m.deleted) {
+                let old = vb.store.get(&key).expect("listed above").meta();
+                let meta = ItemMeta {
+                    expiry: now,
+                    rev_seqno: old.rev_seqno + 1,
+                    deleted: true,
+                    ..Default::default()
+                };
+                self.inner
+                    .apply_locked(bucket, &mut vb, ChangeOp::Deletion, &key, b"", meta);
+                n += 1;
+            }
+        }
+        bucket.stats.deletes.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
     }
 
     /// The live item, or None. An expired item found here turns into an EXPIRATION change

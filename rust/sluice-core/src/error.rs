@@ -15,6 +15,10 @@ pub enum Error {
     NotFound,
     /// ADD on an existing key, or a CAS mismatch.
     Exists,
+    /// APPEND / PREPEND of a missing key (memcached's NOT_STORED).
+    NotStored,
+    /// INCR / DECR of a value that is not a decimal number.
+    NotNumeric,
     /// The vbucket is not active on this node (replica, pending or dead).
     NotMyVbucket(u16),
     /// Memory above the high watermark, or the WAL is refusing writes for now; retry later.
@@ -49,6 +53,8 @@ impl fmt::Display for Error {
             }
             Error::NotFound => write!(f, "key not found"),
             Error::Exists => write!(f, "key exists (or CAS mismatch)"),
+            Error::NotStored => write!(f, "not stored: the key does not exist"),
+            Error::NotNumeric => write!(f, "the value is not a decimal number"),
             Error::NotMyVbucket(vb) => write!(f, "vbucket {vb} is not active on this node"),
             Error::TempFail(why) => write!(f, "temporary failure: {why}"),
             Error::WalFailed(why) => write!(f, "WAL write failed: {why}"),

@@ -22,5 +22,5 @@ pub mod vbucket;
 pub mod wal;
 
 pub use config::{BucketConfig, Durability, EngineConfig};
-pub use engine::{Engine, MutationResult, StoreMode, StoreRequest};
+pub use engine::{Engine, MutationResult, StoreMode, StoreRequest, Update};
 pub use error::{Error, Result};

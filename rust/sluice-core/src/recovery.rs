@@ -198,6 +198,29 @@ fn new_instance() -> String {
     )
 }
 
+/// Removes segments at the end of the WAL that hold no record: a header cut short, or a header
+/// alone. The writer starts a new segment before it closes the old one, so a crash in between
+/// leaves such a file after a segment without its EOF marker; that one is then the last.
+fn drop_empty_tail(segments: &mut Vec<(u64, PathBuf, bool)>, report: &mut Report) -> Result<()> {
+    while let Some((_, path, _)) = segments.last() {
+        let empty = match XlogReader::open(path) {
+            // No block, or only a torn first one: nothing in it was ever durable.
+            Ok(mut r) => matches!(r.next_block()?, Next::End { .. } | Next::Eof { .. } | Next::Torn { .. }),
+            Err(Error::Corrupt { reason, .. }) => reason == xlog::HEADER_TRUNCATED,
+            Err(e) => return Err(e),
+        };
+        if !empty {
+            return Ok(());
+        }
+        log::warn!("WAL {}: holds no record (a crash while it was being started); removing it", path.display());
+        std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
+        report.truncated = Some((path.clone(), 0));
+        report.unclean_shutdown = true;
+        segments.pop();
+    }
+    Ok(())
+}
+
 /// Moves a damaged file out of the way (`NAME.damaged`), so that it is neither read, counted by
 /// retention, nor overwritten by a new file of the same name. Nothing damaged is ever deleted.
 fn move_aside(path: &Path, report: &mut Report) -> Result<()> {
@@ -226,7 +249,8 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         }
     }
     let snaps = xlog::list_files(snap_dir, "snap")?;
-    let segments = xlog::list_files(wal_dir, "xlog")?;
+    let mut segments = xlog::list_files(wal_dir, "xlog")?;
+    drop_empty_tail(&mut segments, &mut report)?;
     // The highest LSN any file on disk may hold: new LSNs start above it, whatever was lost,
     // so that no LSN is ever handed out twice.
     // A snapshot's name is an LSN it holds; a segment's name is the first LSN it may hold, so
@@ -307,15 +331,6 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         let is_last = idx + 1 == needed.len();
         let mut r = match XlogReader::open(path) {
             Ok(r) => r,
-            Err(Error::Corrupt { reason, offset, .. })
-                if is_last && reason == xlog::HEADER_TRUNCATED =>
-            {
-                log::warn!("WAL {}: header cut short at byte {offset} by a crash; removing the empty segment", path.display());
-                std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
-                report.truncated = Some((path.clone(), 0));
-                unclean = true;
-                continue;
-            }
             Err(e @ Error::Corrupt { .. }) => {
                 note(e, &mut report)?;
                 move_aside(path, &mut report)?;
@@ -442,7 +457,8 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         }
     }
     report.last_lsn = last_lsn;
-    report.unclean_shutdown = unclean;
+    report.unclean_shutdown |= unclean;
+    let unclean = report.unclean_shutdown;
     if unclean {
         log::warn!("the last shutdown was not clean; active vbuckets get a new failover entry");
     }

@@ -248,3 +248,34 @@ fn every_truncation_point_of_the_last_blocks_recovers_a_prefix() {
         .unwrap();
     }
 }
+
+/// A kill between starting the next segment and closing the current one leaves the current one
+/// without its EOF marker, followed by a segment holding only its header (or part of it).
+#[test]
+fn a_crash_during_segment_rotation_recovers_everything() {
+    use sluice_core::wal::xlog::{FileHeader, FileKind};
+    for cut in [None, Some(10usize)] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = common::config(dir.path(), WalMode::Write, 4);
+        let engine = Engine::open(cfg.clone()).unwrap();
+        let bucket = engine.bucket("default").unwrap();
+        for i in 0..100 {
+            engine.store(&bucket, &StoreRequest::set(format!("k{i}").as_bytes(), b"v")).unwrap();
+        }
+        let next = engine.wal().last_lsn() + 1;
+        let instance = engine.instance().to_string();
+        engine.crash();
+        drop(engine);
+        let mut head = Vec::new();
+        FileHeader { kind: FileKind::Xlog, instance, lsn: next }.encode(&mut head);
+        if let Some(n) = cut {
+            head.truncate(n);
+        }
+        std::fs::write(dir.path().join("wal").join(format!("{next:020}.xlog.inprogress")), &head).unwrap();
+        let engine = Engine::open(cfg).unwrap();
+        let bucket = engine.bucket("default").unwrap();
+        assert_eq!(common::live(&engine, &bucket).len(), 100, "cut {cut:?}");
+        assert!(engine.recovery_report().unclean_shutdown);
+        engine.close();
+    }
+}

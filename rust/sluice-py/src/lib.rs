@@ -49,6 +49,18 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _native,
+    NotStoredError,
+    SluiceError,
+    "APPEND/PREPEND of a missing key."
+);
+pyo3::create_exception!(
+    _native,
+    NotNumericError,
+    SluiceError,
+    "INCR/DECR of a value that is not a decimal number."
+);
+pyo3::create_exception!(
+    _native,
     NotMyVbucketError,
     SluiceError,
     "The key's vbucket is not active here."
@@ -98,6 +110,8 @@ fn to_py(e: Error) -> PyErr {
         Error::TooBig { .. } => TooBigError::new_err(msg),
         Error::NotFound => NotFoundError::new_err(msg),
         Error::Exists => ExistsError::new_err(msg),
+        Error::NotStored => NotStoredError::new_err(msg),
+        Error::NotNumeric => NotNumericError::new_err(msg),
         Error::NotMyVbucket(_) => NotMyVbucketError::new_err(msg),
         Error::TempFail(_) => TempFailError::new_err(msg),
         Error::WalFailed(_) => WalFailedError::new_err(msg),
@@ -322,6 +336,57 @@ impl EmbeddedEngine {
     fn bucket(&self, name: &str) -> PyResult<Arc<Bucket>> {
         self.engine.bucket(name).map_err(to_py)
     }
+
+    #[allow(clippy::too_many_arguments)]
+    fn concat(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        data: &[u8],
+        at_end: bool,
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<Mutation> {
+        let b = self.bucket(bucket)?;
+        let durability = parse_durability("durability", durability)?;
+        py.allow_threads(|| self.engine.concat(&b, key, data, at_end, cas, durability))
+            .map(mutation)
+            .map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn arithmetic(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        increment: bool,
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<(Mutation, u64)> {
+        let b = self.bucket(bucket)?;
+        let durability = parse_durability("durability", durability)?;
+        let (r, n) = py
+            .allow_threads(|| {
+                self.engine
+                    .arithmetic(&b, key, delta, initial, expiry, increment, cas, durability)
+            })
+            .map_err(to_py)?;
+        Ok((mutation(r), n))
+    }
+}
+
+fn mutation(r: sluice_core::MutationResult) -> Mutation {
+    Mutation {
+        cas: r.cas,
+        vbucket: r.vbucket,
+        seqno: r.seqno,
+        lsn: r.lsn,
+    }
 }
 
 fn vb_state(s: &str) -> PyResult<VbState> {
@@ -379,15 +444,9 @@ impl EmbeddedEngine {
             mode,
             durability,
         };
-        let r = py
-            .allow_threads(|| self.engine.store(&b, &req))
-            .map_err(to_py)?;
-        Ok(Mutation {
-            cas: r.cas,
-            vbucket: r.vbucket,
-            seqno: r.seqno,
-            lsn: r.lsn,
-        })
+        py.allow_threads(|| self.engine.store(&b, &req))
+            .map(mutation)
+            .map_err(to_py)
     }
 
     /// Many SETs in one call (grouped by vbucket inside). Returns the last LSN.
@@ -432,15 +491,105 @@ impl EmbeddedEngine {
     ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?;
-        let r = py
-            .allow_threads(|| self.engine.delete(&b, key, cas, durability))
+        py.allow_threads(|| self.engine.delete(&b, key, cas, durability))
+            .map(mutation)
+            .map_err(to_py)
+    }
+
+    /// APPEND: the key must exist (NotStoredError otherwise).
+    #[pyo3(signature = (key, data, *, bucket="default", cas=0, durability=None))]
+    fn append(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        data: &[u8],
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<Mutation> {
+        self.concat(py, key, data, true, bucket, cas, durability)
+    }
+
+    /// PREPEND: the key must exist (NotStoredError otherwise).
+    #[pyo3(signature = (key, data, *, bucket="default", cas=0, durability=None))]
+    fn prepend(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        data: &[u8],
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<Mutation> {
+        self.concat(py, key, data, false, bucket, cas, durability)
+    }
+
+    /// INCR: returns (mutation, new value). A missing key starts at `initial` unless
+    /// `expiry` is 0xffffffff (then NotFoundError).
+    #[pyo3(signature = (key, delta=1, *, initial=0, expiry=0, bucket="default", cas=0, durability=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn incr(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<(Mutation, u64)> {
+        self.arithmetic(
+            py, key, delta, initial, expiry, true, bucket, cas, durability,
+        )
+    }
+
+    /// DECR: like incr, stopping at 0.
+    #[pyo3(signature = (key, delta=1, *, initial=0, expiry=0, bucket="default", cas=0, durability=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn decr(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        bucket: &str,
+        cas: u64,
+        durability: Option<&str>,
+    ) -> PyResult<(Mutation, u64)> {
+        self.arithmetic(
+            py, key, delta, initial, expiry, false, bucket, cas, durability,
+        )
+    }
+
+    /// TOUCH: a new expiry (memcached rules) for a live key.
+    #[pyo3(signature = (key, expiry, *, bucket="default"))]
+    fn touch(&self, py: Python<'_>, key: &[u8], expiry: u32, bucket: &str) -> PyResult<Mutation> {
+        Ok(self.gat(py, key, expiry, bucket)?.0)
+    }
+
+    /// GAT: touch and return the item.
+    #[pyo3(signature = (key, expiry, *, bucket="default"))]
+    fn gat(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        expiry: u32,
+        bucket: &str,
+    ) -> PyResult<(Mutation, ItemView)> {
+        let b = self.bucket(bucket)?;
+        let (r, it) = py
+            .allow_threads(|| self.engine.touch(&b, key, expiry, None))
             .map_err(to_py)?;
-        Ok(Mutation {
-            cas: r.cas,
-            vbucket: r.vbucket,
-            seqno: r.seqno,
-            lsn: r.lsn,
-        })
+        Ok((mutation(r), ItemView::from_item(py, &it)))
+    }
+
+    /// FLUSH: deletes every item of the bucket; returns how many.
+    #[pyo3(signature = (*, bucket="default"))]
+    fn flush(&self, py: Python<'_>, bucket: &str) -> PyResult<usize> {
+        let b = self.bucket(bucket)?;
+        py.allow_threads(|| self.engine.flush(&b)).map_err(to_py)
     }
 
     /// The live item, or None.
@@ -687,6 +836,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("TooBigError", py.get_type::<TooBigError>()),
         ("NotFoundError", py.get_type::<NotFoundError>()),
         ("ExistsError", py.get_type::<ExistsError>()),
+        ("NotStoredError", py.get_type::<NotStoredError>()),
+        ("NotNumericError", py.get_type::<NotNumericError>()),
         ("NotMyVbucketError", py.get_type::<NotMyVbucketError>()),
         ("TempFailError", py.get_type::<TempFailError>()),
         ("WalFailedError", py.get_type::<WalFailedError>()),
