@@ -84,11 +84,14 @@ impl Checkpoint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Registration {
     pub id: CursorId,
-    /// Seqnos `[start, end]` that checkpoints no longer hold; the caller backfills them.
+    /// Seqnos `[start, end]` that checkpoints no longer hold; the caller backfills them (to
+    /// the high seqno at registration, where the cursor then starts).
     pub backfill: Option<(u64, u64)>,
 }
 
-/// Changes read through a cursor from one checkpoint: a snapshot `[start, end]`.
+/// Changes read through a cursor from one checkpoint, part of the snapshot `[start, end]`
+/// (the checkpoint's range): a reader has a consistent view once it has read up to `end`,
+/// which may take several reads.
 #[derive(Debug, Clone)]
 pub struct CheckpointBatch {
     pub checkpoint_id: u64,
@@ -276,10 +279,12 @@ impl CheckpointManager {
         // that was already free to go.
         self.free();
         let available = self.available_from();
+        // Too old for the checkpoints: the backfill runs to the high seqno, as one snapshot
+        // that is consistent at its end, and the cursor takes over from there.
         let (seqno, backfill) = if have_seqno + 1 >= available {
             (have_seqno.min(self.high), None)
         } else {
-            (available - 1, Some((have_seqno + 1, available - 1)))
+            (self.high, Some((have_seqno + 1, self.high)))
         };
         let dropped = Arc::new(AtomicBool::new(false));
         self.cursors.insert(
@@ -347,8 +352,9 @@ impl CheckpointManager {
                 }
                 last = e.seqno;
             }
-            // A fully read checkpoint ends at its end even if its last entries were deduplicated.
-            let end = if exhausted { cp.end } else { last };
+            // The batch belongs to the checkpoint's snapshot, which is only consistent at the
+            // checkpoint's end: a key changed twice inside it shows up once, at its later seqno.
+            let end = cp.end;
             budget -= changes.len();
             if !changes.is_empty() {
                 batches.push(CheckpointBatch {
@@ -358,7 +364,7 @@ impl CheckpointManager {
                     changes,
                 });
             }
-            pos = end;
+            pos = if exhausted { cp.end } else { last };
         }
         self.cursors.get_mut(&id).expect("checked above").seqno = pos;
         self.free();

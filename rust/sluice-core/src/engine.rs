@@ -1023,10 +1023,13 @@ fn check_writable(vb: &VBucket, n: u64) -> Result<()> {
 fn enforce_checkpoint_quota(inner: &Inner) -> usize {
     let mut dropped = 0;
     for bucket in inner.catalog.all() {
-        if !bucket.over_checkpoint_quota() {
+        // One reading of the counter: writers move it concurrently.
+        let over_by = bucket
+            .checkpoint_mem()
+            .saturating_sub(bucket.config.checkpoint_quota_bytes());
+        if over_by == 0 {
             continue;
         }
-        let over_by = bucket.checkpoint_mem() - bucket.config.checkpoint_quota_bytes();
         let mut infos = Vec::new();
         for v in 0..bucket.num_vbuckets() {
             let vb = bucket.lock_vbucket(v).expect("in range");
@@ -1167,9 +1170,14 @@ fn maintenance_loop(inner: Arc<Inner>) {
             if *stop {
                 return;
             }
-            if !inner.background.quota_pressure.load(Ordering::Acquire) {
-                inner.background.wake.wait_for(&mut stop, tick);
-            }
+            // Under quota pressure the wait is short but never zero, so a pressure that cannot
+            // be relieved (the WAL itself lagging) does not spin against the writers.
+            let wait = if inner.background.quota_pressure.load(Ordering::Acquire) {
+                Duration::from_millis(20)
+            } else {
+                tick
+            };
+            inner.background.wake.wait_for(&mut stop, wait);
             if *stop {
                 return;
             }

@@ -198,7 +198,9 @@ pub struct ItemStore {
     chunks: Vec<Vec<Slot>>,
     len: usize,
     index: HashTable<u32>,
-    hasher: foldhash::fast::FixedState,
+    /// Seeded at random per store: keys come from the network, so a fixed seed would let a
+    /// client compute colliding keys offline.
+    hasher: foldhash::fast::RandomState,
     /// Versions in the index (live items and tombstones).
     current: usize,
     /// Current versions that are tombstones.

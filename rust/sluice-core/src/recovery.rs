@@ -205,14 +205,20 @@ fn drop_empty_tail(segments: &mut Vec<(u64, PathBuf, bool)>, report: &mut Report
     while let Some((_, path, _)) = segments.last() {
         let empty = match XlogReader::open(path) {
             // No block, or only a torn first one: nothing in it was ever durable.
-            Ok(mut r) => matches!(r.next_block()?, Next::End { .. } | Next::Eof { .. } | Next::Torn { .. }),
+            Ok(mut r) => matches!(
+                r.next_block()?,
+                Next::End { .. } | Next::Eof { .. } | Next::Torn { .. }
+            ),
             Err(Error::Corrupt { reason, .. }) => reason == xlog::HEADER_TRUNCATED,
             Err(e) => return Err(e),
         };
         if !empty {
             return Ok(());
         }
-        log::warn!("WAL {}: holds no record (a crash while it was being started); removing it", path.display());
+        log::warn!(
+            "WAL {}: holds no record (a crash while it was being started); removing it",
+            path.display()
+        );
         std::fs::remove_file(path).map_err(|e| Error::io(path.display(), e))?;
         report.truncated = Some((path.clone(), 0));
         report.unclean_shutdown = true;
@@ -406,17 +412,12 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 }
                 Next::Eof { .. } => break true,
                 Next::End { offset } => {
-                    if is_last {
+                    // Without its EOF marker, a segment is still whole when the next one starts
+                    // exactly where it ends (a crash or error while it was being closed).
+                    if is_last || needed.get(idx + 1).map(|n| n.0) == Some(expected) {
                         break false;
                     }
-                    (
-                        corrupt(
-                            path,
-                            offset,
-                            "segment ends without its EOF marker and is not the last",
-                        ),
-                        offset,
-                    )
+                    (corrupt(path, offset, "segment ends without its EOF marker and the next one does not continue it"), offset)
                 }
                 Next::Torn { offset, reason } => {
                     if is_last {
@@ -448,11 +449,15 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 break false;
             }
         };
+        let inprogress = path.extension().is_some_and(|e| e == "inprogress");
         if damaged {
             move_aside(path, &mut report)?;
             unclean |= is_last;
         } else if is_last {
-            unclean = !clean || path.extension().is_some_and(|e| e == "inprogress");
+            unclean = !clean || inprogress;
+            seal_segment(path, clean, records_in_file)?;
+        } else if !clean || inprogress {
+            log::warn!("WAL {}: was not closed cleanly; sealing it", path.display());
             seal_segment(path, clean, records_in_file)?;
         }
     }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::backfill::Backfill;
 use crate::engine::Catalog;
 use crate::error::{Error, Result};
 use crate::item::ChangeOp;
@@ -21,6 +22,8 @@ use crate::wal::xlog::{self, FileHeader, FileKind};
 use crate::wal::WalWriter;
 
 const BLOCK_TARGET: usize = 1 << 20;
+/// Items copied out of a vbucket per lock acquisition.
+const CHUNK_ITEMS: usize = 4096;
 
 struct BlockWriter {
     out: BufWriter<File>,
@@ -110,8 +113,11 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
             },
         });
         for v in 0..bucket.num_vbuckets() {
-            {
-                let vb = bucket.lock_vbucket(v).expect("in range");
+            // The vbucket's counters and a range read are taken under one lock; the items then
+            // come in chunks, the lock held per chunk only, while writes go on. The range read
+            // keeps replaced versions readable, so the capture is the vbucket as of `last_lsn`.
+            let mut capture = {
+                let mut vb = bucket.lock_vbucket(v).expect("in range");
                 w.record(&Record {
                     lsn: vb.last_lsn,
                     bucket: bucket.id,
@@ -131,9 +137,16 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
                         body: RecordBody::FailoverEntry(*e),
                     });
                 }
-                vb.store.for_each_current(|i| {
-                    let meta = i.meta();
-                    let op = if meta.deleted {
+                let high = vb.high_seqno;
+                Backfill::begin_locked(bucket.clone(), &mut vb, 1, high)
+            };
+            loop {
+                let chunk = capture.next_chunk(CHUNK_ITEMS);
+                if chunk.is_empty() {
+                    break;
+                }
+                for it in &chunk {
+                    let op = if it.meta.deleted {
                         ChangeOp::Deletion
                     } else {
                         ChangeOp::Mutation
@@ -144,13 +157,15 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
                         vbucket: v,
                         body: RecordBody::Change {
                             op,
-                            key: i.key(),
-                            value: i.value(),
-                            meta,
+                            key: it.key(),
+                            value: it.value(),
+                            meta: it.meta,
                         },
                     });
                     items += 1;
-                });
+                    // Blocks stay near BLOCK_TARGET whatever a vbucket holds.
+                    w.seal(false).map_err(io)?;
+                }
             }
             w.seal(false).map_err(io)?;
         }

@@ -260,18 +260,34 @@ fn a_crash_during_segment_rotation_recovers_everything() {
         let engine = Engine::open(cfg.clone()).unwrap();
         let bucket = engine.bucket("default").unwrap();
         for i in 0..100 {
-            engine.store(&bucket, &StoreRequest::set(format!("k{i}").as_bytes(), b"v")).unwrap();
+            engine
+                .store(
+                    &bucket,
+                    &StoreRequest::set(format!("k{i}").as_bytes(), b"v"),
+                )
+                .unwrap();
         }
         let next = engine.wal().last_lsn() + 1;
         let instance = engine.instance().to_string();
         engine.crash();
         drop(engine);
         let mut head = Vec::new();
-        FileHeader { kind: FileKind::Xlog, instance, lsn: next }.encode(&mut head);
+        FileHeader {
+            kind: FileKind::Xlog,
+            instance,
+            lsn: next,
+        }
+        .encode(&mut head);
         if let Some(n) = cut {
             head.truncate(n);
         }
-        std::fs::write(dir.path().join("wal").join(format!("{next:020}.xlog.inprogress")), &head).unwrap();
+        std::fs::write(
+            dir.path()
+                .join("wal")
+                .join(format!("{next:020}.xlog.inprogress")),
+            &head,
+        )
+        .unwrap();
         let engine = Engine::open(cfg).unwrap();
         let bucket = engine.bucket("default").unwrap();
         assert_eq!(common::live(&engine, &bucket).len(), 100, "cut {cut:?}");

@@ -718,7 +718,8 @@ impl EmbeddedEngine {
             d.set_item(k, v.load(Relaxed))?;
         }
         d.set_item("wal_last_lsn", self.engine.wal().last_lsn())?;
-        d.set_item("wal_durable_lsn", self.engine.wal().durable_lsn())?;
+        d.set_item("wal_written_lsn", self.engine.wal().written_lsn())?;
+        d.set_item("wal_synced_lsn", self.engine.wal().synced_lsn())?;
         d.set_item("wal_failing", self.engine.wal().is_failing())?;
         Ok(d)
     }

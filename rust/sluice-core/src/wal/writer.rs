@@ -12,7 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -138,8 +138,10 @@ struct QueueState {
 }
 
 struct DurableState {
-    /// Highest LSN written (and synced, in fsync mode).
-    durable: u64,
+    /// Highest LSN written to the file (in the page cache at least).
+    written: u64,
+    /// Highest LSN synced to the device: what `persist` waits for.
+    synced: u64,
     error: Option<String>,
     stopped: bool,
 }
@@ -152,6 +154,8 @@ struct Shared {
     durable_cv: Condvar,
     failing: AtomicBool,
     failpoint: AtomicU8,
+    /// In write mode, the highest LSN a `persist` waiter needs synced.
+    sync_wanted: AtomicU64,
 }
 
 pub struct WalConfig {
@@ -333,13 +337,15 @@ impl WalWriter {
             }),
             queue_cv: Condvar::new(),
             durable: Mutex::new(DurableState {
-                durable: next_lsn - 1,
+                written: next_lsn - 1,
+                synced: next_lsn - 1,
                 error: None,
                 stopped: false,
             }),
             durable_cv: Condvar::new(),
             failing: AtomicBool::new(false),
             failpoint: AtomicU8::new(Failpoint::Off as u8),
+            sync_wanted: AtomicU64::new(0),
         });
         let thread = if cfg.mode == WalMode::None {
             None
@@ -380,9 +386,14 @@ impl WalWriter {
         self.shared.queue.lock().next_lsn - 1
     }
 
-    /// Highest LSN on disk (synced, in fsync mode).
-    pub fn durable_lsn(&self) -> u64 {
-        self.shared.durable.lock().durable
+    /// Highest LSN written to the WAL (what a process crash cannot lose).
+    pub fn written_lsn(&self) -> u64 {
+        self.shared.durable.lock().written
+    }
+
+    /// Highest LSN synced to the device (what a power loss cannot lose).
+    pub fn synced_lsn(&self) -> u64 {
+        self.shared.durable.lock().synced
     }
 
     /// True while the writer cannot write; new changes should be refused.
@@ -398,15 +409,23 @@ impl WalWriter {
         self.shared.failpoint.store(fp as u8, Ordering::Release);
     }
 
-    /// Blocks until `lsn` is durable, the writer fails, or `timeout` passes.
+    /// Blocks until `lsn` is synced to the device (the `persist` durability level), the writer
+    /// fails, or `timeout` passes. In write mode, where batches are not synced by themselves,
+    /// this asks the writer for a sync; waiters arriving together share one.
     pub fn wait_durable(&self, lsn: u64, timeout: Option<Duration>) -> Result<()> {
         if self.shared.mode == WalMode::None {
             return Err(Error::DurabilityImpossible("wal.mode is none".into()));
         }
+        if self.shared.mode == WalMode::Write
+            && self.shared.sync_wanted.fetch_max(lsn, Ordering::AcqRel) < lsn
+        {
+            let _q = self.shared.queue.lock();
+            self.shared.queue_cv.notify_one();
+        }
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut d = self.shared.durable.lock();
         loop {
-            if d.durable >= lsn {
+            if d.synced >= lsn {
                 return Ok(());
             }
             if self.shared.failing.load(Ordering::Acquire) {
@@ -420,8 +439,7 @@ impl WalWriter {
             }
             match deadline {
                 Some(dl) => {
-                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.durable < lsn
-                    {
+                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.synced < lsn {
                         return Err(Error::TempFail("timed out waiting for the WAL".into()));
                     }
                 }
@@ -466,6 +484,11 @@ impl Drop for WalWriter {
     }
 }
 
+/// A write-mode `persist` waiter wants LSNs synced that are not yet.
+fn sync_due(shared: &Shared, synced: u64) -> bool {
+    shared.sync_wanted.load(Ordering::Acquire) > synced
+}
+
 fn writer_loop(
     shared: Arc<Shared>,
     cfg: WalConfig,
@@ -478,10 +501,20 @@ fn writer_loop(
     let mut batch: Vec<Queued> = Vec::new();
     let mut per_vb: HashMap<(u16, u16), u64, foldhash::fast::FixedState> = HashMap::default();
     let mut persisted: Vec<(u16, u16, u64)> = Vec::new();
+    let (mut written, mut synced) = {
+        let d = shared.durable.lock();
+        (d.written, d.synced)
+    };
     loop {
         let (shutdown, rotate) = {
             let mut q = shared.queue.lock();
-            while q.pending.is_empty() && !q.shutdown && !q.rotate {
+            let has_work = |q: &QueueState| {
+                !q.pending.is_empty()
+                    || q.shutdown
+                    || q.rotate
+                    || (sync_due(&shared, synced) && written > synced)
+            };
+            while !has_work(&q) {
                 shared.queue_cv.wait(&mut q);
             }
             let rotate = std::mem::take(&mut q.rotate);
@@ -559,20 +592,45 @@ fn writer_loop(
             batch.shrink_to(MAX_KEPT_ENTRIES);
             buf.shrink_to(WRITE_CHUNK + cfg.block_size);
             on_persisted(&persisted);
-            {
-                let mut d = shared.durable.lock();
-                d.durable = last;
-                d.error = None;
-                shared.durable_cv.notify_all();
+            written = last;
+            if cfg.mode == WalMode::Fsync {
+                synced = last;
+            }
+            let mut d = shared.durable.lock();
+            d.written = written;
+            d.synced = synced;
+            d.error = None;
+            shared.durable_cv.notify_all();
+        }
+        if sync_due(&shared, synced) && written > synced {
+            // One sync serves every persist waiter of write mode that asked so far.
+            match segment.file.sync_data() {
+                Ok(()) => {
+                    synced = written;
+                    let mut d = shared.durable.lock();
+                    d.synced = synced;
+                    shared.durable_cv.notify_all();
+                }
+                Err(e) => {
+                    log::error!("WAL sync failed, retrying: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
             }
         }
-        let next_lsn = shared.durable.lock().durable + 1;
+        let next_lsn = written + 1;
         if (rotate && segment.records > 0) || segment.size >= cfg.segment_size {
             match Segment::create(&cfg, next_lsn) {
                 Ok(new) => {
                     let old = std::mem::replace(&mut segment, new);
-                    if let Err(e) = old.close(&cfg.dir) {
-                        log::error!("closing WAL segment: {e}");
+                    match old.close(&cfg.dir) {
+                        // Closing syncs the old segment: all it holds is synced now.
+                        Ok(()) => {
+                            synced = written;
+                            let mut d = shared.durable.lock();
+                            d.synced = synced;
+                            shared.durable_cv.notify_all();
+                        }
+                        Err(e) => log::error!("closing WAL segment: {e}"),
                     }
                 }
                 Err(e) => log::error!(
