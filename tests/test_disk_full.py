@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -171,3 +172,24 @@ def test_real_full_disk(tmp_path):
             assert e.get(b"refused") is None
     finally:
         _umount(mnt)
+
+
+def test_dropping_an_unclosed_engine_while_the_wal_fails_does_not_hang(tmp_path):
+    # The engine's threads log through Python; dropping it must not hold the GIL while they
+    # are joined.
+    code = f"""
+import gc, logging, sluice
+logging.basicConfig(level=logging.INFO)
+e = sluice.open_engine(data_dir={str(tmp_path / "d")!r})
+e.set(b"k", b"v", durability="persist")
+e.set_wal_failpoint("enospc")
+try:
+    e.set(b"k2", b"v", durability="persist")
+except sluice.SluiceError:
+    pass
+del e
+gc.collect()
+print("dropped")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "dropped" in r.stdout, r.stderr[-2000:]

@@ -251,11 +251,10 @@ impl Engine {
     fn install_buckets(inner: &Arc<Inner>, recovered: recovery::Recovered) -> Result<()> {
         let ckpt = inner.config.checkpoint;
         let mut by_name: HashMap<String, (u16, Vec<VBucket>)> = HashMap::new();
-        let mut max_id = 0u16;
         for rb in recovered.buckets {
-            max_id = max_id.max(rb.id + 1);
             by_name.insert(rb.name, (rb.id, rb.vbuckets));
         }
+        let mut used: std::collections::HashSet<u16> = by_name.values().map(|b| b.0).collect();
         let mut live = Vec::new();
         let mut configs: Vec<BucketConfig> = inner.config.buckets.clone();
         // Buckets with data but no longer configured stay served with default settings.
@@ -271,8 +270,13 @@ impl Engine {
             let (id, mut vbs, fresh) = match by_name.remove(&cfg.name) {
                 Some((id, vbs)) => (id, vbs, false),
                 None => {
-                    let id = max_id;
-                    max_id += 1;
+                    let id = (0..=u16::MAX).find(|i| !used.contains(i)).ok_or_else(|| {
+                        Error::InvalidConfig {
+                            key: "buckets".into(),
+                            reason: "no bucket id left".into(),
+                        }
+                    })?;
+                    used.insert(id);
                     let vbs = (0..cfg.num_vbuckets)
                         .map(|v| VBucket::new(id, v, VbState::Active, ckpt))
                         .collect();
@@ -289,7 +293,7 @@ impl Engine {
                 });
             }
             {
-                let mut a = inner.wal.appender();
+                let mut a = inner.wal.appender()?;
                 if fresh {
                     a.push(WalPayload::meta(
                         id,
@@ -488,7 +492,7 @@ impl Engine {
             req.key,
             req.value,
             meta,
-        );
+        )?;
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
         self.finish_write(bucket, durability, r)
@@ -525,34 +529,33 @@ impl Engine {
         for i in 0..n {
             starts[i + 1] += starts[i];
         }
-        // All or nothing: every vbucket touched must accept writes before any is applied.
-        for vbid in 0..n {
-            if starts[vbid + 1] > starts[vbid] {
-                check_writable(
-                    &bucket.lock_vbucket(vbid as u16).expect("in range"),
-                    (starts[vbid + 1] - starts[vbid]) as u64,
-                )?;
-            }
-        }
         let mut order = vec![0u32; items.len()];
         let mut fill = starts.clone();
         for (i, &v) in vbs.iter().enumerate() {
             order[fill[v as usize] as usize] = i as u32;
             fill[v as usize] += 1;
         }
+        // All or nothing: the vbuckets touched are locked together (in ascending order, so two
+        // batches cannot deadlock) and all must accept the writes before any is applied.
+        let mut locked = Vec::new();
+        for vbid in 0..n {
+            let count = starts[vbid + 1] - starts[vbid];
+            if count > 0 {
+                let vb = bucket.lock_vbucket(vbid as u16).expect("in range");
+                check_writable(&vb, count as u64)?;
+                locked.push((vbid, vb));
+            }
+        }
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
         let now = now_secs();
         let now_ns = now_nanos();
         let mut last_lsn = 0;
         let mut changes = Vec::new();
-        for vbid in 0..n {
-            let group = &order[starts[vbid] as usize..starts[vbid + 1] as usize];
-            if group.is_empty() {
-                continue;
-            }
-            let mut vb = bucket.lock_vbucket(vbid as u16).expect("in range");
-            check_writable(&vb, group.len() as u64)?;
+        for (vbid, vb) in locked.iter_mut() {
             changes.clear();
-            for &i in group {
+            for &i in &order[starts[*vbid] as usize..starts[*vbid + 1] as usize] {
                 let (k, v) = items[i as usize];
                 // rev_seqno 0: the store assigns the key's next revision during the same lookup.
                 let meta = ItemMeta {
@@ -563,14 +566,15 @@ impl Engine {
                 changes.push(vb.apply_local(ChangeOp::Mutation, k, v, meta, now_ns));
             }
             {
-                let mut a = self.inner.wal.appender();
+                let mut a = self.inner.wal.appender()?;
                 for c in changes.drain(..) {
                     last_lsn = a.push(WalPayload::Change(c));
                 }
             }
             vb.last_lsn = last_lsn;
-            bucket.account(&mut vb);
+            bucket.account(vb);
         }
+        drop(locked);
         bucket
             .stats
             .sets
@@ -611,7 +615,7 @@ impl Engine {
         };
         let r = self
             .inner
-            .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta);
+            .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta)?;
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
         self.finish_write(bucket, durability, r)
@@ -660,9 +664,9 @@ impl Engine {
             rev_seqno: rev,
             ..Default::default()
         };
-        let r = self
-            .inner
-            .apply_locked(bucket, &mut vb, ChangeOp::Mutation, key, &u.value, meta);
+        let r =
+            self.inner
+                .apply_locked(bucket, &mut vb, ChangeOp::Mutation, key, &u.value, meta)?;
         let item = vb.store.get(key).expect("just stored").to_item();
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
@@ -785,7 +789,7 @@ impl Engine {
                     ..Default::default()
                 };
                 self.inner
-                    .apply_locked(bucket, &mut vb, ChangeOp::Deletion, &key, b"", meta);
+                    .apply_locked(bucket, &mut vb, ChangeOp::Deletion, &key, b"", meta)?;
                 n += 1;
             }
         }
@@ -809,7 +813,7 @@ impl Engine {
             Some(i) if i.meta().deleted => None,
             Some(i) if is_expired(&i.meta(), now) => {
                 let meta = i.meta();
-                self.inner.expire_locked(bucket, &mut vb, key, &meta, now);
+                self.inner.expire_locked(bucket, &mut vb, key, &meta, now)?;
                 bucket
                     .stats
                     .expired_on_access
@@ -842,7 +846,7 @@ impl Engine {
         }
         let high = vb.high_seqno;
         vb.state = state;
-        let mut a = self.inner.wal.appender();
+        let mut a = self.inner.wal.appender()?;
         vb.last_lsn = a.push(WalPayload::meta(
             bucket.id,
             vbid,
@@ -1066,7 +1070,12 @@ fn run_pager(inner: &Inner) -> usize {
             if vb.state == VbState::Active && !inner.wal.is_failing() {
                 for key in vb.store.keys_where(|m| is_expired(m, now)) {
                     let meta = vb.store.get(&key).expect("listed above").meta();
-                    inner.expire_locked(&bucket, &mut vb, &key, &meta, now);
+                    if inner
+                        .expire_locked(&bucket, &mut vb, &key, &meta, now)
+                        .is_err()
+                    {
+                        break; // closing
+                    }
                     bucket
                         .stats
                         .expired_by_pager
@@ -1086,12 +1095,13 @@ fn run_pager(inner: &Inner) -> usize {
                 }
                 if purged_upto > vb.purge_seqno {
                     vb.purge_seqno = purged_upto;
-                    let lsn = inner.wal.appender().push(WalPayload::meta(
-                        bucket.id,
-                        v,
-                        MetaRecord::PurgeSeqno(purged_upto),
-                    ));
-                    vb.last_lsn = lsn;
+                    if let Ok(mut a) = inner.wal.appender() {
+                        vb.last_lsn = a.push(WalPayload::meta(
+                            bucket.id,
+                            v,
+                            MetaRecord::PurgeSeqno(purged_upto),
+                        ));
+                    }
                     bucket
                         .stats
                         .tombstones_purged
@@ -1117,7 +1127,8 @@ impl Inner {
         )
     }
 
-    /// Applies a local change to a locked vbucket and queues it for the WAL.
+    /// Applies a local change to a locked vbucket and queues it for the WAL. Refused (Closed)
+    /// once the engine is closing: no change is acknowledged that the WAL will not write.
     fn apply_locked(
         &self,
         bucket: &Bucket,
@@ -1126,18 +1137,21 @@ impl Inner {
         key: &[u8],
         value: &[u8],
         meta: ItemMeta,
-    ) -> MutationResult {
+    ) -> Result<MutationResult> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
         let change = vb.apply_local(op, key, value, meta, now_nanos());
         let (cas, seqno) = (change.meta().cas, change.seqno());
-        let lsn = self.wal.appender().push(WalPayload::Change(change));
+        let lsn = self.wal.appender()?.push(WalPayload::Change(change));
         vb.last_lsn = lsn;
         bucket.account(vb);
-        MutationResult {
+        Ok(MutationResult {
             cas,
             vbucket: vb.id,
             seqno,
             lsn,
-        }
+        })
     }
 
     /// Turns an expired item into an EXPIRATION change with its own seqno.
@@ -1148,7 +1162,7 @@ impl Inner {
         key: &[u8],
         old: &ItemMeta,
         now: u32,
-    ) {
+    ) -> Result<MutationResult> {
         let meta = ItemMeta {
             flags: old.flags,
             expiry: now,
@@ -1156,7 +1170,7 @@ impl Inner {
             deleted: true,
             ..Default::default()
         };
-        self.apply_locked(bucket, vb, ChangeOp::Expiration, key, b"", meta);
+        self.apply_locked(bucket, vb, ChangeOp::Expiration, key, b"", meta)
     }
 }
 

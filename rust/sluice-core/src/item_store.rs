@@ -472,6 +472,15 @@ impl ItemStore {
         out
     }
 
+    /// The highest seqno in the log (0 when empty): new versions must come above it.
+    pub fn last_seqno(&self) -> u64 {
+        if self.len == 0 {
+            0
+        } else {
+            self.slot(self.len - 1).by_seqno()
+        }
+    }
+
     /// Current versions, tombstones included.
     #[allow(clippy::misnamed_getters)]
     pub fn len(&self) -> usize {

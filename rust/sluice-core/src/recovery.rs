@@ -106,6 +106,18 @@ impl State {
                         meta.by_seqno, rec.vbucket, vb.high_seqno
                     ));
                 }
+                // A snapshot lists each vbucket's items in ascending seqnos up to its high seqno.
+                if !from_wal
+                    && (meta.by_seqno <= vb.store.last_seqno() || meta.by_seqno > vb.high_seqno)
+                {
+                    return Err(format!(
+                        "seqno {} of vbucket {} is out of order (after {}, high seqno {})",
+                        meta.by_seqno,
+                        rec.vbucket,
+                        vb.store.last_seqno(),
+                        vb.high_seqno
+                    ));
+                }
                 vb.recover_item(key, value, meta);
             }
             RecordBody::VbucketState { state, .. } => vb.state = *state,

@@ -314,3 +314,48 @@ fn above_the_high_watermark_sets_fail_temporarily_and_deletes_still_work() {
         .store(&bucket, &StoreRequest::set(b"after", &value))
         .unwrap();
 }
+
+#[test]
+fn a_big_vbucket_snapshots_in_bounded_blocks_and_recovers() {
+    use sluice_core::wal::xlog::{FileKind, Next, XlogReader};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 1);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let value = vec![b'v'; 200];
+    for i in 0..30_000 {
+        engine
+            .store(
+                &bucket,
+                &StoreRequest::set(format!("k{i}").as_bytes(), &value),
+            )
+            .unwrap();
+    }
+    let snap = engine.snapshot_now().unwrap();
+    let before = common::dump(&engine, &bucket);
+    engine.close();
+    let mut r = XlogReader::open(&snap).unwrap();
+    assert_eq!(r.header().kind, FileKind::Snap);
+    let mut blocks = 0;
+    loop {
+        match r.next_block().unwrap() {
+            Next::Block { payload, .. } => {
+                assert!(
+                    payload.len() < (1 << 20) + 4096,
+                    "block of {} bytes",
+                    payload.len()
+                );
+                blocks += 1;
+            }
+            Next::Eof { .. } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(
+        blocks >= 6,
+        "a 6 MB vbucket spans several blocks, got {blocks}"
+    );
+    let engine = Engine::open(cfg).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(common::dump(&engine, &bucket), before);
+}

@@ -470,14 +470,9 @@ impl EmbeddedEngine {
         for (k, v) in &owned {
             pairs.push((k.as_bytes(), v.as_bytes()));
         }
-        // The PyBytes stay alive in `owned`; their buffers are immutable.
-        let pairs_ptr = SendPtr(&pairs);
-        py.allow_threads(move || {
-            let pairs = pairs_ptr;
-            self.engine
-                .set_many(&b, pairs.get(), flags, expiry, durability)
-        })
-        .map_err(to_py)
+        // The PyBytes stay alive in `owned` for the call; their buffers are immutable.
+        py.allow_threads(|| self.engine.set_many(&b, &pairs, flags, expiry, durability))
+            .map_err(to_py)
     }
 
     #[pyo3(signature = (key, *, bucket="default", cas=0, durability=None))]
@@ -596,7 +591,9 @@ impl EmbeddedEngine {
     #[pyo3(signature = (key, *, bucket="default"))]
     fn get(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
         let b = self.bucket(bucket)?;
-        let it = self.engine.get(&b, key).map_err(to_py)?;
+        let it = py
+            .allow_threads(|| self.engine.get(&b, key))
+            .map_err(to_py)?;
         Ok(it.map(|i| ItemView::from_item(py, &i)))
     }
 
@@ -604,10 +601,8 @@ impl EmbeddedEngine {
     #[pyo3(signature = (key, *, bucket="default"))]
     fn get_meta(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
         let b = self.bucket(bucket)?;
-        Ok(self
-            .engine
-            .get_meta(&b, key)
-            .map(|i| ItemView::from_item(py, &i)))
+        let it = py.allow_threads(|| self.engine.get_meta(&b, key));
+        Ok(it.map(|i| ItemView::from_item(py, &i)))
     }
 
     #[pyo3(signature = (key, *, bucket="default"))]
@@ -616,44 +611,58 @@ impl EmbeddedEngine {
     }
 
     #[pyo3(signature = (*, bucket="default"))]
-    fn high_seqnos(&self, bucket: &str) -> PyResult<Vec<u64>> {
-        Ok(self.engine.high_seqnos(&*self.bucket(bucket)?))
+    fn high_seqnos(&self, py: Python<'_>, bucket: &str) -> PyResult<Vec<u64>> {
+        let b = self.bucket(bucket)?;
+        Ok(py.allow_threads(|| self.engine.high_seqnos(&b)))
     }
 
     #[pyo3(signature = (*, bucket="default"))]
-    fn persisted_seqnos(&self, bucket: &str) -> PyResult<Vec<u64>> {
-        Ok(self.engine.persisted_seqnos(&*self.bucket(bucket)?))
+    fn persisted_seqnos(&self, py: Python<'_>, bucket: &str) -> PyResult<Vec<u64>> {
+        let b = self.bucket(bucket)?;
+        Ok(py.allow_threads(|| self.engine.persisted_seqnos(&b)))
     }
 
     /// Newest first: [(uuid, seqno), ...].
     #[pyo3(signature = (vbucket, *, bucket="default"))]
-    fn failover_log(&self, vbucket: u16, bucket: &str) -> PyResult<Vec<(u64, u64)>> {
+    fn failover_log(
+        &self,
+        py: Python<'_>,
+        vbucket: u16,
+        bucket: &str,
+    ) -> PyResult<Vec<(u64, u64)>> {
         let b = self.bucket(bucket)?;
-        let log = self.engine.failover_log(&b, vbucket).ok_or_else(|| {
-            pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}"))
-        })?;
+        let log = py
+            .allow_threads(|| self.engine.failover_log(&b, vbucket))
+            .ok_or_else(|| {
+                pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}"))
+            })?;
         Ok(log.iter().map(|e| (e.uuid, e.seqno)).collect())
     }
 
     #[pyo3(signature = (vbucket, *, bucket="default"))]
-    fn vbucket_state(&self, vbucket: u16, bucket: &str) -> PyResult<&'static str> {
+    fn vbucket_state(&self, py: Python<'_>, vbucket: u16, bucket: &str) -> PyResult<&'static str> {
         let b = self.bucket(bucket)?;
-        self.engine
-            .vbucket_state(&b, vbucket)
+        py.allow_threads(|| self.engine.vbucket_state(&b, vbucket))
             .map(|s| s.as_str())
             .ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))
     }
 
     #[pyo3(signature = (vbucket, state, *, bucket="default"))]
-    fn set_vbucket_state(&self, vbucket: u16, state: &str, bucket: &str) -> PyResult<()> {
+    fn set_vbucket_state(
+        &self,
+        py: Python<'_>,
+        vbucket: u16,
+        state: &str,
+        bucket: &str,
+    ) -> PyResult<()> {
         let b = self.bucket(bucket)?;
         if vbucket >= b.num_vbuckets() {
             return Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "no vbucket {vbucket}"
             )));
         }
-        self.engine
-            .set_vbucket_state(&b, vbucket, vb_state(state)?)
+        let state = vb_state(state)?;
+        py.allow_threads(|| self.engine.set_vbucket_state(&b, vbucket, state))
             .map_err(to_py)
     }
 
@@ -696,12 +705,15 @@ impl EmbeddedEngine {
         d.set_item("memory_quota", b.config.memory_quota)?;
         d.set_item("high_watermark", b.config.high_watermark_bytes())?;
         d.set_item("checkpoint_quota", b.config.checkpoint_quota_bytes())?;
-        let (mut items, mut tombstones) = (0usize, 0usize);
-        for v in 0..b.num_vbuckets() {
-            let vb = b.lock_vbucket(v).expect("in range");
-            items += vb.store.live_items();
-            tombstones += vb.store.tombstones();
-        }
+        let (items, tombstones) = py.allow_threads(|| {
+            let (mut items, mut tombstones) = (0usize, 0usize);
+            for v in 0..b.num_vbuckets() {
+                let vb = b.lock_vbucket(v).expect("in range");
+                items += vb.store.live_items();
+                tombstones += vb.store.tombstones();
+            }
+            (items, tombstones)
+        });
         d.set_item("items", items)?;
         d.set_item("tombstones", tombstones)?;
         for (k, v) in [
@@ -771,13 +783,16 @@ impl EmbeddedEngine {
     }
 }
 
-/// A shared slice handed to a closure that runs without the GIL.
-struct SendPtr<'a, T>(&'a T);
-// SAFETY: the referenced Vec holds plain slices into immutable PyBytes kept alive by the caller.
-unsafe impl<T> Send for SendPtr<'_, T> {}
-impl<'a, T> SendPtr<'a, T> {
-    fn get(&self) -> &'a T {
-        self.0
+impl Drop for EmbeddedEngine {
+    /// An engine garbage-collected without close() still closes, with the GIL released: the
+    /// engine's threads log through Python's logging, which needs the GIL.
+    fn drop(&mut self) {
+        // SAFETY: a read-only query of the interpreter's state.
+        if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
+            Python::with_gil(|py| py.allow_threads(|| self.engine.close()));
+        } else {
+            self.engine.close();
+        }
     }
 }
 

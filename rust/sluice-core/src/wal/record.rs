@@ -263,6 +263,15 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
     };
     let body = match op {
         OP_MUTATION | OP_DELETION | OP_EXPIRATION => {
+            if seqno == 0
+                || seqno > crate::item_store::MAX_SEQNO
+                || rev_seqno > crate::item_store::MAX_SEQNO
+            {
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!("seqno {seqno} or rev seqno {rev_seqno} out of range"),
+                });
+            }
             if key.is_empty() || key.len() > crate::item::MAX_KEY_LEN {
                 return Err(RecordError::Invalid {
                     offset: at,
@@ -295,10 +304,19 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
             high_seqno: seqno,
         },
         OP_FAILOVER_ENTRY => RecordBody::FailoverEntry(FailoverEntry { uuid: cas, seqno }),
-        OP_BUCKET => RecordBody::Bucket {
-            name: key,
-            num_vbuckets: narrow::<u16>(flags as u64, "num_vbuckets", at)?,
-        },
+        OP_BUCKET => {
+            let num_vbuckets = narrow::<u16>(flags as u64, "num_vbuckets", at)?;
+            if num_vbuckets == 0 || num_vbuckets > crate::config::MAX_VBUCKETS || key.is_empty() {
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!("bucket of {num_vbuckets} vbuckets or without a name"),
+                });
+            }
+            RecordBody::Bucket {
+                name: key,
+                num_vbuckets,
+            }
+        }
         OP_PURGE_SEQNO => RecordBody::PurgeSeqno(seqno),
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,

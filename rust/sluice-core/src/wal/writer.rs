@@ -371,14 +371,19 @@ impl WalWriter {
         self.shared.mode
     }
 
-    pub fn appender(&self) -> Appender<'_> {
+    /// The queue, locked for pushing; refused once the writer is shutting down, so that no
+    /// change can be acknowledged that the writer will never write.
+    pub fn appender(&self) -> Result<Appender<'_>> {
         let guard = self.shared.queue.lock();
+        if guard.shutdown {
+            return Err(Error::Closed);
+        }
         let was_empty = guard.pending.is_empty();
-        Appender {
+        Ok(Appender {
             guard,
             shared: &self.shared,
             was_empty,
-        }
+        })
     }
 
     /// The last LSN handed out.

@@ -13,6 +13,7 @@
 
 use std::fs::File;
 use std::io::{self, BufReader, Read};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 pub const BLOCK_MAGIC: u32 = 0xd5ba_0bab;
@@ -201,67 +202,81 @@ impl XlogReader {
             return Ok(Next::Eof { offset: at });
         }
         if got < BLOCK_HEADER_LEN {
-            return Ok(Next::Torn {
-                offset: at,
-                reason: format!("short block header ({got} bytes)"),
-            });
+            return self
+                .anomaly(at, format!("short block header ({got} bytes)"))
+                .map_err(io_err);
         }
         let head: [u8; BLOCK_HEADER_LEN] = head.try_into().expect("12 bytes");
         let magic = u32::from_be_bytes(head[0..4].try_into().expect("4 bytes"));
         let len = u32::from_be_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
         let crc = u32::from_be_bytes(head[8..12].try_into().expect("4 bytes"));
         if magic != BLOCK_MAGIC {
-            let all_zero = head.iter().all(|b| *b == 0) && self.rest_is_zero().map_err(io_err)?;
-            return Ok(if all_zero {
-                Next::Torn {
-                    offset: at,
-                    reason: "zero-filled tail".into(),
-                }
-            } else {
-                Next::Corrupt {
-                    offset: at,
-                    reason: format!("bad block magic 0x{magic:08x}"),
-                }
-            });
+            return self
+                .anomaly(at, format!("bad block magic 0x{magic:08x}"))
+                .map_err(io_err);
         }
         if len > MAX_BLOCK_LEN {
-            return Ok(Next::Corrupt {
-                offset: at,
-                reason: format!("block length {len} exceeds {MAX_BLOCK_LEN}"),
-            });
+            return self
+                .anomaly(at, format!("block length {len} exceeds {MAX_BLOCK_LEN}"))
+                .map_err(io_err);
         }
         let body_remaining = remaining - BLOCK_HEADER_LEN as u64;
         if (len as u64) > body_remaining {
-            let reason = format!("short block: {len} bytes declared, {body_remaining} present");
-            return Ok(match self.valid_block_after(at + 4).map_err(io_err)? {
-                Some(next) => Next::Corrupt {
-                    offset: at,
-                    reason: format!("{reason}, but a valid block follows at {next}"),
-                },
-                None => Next::Torn { offset: at, reason },
-            });
+            return self
+                .anomaly(
+                    at,
+                    format!("short block: {len} bytes declared, {body_remaining} present"),
+                )
+                .map_err(io_err);
         }
         let got = self.read_exact_or_short(len).map_err(io_err)?;
         if got < len {
-            return Ok(Next::Torn {
-                offset: at,
-                reason: "file shrank while reading".into(),
-            });
+            return self
+                .anomaly(at, "file shrank while reading".into())
+                .map_err(io_err);
         }
         let end = at + (BLOCK_HEADER_LEN + len) as u64;
         if crc32c::crc32c(&self.buf) != crc {
-            let reason = "block checksum mismatch".to_string();
-            return Ok(if end == self.file_len {
-                Next::Torn { offset: at, reason }
-            } else {
-                Next::Corrupt { offset: at, reason }
-            });
+            return self
+                .anomaly(at, "block checksum mismatch".into())
+                .map_err(io_err);
         }
         self.offset = end;
         Ok(Next::Block {
             offset: at,
             payload: &self.buf,
         })
+    }
+
+    /// Classifies something wrong at `at`. It is a torn tail (an incomplete last write) only
+    /// when the file was not closed cleanly (no EOF marker at its end) and no valid block
+    /// follows; anything else is damage. This one rule covers short blocks, checksum
+    /// mismatches and the zero-filled or garbage pages a power loss can leave.
+    fn anomaly(&self, at: u64, reason: String) -> io::Result<Next<'static>> {
+        if self.ends_with_eof_marker()? {
+            return Ok(Next::Corrupt {
+                offset: at,
+                reason: format!("{reason}, in a file that was closed cleanly"),
+            });
+        }
+        Ok(match self.valid_block_after(at + 1)? {
+            Some(next) => Next::Corrupt {
+                offset: at,
+                reason: format!("{reason}, and a valid block follows at {next}"),
+            },
+            None => Next::Torn { offset: at, reason },
+        })
+    }
+
+    fn ends_with_eof_marker(&self) -> io::Result<bool> {
+        if self.file_len < 4 {
+            return Ok(false);
+        }
+        let mut tail = [0u8; 4];
+        self.r
+            .get_ref()
+            .read_exact_at(&mut tail, self.file_len - 4)?;
+        Ok(u32::from_be_bytes(tail) == EOF_MARKER)
     }
 
     /// Moves to the first valid block after the damage at `offset`; false if there is none.
@@ -304,19 +319,6 @@ impl XlogReader {
             i += 1;
         }
         Ok(None)
-    }
-
-    fn rest_is_zero(&mut self) -> io::Result<bool> {
-        let mut chunk = [0u8; 8192];
-        loop {
-            let n = self.r.read(&mut chunk)?;
-            if n == 0 {
-                return Ok(true);
-            }
-            if chunk[..n].iter().any(|b| *b != 0) {
-                return Ok(false);
-            }
-        }
     }
 }
 
