@@ -1,8 +1,9 @@
-//! Snapshots: every bucket's vbuckets written from a consistent view, one vbucket at a time
-//! (each captured whole under its lock, then written outside it), to `snap/<lsn>.snap`
-//! through `.inprogress`, a rename and a directory sync. The file's LSN is the last one handed
-//! out when the capture began: all changes up to it are inside. Each vbucket's capture also
-//! records the last LSN applied to it, so WAL replay skips exactly what the capture holds.
+//! Snapshots: every bucket's vbuckets, one vbucket at a time, to `snap/<lsn>.snap` through
+//! `.inprogress`, a rename and a directory sync. The file's LSN is the last one handed out when
+//! the capture began: all changes up to it are inside. Each vbucket is captured through a range
+//! read (as a backfill is): its counters and last applied LSN are taken under its lock, then its
+//! items come in chunks while writes go on, as of that moment. WAL replay skips, per vbucket,
+//! exactly what the capture holds.
 //!
 //! Retention keeps `snapshot_count` snapshots and the WAL segments the oldest of them needs.
 
