@@ -22,6 +22,7 @@ __all__ = [
     "NotMyVbucketError",
     "NotNumericError",
     "NotStoredError",
+    "Server",
     "SluiceError",
     "TempFailError",
     "TooBigError",
@@ -215,6 +216,23 @@ class EmbeddedEngine:
         v: BaseException | None,
         tb: TracebackType | None,
     ) -> bool: ...
+
+@final
+class Server:
+    """The memcached binary protocol server over an open engine."""
+
+    def __new__(
+        cls,
+        engine: EmbeddedEngine,
+        listen: str,
+        *,
+        max_connections: int = 10000,
+        idle_timeout: float = 0.0,
+        io_threads: int = 2,
+    ) -> Server: ...
+    @property
+    def address(self) -> str: ...
+    def stop(self, grace: float = 5.0) -> None: ...
 
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...

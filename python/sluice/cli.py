@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from sluice import _native
-from sluice.config import Config, load_config, reference
+from sluice.config import Config, is_loopback, load_config, reference
 
 log = logging.getLogger("sluice")
 
@@ -28,11 +28,19 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["data_dir"] = args.data_dir
     if getattr(args, "force_recovery", False):
         overrides["force_recovery"] = True
+    if getattr(args, "listen", None):
+        overrides["listen"] = args.listen
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    listen = cfg.values["listen"]
+    if not is_loopback(listen) and not args.insecure:
+        raise _native.ConfigError(
+            f"invalid config: listen: {listen} is beyond loopback and no authentication is configured; "
+            "pass --insecure to serve it anyway"
+        )
     settings = cfg.to_native()
     started = time.monotonic()
     # Handlers go in before anything is announced: a SIGTERM sent right after the ready line
@@ -47,11 +55,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
+    try:
+        server = _native.Server(engine, listen, **cfg.server_settings())
+    except _native.SluiceError:
+        engine.close()
+        raise
     report = engine.recovery_report()
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: %d items in %d bucket(s) %s, recovered in %.3f s "
+        "sluice ready: listening on %s; %d items in %d bucket(s) %s, recovered in %.3f s "
         "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
+        server.address,
         items,
         len(settings.bucket_names),
         ",".join(settings.bucket_names),
@@ -63,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     while not stop.wait(1.0):
         pass
+    server.stop()
     engine.close()
     log.info("stopped cleanly")
     return EXIT_OK
@@ -98,13 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        help="open the data directory and run the node",
-        description="Recover the data directory and run the node until SIGTERM or Ctrl-C, "
-        "then flush the WAL and exit 0. Without --config, embedded defaults: "
-        "data in ./sluice-data, one bucket 'default' of 64 vbuckets.",
+        help="open the data directory and serve it over the network",
+        description="Recover the data directory, serve the memcached binary protocol, and run "
+        "until SIGTERM or Ctrl-C; then finish in-flight requests, flush the WAL and exit 0. "
+        "Without --config, embedded defaults: 127.0.0.1:11210, data in ./sluice-data, one "
+        "bucket 'default' of 64 vbuckets.",
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
     s.add_argument("--data-dir", metavar="DIR", help="overrides data_dir")
+    s.add_argument("--listen", metavar="HOST:PORT", help="overrides listen (default 127.0.0.1:11210)")
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve on a non-loopback address although no authentication is configured",
+    )
     s.add_argument(
         "--force-recovery",
         action="store_true",

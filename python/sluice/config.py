@@ -8,6 +8,7 @@ A bad value raises ``ConfigError`` naming the key, e.g.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 import sys
 from collections.abc import Mapping
@@ -119,6 +120,7 @@ class Key:
     type_name: str
     check: Callable[[Any], str | None] | None = None
     native: str | None = None  # keyword of the native settings object, when it differs
+    server: bool = False  # a setting of the network server, not of the engine
 
     def value(self, path: str, raw: Any) -> Any:
         v = self.parse(path, raw)
@@ -230,6 +232,60 @@ ENGINE_KEYS: list[Key] = [
     ),
 ]
 
+
+def parse_listen(path: str, v: Any) -> str:
+    """HOST:PORT (IPv6 as [ADDR]:PORT); port 0 picks a free one."""
+    text = _str(path, v)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise _fail(path, f"{text!r} is not HOST:PORT")
+    return text
+
+
+def listen_host(listen: str) -> str:
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen_host(listen)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+ENGINE_KEYS += [
+    Key(
+        "listen",
+        parse_listen,
+        "127.0.0.1:11210",
+        "Address of the memcached binary protocol listener. Beyond loopback, `sluice serve` needs "
+        "--insecure until authentication is configured.",
+        "HOST:PORT",
+        server=True,
+    ),
+    Key(
+        "max_connections",
+        _int,
+        10_000,
+        "Connections served at once; more are closed at accept.",
+        "integer",
+        _at_least(1),
+        server=True,
+    ),
+    Key(
+        "idle_timeout",
+        parse_duration,
+        0.0,
+        "A connection silent this long is closed; 0 never.",
+        "duration",
+        server=True,
+    ),
+    Key("io_threads", _int, 2, "Threads running the network I/O.", "integer", _between(1, 256), server=True),
+]
+
 BUCKET_KEYS: list[Key] = [
     Key(
         "num_vbuckets",
@@ -331,12 +387,20 @@ class Config:
             values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
         return dataclasses.replace(self, values=values)
 
+    def server_settings(self) -> dict[str, Any]:
+        """Keyword arguments of `sluice._native.Server` besides the engine and address."""
+        return {k.name: self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"}
+
     @property
     def data_dir(self) -> Path:
         return self.values["data_dir"]
 
     def to_native(self) -> EngineSettings:
-        kwargs = {(k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.name != "data_dir"}
+        kwargs = {
+            (k.native or k.name): self.values[k.name]
+            for k in ENGINE_KEYS
+            if k.name != "data_dir" and not k.server
+        }
         buckets = [BucketSettings(name, **b) for name, b in self.buckets.items()]
         return EngineSettings(str(self.values["data_dir"]), buckets=buckets, **kwargs)
 

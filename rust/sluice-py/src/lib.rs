@@ -796,6 +796,96 @@ impl Drop for EmbeddedEngine {
     }
 }
 
+/// The network server (memcached binary protocol) over an open engine.
+#[pyclass(module = "sluice._native", frozen)]
+struct Server {
+    inner: parking_lot::Mutex<Option<sluice_server::Server>>,
+    address: String,
+}
+
+#[pymethods]
+impl Server {
+    /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
+    #[new]
+    #[pyo3(signature = (engine, listen, *, max_connections=10_000, idle_timeout=0.0, io_threads=2))]
+    fn new(
+        py: Python<'_>,
+        engine: &EmbeddedEngine,
+        listen: &str,
+        max_connections: usize,
+        idle_timeout: f64,
+        io_threads: usize,
+    ) -> PyResult<Self> {
+        let addr: std::net::SocketAddr = listen
+            .parse()
+            .or_else(|_| {
+                std::net::ToSocketAddrs::to_socket_addrs(listen)
+                    .map_err(|e| e.to_string())
+                    .and_then(|mut a| a.next().ok_or_else(|| "no address".to_string()))
+            })
+            .map_err(|e| config_err("listen", format!("{listen:?} is not HOST:PORT ({e})")))?;
+        if max_connections == 0 {
+            return Err(config_err("max_connections", "must be at least 1"));
+        }
+        let max_item = engine
+            .engine
+            .buckets()
+            .iter()
+            .map(|b| b.config.max_item_size)
+            .max()
+            .unwrap_or(20 << 20);
+        let config = sluice_server::ServerConfig {
+            listen: addr,
+            max_connections,
+            // The largest value plus room for key, extras and framing extras.
+            max_body: max_item + 1024,
+            idle_timeout: secs("idle_timeout", idle_timeout)?,
+            worker_threads: io_threads.max(1),
+        };
+        let e = engine.engine.clone();
+        let server = py
+            .allow_threads(|| sluice_server::Server::start(e, config))
+            .map_err(|err| SluiceError::new_err(format!("cannot listen on {listen}: {err}")))?;
+        let address = server.local_addr().to_string();
+        Ok(Server {
+            inner: parking_lot::Mutex::new(Some(server)),
+            address,
+        })
+    }
+
+    /// "HOST:PORT" actually bound.
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.
+    #[pyo3(signature = (grace=5.0))]
+    fn stop(&self, py: Python<'_>, grace: f64) -> PyResult<()> {
+        let grace = secs("grace", grace)?;
+        let server = self.inner.lock().take();
+        if let Some(mut s) = server {
+            py.allow_threads(move || s.shutdown(grace));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.inner.lock().take() {
+            // SAFETY: a read-only query of the interpreter's state.
+            if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
+                Python::with_gil(|py| {
+                    py.allow_threads(move || s.shutdown(std::time::Duration::from_secs(5)))
+                });
+            } else {
+                s.shutdown(std::time::Duration::from_secs(5));
+            }
+        }
+    }
+}
+
 /// Prints the records of a WAL segment or snapshot as JSON lines to the file descriptor `fd`.
 /// Returns how many records were printed.
 #[pyfunction]
@@ -842,6 +932,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EngineSettings>()?;
     m.add_class::<BucketSettings>()?;
     m.add_class::<EmbeddedEngine>()?;
+    m.add_class::<Server>()?;
     m.add_class::<Mutation>()?;
     m.add_class::<ItemView>()?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;

@@ -1,0 +1,571 @@
+//! The memcached binary protocol's KV commands over the engine: one request in, its reply (or,
+//! for a quiet command that succeeded, nothing) appended to the connection's output.
+
+use std::sync::Arc;
+
+use sluice_core::bucket::Bucket;
+use sluice_core::{Durability, Error, MutationResult, StoreMode, StoreRequest};
+use sluice_proto::mcbp::{
+    self, feature, magic, opcode as op, status, FrameInfo, HeaderFields, Request,
+};
+
+use crate::server::Shared;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Close,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Features {
+    mutation_seqno: bool,
+    xerror: bool,
+    select_bucket: bool,
+    json: bool,
+    alt_request: bool,
+    duplex: bool,
+    tcp_nodelay: bool,
+}
+
+/// One connection's protocol state.
+pub struct Session {
+    shared: Arc<Shared>,
+    bucket: Arc<Bucket>,
+    features: Features,
+}
+
+/// The engine's errors as the protocol's status codes.
+pub fn status_of(e: &Error) -> u16 {
+    match e {
+        Error::NotFound => status::KEY_ENOENT,
+        Error::Exists => status::KEY_EEXISTS,
+        Error::NotStored => status::NOT_STORED,
+        Error::NotNumeric => status::DELTA_BADVAL,
+        Error::TooBig { .. } => status::E2BIG,
+        Error::InvalidKey(_) | Error::InvalidArgument(_) | Error::InvalidConfig { .. } => {
+            status::EINVAL
+        }
+        Error::NotMyVbucket(_) => status::NOT_MY_VBUCKET,
+        Error::TempFail(_) | Error::Closed => status::ETMPFAIL,
+        // The change is applied and the WAL keeps retrying it: its durability is unknown.
+        Error::WalFailed(_) => status::SYNC_WRITE_AMBIGUOUS,
+        Error::DurabilityImpossible(_) => status::DURABILITY_IMPOSSIBLE,
+        Error::NoSuchBucket(_) => status::NO_BUCKET,
+        Error::Corrupt { .. } | Error::Io(_) => status::EINTERNAL,
+    }
+}
+
+fn durability_of(level: u8) -> Option<Durability> {
+    match level {
+        1 => Some(Durability::Majority),
+        2 => Some(Durability::MajorityAndPersistActive),
+        3 => Some(Durability::PersistToMajority),
+        _ => None,
+    }
+}
+
+struct Reply<'a> {
+    out: &'a mut Vec<u8>,
+    req: &'a Request<'a>,
+}
+
+impl Reply<'_> {
+    fn send(&mut self, st: u16, cas: u64, extras: &[u8], key: &[u8], value: &[u8], datatype: u8) {
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode: self.req.opcode,
+            datatype,
+            word: st,
+            opaque: self.req.opaque,
+            cas,
+        };
+        // Sections are bounded by what the engine holds (keys 250 bytes, values max_item_size).
+        let _ = mcbp::write_frame(self.out, &h, &[], extras, key, value);
+    }
+
+    fn ok(&mut self) {
+        self.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+
+    fn error(&mut self, st: u16, message: &str, xerror: bool) {
+        if xerror {
+            let body = format!("{{\"error\":{{\"context\":{}}}}}", json_string(message));
+            self.send(st, 0, &[], &[], body.as_bytes(), 0x01);
+        } else {
+            self.send(st, 0, &[], &[], message.as_bytes(), 0);
+        }
+    }
+}
+
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+impl Session {
+    pub fn new(shared: Arc<Shared>) -> Session {
+        let bucket = shared
+            .engine
+            .bucket("default")
+            .expect("the default bucket always exists");
+        Session {
+            shared,
+            bucket,
+            features: Features::default(),
+        }
+    }
+
+    /// Whether handling this frame may wait on the disk (a durability level), so the caller can
+    /// move it off the async worker.
+    pub fn may_block(&self, frame: &[u8]) -> bool {
+        frame.first() == Some(&magic::ALT_REQUEST)
+            || self.bucket.config.durability != Durability::None
+    }
+
+    /// The reply to a frame whose body is over the limit: E2BIG, with the header's opaque.
+    pub fn refuse_too_big(&self, header: &[u8], out: &mut Vec<u8>) {
+        if header.len() >= mcbp::HEADER_LEN {
+            let opaque = u32::from_be_bytes(header[12..16].try_into().expect("4 bytes"));
+            let h = HeaderFields {
+                magic: magic::RESPONSE,
+                opcode: header[1],
+                word: status::E2BIG,
+                opaque,
+                ..Default::default()
+            };
+            let _ = mcbp::write_frame(out, &h, &[], &[], &[], b"request body too large");
+        }
+    }
+
+    pub fn handle(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
+        let req = match mcbp::parse_request(frame) {
+            Ok(r) => r,
+            Err(e) => {
+                // A frame whose sections do not add up: EINVAL, and the stream is still in sync
+                // because frame_len framed it by its body length.
+                let opaque = u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes"));
+                let h = HeaderFields {
+                    magic: magic::RESPONSE,
+                    opcode: frame[1],
+                    word: status::EINVAL,
+                    opaque,
+                    ..Default::default()
+                };
+                let _ = mcbp::write_frame(out, &h, &[], &[], &[], e.to_string().as_bytes());
+                return Flow::Continue;
+            }
+        };
+        let mut durability = None;
+        for info in mcbp::frame_infos(req.framing) {
+            match info {
+                Ok(FrameInfo::Durability { level, .. }) => match durability_of(level) {
+                    Some(d) => durability = Some(d),
+                    None => {
+                        Reply { out, req: &req }.error(
+                            status::DURABILITY_INVALID_LEVEL,
+                            "unknown durability level",
+                            self.features.xerror,
+                        );
+                        return Flow::Continue;
+                    }
+                },
+                Ok(FrameInfo::Barrier) => {} // requests already run one after another
+                Ok(other) => {
+                    let why = format!("frame info {other:?} is not supported");
+                    Reply { out, req: &req }.error(
+                        status::UNKNOWN_FRAME_INFO,
+                        &why,
+                        self.features.xerror,
+                    );
+                    return Flow::Continue;
+                }
+                Err(e) => {
+                    Reply { out, req: &req }.error(
+                        status::EINVAL,
+                        &e.to_string(),
+                        self.features.xerror,
+                    );
+                    return Flow::Continue;
+                }
+            }
+        }
+        self.dispatch(&req, durability, out)
+    }
+
+    fn dispatch(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Durability>,
+        out: &mut Vec<u8>,
+    ) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let mut reply = Reply { out, req };
+        // Checks a vbucket-aware client's vbucket against the key's; 0 means "route it for me".
+        let wrong_vbucket =
+            |bucket: &Bucket| req.vbucket != 0 && req.vbucket != bucket.vbucket_of(req.key);
+        macro_rules! fail {
+            ($e:expr) => {{
+                let e: Error = $e;
+                reply.error(status_of(&e), &e.to_string(), xerror);
+                return Flow::Continue;
+            }};
+        }
+        macro_rules! einval {
+            ($why:expr) => {{
+                reply.error(status::EINVAL, $why, xerror);
+                return Flow::Continue;
+            }};
+        }
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        match req.opcode {
+            op::GET | op::GETQ | op::GETK | op::GETKQ => {
+                if !req.extras.is_empty() || !req.value.is_empty() {
+                    einval!("GET takes a key only");
+                }
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                match engine.get(&bucket, req.key) {
+                    Ok(Some(it)) => {
+                        let key = if matches!(req.opcode, op::GETK | op::GETKQ) {
+                            req.key
+                        } else {
+                            &[]
+                        };
+                        reply.send(
+                            status::SUCCESS,
+                            it.meta.cas,
+                            &it.meta.flags.to_be_bytes(),
+                            key,
+                            it.value(),
+                            self.datatype(it.meta.datatype),
+                        );
+                    }
+                    Ok(None) if quiet => {}
+                    Ok(None) => {
+                        let key = if req.opcode == op::GETK { req.key } else { &[] };
+                        reply.send(status::KEY_ENOENT, 0, &[], key, b"Not found", 0);
+                    }
+                    Err(e) => fail!(e),
+                }
+            }
+            op::SET | op::SETQ | op::ADD | op::ADDQ | op::REPLACE | op::REPLACEQ => {
+                let Some((flags, expiry)) = mcbp::store_extras(req.extras) else {
+                    einval!("SET, ADD and REPLACE take 8 bytes of extras")
+                };
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                let mode = match req.opcode {
+                    op::SET | op::SETQ => StoreMode::Set,
+                    op::ADD | op::ADDQ => StoreMode::Add,
+                    _ => StoreMode::Replace,
+                };
+                if mode == StoreMode::Add && req.cas != 0 {
+                    einval!("ADD takes no CAS");
+                }
+                let r = StoreRequest {
+                    key: req.key,
+                    value: req.value,
+                    flags,
+                    expiry,
+                    datatype: req.datatype,
+                    cas: req.cas,
+                    mode,
+                    durability,
+                };
+                match engine.store(&bucket, &r) {
+                    Ok(m) if quiet => {
+                        let _ = m;
+                    }
+                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
+                    // memcached: ADD on an existing key and REPLACE of a missing one are NOT_STORED
+                    // only in the text protocol; the binary protocol says EEXISTS / ENOENT.
+                    Err(e) => fail!(e),
+                }
+            }
+            op::DELETE | op::DELETEQ => {
+                if !req.extras.is_empty() || !req.value.is_empty() {
+                    einval!("DELETE takes a key only");
+                }
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                match engine.delete(&bucket, req.key, req.cas, durability) {
+                    Ok(_) if quiet => {}
+                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
+                    Err(e) => fail!(e),
+                }
+            }
+            op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => {
+                let Some((delta, initial, expiry)) = mcbp::arithmetic_extras(req.extras) else {
+                    einval!("INCR and DECR take 20 bytes of extras")
+                };
+                if !req.value.is_empty() {
+                    einval!("INCR and DECR take no value");
+                }
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                let inc = matches!(req.opcode, op::INCREMENT | op::INCREMENTQ);
+                match engine.arithmetic(
+                    &bucket, req.key, delta, initial, expiry, inc, req.cas, durability,
+                ) {
+                    Ok(_) if quiet => {}
+                    Ok((m, n)) => {
+                        let extras = self.seqno_extras(&bucket, &m);
+                        reply.send(status::SUCCESS, m.cas, &extras, &[], &n.to_be_bytes(), 0);
+                    }
+                    Err(e) => fail!(e),
+                }
+            }
+            op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ => {
+                if !req.extras.is_empty() {
+                    einval!("APPEND and PREPEND take no extras");
+                }
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                let at_end = matches!(req.opcode, op::APPEND | op::APPENDQ);
+                match engine.concat(&bucket, req.key, req.value, at_end, req.cas, durability) {
+                    Ok(_) if quiet => {}
+                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
+                    Err(e) => fail!(e),
+                }
+            }
+            op::TOUCH | op::GAT | op::GATQ => {
+                let Some(expiry) = mcbp::expiry_extras(req.extras) else {
+                    einval!("TOUCH and GAT take 4 bytes of extras")
+                };
+                if wrong_vbucket(&bucket) {
+                    fail!(Error::NotMyVbucket(req.vbucket));
+                }
+                match engine.touch(&bucket, req.key, expiry, durability) {
+                    Ok((m, _)) if req.opcode == op::TOUCH => {
+                        reply.send(status::SUCCESS, m.cas, &[], &[], &[], 0)
+                    }
+                    Ok((m, it)) => reply.send(
+                        status::SUCCESS,
+                        m.cas,
+                        &it.meta.flags.to_be_bytes(),
+                        &[],
+                        it.value(),
+                        self.datatype(it.meta.datatype),
+                    ),
+                    Err(Error::NotFound) if req.opcode == op::GATQ => {}
+                    Err(e) => fail!(e),
+                }
+            }
+            op::FLUSH | op::FLUSHQ => {
+                match req.extras.len() {
+                    0 => {}
+                    4 if mcbp::expiry_extras(req.extras) == Some(0) => {}
+                    4 => {
+                        reply.error(
+                            status::NOT_SUPPORTED,
+                            "delayed flush is not supported",
+                            xerror,
+                        );
+                        return Flow::Continue;
+                    }
+                    _ => einval!("FLUSH takes no extras or 4 bytes"),
+                }
+                match engine.flush(&bucket) {
+                    Ok(_) if quiet => {}
+                    Ok(_) => reply.ok(),
+                    Err(e) => fail!(e),
+                }
+            }
+            op::NOOP => reply.ok(),
+            op::VERSION => reply.send(
+                status::SUCCESS,
+                0,
+                &[],
+                &[],
+                env!("CARGO_PKG_VERSION").as_bytes(),
+                0,
+            ),
+            op::QUIT => {
+                reply.ok();
+                return Flow::Close;
+            }
+            op::QUITQ => return Flow::Close,
+            op::HELLO => self.hello(&mut reply),
+            op::SELECT_BUCKET => match engine.bucket(&String::from_utf8_lossy(req.key)) {
+                Ok(b) => {
+                    self.bucket = b;
+                    reply.ok();
+                }
+                Err(e) => fail!(e),
+            },
+            op::STAT => self.stat(&mut reply),
+            op::GET_ALL_VB_SEQNOS => {
+                let wanted = match req.extras.len() {
+                    0 => Some(sluice_core::vbucket::VbState::Active),
+                    4 => sluice_core::vbucket::VbState::from_code(u32::from_be_bytes(
+                        req.extras.try_into().expect("4 bytes"),
+                    )),
+                    _ => einval!("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
+                };
+                let mut value = Vec::new();
+                for (vb, high) in engine.high_seqnos(&bucket).into_iter().enumerate() {
+                    if wanted.is_none() || engine.vbucket_state(&bucket, vb as u16) == wanted {
+                        value.extend_from_slice(&(vb as u16).to_be_bytes());
+                        value.extend_from_slice(&high.to_be_bytes());
+                    }
+                }
+                reply.send(status::SUCCESS, 0, &[], &[], &value, 0);
+            }
+            _ => {
+                reply.error(
+                    status::UNKNOWN_COMMAND,
+                    &format!("unknown command 0x{:02x}", req.opcode),
+                    xerror,
+                );
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Datatype bits the client may see: JSON only if it said it understands it.
+    fn datatype(&self, stored: u8) -> u8 {
+        if self.features.json {
+            stored & 0x01
+        } else {
+            0
+        }
+    }
+
+    fn seqno_extras(&self, bucket: &Bucket, m: &MutationResult) -> Vec<u8> {
+        if !self.features.mutation_seqno {
+            return Vec::new();
+        }
+        let uuid = self
+            .shared
+            .engine
+            .failover_log(bucket, m.vbucket)
+            .and_then(|l| l.first().map(|e| e.uuid))
+            .unwrap_or(0);
+        let mut x = Vec::with_capacity(16);
+        x.extend_from_slice(&uuid.to_be_bytes());
+        x.extend_from_slice(&m.seqno.to_be_bytes());
+        x
+    }
+
+    fn mutation_reply(&self, reply: &mut Reply<'_>, bucket: &Bucket, m: &MutationResult) {
+        let extras = self.seqno_extras(bucket, m);
+        reply.send(status::SUCCESS, m.cas, &extras, &[], &[], 0);
+    }
+
+    fn hello(&mut self, reply: &mut Reply<'_>) {
+        let mut enabled = Vec::new();
+        let mut f = Features::default();
+        for code in reply.req.value.chunks_exact(2) {
+            let code = u16::from_be_bytes([code[0], code[1]]);
+            let known = match code {
+                feature::TCP_NODELAY => !std::mem::replace(&mut f.tcp_nodelay, true),
+                feature::MUTATION_SEQNO => !std::mem::replace(&mut f.mutation_seqno, true),
+                feature::XERROR => !std::mem::replace(&mut f.xerror, true),
+                feature::SELECT_BUCKET => !std::mem::replace(&mut f.select_bucket, true),
+                feature::JSON => !std::mem::replace(&mut f.json, true),
+                feature::DUPLEX => !std::mem::replace(&mut f.duplex, true),
+                feature::ALT_REQUEST_SUPPORT => !std::mem::replace(&mut f.alt_request, true),
+                _ => false,
+            };
+            if known {
+                enabled.extend_from_slice(&code.to_be_bytes());
+            }
+        }
+        self.features = f;
+        reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
+    }
+
+    /// The default STAT group: one reply per statistic, then an empty one that ends the list.
+    fn stat(&self, reply: &mut Reply<'_>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !reply.req.key.is_empty() {
+            reply.error(
+                status::KEY_ENOENT,
+                "only the default STAT group is served",
+                self.features.xerror,
+            );
+            return;
+        }
+        let e = &self.shared.engine;
+        let s = &self.shared.stats;
+        let b = &self.bucket;
+        let items: usize = (0..b.num_vbuckets())
+            .map(|v| {
+                b.lock_vbucket(v)
+                    .map(|vb| vb.store.live_items())
+                    .unwrap_or(0)
+            })
+            .sum();
+        let pairs: Vec<(&str, String)> = vec![
+            ("pid", std::process::id().to_string()),
+            (
+                "uptime",
+                self.shared.started.elapsed().as_secs().to_string(),
+            ),
+            ("time", sluice_core::hlc::now_secs().to_string()),
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+            (
+                "curr_connections",
+                s.curr_connections.load(Relaxed).to_string(),
+            ),
+            (
+                "total_connections",
+                s.connections_total.load(Relaxed).to_string(),
+            ),
+            (
+                "rejected_connections",
+                s.connections_rejected.load(Relaxed).to_string(),
+            ),
+            ("bytes_read", s.bytes_in.load(Relaxed).to_string()),
+            ("bytes_written", s.bytes_out.load(Relaxed).to_string()),
+            ("curr_items", items.to_string()),
+            ("bytes", b.mem_used().to_string()),
+            ("limit_maxbytes", b.config.memory_quota.to_string()),
+            ("cmd_get", b.stats.gets.load(Relaxed).to_string()),
+            ("get_misses", b.stats.get_misses.load(Relaxed).to_string()),
+            (
+                "get_hits",
+                (b.stats.gets.load(Relaxed)
+                    - b.stats
+                        .get_misses
+                        .load(Relaxed)
+                        .min(b.stats.gets.load(Relaxed)))
+                .to_string(),
+            ),
+            ("cmd_set", b.stats.sets.load(Relaxed).to_string()),
+            ("delete_hits", b.stats.deletes.load(Relaxed).to_string()),
+            (
+                "expired_unfetched",
+                b.stats.expired_by_pager.load(Relaxed).to_string(),
+            ),
+            (
+                "ep_tmp_failures",
+                b.stats.tmp_failures.load(Relaxed).to_string(),
+            ),
+            ("ep_wal_synced_lsn", e.wal().synced_lsn().to_string()),
+            ("ep_num_vbuckets", b.num_vbuckets().to_string()),
+        ];
+        for (k, v) in pairs {
+            reply.send(status::SUCCESS, 0, &[], k.as_bytes(), v.as_bytes(), 0);
+        }
+        reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+}

@@ -1,0 +1,9 @@
+//! sluice's network side: a tokio runtime of its own, listeners, connections, and the
+//! memcached binary protocol over the engine. `Server` owns the runtime; `connection` runs one
+//! client; `kv` turns one request into its response.
+
+pub mod connection;
+pub mod kv;
+pub mod server;
+
+pub use server::{Server, ServerConfig};

@@ -1,0 +1,156 @@
+//! The listener: accepts connections up to a limit, runs each on the server's own runtime,
+//! and shuts down gracefully: stop accepting, let connections finish the requests they hold,
+//! then return.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_core::Engine;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::connection;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_connections: usize,
+    /// Largest request body accepted; larger frames get E2BIG and the connection closes.
+    pub max_body: usize,
+    /// A connection silent for this long is closed; zero means never.
+    pub idle_timeout: Duration,
+    pub worker_threads: usize,
+}
+
+/// Counters the metrics endpoint and STAT read.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub connections_total: AtomicU64,
+    pub connections_rejected: AtomicU64,
+    pub curr_connections: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub protocol_errors: AtomicU64,
+}
+
+pub struct Shared {
+    pub engine: Arc<Engine>,
+    pub config: ServerConfig,
+    pub stats: ServerStats,
+    pub started: std::time::Instant,
+}
+
+pub struct Server {
+    runtime: Option<tokio::runtime::Runtime>,
+    local_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    done: Option<tokio::sync::oneshot::Receiver<()>>,
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    /// Binds (errors come back here, not later) and starts serving.
+    pub fn start(engine: Arc<Engine>, config: ServerConfig) -> std::io::Result<Server> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.worker_threads.max(1))
+            .thread_name("sluice-io")
+            .enable_all()
+            .build()?;
+        let std_listener = std::net::TcpListener::bind(config.listen)?;
+        std_listener.set_nonblocking(true)?;
+        let local_addr = std_listener.local_addr()?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let shared = Arc::new(Shared {
+            engine,
+            config,
+            stats: ServerStats::default(),
+            started: std::time::Instant::now(),
+        });
+        let listener = {
+            let _enter = runtime.enter();
+            TcpListener::from_std(std_listener)?
+        };
+        let sh = shared.clone();
+        runtime.spawn(async move {
+            accept_loop(listener, sh, stop_rx).await;
+            let _ = done_tx.send(());
+        });
+        Ok(Server {
+            runtime: Some(runtime),
+            local_addr,
+            stop: stop_tx,
+            done: Some(done_rx),
+            shared,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops accepting, waits (up to `grace`) for connections to finish what they hold, then
+    /// drops the runtime. Blocking; call it from a plain thread.
+    pub fn shutdown(&mut self, grace: Duration) {
+        let _ = self.stop.send(true);
+        if let (Some(rt), Some(done)) = (self.runtime.take(), self.done.take()) {
+            rt.block_on(async {
+                let _ = tokio::time::timeout(grace, done).await;
+            });
+            rt.shutdown_timeout(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown(Duration::from_secs(5));
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => {
+                let (socket, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        log::warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    // Over the limit: close at once rather than queue without bound.
+                    shared.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("refusing connection from {peer}: max_connections ({}) reached", shared.config.max_connections);
+                    drop(socket);
+                    continue;
+                };
+                let _ = socket.set_nodelay(true);
+                shared.stats.connections_total.fetch_add(1, Ordering::Relaxed);
+                let sh = shared.clone();
+                let stop = stop.clone();
+                tasks.spawn(async move {
+                    sh.stats.curr_connections.fetch_add(1, Ordering::Relaxed);
+                    connection::run(socket, peer, sh.clone(), stop).await;
+                    sh.stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
+                    drop(permit);
+                });
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    drop(listener);
+    // Graceful: connections see the stop signal after the requests they hold.
+    while tasks.join_next().await.is_some() {}
+}
