@@ -112,3 +112,59 @@ def item_state(engine: sluice.EmbeddedEngine, key: bytes, bucket: str = "default
     if it is None:
         return None
     return (it.value, it.flags, it.expiry, it.cas, it.rev_seqno, it.seqno, it.datatype, it.deleted)
+
+
+class Node:
+    """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        import queue
+        import threading
+
+        cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(data_dir), *args]
+        if "--listen" not in args:
+            cmd += ["--listen", "127.0.0.1:0"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.wait_for("sluice ready")
+        self.address = ready.split("listening on ")[1].split(";")[0]
+        host, _, port = self.address.rpartition(":")
+        self.host, self.port = host, int(port)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, text: str, timeout: float = 30) -> str:
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError(
+                    f"sluice serve exited ({self.proc.wait()}): {''.join(self.lines)[-3000:]}"
+                )
+            self.lines.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} within {timeout} s: {''.join(self.lines)[-3000:]}")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self, sig: int = 15, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
