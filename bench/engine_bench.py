@@ -117,7 +117,18 @@ def recovery(items: int, runs: int) -> dict:
         for _ in range(runs):
             t = time.perf_counter()
             p = subprocess.Popen(
-                [sys.executable, "-m", "sluice", "serve", "--data-dir", str(d), "--listen", "127.0.0.1:0"],
+                [
+                    sys.executable,
+                    "-m",
+                    "sluice",
+                    "serve",
+                    "--data-dir",
+                    str(d),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--admin-listen",
+                    "",
+                ],
                 stderr=subprocess.PIPE,
                 text=True,
             )

@@ -124,12 +124,15 @@ class Node:
         cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(data_dir), *args]
         if "--listen" not in args:
             cmd += ["--listen", "127.0.0.1:0"]
+        if "--admin-listen" not in args:
+            cmd += ["--admin-listen", "127.0.0.1:0"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self.wait_for("sluice ready")
-        self.address = ready.split("listening on ")[1].split(";")[0]
+        self.address = ready.split("listening on ")[1].split(" ")[0]
+        self.admin = ready.split("(admin ")[1].split(")")[0]
         host, _, port = self.address.rpartition(":")
         self.host, self.port = host, int(port)
 

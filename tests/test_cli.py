@@ -25,7 +25,7 @@ class Serve:
 
     def __init__(self, *args: str) -> None:
         if "--listen" not in args:
-            args = (*args, "--listen", "127.0.0.1:0")  # a free port: tests never collide
+            args = (*args, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")  # free ports
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "serve", *args],
             stdout=subprocess.PIPE,
@@ -165,7 +165,9 @@ def test_serve_uses_the_config_file(tmp_path, serve):
 def test_second_serve_on_the_same_data_dir_exits_1(data_dir, serve):
     first = serve("--data-dir", str(data_dir))
     first.wait_for("sluice ready")
-    r = run_cli("serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", timeout=30)
+    r = run_cli(
+        "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--admin-listen", "", timeout=30
+    )
     assert r.returncode == 1
     assert "in use" in r.stderr and str(data_dir) in r.stderr
     assert "Traceback" not in r.stderr
@@ -196,7 +198,9 @@ def test_serve_refuses_damage_unless_forced(data_dir, serve):
     (seg,) = segments(data_dir)
     first = layout(seg).blocks[0]
     flip_byte(seg, first.payload_offset + 5)
-    r = run_cli("serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", timeout=30)
+    r = run_cli(
+        "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--admin-listen", "", timeout=30
+    )
     assert r.returncode == 1
     assert str(seg) in r.stderr and f"byte offset {first.offset}" in r.stderr
     assert "Traceback" not in r.stderr

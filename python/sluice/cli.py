@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from sluice import _native
-from sluice.config import Config, is_loopback, load_config, reference
+from sluice import _native, systemd
+from sluice.config import Config, example_toml, is_loopback, load_config, reference
 
 log = logging.getLogger("sluice")
 
@@ -30,6 +31,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["force_recovery"] = True
     if getattr(args, "listen", None):
         overrides["listen"] = args.listen
+    if getattr(args, "admin_listen", None) is not None:
+        overrides["admin_listen"] = args.admin_listen
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
@@ -51,8 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("received %s, flushing the WAL and stopping", signal.Signals(signum).name)
         stop.set()
 
+    reload = threading.Event()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    systemd.notify(f"STATUS=recovering {cfg.data_dir}")
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
     try:
@@ -63,9 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     report = engine.recovery_report()
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s; %d items in %d bucket(s) %s, recovered in %.3f s "
+        "sluice ready: listening on %s (admin %s); %d items in %d bucket(s) %s, recovered in %.3f s "
         "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
         server.address,
+        server.admin_address or "off",
         items,
         len(settings.bucket_names),
         ",".join(settings.bucket_names),
@@ -75,11 +82,97 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ", after an unclean shutdown" if report["unclean_shutdown"] else "",
         time.monotonic() - started,
     )
-    while not stop.wait(1.0):
-        pass
+    systemd.notify("READY=1", f"STATUS=serving on {server.address}, {items} items", f"MAINPID={os.getpid()}")
+    ping = systemd.watchdog_interval()
+    while not stop.wait(min(ping or 1.0, 1.0)):
+        if ping:
+            engine.stats()  # a liveness check through the engine's locks before vouching for it
+            systemd.notify("WATCHDOG=1")
+        if reload.is_set():
+            reload.clear()
+            cfg = _reload(args, cfg)
+    systemd.notify("STOPPING=1", "STATUS=finishing requests and flushing the WAL")
     server.stop()
     engine.close()
     log.info("stopped cleanly")
+    return EXIT_OK
+
+
+def _reload(args: argparse.Namespace, current: Config) -> Config:
+    """SIGHUP: re-reads the configuration and logs what changed. Nothing of it can change while
+    running yet (users, permissions and policies, which can, come later), so every change is
+    logged as waiting for a restart; a file that no longer validates is reported and ignored."""
+    try:
+        new = _load(args)
+    except _native.ConfigError as e:
+        log.error("reload: the configuration is not valid, keeping the running one: %s", e)
+        return current
+    changed = [k for k in new.values if new.values[k] != current.values.get(k)]
+    changed += [
+        f"buckets.{b}"
+        for b in set(new.buckets) | set(current.buckets)
+        if new.buckets.get(b) != current.buckets.get(b)
+    ]
+    if changed:
+        log.warning("reload: %s changed; these take effect after a restart", ", ".join(sorted(changed)))
+    else:
+        log.info("reload: the configuration is unchanged")
+    return current
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Prints the node's /status as tables a person can read."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    admin = args.admin or _load(args).values["admin_listen"]
+    if not admin:
+        print(
+            "sluice status: admin_listen is off in the configuration; pass --admin HOST:PORT", file=sys.stderr
+        )
+        return EXIT_USAGE
+    try:
+        with urllib.request.urlopen(f"http://{admin}/status", timeout=args.timeout) as r:
+            st = json.load(r)
+    except (urllib.error.URLError, OSError) as e:
+        print(
+            f"sluice status: cannot reach the admin endpoint at {admin}: {getattr(e, 'reason', e)}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    wal = st["wal"]
+    print(
+        f"sluice {st['version']}  instance {st['instance']}  up {st['uptime_s']} s  "
+        f"listening on {st['listen']}"
+    )
+    print(
+        f"connections {st['connections']}  wal.mode {wal['mode']}  LSN last {wal['last_lsn']} "
+        f"written {wal['written_lsn']} synced {wal['synced_lsn']}{'  WAL FAILING' if wal['failing'] else ''}"
+    )
+    for b in st["buckets"]:
+        print()
+        print(f"bucket {b['name']}: {b['mem_used']:,} of {b['memory_quota']:,} bytes")
+        rows = [("vbucket", "state", "items", "high seqno", "persisted", "unpersisted", "replica lag")]
+        for v in b["vbuckets"]:
+            if args.all or v["high_seqno"] or v["state"] != "active":
+                rows.append(
+                    (
+                        str(v["vbucket"]),
+                        v["state"],
+                        str(v["items"]),
+                        str(v["high_seqno"]),
+                        str(v["persisted_seqno"]),
+                        str(v["high_seqno"] - v["persisted_seqno"]),
+                        "-",
+                    )
+                )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        hidden = len(b["vbuckets"]) - (len(rows) - 1)
+        if hidden:
+            print(f"({hidden} empty active vbuckets not shown; --all shows them)")
     return EXIT_OK
 
 
@@ -97,6 +190,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     cfg.to_native()
     print(f"{args.file}: ok ({len(cfg.buckets)} bucket(s): {', '.join(cfg.buckets)})")
+    return EXIT_OK
+
+
+def cmd_config_example(_args: argparse.Namespace) -> int:
+    sys.stdout.write(example_toml())
     return EXIT_OK
 
 
@@ -122,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
     s.add_argument("--data-dir", metavar="DIR", help="overrides data_dir")
     s.add_argument("--listen", metavar="HOST:PORT", help="overrides listen (default 127.0.0.1:11210)")
+    s.add_argument("--admin-listen", metavar="HOST:PORT", help='overrides admin_listen ("" turns it off)')
     s.add_argument(
         "--insecure",
         action="store_true",
@@ -133,6 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="start despite damaged WAL or snapshot files, skipping the damage",
     )
     s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser(
+        "status",
+        help="print a running node's vbuckets and WAL as tables",
+        description="Reads the admin endpoint's /status (admin_listen from --config, or --admin) and "
+        "prints, per bucket, each vbucket's state, items, high and persisted seqnos.",
+    )
+    st.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
+    st.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
+    st.add_argument("--all", action="store_true", help="also list empty active vbuckets")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
+    st.set_defaults(func=cmd_status)
 
     d = sub.add_parser(
         "wal-dump",
@@ -150,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     cc = csub.add_parser("check", help="validate a TOML file; exit 2 with the key and reason if it is wrong")
     cc.add_argument("file")
     cc.set_defaults(func=cmd_config_check)
+    ce = csub.add_parser("example", help="print a TOML file of every key with its default, commented")
+    ce.set_defaults(func=cmd_config_example)
     cr = csub.add_parser("reference", help="print every key with its type, default and meaning (Markdown)")
     cr.set_defaults(func=cmd_config_reference)
     return p

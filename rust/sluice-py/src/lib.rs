@@ -801,29 +801,38 @@ impl Drop for EmbeddedEngine {
 struct Server {
     inner: parking_lot::Mutex<Option<sluice_server::Server>>,
     address: String,
+    admin_address: Option<String>,
+}
+
+fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
+    text.parse()
+        .or_else(|_| {
+            std::net::ToSocketAddrs::to_socket_addrs(text)
+                .map_err(|e| e.to_string())
+                .and_then(|mut a| a.next().ok_or_else(|| "no address".to_string()))
+        })
+        .map_err(|e| config_err(key, format!("{text:?} is not HOST:PORT ({e})")))
 }
 
 #[pymethods]
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, max_connections=10_000, idle_timeout=0.0, io_threads=2))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, max_connections=10_000, idle_timeout=0.0, io_threads=2))]
     fn new(
         py: Python<'_>,
         engine: &EmbeddedEngine,
         listen: &str,
+        admin_listen: Option<&str>,
         max_connections: usize,
         idle_timeout: f64,
         io_threads: usize,
     ) -> PyResult<Self> {
-        let addr: std::net::SocketAddr = listen
-            .parse()
-            .or_else(|_| {
-                std::net::ToSocketAddrs::to_socket_addrs(listen)
-                    .map_err(|e| e.to_string())
-                    .and_then(|mut a| a.next().ok_or_else(|| "no address".to_string()))
-            })
-            .map_err(|e| config_err("listen", format!("{listen:?} is not HOST:PORT ({e})")))?;
+        let addr = socket_addr("listen", listen)?;
+        let admin_listen = admin_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("admin_listen", a))
+            .transpose()?;
         if max_connections == 0 {
             return Err(config_err("max_connections", "must be at least 1"));
         }
@@ -836,6 +845,7 @@ impl Server {
             .unwrap_or(20 << 20);
         let config = sluice_server::ServerConfig {
             listen: addr,
+            admin_listen,
             max_connections,
             // The largest value plus room for key, extras and framing extras.
             max_body: max_item + 1024,
@@ -847,9 +857,11 @@ impl Server {
             .allow_threads(|| sluice_server::Server::start(e, config))
             .map_err(|err| SluiceError::new_err(format!("cannot listen on {listen}: {err}")))?;
         let address = server.local_addr().to_string();
+        let admin_address = server.admin_addr().map(|a| a.to_string());
         Ok(Server {
             inner: parking_lot::Mutex::new(Some(server)),
             address,
+            admin_address,
         })
     }
 
@@ -857,6 +869,12 @@ impl Server {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// "HOST:PORT" of the admin endpoint (/metrics, /status), if it runs.
+    #[getter]
+    fn admin_address(&self) -> Option<&str> {
+        self.admin_address.as_deref()
     }
 
     /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.

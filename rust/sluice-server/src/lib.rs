@@ -2,6 +2,7 @@
 //! memcached binary protocol over the engine. `Server` owns the runtime; `connection` runs one
 //! client; `kv` turns one request into its response.
 
+pub mod admin;
 pub mod connection;
 pub mod kv;
 pub mod server;

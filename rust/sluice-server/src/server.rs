@@ -16,6 +16,8 @@ use crate::connection;
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// The admin HTTP endpoint (/metrics, /status), if any.
+    pub admin_listen: Option<SocketAddr>,
     pub max_connections: usize,
     /// Largest request body accepted; larger frames get E2BIG and the connection closes.
     pub max_body: usize,
@@ -45,6 +47,7 @@ pub struct Shared {
 pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
     local_addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     shared: Arc<Shared>,
@@ -61,6 +64,19 @@ impl Server {
         let std_listener = std::net::TcpListener::bind(config.listen)?;
         std_listener.set_nonblocking(true)?;
         let local_addr = std_listener.local_addr()?;
+        let admin = match config.admin_listen {
+            Some(a) => {
+                let l = std::net::TcpListener::bind(a)?;
+                l.set_nonblocking(true)?;
+                Some(l)
+            }
+            None => None,
+        };
+        let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        // What was bound (a port 0 becomes the real one), for STAT and /status.
+        let mut config = config;
+        config.listen = local_addr;
+        config.admin_listen = admin_addr;
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shared = Arc::new(Shared {
@@ -73,6 +89,17 @@ impl Server {
             let _enter = runtime.enter();
             TcpListener::from_std(std_listener)?
         };
+        if let Some(l) = admin {
+            let listener = {
+                let _enter = runtime.enter();
+                TcpListener::from_std(l)?
+            };
+            runtime.spawn(crate::admin::serve(
+                listener,
+                shared.clone(),
+                stop_rx.clone(),
+            ));
+        }
         let sh = shared.clone();
         runtime.spawn(async move {
             accept_loop(listener, sh, stop_rx).await;
@@ -81,6 +108,7 @@ impl Server {
         Ok(Server {
             runtime: Some(runtime),
             local_addr,
+            admin_addr,
             stop: stop_tx,
             done: Some(done_rx),
             shared,
@@ -89,6 +117,10 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
     }
 
     pub fn shared(&self) -> &Arc<Shared> {

@@ -156,6 +156,49 @@ struct Shared {
     failpoint: AtomicU8,
     /// In write mode, the highest LSN a `persist` waiter needs synced.
     sync_wanted: AtomicU64,
+    sync_latency: SyncLatency,
+}
+
+/// Upper bounds (microseconds) of the WAL sync latency histogram's buckets.
+pub const SYNC_BUCKETS_US: [u64; 12] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+];
+
+/// A Prometheus-style histogram of how long each fdatasync took.
+#[derive(Default)]
+pub struct SyncLatency {
+    counts: [AtomicU64; SYNC_BUCKETS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl SyncLatency {
+    fn record(&self, took: Duration) {
+        let us = took.as_micros() as u64;
+        let i = SYNC_BUCKETS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(SYNC_BUCKETS_US.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bucket (the last is +Inf), and the sum in microseconds.
+    pub fn snapshot(&self) -> (Vec<u64>, u64) {
+        let mut acc = 0;
+        let counts = self.counts.iter().map(|c| {
+            acc += c.load(Ordering::Relaxed);
+            acc
+        });
+        (counts.collect(), self.sum_us.load(Ordering::Relaxed))
+    }
+}
+
+/// fdatasync with its latency recorded.
+fn timed_sync(file: &File, latency: &SyncLatency) -> io::Result<()> {
+    let t = Instant::now();
+    let r = file.sync_data();
+    latency.record(t.elapsed());
+    r
 }
 
 pub struct WalConfig {
@@ -257,6 +300,7 @@ impl Segment {
         buf: &mut Vec<u8>,
         cfg: &WalConfig,
         failpoint: Failpoint,
+        latency: &SyncLatency,
     ) -> io::Result<()> {
         let start = self.size;
         let result = match failpoint {
@@ -264,7 +308,7 @@ impl Segment {
             Failpoint::IoError => Err(io::Error::from_raw_os_error(libc::EIO)),
             Failpoint::Off => self.write_blocks(batch, buf, cfg.block_size).and_then(|_| {
                 if cfg.mode == WalMode::Fsync {
-                    self.file.sync_data()
+                    timed_sync(&self.file, latency)
                 } else {
                     Ok(())
                 }
@@ -346,6 +390,7 @@ impl WalWriter {
             failing: AtomicBool::new(false),
             failpoint: AtomicU8::new(Failpoint::Off as u8),
             sync_wanted: AtomicU64::new(0),
+            sync_latency: SyncLatency::default(),
         });
         let thread = if cfg.mode == WalMode::None {
             None
@@ -389,6 +434,10 @@ impl WalWriter {
     /// The last LSN handed out.
     pub fn last_lsn(&self) -> u64 {
         self.shared.queue.lock().next_lsn - 1
+    }
+
+    pub fn sync_latency(&self) -> &SyncLatency {
+        &self.shared.sync_latency
     }
 
     /// Highest LSN written to the WAL (what a process crash cannot lose).
@@ -536,7 +585,7 @@ fn writer_loop(
                     2 => Failpoint::IoError,
                     _ => Failpoint::Off,
                 };
-                match segment.append_batch(&batch, &mut buf, &cfg, fp) {
+                match segment.append_batch(&batch, &mut buf, &cfg, fp, &shared.sync_latency) {
                     Ok(()) => break,
                     Err(e) => {
                         let msg = format!("writing {}: {e}", segment.path.display());
@@ -609,7 +658,7 @@ fn writer_loop(
         }
         if sync_due(&shared, synced) && written > synced {
             // One sync serves every persist waiter of write mode that asked so far.
-            match segment.file.sync_data() {
+            match timed_sync(&segment.file, &shared.sync_latency) {
                 Ok(()) => {
                     synced = written;
                     let mut d = shared.durable.lock();

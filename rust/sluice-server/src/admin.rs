@@ -1,0 +1,322 @@
+//! The admin endpoint: `GET /metrics` (Prometheus text format) and `GET /status` (JSON, what
+//! `sluice status` prints as a table). A small HTTP/1.1 responder: one GET per connection, the
+//! request head bounded to 8 KiB and 5 seconds, then `Connection: close`.
+
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use crate::server::Shared;
+use sluice_core::wal::writer::SYNC_BUCKETS_US;
+
+const MAX_HEAD: usize = 8 << 10;
+
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((socket, _)) => {
+                    let sh = shared.clone();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(5), handle(socket, sh)).await;
+                    });
+                }
+                Err(e) => {
+                    log::warn!("admin accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = socket.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+        if head.len() > MAX_HEAD {
+            return respond(&mut socket, 431, "text/plain", b"request head too large\n").await;
+        }
+    }
+    let line = String::from_utf8_lossy(&head[..head.iter().position(|&b| b == b'\r').unwrap_or(0)])
+        .into_owned();
+    let mut parts = line.split(' ');
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    if method != "GET" {
+        return respond(&mut socket, 405, "text/plain", b"only GET\n").await;
+    }
+    match path.split('?').next().unwrap_or("") {
+        "/metrics" => {
+            let body = tokio::task::block_in_place(|| metrics(&shared));
+            respond(
+                &mut socket,
+                200,
+                "text/plain; version=0.0.4; charset=utf-8",
+                body.as_bytes(),
+            )
+            .await
+        }
+        "/status" => {
+            let body = tokio::task::block_in_place(|| status(&shared)).to_string();
+            respond(&mut socket, 200, "application/json", body.as_bytes()).await
+        }
+        _ => respond(&mut socket, 404, "text/plain", b"try /metrics or /status\n").await,
+    }
+}
+
+async fn respond(
+    socket: &mut TcpStream,
+    code: u16,
+    content_type: &str,
+    body: &[u8],
+) -> std::io::Result<()> {
+    let reason = match code {
+        200 => "OK",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Request Header Fields Too Large",
+    };
+    let head = format!("HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    socket.write_all(head.as_bytes()).await?;
+    socket.write_all(body).await?;
+    socket.shutdown().await
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Prometheus text exposition of the node.
+pub fn metrics(shared: &Shared) -> String {
+    let mut o = String::with_capacity(16 << 10);
+    let e = &shared.engine;
+    let s = &shared.stats;
+    metric(
+        &mut o,
+        "sluice_connections",
+        "gauge",
+        "Client connections open now.",
+    );
+    let _ = writeln!(o, "sluice_connections {}", s.curr_connections.load(Relaxed));
+    metric(
+        &mut o,
+        "sluice_connections_total",
+        "counter",
+        "Client connections accepted, and refused over max_connections.",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_connections_total{{result=\"accepted\"}} {}",
+        s.connections_total.load(Relaxed)
+    );
+    let _ = writeln!(
+        o,
+        "sluice_connections_total{{result=\"refused\"}} {}",
+        s.connections_rejected.load(Relaxed)
+    );
+    metric(
+        &mut o,
+        "sluice_network_bytes_total",
+        "counter",
+        "Bytes read from and written to clients.",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_network_bytes_total{{direction=\"in\"}} {}",
+        s.bytes_in.load(Relaxed)
+    );
+    let _ = writeln!(
+        o,
+        "sluice_network_bytes_total{{direction=\"out\"}} {}",
+        s.bytes_out.load(Relaxed)
+    );
+    metric(
+        &mut o,
+        "sluice_protocol_errors_total",
+        "counter",
+        "Connections closed for malformed input.",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_protocol_errors_total {}",
+        s.protocol_errors.load(Relaxed)
+    );
+    let buckets = e.buckets();
+    metric(
+        &mut o,
+        "sluice_ops_total",
+        "counter",
+        "Operations by bucket and type.",
+    );
+    for b in &buckets {
+        let st = &b.stats;
+        for (op, v) in [
+            ("set", &st.sets),
+            ("get", &st.gets),
+            ("get_miss", &st.get_misses),
+            ("delete", &st.deletes),
+            ("tmp_failure", &st.tmp_failures),
+            ("expired_on_access", &st.expired_on_access),
+            ("expired_by_pager", &st.expired_by_pager),
+            ("tombstone_purged", &st.tombstones_purged),
+            ("cursor_dropped", &st.cursors_dropped),
+        ] {
+            let _ = writeln!(
+                o,
+                "sluice_ops_total{{bucket=\"{}\",op=\"{op}\"}} {}",
+                b.name(),
+                v.load(Relaxed)
+            );
+        }
+    }
+    metric(
+        &mut o,
+        "sluice_memory_bytes",
+        "gauge",
+        "Bytes held by items and checkpoints, and the quota.",
+    );
+    for b in &buckets {
+        let n = b.name();
+        let _ = writeln!(
+            o,
+            "sluice_memory_bytes{{bucket=\"{n}\",kind=\"used\"}} {}",
+            b.mem_used()
+        );
+        let _ = writeln!(
+            o,
+            "sluice_memory_bytes{{bucket=\"{n}\",kind=\"checkpoints\"}} {}",
+            b.checkpoint_mem()
+        );
+        let _ = writeln!(
+            o,
+            "sluice_memory_bytes{{bucket=\"{n}\",kind=\"quota\"}} {}",
+            b.config.memory_quota
+        );
+    }
+    let wal = e.wal();
+    metric(
+        &mut o,
+        "sluice_wal_lsn",
+        "gauge",
+        "WAL positions: last handed out, written, synced.",
+    );
+    let _ = writeln!(o, "sluice_wal_lsn{{kind=\"last\"}} {}", wal.last_lsn());
+    let _ = writeln!(
+        o,
+        "sluice_wal_lsn{{kind=\"written\"}} {}",
+        wal.written_lsn()
+    );
+    let _ = writeln!(o, "sluice_wal_lsn{{kind=\"synced\"}} {}", wal.synced_lsn());
+    metric(
+        &mut o,
+        "sluice_wal_failing",
+        "gauge",
+        "1 while the WAL cannot write and writes are refused.",
+    );
+    let _ = writeln!(o, "sluice_wal_failing {}", wal.is_failing() as u8);
+    metric(
+        &mut o,
+        "sluice_wal_sync_seconds",
+        "histogram",
+        "Time of each WAL fdatasync.",
+    );
+    let (counts, sum_us) = wal.sync_latency().snapshot();
+    for (i, c) in counts.iter().enumerate() {
+        let le = SYNC_BUCKETS_US
+            .get(i)
+            .map(|us| format!("{}", *us as f64 / 1e6))
+            .unwrap_or_else(|| "+Inf".into());
+        let _ = writeln!(o, "sluice_wal_sync_seconds_bucket{{le=\"{le}\"}} {c}");
+    }
+    let _ = writeln!(o, "sluice_wal_sync_seconds_sum {}", sum_us as f64 / 1e6);
+    let _ = writeln!(
+        o,
+        "sluice_wal_sync_seconds_count {}",
+        counts.last().copied().unwrap_or(0)
+    );
+    metric(
+        &mut o,
+        "sluice_items",
+        "gauge",
+        "Live items and tombstones per bucket.",
+    );
+    metric(
+        &mut o,
+        "sluice_vbucket_seqno",
+        "gauge",
+        "Per vbucket: high seqno and persisted seqno.",
+    );
+    for b in &buckets {
+        let (mut items, mut tombstones) = (0, 0);
+        let mut rows = String::new();
+        for v in 0..b.num_vbuckets() {
+            let vb = b.lock_vbucket(v).expect("in range");
+            items += vb.store.live_items();
+            tombstones += vb.store.tombstones();
+            let (n, high, persisted) = (b.name(), vb.high_seqno, vb.persisted_seqno);
+            let _ = writeln!(
+                rows,
+                "sluice_vbucket_seqno{{bucket=\"{n}\",vbucket=\"{v}\",kind=\"high\"}} {high}"
+            );
+            let _ = writeln!(rows, "sluice_vbucket_seqno{{bucket=\"{n}\",vbucket=\"{v}\",kind=\"persisted\"}} {persisted}");
+        }
+        let _ = writeln!(
+            o,
+            "sluice_items{{bucket=\"{}\",kind=\"live\"}} {items}",
+            b.name()
+        );
+        let _ = writeln!(
+            o,
+            "sluice_items{{bucket=\"{}\",kind=\"tombstone\"}} {tombstones}",
+            b.name()
+        );
+        o.push_str(&rows);
+    }
+    o
+}
+
+/// The node as JSON: what `sluice status` shows.
+pub fn status(shared: &Shared) -> serde_json::Value {
+    use serde_json::json;
+    let e = &shared.engine;
+    let buckets: Vec<_> = e
+        .buckets()
+        .iter()
+        .map(|b| {
+            let vbuckets: Vec<_> = (0..b.num_vbuckets())
+                .map(|v| {
+                    let vb = b.lock_vbucket(v).expect("in range");
+                    json!({
+                        "vbucket": v,
+                        "state": vb.state.as_str(),
+                        "high_seqno": vb.high_seqno,
+                        "persisted_seqno": vb.persisted_seqno,
+                        "items": vb.store.live_items(),
+                        "failover_uuid": vb.failover.latest().map(|f| f.uuid),
+                    })
+                })
+                .collect();
+            json!({"name": b.name(), "mem_used": b.mem_used(), "memory_quota": b.config.memory_quota, "vbuckets": vbuckets})
+        })
+        .collect();
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "instance": e.instance(),
+        "uptime_s": shared.started.elapsed().as_secs(),
+        "listen": shared.config.listen.to_string(),
+        "connections": shared.stats.curr_connections.load(Relaxed),
+        "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
+        "buckets": buckets,
+    })
+}
