@@ -297,3 +297,38 @@ def test_non_loopback_needs_insecure(tmp_path, listen):
         timeout=60,
     )
     assert r.returncode == 2 and "--insecure" in r.stderr
+
+
+def test_stat_vbucket_seqno_group(server):
+    import sluice
+
+    with connect(server) as s:
+        s.sendall(request(SET, b"sq", b"v", set_extras()) + request(STAT, b"vbucket-seqno"))
+        assert read_response(s)["status"] == 0
+        stats = {}
+        while True:
+            r = read_response(s)
+            if not r["key"]:
+                break
+            stats[r["key"].decode()] = r["value"].decode()
+        vb = sluice.vbucket_of(b"sq", 64)
+        assert stats[f"vb_{vb}:high_seqno"] == "1" and int(stats[f"vb_{vb}:uuid"]) != 0
+        assert len([k for k in stats if k.endswith(":high_seqno")]) == 64
+        s.sendall(request(STAT, b"nonsense"))
+        assert read_response(s)["status"] == 0x0001
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('idle_timeout = "1s"\n')
+    node = Node(tmp_path / "d", "--config", str(cfg))
+    try:
+        with connect(node) as s:
+            s.sendall(request(NOOP))
+            assert read_response(s)["status"] == 0
+            start = time.monotonic()
+            assert s.recv(1) == b"", "closed by the server"
+            assert 0.5 < time.monotonic() - start < 8
+        node.wait_for("idle for")
+    finally:
+        assert node.stop() == 0

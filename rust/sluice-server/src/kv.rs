@@ -306,6 +306,11 @@ impl Session {
                 }
                 match engine.delete(&bucket, req.key, req.cas, durability) {
                     Ok(_) if quiet => {}
+                    // memcached answers a DELETE with CAS 0 (its conformance checker insists);
+                    // Couchbase-aware clients (MUTATION_SEQNO) get the tombstone's CAS.
+                    Ok(_) if !self.features.mutation_seqno => {
+                        reply.send(status::SUCCESS, 0, &[], &[], &[], 0)
+                    }
                     Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
                     Err(e) => fail!(e),
                 }
@@ -493,16 +498,46 @@ impl Session {
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
 
+    /// STAT vbucket-seqno (Couchbase's names): per vbucket its uuid, high seqno and purge seqno.
+    fn stat_vbucket_seqno(&self, reply: &mut Reply<'_>) {
+        let b = &self.bucket;
+        for v in 0..b.num_vbuckets() {
+            let Some(vb) = b.lock_vbucket(v) else {
+                continue;
+            };
+            let uuid = vb.failover.latest().map(|e| e.uuid).unwrap_or(0);
+            let rows = [
+                (format!("vb_{v}:uuid"), uuid.to_string()),
+                (format!("vb_{v}:high_seqno"), vb.high_seqno.to_string()),
+                (format!("vb_{v}:abs_high_seqno"), vb.high_seqno.to_string()),
+                (format!("vb_{v}:purge_seqno"), vb.purge_seqno.to_string()),
+                (
+                    format!("vb_{v}:persisted_seqno"),
+                    vb.persisted_seqno.to_string(),
+                ),
+            ];
+            drop(vb);
+            for (k, val) in rows {
+                reply.send(status::SUCCESS, 0, &[], k.as_bytes(), val.as_bytes(), 0);
+            }
+        }
+        reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+
     /// The default STAT group: one reply per statistic, then an empty one that ends the list.
     fn stat(&self, reply: &mut Reply<'_>) {
         use std::sync::atomic::Ordering::Relaxed;
-        if !reply.req.key.is_empty() {
-            reply.error(
-                status::KEY_ENOENT,
-                "only the default STAT group is served",
-                self.features.xerror,
-            );
-            return;
+        match reply.req.key {
+            b"" => {}
+            b"vbucket-seqno" => return self.stat_vbucket_seqno(reply),
+            _ => {
+                reply.error(
+                    status::KEY_ENOENT,
+                    "STAT groups: the default one and vbucket-seqno",
+                    self.features.xerror,
+                );
+                return;
+            }
         }
         let e = &self.shared.engine;
         let s = &self.shared.stats;
