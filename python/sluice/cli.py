@@ -6,6 +6,8 @@ Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import getpass
 import logging
 import os
 import signal
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 from sluice import _native, systemd
-from sluice.config import Config, example_toml, is_loopback, load_config, reference
+from sluice.config import Config, example_toml, hash_password, is_loopback, load_config, reference
 
 log = logging.getLogger("sluice")
 
@@ -39,9 +41,9 @@ def _load(args: argparse.Namespace) -> Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
     listen = cfg.values["listen"]
-    if not is_loopback(listen) and not args.insecure:
+    if not is_loopback(listen) and not cfg.users and not args.insecure:
         raise _native.ConfigError(
-            f"invalid config: listen: {listen} is beyond loopback and no authentication is configured; "
+            f"invalid config: listen: {listen} is beyond loopback and no user is configured ([users.NAME]); "
             "pass --insecure to serve it anyway"
         )
     settings = cfg.to_native()
@@ -62,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
     try:
-        server = _native.Server(engine, listen, **cfg.server_settings())
+        server = _native.Server(engine, listen, users=cfg.user_list(), **cfg.server_settings())
     except _native.SluiceError:
         engine.close()
         raise
@@ -90,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             systemd.notify("WATCHDOG=1")
         if reload.is_set():
             reload.clear()
-            cfg = _reload(args, cfg)
+            cfg = _reload(args, cfg, server)
     systemd.notify("STOPPING=1", "STATUS=finishing requests and flushing the WAL")
     server.stop()
     engine.close()
@@ -98,15 +100,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _reload(args: argparse.Namespace, current: Config) -> Config:
-    """SIGHUP: re-reads the configuration and logs what changed. Nothing of it can change while
-    running yet (users, permissions and policies, which can, come later), so every change is
-    logged as waiting for a restart; a file that no longer validates is reported and ignored."""
+def _reload(args: argparse.Namespace, current: Config, server: _native.Server) -> Config:
+    """SIGHUP: re-reads the configuration. Users and their permissions change at once; every
+    other change is logged as waiting for a restart; a file that no longer validates is reported
+    and ignored."""
     try:
         new = _load(args)
     except _native.ConfigError as e:
         log.error("reload: the configuration is not valid, keeping the running one: %s", e)
         return current
+    if new.users != current.users:
+        server.set_users(new.user_list())
+        added, removed = (
+            sorted(set(new.users) - set(current.users)),
+            sorted(set(current.users) - set(new.users)),
+        )
+        changed = sorted(u for u in set(new.users) & set(current.users) if new.users[u] != current.users[u])
+        log.warning(
+            "reload: users updated now (added %s; removed %s; changed %s)",
+            added or "none",
+            removed or "none",
+            changed or "none",
+        )
+        current = dataclasses.replace(current, users=new.users)
     changed = [k for k in new.values if new.values[k] != current.values.get(k)]
     changed += [
         f"buckets.{b}"
@@ -173,6 +189,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         hidden = len(b["vbuckets"]) - (len(rows) - 1)
         if hidden:
             print(f"({hidden} empty active vbuckets not shown; --all shows them)")
+    return EXIT_OK
+
+
+def cmd_user_hash(_args: argparse.Namespace) -> int:
+    """Reads a password (a prompt on a terminal, else the first line of stdin) and prints the
+    password_hash for [users.NAME]; the password itself is never stored."""
+    password = getpass.getpass("password: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\n")
+    if not password:
+        print("sluice user hash: an empty password", file=sys.stderr)
+        return EXIT_USAGE
+    print(hash_password(password))
     return EXIT_OK
 
 
@@ -254,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("file")
     d.set_defaults(func=cmd_wal_dump)
+
+    u = sub.add_parser("user", help="manage users: print the password hash for [users.NAME]")
+    usub = u.add_subparsers(dest="user_command", metavar="ACTION")
+    usub.required = True
+    uh = usub.add_parser("hash", help="read a password (prompt or stdin) and print its password_hash")
+    uh.set_defaults(func=cmd_user_hash)
 
     c = sub.add_parser("config", help="check a configuration file or print the reference of every key")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")

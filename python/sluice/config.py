@@ -355,6 +355,7 @@ class Config:
     values: Mapping[str, Any]
     buckets: Mapping[str, Mapping[str, Any]]
     source: str = "<defaults>"
+    users: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> Config:
@@ -362,8 +363,14 @@ class Config:
         by_name = {k.name: k for k in ENGINE_KEYS}
         sections = {k.name.split(".")[0] for k in ENGINE_KEYS if "." in k.name}
         buckets: dict[str, dict[str, Any]] = {}
+        users: dict[str, dict[str, Any]] = {}
         for top, raw in doc.items():
-            if top == "buckets":
+            if top == "users":
+                if not isinstance(raw, dict):
+                    raise _fail("users", "expected a table of users, e.g. [users.ada]")
+                for name, table in raw.items():
+                    users[name] = _user(name, table)
+            elif top == "buckets":
                 if not isinstance(raw, dict):
                     raise _fail("buckets", "expected a table of buckets, e.g. [buckets.default]")
                 for name, table in raw.items():
@@ -382,7 +389,11 @@ class Config:
             else:
                 raise _fail(top, "unknown key")
         buckets.setdefault("default", _bucket("default", {}))
-        return cls(values=values, buckets=buckets, source=source)
+        for name, u in users.items():
+            for b in u["buckets"]:
+                if b != "*" and b not in buckets:
+                    raise _fail(f"users.{name}.buckets.{b}", f"no bucket {b!r} is configured")
+        return cls(values=values, buckets=buckets, source=source, users=users)
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with top-level keys replaced (command-line flags), validated the same way."""
@@ -394,6 +405,10 @@ class Config:
                 raise _fail(path, "unknown key")
             values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
         return dataclasses.replace(self, values=values)
+
+    def user_list(self) -> list[tuple[str, str, dict[str, list[str]]]]:
+        """The users as `sluice._native.Server` takes them."""
+        return [(n, u["password_hash"], dict(u["buckets"])) for n, u in self.users.items()]
 
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
@@ -411,6 +426,62 @@ class Config:
         }
         buckets = [BucketSettings(name, **b) for name, b in self.buckets.items()]
         return EngineSettings(str(self.values["data_dir"]), buckets=buckets, **kwargs)
+
+
+PERMISSIONS = ("read", "write", "stream", "admin")
+_HASH = re.compile(r"pbkdf2-sha256:\d+:[0-9a-f]{16,}:[0-9a-f]{64}")
+
+
+def _user(name: str, table: Any) -> dict[str, Any]:
+    """[users.NAME]: password_hash (from `sluice user hash`; never a password) and buckets, a table of
+    bucket name (or "*") to a list of permissions among read, write, stream, admin."""
+    path = f"users.{name}"
+    if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,128}", name):
+        raise _fail(path, f"user name {name!r} must be 1 to 128 of A-Z a-z 0-9 _ . @ -")
+    if not isinstance(table, dict):
+        raise _fail(path, f"expected a table, got {type(table).__name__}")
+    if "password" in table:
+        raise _fail(
+            f"{path}.password",
+            "passwords are never stored; put the output of `sluice user hash` in password_hash",
+        )
+    for key in table:
+        if key not in ("password_hash", "buckets"):
+            raise _fail(f"{path}.{key}", "unknown key (known: password_hash, buckets)")
+    if "password_hash" not in table:
+        raise _fail(
+            f"{path}.password_hash", "required: the output of `sluice user hash` (passwords are never stored)"
+        )
+    h = _str(f"{path}.password_hash", table["password_hash"])
+    if not _HASH.fullmatch(h):
+        raise _fail(
+            f"{path}.password_hash",
+            "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX from `sluice user hash`",
+        )
+    raw = table.get("buckets", {})
+    if not isinstance(raw, dict):
+        raise _fail(f"{path}.buckets", 'expected a table such as { default = ["read", "write"] }')
+    buckets = {}
+    for b, perms in raw.items():
+        if not isinstance(perms, list) or not all(isinstance(p, str) for p in perms):
+            raise _fail(f"{path}.buckets.{b}", "expected a list of permissions")
+        bad = [p for p in perms if p not in PERMISSIONS]
+        if bad:
+            raise _fail(
+                f"{path}.buckets.{b}", f"unknown permission {bad[0]!r} (known: {', '.join(PERMISSIONS)})"
+            )
+        buckets[b] = list(perms)
+    return {"password_hash": h, "buckets": buckets}
+
+
+def hash_password(password: str, iterations: int = 100_000) -> str:
+    """What `sluice user hash` prints: PBKDF2-HMAC-SHA256 with a random 16-byte salt."""
+    import hashlib
+    import os
+
+    salt = os.urandom(16)
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    return f"pbkdf2-sha256:{iterations}:{salt.hex()}:{digest.hex()}"
 
 
 def _bucket(name: str, table: Any) -> dict[str, Any]:

@@ -804,6 +804,40 @@ struct Server {
     admin_address: Option<String>,
 }
 
+type UserSpec = (
+    String,
+    String,
+    std::collections::HashMap<String, Vec<String>>,
+);
+
+/// (name, password hash, {bucket: [permission, ...]}) from the validated configuration.
+fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
+    let mut users = Vec::with_capacity(specs.len());
+    for (name, hash, buckets) in specs {
+        let hash = sluice_server::auth::PasswordHash::parse(&hash)
+            .map_err(|e| config_err(&format!("users.{name}.password_hash"), e))?;
+        let mut perms = std::collections::HashMap::new();
+        for (bucket, names) in buckets {
+            let mut bits = 0;
+            for p in names {
+                bits |= sluice_server::auth::permission(&p).ok_or_else(|| {
+                    config_err(
+                        &format!("users.{name}.buckets.{bucket}"),
+                        format!("unknown permission {p:?}"),
+                    )
+                })?;
+            }
+            perms.insert(bucket, bits);
+        }
+        users.push(sluice_server::auth::User {
+            name,
+            hash,
+            buckets: perms,
+        });
+    }
+    Ok(sluice_server::auth::Users::new(users))
+}
+
 fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
     text.parse()
         .or_else(|_| {
@@ -818,12 +852,13 @@ fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, max_connections=10_000, idle_timeout=0.0, io_threads=2))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2))]
     fn new(
         py: Python<'_>,
         engine: &EmbeddedEngine,
         listen: &str,
         admin_listen: Option<&str>,
+        users: Vec<UserSpec>,
         max_connections: usize,
         idle_timeout: f64,
         io_threads: usize,
@@ -851,6 +886,7 @@ impl Server {
             max_body: max_item + 1024,
             idle_timeout: secs("idle_timeout", idle_timeout)?,
             worker_threads: io_threads.max(1),
+            users: users_of(users)?,
         };
         let e = engine.engine.clone();
         let server = py
@@ -869,6 +905,15 @@ impl Server {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// Replaces the users and permissions (SIGHUP); connections see them on their next request.
+    fn set_users(&self, users: Vec<UserSpec>) -> PyResult<()> {
+        let users = users_of(users)?;
+        if let Some(s) = self.inner.lock().as_ref() {
+            s.set_users(users);
+        }
+        Ok(())
     }
 
     /// "HOST:PORT" of the admin endpoint (/metrics, /status), if it runs.

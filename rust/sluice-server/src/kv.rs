@@ -33,6 +33,29 @@ pub struct Session {
     shared: Arc<Shared>,
     bucket: Arc<Bucket>,
     features: Features,
+    /// The authenticated user, if any.
+    user: Option<String>,
+}
+
+/// The permission a command needs on the selected bucket (0: none, anyone may).
+fn required_permission(opcode: u8) -> u8 {
+    use crate::auth::{ADMIN, READ, WRITE};
+    match opcode {
+        op::GET | op::GETQ | op::GETK | op::GETKQ | op::STAT | op::GET_ALL_VB_SEQNOS => READ,
+        op::GAT | op::GATQ => READ | WRITE,
+        op::SET
+        | op::SETQ
+        | op::ADD
+        | op::ADDQ
+        | op::REPLACE
+        | op::REPLACEQ
+        | op::DELETE
+        | op::DELETEQ => WRITE,
+        op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => WRITE,
+        op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ | op::TOUCH => WRITE,
+        op::FLUSH | op::FLUSHQ => ADMIN,
+        _ => 0,
+    }
 }
 
 /// The engine's errors as the protocol's status codes.
@@ -123,13 +146,16 @@ impl Session {
             shared,
             bucket,
             features: Features::default(),
+            user: None,
         }
     }
 
     /// Whether handling this frame may wait on the disk (a durability level), so the caller can
     /// move it off the async worker.
     pub fn may_block(&self, frame: &[u8]) -> bool {
+        // Durability waits, and the deliberately slow password hash of SASL_AUTH.
         frame.first() == Some(&magic::ALT_REQUEST)
+            || frame.get(1) == Some(&op::SASL_AUTH)
             || self.bucket.config.durability != Durability::None
     }
 
@@ -230,7 +256,61 @@ impl Session {
         }
         let engine = &self.shared.engine;
         let bucket = self.bucket.clone();
+        let users = self.shared.users.read().clone();
+        if users.required()
+            && !matches!(
+                req.opcode,
+                op::HELLO
+                    | op::NOOP
+                    | op::VERSION
+                    | op::QUIT
+                    | op::QUITQ
+                    | op::SASL_LIST_MECHS
+                    | op::SASL_AUTH
+                    | op::SASL_STEP
+            )
+        {
+            let Some(user) = self.user.as_deref().and_then(|n| users.get(n)) else {
+                reply.error(
+                    status::AUTH_ERROR,
+                    "authenticate first (SASL PLAIN)",
+                    xerror,
+                );
+                return Flow::Continue;
+            };
+            let (target, need) = if req.opcode == op::SELECT_BUCKET {
+                (String::from_utf8_lossy(req.key).into_owned(), 0)
+            } else {
+                (bucket.name().to_string(), required_permission(req.opcode))
+            };
+            let have = user.permissions(&target);
+            if have == 0 || have & need != need {
+                reply.error(
+                    status::EACCESS,
+                    &format!(
+                        "user {} lacks that permission on bucket {target}",
+                        user.name
+                    ),
+                    xerror,
+                );
+                return Flow::Continue;
+            }
+        }
         match req.opcode {
+            op::SASL_LIST_MECHS => reply.send(status::SUCCESS, 0, &[], &[], b"PLAIN", 0),
+            op::SASL_AUTH if req.key == b"PLAIN" => match users.authenticate_plain(req.value) {
+                Some(name) => {
+                    self.user = Some(name);
+                    reply.send(status::SUCCESS, 0, &[], &[], b"Authenticated", 0);
+                }
+                None => {
+                    self.user = None;
+                    reply.error(status::AUTH_ERROR, "Auth failure", xerror);
+                }
+            },
+            op::SASL_AUTH | op::SASL_STEP => {
+                reply.error(status::AUTH_ERROR, "only SASL PLAIN is offered", xerror)
+            }
             op::GET | op::GETQ | op::GETK | op::GETKQ => {
                 if !req.extras.is_empty() || !req.value.is_empty() {
                     einval!("GET takes a key only");

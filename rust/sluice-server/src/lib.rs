@@ -3,6 +3,7 @@
 //! client; `kv` turns one request into its response.
 
 pub mod admin;
+pub mod auth;
 pub mod connection;
 pub mod kv;
 pub mod server;

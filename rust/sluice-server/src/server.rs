@@ -24,6 +24,8 @@ pub struct ServerConfig {
     /// A connection silent for this long is closed; zero means never.
     pub idle_timeout: Duration,
     pub worker_threads: usize,
+    /// Users allowed in; none configured means no authentication.
+    pub users: crate::auth::Users,
 }
 
 /// Counters the metrics endpoint and STAT read.
@@ -40,6 +42,8 @@ pub struct ServerStats {
 pub struct Shared {
     pub engine: Arc<Engine>,
     pub config: ServerConfig,
+    /// Replaced whole on reload; sessions read it per request.
+    pub users: parking_lot::RwLock<Arc<crate::auth::Users>>,
     pub stats: ServerStats,
     pub started: std::time::Instant,
 }
@@ -81,6 +85,7 @@ impl Server {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shared = Arc::new(Shared {
             engine,
+            users: parking_lot::RwLock::new(Arc::new(config.users.clone())),
             config,
             stats: ServerStats::default(),
             started: std::time::Instant::now(),
@@ -117,6 +122,12 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Replaces the users and their permissions (SIGHUP); sessions see them on their next
+    /// request.
+    pub fn set_users(&self, users: crate::auth::Users) {
+        *self.shared.users.write() = Arc::new(users);
     }
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {

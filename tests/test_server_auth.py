@@ -1,0 +1,116 @@
+"""SASL PLAIN and per-bucket permissions on a real `sluice serve`, users from the configuration
+as password hashes, and SIGHUP changing them live."""
+
+from __future__ import annotations
+
+import signal
+import struct
+
+import bmemcached
+import pytest
+import sluice
+from helpers import Node
+from test_server_protocol import NOOP, connect, read_response, request, set_extras
+
+SET, GET, FLUSH, SASL_LIST_MECHS, SASL_AUTH = 0x01, 0x00, 0x08, 0x20, 0x21
+
+
+def write_config(path, bob_perms: str) -> None:
+    ada = sluice.config.hash_password("ada-secret", iterations=1000)
+    bob = sluice.config.hash_password("bob-secret", iterations=1000)
+    root = sluice.config.hash_password("root-secret", iterations=1000)
+    path.write_text(
+        f'[users.ada]\npassword_hash = "{ada}"\nbuckets = {{ default = ["read", "write"] }}\n'
+        f'[users.bob]\npassword_hash = "{bob}"\nbuckets = {{ default = {bob_perms} }}\n'
+        f'[users.root]\npassword_hash = "{root}"\n'
+        'buckets = { "*" = ["read", "write", "stream", "admin"] }\n'
+    )
+
+
+def auth(s, user: str, password: str) -> int:
+    s.sendall(request(SASL_AUTH, b"PLAIN", b"\0" + user.encode() + b"\0" + password.encode()))
+    return read_response(s)["status"]
+
+
+@pytest.fixture
+def secured(tmp_path):
+    cfg = tmp_path / "sluice.toml"
+    write_config(cfg, '["read"]')
+    node = Node(tmp_path / "d", "--config", str(cfg))
+    node.config = cfg
+    yield node
+    assert node.stop() == 0
+
+
+def test_nothing_before_authentication_and_wrong_passwords_fail(secured):
+    with connect(secured) as s:
+        s.sendall(request(NOOP) + request(SASL_LIST_MECHS))
+        assert read_response(s)["status"] == 0
+        assert read_response(s)["value"] == b"PLAIN"
+        s.sendall(request(GET, b"k"))
+        assert read_response(s)["status"] == 0x0020, "unauthenticated: AUTH_ERROR"
+        assert auth(s, "ada", "wrong") == 0x0020
+        assert auth(s, "nobody", "ada-secret") == 0x0020
+        assert auth(s, "ada", "ada-secret") == 0
+        s.sendall(request(SET, b"k", b"v", set_extras()) + request(GET, b"k"))
+        assert read_response(s)["status"] == 0
+        assert read_response(s)["value"] == b"v"
+
+
+def test_a_real_client_logs_in_with_plain(secured):
+    c = bmemcached.Client([secured.address], "ada", "ada-secret")
+    assert c.set("from-client", "x") and c.get("from-client") == "x"
+    c.disconnect_all()
+
+
+def test_permissions_per_bucket_and_sighup_changes_them_live(secured):
+    with connect(secured) as s:
+        assert auth(s, "bob", "bob-secret") == 0
+        s.sendall(request(GET, b"k") + request(SET, b"k", b"v", set_extras()))
+        assert read_response(s)["status"] == 0x0001, "read allowed (a miss)"
+        assert read_response(s)["status"] == 0x0024, "write refused: EACCESS"
+        s.sendall(request(FLUSH))
+        assert read_response(s)["status"] == 0x0024
+        write_config(secured.config, '["read", "write"]')
+        secured.proc.send_signal(signal.SIGHUP)
+        secured.wait_for("users updated now")
+        s.sendall(request(SET, b"k", b"v", set_extras()))
+        assert read_response(s)["status"] == 0, "the same connection, new permissions"
+    with connect(secured) as s:
+        assert auth(s, "root", "root-secret") == 0
+        s.sendall(request(FLUSH, extras=struct.pack(">I", 0)))
+        assert read_response(s)["status"] == 0, "admin may flush"
+
+
+@pytest.mark.parametrize(
+    ("table", "path"),
+    [
+        ('[users.ada]\npassword = "plain"\n', "passwords are never stored"),
+        ('[users.ada]\npassword_hash = "md5:x"\n', "users.ada.password_hash"),
+        (
+            '[users.ada]\npassword_hash = "{h}"\nbuckets = {{ default = ["fly"] }}\n',
+            "users.ada.buckets.default",
+        ),
+        ('[users.ada]\npassword_hash = "{h}"\nbuckets = {{ nope = ["read"] }}\n', "users.ada.buckets.nope"),
+    ],
+)
+def test_bad_user_config_names_the_key(tmp_path, table, path):
+    import subprocess
+    import sys
+
+    f = tmp_path / "bad.toml"
+    f.write_text(table.format(h=sluice.config.hash_password("x", iterations=1000)))
+    r = subprocess.run(
+        [sys.executable, "-m", "sluice", "config", "check", str(f)], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and path in r.stderr, r.stderr
+
+
+def test_user_hash_reads_stdin_and_never_prints_the_password():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "sluice", "user", "hash"], input="s3cret\n", capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.startswith("pbkdf2-sha256:100000:") and "s3cret" not in r.stdout
