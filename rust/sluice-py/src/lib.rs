@@ -853,6 +853,7 @@ impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
     #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         engine: &EmbeddedEngine,
