@@ -28,6 +28,7 @@ __all__ = [
     "TooBigError",
     "WalFailedError",
     "__version__",
+    "bench",
     "vbucket_of",
     "wal_dump",
 ]
@@ -239,5 +240,21 @@ class Server:
     def set_users(self, users: list[tuple[str, str, dict[str, list[str]]]]) -> None: ...
     def stop(self, grace: float = 5.0) -> None: ...
 
+def bench(
+    target: str,
+    *,
+    connections: int = 16,
+    pipeline: int = 32,
+    duration: float = 10.0,
+    count: int = 0,
+    keys: int = 100000,
+    key_size: int = 16,
+    value_size: int = 100,
+    get_ratio: float = 0.9,
+    prefill: bool = True,
+    threads: int = 2,
+    user: str | None = None,
+    password: str | None = None,
+) -> dict[str, object]: ...
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...

@@ -192,6 +192,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Drives a memcached binary protocol server (sluice or memcached) and prints the result."""
+    import json
+
+    password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
+    r = _native.bench(
+        args.server,
+        connections=args.connections,
+        pipeline=args.pipeline,
+        duration=args.duration,
+        count=args.count,
+        keys=args.keys,
+        key_size=args.key_size,
+        value_size=args.value_size,
+        get_ratio=args.get_ratio,
+        prefill=not args.no_prefill,
+        threads=args.threads,
+        user=args.user,
+        password=password,
+    )
+    if args.json:
+        print(json.dumps(r))
+        return EXIT_OK if r["errors"] == 0 else EXIT_FAILURE
+    lat = r["latency_us"]
+    print(
+        f"{args.server}: {r['ops']:,} requests in {r['seconds']:.2f} s = {r['ops_per_s']:,.0f} ops/s "
+        f"({args.connections} connections x pipeline {args.pipeline}, {args.get_ratio:.0%} GET)"
+    )
+    print(f"  gets {r['gets']:,} (misses {r['misses']:,})  sets {r['sets']:,}  errors {r['errors']:,}")
+    print("  latency (us)  " + "  ".join(f"{k} {v:,}" for k, v in lat.items()))
+    return EXIT_OK if r["errors"] == 0 else EXIT_FAILURE
+
+
 def cmd_user_hash(_args: argparse.Namespace) -> int:
     """Reads a password (a prompt on a terminal, else the first line of stdin) and prints the
     password_hash for [users.NAME]; the password itself is never stored."""
@@ -281,6 +314,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("file")
     d.set_defaults(func=cmd_wal_dump)
+
+    b = sub.add_parser(
+        "bench",
+        help="load a memcached binary protocol server (sluice or memcached) and measure it",
+        description="Pipelined load from N connections: GETs and SETs by --get-ratio over --keys keys, "
+        "for --duration seconds (or --count requests). Prints ops/s and latency percentiles "
+        "(HdrHistogram; each request from the send of its batch to its reply).",
+    )
+    b.add_argument("--server", required=True, metavar="HOST:PORT")
+    b.add_argument("--connections", type=int, default=16)
+    b.add_argument("--pipeline", type=int, default=32, help="requests in flight per connection")
+    b.add_argument("--duration", type=float, default=10.0, help="seconds")
+    b.add_argument("--count", type=int, default=0, help="stop after this many requests (0: duration only)")
+    b.add_argument("--keys", type=int, default=100_000)
+    b.add_argument("--key-size", type=int, default=16)
+    b.add_argument("--value-size", type=int, default=100)
+    b.add_argument("--get-ratio", type=float, default=0.9)
+    b.add_argument("--no-prefill", action="store_true", help="do not SET every key before measuring")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
+    b.add_argument("--password-stdin", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    b.set_defaults(func=cmd_bench)
 
     u = sub.add_parser("user", help="manage users: print the password hash for [users.NAME]")
     usub = u.add_subparsers(dest="user_command", metavar="ACTION")

@@ -974,6 +974,77 @@ fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
     .map_err(to_py)
 }
 
+/// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
+/// outcome counts and latency percentiles.
+#[pyfunction]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None))]
+#[allow(clippy::too_many_arguments)]
+fn run_bench<'py>(
+    py: Python<'py>,
+    target: &str,
+    connections: usize,
+    pipeline: usize,
+    duration: f64,
+    count: u64,
+    keys: u64,
+    key_size: usize,
+    value_size: usize,
+    get_ratio: f64,
+    prefill: bool,
+    threads: usize,
+    user: Option<String>,
+    password: Option<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    if connections == 0
+        || pipeline == 0
+        || keys == 0
+        || !(1..=250).contains(&key_size)
+        || !(0.0..=1.0).contains(&get_ratio)
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "connections, pipeline and keys must be positive, key_size in 1..=250, get_ratio in 0..=1",
+        ));
+    }
+    let cfg = sluice_server::bench::BenchConfig {
+        target: socket_addr("target", target)?,
+        connections,
+        pipeline,
+        duration: secs("duration", duration)?,
+        count,
+        keys,
+        key_size,
+        value_size,
+        get_ratio,
+        prefill,
+        threads,
+        user: user.zip(password),
+    };
+    let r = py
+        .allow_threads(|| sluice_server::bench::run(cfg))
+        .map_err(|e| SluiceError::new_err(format!("bench against {target}: {e}")))?;
+    let d = PyDict::new(py);
+    d.set_item("ops", r.ops)?;
+    d.set_item("gets", r.gets)?;
+    d.set_item("sets", r.sets)?;
+    d.set_item("misses", r.misses)?;
+    d.set_item("errors", r.errors)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("ops_per_s", r.ops_per_s)?;
+    let lat = PyDict::new(py);
+    for (p, us) in r.latency_us {
+        lat.set_item(
+            if p >= 100.0 {
+                "max".to_string()
+            } else {
+                format!("p{p}")
+            },
+            us,
+        )?;
+    }
+    d.set_item("latency_us", lat)?;
+    Ok(d)
+}
+
 /// The vbucket of a key for a bucket of `num_vbuckets` (Couchbase's mapping).
 #[pyfunction]
 fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
@@ -1000,6 +1071,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Mutation>()?;
     m.add_class::<ItemView>()?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
+    m.add_function(wrap_pyfunction!(run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(vbucket_of, m)?)?;
     for (name, ty) in [
         ("SluiceError", py.get_type::<SluiceError>()),

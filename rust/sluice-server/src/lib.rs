@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod bench;
 pub mod connection;
 pub mod kv;
 pub mod server;

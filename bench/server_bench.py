@@ -1,0 +1,187 @@
+"""sluice against memcached (Debian package) under the same load from `sluice bench`, in one
+run on this machine. Writes bench/results/server.{json,md,png}.
+
+    apt-get install memcached && python bench/server_bench.py [--duration 10] [--runs 3]
+
+Each configuration runs --runs times alternating servers; the table gives medians and the
+sluice/memcached ratio. Both servers get the same threads (2) and the same memory (1 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import sluice
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOADS = [
+    # name, get ratio, value size, pipeline
+    ("90% GET, 100 B, pipeline 32", 0.9, 100, 32),
+    ("50% GET, 100 B, pipeline 32", 0.5, 100, 32),
+    ("90% GET, 1 KiB, pipeline 32", 0.9, 1024, 32),
+    ("90% GET, 100 B, no pipelining", 0.9, 100, 1),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def start(kind: str, data: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    if kind == "memcached":
+        cmd = [
+            "memcached",
+            "-U",
+            "0",
+            "-l",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-t",
+            "2",
+            "-m",
+            "1024",
+            "-c",
+            "4096",
+        ]
+        if hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0:
+            cmd += ["-u", "root"]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "sluice",
+            "serve",
+            "--data-dir",
+            str(data),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--admin-listen",
+            "",
+        ]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return p, port
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--connections", type=int, default=16)
+    args = ap.parse_args()
+    if shutil.which("memcached") is None:
+        print("memcached is not installed: apt-get install memcached", file=sys.stderr)
+        return 1
+    results: dict = {
+        "duration": args.duration,
+        "runs": args.runs,
+        "connections": args.connections,
+        "loads": {},
+    }
+    for name, ratio, size, pipeline in LOADS:
+        per = {"sluice": [], "memcached": []}
+        for run in range(args.runs):
+            for kind in ("sluice", "memcached") if run % 2 == 0 else ("memcached", "sluice"):
+                with tempfile.TemporaryDirectory() as d:
+                    p, port = start(kind, Path(d))
+                    try:
+                        r = sluice._native.bench(
+                            f"127.0.0.1:{port}",
+                            connections=args.connections,
+                            pipeline=pipeline,
+                            duration=args.duration,
+                            keys=100_000,
+                            value_size=size,
+                            get_ratio=ratio,
+                            threads=2,
+                        )
+                    finally:
+                        p.terminate()
+                        p.wait(timeout=60)
+                per[kind].append(r)
+                print(
+                    f"{name} | {kind} run {run + 1}: {r['ops_per_s']:,.0f} ops/s, "
+                    f"p99 {r['latency_us']['p99']} us, errors {r['errors']}",
+                    file=sys.stderr,
+                )
+        results["loads"][name] = per
+    write(results)
+    return 0
+
+
+def write(results: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "server.json").write_text(json.dumps(results, indent=2) + "\n")
+    rows = [
+        "| load | sluice ops/s | memcached ops/s | ratio | sluice p50 / p99 (us) "
+        "| memcached p50 / p99 (us) |",
+        "|---|---|---|---|---|---|",
+    ]
+    names, ratios = [], []
+    for name, per in results["loads"].items():
+        s = statistics.median(r["ops_per_s"] for r in per["sluice"])
+        m = statistics.median(r["ops_per_s"] for r in per["memcached"])
+        sl = [statistics.median(r["latency_us"][k] for r in per["sluice"]) for k in ("p50", "p99")]
+        ml = [statistics.median(r["latency_us"][k] for r in per["memcached"]) for k in ("p50", "p99")]
+        rows.append(
+            f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "
+            f"{ml[0]:,.0f} / {ml[1]:,.0f} |"
+        )
+        names.append(name)
+        ratios.append((s, m))
+    md = (
+        f"# sluice against memcached\n\n`python bench/server_bench.py --duration {results['duration']} "
+        f"--runs {results['runs']}`: {results['connections']} connections, 100,000 keys, medians of "
+        "the runs, "
+        "both servers on 2 threads on this 2-core machine (the load generator shares it).\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    (RESULTS / "server.md").write_text(md)
+    print(md)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r[0] / 1e3 for r in ratios], 0.4, label="sluice", color="#4C72B0")
+    ax.bar([i + 0.2 for i in x], [r[1] / 1e3 for r in ratios], 0.4, label="memcached", color="#DD8452")
+    ax.set_xticks(list(x), names, fontsize=8)
+    ax.set_ylabel("thousand ops/s (median)")
+    ax.set_title("memcached binary protocol: sluice against memcached, same load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "server.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
