@@ -114,3 +114,34 @@ def test_user_hash_reads_stdin_and_never_prints_the_password():
         [sys.executable, "-m", "sluice", "user", "hash"], input="s3cret\n", capture_output=True, text=True
     )
     assert r.returncode == 0 and r.stdout.startswith("pbkdf2-sha256:100000:") and "s3cret" not in r.stdout
+
+
+def test_pylibmc_logs_in_with_sasl_plain(secured):
+    import os
+    import subprocess
+    import sys
+
+    # The pylibmc wheel bundles libsasl2 without mechanism plugins; the system's (Debian's
+    # libsasl2-modules, installed by .ci/run) provide PLAIN. libsasl reads SASL_PATH when pylibmc
+    # is imported, hence a process of its own.
+    plugins = "/usr/lib/x86_64-linux-gnu/sasl2"
+    if not os.path.exists(os.path.join(plugins, "libplain.so")):
+        pytest.skip("libsasl2-modules is not installed (.ci/run installs it)")
+    code = f"""
+import pylibmc
+c = pylibmc.Client([{secured.address!r}], binary=True, username="ada", password="ada-secret")
+assert c.set("via-pylibmc", b"1") and c.get("via-pylibmc") == b"1"
+bad = pylibmc.Client([{secured.address!r}], binary=True, username="ada", password="wrong")
+try:
+    bad.set("k", b"x")
+except pylibmc.Error:
+    print("refused")
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, SASL_PATH=plugins),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "refused", r.stdout + r.stderr
