@@ -332,3 +332,54 @@ def test_an_idle_connection_is_closed_after_idle_timeout(tmp_path):
         node.wait_for("idle for")
     finally:
         assert node.stop() == 0
+
+
+def test_select_bucket_isolates_buckets(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[buckets.other]\nnum_vbuckets = 16\n")
+    node = Node(tmp_path / "d", "--config", str(cfg))
+    try:
+        with connect(node) as s:
+            s.sendall(request(0x89, b"other") + request(SET, b"k", b"in-other", set_extras()))
+            assert [read_response(s)["status"] for _ in range(2)] == [0, 0]
+            s.sendall(request(0x89, b"default") + request(GET, b"k"))
+            assert read_response(s)["status"] == 0
+            assert read_response(s)["status"] == 0x0001, "not in default"
+            s.sendall(request(0x89, b"nope"))
+            assert read_response(s)["status"] == 0x0008, "NO_BUCKET"
+    finally:
+        assert node.stop() == 0
+
+
+def test_random_garbage_never_takes_the_server_down(server):
+    import random
+
+    rng = random.Random(7)
+    for i in range(300):
+        with connect(server) as s:
+            if i % 3 == 0:  # a valid header with random sections and lengths
+                body = rng.randbytes(rng.randrange(0, 64))
+                head = HEADER.pack(
+                    0x80,
+                    rng.randrange(256),
+                    rng.randrange(70),
+                    rng.randrange(40),
+                    rng.randrange(256),
+                    rng.randrange(65536),
+                    len(body),
+                    i,
+                    rng.getrandbits(64),
+                )
+                s.sendall(head + body)
+            else:
+                s.sendall(rng.randbytes(rng.randrange(1, 200)))
+            s.shutdown(socket.SHUT_WR)
+            try:
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+    with connect(server) as s:
+        s.sendall(request(SET, b"alive", b"yes", set_extras()) + request(GET, b"alive"))
+        read_response(s)
+        assert read_response(s)["value"] == b"yes"
