@@ -261,21 +261,42 @@ fn sections(frame: &[u8], flex: bool) -> Result<Sections<'_>, FrameError> {
     })
 }
 
-pub fn parse_request(frame: &[u8]) -> Result<Request<'_>, FrameError> {
+/// The header fields after the magic: opcode, datatype, vbucket-or-status, opaque, CAS.
+fn fixed(frame: &[u8]) -> (u8, u8, u16, u32, u64) {
+    (
+        frame[1],
+        frame[5],
+        u16::from_be_bytes([frame[6], frame[7]]),
+        u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes")),
+        u64::from_be_bytes(frame[16..24].try_into().expect("8 bytes")),
+    )
+}
+
+/// Checks the magic against the two this side accepts (plain, flexible) and splits the frame.
+fn split(frame: &[u8], plain: [u8; 2], flex: u8) -> Result<(u8, Sections<'_>), FrameError> {
     let m = *frame.first().ok_or(FrameError::Malformed("empty frame"))?;
-    let flex = match m {
-        magic::REQUEST | magic::SERVER_REQUEST => false,
-        magic::ALT_REQUEST => true,
+    let is_flex = match m {
+        _ if plain.contains(&m) => false,
+        _ if m == flex => true,
         other => return Err(FrameError::BadMagic(other)),
     };
-    let s = sections(frame, flex)?;
+    Ok((m, sections(frame, is_flex)?))
+}
+
+pub fn parse_request(frame: &[u8]) -> Result<Request<'_>, FrameError> {
+    let (magic, s) = split(
+        frame,
+        [magic::REQUEST, magic::SERVER_REQUEST],
+        magic::ALT_REQUEST,
+    )?;
+    let (opcode, datatype, vbucket, opaque, cas) = fixed(frame);
     Ok(Request {
-        magic: m,
-        opcode: frame[1],
-        datatype: frame[5],
-        vbucket: u16::from_be_bytes([frame[6], frame[7]]),
-        opaque: u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes")),
-        cas: u64::from_be_bytes(frame[16..24].try_into().expect("8 bytes")),
+        magic,
+        opcode,
+        datatype,
+        vbucket,
+        opaque,
+        cas,
         framing: s.framing,
         extras: s.extras,
         key: s.key,
@@ -284,20 +305,19 @@ pub fn parse_request(frame: &[u8]) -> Result<Request<'_>, FrameError> {
 }
 
 pub fn parse_response(frame: &[u8]) -> Result<Response<'_>, FrameError> {
-    let m = *frame.first().ok_or(FrameError::Malformed("empty frame"))?;
-    let flex = match m {
-        magic::RESPONSE | magic::SERVER_RESPONSE => false,
-        magic::ALT_RESPONSE => true,
-        other => return Err(FrameError::BadMagic(other)),
-    };
-    let s = sections(frame, flex)?;
+    let (magic, s) = split(
+        frame,
+        [magic::RESPONSE, magic::SERVER_RESPONSE],
+        magic::ALT_RESPONSE,
+    )?;
+    let (opcode, datatype, status, opaque, cas) = fixed(frame);
     Ok(Response {
-        magic: m,
-        opcode: frame[1],
-        datatype: frame[5],
-        status: u16::from_be_bytes([frame[6], frame[7]]),
-        opaque: u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes")),
-        cas: u64::from_be_bytes(frame[16..24].try_into().expect("8 bytes")),
+        magic,
+        opcode,
+        datatype,
+        status,
+        opaque,
+        cas,
         framing: s.framing,
         extras: s.extras,
         key: s.key,
