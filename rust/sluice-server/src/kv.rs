@@ -79,6 +79,22 @@ pub fn status_of(e: &Error) -> u16 {
     }
 }
 
+/// An error reply built from a raw header alone (its opcode and opaque), for frames that do not
+/// parse or are not read at all.
+fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut Vec<u8>) {
+    if header.len() >= mcbp::HEADER_LEN {
+        let opaque = u32::from_be_bytes(header[12..16].try_into().expect("4 bytes"));
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode: header[1],
+            word: st,
+            opaque,
+            ..Default::default()
+        };
+        let _ = mcbp::write_frame(out, &h, &[], &[], &[], message);
+    }
+}
+
 fn durability_of(level: u8) -> Option<Durability> {
     match level {
         1 => Some(Durability::Majority),
@@ -161,17 +177,7 @@ impl Session {
 
     /// The reply to a frame whose body is over the limit: E2BIG, with the header's opaque.
     pub fn refuse_too_big(&self, header: &[u8], out: &mut Vec<u8>) {
-        if header.len() >= mcbp::HEADER_LEN {
-            let opaque = u32::from_be_bytes(header[12..16].try_into().expect("4 bytes"));
-            let h = HeaderFields {
-                magic: magic::RESPONSE,
-                opcode: header[1],
-                word: status::E2BIG,
-                opaque,
-                ..Default::default()
-            };
-            let _ = mcbp::write_frame(out, &h, &[], &[], &[], b"request body too large");
-        }
+        reply_to_header(header, status::E2BIG, b"request body too large", out);
     }
 
     pub fn handle(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
@@ -180,15 +186,7 @@ impl Session {
             Err(e) => {
                 // A frame whose sections do not add up: EINVAL, and the stream is still in sync
                 // because frame_len framed it by its body length.
-                let opaque = u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes"));
-                let h = HeaderFields {
-                    magic: magic::RESPONSE,
-                    opcode: frame[1],
-                    word: status::EINVAL,
-                    opaque,
-                    ..Default::default()
-                };
-                let _ = mcbp::write_frame(out, &h, &[], &[], &[], e.to_string().as_bytes());
+                reply_to_header(frame, status::EINVAL, e.to_string().as_bytes(), out);
                 return Flow::Continue;
             }
         };
