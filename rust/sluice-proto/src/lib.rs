@@ -1,7 +1,9 @@
 //! Wire codecs for sluice: pure functions over bytes, no I/O, so every decoder can be fuzzed.
 //!
 //! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and, later, iproto;
-//! `mcbp` is the memcached binary protocol frame (KV, and later DCP and TAP).
+//! `mcbp` is the memcached binary protocol frame (KV, and later DCP and TAP); `dcp` the DCP
+//! messages carried in it.
 
+pub mod dcp;
 pub mod mcbp;
 pub mod msgpack;
