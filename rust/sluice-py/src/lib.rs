@@ -995,14 +995,17 @@ fn run_bench<'py>(
     user: Option<String>,
     password: Option<String>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    // Values up to sluice's own item size limit, so every request can be framed.
     if connections == 0
         || pipeline == 0
         || keys == 0
         || !(1..=250).contains(&key_size)
+        || value_size > 64 << 20
         || !(0.0..=1.0).contains(&get_ratio)
     {
         return Err(pyo3::exceptions::PyValueError::new_err(
-            "connections, pipeline and keys must be positive, key_size in 1..=250, get_ratio in 0..=1",
+            "connections, pipeline and keys must be positive, key_size in 1..=250, value_size at most 64 MiB, \
+             get_ratio in 0..=1",
         ));
     }
     let cfg = sluice_server::bench::BenchConfig {
