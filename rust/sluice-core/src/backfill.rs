@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::bucket::Bucket;
 use crate::item::Item;
+use crate::item_store::ItemRef;
 use crate::vbucket::VBucket;
 
 pub struct Backfill {
@@ -56,22 +57,31 @@ impl Backfill {
 
     /// Up to `limit` items in seqno order; an empty result means the backfill is complete.
     pub fn next_chunk(&mut self, limit: usize) -> Vec<Item> {
-        let Some(from) = self.next else {
-            return Vec::new();
-        };
         let mut out = Vec::with_capacity(limit.min(4096));
+        self.read_with(limit, |i| out.push(i.to_item()));
+        out
+    }
+
+    /// Up to `limit` items in seqno order, each lent to `emit` under the vbucket's lock (a
+    /// stream encodes them straight into its output: no copy per item). Returns how many.
+    pub fn read_with(&mut self, limit: usize, mut emit: impl FnMut(ItemRef<'_>)) -> usize {
+        let Some(from) = self.next else {
+            return 0;
+        };
+        let mut n = 0;
         let mut vb = self
             .bucket
             .lock_vbucket(self.vbucket)
             .expect("vbucket exists");
-        self.next = vb
-            .store
-            .read_range(from, self.end, limit.max(1), |i| out.push(i.to_item()));
+        self.next = vb.store.read_range(from, self.end, limit.max(1), |i| {
+            n += 1;
+            emit(i)
+        });
         if self.next.is_none() {
             vb.store.end_range_read();
             self.bucket.account(&mut vb);
         }
-        out
+        n
     }
 }
 

@@ -6,6 +6,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::BucketConfig;
 use crate::hash::vbucket_of;
+use crate::signal::ChangeSignal;
 use crate::vbucket::VBucket;
 
 #[derive(Debug, Default)]
@@ -29,6 +30,8 @@ pub struct Bucket {
     mem_used: AtomicIsize,
     checkpoint_mem: AtomicIsize,
     pub stats: BucketStats,
+    /// Wakes stream readers when any of the bucket's vbuckets has new changes.
+    pub changes: ChangeSignal,
 }
 
 impl Bucket {
@@ -40,6 +43,7 @@ impl Bucket {
             mem_used: AtomicIsize::new(0),
             checkpoint_mem: AtomicIsize::new(0),
             stats: BucketStats::default(),
+            changes: ChangeSignal::default(),
         };
         for vb in &b.vbuckets {
             b.account(&mut vb.lock());

@@ -575,6 +575,7 @@ impl Engine {
             bucket.account(vb);
         }
         drop(locked);
+        bucket.changes.notify();
         bucket
             .stats
             .sets
@@ -1146,6 +1147,7 @@ impl Inner {
         let lsn = self.wal.appender()?.push(WalPayload::Change(change));
         vb.last_lsn = lsn;
         bucket.account(vb);
+        bucket.changes.notify();
         Ok(MutationResult {
             cas,
             vbucket: vb.id,

@@ -17,6 +17,7 @@ pub mod hlc;
 pub mod item;
 pub mod item_store;
 pub mod recovery;
+pub mod signal;
 pub mod snapshot;
 pub mod vbucket;
 pub mod wal;

@@ -1193,6 +1193,109 @@ impl DcpRequest for SeqnoAcknowledged {
     }
 }
 
+// ---- the hot path's document form -----------------------------------------------------------
+
+/// MUTATION, DELETION or EXPIRATION borrowed from a frame or from the item it describes: what a
+/// producer encodes and a consumer decodes per document, with no allocation. It leaves out what
+/// sluice neither sends nor keeps (lock time, NRU, extended metadata are written as 0 / empty and
+/// skipped when read). The owned message types above are the full-fidelity codec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DocumentRef<'a> {
+    /// `opcode::MUTATION`, `DELETION` or `EXPIRATION`.
+    pub opcode: u8,
+    pub vbucket: u16,
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub by_seqno: u64,
+    pub rev_seqno: u64,
+    pub cas: u64,
+    pub datatype: u8,
+    /// Mutations only.
+    pub flags: u32,
+    /// Mutations only: the item's expiry.
+    pub expiration: u32,
+    /// Deletions in the v2 format and expirations: when the document was deleted (0 when the
+    /// producer does not know).
+    pub delete_time: u32,
+}
+
+impl<'a> DocumentRef<'a> {
+    /// Appends the frame. Deletions use the v2 (21-byte, delete time) format when
+    /// `delete_times`, as DCP_OPEN's INCLUDE_DELETE_TIMES asks, else v1 (18 bytes).
+    pub fn encode(
+        &self,
+        out: &mut Vec<u8>,
+        opaque: u32,
+        delete_times: bool,
+    ) -> Result<(), DcpError> {
+        must_have_key(self.key)?;
+        let mut e = [0u8; 31];
+        e[..8].copy_from_slice(&self.by_seqno.to_be_bytes());
+        e[8..16].copy_from_slice(&self.rev_seqno.to_be_bytes());
+        let extras = match self.opcode {
+            opcode::MUTATION => {
+                e[16..20].copy_from_slice(&self.flags.to_be_bytes());
+                e[20..24].copy_from_slice(&self.expiration.to_be_bytes());
+                // lock time, nmeta 0, nru 0
+                &e[..31]
+            }
+            opcode::DELETION if delete_times => {
+                e[16..20].copy_from_slice(&self.delete_time.to_be_bytes());
+                &e[..21]
+            }
+            opcode::DELETION => &e[..18],
+            opcode::EXPIRATION => {
+                e[16..20].copy_from_slice(&self.delete_time.to_be_bytes());
+                &e[..20]
+            }
+            _ => return Err(DcpError::Malformed("not a document message")),
+        };
+        let h = Head {
+            opcode: self.opcode,
+            vbucket: self.vbucket,
+            datatype: self.datatype,
+            cas: self.cas,
+        };
+        write_request(out, h, opaque, extras, self.key, self.value)
+    }
+
+    pub fn decode(req: &Request<'a>) -> Result<DocumentRef<'a>, DcpError> {
+        let allowed: &[usize] = match req.opcode {
+            opcode::MUTATION => &[31],
+            opcode::DELETION => &[18, 21],
+            opcode::EXPIRATION => &[20],
+            _ => return Err(DcpError::Malformed("not a document message")),
+        };
+        check_request(req, req.opcode, allowed)?;
+        must_have_key(req.key)?;
+        let mut r = Reader(req.extras);
+        let mut d = DocumentRef {
+            opcode: req.opcode,
+            vbucket: req.vbucket,
+            key: req.key,
+            value: req.value,
+            by_seqno: r.u64()?,
+            rev_seqno: r.u64()?,
+            cas: req.cas,
+            datatype: req.datatype,
+            flags: 0,
+            expiration: 0,
+            delete_time: 0,
+        };
+        match (req.opcode, req.extras.len()) {
+            (opcode::MUTATION, _) => {
+                d.flags = r.u32()?;
+                d.expiration = r.u32()?;
+                let _lock_time = r.u32()?;
+                d.value = split_meta(req.value, r.u16()?)?.0;
+            }
+            (opcode::DELETION, 18) => d.value = split_meta(req.value, r.u16()?)?.0,
+            _ => d.delete_time = r.u32()?,
+        }
+        Ok(d)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1566,6 +1669,14 @@ mod tests {
             }
         );
         assert_eq!(encoded(&m, 0x1210), req);
+        let d = DocumentRef::decode(&mcbp::parse_request(&req).unwrap()).unwrap();
+        assert_eq!(
+            (d.key, d.value, d.by_seqno, d.rev_seqno),
+            (&b"hello"[..], &b"world"[..], 4, 1)
+        );
+        let mut out = Vec::new();
+        d.encode(&mut out, 0x1210, true).unwrap();
+        assert_eq!(out, req);
     }
 
     #[test]
@@ -1625,6 +1736,14 @@ mod tests {
             }
         );
         assert_eq!(encoded(&m, 0x1210), fixed);
+        let d = DocumentRef::decode(&mcbp::parse_request(&fixed).unwrap()).unwrap();
+        assert_eq!(
+            (d.opcode, d.key, d.by_seqno, d.rev_seqno),
+            (opcode::DELETION, &b"hello"[..], 5, 1)
+        );
+        let mut out = Vec::new();
+        d.encode(&mut out, 0x1210, false).unwrap();
+        assert_eq!(out, fixed);
     }
 
     #[test]
@@ -1675,6 +1794,14 @@ mod tests {
             }
         );
         assert_eq!(encoded(&m, 0x1210), fixed);
+        let d = DocumentRef::decode(&mcbp::parse_request(&fixed).unwrap()).unwrap();
+        assert_eq!(
+            (d.opcode, d.key, d.by_seqno, d.delete_time),
+            (opcode::EXPIRATION, &b"hello"[..], 5, 0)
+        );
+        let mut out = Vec::new();
+        d.encode(&mut out, 0x1210, true).unwrap();
+        assert_eq!(out, fixed);
     }
 
     // ---- no-op.md, buffer-ack.md ----
