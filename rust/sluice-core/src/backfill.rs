@@ -58,13 +58,17 @@ impl Backfill {
     /// Up to `limit` items in seqno order; an empty result means the backfill is complete.
     pub fn next_chunk(&mut self, limit: usize) -> Vec<Item> {
         let mut out = Vec::with_capacity(limit.min(4096));
-        self.read_with(limit, |i| out.push(i.to_item()));
+        self.read_with(limit, |i| {
+            out.push(i.to_item());
+            true
+        });
         out
     }
 
     /// Up to `limit` items in seqno order, each lent to `emit` under the vbucket's lock (a
-    /// stream encodes them straight into its output: no copy per item). Returns how many.
-    pub fn read_with(&mut self, limit: usize, mut emit: impl FnMut(ItemRef<'_>)) -> usize {
+    /// stream encodes them straight into its output: no copy per item); `emit` returns false to
+    /// stop before the item it was shown, which the next read starts with. Returns how many.
+    pub fn read_with(&mut self, limit: usize, mut emit: impl FnMut(ItemRef<'_>) -> bool) -> usize {
         let Some(from) = self.next else {
             return 0;
         };
@@ -74,8 +78,9 @@ impl Backfill {
             .lock_vbucket(self.vbucket)
             .expect("vbucket exists");
         self.next = vb.store.read_range(from, self.end, limit.max(1), |i| {
-            n += 1;
-            emit(i)
+            let taken = emit(i);
+            n += taken as usize;
+            taken
         });
         if self.next.is_none() {
             vb.store.end_range_read();

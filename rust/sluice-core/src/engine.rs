@@ -86,6 +86,16 @@ pub struct MutationResult {
     pub lsn: u64,
 }
 
+/// What a stream request is decided on: one vbucket's state, seqnos and failover log.
+#[derive(Debug, Clone)]
+pub struct StreamPosition {
+    pub state: VbState,
+    pub high_seqno: u64,
+    pub purge_seqno: u64,
+    /// Newest first.
+    pub failover: Vec<FailoverEntry>,
+}
+
 /// The live buckets, shared with the WAL writer's callback.
 #[derive(Default)]
 pub struct Catalog {
@@ -887,6 +897,16 @@ impl Engine {
         bucket
             .lock_vbucket(vbid)
             .map(|vb| vb.failover.entries().to_vec())
+    }
+
+    /// A vbucket's state, seqnos and failover log read together, for a stream request.
+    pub fn stream_position(&self, bucket: &Bucket, vbid: u16) -> Option<StreamPosition> {
+        bucket.lock_vbucket(vbid).map(|vb| StreamPosition {
+            state: vb.state,
+            high_seqno: vb.high_seqno,
+            purge_seqno: vb.purge_seqno,
+            failover: vb.failover.entries().to_vec(),
+        })
     }
 
     pub fn purge_seqno(&self, bucket: &Bucket, vbid: u16) -> Option<u64> {

@@ -416,14 +416,15 @@ impl ItemStore {
     }
 
     /// Within an open range read: the latest version of each key as of `end`, for seqnos in
-    /// `[from, end]`, at most `limit` of them, in seqno order. Returns the seqno to continue from
-    /// (None when the range is done).
+    /// `[from, end]`, at most `limit` of them, in seqno order; `emit` returns false to stop
+    /// before the item it was shown. Returns the seqno to continue from (None when the range is
+    /// done).
     pub fn read_range(
         &self,
         from: u64,
         end: u64,
         limit: usize,
-        mut emit: impl FnMut(ItemRef<'_>),
+        mut emit: impl FnMut(ItemRef<'_>) -> bool,
     ) -> Option<u64> {
         let mut pos = self.lower_bound(from);
         let mut emitted = 0;
@@ -444,7 +445,9 @@ impl ItemStore {
                 _ => false,
             };
             if visible {
-                emit(ItemRef { slot });
+                if !emit(ItemRef { slot }) {
+                    return Some(slot.by_seqno());
+                }
                 emitted += 1;
             }
             pos += 1;
@@ -587,7 +590,8 @@ mod tests {
         let mut got = Vec::new();
         let mut from = 1;
         while let Some(next) = s.read_range(from, 10, 3, |i| {
-            got.push((i.meta().by_seqno, i.value().to_vec()))
+            got.push((i.meta().by_seqno, i.value().to_vec()));
+            true
         }) {
             from = next;
         }
@@ -599,7 +603,10 @@ mod tests {
         assert!(s.get(&5u64.to_be_bytes()).is_none());
         assert!(s.stale_successor.is_empty());
         let mut got = Vec::new();
-        s.read_range(0, 13, usize::MAX, |i| got.push(i.meta().by_seqno));
+        s.read_range(0, 13, usize::MAX, |i| {
+            got.push(i.meta().by_seqno);
+            true
+        });
         assert_eq!(got, vec![1, 2, 6, 7, 8, 9, 10, 12, 13]);
     }
 }

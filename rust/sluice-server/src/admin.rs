@@ -152,6 +152,51 @@ pub fn metrics(shared: &Shared) -> String {
         "sluice_protocol_errors_total {}",
         s.protocol_errors.load(Relaxed)
     );
+    let d = &shared.dcp;
+    metric(
+        &mut o,
+        "sluice_dcp_connections",
+        "gauge",
+        "Open DCP producer connections.",
+    );
+    let _ = writeln!(o, "sluice_dcp_connections {}", d.connections.load(Relaxed));
+    metric(&mut o, "sluice_dcp_streams", "gauge", "Open DCP streams.");
+    let _ = writeln!(o, "sluice_dcp_streams {}", d.streams.load(Relaxed));
+    metric(
+        &mut o,
+        "sluice_dcp_items_total",
+        "counter",
+        "Documents sent by DCP streams, by source.",
+    );
+    for (src, v) in [("backfill", &d.items_backfill), ("memory", &d.items_memory)] {
+        let _ = writeln!(
+            o,
+            "sluice_dcp_items_total{{source=\"{src}\"}} {}",
+            v.load(Relaxed)
+        );
+    }
+    metric(
+        &mut o,
+        "sluice_dcp_streams_too_slow_total",
+        "counter",
+        "DCP streams ended because their cursor was dropped (the consumer declared cursor dropping).",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_dcp_streams_too_slow_total {}",
+        d.streams_too_slow.load(Relaxed)
+    );
+    metric(
+        &mut o,
+        "sluice_dcp_dead_connections_total",
+        "counter",
+        "DCP connections closed because a NOOP went unanswered.",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_dcp_dead_connections_total {}",
+        d.dead_connections.load(Relaxed)
+    );
     let buckets = e.buckets();
     metric(
         &mut o,

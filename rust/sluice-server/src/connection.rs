@@ -41,9 +41,18 @@ pub async fn run(
                     } else {
                         session.handle(&frame, &mut out)
                     };
-                    if flow == Flow::Close {
-                        let _ = write_out(&mut socket, &mut out, &shared).await;
-                        return;
+                    match flow {
+                        Flow::Continue => {}
+                        Flow::Close => {
+                            let _ = write_out(&mut socket, &mut out, &shared).await;
+                            return;
+                        }
+                        Flow::DcpProducer(open) => {
+                            let p = crate::dcp::producer::run(
+                                socket, inbuf, out, session, open, peer, shared, stop,
+                            );
+                            return Box::pin(p).await;
+                        }
                     }
                     if out.len() >= FLUSH_AT
                         && write_out(&mut socket, &mut out, &shared).await.is_err()

@@ -10,11 +10,14 @@ use sluice_proto::mcbp::{
 };
 
 use crate::server::Shared;
+use sluice_proto::dcp::opcode as dcp_op;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Flow {
     Continue,
     Close,
+    /// DCP_OPEN succeeded (its reply is written): the connection becomes a DCP producer.
+    DcpProducer(crate::dcp::producer::OpenProducer),
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -39,7 +42,7 @@ pub struct Session {
 
 /// The permission a command needs on the selected bucket (0: none, anyone may).
 fn required_permission(opcode: u8) -> u8 {
-    use crate::auth::{ADMIN, READ, WRITE};
+    use crate::auth::{ADMIN, READ, STREAM, WRITE};
     match opcode {
         op::GET | op::GETQ | op::GETK | op::GETKQ | op::STAT | op::GET_ALL_VB_SEQNOS => READ,
         op::GAT | op::GATQ => READ | WRITE,
@@ -54,6 +57,7 @@ fn required_permission(opcode: u8) -> u8 {
         op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => WRITE,
         op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ | op::TOUCH => WRITE,
         op::FLUSH | op::FLUSHQ => ADMIN,
+        sluice_proto::dcp::opcode::OPEN => STREAM,
         _ => 0,
     }
 }
@@ -164,6 +168,11 @@ impl Session {
             features: Features::default(),
             user: None,
         }
+    }
+
+    /// The selected bucket.
+    pub fn bucket(&self) -> Arc<Bucket> {
+        self.bucket.clone()
     }
 
     /// Whether handling this frame may wait on the disk (a durability level), so the caller can
@@ -495,6 +504,18 @@ impl Session {
                 Err(e) => fail!(e),
             },
             op::STAT => self.stat(&mut reply),
+            dcp_op::OPEN => match crate::dcp::producer::check_open(req) {
+                Ok(open) => {
+                    reply.ok();
+                    return Flow::DcpProducer(open);
+                }
+                Err((st, why)) => reply.error(st, &why, xerror),
+            },
+            dcp_op::ADD_STREAM..=dcp_op::CACHE_TRANSFER_END => reply.error(
+                status::EINVAL,
+                "open a DCP connection first (DCP_OPEN)",
+                xerror,
+            ),
             op::GET_ALL_VB_SEQNOS => {
                 let wanted = match req.extras.len() {
                     0 => Some(sluice_core::vbucket::VbState::Active),

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod auth;
 pub mod bench;
 pub mod connection;
+pub mod dcp;
 pub mod kv;
 pub mod server;
 

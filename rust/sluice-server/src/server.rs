@@ -46,6 +46,8 @@ pub struct Shared {
     pub users: parking_lot::RwLock<Arc<crate::auth::Users>>,
     pub stats: ServerStats,
     pub started: std::time::Instant,
+    pub dcp_names: crate::dcp::producer::Names,
+    pub dcp: crate::dcp::producer::DcpStats,
 }
 
 pub struct Server {
@@ -89,6 +91,8 @@ impl Server {
             config,
             stats: ServerStats::default(),
             started: std::time::Instant::now(),
+            dcp_names: Default::default(),
+            dcp: Default::default(),
         });
         let listener = {
             let _enter = runtime.enter();

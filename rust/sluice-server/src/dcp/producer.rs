@@ -1,0 +1,678 @@
+//! A DCP producer connection: what a connection becomes after DCP_OPEN with the producer flag.
+//! It answers the consumer's control traffic (CONTROL, STREAM_REQ, CLOSE_STREAM,
+//! GET_FAILOVER_LOG, BUFFER_ACKNOWLEDGEMENT, NOOP replies) and, between requests, fills the
+//! socket from its streams in turn, within the consumer's flow-control window. It sleeps on the
+//! bucket's change signal when every stream is caught up.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+use sluice_core::bucket::Bucket;
+use sluice_core::failover::{rollback_point, ResumePoint};
+use sluice_core::vbucket::VbState;
+use sluice_proto::dcp::{
+    self, opcode, open_flag, stream_end_reason, stream_flag, BufferAcknowledgement, CloseStream,
+    Control, DcpRequest, DcpResponse, FailoverEntry, FailoverLogResponse, GetFailoverLog, Noop,
+    StreamRequest, StreamRequestResponse,
+};
+use sluice_proto::mcbp::{self, magic, status, Request};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::stream::{Encoding, Progress, Stream};
+use crate::kv::{Flow, Session};
+use crate::server::Shared;
+
+/// Replies and stream messages are written once this much is pending.
+const FLUSH_AT: usize = 256 << 10;
+/// What one stream may write per turn, so that streams share the connection fairly.
+const TURN_BYTES: usize = 64 << 10;
+const DEFAULT_NOOP_INTERVAL: Duration = Duration::from_secs(120);
+
+/// DCP connection names per bucket: opening a name that is in use replaces (closes) the
+/// connection that held it, as Couchbase does.
+#[derive(Default)]
+pub struct Names {
+    held: Mutex<HashMap<(u16, Vec<u8>), (u64, watch::Sender<bool>)>>,
+    next: AtomicU64,
+}
+
+pub struct NameClaim {
+    shared: Arc<Shared>,
+    key: (u16, Vec<u8>),
+    token: u64,
+    pub replaced: watch::Receiver<bool>,
+}
+
+impl Names {
+    fn claim(shared: &Arc<Shared>, bucket: u16, name: &[u8]) -> NameClaim {
+        let token = shared.dcp_names.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = watch::channel(false);
+        let key = (bucket, name.to_vec());
+        if let Some((_, old)) = shared
+            .dcp_names
+            .held
+            .lock()
+            .insert(key.clone(), (token, tx))
+        {
+            let _ = old.send(true);
+        }
+        NameClaim {
+            shared: shared.clone(),
+            key,
+            token,
+            replaced: rx,
+        }
+    }
+}
+
+impl Drop for NameClaim {
+    fn drop(&mut self) {
+        let mut held = self.shared.dcp_names.held.lock();
+        if held.get(&self.key).is_some_and(|(t, _)| *t == self.token) {
+            held.remove(&self.key);
+        }
+    }
+}
+
+/// Counters the admin endpoint exports.
+#[derive(Debug, Default)]
+pub struct DcpStats {
+    pub connections: AtomicU64,
+    pub streams: AtomicU64,
+    pub items_backfill: AtomicU64,
+    pub items_memory: AtomicU64,
+    pub streams_too_slow: AtomicU64,
+    pub dead_connections: AtomicU64,
+}
+
+/// A checked DCP_OPEN for a producer: the kv session hands it over with the connection.
+#[derive(Debug, Clone)]
+pub struct OpenProducer {
+    pub name: Vec<u8>,
+    pub flags: u32,
+}
+
+/// Checks a DCP_OPEN request; Err is the status and message to answer with.
+pub fn check_open(req: &Request<'_>) -> Result<OpenProducer, (u16, String)> {
+    let open = dcp::OpenConnection::decode(req).map_err(|e| (status::EINVAL, e.to_string()))?;
+    if open.name.len() > dcp::MAX_NAME_LEN {
+        return Err((
+            status::EINVAL,
+            "connection names are at most 200 bytes".into(),
+        ));
+    }
+    if open.flags & open_flag::INVALID != 0 {
+        return Err((status::EINVAL, "DCP_OPEN flag 0x2 is invalid".into()));
+    }
+    if open.flags & open_flag::PRODUCER == 0 {
+        return Err((
+            status::NOT_SUPPORTED,
+            "sluice opens producers only: set the producer flag (0x1)".into(),
+        ));
+    }
+    Ok(OpenProducer {
+        name: open.name,
+        flags: open.flags,
+    })
+}
+
+fn count_items(d: &DcpStats, s: &mut Stream) {
+    d.items_backfill
+        .fetch_add(std::mem::take(&mut s.sent_backfill), Ordering::Relaxed);
+    d.items_memory
+        .fetch_add(std::mem::take(&mut s.sent_memory), Ordering::Relaxed);
+}
+
+struct Producer {
+    shared: Arc<Shared>,
+    bucket: Arc<Bucket>,
+    name: String,
+    encoding: Encoding,
+    /// The consumer's flow-control window (0: no flow control) and the bytes it has not
+    /// acknowledged.
+    buffer_size: usize,
+    unacked: usize,
+    noop_enabled: bool,
+    noop_interval: Duration,
+    /// When the outstanding NOOP was sent.
+    noop_outstanding: Option<Instant>,
+    noop_opaque: u32,
+    last_sent: Instant,
+    cursor_dropping: bool,
+    end_on_close: bool,
+    streams: BTreeMap<u16, Stream>,
+    /// The vbucket whose stream goes first in the next fill (round robin).
+    turn: u16,
+    streamed: bool,
+}
+
+fn respond(out: &mut Vec<u8>, req: &Request<'_>, st: u16, value: &[u8]) {
+    let h = mcbp::HeaderFields {
+        magic: magic::RESPONSE,
+        opcode: req.opcode,
+        word: st,
+        opaque: req.opaque,
+        ..Default::default()
+    };
+    let _ = mcbp::write_frame(out, &h, &[], &[], &[], value);
+}
+
+fn parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "true" => Some(true),
+        "false" => Some(false),
+        _ => None,
+    }
+}
+
+impl Producer {
+    fn window(&self) -> usize {
+        if self.buffer_size == 0 {
+            usize::MAX
+        } else {
+            self.buffer_size.saturating_sub(self.unacked)
+        }
+    }
+
+    fn control(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let c = match Control::decode(req) {
+            Ok(c) => c,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        let key = String::from_utf8_lossy(&c.key).into_owned();
+        let value = String::from_utf8_lossy(&c.value).into_owned();
+        let ok = match key.as_str() {
+            "connection_buffer_size" => match value.parse::<u64>() {
+                Ok(n) if n <= u32::MAX as u64 + 1 => {
+                    self.buffer_size = n as usize;
+                    true
+                }
+                _ => false,
+            },
+            "enable_noop" => parse_bool(&value).map(|b| self.noop_enabled = b).is_some(),
+            // The documents give 20..10800 seconds; since Couchbase 5.0 fast failover uses 1.
+            "set_noop_interval" => match value.parse::<u64>() {
+                Ok(n) if (1..=10800).contains(&n) => {
+                    self.noop_interval = Duration::from_secs(n);
+                    true
+                }
+                _ => false,
+            },
+            "enable_expiry_opcode" => parse_bool(&value)
+                .map(|b| self.encoding.expiry_opcode = b)
+                .is_some(),
+            "supports_cursor_dropping" => parse_bool(&value)
+                .map(|b| self.cursor_dropping = b)
+                .is_some(),
+            "send_stream_end_on_client_close_stream" => {
+                parse_bool(&value).map(|b| self.end_on_close = b).is_some()
+            }
+            // Accepted for compatibility: one connection's streams already share it in turns.
+            "set_priority" => matches!(value.as_str(), "high" | "medium" | "low"),
+            _ => {
+                let why = format!("unknown DCP control key '{key}'");
+                return respond(out, req, status::EINVAL, why.as_bytes());
+            }
+        };
+        if ok {
+            respond(out, req, status::SUCCESS, &[]);
+        } else {
+            let why = format!("bad value '{value}' for DCP control '{key}'");
+            respond(out, req, status::EINVAL, why.as_bytes());
+        }
+    }
+
+    fn stream_request(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let sr = match StreamRequest::decode(req) {
+            Ok(s) => s,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        let vb = sr.vbucket;
+        if self.streams.contains_key(&vb) {
+            return respond(
+                out,
+                req,
+                status::KEY_EEXISTS,
+                b"a stream for this vbucket exists",
+            );
+        }
+        if sr.flags & stream_flag::TAKEOVER != 0 {
+            return respond(
+                out,
+                req,
+                status::NOT_SUPPORTED,
+                b"takeover streams are not offered",
+            );
+        }
+        let engine = &self.shared.engine;
+        let Some(pos) = engine.stream_position(&self.bucket, vb) else {
+            return respond(out, req, status::NOT_MY_VBUCKET, b"no such vbucket");
+        };
+        if pos.state == VbState::Dead
+            || (sr.flags & stream_flag::ACTIVE_VB_ONLY != 0 && pos.state != VbState::Active)
+        {
+            return respond(
+                out,
+                req,
+                status::NOT_MY_VBUCKET,
+                b"vbucket is not streamable here",
+            );
+        }
+        let (mut start, mut end) = (sr.start_seqno, sr.end_seqno);
+        let (mut snap_start, mut snap_end) = (sr.snap_start_seqno, sr.snap_end_seqno);
+        let from_latest = sr.flags & stream_flag::FROM_LATEST != 0;
+        if from_latest {
+            start = pos.high_seqno;
+            snap_start = start;
+            snap_end = start;
+        }
+        if sr.flags & (stream_flag::TO_LATEST | stream_flag::DISK_ONLY) != 0 {
+            end = pos.high_seqno;
+        }
+        if start > end {
+            let why = format!("start seqno {start} is past end seqno {end}");
+            return respond(out, req, status::ERANGE, why.as_bytes());
+        }
+        if !(snap_start <= start && start <= snap_end) {
+            let why =
+                format!("start seqno {start} is outside the snapshot [{snap_start}, {snap_end}]");
+            return respond(out, req, status::ERANGE, why.as_bytes());
+        }
+        if !from_latest {
+            let at = ResumePoint {
+                start_seqno: start,
+                vbucket_uuid: sr.vbucket_uuid,
+                snap_start_seqno: snap_start,
+                snap_end_seqno: snap_end,
+            };
+            let ignore_purged = sr.flags & stream_flag::IGNORE_PURGED_TOMBSTONES != 0;
+            if let Some(seqno) = rollback_point(
+                &pos.failover,
+                pos.high_seqno,
+                pos.purge_seqno,
+                at,
+                ignore_purged,
+            ) {
+                log::info!(
+                    "DCP {}: vbucket {vb} asks for {start} of uuid {:#x}: rollback to {seqno}",
+                    self.name,
+                    sr.vbucket_uuid
+                );
+                let _ = StreamRequestResponse::Rollback(seqno).encode(out, req.opaque);
+                return;
+            }
+        }
+        if start > pos.high_seqno {
+            let why = format!(
+                "start seqno {start} is past the high seqno {}",
+                pos.high_seqno
+            );
+            return respond(out, req, status::ERANGE, why.as_bytes());
+        }
+        let mut encoding = self.encoding;
+        encoding.no_value |= sr.flags & stream_flag::NO_VALUE != 0;
+        let stream = match Stream::open(
+            engine,
+            self.bucket.clone(),
+            vb,
+            req.opaque,
+            &self.name,
+            start,
+            end,
+            encoding,
+            self.cursor_dropping,
+        ) {
+            Ok(s) => s,
+            Err(e) => return respond(out, req, crate::kv::status_of(&e), e.to_string().as_bytes()),
+        };
+        let log: Vec<FailoverEntry> = pos
+            .failover
+            .iter()
+            .map(|e| FailoverEntry {
+                vbucket_uuid: e.uuid,
+                seqno: e.seqno,
+            })
+            .collect();
+        let _ = StreamRequestResponse::Ok(log).encode(out, req.opaque);
+        self.streams.insert(vb, stream);
+        self.streamed = true;
+        self.shared.dcp.streams.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn close_stream(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let c = match CloseStream::decode(req) {
+            Ok(c) => c,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        match self.streams.remove(&c.vbucket) {
+            None => respond(out, req, status::KEY_ENOENT, b"no stream for this vbucket"),
+            Some(mut s) => {
+                respond(out, req, status::SUCCESS, &[]);
+                if self.end_on_close {
+                    self.unacked += s.write_end(out, stream_end_reason::CLOSED);
+                }
+                self.retire(&mut s);
+            }
+        }
+    }
+
+    fn retire(&self, s: &mut Stream) {
+        s.close(&self.shared.engine);
+        self.shared.dcp.streams.fetch_sub(1, Ordering::Relaxed);
+        count_items(&self.shared.dcp, s);
+    }
+
+    fn failover_log(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let g = match GetFailoverLog::decode(req) {
+            Ok(g) => g,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        match self.shared.engine.failover_log(&self.bucket, g.vbucket) {
+            Some(entries) if !entries.is_empty() => {
+                let entries = entries
+                    .iter()
+                    .map(|e| FailoverEntry {
+                        vbucket_uuid: e.uuid,
+                        seqno: e.seqno,
+                    })
+                    .collect();
+                let _ = FailoverLogResponse { entries }.encode(out, req.opaque);
+            }
+            _ => respond(out, req, status::NOT_MY_VBUCKET, b"no such vbucket"),
+        }
+    }
+
+    /// One frame from the consumer. Frames that are not DCP go to the kv session (STAT,
+    /// GET_ALL_VB_SEQNOS, NOOP...).
+    fn handle(&mut self, frame: &[u8], session: &mut Session, out: &mut Vec<u8>) -> Flow {
+        if frame.first() == Some(&magic::RESPONSE) {
+            if frame.get(1) == Some(&opcode::NOOP) {
+                self.noop_outstanding = None;
+            }
+            // The consumer answers nothing else we wait for.
+            return Flow::Continue;
+        }
+        let Ok(req) = mcbp::parse_request(frame) else {
+            return session.handle(frame, out);
+        };
+        match req.opcode {
+            opcode::CONTROL => self.control(&req, out),
+            opcode::STREAM_REQ => self.stream_request(&req, out),
+            opcode::CLOSE_STREAM => self.close_stream(&req, out),
+            opcode::GET_FAILOVER_LOG => self.failover_log(&req, out),
+            opcode::BUFFER_ACKNOWLEDGEMENT => match BufferAcknowledgement::decode(&req) {
+                // No reply: acknowledgements are one-way.
+                Ok(a) => self.unacked = self.unacked.saturating_sub(a.bytes as usize),
+                Err(e) => respond(out, &req, status::EINVAL, e.to_string().as_bytes()),
+            },
+            opcode::OPEN => respond(
+                out,
+                &req,
+                status::EINVAL,
+                b"this connection is open already",
+            ),
+            opcode::ADD_STREAM | opcode::SET_VBUCKET_STATE | opcode::SNAPSHOT_MARKER => {
+                respond(out, &req, status::NOT_SUPPORTED, b"not sent to a producer")
+            }
+            _ => return session.handle(frame, out),
+        }
+        Flow::Continue
+    }
+
+    /// Writes stream messages in turns until the window closes, the output is large enough, or
+    /// every stream is caught up. Returns whether anything was written.
+    fn fill(&mut self, out: &mut Vec<u8>) -> bool {
+        let engine = self.shared.engine.clone();
+        let mut wrote = false;
+        let mut idle_round = false;
+        while !idle_round && out.len() < FLUSH_AT && self.window() > 0 && !self.streams.is_empty() {
+            idle_round = true;
+            let order: Vec<u16> = self
+                .streams
+                .range(self.turn..)
+                .chain(self.streams.range(..self.turn))
+                .map(|(vb, _)| *vb)
+                .collect();
+            for vb in order {
+                let window = self.window();
+                if window == 0 || out.len() >= FLUSH_AT {
+                    self.turn = vb;
+                    break;
+                }
+                let s = self.streams.get_mut(&vb).expect("listed above");
+                let (n, progress) = s.fill(&engine, out, window.min(TURN_BYTES));
+                count_items(&self.shared.dcp, s);
+                if self.buffer_size > 0 {
+                    self.unacked += n;
+                }
+                match progress {
+                    Progress::Sent => idle_round = false,
+                    Progress::Idle => {}
+                    Progress::Ended(reason) => {
+                        if reason == stream_end_reason::TOO_SLOW {
+                            self.shared
+                                .dcp
+                                .streams_too_slow
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
+                        let mut s = self.streams.remove(&vb).expect("listed above");
+                        self.retire(&mut s);
+                        idle_round = false;
+                    }
+                }
+                wrote |= n > 0;
+                self.turn = vb.wrapping_add(1);
+            }
+        }
+        wrote
+    }
+
+    /// The NOOP to send now, if one is due; Err when the consumer failed to answer the last.
+    fn noop_due(&mut self, now: Instant, out: &mut Vec<u8>) -> Result<(), ()> {
+        if !self.noop_enabled || !self.streamed {
+            return Ok(());
+        }
+        if let Some(sent) = self.noop_outstanding {
+            if now.duration_since(sent) >= self.noop_interval {
+                return Err(());
+            }
+            return Ok(());
+        }
+        if now.duration_since(self.last_sent) >= self.noop_interval {
+            self.noop_opaque = self.noop_opaque.wrapping_add(1);
+            let _ = Noop.encode(out, self.noop_opaque);
+            self.noop_outstanding = Some(now);
+        }
+        Ok(())
+    }
+
+    fn next_noop_deadline(&self) -> Option<Instant> {
+        if !self.noop_enabled || !self.streamed {
+            return None;
+        }
+        Some(match self.noop_outstanding {
+            Some(sent) => sent + self.noop_interval,
+            None => self.last_sent + self.noop_interval,
+        })
+    }
+
+    fn shutdown(&mut self) {
+        for (_, mut s) in std::mem::take(&mut self.streams) {
+            self.retire(&mut s);
+        }
+    }
+}
+
+/// Serves a connection that DCP_OPEN turned into a producer, until the consumer goes away,
+/// fails its NOOPs, the name is reopened elsewhere, or the server stops.
+pub async fn run(
+    mut socket: TcpStream,
+    mut inbuf: BytesMut,
+    mut out: Vec<u8>,
+    mut session: Session,
+    open: OpenProducer,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let bucket = session.bucket();
+    let mut claim = Names::claim(&shared, bucket.id, &open.name);
+    let name = String::from_utf8_lossy(&open.name).into_owned();
+    log::info!(
+        "DCP producer '{name}' for {peer} on bucket {}",
+        bucket.name()
+    );
+    shared.dcp.connections.fetch_add(1, Ordering::Relaxed);
+    let mut p = Producer {
+        shared: shared.clone(),
+        bucket: bucket.clone(),
+        name,
+        encoding: Encoding {
+            no_value: open.flags & open_flag::NO_VALUE != 0,
+            keep_datatype: open.flags & open_flag::NO_VALUE_WITH_UNDERLYING_DATATYPE != 0,
+            delete_times: open.flags & open_flag::INCLUDE_DELETE_TIMES != 0,
+            expiry_opcode: false,
+        },
+        buffer_size: 0,
+        unacked: 0,
+        noop_enabled: false,
+        noop_interval: DEFAULT_NOOP_INTERVAL,
+        noop_outstanding: None,
+        noop_opaque: 0,
+        last_sent: Instant::now(),
+        cursor_dropping: false,
+        end_on_close: false,
+        streams: BTreeMap::new(),
+        turn: 0,
+        streamed: false,
+    };
+    let why = serve(
+        &mut socket,
+        &mut inbuf,
+        &mut out,
+        &mut session,
+        &mut p,
+        &shared,
+        &mut stop,
+        &mut claim,
+    )
+    .await;
+    log::info!("DCP producer '{}' for {peer} closed: {why}", p.name);
+    p.shutdown();
+    shared.dcp.connections.fetch_sub(1, Ordering::Relaxed);
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    socket: &mut TcpStream,
+    inbuf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    session: &mut Session,
+    p: &mut Producer,
+    shared: &Shared,
+    stop: &mut watch::Receiver<bool>,
+    claim: &mut NameClaim,
+) -> &'static str {
+    let max_body = shared.config.max_body;
+    let bucket = p.bucket.clone();
+    loop {
+        loop {
+            match mcbp::frame_len(inbuf, max_body) {
+                Ok(Some(n)) => {
+                    let frame = inbuf.split_to(n);
+                    if matches!(p.handle(&frame, session, out), Flow::Close) {
+                        let _ = write_out(socket, out, shared).await;
+                        return "the consumer quit";
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("DCP producer '{}': {e}", p.name);
+                    return "malformed input";
+                }
+            }
+        }
+        let generation = bucket.changes.generation();
+        let wrote = p.fill(out);
+        let now = Instant::now();
+        if p.noop_due(now, out).is_err() {
+            shared.dcp.dead_connections.fetch_add(1, Ordering::Relaxed);
+            return "no NOOP reply within the noop interval (dead connection)";
+        }
+        if !out.is_empty() {
+            if write_out(socket, out, shared).await.is_err() {
+                return "write failed";
+            }
+            p.last_sent = Instant::now();
+        }
+        if *stop.borrow() {
+            return "the server is stopping";
+        }
+        if *claim.replaced.borrow() {
+            return "its name was opened by another connection";
+        }
+        if wrote {
+            // More may be ready: pick up acknowledgements without waiting, then fill again.
+            match socket.try_read_buf(inbuf) {
+                Ok(0) => return "the consumer closed the connection",
+                Ok(n) => {
+                    shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return "read failed",
+            }
+            continue;
+        }
+        let can_send = !p.streams.is_empty() && p.window() > 0;
+        let noop_at = p.next_noop_deadline();
+        let noop_sleep = async {
+            match noop_at {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        let changes = async {
+            if can_send {
+                bucket.changes.changed(generation).await
+            } else {
+                std::future::pending().await
+            }
+        };
+        tokio::select! {
+            r = socket.read_buf(inbuf) => match r {
+                Ok(0) => return "the consumer closed the connection",
+                Ok(n) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
+                Err(_) => return "read failed",
+            },
+            _ = changes => {}
+            _ = noop_sleep => {}
+            _ = stop.changed() => return "the server is stopping",
+            _ = claim.replaced.changed() => return "its name was opened by another connection",
+        }
+    }
+}
+
+async fn write_out(
+    socket: &mut TcpStream,
+    out: &mut Vec<u8>,
+    shared: &Shared,
+) -> std::io::Result<()> {
+    let r = socket.write_all(out).await;
+    shared
+        .stats
+        .bytes_out
+        .fetch_add(out.len() as u64, Ordering::Relaxed);
+    out.clear();
+    if out.capacity() > 4 * FLUSH_AT {
+        out.shrink_to(FLUSH_AT);
+    }
+    r
+}

@@ -1,0 +1,397 @@
+//! One DCP stream of a producer connection: a vbucket's changes after the consumer's start, as
+//! snapshots. Older history comes by backfill (one disk snapshot up to the high seqno taken when
+//! it began), then the stream follows its checkpoint cursor (memory snapshots); the cursor is
+//! registered atomically with the backfill, so the two meet without a gap or a duplicate.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use sluice_core::backfill::Backfill;
+use sluice_core::bucket::Bucket;
+use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
+use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::{Engine, Result};
+use sluice_proto::dcp::DcpRequest;
+use sluice_proto::dcp::{
+    opcode, snapshot_flag, stream_end_reason, DocumentRef, SnapshotMarker, StreamEnd,
+};
+
+/// How a connection wants documents encoded (DCP_OPEN flags and controls).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Encoding {
+    pub no_value: bool,
+    pub keep_datatype: bool,
+    pub delete_times: bool,
+    pub expiry_opcode: bool,
+}
+
+/// What a stream's fill did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Wrote messages; may have more.
+    Sent,
+    /// Nothing to send until the vbucket changes.
+    Idle,
+    /// Wrote its STREAM_END with this reason; remove it.
+    Ended(u32),
+}
+
+enum Phase {
+    Backfill(Backfill),
+    Memory,
+}
+
+pub struct Stream {
+    pub vbucket: u16,
+    pub opaque: u32,
+    bucket: Arc<Bucket>,
+    cursor_name: String,
+    cursor: Option<(CursorId, CursorHandle)>,
+    phase: Phase,
+    /// The last seqno this stream has sent (or the consumer's start).
+    last_seqno: u64,
+    /// The end of the last snapshot marker sent (the consumer's start before the first).
+    snapshot_end: u64,
+    snapshot_checkpoint: Option<u64>,
+    end_seqno: u64,
+    encoding: Encoding,
+    /// Read from the cursor, not yet sent (flow control stopped the connection mid-batch).
+    pending: VecDeque<CheckpointBatch>,
+    pending_pos: usize,
+    /// Whether a dropped cursor ends the stream (the consumer declared cursor dropping).
+    end_when_dropped: bool,
+    /// Items sent by backfill and from memory, for the producer's metrics.
+    pub sent_backfill: u64,
+    pub sent_memory: u64,
+}
+
+/// Appends one message and returns its length, for flow control.
+fn framed(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) -> usize {
+    let before = out.len();
+    write(out);
+    out.len() - before
+}
+
+impl Stream {
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        engine: &Engine,
+        bucket: Arc<Bucket>,
+        vbucket: u16,
+        opaque: u32,
+        connection: &str,
+        start_seqno: u64,
+        end_seqno: u64,
+        encoding: Encoding,
+        end_when_dropped: bool,
+    ) -> Result<Stream> {
+        let cursor_name = format!("dcp:{connection}:{vbucket}");
+        let mut s = Stream {
+            vbucket,
+            opaque,
+            bucket,
+            cursor_name,
+            cursor: None,
+            phase: Phase::Memory,
+            last_seqno: start_seqno,
+            snapshot_end: start_seqno,
+            snapshot_checkpoint: None,
+            end_seqno,
+            encoding,
+            pending: VecDeque::new(),
+            pending_pos: 0,
+            end_when_dropped,
+            sent_backfill: 0,
+            sent_memory: 0,
+        };
+        if start_seqno < end_seqno {
+            s.register(engine)?;
+        }
+        Ok(s)
+    }
+
+    fn register(&mut self, engine: &Engine) -> Result<()> {
+        let (reg, handle, backfill) = engine.open_cursor(
+            &self.bucket,
+            self.vbucket,
+            &self.cursor_name,
+            self.last_seqno,
+        )?;
+        self.cursor = Some((reg.id, handle));
+        self.phase = match backfill {
+            Some(b) => Phase::Backfill(b),
+            None => Phase::Memory,
+        };
+        Ok(())
+    }
+
+    /// Releases the cursor (and any backfill) so the checkpoints need not keep changes for it.
+    pub fn close(&mut self, engine: &Engine) {
+        if let Some((id, _)) = self.cursor.take() {
+            engine.remove_cursor(&self.bucket, self.vbucket, id);
+        }
+        self.phase = Phase::Memory;
+        self.pending.clear();
+    }
+
+    pub fn is_backfilling(&self) -> bool {
+        matches!(self.phase, Phase::Backfill(_))
+    }
+
+    fn finished(&self) -> bool {
+        self.last_seqno >= self.end_seqno && self.last_seqno >= self.snapshot_end
+    }
+
+    /// Writes STREAM_END with `reason`; returns its length.
+    pub fn write_end(&self, out: &mut Vec<u8>, reason: u32) -> usize {
+        framed(out, |out| {
+            let _ = StreamEnd {
+                vbucket: self.vbucket,
+                reason,
+            }
+            .encode(out, self.opaque);
+        })
+    }
+
+    fn write_marker(&mut self, out: &mut Vec<u8>, start: u64, end: u64, flags: u32) -> usize {
+        self.snapshot_end = end;
+        framed(out, |out| {
+            let _ = SnapshotMarker {
+                vbucket: self.vbucket,
+                start_seqno: start,
+                end_seqno: end,
+                flags,
+            }
+            .encode(out, self.opaque);
+        })
+    }
+
+    fn view(&self) -> StreamView {
+        StreamView {
+            vbucket: self.vbucket,
+            opaque: self.opaque,
+            encoding: self.encoding,
+        }
+    }
+
+    /// Writes up to about `budget` bytes of this stream's messages (at least one message when
+    /// there is one, as flow control lets one message overflow the window). Returns the bytes
+    /// written and what happened.
+    pub fn fill(&mut self, engine: &Engine, out: &mut Vec<u8>, budget: usize) -> (usize, Progress) {
+        let mut used = 0;
+        if self.finished() {
+            used += self.write_end(out, stream_end_reason::OK);
+            self.close(engine);
+            return (used, Progress::Ended(stream_end_reason::OK));
+        }
+        loop {
+            if used >= budget {
+                return (used, Progress::Sent);
+            }
+            match &mut self.phase {
+                Phase::Backfill(_) => used += self.fill_backfill(out, budget - used),
+                Phase::Memory => {
+                    if self.pending.is_empty() {
+                        match self.read_cursor(engine) {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                let p = if used > 0 {
+                                    Progress::Sent
+                                } else {
+                                    Progress::Idle
+                                };
+                                return (used, p);
+                            }
+                            Err(reason) => {
+                                used += self.write_end(out, reason);
+                                self.close(engine);
+                                return (used, Progress::Ended(reason));
+                            }
+                        }
+                    }
+                    used += self.fill_memory(out, budget - used);
+                }
+            }
+            if self.finished() {
+                used += self.write_end(out, stream_end_reason::OK);
+                self.close(engine);
+                return (used, Progress::Ended(stream_end_reason::OK));
+            }
+        }
+    }
+
+    fn fill_backfill(&mut self, out: &mut Vec<u8>, budget: usize) -> usize {
+        let Phase::Backfill(b) = &mut self.phase else {
+            return 0;
+        };
+        let (start, end) = b.range();
+        let mut used = 0;
+        if self.snapshot_end < end {
+            // The backfill is one disk snapshot, consistent only at its end.
+            used += self.write_marker(
+                out,
+                start,
+                end,
+                snapshot_flag::DISK | snapshot_flag::CHECKPOINT,
+            );
+            self.snapshot_checkpoint = None;
+        }
+        let this = self.view();
+        let mut last = self.last_seqno;
+        let mut sent = 0;
+        let Phase::Backfill(b) = &mut self.phase else {
+            unreachable!()
+        };
+        b.read_with(4096, |item| {
+            if used >= budget && sent > 0 {
+                return false;
+            }
+            let meta = item.meta();
+            let op = if meta.deleted {
+                ChangeOp::Deletion
+            } else {
+                ChangeOp::Mutation
+            };
+            used += this.write_document(out, op, item.key(), item.value(), &meta);
+            last = meta.by_seqno;
+            sent += 1;
+            true
+        });
+        self.sent_backfill += sent;
+        self.last_seqno = last;
+        if b.is_done() {
+            // The snapshot is complete at its end even if its last seqnos were superseded.
+            self.last_seqno = self.last_seqno.max(end);
+            self.phase = Phase::Memory;
+        }
+        used
+    }
+
+    /// Reads the next changes from the cursor into `pending`. Ok(false): nothing new.
+    /// Err(reason): the stream must end.
+    fn read_cursor(&mut self, engine: &Engine) -> std::result::Result<bool, u32> {
+        let Some((id, handle)) = &self.cursor else {
+            return Ok(false);
+        };
+        let read = if handle.is_dropped() {
+            CursorRead::Dropped
+        } else {
+            engine.read_cursor(&self.bucket, self.vbucket, *id, 4096)
+        };
+        match read {
+            CursorRead::Batches(b) if b.is_empty() => Ok(false),
+            CursorRead::Batches(b) => {
+                self.pending.extend(b);
+                self.pending_pos = 0;
+                Ok(true)
+            }
+            CursorRead::Dropped => {
+                self.cursor = None;
+                if self.end_when_dropped {
+                    log::info!(
+                        "DCP stream {} of vbucket {} ends: its cursor was dropped (too slow)",
+                        self.cursor_name,
+                        self.vbucket
+                    );
+                    return Err(stream_end_reason::TOO_SLOW);
+                }
+                // Without cursor dropping the stream goes on by backfill from where it is.
+                match self.register(engine) {
+                    Ok(()) => Ok(true),
+                    Err(e) => {
+                        log::warn!("DCP stream {}: {e}", self.cursor_name);
+                        Err(stream_end_reason::BACKFILL_FAILED)
+                    }
+                }
+            }
+        }
+    }
+
+    fn fill_memory(&mut self, out: &mut Vec<u8>, budget: usize) -> usize {
+        let mut used = 0;
+        let this = self.view();
+        while let Some(batch) = self.pending.front() {
+            if used >= budget {
+                break;
+            }
+            let Some(change) = batch.changes.get(self.pending_pos) else {
+                self.pending.pop_front();
+                self.pending_pos = 0;
+                continue;
+            };
+            let seqno = change.seqno();
+            if seqno > self.snapshot_end {
+                // A new snapshot: the rest of this checkpoint as it stood when read.
+                let mut flags = snapshot_flag::MEMORY;
+                if self.snapshot_checkpoint != Some(batch.checkpoint_id) {
+                    flags |= snapshot_flag::CHECKPOINT;
+                }
+                let (start, end, cp) = (self.snapshot_end + 1, batch.end, batch.checkpoint_id);
+                used += self.write_marker(out, start, end, flags);
+                self.snapshot_checkpoint = Some(cp);
+                continue;
+            }
+            used += this.write_document(
+                out,
+                change.op(),
+                change.key(),
+                change.value(),
+                change.meta(),
+            );
+            self.last_seqno = seqno;
+            self.sent_memory += 1;
+            self.pending_pos += 1;
+        }
+        used
+    }
+}
+
+/// What encoding a document needs from its stream, apart from the stream's mutable state.
+#[derive(Clone, Copy)]
+struct StreamView {
+    vbucket: u16,
+    opaque: u32,
+    encoding: Encoding,
+}
+
+impl StreamView {
+    fn write_document(
+        &self,
+        out: &mut Vec<u8>,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        meta: &ItemMeta,
+    ) -> usize {
+        let e = self.encoding;
+        let opcode = match op {
+            ChangeOp::Mutation => opcode::MUTATION,
+            ChangeOp::Deletion => opcode::DELETION,
+            ChangeOp::Expiration if e.expiry_opcode => opcode::EXPIRATION,
+            ChangeOp::Expiration => opcode::DELETION,
+        };
+        let deleted = opcode != opcode::MUTATION;
+        let doc = DocumentRef {
+            opcode,
+            vbucket: self.vbucket,
+            key,
+            value: if e.no_value { &[] } else { value },
+            by_seqno: meta.by_seqno,
+            rev_seqno: meta.rev_seqno,
+            cas: meta.cas,
+            datatype: if e.no_value && !e.keep_datatype {
+                0
+            } else {
+                meta.datatype
+            },
+            flags: meta.flags,
+            expiration: if deleted { 0 } else { meta.expiry },
+            // A tombstone's expiry field holds its delete time.
+            delete_time: if deleted { meta.expiry } else { 0 },
+        };
+        framed(out, |out| {
+            // Keys and values are bounded by what the engine accepted: encoding cannot fail.
+            let _ = doc.encode(out, self.opaque, e.delete_times);
+        })
+    }
+}
