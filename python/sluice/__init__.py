@@ -27,10 +27,13 @@ from sluice._native import (
     __version__,
     vbucket_of,
 )
+from sluice.client import Change, Client, RollbackError, Stream
 from sluice.config import Config, load_config
 
 __all__ = [
     "BucketSettings",
+    "Change",
+    "Client",
     "ClosedError",
     "Config",
     "ConfigError",
@@ -39,6 +42,8 @@ __all__ = [
     "EmbeddedEngine",
     "EngineSettings",
     "ExistsError",
+    "RollbackError",
+    "Stream",
     "InvalidKeyError",
     "ItemView",
     "Mutation",

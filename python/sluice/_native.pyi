@@ -10,6 +10,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CorruptionError",
+    "DcpConsumer",
     "DurabilityImpossibleError",
     "EmbeddedEngine",
     "EngineSettings",
@@ -22,6 +23,7 @@ __all__ = [
     "NotMyVbucketError",
     "NotNumericError",
     "NotStoredError",
+    "RawBatch",
     "Server",
     "SluiceError",
     "TempFailError",
@@ -239,6 +241,50 @@ class Server:
     def admin_address(self) -> str | None: ...
     def set_users(self, users: list[tuple[str, str, dict[str, list[str]]]]) -> None: ...
     def stop(self, grace: float = 5.0) -> None: ...
+
+@final
+class RawBatch:
+    """One batch of DCP documents in columns (native byte order)."""
+
+    @property
+    def num_rows(self) -> int: ...
+    def buffers(self) -> dict[str, bytes]: ...
+    def rows(self) -> list[tuple[int, int, str, bytes, bytes, int, int, int, int, int]]: ...
+    @property
+    def ended(self) -> list[tuple[int, int]]: ...
+    @property
+    def rollbacks(self) -> list[tuple[int, int]]: ...
+
+@final
+class DcpConsumer:
+    """A DCP consumer connection on a native thread."""
+
+    def __new__(
+        cls,
+        address: str,
+        *,
+        bucket: str = "default",
+        username: str | None = None,
+        password: str | None = None,
+        name: str = "sluice:consumer",
+        vbuckets: list[int] | None = None,
+        from_now: bool = False,
+        to_latest: bool = False,
+        state: str | None = None,
+        rollback: str = "ask",
+        batch_size: int = 8192,
+        buffer_size: int = 16777216,
+        noop_interval: int = 20,
+        include_values: bool = True,
+        cursor_dropping: bool = False,
+    ) -> DcpConsumer: ...
+    def next_event(
+        self, timeout: float
+    ) -> tuple[str] | tuple[str, RawBatch] | tuple[str, int, int] | None: ...
+    def resume(self, vbucket: int) -> None: ...
+    def state_json(self) -> str: ...
+    def positions(self) -> list[tuple[int, int, int, int, bool]]: ...
+    def close(self) -> None: ...
 
 def bench(
     target: str,

@@ -1,6 +1,8 @@
 //! PyO3 glue only: the embedded engine handle, its configuration objects, exceptions, and the
 //! WAL dump. Every call that can block (disk, durability waits) releases the GIL.
 
+mod dcp;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1073,6 +1075,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Server>()?;
     m.add_class::<Mutation>()?;
     m.add_class::<ItemView>()?;
+    m.add_class::<dcp::DcpConsumer>()?;
+    m.add_class::<dcp::RawBatch>()?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(vbucket_of, m)?)?;

@@ -1,0 +1,294 @@
+"""A DCP client for Python: ``sluice.Client(...).stream(...)`` follows a bucket's change stream
+from a sluice (or Couchbase) server through the native consumer, and yields batches as pyarrow
+RecordBatches or as lists of :class:`Change`.
+
+The session state (per vbucket: failover log, last seqno, snapshot range) is the state after
+the last batch yielded; save it with :meth:`Stream.save_state` and pass it back as ``state=`` to
+continue with no duplicates and no gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Union
+
+from sluice._native import DcpConsumer, RawBatch, SluiceError
+
+OPS = ("mutation", "deletion", "expiration")
+
+RollbackPolicy = Union[str, Callable[[int, int], object]]
+
+
+class Change(NamedTuple):
+    vbucket: int
+    seqno: int
+    op: str  # "mutation", "deletion" or "expiration"
+    key: bytes
+    value: bytes
+    cas: int
+    rev_seqno: int
+    flags: int
+    expiry: int  # mutations: expiry time; deletions and expirations: delete time
+    datatype: int
+
+
+class RollbackError(SluiceError):
+    """The producer's history diverged from this consumer's: roll your data back to ``seqno`` for
+    ``vbucket`` (remove what you hold above it), then resume from the stream's state."""
+
+    def __init__(self, vbucket: int, seqno: int) -> None:
+        super().__init__(f"vbucket {vbucket} must roll back to seqno {seqno}")
+        self.vbucket = vbucket
+        self.seqno = seqno
+
+
+def arrow_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("vbucket", pa.uint16()),
+            ("seqno", pa.uint64()),
+            ("op", pa.dictionary(pa.int8(), pa.string())),
+            ("key", pa.binary()),
+            ("value", pa.large_binary()),
+            ("cas", pa.uint64()),
+            ("rev_seqno", pa.uint64()),
+            ("flags", pa.uint32()),
+            ("expiry", pa.uint32()),
+            ("datatype", pa.uint8()),
+        ]
+    )
+
+
+def to_record_batch(raw: RawBatch) -> Any:
+    """The batch's column buffers as a pyarrow RecordBatch, without a Python step per row."""
+    import pyarrow as pa
+
+    n = raw.num_rows
+    b = raw.buffers()
+
+    def fixed(name: str, typ: Any) -> Any:
+        return pa.Array.from_buffers(typ, n, [None, pa.py_buffer(b[name])])
+
+    ops = pa.Array.from_buffers(pa.int8(), n, [None, pa.py_buffer(b["op"])])
+    columns = [
+        fixed("vbucket", pa.uint16()),
+        fixed("seqno", pa.uint64()),
+        pa.DictionaryArray.from_arrays(ops, pa.array(OPS, pa.string())),
+        pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(b["key_offsets"]), pa.py_buffer(b["keys"])]),
+        pa.Array.from_buffers(
+            pa.large_binary(), n, [None, pa.py_buffer(b["value_offsets"]), pa.py_buffer(b["values"])]
+        ),
+        fixed("cas", pa.uint64()),
+        fixed("rev_seqno", pa.uint64()),
+        fixed("flags", pa.uint32()),
+        fixed("expiry", pa.uint32()),
+        fixed("datatype", pa.uint8()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=arrow_schema())
+
+
+class Stream:
+    """An iterator of batches from one DCP connection. Close it (or use ``with``) when done."""
+
+    def __init__(
+        self,
+        consumer: DcpConsumer,
+        fmt: str,
+        rollback: RollbackPolicy,
+        skip_empty: bool,
+    ) -> None:
+        self._consumer = consumer
+        self._format = fmt
+        self._rollback = rollback
+        self._skip_empty = skip_empty
+        self.ended: dict[int, int] = {}
+        self.rollbacks: list[tuple[int, int]] = []
+        self._done = False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while not self._done:
+            batch = self._take(1.0)
+            if batch is not None:
+                return batch
+        raise StopIteration
+
+    def poll(self, timeout: float) -> Any | None:
+        """Like ``next()``, but returns None if no batch arrives within ``timeout`` seconds (or
+        the stream has finished)."""
+        deadline = time.monotonic() + timeout
+        while not self._done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            batch = self._take(min(left, 1.0))
+            if batch is not None:
+                return batch
+        return None
+
+    def _take(self, timeout: float) -> Any | None:
+        """One event: a converted batch, or None (timeout, a handled rollback, the end)."""
+        event = self._consumer.next_event(timeout)
+        if event is None:
+            return None
+        kind = event[0]
+        if kind == "finished":
+            self._done = True
+            return None
+        if kind == "rollback":
+            _, vbucket, seqno = event
+            self.rollbacks.append((vbucket, seqno))
+            if not callable(self._rollback):
+                raise RollbackError(vbucket, seqno)
+            self._rollback(vbucket, seqno)
+            self._consumer.resume(vbucket)
+            return None
+        raw = event[1]
+        self.ended.update(raw.ended)
+        self.rollbacks.extend(raw.rollbacks)
+        if raw.num_rows == 0 and self._skip_empty:
+            return None
+        return self.convert(raw)
+
+    def convert(self, raw: RawBatch) -> Any:
+        if self._format == "arrow":
+            return to_record_batch(raw)
+        return [Change._make(r) for r in raw.rows()]
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def state(self) -> dict:
+        """The session state after the last batch returned (JSON-ready)."""
+        return json.loads(self._consumer.state_json())
+
+    def state_json(self) -> str:
+        return self._consumer.state_json()
+
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Writes the state atomically (temporary file, fsync, rename)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self._consumer.state_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def positions(self) -> dict[int, tuple[int, int, int, bool]]:
+        """Per vbucket: (seqno, snapshot start, snapshot end, snapshot is a backfill)."""
+        return {vb: (s, a, b, disk) for vb, s, a, b, disk in self._consumer.positions()}
+
+    def close(self) -> None:
+        self._done = True
+        self._consumer.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """Where to stream from: a server's address, bucket and credentials."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:11210",
+        *,
+        bucket: str = "default",
+        username: str | None = None,
+        password: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.address = address
+        self.bucket = bucket
+        self.username = username
+        self.password = password
+        self.name = name or f"sluice-client:{os.getpid()}:{time.time_ns()}"
+
+    def stream(
+        self,
+        vbuckets: list[int] | None = None,
+        *,
+        start: str = "beginning",
+        end: str | None = None,
+        state: dict | str | os.PathLike | None = None,
+        rollback: RollbackPolicy = "raise",
+        format: str = "arrow",
+        batch_size: int = 8192,
+        buffer_size: int = 16 << 20,
+        noop_interval: int = 20,
+        values: bool = True,
+        cursor_dropping: bool = False,
+        skip_empty: bool = True,
+    ) -> Stream:
+        """Opens streams for ``vbuckets`` (default: every active vbucket).
+
+        start: "beginning" or "now", for vbuckets the state does not cover.
+        end: None to follow forever, "now" to stop at the high seqnos of the moment.
+        state: a state from :meth:`Stream.state` (a dict, JSON text, or a file path).
+        rollback: "raise" (RollbackError), "resume" (roll back and go on), or a callable
+            ``(vbucket, seqno)`` run before the stream resumes from the rollback point.
+        format: "arrow" (pyarrow.RecordBatch) or "python" (list of Change).
+        """
+        if start not in ("beginning", "now"):
+            raise ValueError(f"start must be 'beginning' or 'now', not {start!r}")
+        if end not in (None, "now"):
+            raise ValueError(f"end must be None or 'now', not {end!r}")
+        if format not in ("arrow", "python"):
+            raise ValueError(f"format must be 'arrow' or 'python', not {format!r}")
+        if format == "arrow":
+            try:
+                import pyarrow  # noqa: F401
+            except ImportError as e:
+                raise ImportError("format='arrow' needs pyarrow: pip install 'sluice[arrow]'") from e
+        if not (rollback in ("raise", "resume") or callable(rollback)):
+            raise ValueError("rollback must be 'raise', 'resume' or a callable (vbucket, seqno)")
+        state_text = _state_text(state)
+        consumer = DcpConsumer(
+            self.address,
+            bucket=self.bucket,
+            username=self.username,
+            password=self.password,
+            name=self.name,
+            vbuckets=vbuckets,
+            from_now=start == "now",
+            to_latest=end == "now",
+            state=state_text,
+            rollback="resume" if rollback == "resume" else "ask",
+            batch_size=batch_size,
+            buffer_size=buffer_size,
+            noop_interval=noop_interval,
+            include_values=values,
+            cursor_dropping=cursor_dropping,
+        )
+        return Stream(consumer, format, rollback, skip_empty)
+
+
+def _state_text(state: dict | str | os.PathLike | None) -> str | None:
+    if state is None:
+        return None
+    if isinstance(state, dict):
+        return json.dumps(state)
+    if isinstance(state, str) and state.lstrip().startswith("{"):
+        return state
+    path = Path(state)
+    if not path.exists():
+        return None
+    return path.read_text()

@@ -1,0 +1,251 @@
+//! The native DCP consumer for Python: `DcpConsumer` runs `sluice_server::dcp::consumer` and
+//! hands over its batches as column buffers (one copy into `bytes` per column, nothing per
+//! item); `sluice.client` turns them into pyarrow RecordBatches or `Change` tuples. The state
+//! it exports is the one after the last batch handed over.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use sluice_server::dcp::consumer::{
+    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
+};
+
+use crate::SluiceError;
+
+/// One batch of documents in columns, with the streams that ended and the rollbacks followed.
+#[pyclass(module = "sluice._native", frozen)]
+pub struct RawBatch {
+    batch: Batch,
+}
+
+fn bytes_of<'py, T: Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
+    // SAFETY: T is a plain integer type; its bytes are initialised and the length is exact.
+    let raw =
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+    PyBytes::new(py, raw)
+}
+
+const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
+
+#[pymethods]
+impl RawBatch {
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// Column buffers in native byte order: fixed-width columns, and for `key` and `value`
+    /// Arrow offsets (int32 / int64) plus data.
+    fn buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let b = &self.batch;
+        let d = PyDict::new(py);
+        d.set_item("vbucket", bytes_of(py, &b.vbucket))?;
+        d.set_item("seqno", bytes_of(py, &b.seqno))?;
+        d.set_item("op", bytes_of(py, &b.op))?;
+        d.set_item("cas", bytes_of(py, &b.cas))?;
+        d.set_item("rev_seqno", bytes_of(py, &b.rev_seqno))?;
+        d.set_item("flags", bytes_of(py, &b.flags))?;
+        d.set_item("expiry", bytes_of(py, &b.expiry))?;
+        d.set_item("datatype", bytes_of(py, &b.datatype))?;
+        d.set_item("key_offsets", bytes_of(py, &b.key_offsets))?;
+        d.set_item("keys", PyBytes::new(py, &b.keys))?;
+        d.set_item("value_offsets", bytes_of(py, &b.value_offsets))?;
+        d.set_item("values", PyBytes::new(py, &b.values))?;
+        Ok(d)
+    }
+
+    /// Rows as tuples: (vbucket, seqno, op, key, value, cas, rev_seqno, flags, expiry, datatype).
+    fn rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let b = &self.batch;
+        let out = PyList::empty(py);
+        for i in 0..b.len() {
+            let key = &b.keys[b.key_offsets[i] as usize..b.key_offsets[i + 1] as usize];
+            let value = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
+            let row = PyTuple::new(
+                py,
+                [
+                    b.vbucket[i].into_pyobject(py)?.into_any(),
+                    b.seqno[i].into_pyobject(py)?.into_any(),
+                    OPS[b.op[i] as usize].into_pyobject(py)?.into_any(),
+                    PyBytes::new(py, key).into_any(),
+                    PyBytes::new(py, value).into_any(),
+                    b.cas[i].into_pyobject(py)?.into_any(),
+                    b.rev_seqno[i].into_pyobject(py)?.into_any(),
+                    b.flags[i].into_pyobject(py)?.into_any(),
+                    b.expiry[i].into_pyobject(py)?.into_any(),
+                    b.datatype[i].into_pyobject(py)?.into_any(),
+                ],
+            )?;
+            out.append(row)?;
+        }
+        Ok(out)
+    }
+
+    /// Streams that ended in this batch: (vbucket, STREAM_END reason).
+    #[getter]
+    fn ended(&self) -> Vec<(u16, u32)> {
+        self.batch.ended.clone()
+    }
+
+    /// Rollbacks followed automatically: (vbucket, seqno).
+    #[getter]
+    fn rollbacks(&self) -> Vec<(u16, u64)> {
+        self.batch.rollbacks.clone()
+    }
+}
+
+/// A DCP consumer connection on its own thread.
+#[pyclass(module = "sluice._native", frozen)]
+pub struct DcpConsumer {
+    consumer: Mutex<Option<Consumer>>,
+    /// The state after the last batch handed to Python.
+    state: Mutex<SessionState>,
+}
+
+fn apply(state: &mut SessionState, positions: &[(u16, Position)]) {
+    for (vb, p) in positions {
+        state.vbuckets.insert(*vb, p.clone());
+    }
+}
+
+#[pymethods]
+impl DcpConsumer {
+    #[new]
+    #[pyo3(signature = (address, *, bucket="default", username=None, password=None,
+        name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, state=None,
+        rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
+        include_values=true, cursor_dropping=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        address: &str,
+        bucket: &str,
+        username: Option<String>,
+        password: Option<String>,
+        name: &str,
+        vbuckets: Option<Vec<u16>>,
+        from_now: bool,
+        to_latest: bool,
+        state: Option<&str>,
+        rollback: &str,
+        batch_size: usize,
+        buffer_size: u32,
+        noop_interval: u32,
+        include_values: bool,
+        cursor_dropping: bool,
+    ) -> PyResult<Self> {
+        let state = match state {
+            None => SessionState::default(),
+            Some(s) => {
+                let v: serde_json::Value = serde_json::from_str(s)
+                    .map_err(|e| PyValueError::new_err(format!("session state is not JSON: {e}")))?;
+                SessionState::from_json(&v).map_err(PyValueError::new_err)?
+            }
+        };
+        let rollback = match rollback {
+            "ask" => RollbackMode::Ask,
+            "resume" => RollbackMode::Resume,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "rollback must be 'ask' or 'resume', not '{other}'"
+                )))
+            }
+        };
+        if batch_size == 0 {
+            return Err(PyValueError::new_err("batch_size must be at least 1"));
+        }
+        if name.is_empty() || name.len() > 200 {
+            return Err(PyValueError::new_err("name must be 1 to 200 bytes"));
+        }
+        let config = ConsumerConfig {
+            address: address.to_string(),
+            bucket: bucket.to_string(),
+            username,
+            password,
+            name: name.to_string(),
+            vbuckets,
+            from_now,
+            to_latest,
+            state: state.clone(),
+            rollback,
+            batch_size,
+            buffer_size,
+            noop_interval,
+            include_values,
+            cursor_dropping,
+        };
+        Ok(DcpConsumer {
+            consumer: Mutex::new(Some(Consumer::start(config))),
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The next event, waiting up to `timeout` seconds (None on timeout):
+    /// ("batch", RawBatch), ("rollback", vbucket, seqno) or ("finished",).
+    /// Raises SluiceError when the connection fails.
+    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<PyObject>> {
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let event = py.allow_threads(|| {
+            let guard = self.consumer.lock();
+            guard.as_ref().map(|c| c.next_event(timeout))
+        });
+        let Some(event) = event else {
+            return Ok(Some(("finished",).into_pyobject(py)?.into_any().unbind()));
+        };
+        Ok(match event {
+            None => None,
+            Some(Event::Batch(batch)) => {
+                apply(&mut self.state.lock(), &batch.positions);
+                let b = Py::new(py, RawBatch { batch })?;
+                Some(("batch", b).into_pyobject(py)?.into_any().unbind())
+            }
+            Some(Event::Rollback {
+                vbucket,
+                seqno,
+                position,
+            }) => {
+                apply(&mut self.state.lock(), &[(vbucket, position)]);
+                Some(("rollback", vbucket, seqno).into_pyobject(py)?.into_any().unbind())
+            }
+            Some(Event::Finished) => {
+                self.consumer.lock().take();
+                Some(("finished",).into_pyobject(py)?.into_any().unbind())
+            }
+            Some(Event::Failed(why)) => {
+                self.consumer.lock().take();
+                return Err(SluiceError::new_err(why));
+            }
+        })
+    }
+
+    /// Requests a vbucket's stream again after a rollback the reader has handled.
+    fn resume(&self, vbucket: u16) {
+        if let Some(c) = self.consumer.lock().as_ref() {
+            c.resume(vbucket);
+        }
+    }
+
+    /// The session state after the last batch handed over, as JSON.
+    fn state_json(&self) -> String {
+        self.state.lock().to_json().to_string()
+    }
+
+    /// Per vbucket: (seqno, snapshot start, snapshot end, whether the snapshot is a backfill).
+    fn positions(&self) -> Vec<(u16, u64, u64, u64, bool)> {
+        self.state
+            .lock()
+            .vbuckets
+            .iter()
+            .map(|(vb, p)| (*vb, p.seqno, p.snap_start, p.snap_end, p.disk))
+            .collect()
+    }
+
+    /// Closes the connection and stops the thread.
+    fn close(&self, py: Python<'_>) {
+        let c = self.consumer.lock().take();
+        py.allow_threads(move || drop(c));
+    }
+}

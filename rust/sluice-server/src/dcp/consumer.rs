@@ -1,0 +1,838 @@
+//! A native DCP consumer: one connection to a producer (sluice or Couchbase), streams for
+//! chosen vbucket, on a thread of its own that answers NOOPs, acknowledges the flow-control
+//! window, follows rollbacks, and hands columnar batches to the reader through a bounded
+//! channel (a slow reader stops the acknowledgements, and so the producer). Each batch carries
+//! the session state after it, so that what the reader has seen is what it resumes from.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sluice_proto::dcp::{
+    self, opcode, open_flag, snapshot_flag, stream_end_reason, stream_flag, DcpRequest,
+    DcpResponse, DocumentRef, FailoverEntry, SnapshotMarker, StreamEnd, StreamRequest,
+    StreamRequestResponse,
+};
+use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
+
+/// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
+const MAX_FRAME_BODY: usize = 21 << 20;
+const READ_CHUNK: usize = 256 << 10;
+/// How often the thread looks at its commands while the socket is quiet.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Where one vbucket's stream stands: the failover log it follows (newest first), the last
+/// seqno seen and the snapshot that seqno belongs to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Position {
+    pub failover: Vec<(u64, u64)>,
+    pub seqno: u64,
+    pub snap_start: u64,
+    pub snap_end: u64,
+    /// Whether the current snapshot is a disk (backfill) snapshot.
+    pub disk: bool,
+}
+
+impl Position {
+    /// The stream request that resumes here: a snapshot fully seen (or not begun) is a
+    /// boundary, so only a partly seen one is sent as a range.
+    fn resume(&self) -> (u64, u64, u64, u64) {
+        let uuid = self.failover.first().map_or(0, |e| e.0);
+        let s = self.seqno;
+        if s < self.snap_start || s >= self.snap_end {
+            (s, uuid, s, s)
+        } else {
+            (s, uuid, self.snap_start, self.snap_end)
+        }
+    }
+
+    /// Rolls back to `seqno`: failover entries past it are dropped (doc: building a simple
+    /// client); a rollback to 0 forgets the history, so the next request is "no history".
+    fn rolled_back(&self, seqno: u64) -> Position {
+        if seqno == 0 {
+            return Position::default();
+        }
+        Position {
+            failover: self
+                .failover
+                .iter()
+                .copied()
+                .filter(|e| e.1 <= seqno)
+                .collect(),
+            seqno,
+            snap_start: seqno,
+            snap_end: seqno,
+            disk: false,
+        }
+    }
+}
+
+/// Per-vbucket positions: what `sluice tail --state` and `Stream.state()` save and restore.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionState {
+    pub vbuckets: BTreeMap<u16, Position>,
+}
+
+impl SessionState {
+    pub fn to_json(&self) -> Value {
+        let vbs: serde_json::Map<String, Value> = self
+            .vbuckets
+            .iter()
+            .map(|(vb, p)| {
+                (
+                    vb.to_string(),
+                    json!({
+                        "failover_log": p.failover.iter().map(|e| json!([e.0, e.1])).collect::<Vec<_>>(),
+                        "seqno": p.seqno,
+                        "snapshot": [p.snap_start, p.snap_end],
+                    }),
+                )
+            })
+            .collect();
+        json!({"version": 1, "vbuckets": vbs})
+    }
+
+    pub fn from_json(v: &Value) -> Result<SessionState, String> {
+        let bad = |what: &str| format!("session state: {what}");
+        if v.get("version").and_then(Value::as_u64) != Some(1) {
+            return Err(bad("expected \"version\": 1"));
+        }
+        let vbs = v
+            .get("vbuckets")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad("\"vbuckets\" must be an object"))?;
+        let mut state = SessionState::default();
+        for (k, p) in vbs {
+            let vb: u16 = k
+                .parse()
+                .map_err(|_| bad(&format!("vbucket key '{k}' is not a number")))?;
+            let num = |x: Option<&Value>, what: &str| {
+                x.and_then(Value::as_u64).ok_or_else(|| {
+                    bad(&format!("vbucket {vb}: {what} must be an unsigned integer"))
+                })
+            };
+            let mut failover = Vec::new();
+            for e in p
+                .get("failover_log")
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad(&format!("vbucket {vb}: failover_log must be a list")))?
+            {
+                let pair = e.as_array().filter(|a| a.len() == 2).ok_or_else(|| {
+                    bad(&format!("vbucket {vb}: failover entries are [uuid, seqno]"))
+                })?;
+                failover.push((num(pair.first(), "uuid")?, num(pair.get(1), "seqno")?));
+            }
+            let snap = p
+                .get("snapshot")
+                .and_then(Value::as_array)
+                .filter(|a| a.len() == 2)
+                .ok_or_else(|| bad(&format!("vbucket {vb}: snapshot must be [start, end]")))?;
+            let pos = Position {
+                failover,
+                seqno: num(p.get("seqno"), "seqno")?,
+                snap_start: num(snap.first(), "snapshot start")?,
+                snap_end: num(snap.get(1), "snapshot end")?,
+                disk: false,
+            };
+            state.vbuckets.insert(vb, pos);
+        }
+        Ok(state)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollbackMode {
+    /// Hand the rollback to the reader and stop the vbucket until it says resume.
+    Ask,
+    /// Roll back and request again at once (the batch reports it).
+    Resume,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    pub address: String,
+    pub bucket: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub name: String,
+    /// None: every active vbucket.
+    pub vbuckets: Option<Vec<u16>>,
+    /// Where vbuckets without a saved position start: the beginning or now.
+    pub from_now: bool,
+    /// End each stream at the high seqno it had when requested.
+    pub to_latest: bool,
+    pub state: SessionState,
+    pub rollback: RollbackMode,
+    pub batch_size: usize,
+    pub buffer_size: u32,
+    pub noop_interval: u32,
+    pub include_values: bool,
+    /// Ask the producer to end a stream that falls too far behind instead of backfilling it.
+    pub cursor_dropping: bool,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            address: "127.0.0.1:11210".into(),
+            bucket: "default".into(),
+            username: None,
+            password: None,
+            name: "sluice:consumer".into(),
+            vbuckets: None,
+            from_now: false,
+            to_latest: false,
+            state: SessionState::default(),
+            rollback: RollbackMode::Ask,
+            batch_size: 8192,
+            buffer_size: 16 << 20,
+            noop_interval: 20,
+            include_values: true,
+            cursor_dropping: false,
+        }
+    }
+}
+
+/// Documents in columns (Arrow's layout: offsets then bytes), and the state after them.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub vbucket: Vec<u16>,
+    pub seqno: Vec<u64>,
+    /// 0 mutation, 1 deletion, 2 expiration.
+    pub op: Vec<u8>,
+    pub cas: Vec<u64>,
+    pub rev_seqno: Vec<u64>,
+    pub flags: Vec<u32>,
+    pub expiry: Vec<u32>,
+    pub datatype: Vec<u8>,
+    pub key_offsets: Vec<i32>,
+    pub keys: Vec<u8>,
+    pub value_offsets: Vec<i64>,
+    pub values: Vec<u8>,
+    /// Positions after this batch of the vbuckets it touched.
+    pub positions: Vec<(u16, Position)>,
+    /// Streams that ended, with the STREAM_END reason.
+    pub ended: Vec<(u16, u32)>,
+    /// Rollbacks followed automatically (RollbackMode::Resume): vbucket and seqno.
+    pub rollbacks: Vec<(u16, u64)>,
+}
+
+impl Batch {
+    fn new() -> Batch {
+        Batch {
+            key_offsets: vec![0],
+            value_offsets: vec![0],
+            ..Default::default()
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.seqno.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqno.is_empty()
+    }
+
+    fn push(&mut self, d: &DocumentRef<'_>) {
+        self.vbucket.push(d.vbucket);
+        self.seqno.push(d.by_seqno);
+        self.op.push(match d.opcode {
+            opcode::MUTATION => 0,
+            opcode::DELETION => 1,
+            _ => 2,
+        });
+        self.cas.push(d.cas);
+        self.rev_seqno.push(d.rev_seqno);
+        self.flags.push(d.flags);
+        self.expiry.push(if d.opcode == opcode::MUTATION {
+            d.expiration
+        } else {
+            d.delete_time
+        });
+        self.datatype.push(d.datatype);
+        self.keys.extend_from_slice(d.key);
+        self.key_offsets.push(self.keys.len() as i32);
+        self.values.extend_from_slice(d.value);
+        self.value_offsets.push(self.values.len() as i64);
+    }
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Batch(Batch),
+    /// The producer asked for a rollback (RollbackMode::Ask): the position to continue from
+    /// once the reader has rolled its data back; the vbucket waits for `Command::Resume`.
+    Rollback {
+        vbucket: u16,
+        seqno: u64,
+        position: Position,
+    },
+    /// Every stream ended.
+    Finished,
+    Failed(String),
+}
+
+pub enum Command {
+    Resume(u16),
+    Close,
+}
+
+/// The reader's end: events in, commands out. Dropping it stops the thread.
+pub struct Consumer {
+    events: Option<Receiver<Event>>,
+    commands: mpsc::Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Consumer {
+    pub fn start(config: ConsumerConfig) -> Consumer {
+        let (tx, rx) = mpsc::sync_channel(4);
+        let (ctx, crx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("sluice-dcp-consumer".into())
+            .spawn(move || {
+                let ev = match Session::connect(&config, tx.clone(), crx) {
+                    Ok(mut s) => match s.run() {
+                        Ok(()) => Event::Finished,
+                        Err(e) => Event::Failed(e),
+                    },
+                    Err(e) => Event::Failed(e),
+                };
+                let _ = tx.send(ev);
+            })
+            .expect("spawn a thread");
+        Consumer {
+            events: Some(rx),
+            commands: ctx,
+            thread: Some(thread),
+        }
+    }
+
+    /// Waits for the next event, up to `timeout`; None on timeout.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        match self.events.as_ref()?.recv_timeout(timeout) {
+            Ok(e) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Event::Finished),
+        }
+    }
+
+    pub fn resume(&self, vbucket: u16) {
+        let _ = self.commands.send(Command::Resume(vbucket));
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Close);
+        // A thread waiting for room in the channel sees the reader gone and stops.
+        self.events.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct VbStream {
+    pos: Position,
+    /// The producer sent STREAM_END: the position is final.
+    ended: bool,
+}
+
+struct Session {
+    sock: TcpStream,
+    config: ConsumerConfig,
+    events: SyncSender<Event>,
+    commands: Receiver<Command>,
+    inbuf: Vec<u8>,
+    streams: HashMap<u16, VbStream>,
+    batch: Batch,
+    touched: BTreeSet<u16>,
+    unacked: usize,
+    last_message: Instant,
+}
+
+fn frame(
+    opcode: u8,
+    opaque: u32,
+    vbucket: u16,
+    extras: &[u8],
+    key: &[u8],
+    value: &[u8],
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    let h = HeaderFields {
+        magic: magic::REQUEST,
+        opcode,
+        word: vbucket,
+        opaque,
+        ..Default::default()
+    };
+    let _ = mcbp::write_frame(&mut out, &h, &[], extras, key, value);
+    out
+}
+
+fn opaque_of(vb: u16) -> u32 {
+    0x5000_0000 | vb as u32
+}
+
+impl Session {
+    fn connect(
+        config: &ConsumerConfig,
+        events: SyncSender<Event>,
+        commands: Receiver<Command>,
+    ) -> Result<Session, String> {
+        let sock = TcpStream::connect(&config.address)
+            .map_err(|e| format!("cannot connect to {}: {e}", config.address))?;
+        let _ = sock.set_nodelay(true);
+        let mut s = Session {
+            sock,
+            config: config.clone(),
+            events,
+            commands,
+            inbuf: Vec::with_capacity(READ_CHUNK * 2),
+            streams: HashMap::new(),
+            batch: Batch::new(),
+            touched: BTreeSet::new(),
+            unacked: 0,
+            last_message: Instant::now(),
+        };
+        s.sock
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
+        if let (Some(user), Some(pass)) = (&config.username, &config.password) {
+            let mut plain = vec![0u8];
+            plain.extend_from_slice(user.as_bytes());
+            plain.push(0);
+            plain.extend_from_slice(pass.as_bytes());
+            s.call(op::SASL_AUTH, &[], b"PLAIN", &plain, 0, "authentication")?;
+        }
+        s.call(
+            op::SELECT_BUCKET,
+            &[],
+            config.bucket.as_bytes(),
+            &[],
+            0,
+            "SELECT_BUCKET",
+        )?;
+        let mut flags = open_flag::PRODUCER | open_flag::INCLUDE_DELETE_TIMES;
+        if !config.include_values {
+            flags |= open_flag::NO_VALUE;
+        }
+        let mut extras = [0u8; 8];
+        extras[4..].copy_from_slice(&flags.to_be_bytes());
+        s.call(
+            dcp::opcode::OPEN,
+            &extras,
+            config.name.as_bytes(),
+            &[],
+            0,
+            "DCP_OPEN",
+        )?;
+        let mut controls = vec![
+            ("connection_buffer_size", config.buffer_size.to_string()),
+            ("enable_expiry_opcode", "true".into()),
+        ];
+        if config.noop_interval > 0 {
+            controls.push(("enable_noop", "true".into()));
+            controls.push(("set_noop_interval", config.noop_interval.to_string()));
+        }
+        if config.cursor_dropping {
+            controls.push(("supports_cursor_dropping", "true".into()));
+        }
+        for (k, v) in controls {
+            s.call(dcp::opcode::CONTROL, &[], k.as_bytes(), v.as_bytes(), 0, k)?;
+        }
+        let vbuckets = match &config.vbuckets {
+            Some(v) => v.clone(),
+            None => {
+                let r = s.call(op::GET_ALL_VB_SEQNOS, &[], &[], &[], 0, "GET_ALL_VB_SEQNOS")?;
+                r.chunks_exact(10)
+                    .map(|c| u16::from_be_bytes([c[0], c[1]]))
+                    .collect()
+            }
+        };
+        for vb in vbuckets {
+            let pos = config.state.vbuckets.get(&vb).cloned().unwrap_or_default();
+            s.streams.insert(vb, VbStream { pos, ended: false });
+            s.request(vb)?;
+        }
+        s.sock
+            .set_read_timeout(Some(POLL))
+            .map_err(|e| e.to_string())?;
+        Ok(s)
+    }
+
+    /// A setup request answered before any stream runs; returns the reply's value.
+    fn call(
+        &mut self,
+        opcode: u8,
+        extras: &[u8],
+        key: &[u8],
+        value: &[u8],
+        vbucket: u16,
+        what: &str,
+    ) -> Result<Vec<u8>, String> {
+        let req = frame(opcode, 0xfeed, vbucket, extras, key, value);
+        self.sock
+            .write_all(&req)
+            .map_err(|e| format!("{what}: {e}"))?;
+        loop {
+            let f = self
+                .next_frame_blocking()
+                .map_err(|e| format!("{what}: {e}"))?;
+            let r = mcbp::parse_response(&f).map_err(|e| format!("{what}: {e}"))?;
+            if r.opcode != opcode {
+                continue;
+            }
+            if r.status != status::SUCCESS {
+                return Err(format!(
+                    "{what} refused with status {:#04x}: {}",
+                    r.status,
+                    String::from_utf8_lossy(r.value)
+                ));
+            }
+            return Ok(r.value.to_vec());
+        }
+    }
+
+    fn next_frame_blocking(&mut self) -> Result<Vec<u8>, String> {
+        loop {
+            if let Some(n) =
+                mcbp::frame_len(&self.inbuf, MAX_FRAME_BODY).map_err(|e| e.to_string())?
+            {
+                let f = self.inbuf[..n].to_vec();
+                self.inbuf.drain(..n);
+                return Ok(f);
+            }
+            self.read_more().map_err(|e| e.to_string())?;
+        }
+    }
+
+    /// Reads what the socket has; Ok(0) is a timeout (nothing arrived), an error a closed or
+    /// broken connection.
+    fn read_more(&mut self) -> std::io::Result<usize> {
+        let len = self.inbuf.len();
+        self.inbuf.resize(len + READ_CHUNK, 0);
+        let r = self.sock.read(&mut self.inbuf[len..]);
+        match r {
+            Ok(0) => {
+                self.inbuf.truncate(len);
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the producer closed the connection",
+                ))
+            }
+            Ok(n) => {
+                self.inbuf.truncate(len + n);
+                Ok(n)
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                self.inbuf.truncate(len);
+                Ok(0)
+            }
+            Err(e) => {
+                self.inbuf.truncate(len);
+                Err(e)
+            }
+        }
+    }
+
+    fn request(&mut self, vb: u16) -> Result<(), String> {
+        let s = self.streams.get_mut(&vb).expect("known vbucket");
+        let (start, uuid, snap_start, snap_end) = s.pos.resume();
+        let mut flags = 0;
+        if self.config.to_latest {
+            flags |= stream_flag::TO_LATEST;
+        }
+        if self.config.from_now && uuid == 0 && start == 0 {
+            flags |= stream_flag::FROM_LATEST;
+        }
+        let req = StreamRequest {
+            vbucket: vb,
+            flags,
+            start_seqno: start,
+            end_seqno: u64::MAX,
+            vbucket_uuid: uuid,
+            snap_start_seqno: snap_start,
+            snap_end_seqno: snap_end,
+            value: vec![],
+        };
+        let mut out = Vec::new();
+        req.encode(&mut out, opaque_of(vb))
+            .map_err(|e| e.to_string())?;
+        self.sock
+            .write_all(&out)
+            .map_err(|e| format!("stream request for vbucket {vb}: {e}"))?;
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.sock
+            .write_all(bytes)
+            .map_err(|e| format!("writing to the producer: {e}"))
+    }
+
+    /// Hands the batch (with the positions it moved) to the reader; false when the reader is gone.
+    fn flush(&mut self) -> bool {
+        if self.batch.is_empty()
+            && self.touched.is_empty()
+            && self.batch.ended.is_empty()
+            && self.batch.rollbacks.is_empty()
+        {
+            return true;
+        }
+        let mut b = std::mem::replace(&mut self.batch, Batch::new());
+        b.positions = std::mem::take(&mut self.touched)
+            .into_iter()
+            .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
+            .collect();
+        self.events.send(Event::Batch(b)).is_ok()
+    }
+
+    fn acknowledge(&mut self, force: bool) -> Result<(), String> {
+        let threshold = (self.config.buffer_size as usize / 5).max(1);
+        if self.config.buffer_size > 0 && self.unacked > 0 && (force || self.unacked >= threshold) {
+            let n = self.unacked.min(u32::MAX as usize) as u32;
+            let f = frame(
+                dcp::opcode::BUFFER_ACKNOWLEDGEMENT,
+                0,
+                0,
+                &n.to_be_bytes(),
+                &[],
+                &[],
+            );
+            self.send(&f)?;
+            self.unacked -= n as usize;
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        let dead_after = Duration::from_secs(2 * self.config.noop_interval as u64);
+        loop {
+            loop {
+                match self.commands.try_recv() {
+                    Ok(Command::Resume(vb)) => {
+                        if self.streams.contains_key(&vb) {
+                            self.request(vb)?;
+                        }
+                    }
+                    Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            if self.streams.values().all(|s| s.ended) {
+                self.flush();
+                return Ok(());
+            }
+            let n = self
+                .read_more()
+                .map_err(|e| format!("DCP connection lost: {e}"))?;
+            if n > 0 {
+                self.last_message = Instant::now();
+            } else if self.config.noop_interval > 0 && self.last_message.elapsed() > dead_after {
+                return Err(format!(
+                    "no message from the producer for {dead_after:?} (twice the noop interval): \
+                     dead connection"
+                ));
+            }
+            let mut consumed = 0;
+            while let Some(len) = mcbp::frame_len(&self.inbuf[consumed..], MAX_FRAME_BODY)
+                .map_err(|e| format!("bad frame from the producer: {e}"))?
+            {
+                let range = consumed..consumed + len;
+                consumed += len;
+                let frame = std::mem::take(&mut self.inbuf);
+                let r = self.handle(&frame[range]);
+                self.inbuf = frame;
+                r?;
+                if self.batch.len() >= self.config.batch_size && !self.flush() {
+                    return Ok(());
+                }
+            }
+            self.inbuf.drain(..consumed);
+            // A short read means the producer has nothing more queued right now.
+            if n < READ_CHUNK && !self.flush() {
+                return Ok(());
+            }
+            self.acknowledge(n == 0)?;
+        }
+    }
+
+    fn handle(&mut self, f: &[u8]) -> Result<(), String> {
+        if f[0] == magic::RESPONSE {
+            let r = mcbp::parse_response(f).map_err(|e| e.to_string())?;
+            if r.opcode == dcp::opcode::STREAM_REQ {
+                return self.stream_answer(&r);
+            }
+            return Ok(());
+        }
+        let req = mcbp::parse_request(f).map_err(|e| format!("bad message: {e}"))?;
+        if req.opcode == dcp::opcode::NOOP {
+            let mut out = Vec::new();
+            let h = HeaderFields {
+                magic: magic::RESPONSE,
+                opcode: dcp::opcode::NOOP,
+                opaque: req.opaque,
+                ..Default::default()
+            };
+            let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
+            return self.send(&out);
+        }
+        self.unacked += f.len();
+        let vb = req.vbucket;
+        match req.opcode {
+            dcp::opcode::MUTATION | dcp::opcode::DELETION | dcp::opcode::EXPIRATION => {
+                let d = DocumentRef::decode(&req).map_err(|e| format!("bad document: {e}"))?;
+                let Some(s) = self.streams.get_mut(&vb).filter(|s| !s.ended) else {
+                    return Ok(());
+                };
+                if d.by_seqno <= s.pos.seqno || d.by_seqno > s.pos.snap_end {
+                    return Err(format!(
+                        "vbucket {vb}: seqno {} outside the stream's order (last {}, snapshot end {})",
+                        d.by_seqno, s.pos.seqno, s.pos.snap_end
+                    ));
+                }
+                s.pos.seqno = d.by_seqno;
+                self.touched.insert(vb);
+                self.batch.push(&d);
+            }
+            dcp::opcode::SNAPSHOT_MARKER => {
+                let m = SnapshotMarker::decode(&req).map_err(|e| format!("bad marker: {e}"))?;
+                if let Some(s) = self.streams.get_mut(&vb) {
+                    s.pos.snap_start = m.start_seqno;
+                    s.pos.snap_end = m.end_seqno;
+                    s.pos.disk = m.flags & snapshot_flag::DISK != 0;
+                    self.touched.insert(vb);
+                }
+            }
+            dcp::opcode::STREAM_END => {
+                let e = StreamEnd::decode(&req).map_err(|e| format!("bad stream end: {e}"))?;
+                if let Some(s) = self.streams.get_mut(&vb).filter(|s| !s.ended) {
+                    s.ended = true;
+                    if e.reason != stream_end_reason::OK && e.reason != stream_end_reason::CLOSED {
+                        log::warn!("DCP stream of vbucket {vb} ended with reason {}", e.reason);
+                    }
+                    self.batch.ended.push((vb, e.reason));
+                }
+            }
+            _ => {} // other producer messages carry nothing a reader keeps
+        }
+        Ok(())
+    }
+
+    fn stream_answer(&mut self, r: &mcbp::Response<'_>) -> Result<(), String> {
+        let vb = (r.opaque & 0xffff) as u16;
+        if !self.streams.contains_key(&vb) {
+            return Ok(());
+        }
+        match StreamRequestResponse::decode(r) {
+            Ok(StreamRequestResponse::Ok(log)) => {
+                let s = self.streams.get_mut(&vb).expect("checked");
+                s.pos.failover = log
+                    .iter()
+                    .map(|e: &FailoverEntry| (e.vbucket_uuid, e.seqno))
+                    .collect();
+                self.touched.insert(vb);
+                Ok(())
+            }
+            Ok(StreamRequestResponse::Rollback(seqno)) => {
+                let s = self.streams.get_mut(&vb).expect("checked");
+                s.pos = s.pos.rolled_back(seqno);
+                let position = s.pos.clone();
+                log::info!("DCP vbucket {vb}: the producer asks for a rollback to {seqno}");
+                match self.config.rollback {
+                    RollbackMode::Resume => {
+                        self.batch.rollbacks.push((vb, seqno));
+                        self.touched.insert(vb);
+                        self.request(vb)
+                    }
+                    RollbackMode::Ask => {
+                        // The reader sees everything before the rollback first.
+                        self.touched.remove(&vb);
+                        if !self.flush() {
+                            return Ok(());
+                        }
+                        let _ = self.events.send(Event::Rollback {
+                            vbucket: vb,
+                            seqno,
+                            position,
+                        });
+                        Ok(())
+                    }
+                }
+            }
+            Err(dcp::DcpError::Status(st)) => Err(format!(
+                "stream request for vbucket {vb} refused with status {st:#04x}: {}",
+                String::from_utf8_lossy(r.value)
+            )),
+            Err(e) => Err(format!("bad stream request answer for vbucket {vb}: {e}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_points() {
+        let mut p = Position {
+            failover: vec![(7, 0)],
+            seqno: 10,
+            snap_start: 5,
+            snap_end: 20,
+            disk: false,
+        };
+        assert_eq!(p.resume(), (10, 7, 5, 20));
+        p.seqno = 20;
+        assert_eq!(p.resume(), (20, 7, 20, 20));
+        // A marker received but none of its items: the previous snapshot was complete.
+        p.seqno = 4;
+        assert_eq!(p.resume(), (4, 7, 4, 4));
+        assert_eq!(Position::default().resume(), (0, 0, 0, 0));
+    }
+
+    #[test]
+    fn rollback_drops_later_failover_entries() {
+        let p = Position {
+            failover: vec![(3, 900), (2, 500), (1, 0)],
+            seqno: 1000,
+            snap_start: 950,
+            snap_end: 1000,
+            disk: false,
+        };
+        let r = p.rolled_back(600);
+        assert_eq!(r.failover, vec![(2, 500), (1, 0)]);
+        assert_eq!(r.resume(), (600, 2, 600, 600));
+        assert_eq!(p.rolled_back(0), Position::default());
+    }
+
+    #[test]
+    fn state_round_trips_through_json() {
+        let mut s = SessionState::default();
+        s.vbuckets.insert(
+            3,
+            Position {
+                failover: vec![(u64::MAX, 4), (1, 0)],
+                seqno: 9,
+                snap_start: 5,
+                snap_end: 12,
+                disk: false,
+            },
+        );
+        let back = SessionState::from_json(&s.to_json()).unwrap();
+        assert_eq!(back, s);
+        let err = SessionState::from_json(&json!({"version": 1, "vbuckets": {"x": {}}}));
+        assert!(err.unwrap_err().contains("vbucket key 'x'"));
+    }
+}
