@@ -1,4 +1,4 @@
-"""The `sluice` command: serve, wal-dump, config.
+"""The `sluice` command: serve, status, tail, bench, user, wal-dump, config.
 
 Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
 """
@@ -192,6 +192,122 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _parse_vbuckets(text: str) -> list[int]:
+    """ "0,3,8-11" -> [0, 3, 8, 9, 10, 11]."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad vbucket list item {part!r} (use 0,3,8-11)")
+        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    return out
+
+
+def _text_or_base64(name: str, data: bytes, row: dict) -> None:
+    import base64
+
+    try:
+        row[name] = data.decode("utf-8")
+    except UnicodeDecodeError:
+        row[name + "_base64"] = base64.b64encode(data).decode("ascii")
+
+
+class _BackfillProgress:
+    """One stderr line at most every `every` seconds while some vbucket is in a backfill."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self.last = -every
+
+    def update(self, positions: dict) -> None:
+        left = [(seq, a, b) for seq, a, b, disk in positions.values() if disk and seq < b]
+        now = time.monotonic()
+        if not left or now - self.last < self.every:
+            return
+        self.last = now
+        total = sum(b - a + 1 for _, a, b in left)
+        done = sum(max(0, seq - a + 1) for seq, a, _ in left)
+        print(
+            f"backfill: {len(left)} vbuckets, {done:,} of {total:,} seqnos ({100 * done / max(total, 1):.0f}%)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    """Follows a bucket's DCP stream and prints its changes."""
+    import json
+
+    from sluice.client import Client
+
+    try:
+        vbuckets = _parse_vbuckets(args.vbuckets) if args.vbuckets else None
+    except ValueError as e:
+        print(f"sluice tail: --vbuckets: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    address = args.address or _load(args).values["listen"]
+    password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
+    client = Client(address, bucket=args.bucket, username=args.user, password=password)
+    state = args.state if args.state and Path(args.state).exists() else None
+    progress = _BackfillProgress()
+    printed = 0
+    table_header = False
+    try:
+        stream = client.stream(
+            vbuckets,
+            start=args.start,
+            end="now" if args.until_now else None,
+            state=state,
+            rollback="resume",
+            format="python",
+            values=not args.no_values,
+            skip_empty=False,
+        )
+    except (ValueError, _native.SluiceError) as e:
+        print(f"sluice tail: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    out = sys.stdout
+    try:
+        with stream:
+            for batch in stream:
+                for c in batch:
+                    if args.format == "json":
+                        row = {"vbucket": c.vbucket, "seqno": c.seqno, "op": c.op}
+                        _text_or_base64("key", c.key, row)
+                        if not args.no_values and c.op == "mutation":
+                            _text_or_base64("value", c.value, row)
+                        row.update(cas=c.cas, rev_seqno=c.rev_seqno, flags=c.flags, expiry=c.expiry)
+                        out.write(json.dumps(row) + "\n")
+                    else:
+                        if not table_header:
+                            out.write(f"{'vbucket':>7}  {'seqno':>12}  {'op':<10}  {'rev':>6}  key\n")
+                            table_header = True
+                        key = c.key.decode("utf-8", "backslashreplace")
+                        out.write(f"{c.vbucket:>7}  {c.seqno:>12}  {c.op:<10}  {c.rev_seqno:>6}  {key}\n")
+                    printed += 1
+                    if args.max and printed >= args.max:
+                        break
+                out.flush()
+                for vb, seqno in stream.rollbacks:
+                    print(f"sluice tail: vbucket {vb} rolled back to seqno {seqno}", file=sys.stderr)
+                stream.rollbacks.clear()
+                if args.state:
+                    stream.save_state(args.state)
+                progress.update(stream.positions())
+                if args.max and printed >= args.max:
+                    break
+    except _native.SluiceError as e:
+        print(f"sluice tail: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        # A reader like `head` went away: what was printed is in the state file already.
+        sys.stderr.close()
+    return EXIT_OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Drives a memcached binary protocol server (sluice or memcached) and prints the result."""
     import json
@@ -314,6 +430,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("file")
     d.set_defaults(func=cmd_wal_dump)
+
+    t = sub.add_parser(
+        "tail",
+        help="follow a bucket's change stream (DCP) and print it as JSON lines or a table",
+        description="Streams every active vbucket (or --vbuckets) of a bucket from the beginning or "
+        "from now, printing each mutation, deletion and expiration. With --state FILE the position "
+        "is saved after every batch printed and a restart continues from it: no duplicates, no "
+        "gaps. A progress line goes to stderr while a backfill runs.",
+    )
+    t.add_argument("--address", metavar="HOST:PORT", help="the server (default: listen of --config)")
+    t.add_argument("--config", metavar="FILE", help="TOML configuration file (for listen)")
+    t.add_argument("--bucket", default="default")
+    t.add_argument("--vbuckets", metavar="LIST", help="e.g. 0,3,8-11 (default: every active vbucket)")
+    t.add_argument("--from", dest="start", choices=["beginning", "now"], default="now")
+    t.add_argument("--until-now", action="store_true", help="stop at the high seqnos of the moment")
+    t.add_argument("--state", metavar="FILE", help="resume from and save the stream position to FILE")
+    t.add_argument("--format", choices=["json", "table"], default="json")
+    t.add_argument("--no-values", action="store_true", help="keys and metadata only")
+    t.add_argument("--max", type=int, default=0, help="stop after printing this many changes")
+    t.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
+    t.add_argument("--password-stdin", action="store_true")
+    t.set_defaults(func=cmd_tail)
 
     b = sub.add_parser(
         "bench",
