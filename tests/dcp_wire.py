@@ -66,7 +66,9 @@ def stream_req(
     snap_start = start if snap_start is None else snap_start
     snap_end = start if snap_end is None else snap_end
     extras = struct.pack(">IIQQQQQ", flags, 0, start, end, uuid, snap_start, snap_end)
-    return frame(STREAM_REQ, extras=extras, vbucket=vbucket, opaque=0x1000 + vbucket if opaque is None else opaque)
+    return frame(
+        STREAM_REQ, extras=extras, vbucket=vbucket, opaque=0x1000 + vbucket if opaque is None else opaque
+    )
 
 
 def buffer_ack(nbytes: int) -> bytes:

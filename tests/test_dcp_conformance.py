@@ -11,6 +11,7 @@ import time
 
 import bmemcached
 import pytest
+import sluice
 from dcp_wire import (
     CLOSE_STREAM,
     DELETION,
@@ -39,8 +40,6 @@ from dcp_wire import (
     stream_req,
 )
 from helpers import Node
-
-import sluice
 
 EINVAL, KEY_EEXISTS, KEY_ENOENT, NOT_MY_VBUCKET, ERANGE, ROLLBACK, NOT_SUPPORTED = (
     0x04,
@@ -108,7 +107,9 @@ def test_control_keys(server):
     ]:
         r = c.call(control(key, value, opaque=7))
         # control.md: the answer echoes the opcode and opaque with status 0 and no body.
-        assert r["raw"] == bytes.fromhex("815e0000 00000000 00000000 00000007 0000000000000000".replace(" ", ""))
+        assert r["raw"] == bytes.fromhex(
+            "815e0000 00000000 00000000 00000007 0000000000000000".replace(" ", "")
+        )
     assert c.control("no_such_control", "true") == EINVAL
     assert c.control("enable_noop", "yes") == EINVAL
     assert c.control("set_noop_interval", "0") == EINVAL
@@ -126,7 +127,13 @@ def test_stream_request_answers(server, mc):
     log = failover_log(r["value"])
     assert log[-1][1] == 0
     uuid = log[0][0]
-    assert c.next_message() == {"op": STREAM_END, "vbucket": 0, "opaque": 0x1000, "size": 28, "reason": END_OK}
+    assert c.next_message() == {
+        "op": STREAM_END,
+        "vbucket": 0,
+        "opaque": 0x1000,
+        "size": 28,
+        "reason": END_OK,
+    }
     # GET_FAILOVER_LOG gives the same log.
     r = c.call(frame(GET_FAILOVER_LOG, vbucket=0, opaque=3))
     assert r["word"] == 0 and failover_log(r["value"]) == log
@@ -160,7 +167,9 @@ def test_message_extras_and_snapshots(server, mc):
     for k in ks:
         mc.set(k, "value-" + k)
     mc.delete(ks[1])
-    c = DcpConnection(server.host, server.port, b"conformance:messages", flags=PRODUCER | INCLUDE_DELETE_TIMES)
+    c = DcpConnection(
+        server.host, server.port, b"conformance:messages", flags=PRODUCER | INCLUDE_DELETE_TIMES
+    )
     assert c.control("enable_expiry_opcode", "true") == 0
     r = c.call(stream_req(2))
     uuid = failover_log(r["value"])[0][0]

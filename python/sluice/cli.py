@@ -229,7 +229,8 @@ class _BackfillProgress:
         total = sum(b - a + 1 for _, a, b in left)
         done = sum(max(0, seq - a + 1) for seq, a, _ in left)
         print(
-            f"backfill: {len(left)} vbuckets, {done:,} of {total:,} seqnos ({100 * done / max(total, 1):.0f}%)",
+            f"backfill: {len(left)} vbuckets, {done:,} of {total:,} seqnos "
+            f"({100 * done / max(total, 1):.0f}%)",
             file=sys.stderr,
             flush=True,
         )

@@ -81,7 +81,9 @@ def to_record_batch(raw: RawBatch) -> Any:
         fixed("vbucket", pa.uint16()),
         fixed("seqno", pa.uint64()),
         pa.DictionaryArray.from_arrays(ops, pa.array(OPS, pa.string())),
-        pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(b["key_offsets"]), pa.py_buffer(b["keys"])]),
+        pa.Array.from_buffers(
+            pa.binary(), n, [None, pa.py_buffer(b["key_offsets"]), pa.py_buffer(b["keys"])]
+        ),
         pa.Array.from_buffers(
             pa.large_binary(), n, [None, pa.py_buffer(b["value_offsets"]), pa.py_buffer(b["values"])]
         ),
