@@ -140,8 +140,9 @@ impl DcpConsumer {
         let state = match state {
             None => SessionState::default(),
             Some(s) => {
-                let v: serde_json::Value = serde_json::from_str(s)
-                    .map_err(|e| PyValueError::new_err(format!("session state is not JSON: {e}")))?;
+                let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
+                    PyValueError::new_err(format!("session state is not JSON: {e}"))
+                })?;
                 SessionState::from_json(&v).map_err(PyValueError::new_err)?
             }
         };
@@ -199,7 +200,7 @@ impl DcpConsumer {
             None => None,
             Some(Event::Batch(batch)) => {
                 apply(&mut self.state.lock(), &batch.positions);
-                let b = Py::new(py, RawBatch { batch })?;
+                let b = Py::new(py, RawBatch { batch: *batch })?;
                 Some(("batch", b).into_pyobject(py)?.into_any().unbind())
             }
             Some(Event::Rollback {
@@ -208,7 +209,12 @@ impl DcpConsumer {
                 position,
             }) => {
                 apply(&mut self.state.lock(), &[(vbucket, position)]);
-                Some(("rollback", vbucket, seqno).into_pyobject(py)?.into_any().unbind())
+                Some(
+                    ("rollback", vbucket, seqno)
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                )
             }
             Some(Event::Finished) => {
                 self.consumer.lock().take();

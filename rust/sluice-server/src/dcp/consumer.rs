@@ -264,7 +264,7 @@ impl Batch {
 
 #[derive(Debug)]
 pub enum Event {
-    Batch(Batch),
+    Batch(Box<Batch>),
     /// The producer asked for a rollback (RollbackMode::Ask): the position to continue from
     /// once the reader has rolled its data back; the vbucket waits for `Command::Resume`.
     Rollback {
@@ -595,7 +595,7 @@ impl Session {
             .into_iter()
             .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
             .collect();
-        self.events.send(Event::Batch(b)).is_ok()
+        self.events.send(Event::Batch(Box::new(b))).is_ok()
     }
 
     fn acknowledge(&mut self, force: bool) -> Result<(), String> {

@@ -37,15 +37,19 @@ const DEFAULT_NOOP_INTERVAL: Duration = Duration::from_secs(120);
 
 /// DCP connection names per bucket: opening a name that is in use replaces (closes) the
 /// connection that held it, as Couchbase does.
+/// (bucket id, connection name)
+type NameKey = (u16, Vec<u8>);
+
 #[derive(Default)]
 pub struct Names {
-    held: Mutex<HashMap<(u16, Vec<u8>), (u64, watch::Sender<bool>)>>,
+    /// The holder's token and the sender that tells it it was replaced.
+    held: Mutex<HashMap<NameKey, (u64, watch::Sender<bool>)>>,
     next: AtomicU64,
 }
 
 pub struct NameClaim {
     shared: Arc<Shared>,
-    key: (u16, Vec<u8>),
+    key: NameKey,
     token: u64,
     pub replaced: watch::Receiver<bool>,
 }
@@ -512,6 +516,7 @@ impl Producer {
 
 /// Serves a connection that DCP_OPEN turned into a producer, until the consumer goes away,
 /// fails its NOOPs, the name is reopened elsewhere, or the server stops.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     mut socket: TcpStream,
     mut inbuf: BytesMut,
