@@ -89,9 +89,8 @@ pub struct Registration {
     pub backfill: Option<(u64, u64)>,
 }
 
-/// Changes read through a cursor from one checkpoint, part of the snapshot `[start, end]`
-/// (the checkpoint's range): a reader has a consistent view once it has read up to `end`,
-/// which may take several reads.
+/// Changes read through a cursor from one checkpoint: all of the snapshot `[start, end]` (the
+/// rest of the checkpoint's range as it stood), consistent at `end`.
 #[derive(Debug, Clone)]
 pub struct CheckpointBatch {
     pub checkpoint_id: u64,
@@ -322,8 +321,11 @@ impl CheckpointManager {
         self.cursors.get(&id).map(|c| c.seqno)
     }
 
-    /// Reads up to `limit` changes after the cursor's position, one batch per checkpoint, and
-    /// moves the cursor past them.
+    /// Reads the changes after the cursor's position, one batch per checkpoint, and moves the
+    /// cursor past them. `limit` is soft: it is checked between checkpoints, never inside one,
+    /// so every batch runs to its checkpoint's end and a reader that sends it as one snapshot
+    /// is consistent at that end (a key changed twice inside shows up once, at its later seqno;
+    /// stopping in the middle could leave out an earlier change whose newer version lies beyond).
     pub fn read(&mut self, id: CursorId, limit: usize) -> (CursorRead, isize) {
         let before = self.mem as isize;
         let Some(cursor) = self.cursors.get(&id) else {
@@ -331,40 +333,33 @@ impl CheckpointManager {
         };
         let mut pos = cursor.seqno;
         let mut batches = Vec::new();
-        let mut budget = limit;
+        let mut read = 0;
         for cp in self.checkpoints.iter() {
-            if budget == 0 || cp.end <= pos {
+            if read >= limit {
+                break;
+            }
+            if cp.end <= pos {
                 continue;
             }
             let first = match cp.position(pos + 1) {
                 Ok(i) | Err(i) => i,
             };
-            let mut changes = Vec::new();
-            let mut last = pos;
-            let mut exhausted = true;
-            for e in cp.entries.iter().skip(first) {
-                if changes.len() == budget {
-                    exhausted = false;
-                    break;
-                }
-                if let Some(c) = &e.change {
-                    changes.push(c.clone());
-                }
-                last = e.seqno;
-            }
-            // The batch belongs to the checkpoint's snapshot, which is only consistent at the
-            // checkpoint's end: a key changed twice inside it shows up once, at its later seqno.
-            let end = cp.end;
-            budget -= changes.len();
+            let changes: Vec<Change> = cp
+                .entries
+                .iter()
+                .skip(first)
+                .filter_map(|e| e.change.clone())
+                .collect();
+            read += changes.len();
             if !changes.is_empty() {
                 batches.push(CheckpointBatch {
                     checkpoint_id: cp.id,
                     start: (pos + 1).max(cp.start),
-                    end,
+                    end: cp.end,
                     changes,
                 });
             }
-            pos = if exhausted { cp.end } else { last };
+            pos = cp.end;
         }
         self.cursors.get_mut(&id).expect("checked above").seqno = pos;
         self.free();
@@ -558,10 +553,10 @@ mod tests {
         };
         let ranges: Vec<(u64, u64)> = b.iter().map(|b| (b.start, b.end)).collect();
         assert_eq!(ranges, vec![(11, 12), (13, 14), (15, 15)]);
-        // limited reads resume exactly where they stopped
-        let mut all = Vec::new();
+        // limited reads stop between checkpoints, never inside one, and resume where they stopped
+        let mut reads = Vec::new();
         loop {
-            let CursorRead::Batches(b) = m.read(r2.id, 2).0 else {
+            let CursorRead::Batches(b) = m.read(r2.id, 1).0 else {
                 panic!()
             };
             let got: Vec<u64> = b
@@ -571,9 +566,9 @@ mod tests {
             if got.is_empty() {
                 break;
             }
-            all.extend(got);
+            reads.push(got);
         }
-        assert_eq!(all, vec![11, 12, 13, 14, 15]);
+        assert_eq!(reads, vec![vec![11, 12], vec![13, 14], vec![15]]);
         // everything read by every cursor is expelled: a newcomer must backfill
         assert_eq!(m.num_items(), 0);
         let (late, _) = m.register_cursor("late", 10);

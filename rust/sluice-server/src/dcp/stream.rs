@@ -321,7 +321,7 @@ impl Stream {
             };
             let seqno = change.seqno();
             if seqno > self.snapshot_end {
-                // A new snapshot: the rest of this checkpoint as it stood when read.
+                // A new snapshot: the rest of this checkpoint as it stood when read, whole.
                 let mut flags = snapshot_flag::MEMORY;
                 if self.snapshot_checkpoint != Some(batch.checkpoint_id) {
                     flags |= snapshot_flag::CHECKPOINT;
