@@ -368,3 +368,22 @@ def test_a_lagging_cursor_is_dropped_and_memory_stays_in_quota(tmp_path, cursor_
         c.close()
     finally:
         s.close()
+
+
+def test_a_stream_ends_when_its_vbucket_stops_being_active(served):
+    served.engine.set_many([(f"s{i}".encode(), b"v") for i in range(64)])
+    vb = served.engine.vbucket_of(b"s1")
+    c = DcpConnection(served.host, served.port, b"test:state")
+    assert c.call(stream_req(vb))["word"] == 0
+    msgs = c.collect(lambda m: any(x["op"] == MUTATION for x in m))
+    assert msgs[0]["op"] == SNAPSHOT_MARKER
+    served.engine.set_vbucket_state(vb, "replica")
+    end = c.next_message(timeout=10)
+    assert (end["op"], end["vbucket"], end["reason"]) == (STREAM_END, vb, 0x02)  # state changed
+    # A stream opened on the replica goes on while it stays a replica, and ends when it dies.
+    assert c.call(stream_req(vb))["word"] == 0
+    c.collect(lambda m: any(x["op"] == MUTATION for x in m))
+    served.engine.set_vbucket_state(vb, "dead")
+    end = c.next_message(timeout=10)
+    assert (end["op"], end["reason"]) == (STREAM_END, 0x02)
+    c.close()

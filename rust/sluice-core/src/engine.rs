@@ -874,6 +874,8 @@ impl Engine {
                 MetaRecord::FailoverEntry(e),
             ));
         }
+        // Streams of the vbucket look at its state when woken.
+        bucket.changes.notify();
         Ok(())
     }
 

@@ -332,6 +332,7 @@ impl Producer {
             end,
             encoding,
             self.cursor_dropping,
+            pos.state,
         ) {
             Ok(s) => s,
             Err(e) => return respond(out, req, crate::kv::status_of(&e), e.to_string().as_bytes()),

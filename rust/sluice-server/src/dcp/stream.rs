@@ -10,6 +10,7 @@ use sluice_core::backfill::Backfill;
 use sluice_core::bucket::Bucket;
 use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
 use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
 use sluice_proto::dcp::DcpRequest;
 use sluice_proto::dcp::{
@@ -45,6 +46,9 @@ pub struct Stream {
     pub vbucket: u16,
     pub opaque: u32,
     bucket: Arc<Bucket>,
+    /// The vbucket's state when the stream opened: a stream ends when its vbucket dies, or
+    /// stops being active if it was (takeover, failover).
+    opened_in: VbState,
     cursor_name: String,
     cursor: Option<(CursorId, CursorHandle)>,
     phase: Phase,
@@ -84,12 +88,14 @@ impl Stream {
         end_seqno: u64,
         encoding: Encoding,
         end_when_dropped: bool,
+        opened_in: VbState,
     ) -> Result<Stream> {
         let cursor_name = format!("dcp:{connection}:{vbucket}");
         let mut s = Stream {
             vbucket,
             opaque,
             bucket,
+            opened_in,
             cursor_name,
             cursor: None,
             phase: Phase::Memory,
@@ -179,6 +185,16 @@ impl Stream {
     /// written and what happened.
     pub fn fill(&mut self, engine: &Engine, out: &mut Vec<u8>, budget: usize) -> (usize, Progress) {
         let mut used = 0;
+        let state = engine.vbucket_state(&self.bucket, self.vbucket);
+        let state_changed = match state {
+            None | Some(VbState::Dead) => true,
+            Some(s) => self.opened_in == VbState::Active && s != VbState::Active,
+        };
+        if state_changed {
+            used += self.write_end(out, stream_end_reason::STATE_CHANGED);
+            self.close(engine);
+            return (used, Progress::Ended(stream_end_reason::STATE_CHANGED));
+        }
         if self.finished() {
             used += self.write_end(out, stream_end_reason::OK);
             self.close(engine);
