@@ -214,26 +214,35 @@ def _text_or_base64(name: str, data: bytes, row: dict) -> None:
 
 
 class _BackfillProgress:
-    """One stderr line at most every `every` seconds while some vbucket is in a backfill."""
+    """Progress of the backfills on stderr: a line at most every `every` seconds while one runs,
+    and one when all that were seen have finished."""
 
     def __init__(self, every: float = 1.0) -> None:
         self.every = every
         self.last = -every
+        self.finished_reported = False
 
     def update(self, positions: dict) -> None:
-        left = [(seq, a, b) for seq, a, b, disk in positions.values() if disk and seq < b]
+        disk = [(seq, a, b) for seq, a, b, is_disk in positions.values() if is_disk]
+        if not disk:
+            return
+        total = sum(b - a + 1 for _, a, b in disk)
+        done = sum(max(0, min(seq, b) - a + 1) for seq, a, b in disk)
+        running = sum(1 for seq, _, b in disk if seq < b)
         now = time.monotonic()
-        if not left or now - self.last < self.every:
+        if running:
+            self.finished_reported = False
+            if now - self.last < self.every:
+                return
+            pct = 100 * done / total
+            line = f"backfill: {running} vbuckets running, {done:,} of {total:,} seqnos ({pct:.0f}%)"
+        elif not self.finished_reported:
+            self.finished_reported = True
+            line = f"backfill: done, {total:,} seqnos from {len(disk)} vbuckets"
+        else:
             return
         self.last = now
-        total = sum(b - a + 1 for _, a, b in left)
-        done = sum(max(0, seq - a + 1) for seq, a, _ in left)
-        print(
-            f"backfill: {len(left)} vbuckets, {done:,} of {total:,} seqnos "
-            f"({100 * done / max(total, 1):.0f}%)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(line, file=sys.stderr, flush=True)
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
