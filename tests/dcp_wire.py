@@ -8,6 +8,8 @@ import socket
 import struct
 import time
 
+from test_server_protocol import recv_exact
+
 HEADER = struct.Struct(">BBHBBHIIQ")
 
 OPEN, ADD_STREAM, CLOSE_STREAM, STREAM_REQ, GET_FAILOVER_LOG, STREAM_END = 0x50, 0x51, 0x52, 0x53, 0x54, 0x55
@@ -73,16 +75,6 @@ def stream_req(
 
 def buffer_ack(nbytes: int) -> bytes:
     return frame(BUFFER_ACK, extras=struct.pack(">I", nbytes))
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 def read_frame(sock: socket.socket) -> dict:

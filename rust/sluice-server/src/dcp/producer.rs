@@ -105,13 +105,8 @@ pub struct OpenProducer {
 
 /// Checks a DCP_OPEN request; Err is the status and message to answer with.
 pub fn check_open(req: &Request<'_>) -> Result<OpenProducer, (u16, String)> {
+    // The decoder checks the name: present and at most 200 bytes.
     let open = dcp::OpenConnection::decode(req).map_err(|e| (status::EINVAL, e.to_string()))?;
-    if open.name.len() > dcp::MAX_NAME_LEN {
-        return Err((
-            status::EINVAL,
-            "connection names are at most 200 bytes".into(),
-        ));
-    }
     if open.flags & open_flag::INVALID != 0 {
         return Err((status::EINVAL, "DCP_OPEN flag 0x2 is invalid".into()));
     }
