@@ -35,6 +35,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["listen"] = args.listen
     if getattr(args, "admin_listen", None) is not None:
         overrides["admin_listen"] = args.admin_listen
+    if getattr(args, "replica_of", None) is not None:
+        overrides["replication__replica_of"] = args.replica_of
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
@@ -134,6 +136,44 @@ def _reload(args: argparse.Namespace, current: Config, server: _native.Server) -
     else:
         log.info("reload: the configuration is unchanged")
     return current
+
+
+def _admin_address(args: argparse.Namespace, command: str) -> str | None:
+    admin = args.admin or _load(args).values["admin_listen"]
+    if not admin:
+        print(
+            f"sluice {command}: admin_listen is off in the configuration; pass --admin HOST:PORT", file=sys.stderr
+        )
+    return admin or None
+
+
+def _admin_call(admin: str, path: str, timeout: float, method: str = "GET") -> dict:
+    """JSON from the admin endpoint; raises OSError (URLError) when the node cannot be reached."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    import urllib.error
+
+    admin = _admin_address(args, "promote")
+    if not admin:
+        return EXIT_USAGE
+    try:
+        done = _admin_call(admin, "/promote", args.timeout, method="POST")
+    except urllib.error.HTTPError as e:
+        print(f"sluice promote: the node refused: {e.read().decode(errors='replace').strip()}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (urllib.error.URLError, OSError) as e:
+        print(f"sluice promote: cannot reach the admin endpoint at {admin}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return EXIT_FAILURE
+    for b in done["promoted"]:
+        print(f"bucket {b['bucket']}: {len(b['vbuckets'])} vbucket(s) promoted to active")
+    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -408,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", metavar="HOST:PORT", help="overrides listen (default 127.0.0.1:11210)")
     s.add_argument("--admin-listen", metavar="HOST:PORT", help='overrides admin_listen ("" turns it off)')
     s.add_argument(
+        "--replica-of",
+        metavar="HOST:PORT",
+        help="follow this active node: every vbucket is a replica fed over DCP (overrides replication.replica_of)",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="serve on a non-loopback address although no authentication is configured",
@@ -430,6 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--all", action="store_true", help="also list empty active vbuckets")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
     st.set_defaults(func=cmd_status)
+
+    pr = sub.add_parser(
+        "promote",
+        help="failover: make a replica node active",
+        description="Tells a running replica node (through its admin endpoint) to stop following its "
+        "active and make every replica vbucket active, each with a new failover entry. Restart the "
+        "old active with --replica-of this node to rejoin it: it rolls back what it never replicated.",
+    )
+    pr.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
+    pr.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
+    pr.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the node")
+    pr.set_defaults(func=cmd_promote)
 
     d = sub.add_parser(
         "wal-dump",

@@ -292,6 +292,45 @@ ENGINE_KEYS += [
         server=True,
     ),
     Key("io_threads", _int, 2, "Threads running the network I/O.", "integer", _between(1, 256), server=True),
+    Key(
+        "replication.replica_of",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "",
+        "HOST:PORT of the active node this one follows: every bucket's vbuckets are replicas fed "
+        'by DCP from it (`sluice serve --replica-of`). "" (the default): this node is active.',
+        "HOST:PORT",
+        native="replica_of",
+        server=True,
+    ),
+    Key(
+        "replication.user",
+        _str,
+        "",
+        "User this node authenticates as on its active (SASL PLAIN); it needs the stream permission.",
+        "string",
+        native="replication_user",
+        server=True,
+    ),
+    Key(
+        "replication.password_file",
+        lambda p, v: _path(p, v) if v != "" else "",
+        "",
+        "File holding the replication user's password (the configuration never holds passwords).",
+        "path",
+        native="replication_password",
+        server=True,
+    ),
+    Key(
+        "replication.noop_interval",
+        _int,
+        1,
+        "Seconds between NOOPs on the replication connection; twice this long silent, it is dead "
+        "and the replica reconnects.",
+        "integer",
+        _between(1, 10800),
+        native="replication_noop_interval",
+        server=True,
+    ),
 ]
 
 BUCKET_KEYS: list[Key] = [
@@ -342,6 +381,24 @@ BUCKET_KEYS: list[Key] = [
         "Default durability level of writes: " + ", ".join(DURABILITY_LEVELS) + ".",
         "string",
         _choice(*DURABILITY_LEVELS),
+    ),
+    Key(
+        "replicas",
+        _int,
+        1,
+        "Replicas each vbucket is meant to have: majority durability needs a majority of "
+        "1 + replicas nodes, and fails with durability-impossible when fewer follow.",
+        "integer",
+        _between(0, 3),
+    ),
+    Key(
+        "durability_timeout",
+        parse_duration,
+        10.0,
+        "How long a durable write waits for its level when the request names no timeout; then "
+        "it gets sync-write-ambiguous.",
+        "duration",
+        _between(0.001, 3600),
     ),
 ]
 
@@ -412,7 +469,17 @@ class Config:
 
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
-        return {k.name: self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"}
+        out = {(k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"}
+        out["replica_of"] = out["replica_of"] or None
+        out["replication_user"] = out["replication_user"] or None
+        pw_file = out.pop("replication_password")
+        out["replication_password"] = None
+        if pw_file:
+            try:
+                out["replication_password"] = Path(pw_file).read_text().rstrip("\n")
+            except OSError as e:
+                raise _fail("replication.password_file", f"cannot read {pw_file}: {e.strerror}") from None
+        return out
 
     @property
     def data_dir(self) -> Path:
@@ -425,7 +492,12 @@ class Config:
             if k.name != "data_dir" and not k.server
         }
         buckets = [BucketSettings(name, **b) for name, b in self.buckets.items()]
-        return EngineSettings(str(self.values["data_dir"]), buckets=buckets, **kwargs)
+        return EngineSettings(
+            str(self.values["data_dir"]),
+            buckets=buckets,
+            replica=bool(self.values["replication.replica_of"]),
+            **kwargs,
+        )
 
 
 PERMISSIONS = ("read", "write", "stream", "admin")

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicIsize, AtomicU64, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::BucketConfig;
+use crate::durability::ReplicaAcks;
 use crate::hash::vbucket_of;
 use crate::signal::ChangeSignal;
 use crate::vbucket::VBucket;
@@ -32,10 +33,13 @@ pub struct Bucket {
     pub stats: BucketStats,
     /// Wakes stream readers when any of the bucket's vbuckets has new changes.
     pub changes: ChangeSignal,
+    /// Replicas following each vbucket and what they acknowledged (durable writes).
+    pub acks: ReplicaAcks,
 }
 
 impl Bucket {
     pub fn new(id: u16, config: BucketConfig, vbuckets: Vec<VBucket>) -> Bucket {
+        let vbuckets_len = vbuckets.len() as u16;
         let b = Bucket {
             id,
             config,
@@ -44,6 +48,7 @@ impl Bucket {
             checkpoint_mem: AtomicIsize::new(0),
             stats: BucketStats::default(),
             changes: ChangeSignal::default(),
+            acks: ReplicaAcks::new(vbuckets_len),
         };
         for vb in &b.vbuckets {
             b.account(&mut vb.lock());

@@ -57,6 +57,10 @@ pub struct BucketConfig {
     /// Fraction of the memory quota checkpoints may use before slow cursors are dropped.
     pub checkpoint_memory_ratio: f64,
     pub durability: Durability,
+    /// Replicas each vbucket is meant to have: a majority is of `1 + replicas` nodes.
+    pub replicas: u8,
+    /// How long a durable write waits for its level when the request names no timeout.
+    pub durability_timeout: Duration,
 }
 
 impl BucketConfig {
@@ -69,6 +73,8 @@ impl BucketConfig {
             max_item_size: 20 << 20,
             checkpoint_memory_ratio: 0.3,
             durability: Durability::None,
+            replicas: 1,
+            durability_timeout: Duration::from_secs(10),
         }
     }
 
@@ -93,6 +99,9 @@ pub struct EngineConfig {
     pub tombstone_purge_age: Duration,
     pub expiry_pager_interval: Duration,
     pub force_recovery: bool,
+    /// This node follows another (`replication.replica_of`): its vbuckets come up as replicas,
+    /// new ones empty and without history, active ones turned replica.
+    pub replica: bool,
     pub buckets: Vec<BucketConfig>,
 }
 
@@ -108,6 +117,7 @@ impl Default for EngineConfig {
             tombstone_purge_age: Duration::from_secs(3 * 24 * 3600),
             expiry_pager_interval: Duration::from_secs(60),
             force_recovery: false,
+            replica: false,
             buckets: vec![BucketConfig::named("default")],
         }
     }
@@ -174,6 +184,15 @@ impl EngineConfig {
             }
             if !(b.checkpoint_memory_ratio > 0.0 && b.checkpoint_memory_ratio <= 1.0) {
                 return Err(invalid(key("checkpoint_memory_ratio"), "must be in (0, 1]"));
+            }
+            if b.replicas > 3 {
+                return Err(invalid(
+                    key("replicas"),
+                    format!("{} is not in 0..=3", b.replicas),
+                ));
+            }
+            if b.durability_timeout.is_zero() {
+                return Err(invalid(key("durability_timeout"), "must be positive"));
             }
             if b.max_item_size == 0 || b.max_item_size > MAX_ITEM_SIZE_LIMIT {
                 return Err(invalid(

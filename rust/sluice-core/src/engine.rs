@@ -21,6 +21,7 @@ use crate::checkpoint::{
     PERSISTENCE_CURSOR,
 };
 use crate::config::{BucketConfig, Durability, EngineConfig};
+use crate::durability::{replicas_for_majority, Requirement, WaitError};
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::hlc::{now_nanos, now_secs};
@@ -51,7 +52,7 @@ pub struct StoreRequest<'a> {
     pub cas: u64,
     pub mode: StoreMode,
     /// None: the bucket's default level.
-    pub durability: Option<Durability>,
+    pub durability: Option<Requirement>,
 }
 
 impl<'a> StoreRequest<'a> {
@@ -288,7 +289,7 @@ impl Engine {
                     })?;
                     used.insert(id);
                     let vbs = (0..cfg.num_vbuckets)
-                        .map(|v| VBucket::new(id, v, VbState::Active, ckpt))
+                        .map(|v| VBucket::new(id, v, VbState::Dead, ckpt))
                         .collect();
                     (id, vbs, true)
                 }
@@ -314,15 +315,23 @@ impl Engine {
                         },
                     ));
                 }
+                let role = if inner.config.replica {
+                    VbState::Replica
+                } else {
+                    VbState::Active
+                };
                 for vb in vbs.iter_mut() {
                     vb.finish_recovery(ckpt);
-                    if fresh {
+                    if fresh || (inner.config.replica && vb.state == VbState::Active) {
+                        // A node that follows another holds replicas; an old active rejoining
+                        // keeps its history so that its new active can roll it back exactly.
+                        vb.state = role;
                         vb.last_lsn = a.push(WalPayload::meta(
                             id,
                             vb.id,
                             MetaRecord::VbucketState {
-                                state: VbState::Active,
-                                high_seqno: 0,
+                                state: role,
+                                high_seqno: vb.high_seqno,
                             },
                         ));
                     }
@@ -421,17 +430,35 @@ impl Engine {
                 bucket.config.high_watermark_bytes()
             )));
         }
-        match durability {
-            Durability::None => Ok(()),
-            Durability::Persist if self.inner.wal.mode() == WalMode::None => Err(
-                Error::DurabilityImpossible("wal.mode is none, nothing is persisted".into()),
-            ),
-            Durability::Persist => Ok(()),
-            _ => Err(Error::DurabilityImpossible(format!(
-                "level {} needs replicas and this node has none",
-                durability.as_str()
-            ))),
+        if durability == Durability::Persist && self.inner.wal.mode() == WalMode::None {
+            return Err(Error::DurabilityImpossible(
+                "wal.mode is none, nothing is persisted".into(),
+            ));
         }
+        if durability.persist_active() && self.inner.wal.mode() == WalMode::None {
+            return Err(Error::DurabilityImpossible(format!(
+                "level {} persists on the active and wal.mode is none",
+                durability.as_str()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a write at once when too few replicas follow its vbucket for the level.
+    fn check_replicas(&self, bucket: &Bucket, vbid: u16, durability: Durability) -> Result<()> {
+        if !durability.needs_replicas() {
+            return Ok(());
+        }
+        let needed = replicas_for_majority(bucket.config.replicas);
+        bucket.acks.check(vbid, needed).map_err(|e| match e {
+            WaitError::TooFewReplicas { following, needed } => {
+                Error::DurabilityImpossible(format!(
+                "level {} needs {needed} replica(s) of vbucket {vbid} and {following} follow it",
+                durability.as_str()
+            ))
+            }
+            WaitError::TimedOut => unreachable!("check does not wait"),
+        })
     }
 
     fn note_checkpoint_pressure(&self, bucket: &Bucket) {
@@ -449,14 +476,63 @@ impl Engine {
     fn finish_write(
         &self,
         bucket: &Bucket,
-        durability: Durability,
+        durability: Requirement,
         r: MutationResult,
     ) -> Result<MutationResult> {
         self.note_checkpoint_pressure(bucket);
-        if durability == Durability::Persist {
-            self.inner.wal.wait_durable(r.lsn, None)?;
-        }
+        self.wait_durable(bucket, durability, &[(r.vbucket, r.seqno)], r.lsn)?;
         Ok(r)
+    }
+
+    /// Waits until writes (their vbuckets and seqnos, the last one's LSN) meet the level: on
+    /// this node's WAL, then on the replicas; SyncWriteAmbiguous when the time runs out.
+    fn wait_durable(
+        &self,
+        bucket: &Bucket,
+        durability: Requirement,
+        writes: &[(u16, u64)],
+        lsn: u64,
+    ) -> Result<()> {
+        let level = durability.level;
+        let started = Instant::now();
+        let timeout = durability
+            .timeout
+            .unwrap_or(bucket.config.durability_timeout);
+        if level.persist_active() {
+            self.inner
+                .wal
+                .wait_durable(lsn, Some(timeout))
+                .map_err(|e| match e {
+                    Error::TempFail(_) => {
+                        Error::SyncWriteAmbiguous(format!("not on disk within {timeout:?}"))
+                    }
+                    other => other,
+                })?;
+        }
+        if !level.needs_replicas() {
+            return Ok(());
+        }
+        let needed = replicas_for_majority(bucket.config.replicas);
+        let on_disk = level == Durability::PersistToMajority;
+        for &(vb, seqno) in writes {
+            let left = timeout.saturating_sub(started.elapsed());
+            bucket
+                .acks
+                .wait(vb, seqno, on_disk, needed, left)
+                .map_err(|e| {
+                    let why = match e {
+                        WaitError::TimedOut => format!("not acknowledged in {timeout:?}"),
+                        WaitError::TooFewReplicas { following, needed } => {
+                            format!("{following} replica(s) follow and {needed} are needed")
+                        }
+                    };
+                    Error::SyncWriteAmbiguous(format!(
+                        "vbucket {vb} seqno {seqno} at level {}: {why}",
+                        level.as_str()
+                    ))
+                })?;
+        }
+        Ok(())
     }
 
     /// SET / ADD / REPLACE, with CAS and a durability level.
@@ -468,9 +544,12 @@ impl Engine {
                 max: bucket.config.max_item_size,
             });
         }
-        let durability = req.durability.unwrap_or(bucket.config.durability);
-        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
+        let durability = req
+            .durability
+            .unwrap_or_else(|| bucket.config.durability.into());
+        self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
         let vbid = bucket.vbucket_of(req.key);
+        self.check_replicas(bucket, vbid, durability.level)?;
         let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
         check_writable(&vb, 1)?;
         let now = now_secs();
@@ -516,9 +595,9 @@ impl Engine {
         items: &[(&[u8], &[u8])],
         flags: u32,
         expiry: u32,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
     ) -> Result<u64> {
-        let durability = durability.unwrap_or(bucket.config.durability);
+        let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
         for (k, v) in items {
             validate_key(k)?;
             if v.len() > bucket.config.max_item_size {
@@ -528,7 +607,7 @@ impl Engine {
                 });
             }
         }
-        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
+        self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
         // Counting sort of item indices by vbucket: one pass, two allocations per call.
         let n = bucket.num_vbuckets() as usize;
         let vbs: Vec<u16> = items.iter().map(|(k, _)| bucket.vbucket_of(k)).collect();
@@ -551,6 +630,7 @@ impl Engine {
         for vbid in 0..n {
             let count = starts[vbid + 1] - starts[vbid];
             if count > 0 {
+                self.check_replicas(bucket, vbid as u16, durability.level)?;
                 let vb = bucket.lock_vbucket(vbid as u16).expect("in range");
                 check_writable(&vb, count as u64)?;
                 locked.push((vbid, vb));
@@ -562,6 +642,7 @@ impl Engine {
         let now = now_secs();
         let now_ns = now_nanos();
         let mut last_lsn = 0;
+        let mut written = Vec::with_capacity(locked.len());
         let mut changes = Vec::new();
         for (vbid, vb) in locked.iter_mut() {
             changes.clear();
@@ -582,6 +663,7 @@ impl Engine {
                 }
             }
             vb.last_lsn = last_lsn;
+            written.push((*vbid as u16, vb.high_seqno));
             bucket.account(vb);
         }
         drop(locked);
@@ -591,9 +673,7 @@ impl Engine {
             .sets
             .fetch_add(items.len() as u64, Ordering::Relaxed);
         self.note_checkpoint_pressure(bucket);
-        if durability == Durability::Persist {
-            self.inner.wal.wait_durable(last_lsn, None)?;
-        }
+        self.wait_durable(bucket, durability, &written, last_lsn)?;
         Ok(last_lsn)
     }
 
@@ -602,12 +682,13 @@ impl Engine {
         bucket: &Bucket,
         key: &[u8],
         cas: u64,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
     ) -> Result<MutationResult> {
         validate_key(key)?;
-        let durability = durability.unwrap_or(bucket.config.durability);
-        self.admit_write(bucket, durability, ChangeOp::Deletion)?;
+        let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
+        self.admit_write(bucket, durability.level, ChangeOp::Deletion)?;
         let vbid = bucket.vbucket_of(key);
+        self.check_replicas(bucket, vbid, durability.level)?;
         let mut vb = bucket.lock_vbucket(vbid).expect("in range");
         check_writable(&vb, 1)?;
         let now = now_secs();
@@ -641,13 +722,14 @@ impl Engine {
         bucket: &Bucket,
         key: &[u8],
         cas: u64,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
         f: impl FnOnce(Option<&Item>) -> Result<Update>,
     ) -> Result<(MutationResult, Item)> {
         validate_key(key)?;
-        let durability = durability.unwrap_or(bucket.config.durability);
-        self.admit_write(bucket, durability, ChangeOp::Mutation)?;
+        let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
+        self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
         let vbid = bucket.vbucket_of(key);
+        self.check_replicas(bucket, vbid, durability.level)?;
         let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
         check_writable(&vb, 1)?;
         let now = now_secs();
@@ -692,7 +774,7 @@ impl Engine {
         data: &[u8],
         at_end: bool,
         cas: u64,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
     ) -> Result<MutationResult> {
         self.update(bucket, key, cas, durability, |cur| {
             let cur = cur.ok_or(Error::NotStored)?;
@@ -727,7 +809,7 @@ impl Engine {
         expiry: u32,
         increment: bool,
         cas: u64,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
     ) -> Result<(MutationResult, u64)> {
         let now = now_secs();
         let (r, item) = self.update(bucket, key, cas, durability, |cur| {
@@ -766,7 +848,7 @@ impl Engine {
         bucket: &Bucket,
         key: &[u8],
         expiry: u32,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
     ) -> Result<(MutationResult, Item)> {
         let now = now_secs();
         self.update(bucket, key, 0, durability, |cur| {
@@ -840,6 +922,25 @@ impl Engine {
         Ok(found)
     }
 
+    /// GET_REPLICA: the key as this node's replica of its vbucket holds it (NOT_MY_VBUCKET
+    /// when the vbucket is not a replica here). Expired items read as missing; a replica never
+    /// expires anything itself, its active does.
+    pub fn get_replica(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Item>> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Replica {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        bucket.stats.gets.fetch_add(1, Ordering::Relaxed);
+        Ok(vb
+            .store
+            .get(key)
+            .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now_secs()))
+            .map(|i| i.to_item()))
+    }
+
     /// The current version of a key including tombstones, regardless of vbucket state.
     pub fn get_meta(&self, bucket: &Bucket, key: &[u8]) -> Option<Item> {
         let vb = bucket.lock_vbucket(bucket.vbucket_of(key))?;
@@ -877,6 +978,188 @@ impl Engine {
         // Streams of the vbucket look at its state when woken.
         bucket.changes.notify();
         Ok(())
+    }
+
+    /// Promotion after a failover: every replica or pending vbucket of the bucket becomes
+    /// active, each with a new failover entry. Returns the vbuckets promoted.
+    pub fn promote(&self, bucket: &Bucket) -> Result<Vec<u16>> {
+        let mut promoted = Vec::new();
+        for v in 0..bucket.num_vbuckets() {
+            let state = self.vbucket_state(bucket, v);
+            if matches!(state, Some(VbState::Replica | VbState::Pending)) {
+                self.set_vbucket_state(bucket, v, VbState::Active)?;
+                promoted.push(v);
+            }
+        }
+        Ok(promoted)
+    }
+
+    /// A replica's stream: stores changes decided by the active, with its seqnos, CAS and rev
+    /// seqnos, under one lock of the vbucket, and logs them to this node's WAL. The vbucket
+    /// must not be active here, and seqnos must rise. Returns the last LSN written.
+    pub fn apply_replicated<'a>(
+        &self,
+        bucket: &Bucket,
+        vbid: u16,
+        changes: impl Iterator<Item = (ChangeOp, &'a [u8], &'a [u8], ItemMeta)>,
+    ) -> Result<u64> {
+        self.check_open()?;
+        let mut vb = bucket
+            .lock_vbucket(vbid)
+            .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        if vb.state == VbState::Active || vb.state == VbState::Dead {
+            return Err(Error::InvalidArgument(format!(
+                "vbucket {vbid} is {} here and takes no replicated changes",
+                vb.state.as_str()
+            )));
+        }
+        let mut a = self.inner.wal.appender()?;
+        let mut last = vb.last_lsn;
+        for (op, key, value, mut meta) in changes {
+            if meta.by_seqno <= vb.high_seqno {
+                return Err(Error::InvalidArgument(format!(
+                    "vbucket {vbid}: replicated seqno {} is not above {}",
+                    meta.by_seqno, vb.high_seqno
+                )));
+            }
+            meta.deleted = op != ChangeOp::Mutation;
+            let c = vb.apply(op, key, value, meta);
+            last = a.push(WalPayload::Change(c));
+        }
+        drop(a);
+        vb.last_lsn = last;
+        bucket.account(&mut vb);
+        drop(vb);
+        bucket.changes.notify();
+        self.note_checkpoint_pressure(bucket);
+        Ok(last)
+    }
+
+    /// A replica takes its active's failover log (newest first) as its own, so that it can
+    /// resume from it and a promotion continues the same history.
+    pub fn adopt_failover_log(
+        &self,
+        bucket: &Bucket,
+        vbid: u16,
+        entries: &[FailoverEntry],
+    ) -> Result<()> {
+        let mut vb = bucket
+            .lock_vbucket(vbid)
+            .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+        if vb.failover.entries() == entries {
+            return Ok(());
+        }
+        vb.failover.replace_all(entries.to_vec());
+        self.log_failover_log(bucket, &mut vb)
+    }
+
+    fn log_failover_log(&self, bucket: &Bucket, vb: &mut VBucket) -> Result<()> {
+        let mut a = self.inner.wal.appender()?;
+        vb.last_lsn = a.push(WalPayload::meta(
+            bucket.id,
+            vb.id,
+            MetaRecord::FailoverReset,
+        ));
+        for e in vb.failover.entries().iter().rev() {
+            vb.last_lsn = a.push(WalPayload::meta(
+                bucket.id,
+                vb.id,
+                MetaRecord::FailoverEntry(*e),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rolls a non-active vbucket back to `seqno`: what lies beyond it goes. The items as they
+    /// stood at `seqno` come from this node's snapshot and WAL files when they can say; when
+    /// they cannot, the vbucket is emptied for a full re-stream. A snapshot then makes the
+    /// result the starting point of recovery. Returns the seqno the vbucket now stands at.
+    pub fn rollback_vbucket(&self, bucket: &Arc<Bucket>, vbid: u16, seqno: u64) -> Result<u64> {
+        self.check_open()?;
+        let last_lsn = {
+            let vb = bucket
+                .lock_vbucket(vbid)
+                .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
+            if vb.state == VbState::Active {
+                return Err(Error::InvalidArgument(format!(
+                    "vbucket {vbid} is active; only a replica rolls back"
+                )));
+            }
+            vb.last_lsn
+        };
+        let with_history = seqno > 0 && self.inner.wal.mode() != WalMode::None;
+        let past = if with_history {
+            self.inner.wal.wait_durable(last_lsn, None)?;
+            let _files = self.inner.snapshot_lock.lock();
+            match crate::history::vbucket_at(
+                &self.inner.snap_dir,
+                &self.inner.wal_dir,
+                bucket.id,
+                vbid,
+                seqno,
+            ) {
+                Ok(p) => p,
+                Err(e) => {
+                    log::warn!(
+                        "vbucket {vbid}: cannot read its history ({e}); re-streaming it whole"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut vb = bucket.lock_vbucket(vbid).expect("checked above");
+        let (store, high, purge) = match past {
+            Some(p) => {
+                vb.clock.observe(p.clock.last());
+                (p.store, p.high_seqno, p.purge_seqno)
+            }
+            None => (Default::default(), 0, 0),
+        };
+        vb.store.replace_keeping_readers(store);
+        vb.high_seqno = high;
+        vb.purge_seqno = purge;
+        vb.persisted_seqno = high;
+        // Readers of the vbucket (a chained replica's streams) lose their cursors and find
+        // the vbucket behind them.
+        vb.checkpoints.reset(high);
+        vb.persistence_cursor = None;
+        if self.inner.wal.mode() != WalMode::None {
+            let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, high);
+            vb.persistence_cursor = Some(reg.id);
+        }
+        let kept: Vec<FailoverEntry> = if high == 0 {
+            Vec::new()
+        } else {
+            vb.failover
+                .entries()
+                .iter()
+                .filter(|e| e.seqno <= high)
+                .copied()
+                .collect()
+        };
+        vb.failover.replace_all(kept);
+        vb.last_lsn = self.inner.wal.appender()?.push(WalPayload::meta(
+            bucket.id,
+            vbid,
+            MetaRecord::Rollback(high),
+        ));
+        self.log_failover_log(bucket, &mut vb)?;
+        bucket.account(&mut vb);
+        drop(vb);
+        bucket.changes.notify();
+        self.inner.write_snapshot()?;
+        log::info!(
+            "vbucket {vbid} of bucket {:?} rolled back to seqno {high} (asked {seqno}){}",
+            bucket.name(),
+            if high == 0 && seqno > 0 {
+                "; its history was not on disk, so it is re-streamed whole"
+            } else {
+                ""
+            }
+        );
+        Ok(high)
     }
 
     pub fn vbucket_state(&self, bucket: &Bucket, vbid: u16) -> Option<VbState> {

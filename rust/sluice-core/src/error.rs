@@ -28,6 +28,9 @@ pub enum Error {
     WalFailed(String),
     /// A durability level the bucket's configuration cannot provide (e.g. persist with wal.mode=none).
     DurabilityImpossible(String),
+    /// The write is applied here but its durability level was not met in time: it may or may
+    /// not survive a failover (Couchbase's SyncWriteAmbiguous).
+    SyncWriteAmbiguous(String),
     NoSuchBucket(String),
     InvalidConfig {
         key: String,
@@ -59,6 +62,7 @@ impl fmt::Display for Error {
             Error::TempFail(why) => write!(f, "temporary failure: {why}"),
             Error::WalFailed(why) => write!(f, "WAL write failed: {why}"),
             Error::DurabilityImpossible(why) => write!(f, "durability impossible: {why}"),
+            Error::SyncWriteAmbiguous(why) => write!(f, "sync write ambiguous: {why}"),
             Error::NoSuchBucket(b) => write!(f, "no such bucket: {b}"),
             Error::InvalidConfig { key, reason } => write!(f, "invalid config: {key}: {reason}"),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),

@@ -389,6 +389,14 @@ impl ItemStore {
         lo
     }
 
+    /// Takes `other`'s contents (a rollback) while range reads opened on this store stay
+    /// counted, so their ends still balance.
+    pub fn replace_keeping_readers(&mut self, other: ItemStore) {
+        let readers = self.range_reads;
+        *self = other;
+        self.range_reads = readers;
+    }
+
     /// Opens a range read: until the matching `end_range_read`, replaced versions stay readable.
     pub fn begin_range_read(&mut self) {
         self.range_reads += 1;

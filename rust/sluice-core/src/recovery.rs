@@ -123,6 +123,11 @@ impl State {
             RecordBody::VbucketState { state, .. } => vb.state = *state,
             RecordBody::FailoverEntry(e) => vb.failover.push(*e),
             RecordBody::PurgeSeqno(s) => vb.purge_seqno = vb.purge_seqno.max(*s),
+            // A rollback is always followed by a snapshot holding its result. Without that
+            // snapshot (a crash between them) the vbucket stays as it was before the rollback
+            // and its producer asks for the same rollback again.
+            RecordBody::Rollback(_) => {}
+            RecordBody::FailoverReset => vb.failover.replace_all(Vec::new()),
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,

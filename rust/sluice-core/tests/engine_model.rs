@@ -67,7 +67,7 @@ proptest! {
                     let kb = key(k);
                     let mut req = StoreRequest::set(&kb, &val);
                     if matches!(op, Op::SetPersist(..)) {
-                        req.durability = Some(Durability::Persist);
+                        req.durability = Some(Durability::Persist.into());
                     }
                     engine.store(&bucket, &req).unwrap();
                     model.insert(key(k), val);

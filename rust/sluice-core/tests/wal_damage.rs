@@ -41,7 +41,7 @@ fn fixture() -> Fixture {
         let k = format!("k{i:03}").into_bytes();
         let v = vec![b'a' + (i % 26) as u8; 1 + (i * 397) % 3000];
         let mut req = StoreRequest::set(&k, &v);
-        req.durability = Some(Durability::Persist);
+        req.durability = Some(Durability::Persist.into());
         engine.store(&bucket, &req).unwrap();
         writes.push((k, v));
     }

@@ -1166,10 +1166,13 @@ impl DcpRequest for SetVbucketState {
 }
 
 /// DCP_SEQNO_ACKNOWLEDGED (0x61): the consumer's highest prepared seqno (sync replication).
+/// sluice's replicas acknowledge the end of each whole snapshot they hold; a consumer that set
+/// the control `persisted_seqno_acks` adds the seqno it holds on disk as an 8-byte value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqnoAcknowledged {
     pub vbucket: u16,
     pub prepared_seqno: u64,
+    pub persisted_seqno: Option<u64>,
 }
 
 impl DcpRequest for SeqnoAcknowledged {
@@ -1180,15 +1183,36 @@ impl DcpRequest for SeqnoAcknowledged {
             vbucket: self.vbucket,
             ..Default::default()
         };
-        write_request(out, h, opaque, &self.prepared_seqno.to_be_bytes(), &[], &[])
+        let value = self.persisted_seqno.map(u64::to_be_bytes);
+        let value: &[u8] = match &value {
+            Some(v) => v,
+            None => &[],
+        };
+        write_request(
+            out,
+            h,
+            opaque,
+            &self.prepared_seqno.to_be_bytes(),
+            &[],
+            value,
+        )
     }
     fn decode(req: &Request<'_>) -> Result<Self, DcpError> {
         check_request(req, Self::OPCODE, &[8])?;
         no_key(req.key)?;
-        no_value(req.value)?;
+        let persisted_seqno = match req.value.len() {
+            0 => None,
+            8 => Some(Reader(req.value).u64()?),
+            _ => {
+                return Err(DcpError::Malformed(
+                    "SEQNO_ACKNOWLEDGED value must be empty or 8 bytes",
+                ))
+            }
+        };
         Ok(SeqnoAcknowledged {
             vbucket: req.vbucket,
             prepared_seqno: Reader(req.extras).u64()?,
+            persisted_seqno,
         })
     }
 }
@@ -1878,7 +1902,8 @@ mod tests {
             m,
             SeqnoAcknowledged {
                 vbucket: 0x0210,
-                prepared_seqno: 4
+                prepared_seqno: 4,
+                persisted_seqno: None,
             }
         );
         assert_eq!(encoded(&m, 0x1210), req);
@@ -2035,7 +2060,7 @@ mod tests {
             round_trip(&CloseStream { vbucket: vb }, opaque)?;
             round_trip(&SnapshotMarker { vbucket: vb, start_seqno: s[0], end_seqno: s[1], flags }, opaque)?;
             round_trip(&SetVbucketState { vbucket: vb, state, value }, opaque)?;
-            round_trip(&SeqnoAcknowledged { vbucket: vb, prepared_seqno: s[2] }, opaque)?;
+            round_trip(&SeqnoAcknowledged { vbucket: vb, prepared_seqno: s[2], persisted_seqno: Some(s[1]) }, opaque)?;
         }
 
         #[test]

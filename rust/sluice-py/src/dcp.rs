@@ -177,6 +177,7 @@ impl DcpConsumer {
             noop_interval,
             include_values,
             cursor_dropping,
+            replica_name: None,
         };
         Ok(DcpConsumer {
             consumer: Mutex::new(Some(Consumer::start(config))),

@@ -17,7 +17,9 @@ use sluice_core::item::Item;
 use sluice_core::vbucket::VbState;
 use sluice_core::wal::writer::Failpoint;
 use sluice_core::wal::WalMode;
-use sluice_core::{BucketConfig, Durability, Engine, EngineConfig, Error, StoreMode, StoreRequest};
+use sluice_core::{
+    BucketConfig, Durability, Engine, EngineConfig, Error, Requirement, StoreMode, StoreRequest,
+};
 
 pyo3::create_exception!(
     _native,
@@ -87,6 +89,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _native,
+    SyncWriteAmbiguousError,
+    SluiceError,
+    "The write is applied but its durability level was not met in time."
+);
+pyo3::create_exception!(
+    _native,
     NoSuchBucketError,
     SluiceError,
     "No bucket by that name."
@@ -118,6 +126,7 @@ fn to_py(e: Error) -> PyErr {
         Error::TempFail(_) => TempFailError::new_err(msg),
         Error::WalFailed(_) => WalFailedError::new_err(msg),
         Error::DurabilityImpossible(_) => DurabilityImpossibleError::new_err(msg),
+        Error::SyncWriteAmbiguous(_) => SyncWriteAmbiguousError::new_err(msg),
         Error::NoSuchBucket(_) => NoSuchBucketError::new_err(msg),
         Error::InvalidConfig { .. } | Error::InvalidArgument(_) => ConfigError::new_err(msg),
         Error::Corrupt { .. } => CorruptionError::new_err(msg),
@@ -153,7 +162,8 @@ struct BucketSettings {
 #[pymethods]
 impl BucketSettings {
     #[new]
-    #[pyo3(signature = (name, *, num_vbuckets=64, memory_quota=1<<30, high_watermark=0.85, max_item_size=20<<20, checkpoint_memory_ratio=0.3, durability="none"))]
+    #[pyo3(signature = (name, *, num_vbuckets=64, memory_quota=1<<30, high_watermark=0.85, max_item_size=20<<20, checkpoint_memory_ratio=0.3, durability="none", replicas=1, durability_timeout=10.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
         num_vbuckets: u16,
@@ -162,6 +172,8 @@ impl BucketSettings {
         max_item_size: usize,
         checkpoint_memory_ratio: f64,
         durability: &str,
+        replicas: u8,
+        durability_timeout: f64,
     ) -> PyResult<Self> {
         let durability =
             parse_durability("durability", Some(durability))?.expect("Some in, Some out");
@@ -174,6 +186,8 @@ impl BucketSettings {
                 max_item_size,
                 checkpoint_memory_ratio,
                 durability,
+                replicas,
+                durability_timeout: secs("durability_timeout", durability_timeout)?,
             },
         })
     }
@@ -206,7 +220,7 @@ struct EngineSettings {
 #[pymethods]
 impl EngineSettings {
     #[new]
-    #[pyo3(signature = (data_dir, *, wal_mode="write", wal_segment_size=64<<20, snapshot_count=2, snapshot_interval=3600.0, checkpoint_max_items=10_000, checkpoint_period=5.0, tombstone_purge_age=259_200.0, expiry_pager_interval=60.0, force_recovery=false, buckets=None))]
+    #[pyo3(signature = (data_dir, *, wal_mode="write", wal_segment_size=64<<20, snapshot_count=2, snapshot_interval=3600.0, checkpoint_max_items=10_000, checkpoint_period=5.0, tombstone_purge_age=259_200.0, expiry_pager_interval=60.0, force_recovery=false, replica=false, buckets=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_dir: PathBuf,
@@ -219,6 +233,7 @@ impl EngineSettings {
         tombstone_purge_age: f64,
         expiry_pager_interval: f64,
         force_recovery: bool,
+        replica: bool,
         buckets: Option<Vec<BucketSettings>>,
     ) -> PyResult<Self> {
         let wal_mode = WalMode::parse(wal_mode).ok_or_else(|| {
@@ -244,6 +259,7 @@ impl EngineSettings {
             tombstone_purge_age: secs("tombstone_purge_age", tombstone_purge_age)?,
             expiry_pager_interval: secs("expiry_pager_interval", expiry_pager_interval)?,
             force_recovery,
+            replica,
             buckets,
         };
         inner.validate().map_err(to_py)?;
@@ -351,7 +367,7 @@ impl EmbeddedEngine {
         durability: Option<&str>,
     ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
-        let durability = parse_durability("durability", durability)?;
+        let durability = parse_durability("durability", durability)?.map(Requirement::from);
         py.allow_threads(|| self.engine.concat(&b, key, data, at_end, cas, durability))
             .map(mutation)
             .map_err(to_py)
@@ -371,7 +387,7 @@ impl EmbeddedEngine {
         durability: Option<&str>,
     ) -> PyResult<(Mutation, u64)> {
         let b = self.bucket(bucket)?;
-        let durability = parse_durability("durability", durability)?;
+        let durability = parse_durability("durability", durability)?.map(Requirement::from);
         let (r, n) = py
             .allow_threads(|| {
                 self.engine
@@ -435,7 +451,7 @@ impl EmbeddedEngine {
                 )))
             }
         };
-        let durability = parse_durability("durability", durability)?;
+        let durability = parse_durability("durability", durability)?.map(Requirement::from);
         let req = StoreRequest {
             key,
             value,
@@ -463,7 +479,7 @@ impl EmbeddedEngine {
         durability: Option<&str>,
     ) -> PyResult<u64> {
         let b = self.bucket(bucket)?;
-        let durability = parse_durability("durability", durability)?;
+        let durability = parse_durability("durability", durability)?.map(Requirement::from);
         let mut pairs: Vec<(&[u8], &[u8])> = Vec::with_capacity(items.len());
         let owned: Vec<(Bound<'_, PyBytes>, Bound<'_, PyBytes>)> = items
             .iter()
@@ -487,7 +503,7 @@ impl EmbeddedEngine {
         durability: Option<&str>,
     ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
-        let durability = parse_durability("durability", durability)?;
+        let durability = parse_durability("durability", durability)?.map(Requirement::from);
         py.allow_threads(|| self.engine.delete(&b, key, cas, durability))
             .map(mutation)
             .map_err(to_py)
@@ -854,7 +870,7 @@ fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -865,7 +881,35 @@ impl Server {
         max_connections: usize,
         idle_timeout: f64,
         io_threads: usize,
+        replica_of: Option<&str>,
+        replication_user: Option<String>,
+        replication_password: Option<String>,
+        replication_noop_interval: u32,
     ) -> PyResult<Self> {
+        let replica_of = match replica_of.filter(|a| !a.is_empty()) {
+            None => None,
+            Some(a) => {
+                socket_addr("replication.replica_of", a)?;
+                if !(1..=10800).contains(&replication_noop_interval) {
+                    return Err(config_err(
+                        "replication.noop_interval",
+                        "must be 1 to 10800 seconds",
+                    ));
+                }
+                if !engine.engine.config().replica {
+                    return Err(config_err(
+                        "replication.replica_of",
+                        "the engine was not opened as a replica (EngineSettings replica=True)",
+                    ));
+                }
+                Some(sluice_server::replica::ReplicaConfig {
+                    active: a.to_string(),
+                    username: replication_user,
+                    password: replication_password,
+                    noop_interval: replication_noop_interval,
+                })
+            }
+        };
         let addr = socket_addr("listen", listen)?;
         let admin_listen = admin_listen
             .filter(|a| !a.is_empty())
@@ -890,6 +934,7 @@ impl Server {
             idle_timeout: secs("idle_timeout", idle_timeout)?,
             worker_threads: io_threads.max(1),
             users: users_of(users)?,
+            replica_of,
         };
         let e = engine.engine.clone();
         let server = py
@@ -923,6 +968,17 @@ impl Server {
     #[getter]
     fn admin_address(&self) -> Option<&str> {
         self.admin_address.as_deref()
+    }
+
+    /// Failover: stops following the active and makes every replica vbucket active. Returns
+    /// {bucket: [vbuckets promoted]}.
+    fn promote(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<String, Vec<u16>>> {
+        let shared = match self.inner.lock().as_ref() {
+            Some(s) => s.shared().clone(),
+            None => return Err(ClosedError::new_err("the server is stopped")),
+        };
+        let done = py.allow_threads(|| shared.promote()).map_err(to_py)?;
+        Ok(done.into_iter().collect())
     }
 
     /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.
@@ -1094,6 +1150,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (
             "DurabilityImpossibleError",
             py.get_type::<DurabilityImpossibleError>(),
+        ),
+        (
+            "SyncWriteAmbiguousError",
+            py.get_type::<SyncWriteAmbiguousError>(),
         ),
         ("NoSuchBucketError", py.get_type::<NoSuchBucketError>()),
         ("ConfigError", py.get_type::<ConfigError>()),

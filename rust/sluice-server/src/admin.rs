@@ -53,10 +53,37 @@ async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<(
         .into_owned();
     let mut parts = line.split(' ');
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    if method != "GET" {
-        return respond(&mut socket, 405, "text/plain", b"only GET\n").await;
+    let path = path.split('?').next().unwrap_or("");
+    if method == "POST" && path == "/promote" {
+        let sh = shared.clone();
+        let r = tokio::task::spawn_blocking(move || sh.promote()).await;
+        return match r {
+            Ok(Ok(done)) => {
+                let body = serde_json::json!({"promoted": done.iter().map(|(b, v)| serde_json::json!({"bucket": b, "vbuckets": v})).collect::<Vec<_>>()});
+                respond(
+                    &mut socket,
+                    200,
+                    "application/json",
+                    body.to_string().as_bytes(),
+                )
+                .await
+            }
+            Ok(Err(e)) => {
+                respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await
+            }
+            Err(e) => respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await,
+        };
     }
-    match path.split('?').next().unwrap_or("") {
+    if method != "GET" {
+        return respond(
+            &mut socket,
+            405,
+            "text/plain",
+            b"GET /metrics, GET /status, POST /promote\n",
+        )
+        .await;
+    }
+    match path {
         "/metrics" => {
             let body = tokio::task::block_in_place(|| metrics(&shared));
             respond(

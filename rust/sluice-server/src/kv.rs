@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use sluice_core::bucket::Bucket;
-use sluice_core::{Durability, Error, MutationResult, StoreMode, StoreRequest};
+use sluice_core::{Durability, Error, MutationResult, Requirement, StoreMode, StoreRequest};
 use sluice_proto::mcbp::{
     self, feature, magic, opcode as op, status, FrameInfo, HeaderFields, Request,
 };
@@ -44,7 +44,13 @@ pub struct Session {
 fn required_permission(opcode: u8) -> u8 {
     use crate::auth::{ADMIN, READ, STREAM, WRITE};
     match opcode {
-        op::GET | op::GETQ | op::GETK | op::GETKQ | op::STAT | op::GET_ALL_VB_SEQNOS => READ,
+        op::GET
+        | op::GETQ
+        | op::GETK
+        | op::GETKQ
+        | op::GET_REPLICA
+        | op::STAT
+        | op::GET_ALL_VB_SEQNOS => READ,
         op::GAT | op::GATQ => READ | WRITE,
         op::SET
         | op::SETQ
@@ -78,6 +84,7 @@ pub fn status_of(e: &Error) -> u16 {
         // The change is applied and the WAL keeps retrying it: its durability is unknown.
         Error::WalFailed(_) => status::SYNC_WRITE_AMBIGUOUS,
         Error::DurabilityImpossible(_) => status::DURABILITY_IMPOSSIBLE,
+        Error::SyncWriteAmbiguous(_) => status::SYNC_WRITE_AMBIGUOUS,
         Error::NoSuchBucket(_) => status::NO_BUCKET,
         Error::Corrupt { .. } | Error::Io(_) => status::EINTERNAL,
     }
@@ -202,8 +209,14 @@ impl Session {
         let mut durability = None;
         for info in mcbp::frame_infos(req.framing) {
             match info {
-                Ok(FrameInfo::Durability { level, .. }) => match durability_of(level) {
-                    Some(d) => durability = Some(d),
+                Ok(FrameInfo::Durability { level, timeout_ms }) => match durability_of(level) {
+                    Some(d) => {
+                        durability = Some(Requirement {
+                            level: d,
+                            timeout: timeout_ms
+                                .map(|ms| std::time::Duration::from_millis(ms as u64)),
+                        })
+                    }
                     None => {
                         Reply { out, req: &req }.error(
                             status::DURABILITY_INVALID_LEVEL,
@@ -239,7 +252,7 @@ impl Session {
     fn dispatch(
         &mut self,
         req: &Request<'_>,
-        durability: Option<Durability>,
+        durability: Option<Requirement>,
         out: &mut Vec<u8>,
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
@@ -318,16 +331,21 @@ impl Session {
             op::SASL_AUTH | op::SASL_STEP => {
                 reply.error(status::AUTH_ERROR, "only SASL PLAIN is offered", xerror)
             }
-            op::GET | op::GETQ | op::GETK | op::GETKQ => {
+            op::GET | op::GETQ | op::GETK | op::GETKQ | op::GET_REPLICA => {
                 if !req.extras.is_empty() || !req.value.is_empty() {
                     einval!("GET takes a key only");
                 }
                 if wrong_vbucket(&bucket) {
                     fail!(Error::NotMyVbucket(req.vbucket));
                 }
-                match engine.get(&bucket, req.key) {
+                let found = if req.opcode == op::GET_REPLICA {
+                    engine.get_replica(&bucket, req.key)
+                } else {
+                    engine.get(&bucket, req.key)
+                };
+                match found {
                     Ok(Some(it)) => {
-                        let key = if matches!(req.opcode, op::GETK | op::GETKQ) {
+                        let key = if matches!(req.opcode, op::GETK | op::GETKQ | op::GET_REPLICA) {
                             req.key
                         } else {
                             &[]

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod connection;
 pub mod dcp;
 pub mod kv;
+pub mod replica;
 pub mod server;
 
 pub use server::{Server, ServerConfig};

@@ -26,6 +26,8 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// Users allowed in; none configured means no authentication.
     pub users: crate::auth::Users,
+    /// Follow this active node: every bucket's replica vbuckets stream from it.
+    pub replica_of: Option<crate::replica::ReplicaConfig>,
 }
 
 /// Counters the metrics endpoint and STAT read.
@@ -48,6 +50,32 @@ pub struct Shared {
     pub started: std::time::Instant,
     pub dcp_names: crate::dcp::producer::Names,
     pub dcp: crate::dcp::producer::DcpStats,
+    /// Running while this node follows an active; emptied by a promotion.
+    pub replicators: parking_lot::Mutex<Vec<crate::replica::Replicator>>,
+}
+
+impl Shared {
+    /// Failover: stops following the active, then makes every replica vbucket active (each
+    /// with a new failover entry). Returns (bucket, vbuckets promoted) per bucket.
+    pub fn promote(&self) -> sluice_core::Result<Vec<(String, Vec<u16>)>> {
+        let stopped: Vec<_> = std::mem::take(&mut *self.replicators.lock());
+        for mut r in stopped {
+            r.stop();
+        }
+        let mut out = Vec::new();
+        for b in self.engine.buckets() {
+            let promoted = self.engine.promote(&b)?;
+            if !promoted.is_empty() {
+                log::warn!(
+                    "promoted {} vbucket(s) of bucket {:?} to active",
+                    promoted.len(),
+                    b.name()
+                );
+            }
+            out.push((b.name().to_string(), promoted));
+        }
+        Ok(out)
+    }
 }
 
 pub struct Server {
@@ -93,7 +121,18 @@ impl Server {
             started: std::time::Instant::now(),
             dcp_names: Default::default(),
             dcp: Default::default(),
+            replicators: Default::default(),
         });
+        if let Some(rc) = &shared.config.replica_of {
+            let mut reps = shared.replicators.lock();
+            for b in shared.engine.buckets() {
+                reps.push(crate::replica::Replicator::start(
+                    shared.engine.clone(),
+                    b,
+                    rc.clone(),
+                ));
+            }
+        }
         let listener = {
             let _enter = runtime.enter();
             TcpListener::from_std(std_listener)?
@@ -145,6 +184,9 @@ impl Server {
     /// Stops accepting, waits (up to `grace`) for connections to finish what they hold, then
     /// drops the runtime. Blocking; call it from a plain thread.
     pub fn shutdown(&mut self, grace: Duration) {
+        for mut r in std::mem::take(&mut *self.shared.replicators.lock()) {
+            r.stop();
+        }
         let _ = self.stop.send(true);
         if let (Some(rt), Some(done)) = (self.runtime.take(), self.done.take()) {
             rt.block_on(async {

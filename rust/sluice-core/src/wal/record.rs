@@ -18,6 +18,8 @@ const OP_FAILOVER_ENTRY: u64 = 11;
 const OP_BUCKET: u64 = 12;
 const OP_PURGE_SEQNO: u64 = 13;
 const OP_VBUCKET_SNAPSHOT: u64 = 14;
+const OP_ROLLBACK: u64 = 15;
+const OP_FAILOVER_RESET: u64 = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
@@ -40,6 +42,10 @@ pub enum RecordBody<'a> {
     },
     /// Tombstones at or below this seqno may have been purged.
     PurgeSeqno(u64),
+    /// The vbucket was rolled back to this seqno; WAL history before it is another branch.
+    Rollback(u64),
+    /// The vbucket's failover log is cleared; the FailoverEntry records after it are the log.
+    FailoverReset,
     /// Snapshot files only: a vbucket's counters as of the capture. The record's lsn is the last
     /// lsn applied to the vbucket, so WAL replay skips what the capture already holds.
     VbucketSnapshot {
@@ -178,6 +184,12 @@ impl Record<'_> {
             ),
             RecordBody::PurgeSeqno(s) => {
                 write_fields(out, l, OP_PURGE_SEQNO, b, v, *s, 0, 0, 0, 0, 0, b"", b"")
+            }
+            RecordBody::Rollback(s) => {
+                write_fields(out, l, OP_ROLLBACK, b, v, *s, 0, 0, 0, 0, 0, b"", b"")
+            }
+            RecordBody::FailoverReset => {
+                write_fields(out, l, OP_FAILOVER_RESET, b, v, 0, 0, 0, 0, 0, 0, b"", b"")
             }
             RecordBody::VbucketSnapshot {
                 state,
@@ -318,6 +330,8 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
             }
         }
         OP_PURGE_SEQNO => RecordBody::PurgeSeqno(seqno),
+        OP_ROLLBACK => RecordBody::Rollback(seqno),
+        OP_FAILOVER_RESET => RecordBody::FailoverReset,
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,
             high_seqno: seqno,
@@ -398,6 +412,13 @@ impl Record<'_> {
                 m.insert("op".into(), json!("purge_seqno"));
                 m.insert("seqno".into(), json!(s));
             }
+            RecordBody::Rollback(s) => {
+                m.insert("op".into(), json!("rollback"));
+                m.insert("seqno".into(), json!(s));
+            }
+            RecordBody::FailoverReset => {
+                m.insert("op".into(), json!("failover_reset"));
+            }
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -477,6 +498,8 @@ mod tests {
                 num_vbuckets: 1024,
             },
             RecordBody::PurgeSeqno(77),
+            RecordBody::Rollback(78),
+            RecordBody::FailoverReset,
             RecordBody::VbucketSnapshot {
                 state: VbState::Active,
                 high_seqno: 1,

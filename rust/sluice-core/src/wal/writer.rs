@@ -57,10 +57,20 @@ impl WalMode {
 /// Records other than item changes.
 #[derive(Debug, Clone)]
 pub enum MetaRecord {
-    VbucketState { state: VbState, high_seqno: u64 },
+    VbucketState {
+        state: VbState,
+        high_seqno: u64,
+    },
     FailoverEntry(FailoverEntry),
-    Bucket { name: String, num_vbuckets: u16 },
+    Bucket {
+        name: String,
+        num_vbuckets: u16,
+    },
     PurgeSeqno(u64),
+    /// The vbucket was rolled back to this seqno (a snapshot follows that holds the result).
+    Rollback(u64),
+    /// The vbucket's failover log is replaced: the entries that follow are the whole log.
+    FailoverReset,
 }
 
 pub enum WalPayload {
@@ -109,6 +119,8 @@ impl Queued {
                         num_vbuckets: *num_vbuckets,
                     },
                     MetaRecord::PurgeSeqno(s) => RecordBody::PurgeSeqno(*s),
+                    MetaRecord::Rollback(s) => RecordBody::Rollback(*s),
+                    MetaRecord::FailoverReset => RecordBody::FailoverReset,
                 },
             },
         };

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sluice_proto::dcp::{
     self, opcode, open_flag, snapshot_flag, stream_end_reason, stream_flag, DcpRequest,
-    DcpResponse, DocumentRef, FailoverEntry, SnapshotMarker, StreamEnd, StreamRequest,
-    StreamRequestResponse,
+    DcpResponse, DocumentRef, FailoverEntry, SeqnoAcknowledged, SnapshotMarker, StreamEnd,
+    StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
@@ -173,6 +173,9 @@ pub struct ConsumerConfig {
     pub include_values: bool,
     /// Ask the producer to end a stream that falls too far behind instead of backfilling it.
     pub cursor_dropping: bool,
+    /// A replica's name: the connection does sync replication (controls consumer_name,
+    /// enable_sync_writes, persisted_seqno_acks), and the reader sends SEQNO_ACKNOWLEDGED.
+    pub replica_name: Option<String>,
 }
 
 impl Default for ConsumerConfig {
@@ -193,6 +196,7 @@ impl Default for ConsumerConfig {
             noop_interval: 20,
             include_values: true,
             cursor_dropping: false,
+            replica_name: None,
         }
     }
 }
@@ -279,6 +283,14 @@ pub enum Event {
 
 pub enum Command {
     Resume(u16),
+    /// Request the vbucket again from this position (the reader rolled back to it).
+    ResumeAt(u16, Position),
+    /// SEQNO_ACKNOWLEDGED: what a replica holds of the vbucket (and has on disk).
+    Acknowledge {
+        vbucket: u16,
+        seqno: u64,
+        persisted: u64,
+    },
     Close,
 }
 
@@ -324,6 +336,18 @@ impl Consumer {
 
     pub fn resume(&self, vbucket: u16) {
         let _ = self.commands.send(Command::Resume(vbucket));
+    }
+
+    pub fn resume_at(&self, vbucket: u16, position: Position) {
+        let _ = self.commands.send(Command::ResumeAt(vbucket, position));
+    }
+
+    pub fn acknowledge(&self, vbucket: u16, seqno: u64, persisted: u64) {
+        let _ = self.commands.send(Command::Acknowledge {
+            vbucket,
+            seqno,
+            persisted,
+        });
     }
 }
 
@@ -444,6 +468,11 @@ impl Session {
         }
         if config.cursor_dropping {
             controls.push(("supports_cursor_dropping", "true".into()));
+        }
+        if let Some(name) = &config.replica_name {
+            controls.push(("consumer_name", name.clone()));
+            controls.push(("enable_sync_writes", "true".into()));
+            controls.push(("persisted_seqno_acks", "true".into()));
         }
         for (k, v) in controls {
             s.call(dcp::opcode::CONTROL, &[], k.as_bytes(), v.as_bytes(), 0, k)?;
@@ -625,6 +654,26 @@ impl Session {
                         if self.streams.contains_key(&vb) {
                             self.request(vb)?;
                         }
+                    }
+                    Ok(Command::ResumeAt(vb, pos)) => {
+                        if let Some(s) = self.streams.get_mut(&vb) {
+                            s.pos = pos;
+                            self.request(vb)?;
+                        }
+                    }
+                    Ok(Command::Acknowledge {
+                        vbucket,
+                        seqno,
+                        persisted,
+                    }) => {
+                        let mut out = Vec::new();
+                        let _ = SeqnoAcknowledged {
+                            vbucket,
+                            prepared_seqno: seqno,
+                            persisted_seqno: Some(persisted),
+                        }
+                        .encode(&mut out, 0);
+                        self.send(&out)?;
                     }
                     Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
                     Err(TryRecvError::Empty) => break,

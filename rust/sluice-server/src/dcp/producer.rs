@@ -18,7 +18,7 @@ use sluice_core::vbucket::VbState;
 use sluice_proto::dcp::{
     self, opcode, open_flag, stream_end_reason, stream_flag, BufferAcknowledgement, CloseStream,
     Control, DcpRequest, DcpResponse, FailoverEntry, FailoverLogResponse, GetFailoverLog, Noop,
-    StreamRequest, StreamRequestResponse,
+    SeqnoAcknowledged, StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, status, Request};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -147,6 +147,11 @@ struct Producer {
     cursor_dropping: bool,
     end_on_close: bool,
     streams: BTreeMap<u16, Stream>,
+    /// Set by the controls `consumer_name` and `enable_sync_writes`: the consumer is a replica
+    /// whose SEQNO_ACKNOWLEDGED messages count toward durable writes.
+    consumer_name: Option<String>,
+    sync_writes: bool,
+    persisted_acks: bool,
     /// The vbucket whose stream goes first in the next fill (round robin).
     turn: u16,
     streamed: bool,
@@ -213,6 +218,14 @@ impl Producer {
             "send_stream_end_on_client_close_stream" => {
                 parse_bool(&value).map(|b| self.end_on_close = b).is_some()
             }
+            "consumer_name" if !value.is_empty() && value.len() <= 200 => {
+                self.consumer_name = Some(value.clone());
+                true
+            }
+            "enable_sync_writes" => parse_bool(&value).map(|b| self.sync_writes = b).is_some(),
+            "persisted_seqno_acks" => parse_bool(&value)
+                .map(|b| self.persisted_acks = b)
+                .is_some(),
             // Accepted for compatibility: one connection's streams already share it in turns.
             "set_priority" => matches!(value.as_str(), "high" | "medium" | "low"),
             _ => {
@@ -341,6 +354,9 @@ impl Producer {
             })
             .collect();
         let _ = StreamRequestResponse::Ok(log).encode(out, req.opaque);
+        if let Some(name) = self.replica_name() {
+            self.bucket.acks.attach(vb, name);
+        }
         self.streams.insert(vb, stream);
         self.streamed = true;
         self.shared.dcp.streams.fetch_add(1, Ordering::Relaxed);
@@ -363,7 +379,50 @@ impl Producer {
         }
     }
 
+    /// The name this consumer's acknowledgements count under, when it does sync replication.
+    fn replica_name(&self) -> Option<&str> {
+        self.consumer_name.as_deref().filter(|_| self.sync_writes)
+    }
+
+    fn seqno_acknowledged(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let a = match SeqnoAcknowledged::decode(req) {
+            Ok(a) => a,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        let Some(name) = self.replica_name() else {
+            return respond(
+                out,
+                req,
+                status::EINVAL,
+                b"sync replication is not enabled (controls consumer_name and enable_sync_writes)",
+            );
+        };
+        if a.persisted_seqno.is_some() && !self.persisted_acks {
+            return respond(
+                out,
+                req,
+                status::EINVAL,
+                b"a persisted seqno needs the control persisted_seqno_acks",
+            );
+        }
+        if !self.streams.contains_key(&a.vbucket) {
+            return respond(
+                out,
+                req,
+                status::NOT_MY_VBUCKET,
+                b"no stream for this vbucket",
+            );
+        }
+        // No reply on success: acknowledgements are one-way.
+        self.bucket
+            .acks
+            .ack(a.vbucket, name, a.prepared_seqno, a.persisted_seqno);
+    }
+
     fn retire(&self, s: &mut Stream) {
+        if let Some(name) = self.replica_name() {
+            self.bucket.acks.detach(s.vbucket, name);
+        }
         s.close(&self.shared.engine);
         self.shared.dcp.streams.fetch_sub(1, Ordering::Relaxed);
         count_items(&self.shared.dcp, s);
@@ -407,6 +466,7 @@ impl Producer {
             opcode::STREAM_REQ => self.stream_request(&req, out),
             opcode::CLOSE_STREAM => self.close_stream(&req, out),
             opcode::GET_FAILOVER_LOG => self.failover_log(&req, out),
+            opcode::SEQNO_ACKNOWLEDGED => self.seqno_acknowledged(&req, out),
             opcode::BUFFER_ACKNOWLEDGEMENT => match BufferAcknowledgement::decode(&req) {
                 // No reply: acknowledgements are one-way.
                 Ok(a) => self.unacked = self.unacked.saturating_sub(a.bytes as usize),
@@ -551,6 +611,9 @@ pub async fn run(
         cursor_dropping: false,
         end_on_close: false,
         streams: BTreeMap::new(),
+        consumer_name: None,
+        sync_writes: false,
+        persisted_acks: false,
         turn: 0,
         streamed: false,
     };

@@ -1,0 +1,393 @@
+//! A replica's side of replication: per bucket, one DCP connection to the active with a stream
+//! per replica vbucket, on a thread of its own. Batches are applied with the active's seqnos,
+//! CAS and rev seqnos and logged to this node's WAL; the resume point is always this node's own
+//! state (its failover log and high seqno), so a restart or a cut connection resumes without a
+//! full resync. Rollbacks asked for by the active are carried out on the vbucket before its
+//! stream goes on. After each batch, the replica acknowledges (SEQNO_ACKNOWLEDGED) the end of
+//! the last whole snapshot it holds, and what of it is on disk, for durable writes.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use sluice_core::bucket::Bucket;
+use sluice_core::failover::FailoverEntry;
+use sluice_core::hlc::now_nanos;
+use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::vbucket::VbState;
+use sluice_core::Engine;
+
+use crate::dcp::consumer::{
+    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
+};
+
+#[derive(Debug, Clone)]
+pub struct ReplicaConfig {
+    /// The active node's memcached address.
+    pub active: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// Seconds between NOOPs; a connection silent for twice this long is dead.
+    pub noop_interval: u32,
+}
+
+/// Where one replica vbucket stands against its active, for /metrics and /status.
+#[derive(Debug, Clone, Default)]
+pub struct VbLag {
+    /// The active's high seqno as last announced (the end of its latest snapshot marker).
+    pub active_seqno: u64,
+    pub applied_seqno: u64,
+    /// Milliseconds from the active's write (its CAS clock) to the apply here, for the newest
+    /// change of the last batch.
+    pub lag_ms: f64,
+    /// The end of the last whole snapshot held, as acknowledged.
+    pub acked_seqno: u64,
+    pub acked_persisted: u64,
+}
+
+#[derive(Default)]
+pub struct ReplicaStats {
+    pub connected: AtomicBool,
+    pub connects: AtomicU64,
+    pub items: AtomicU64,
+    pub rollbacks: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+    pub vbuckets: Mutex<BTreeMap<u16, VbLag>>,
+    /// Apply delays (write on the active to apply here), milliseconds, by bucket upper bound.
+    pub delay_buckets: [AtomicU64; DELAY_BOUNDS_MS.len() + 1],
+    pub delay_sum_us: AtomicU64,
+}
+
+pub const DELAY_BOUNDS_MS: [f64; 10] = [0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0, 2000.0];
+
+impl ReplicaStats {
+    fn observe_delay(&self, ms: f64) {
+        let i = DELAY_BOUNDS_MS
+            .iter()
+            .position(|&b| ms <= b)
+            .unwrap_or(DELAY_BOUNDS_MS.len());
+        self.delay_buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.delay_sum_us
+            .fetch_add((ms * 1000.0) as u64, Ordering::Relaxed);
+    }
+}
+
+/// One bucket's replication from its active.
+pub struct Replicator {
+    pub bucket: String,
+    pub config: ReplicaConfig,
+    pub stats: Arc<ReplicaStats>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Replicator {
+    pub fn start(engine: Arc<Engine>, bucket: Arc<Bucket>, config: ReplicaConfig) -> Replicator {
+        let stats = Arc::new(ReplicaStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let name = bucket.name().to_string();
+        let thread = {
+            let (stats, stop, config) = (stats.clone(), stop.clone(), config.clone());
+            std::thread::Builder::new()
+                .name(format!("sluice-replica-{name}"))
+                .spawn(move || follow(engine, bucket, config, stats, stop))
+                .expect("spawn a thread")
+        };
+        Replicator {
+            bucket: name,
+            config,
+            stats,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops following; returns once the connection is closed and nothing more is applied.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Replicator {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The vbuckets this node follows, and where each stands, from the engine's own state.
+fn own_state(engine: &Engine, bucket: &Bucket) -> (Vec<u16>, SessionState) {
+    let mut vbs = Vec::new();
+    let mut state = SessionState::default();
+    for v in 0..bucket.num_vbuckets() {
+        let Some(p) = engine.stream_position(bucket, v) else {
+            continue;
+        };
+        if !matches!(p.state, VbState::Replica | VbState::Pending) {
+            continue;
+        }
+        vbs.push(v);
+        state.vbuckets.insert(
+            v,
+            Position {
+                failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
+                seqno: p.high_seqno,
+                snap_start: p.high_seqno,
+                snap_end: p.high_seqno,
+                disk: false,
+            },
+        );
+    }
+    (vbs, state)
+}
+
+fn follow(
+    engine: Arc<Engine>,
+    bucket: Arc<Bucket>,
+    config: ReplicaConfig,
+    stats: Arc<ReplicaStats>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut backoff = Duration::from_millis(50);
+    let node = engine.instance().to_string();
+    while !stop.load(Ordering::Acquire) {
+        let (vbuckets, state) = own_state(&engine, &bucket);
+        if vbuckets.is_empty() {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        let consumer = Consumer::start(ConsumerConfig {
+            address: config.active.clone(),
+            bucket: bucket.name().to_string(),
+            username: config.username.clone(),
+            password: config.password.clone(),
+            name: format!("replication:{node}:{}", bucket.name()),
+            vbuckets: Some(vbuckets),
+            from_now: false,
+            to_latest: false,
+            state,
+            rollback: RollbackMode::Ask,
+            batch_size: 4096,
+            buffer_size: 32 << 20,
+            noop_interval: config.noop_interval,
+            include_values: true,
+            cursor_dropping: false,
+            replica_name: Some(node.clone()),
+        });
+        stats.connects.fetch_add(1, Ordering::Relaxed);
+        let mut session = Session {
+            engine: &engine,
+            bucket: &bucket,
+            consumer: &consumer,
+            stats: &stats,
+            snapshots: BTreeMap::new(),
+        };
+        let why = session.run(&stop);
+        stats.connected.store(false, Ordering::Release);
+        drop(consumer);
+        let Some(why) = why else {
+            break;
+        };
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        log::warn!(
+            "replication of bucket {:?} from {}: {why}; reconnecting in {backoff:?}",
+            bucket.name(),
+            config.active
+        );
+        *stats.last_error.lock() = Some(why);
+        let until = Instant::now() + backoff;
+        while Instant::now() < until && !stop.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+struct Session<'a> {
+    engine: &'a Engine,
+    bucket: &'a Arc<Bucket>,
+    consumer: &'a Consumer,
+    stats: &'a ReplicaStats,
+    /// Per vbucket: the snapshot being received and the acknowledgements sent.
+    snapshots: BTreeMap<u16, Snap>,
+}
+
+#[derive(Default)]
+struct Snap {
+    seqno: u64,
+    start: u64,
+    end: u64,
+    acked: u64,
+    acked_persisted: u64,
+}
+
+impl Snap {
+    /// Everything up to here is held consistently: the end of the current snapshot when it
+    /// is whole, else the end of the one before it.
+    fn consistent(&self) -> u64 {
+        if self.seqno >= self.end {
+            self.end.max(self.seqno)
+        } else {
+            self.start.saturating_sub(1)
+        }
+    }
+}
+
+impl Session<'_> {
+    /// Follows until stopped (None) or the connection fails (Some(reason)).
+    fn run(&mut self, stop: &AtomicBool) -> Option<String> {
+        while !stop.load(Ordering::Acquire) {
+            // Short waits while acknowledgements of persistence are still due.
+            let pending = self.snapshots.values().any(|s| s.acked_persisted < s.acked);
+            let wait = if pending {
+                Duration::from_millis(2)
+            } else {
+                Duration::from_millis(100)
+            };
+            match self.consumer.next_event(wait) {
+                None => {}
+                Some(Event::Batch(b)) => {
+                    self.stats.connected.store(true, Ordering::Release);
+                    if let Err(e) = self.apply(&b) {
+                        return Some(e);
+                    }
+                }
+                Some(Event::Rollback { vbucket, seqno, .. }) => {
+                    self.stats.connected.store(true, Ordering::Release);
+                    if let Err(e) = self.rollback(vbucket, seqno) {
+                        return Some(e);
+                    }
+                }
+                Some(Event::Finished) => return Some("the active ended every stream".into()),
+                Some(Event::Failed(e)) => return Some(e),
+            }
+            self.acknowledge();
+        }
+        None
+    }
+
+    fn apply(&mut self, b: &Batch) -> Result<(), String> {
+        let now = now_nanos();
+        let mut i = 0;
+        while i < b.len() {
+            let vb = b.vbucket[i];
+            let mut j = i;
+            while j < b.len() && b.vbucket[j] == vb {
+                j += 1;
+            }
+            let rows = (i..j).map(|r| {
+                let key = &b.keys[b.key_offsets[r] as usize..b.key_offsets[r + 1] as usize];
+                let value = &b.values[b.value_offsets[r] as usize..b.value_offsets[r + 1] as usize];
+                let op = match b.op[r] {
+                    0 => ChangeOp::Mutation,
+                    1 => ChangeOp::Deletion,
+                    _ => ChangeOp::Expiration,
+                };
+                let meta = ItemMeta {
+                    cas: b.cas[r],
+                    rev_seqno: b.rev_seqno[r],
+                    by_seqno: b.seqno[r],
+                    flags: b.flags[r],
+                    expiry: b.expiry[r],
+                    datatype: b.datatype[r],
+                    deleted: op != ChangeOp::Mutation,
+                };
+                (op, key, value, meta)
+            });
+            self.engine
+                .apply_replicated(self.bucket, vb, rows)
+                .map_err(|e| format!("applying vbucket {vb}: {e}"))?;
+            let newest_cas = b.cas[i..j].iter().copied().max().unwrap_or(0);
+            let delay_ms = now.saturating_sub(newest_cas) as f64 / 1e6;
+            self.stats.observe_delay(delay_ms);
+            self.stats.vbuckets.lock().entry(vb).or_default().lag_ms = delay_ms;
+            i = j;
+        }
+        self.stats
+            .items
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        for (vb, pos) in &b.positions {
+            let log: Vec<FailoverEntry> = pos
+                .failover
+                .iter()
+                .map(|&(uuid, seqno)| FailoverEntry { uuid, seqno })
+                .collect();
+            if !log.is_empty() {
+                self.engine
+                    .adopt_failover_log(self.bucket, *vb, &log)
+                    .map_err(|e| format!("vbucket {vb}: {e}"))?;
+            }
+            let s = self.snapshots.entry(*vb).or_default();
+            s.seqno = pos.seqno;
+            s.start = pos.snap_start;
+            s.end = pos.snap_end;
+            let mut lags = self.stats.vbuckets.lock();
+            let l = lags.entry(*vb).or_default();
+            l.active_seqno = l.active_seqno.max(pos.snap_end);
+            l.applied_seqno = pos.seqno;
+        }
+        if let Some((vb, reason)) = b.ended.first() {
+            return Err(format!(
+                "the active ended the stream of vbucket {vb} (reason {reason})"
+            ));
+        }
+        Ok(())
+    }
+
+    fn rollback(&mut self, vb: u16, seqno: u64) -> Result<(), String> {
+        let at = self
+            .engine
+            .rollback_vbucket(self.bucket, vb, seqno)
+            .map_err(|e| format!("rolling back vbucket {vb} to {seqno}: {e}"))?;
+        self.stats.rollbacks.fetch_add(1, Ordering::Relaxed);
+        let p = self
+            .engine
+            .stream_position(self.bucket, vb)
+            .ok_or_else(|| format!("vbucket {vb} vanished"))?;
+        self.snapshots.insert(
+            vb,
+            Snap {
+                seqno: at,
+                start: at,
+                end: at,
+                ..Default::default()
+            },
+        );
+        self.consumer.resume_at(
+            vb,
+            Position {
+                failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
+                seqno: at,
+                snap_start: at,
+                snap_end: at,
+                disk: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Tells the active how far each vbucket is held, and on disk, when that moved.
+    fn acknowledge(&mut self) {
+        let persisted = self.engine.persisted_seqnos(self.bucket);
+        let mut lags = self.stats.vbuckets.lock();
+        for (vb, s) in self.snapshots.iter_mut() {
+            let held = s.consistent();
+            let on_disk = held.min(persisted.get(*vb as usize).copied().unwrap_or(0));
+            if held > s.acked || on_disk > s.acked_persisted {
+                s.acked = s.acked.max(held);
+                s.acked_persisted = s.acked_persisted.max(on_disk);
+                self.consumer.acknowledge(*vb, s.acked, s.acked_persisted);
+                let l = lags.entry(*vb).or_default();
+                l.acked_seqno = s.acked;
+                l.acked_persisted = s.acked_persisted;
+            }
+        }
+    }
+}
