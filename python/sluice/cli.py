@@ -142,7 +142,8 @@ def _admin_address(args: argparse.Namespace, command: str) -> str | None:
     admin = args.admin or _load(args).values["admin_listen"]
     if not admin:
         print(
-            f"sluice {command}: admin_listen is off in the configuration; pass --admin HOST:PORT", file=sys.stderr
+            f"sluice {command}: admin_listen is off in the configuration; pass --admin HOST:PORT",
+            file=sys.stderr,
         )
     return admin or None
 
@@ -152,7 +153,8 @@ def _admin_call(admin: str, path: str, timeout: float, method: str = "GET") -> d
     import json
     import urllib.request
 
-    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=b"" if method == "POST" else None)
+    body = b"" if method == "POST" else None
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=body)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
 
@@ -166,10 +168,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
     try:
         done = _admin_call(admin, "/promote", args.timeout, method="POST")
     except urllib.error.HTTPError as e:
-        print(f"sluice promote: the node refused: {e.read().decode(errors='replace').strip()}", file=sys.stderr)
+        why = e.read().decode(errors="replace").strip()
+        print(f"sluice promote: the node refused: {why}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
-        print(f"sluice promote: cannot reach the admin endpoint at {admin}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        why = getattr(e, "reason", e)
+        print(f"sluice promote: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
         return EXIT_FAILURE
     for b in done["promoted"]:
         print(f"bucket {b['bucket']}: {len(b['vbuckets'])} vbucket(s) promoted to active")
@@ -206,12 +210,37 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"connections {st['connections']}  wal.mode {wal['mode']}  LSN last {wal['last_lsn']} "
         f"written {wal['written_lsn']} synced {wal['synced_lsn']}{'  WAL FAILING' if wal['failing'] else ''}"
     )
+    rep = st.get("replication")
+    lags: dict[tuple[str, int], dict] = {}
+    if rep:
+        print(f"role: replica of {rep['replica_of']}")
+        for rb in rep["buckets"]:
+            state = "streaming" if rb["connected"] else f"disconnected ({rb['last_error'] or 'connecting'})"
+            print(
+                f"  bucket {rb['bucket']}: {state}; {rb['connects']} connection(s), "
+                f"{rb['items']:,} changes applied, {rb['rollbacks']} rollback(s)"
+            )
+            for v in rb["vbuckets"]:
+                lags[(rb["bucket"], v["vbucket"])] = v
+    else:
+        print("role: active (follows no node)")
     for b in st["buckets"]:
         print()
         print(f"bucket {b['name']}: {b['mem_used']:,} of {b['memory_quota']:,} bytes")
-        rows = [("vbucket", "state", "items", "high seqno", "persisted", "unpersisted", "replica lag")]
+        rows = [("vbucket", "state", "items", "high seqno", "persisted", "unpersisted", "replication")]
         for v in b["vbuckets"]:
             if args.all or v["high_seqno"] or v["state"] != "active":
+                lag = lags.get((b["name"], v["vbucket"]))
+                if lag is not None:
+                    repl = f"lag {lag['lag_seqnos']} seqnos, {lag['lag_ms']:.1f} ms"
+                elif v.get("followers"):
+                    repl = ", ".join(
+                        f"{f['replica'][:12]} acked {f['acked_seqno']} "
+                        f"(lag {v['high_seqno'] - f['acked_seqno']})"
+                        for f in v["followers"]
+                    )
+                else:
+                    repl = "-"
                 rows.append(
                     (
                         str(v["vbucket"]),
@@ -220,12 +249,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                         str(v["high_seqno"]),
                         str(v["persisted_seqno"]),
                         str(v["high_seqno"] - v["persisted_seqno"]),
-                        "-",
+                        repl,
                     )
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
-            print("  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            print(
+                "  ".join(
+                    c.rjust(w) if i not in (1, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+                ).rstrip()
+            )
         hidden = len(b["vbuckets"]) - (len(rows) - 1)
         if hidden:
             print(f"({hidden} empty active vbuckets not shown; --all shows them)")
@@ -450,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--replica-of",
         metavar="HOST:PORT",
-        help="follow this active node: every vbucket is a replica fed over DCP (overrides replication.replica_of)",
+        help="follow this active node: every vbucket is a replica fed over DCP "
+        "(overrides replication.replica_of)",
     )
     s.add_argument(
         "--insecure",

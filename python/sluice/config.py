@@ -469,7 +469,9 @@ class Config:
 
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
-        out = {(k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"}
+        out = {
+            (k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"
+        }
         out["replica_of"] = out["replica_of"] or None
         out["replication_user"] = out["replication_user"] or None
         pw_file = out.pop("replication_password")

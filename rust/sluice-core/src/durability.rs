@@ -52,7 +52,8 @@ impl Durability {
 
 /// Replicas needed besides the active for a majority of `1 + replicas` nodes.
 pub fn replicas_for_majority(replicas: u8) -> usize {
-    (1 + replicas as usize) / 2
+    // A majority of n = 1 + r nodes is n / 2 + 1; the active is one of them.
+    (replicas as usize).div_ceil(2)
 }
 
 #[derive(Debug, Clone)]

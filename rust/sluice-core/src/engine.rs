@@ -1070,11 +1070,22 @@ impl Engine {
         Ok(())
     }
 
-    /// Rolls a non-active vbucket back to `seqno`: what lies beyond it goes. The items as they
-    /// stood at `seqno` come from this node's snapshot and WAL files when they can say; when
-    /// they cannot, the vbucket is emptied for a full re-stream. A snapshot then makes the
-    /// result the starting point of recovery. Returns the seqno the vbucket now stands at.
-    pub fn rollback_vbucket(&self, bucket: &Arc<Bucket>, vbid: u16, seqno: u64) -> Result<u64> {
+    /// Rolls non-active vbuckets back, each to its seqno: what lies beyond goes. The items as
+    /// they stood come from this node's snapshot and WAL files when they can say; when they
+    /// cannot, the vbucket is emptied for a full re-stream. One snapshot then makes the results
+    /// the starting point of recovery (WAL records after a rollback belong to a new branch, and
+    /// recovery replays no rollback), so the vbuckets must take no change until this returns.
+    /// Returns the seqno each vbucket now stands at.
+    pub fn rollback_vbuckets(&self, bucket: &Arc<Bucket>, to: &[(u16, u64)]) -> Result<Vec<u64>> {
+        let mut done = Vec::with_capacity(to.len());
+        for &(vb, seqno) in to {
+            done.push(self.rollback_vbucket(bucket, vb, seqno)?);
+        }
+        self.inner.write_snapshot()?;
+        Ok(done)
+    }
+
+    fn rollback_vbucket(&self, bucket: &Arc<Bucket>, vbid: u16, seqno: u64) -> Result<u64> {
         self.check_open()?;
         let last_lsn = {
             let vb = bucket
@@ -1149,7 +1160,6 @@ impl Engine {
         bucket.account(&mut vb);
         drop(vb);
         bucket.changes.notify();
-        self.inner.write_snapshot()?;
         log::info!(
             "vbucket {vbid} of bucket {:?} rolled back to seqno {high} (asked {seqno}){}",
             bucket.name(),

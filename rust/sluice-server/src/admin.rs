@@ -355,7 +355,128 @@ pub fn metrics(shared: &Shared) -> String {
         );
         o.push_str(&rows);
     }
+    replication_metrics(shared, &mut o);
     o
+}
+
+/// Replication as the replica sees it (lag per vbucket, its connection) and as the active
+/// sees it (how far each replica acknowledged).
+fn replication_metrics(shared: &Shared, o: &mut String) {
+    use crate::replica::DELAY_BOUNDS_MS;
+    let reps = shared.replicators.lock();
+    metric(
+        o,
+        "sluice_replica_connected",
+        "gauge",
+        "1 while the replica's DCP connection to its active streams.",
+    );
+    for r in reps.iter() {
+        let _ = writeln!(
+            o,
+            "sluice_replica_connected{{bucket=\"{}\",active=\"{}\"}} {}",
+            r.bucket,
+            r.config.active,
+            r.stats.connected.load(Relaxed) as u8
+        );
+    }
+    metric(
+        o,
+        "sluice_replica_connects_total",
+        "counter",
+        "Connections the replica opened to its active (reconnects after a failure count too).",
+    );
+    metric(
+        o,
+        "sluice_replica_items_total",
+        "counter",
+        "Changes the replica applied from its active.",
+    );
+    metric(
+        o,
+        "sluice_replica_rollbacks_total",
+        "counter",
+        "Rollbacks the active asked the replica for.",
+    );
+    for r in reps.iter() {
+        let b = &r.bucket;
+        let _ = writeln!(
+            o,
+            "sluice_replica_connects_total{{bucket=\"{b}\"}} {}",
+            r.stats.connects.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "sluice_replica_items_total{{bucket=\"{b}\"}} {}",
+            r.stats.items.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "sluice_replica_rollbacks_total{{bucket=\"{b}\"}} {}",
+            r.stats.rollbacks.load(Relaxed)
+        );
+    }
+    metric(
+        o,
+        "sluice_replica_lag_seqnos",
+        "gauge",
+        "Per replica vbucket: the active's announced high seqno minus the seqno applied here.",
+    );
+    metric(o, "sluice_replica_lag_ms", "gauge", "Per replica vbucket: milliseconds from the active's write to its apply here, for the newest change of the last batch.");
+    for r in reps.iter() {
+        for (vb, l) in r.stats.vbuckets.lock().iter() {
+            let b = &r.bucket;
+            let _ = writeln!(
+                o,
+                "sluice_replica_lag_seqnos{{bucket=\"{b}\",vbucket=\"{vb}\"}} {}",
+                l.active_seqno.saturating_sub(l.applied_seqno)
+            );
+            let _ = writeln!(
+                o,
+                "sluice_replica_lag_ms{{bucket=\"{b}\",vbucket=\"{vb}\"}} {:.3}",
+                l.lag_ms
+            );
+        }
+    }
+    metric(o, "sluice_replica_apply_delay_ms", "histogram", "Per batch applied: milliseconds from the active's write of its newest change to the apply here.");
+    for r in reps.iter() {
+        let b = &r.bucket;
+        let mut cum = 0;
+        for (i, bound) in DELAY_BOUNDS_MS.iter().enumerate() {
+            cum += r.stats.delay_buckets[i].load(Relaxed);
+            let _ = writeln!(
+                o,
+                "sluice_replica_apply_delay_ms_bucket{{bucket=\"{b}\",le=\"{bound}\"}} {cum}"
+            );
+        }
+        cum += r.stats.delay_buckets[DELAY_BOUNDS_MS.len()].load(Relaxed);
+        let _ = writeln!(
+            o,
+            "sluice_replica_apply_delay_ms_bucket{{bucket=\"{b}\",le=\"+Inf\"}} {cum}"
+        );
+        let _ = writeln!(
+            o,
+            "sluice_replica_apply_delay_ms_sum{{bucket=\"{b}\"}} {:.3}",
+            r.stats.delay_sum_us.load(Relaxed) as f64 / 1000.0
+        );
+        let _ = writeln!(
+            o,
+            "sluice_replica_apply_delay_ms_count{{bucket=\"{b}\"}} {cum}"
+        );
+    }
+    drop(reps);
+    metric(o, "sluice_follower_ack_lag_seqnos", "gauge", "On the active, per vbucket and replica: high seqno minus the seqno the replica acknowledged (SEQNO_ACKNOWLEDGED).");
+    for b in shared.engine.buckets() {
+        for v in 0..b.num_vbuckets() {
+            let followers = b.acks.following(v);
+            if followers.is_empty() {
+                continue;
+            }
+            let high = b.lock_vbucket(v).map_or(0, |vb| vb.high_seqno);
+            for f in followers {
+                let _ = writeln!(o, "sluice_follower_ack_lag_seqnos{{bucket=\"{}\",vbucket=\"{v}\",replica=\"{}\"}} {}", b.name(), f.name, high.saturating_sub(f.seqno));
+            }
+        }
+    }
 }
 
 /// The node as JSON: what `sluice status` shows.
@@ -376,6 +497,7 @@ pub fn status(shared: &Shared) -> serde_json::Value {
                         "persisted_seqno": vb.persisted_seqno,
                         "items": vb.store.live_items(),
                         "failover_uuid": vb.failover.latest().map(|f| f.uuid),
+                        "followers": b.acks.following(v).iter().map(|f| json!({"replica": f.name, "acked_seqno": f.seqno, "persisted_seqno": f.persisted})).collect::<Vec<_>>(),
                     })
                 })
                 .collect();
@@ -390,5 +512,37 @@ pub fn status(shared: &Shared) -> serde_json::Value {
         "connections": shared.stats.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
+        "replication": replication_status(shared),
     })
+}
+
+/// Who this node follows and how far behind each replica vbucket is (null on an active node).
+fn replication_status(shared: &Shared) -> serde_json::Value {
+    use serde_json::json;
+    let reps = shared.replicators.lock();
+    if reps.is_empty() {
+        return serde_json::Value::Null;
+    }
+    let buckets: Vec<_> = reps
+        .iter()
+        .map(|r| {
+            let vbs: Vec<_> = r
+                .stats
+                .vbuckets
+                .lock()
+                .iter()
+                .map(|(vb, l)| json!({"vbucket": vb, "active_seqno": l.active_seqno, "applied_seqno": l.applied_seqno, "lag_seqnos": l.active_seqno.saturating_sub(l.applied_seqno), "lag_ms": l.lag_ms, "acked_seqno": l.acked_seqno}))
+                .collect();
+            json!({
+                "bucket": r.bucket,
+                "connected": r.stats.connected.load(Relaxed),
+                "connects": r.stats.connects.load(Relaxed),
+                "items": r.stats.items.load(Relaxed),
+                "rollbacks": r.stats.rollbacks.load(Relaxed),
+                "last_error": r.stats.last_error.lock().clone(),
+                "vbuckets": vbs,
+            })
+        })
+        .collect();
+    json!({"replica_of": reps[0].config.active, "buckets": buckets})
 }

@@ -341,35 +341,53 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// Rolls back `vb` and the others asked for with it: the answers to a session's stream
+    /// requests come together, and the rollbacks share one snapshot. Batches of other
+    /// vbuckets arriving meanwhile are applied.
     fn rollback(&mut self, vb: u16, seqno: u64) -> Result<(), String> {
+        let mut asked = vec![(vb, seqno)];
+        let until = Instant::now() + Duration::from_millis(100);
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match self.consumer.next_event(left) {
+                None => break,
+                Some(Event::Rollback { vbucket, seqno, .. }) => asked.push((vbucket, seqno)),
+                Some(Event::Batch(b)) => self.apply(&b)?,
+                Some(Event::Finished) => return Err("the active ended every stream".into()),
+                Some(Event::Failed(e)) => return Err(e),
+            }
+        }
         let at = self
             .engine
-            .rollback_vbucket(self.bucket, vb, seqno)
-            .map_err(|e| format!("rolling back vbucket {vb} to {seqno}: {e}"))?;
-        self.stats.rollbacks.fetch_add(1, Ordering::Relaxed);
-        let p = self
-            .engine
-            .stream_position(self.bucket, vb)
-            .ok_or_else(|| format!("vbucket {vb} vanished"))?;
-        self.snapshots.insert(
-            vb,
-            Snap {
-                seqno: at,
-                start: at,
-                end: at,
-                ..Default::default()
-            },
-        );
-        self.consumer.resume_at(
-            vb,
-            Position {
-                failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
-                seqno: at,
-                snap_start: at,
-                snap_end: at,
-                disk: false,
-            },
-        );
+            .rollback_vbuckets(self.bucket, &asked)
+            .map_err(|e| format!("rolling back vbuckets {asked:?}: {e}"))?;
+        self.stats
+            .rollbacks
+            .fetch_add(asked.len() as u64, Ordering::Relaxed);
+        for (&(vb, _), at) in asked.iter().zip(at) {
+            let p = self
+                .engine
+                .stream_position(self.bucket, vb)
+                .ok_or_else(|| format!("vbucket {vb} vanished"))?;
+            self.snapshots.insert(
+                vb,
+                Snap {
+                    seqno: at,
+                    start: at,
+                    end: at,
+                    ..Default::default()
+                },
+            );
+            self.consumer.resume_at(
+                vb,
+                Position {
+                    failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
+                    seqno: at,
+                    snap_start: at,
+                    snap_end: at,
+                    disk: false,
+                },
+            );
+        }
         Ok(())
     }
 

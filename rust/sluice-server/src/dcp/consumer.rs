@@ -8,7 +8,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -285,12 +288,6 @@ pub enum Command {
     Resume(u16),
     /// Request the vbucket again from this position (the reader rolled back to it).
     ResumeAt(u16, Position),
-    /// SEQNO_ACKNOWLEDGED: what a replica holds of the vbucket (and has on disk).
-    Acknowledge {
-        vbucket: u16,
-        seqno: u64,
-        persisted: u64,
-    },
     Close,
 }
 
@@ -299,16 +296,21 @@ pub struct Consumer {
     events: Option<Receiver<Event>>,
     commands: mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
+    /// The thread's socket, shut down on drop so that a read or write blocked on a silent
+    /// producer returns at once.
+    socket: Arc<Mutex<Option<TcpStream>>>,
 }
 
 impl Consumer {
     pub fn start(config: ConsumerConfig) -> Consumer {
         let (tx, rx) = mpsc::sync_channel(4);
         let (ctx, crx) = mpsc::channel();
+        let socket = Arc::new(Mutex::new(None));
+        let shared_socket = socket.clone();
         let thread = std::thread::Builder::new()
             .name("sluice-dcp-consumer".into())
             .spawn(move || {
-                let ev = match Session::connect(&config, tx.clone(), crx) {
+                let ev = match Session::connect(&config, tx.clone(), crx, &shared_socket) {
                     Ok(mut s) => match s.run() {
                         Ok(()) => Event::Finished,
                         Err(e) => Event::Failed(e),
@@ -322,6 +324,7 @@ impl Consumer {
             events: Some(rx),
             commands: ctx,
             thread: Some(thread),
+            socket,
         }
     }
 
@@ -342,18 +345,29 @@ impl Consumer {
         let _ = self.commands.send(Command::ResumeAt(vbucket, position));
     }
 
-    pub fn acknowledge(&self, vbucket: u16, seqno: u64, persisted: u64) {
-        let _ = self.commands.send(Command::Acknowledge {
+    /// SEQNO_ACKNOWLEDGED, written at once from the reader's thread (durable writes wait on
+    /// it), under the same lock as the consumer thread's own writes.
+    pub fn acknowledge(&self, vbucket: u16, seqno: u64, persisted: u64) -> bool {
+        let mut out = Vec::new();
+        let _ = SeqnoAcknowledged {
             vbucket,
-            seqno,
-            persisted,
-        });
+            prepared_seqno: seqno,
+            persisted_seqno: Some(persisted),
+        }
+        .encode(&mut out, 0);
+        match self.socket.lock().as_mut() {
+            Some(w) => w.write_all(&out).is_ok(),
+            None => false,
+        }
     }
 }
 
 impl Drop for Consumer {
     fn drop(&mut self) {
         let _ = self.commands.send(Command::Close);
+        if let Some(s) = self.socket.lock().take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
         // A thread waiting for room in the channel sees the reader gone and stops.
         self.events.take();
         if let Some(t) = self.thread.take() {
@@ -370,6 +384,7 @@ struct VbStream {
 
 struct Session {
     sock: TcpStream,
+    writer: Arc<Mutex<Option<TcpStream>>>,
     config: ConsumerConfig,
     events: SyncSender<Event>,
     commands: Receiver<Command>,
@@ -410,12 +425,19 @@ impl Session {
         config: &ConsumerConfig,
         events: SyncSender<Event>,
         commands: Receiver<Command>,
+        shared_socket: &Arc<Mutex<Option<TcpStream>>>,
     ) -> Result<Session, String> {
-        let sock = TcpStream::connect(&config.address)
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(&config.address)
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| format!("cannot resolve {}", config.address))?;
+        let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
             .map_err(|e| format!("cannot connect to {}: {e}", config.address))?;
         let _ = sock.set_nodelay(true);
+        *shared_socket.lock() = sock.try_clone().ok();
         let mut s = Session {
             sock,
+            writer: shared_socket.clone(),
             config: config.clone(),
             events,
             commands,
@@ -426,8 +448,10 @@ impl Session {
             unacked: 0,
             last_message: Instant::now(),
         };
+        // Setup answers come at once from a live producer; a silent one fails the setup.
+        let setup_timeout = Duration::from_secs((2 * config.noop_interval as u64).clamp(5, 30));
         s.sock
-            .set_read_timeout(Some(Duration::from_secs(30)))
+            .set_read_timeout(Some(setup_timeout))
             .map_err(|e| e.to_string())?;
         if let (Some(user), Some(pass)) = (&config.username, &config.password) {
             let mut plain = vec![0u8];
@@ -508,9 +532,7 @@ impl Session {
         what: &str,
     ) -> Result<Vec<u8>, String> {
         let req = frame(opcode, 0xfeed, vbucket, extras, key, value);
-        self.sock
-            .write_all(&req)
-            .map_err(|e| format!("{what}: {e}"))?;
+        self.send(&req).map_err(|e| format!("{what}: {e}"))?;
         loop {
             let f = self
                 .next_frame_blocking()
@@ -598,16 +620,19 @@ impl Session {
         let mut out = Vec::new();
         req.encode(&mut out, opaque_of(vb))
             .map_err(|e| e.to_string())?;
-        self.sock
-            .write_all(&out)
+        self.send(&out)
             .map_err(|e| format!("stream request for vbucket {vb}: {e}"))?;
         Ok(())
     }
 
+    /// Writes whole frames under the writer's lock: the reader may write too (acknowledgements).
     fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
-        self.sock
-            .write_all(bytes)
-            .map_err(|e| format!("writing to the producer: {e}"))
+        match self.writer.lock().as_mut() {
+            Some(w) => w
+                .write_all(bytes)
+                .map_err(|e| format!("writing to the producer: {e}")),
+            None => Err("the consumer is closing".into()),
+        }
     }
 
     /// Hands the batch (with the positions it moved) to the reader; false when the reader is gone.
@@ -660,20 +685,6 @@ impl Session {
                             s.pos = pos;
                             self.request(vb)?;
                         }
-                    }
-                    Ok(Command::Acknowledge {
-                        vbucket,
-                        seqno,
-                        persisted,
-                    }) => {
-                        let mut out = Vec::new();
-                        let _ = SeqnoAcknowledged {
-                            vbucket,
-                            prepared_seqno: seqno,
-                            persisted_seqno: Some(persisted),
-                        }
-                        .encode(&mut out, 0);
-                        self.send(&out)?;
                     }
                     Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
                     Err(TryRecvError::Empty) => break,

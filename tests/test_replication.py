@@ -1,0 +1,332 @@
+"""Replication between real `sluice serve` processes on 127.0.0.1: a replica following its
+active over DCP, failover by promotion, the old active's rejoin with rollback, durable writes at
+majority, and a proxy injecting network faults between the two."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import bmemcached
+import pytest
+import sluice
+from fault_proxy import FaultProxy
+from helpers import Node, run_cli
+from test_server_protocol import flex_request, read_response, request, set_extras
+
+GET, SET, DELETE, GET_REPLICA = 0x00, 0x01, 0x04, 0x83
+NUM_VBUCKETS = 16
+
+
+def config_file(tmp_path: Path, name: str, **bucket: object) -> Path:
+    lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in bucket.items()]
+    p = tmp_path / f"{name}.toml"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def start(tmp_path: Path, name: str, *args: str, **bucket: object) -> Node:
+    return Node(tmp_path / name, "--config", str(config_file(tmp_path, name, **bucket)), *args)
+
+
+def status(node: Node) -> dict:
+    with urllib.request.urlopen(f"http://{node.admin}/status", timeout=10) as r:
+        return json.load(r)
+
+
+def metrics(node: Node) -> str:
+    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(node: Node, name: str) -> float:
+    total = 0.0
+    for line in metrics(node).splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def seqnos(node: Node) -> list[int]:
+    return [v["high_seqno"] for v in status(node)["buckets"][0]["vbuckets"]]
+
+
+def wait_converged(active: Node, replica: Node, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if seqnos(active) == seqnos(replica):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no convergence in {timeout} s: {seqnos(active)} vs {seqnos(replica)}")
+
+
+def contents(node: Node) -> dict[tuple[int, bytes], tuple]:
+    """Every key's current version (tombstones included) as the node's DCP stream gives it."""
+    out = {}
+    client = sluice.Client(node.address, name=f"check-{random.random()}")
+    with client.stream(list(range(NUM_VBUCKETS)), start="beginning", end="now", format="python") as s:
+        for batch in s:
+            for c in batch:
+                out[(c.vbucket, c.key)] = (c.seqno, c.op, c.value, c.cas, c.rev_seqno, c.flags)
+    return out
+
+
+def mc(node: Node) -> socket.socket:
+    return socket.create_connection((node.host, node.port), timeout=10)
+
+
+def get_replica(sock: socket.socket, key: bytes) -> dict:
+    sock.sendall(request(GET_REPLICA, key=key))
+    return read_response(sock)
+
+
+def majority_set(sock: socket.socket, key: bytes, value: bytes, timeout_ms: int | None = None) -> int:
+    """SET with the durability frame info (level 1, majority); returns the status."""
+    info = b"\x01" if timeout_ms is None else b"\x01" + struct.pack(">H", timeout_ms)
+    framing = bytes([0x10 | len(info)]) + info
+    sock.sendall(flex_request(SET, framing, key, value, set_extras()))
+    return read_response(sock)["status"]
+
+
+def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
+    active = start(tmp_path, "a")
+    replica = start(tmp_path, "b", "--replica-of", active.address)
+    try:
+        rng = random.Random(5)
+        c = bmemcached.Client([active.address])
+        keys = [f"key:{i}" for i in range(40_000)]
+        written = 0
+        while written < 200_000:
+            batch = {rng.choice(keys): f"v{written + j}".encode() * rng.randint(1, 8) for j in range(500)}
+            c.set_multi(batch)
+            written += len(batch)
+            if written % 10_000 < 500:
+                c.delete_multi(rng.sample(keys, 200))
+                written += 200
+        wait_converged(active, replica)
+        a, b = contents(active), contents(replica)
+        assert len(a) > 30_000
+        assert a == b
+        # The replica serves reads of its vbuckets with GET_REPLICA; writes and plain reads
+        # belong to the active.
+        s = mc(replica)
+        live = next(k for k, v in a.items() if v[1] == "mutation")
+        r = get_replica(s, live[1])
+        assert r["status"] == 0 and r["value"] == a[live][2]
+        s.sendall(request(GET, key=live[1]))
+        assert read_response(s)["status"] == 0x07
+        s.sendall(request(SET, key=b"x", value=b"y", extras=set_extras()))
+        assert read_response(s)["status"] == 0x07
+        st = status(replica)
+        assert st["replication"]["replica_of"] == active.address
+        assert st["replication"]["buckets"][0]["connected"]
+        assert 'sluice_replica_lag_seqnos{bucket="default",vbucket="0"} 0' in metrics(replica)
+        followers = status(active)["buckets"][0]["vbuckets"][0]["followers"]
+        assert len(followers) == 1
+        out = run_cli("status", "--admin", replica.admin)
+        assert out.returncode == 0 and f"replica of {active.address}" in out.stdout, out
+        assert "lag 0 seqnos" in out.stdout
+        out = run_cli("status", "--admin", active.admin)
+        assert "role: active" in out.stdout and "acked" in out.stdout, out.stdout
+    finally:
+        replica.stop()
+        active.stop()
+
+
+def test_a_chain_and_a_restarted_replica_resume_without_a_full_resync(tmp_path):
+    active = start(tmp_path, "a")
+    middle = start(tmp_path, "b", "--replica-of", active.address)
+    tail = start(tmp_path, "c", "--replica-of", middle.address)
+    try:
+        c = bmemcached.Client([active.address])
+        c.set_multi({f"k{i}": b"one" for i in range(5000)})
+        wait_converged(active, middle)
+        wait_converged(middle, tail)
+        sent_before = metric(active, "sluice_dcp_items_total")
+        middle.stop()
+        c.set_multi({f"k{i}": b"two" for i in range(0, 5000, 2)})
+        # Back on the same address, so the tail finds it again.
+        middle = start(tmp_path, "b", "--replica-of", active.address, "--listen", middle.address)
+        wait_converged(active, middle)
+        wait_converged(middle, tail)
+        # Only the new changes crossed the wire again: the restarted replica resumed from its
+        # own WAL, not from zero.
+        assert metric(active, "sluice_dcp_items_total") - sent_before <= 2500
+        assert contents(active) == contents(tail)
+    finally:
+        for n in (tail, middle, active):
+            n.stop()
+
+
+def test_faults_between_active_and_replica(tmp_path):
+    active = start(tmp_path, "a")
+    proxy = FaultProxy(active.address)
+    replica = start(tmp_path, "b", "--replica-of", proxy.address)
+    stop = threading.Event()
+    try:
+        c = bmemcached.Client([active.address])
+        c.set_multi({f"base{i}": b"x" * 100 for i in range(20_000)})
+        wait_converged(active, replica)
+
+        written = [20_000]
+
+        def load() -> None:
+            rng = random.Random(9)
+            n = 0
+            while not stop.is_set() and n < 150_000:
+                batch = {f"k{rng.randrange(30_000)}": f"{n}-{j}".encode() for j in range(200)}
+                c.set_multi(batch)
+                n += len(batch)
+                written[0] += len(batch)
+                time.sleep(0.005)
+
+        t = threading.Thread(target=load)
+        t.start()
+        done = proxy.chaos(random.Random(3), 12)
+        stop.set()
+        t.join()
+        assert {"stall", "drop", "cut"} <= set(done) or len(done) >= 6, done
+        wait_converged(active, replica, timeout=90)
+        # Resumed where it stood each time: the active sent at most what was written (less,
+        # deduplicated), plus partial snapshots again. A single full resync would add the
+        # whole bucket (50,000 keys).
+        sent = metric(active, "sluice_dcp_items_total")
+        assert sent < written[0] + 25_000, (sent, written[0])
+        assert metric(replica, "sluice_replica_connects_total") >= 2
+        assert metric(replica, "sluice_replica_rollbacks_total") == 0
+        assert contents(active) == contents(replica)
+    finally:
+        stop.set()
+        proxy.close()
+        replica.stop()
+        active.stop()
+
+
+def test_majority_writes_survive_a_kill_of_the_active(tmp_path):
+    active = start(tmp_path, "a", durability_timeout="5s")
+    replica = start(tmp_path, "b", "--replica-of", active.address)
+    acked: list[bytes] = []
+    stop = threading.Event()
+    try:
+        # Before a replica follows, majority is impossible; with one, it is met.
+        deadline = time.monotonic() + 30
+        s = mc(active)
+        while majority_set(s, b"probe", b"1") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def writer(n: int) -> None:
+            w = mc(active)
+            i = 0
+            while not stop.is_set():
+                key = f"w{n}:{i}".encode()
+                try:
+                    st = majority_set(w, key, key * 3)
+                except OSError:
+                    return
+                if st == 0:
+                    acked.append(key)
+                i += 1
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        active.stop(sig=9)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert len(acked) > 500
+        out = run_cli("promote", "--admin", replica.admin)
+        assert out.returncode == 0 and "promoted to active" in out.stdout, out
+        s = mc(replica)
+        missing = []
+        for k in acked:
+            s.sendall(request(GET, key=k))
+            r = read_response(s)
+            if r["status"] != 0 or r["value"] != k * 3:
+                missing.append((k, r["status"]))
+        assert missing == []
+        # The promoted node takes writes.
+        assert bmemcached.Client([replica.address]).set("after", "failover")
+    finally:
+        stop.set()
+        replica.stop()
+        active.stop(sig=9)
+
+
+def test_durability_impossible_and_ambiguous(tmp_path):
+    active = start(tmp_path, "a", replicas=1)
+    try:
+        s = mc(active)
+        assert majority_set(s, b"k", b"v") == 0xA1  # no replica follows
+        replica = start(tmp_path, "b", "--replica-of", active.address)
+        deadline = time.monotonic() + 30
+        while majority_set(s, b"k", b"v") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        replica.proc.send_signal(19)  # SIGSTOP: follows on paper, acknowledges nothing
+        try:
+            t0 = time.monotonic()
+            assert majority_set(s, b"k2", b"v", timeout_ms=300) == 0xA3
+            assert 0.25 < time.monotonic() - t0 < 5
+        finally:
+            replica.proc.send_signal(18)  # SIGCONT
+        replica.stop()
+    finally:
+        active.stop()
+
+
+def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
+    a = start(tmp_path, "a")
+    proxy = FaultProxy(a.address)
+    b = start(tmp_path, "b", "--replica-of", proxy.address)
+    try:
+        ca = bmemcached.Client([a.address])
+        ca.set_multi({f"s1:{i}": b"replicated" for i in range(3000)})
+        wait_converged(a, b)
+        before = seqnos(a)
+        proxy.drop(True)  # the replica hears nothing more
+        ca.set_multi({f"s2:{i}": b"lost" for i in range(1000)})  # acknowledged at level none
+        ca.set_multi({f"s1:{i}": b"overwritten-then-lost" for i in range(0, 3000, 3)})
+        a.stop(sig=9)
+        proxy.close()
+        assert run_cli("promote", "--admin", b.admin).returncode == 0
+        cb = bmemcached.Client([b.address])
+        cb.set_multi({f"s3:{i}": b"new" for i in range(1000)})
+        a = start(tmp_path, "a", "--replica-of", b.address)
+        wait_converged(b, a)
+        got_a, got_b = contents(a), contents(b)
+        assert got_a == got_b
+        keys = {k for (_, k) in got_a}
+        assert not any(k.startswith(b"s2:") for k in keys)
+        assert sum(k.startswith(b"s3:") for k in keys) == 1000
+        assert all(v[2] == b"replicated" for (_, k), v in got_a.items() if k.startswith(b"s1:"))
+        # Each vbucket went back exactly to where the new active's history began, from its own
+        # WAL (a rollback to 0 would mean a full re-stream).
+        a.wait_for("rolled back to seqno")
+        time.sleep(0.5)
+        while not a._q.empty():
+            a.lines.append(a._q.get() or "")
+        rolled = [int(x) for x in re.findall(r"rolled back to seqno (\d+)", "".join(a.lines))]
+        assert len(rolled) == NUM_VBUCKETS, "".join(a.lines)
+        assert sorted(rolled) == sorted(before), "".join(a.lines)
+        assert metric(a, "sluice_replica_rollbacks_total") == NUM_VBUCKETS
+    finally:
+        b.stop()
+        a.stop()
+
+
+@pytest.mark.parametrize("bad", ["nowhere", "127.0.0.1:99999"])
+def test_a_bad_replica_of_is_a_config_error(tmp_path, bad):
+    r = run_cli("serve", "--data-dir", str(tmp_path / "d"), "--replica-of", bad, "--listen", "127.0.0.1:0")
+    assert r.returncode == 2
+    assert "replication.replica_of" in r.stderr
