@@ -330,3 +330,72 @@ def test_a_bad_replica_of_is_a_config_error(tmp_path, bad):
     r = run_cli("serve", "--data-dir", str(tmp_path / "d"), "--replica-of", bad, "--listen", "127.0.0.1:0")
     assert r.returncode == 2
     assert "replication.replica_of" in r.stderr
+
+
+def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
+    a = start(tmp_path, "a")
+    b = start(tmp_path, "b")
+    vb = 5
+    keys = [
+        k for k in (f"key:{i}".encode() for i in range(20_000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == vb
+    ]
+    stop = threading.Event()
+    acked: dict[bytes, tuple[str, bytes]] = {}
+    refused = {"tmpfail": 0, "not_my_vbucket": 0}
+    taken = {"a": 0, "b": 0}
+    try:
+        ca = bmemcached.Client([a.address])
+        ca.set_multi({k.decode(): b"start" for k in keys})
+
+        def writer() -> None:
+            sa, sb = mc(a), mc(b)
+            n = 0
+            target = ("a", sa)
+            while not stop.is_set() and n < 200_000:
+                key = keys[n % len(keys)]
+                value = f"{n}".encode()
+                name, sock = target
+                sock.sendall(request(SET, key=key, value=value, extras=set_extras(), vbucket=vb))
+                st = read_response(sock)["status"]
+                if st == 0:
+                    acked[key] = (name, value)
+                    taken[name] += 1
+                    n += 1
+                elif st == 0x86:  # pending on the source: retry
+                    refused["tmpfail"] += 1
+                    time.sleep(0.0005)
+                elif st == 0x07 and name == "a":  # the vbucket moved: follow it
+                    refused["not_my_vbucket"] += 1
+                    target = ("b", sb)
+                else:
+                    raise AssertionError(f"status {st:#x} from {name}")
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(1.0)
+        out = run_cli("move-vbucket", "--vb", str(vb), "--from", a.admin, "--to", b.admin, timeout=120)
+        assert out.returncode == 0, out.stderr
+        paused = float(re.search(r"writes to it paused ([\d.]+) ms", out.stdout).group(1))
+        time.sleep(1.0)
+        stop.set()
+        t.join()
+        assert refused["not_my_vbucket"] == 1
+        assert taken["a"] > 100 and taken["b"] > 100, taken
+        assert paused < 5000
+        states_a = {v["vbucket"]: v["state"] for v in status(a)["buckets"][0]["vbuckets"]}
+        states_b = {v["vbucket"]: v["state"] for v in status(b)["buckets"][0]["vbuckets"]}
+        assert states_a[vb] == "dead" and states_b[vb] == "active"
+        # Every acknowledged write is on the new active, whichever node took it.
+        sb = mc(b)
+        for key, (_, value) in acked.items():
+            sb.sendall(request(GET, key=key, vbucket=vb))
+            r = read_response(sb)
+            assert r["status"] == 0 and r["value"] == value, key
+        # The old active refuses the vbucket from now on.
+        sa = mc(a)
+        sa.sendall(request(SET, key=keys[0], value=b"late", extras=set_extras(), vbucket=vb))
+        assert read_response(sa)["status"] == 0x07
+    finally:
+        stop.set()
+        b.stop()
+        a.stop()

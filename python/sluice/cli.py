@@ -180,6 +180,33 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_move_vbucket(args: argparse.Namespace) -> int:
+    """Moves one vbucket between two running nodes with a takeover stream."""
+    import urllib.error
+
+    try:
+        source = _admin_call(args.source, "/status", args.timeout)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"sluice move-vbucket: cannot reach {args.source}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return EXIT_FAILURE
+    path = f"/takeover?bucket={args.bucket}&vbucket={args.vb}&source={source['listen']}"
+    try:
+        r = _admin_call(args.target, path, args.timeout, method="POST")
+    except urllib.error.HTTPError as e:
+        why = e.read().decode(errors="replace").strip()
+        print(f"sluice move-vbucket: the takeover failed: {why}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (urllib.error.URLError, OSError) as e:
+        print(f"sluice move-vbucket: cannot reach {args.target}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(
+        f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from {source['listen']} to the node at "
+        f"{args.target}: {r['items']:,} changes streamed in {r['seconds']:.2f} s, "
+        f"high seqno {r['high_seqno']}; writes to it paused {r['writes_paused_ms']:.1f} ms"
+    )
+    return EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the node's /status as tables a person can read."""
     import json
@@ -521,6 +548,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
     pr.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the node")
     pr.set_defaults(func=cmd_promote)
+
+    mv = sub.add_parser(
+        "move-vbucket",
+        help="move one vbucket to another node (takeover)",
+        description="Takeover of one vbucket (DCP takeover stream): the target catches up, the source "
+        "goes pending (writes get a temporary failure), drains and hands over with SET_VBUCKET_STATE; "
+        "the target goes active and the source dead (writes there get NOT_MY_VBUCKET). Prints how "
+        "long writes to the vbucket paused. --from and --to are the nodes' admin endpoints.",
+    )
+    mv.add_argument("--vb", type=int, required=True, metavar="N")
+    mv.add_argument(
+        "--from", dest="source", required=True, metavar="HOST:PORT", help="the source's admin endpoint"
+    )
+    mv.add_argument(
+        "--to", dest="target", required=True, metavar="HOST:PORT", help="the target's admin endpoint"
+    )
+    mv.add_argument("--bucket", default="default")
+    mv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move")
+    mv.set_defaults(func=cmd_move_vbucket)
 
     d = sub.add_parser(
         "wal-dump",

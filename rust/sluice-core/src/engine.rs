@@ -1328,6 +1328,13 @@ impl Drop for Engine {
 
 /// An active vbucket with room for `n` more seqnos.
 fn check_writable(vb: &VBucket, n: u64) -> Result<()> {
+    if vb.state == VbState::Pending {
+        // Being handed over: it is active here or on its new node within moments.
+        return Err(Error::TempFail(format!(
+            "vbucket {} is being handed over; retry",
+            vb.id
+        )));
+    }
     if vb.state != VbState::Active {
         return Err(Error::NotMyVbucket(vb.id));
     }

@@ -178,6 +178,7 @@ impl DcpConsumer {
             include_values,
             cursor_dropping,
             replica_name: None,
+            takeover: false,
         };
         Ok(DcpConsumer {
             consumer: Mutex::new(Some(Consumer::start(config))),
@@ -216,6 +217,18 @@ impl DcpConsumer {
                         .into_any()
                         .unbind(),
                 )
+            }
+            Some(Event::VbucketState { opaque, .. }) => {
+                // This reader asks for no takeover streams; a producer that hands a vbucket
+                // over anyway is refused.
+                if let Some(c) = self.consumer.lock().as_ref() {
+                    c.respond(
+                        sluice_proto::dcp::opcode::SET_VBUCKET_STATE,
+                        opaque,
+                        sluice_proto::mcbp::status::EINVAL,
+                    );
+                }
+                None
             }
             Some(Event::Finished) => {
                 self.consumer.lock().take();

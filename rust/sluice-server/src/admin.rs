@@ -74,12 +74,37 @@ async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<(
             Err(e) => respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await,
         };
     }
+    if method == "POST" && path == "/takeover" {
+        let query = line
+            .split(' ')
+            .nth(1)
+            .and_then(|p| p.split_once('?'))
+            .map(|(_, q)| q.to_string())
+            .unwrap_or_default();
+        let sh = shared.clone();
+        let r = tokio::task::spawn_blocking(move || takeover(&sh, &query)).await;
+        return match r {
+            Ok(Ok(body)) => {
+                respond(
+                    &mut socket,
+                    200,
+                    "application/json",
+                    body.to_string().as_bytes(),
+                )
+                .await
+            }
+            Ok(Err(e)) => {
+                respond(&mut socket, 409, "text/plain", format!("{e}\n").as_bytes()).await
+            }
+            Err(e) => respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await,
+        };
+    }
     if method != "GET" {
         return respond(
             &mut socket,
             405,
             "text/plain",
-            b"GET /metrics, GET /status, POST /promote\n",
+            b"GET /metrics, GET /status, POST /promote, POST /takeover\n",
         )
         .await;
     }
@@ -112,6 +137,8 @@ async fn respond(
         200 => "OK",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        409 => "Conflict",
+        500 => "Internal Server Error",
         _ => "Request Header Fields Too Large",
     };
     let head = format!("HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
@@ -545,4 +572,53 @@ fn replication_status(shared: &Shared) -> serde_json::Value {
         })
         .collect();
     json!({"replica_of": reps[0].config.active, "buckets": buckets})
+}
+
+/// POST /takeover?bucket=B&vbucket=N&source=HOST:PORT: moves the vbucket from the source node
+/// to this one (see `replica::take_over`); answers when it is active here.
+fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
+    let arg = |name: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_string())
+    };
+    let vb: u16 = arg("vbucket")
+        .and_then(|v| v.parse().ok())
+        .ok_or("vbucket=N is required")?;
+    let source = arg("source").ok_or("source=HOST:PORT is required")?;
+    let bucket_name = arg("bucket").unwrap_or_else(|| "default".into());
+    let bucket = shared
+        .engine
+        .bucket(&bucket_name)
+        .map_err(|e| e.to_string())?;
+    if let Some(r) = shared.replicators.lock().first() {
+        return Err(format!(
+            "this node follows {} and replicates every vbucket; a vbucket moves only to a node \
+             that does not (promote it first)",
+            r.config.active
+        ));
+    }
+    let config = crate::replica::ReplicaConfig {
+        active: source,
+        username: None,
+        password: None,
+        noop_interval: 1,
+    };
+    let r = crate::replica::take_over(
+        &shared.engine,
+        &bucket,
+        vb,
+        &config,
+        std::time::Duration::from_secs(600),
+    )?;
+    Ok(serde_json::json!({
+        "bucket": bucket_name,
+        "vbucket": r.vbucket,
+        "items": r.items,
+        "seconds": r.seconds,
+        "writes_paused_ms": r.writes_paused_ms,
+        "high_seqno": r.high_seqno,
+    }))
 }

@@ -20,6 +20,9 @@ use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::vbucket::VbState;
 use sluice_core::Engine;
 
+use sluice_proto::dcp::{self, vbucket_state};
+use sluice_proto::mcbp::status;
+
 use crate::dcp::consumer::{
     Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
 };
@@ -178,6 +181,7 @@ fn follow(
             include_values: true,
             cursor_dropping: false,
             replica_name: Some(node.clone()),
+            takeover: false,
         });
         stats.connects.fetch_add(1, Ordering::Relaxed);
         let mut session = Session {
@@ -258,6 +262,16 @@ impl Session<'_> {
                     if let Err(e) = self.apply(&b) {
                         return Some(e);
                     }
+                    if let Some((vb, reason)) = b.ended.first() {
+                        return Some(format!(
+                            "the active ended the stream of vbucket {vb} (reason {reason})"
+                        ));
+                    }
+                }
+                Some(Event::VbucketState { opaque, .. }) => {
+                    // Only takeover streams hand vbuckets over; this connection asked for none.
+                    self.consumer
+                        .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
                 }
                 Some(Event::Rollback { vbucket, seqno, .. }) => {
                     self.stats.connected.store(true, Ordering::Release);
@@ -333,11 +347,6 @@ impl Session<'_> {
             l.active_seqno = l.active_seqno.max(pos.snap_end);
             l.applied_seqno = pos.seqno;
         }
-        if let Some((vb, reason)) = b.ended.first() {
-            return Err(format!(
-                "the active ended the stream of vbucket {vb} (reason {reason})"
-            ));
-        }
         Ok(())
     }
 
@@ -352,6 +361,10 @@ impl Session<'_> {
                 None => break,
                 Some(Event::Rollback { vbucket, seqno, .. }) => asked.push((vbucket, seqno)),
                 Some(Event::Batch(b)) => self.apply(&b)?,
+                Some(Event::VbucketState { opaque, .. }) => {
+                    self.consumer
+                        .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
+                }
                 Some(Event::Finished) => return Err("the active ended every stream".into()),
                 Some(Event::Failed(e)) => return Err(e),
             }
@@ -408,4 +421,135 @@ impl Session<'_> {
             }
         }
     }
+}
+
+/// What a vbucket move reports.
+#[derive(Debug, Clone)]
+pub struct TakeoverReport {
+    pub vbucket: u16,
+    pub items: u64,
+    pub seconds: f64,
+    /// From the source's SET_VBUCKET_STATE pending to this node's vbucket going active: the
+    /// time writes to the vbucket were refused (temporary failure) on both nodes.
+    pub writes_paused_ms: f64,
+    pub high_seqno: u64,
+}
+
+/// Moves vbucket `vb` of `bucket` from the node at `source` to this one with a takeover
+/// stream: this node's copy (dead, replica, or active and never written) catches up as a
+/// replica, goes pending when the source does, and active when the source hands over; the
+/// source then goes dead.
+pub fn take_over(
+    engine: &Engine,
+    bucket: &Arc<Bucket>,
+    vb: u16,
+    source: &ReplicaConfig,
+    timeout: Duration,
+) -> Result<TakeoverReport, String> {
+    let pos = engine
+        .stream_position(bucket, vb)
+        .ok_or_else(|| format!("no vbucket {vb} in bucket {:?}", bucket.name()))?;
+    match pos.state {
+        VbState::Active if pos.high_seqno > 0 => {
+            return Err(format!(
+                "vbucket {vb} is active here with data (high seqno {}); it cannot be taken over onto it",
+                pos.high_seqno
+            ))
+        }
+        VbState::Active | VbState::Dead => engine
+            .set_vbucket_state(bucket, vb, VbState::Replica)
+            .map_err(|e| e.to_string())?,
+        VbState::Replica | VbState::Pending => {}
+    }
+    let (_, state) = own_state(engine, bucket);
+    let started = Instant::now();
+    let consumer = Consumer::start(ConsumerConfig {
+        address: source.active.clone(),
+        bucket: bucket.name().to_string(),
+        username: source.username.clone(),
+        password: source.password.clone(),
+        name: format!("takeover:{}:{}:{vb}", engine.instance(), bucket.name()),
+        vbuckets: Some(vec![vb]),
+        state,
+        rollback: RollbackMode::Ask,
+        batch_size: 4096,
+        noop_interval: source.noop_interval,
+        takeover: true,
+        ..ConsumerConfig::default()
+    });
+    let stats = ReplicaStats::default();
+    let mut session = Session {
+        engine,
+        bucket,
+        consumer: &consumer,
+        stats: &stats,
+        snapshots: BTreeMap::new(),
+    };
+    let mut paused_at = None;
+    let mut active_after = None;
+    let deadline = started + timeout;
+    while Instant::now() < deadline {
+        match consumer.next_event(Duration::from_millis(100)) {
+            None => {}
+            Some(Event::Batch(b)) => {
+                session.apply(&b)?;
+                if let Some((_, reason)) = b.ended.first() {
+                    if active_after.is_some() {
+                        break;
+                    }
+                    return Err(format!(
+                        "the source ended the takeover stream (reason {reason}) before handing over"
+                    ));
+                }
+            }
+            Some(Event::Rollback { vbucket, seqno, .. }) => session.rollback(vbucket, seqno)?,
+            Some(Event::VbucketState {
+                state: st, opaque, ..
+            }) => {
+                let (to, answer) = match st {
+                    vbucket_state::PENDING => (VbState::Pending, status::SUCCESS),
+                    vbucket_state::ACTIVE => (VbState::Active, status::SUCCESS),
+                    _ => (VbState::Replica, status::EINVAL),
+                };
+                if answer == status::SUCCESS {
+                    engine
+                        .set_vbucket_state(bucket, vb, to)
+                        .map_err(|e| e.to_string())?;
+                    if to == VbState::Pending {
+                        paused_at = Some(Instant::now());
+                    } else {
+                        active_after = Some(
+                            paused_at.map_or(0.0, |p: Instant| p.elapsed().as_secs_f64() * 1000.0),
+                        );
+                    }
+                }
+                consumer.respond(dcp::opcode::SET_VBUCKET_STATE, opaque, answer);
+            }
+            Some(Event::Finished) => break,
+            Some(Event::Failed(e)) if active_after.is_none() => return Err(e),
+            Some(Event::Failed(_)) => break,
+        }
+    }
+    let Some(writes_paused_ms) = active_after else {
+        return Err(format!(
+            "vbucket {vb} was not handed over within {timeout:?}"
+        ));
+    };
+    let high_seqno = engine
+        .stream_position(bucket, vb)
+        .map_or(0, |p| p.high_seqno);
+    log::info!(
+        "vbucket {vb} of bucket {:?} taken over from {}: {} changes in {:.2} s, writes paused {writes_paused_ms:.1} ms",
+        bucket.name(),
+        source.active,
+        stats.items.load(Ordering::Relaxed),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(TakeoverReport {
+        vbucket: vb,
+        items: stats.items.load(Ordering::Relaxed),
+        seconds: started.elapsed().as_secs_f64(),
+        writes_paused_ms,
+        high_seqno,
+    })
 }

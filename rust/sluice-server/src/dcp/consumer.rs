@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sluice_proto::dcp::{
     self, opcode, open_flag, snapshot_flag, stream_end_reason, stream_flag, DcpRequest,
-    DcpResponse, DocumentRef, FailoverEntry, SeqnoAcknowledged, SnapshotMarker, StreamEnd,
-    StreamRequest, StreamRequestResponse,
+    DcpResponse, DocumentRef, FailoverEntry, SeqnoAcknowledged, SetVbucketState, SnapshotMarker,
+    StreamEnd, StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
@@ -179,6 +179,8 @@ pub struct ConsumerConfig {
     /// A replica's name: the connection does sync replication (controls consumer_name,
     /// enable_sync_writes, persisted_seqno_acks), and the reader sends SEQNO_ACKNOWLEDGED.
     pub replica_name: Option<String>,
+    /// Request takeover streams: the producer hands the vbuckets over once caught up.
+    pub takeover: bool,
 }
 
 impl Default for ConsumerConfig {
@@ -200,6 +202,7 @@ impl Default for ConsumerConfig {
             include_values: true,
             cursor_dropping: false,
             replica_name: None,
+            takeover: false,
         }
     }
 }
@@ -279,6 +282,13 @@ pub enum Event {
         seqno: u64,
         position: Position,
     },
+    /// The producer hands the vbucket over (a takeover stream): the reader sets the state and
+    /// answers with `Consumer::respond` (SET_VBUCKET_STATE, this opaque).
+    VbucketState {
+        vbucket: u16,
+        state: u8,
+        opaque: u32,
+    },
     /// Every stream ended.
     Finished,
     Failed(String),
@@ -343,6 +353,23 @@ impl Consumer {
 
     pub fn resume_at(&self, vbucket: u16, position: Position) {
         let _ = self.commands.send(Command::ResumeAt(vbucket, position));
+    }
+
+    /// Answers a request of the producer (SET_VBUCKET_STATE) from the reader's thread.
+    pub fn respond(&self, opcode: u8, opaque: u32, st: u16) -> bool {
+        let mut out = Vec::new();
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode,
+            word: st,
+            opaque,
+            ..Default::default()
+        };
+        let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
+        match self.socket.lock().as_mut() {
+            Some(w) => w.write_all(&out).is_ok(),
+            None => false,
+        }
     }
 
     /// SEQNO_ACKNOWLEDGED, written at once from the reader's thread (durable writes wait on
@@ -604,6 +631,9 @@ impl Session {
         if self.config.to_latest {
             flags |= stream_flag::TO_LATEST;
         }
+        if self.config.takeover {
+            flags |= stream_flag::TAKEOVER;
+        }
         if self.config.from_now && uuid == 0 && start == 0 {
             flags |= stream_flag::FROM_LATEST;
         }
@@ -774,6 +804,19 @@ impl Session {
                     s.pos.disk = m.flags & snapshot_flag::DISK != 0;
                     self.touched.insert(vb);
                 }
+            }
+            dcp::opcode::SET_VBUCKET_STATE => {
+                let m = SetVbucketState::decode(&req)
+                    .map_err(|e| format!("bad SET_VBUCKET_STATE: {e}"))?;
+                // The reader applies everything before the hand-over first.
+                if !self.flush() {
+                    return Ok(());
+                }
+                let _ = self.events.send(Event::VbucketState {
+                    vbucket: vb,
+                    state: m.state,
+                    opaque: req.opaque,
+                });
             }
             dcp::opcode::STREAM_END => {
                 let e = StreamEnd::decode(&req).map_err(|e| format!("bad stream end: {e}"))?;

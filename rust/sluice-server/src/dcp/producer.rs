@@ -25,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::stream::{Encoding, Progress, Stream};
+use super::stream::{Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
 use crate::server::Shared;
 
@@ -255,18 +255,19 @@ impl Producer {
                 b"a stream for this vbucket exists",
             );
         }
-        if sr.flags & stream_flag::TAKEOVER != 0 {
-            return respond(
-                out,
-                req,
-                status::NOT_SUPPORTED,
-                b"takeover streams are not offered",
-            );
-        }
         let engine = &self.shared.engine;
         let Some(pos) = engine.stream_position(&self.bucket, vb) else {
             return respond(out, req, status::NOT_MY_VBUCKET, b"no such vbucket");
         };
+        let takeover = sr.flags & stream_flag::TAKEOVER != 0;
+        if takeover && pos.state != VbState::Active {
+            return respond(
+                out,
+                req,
+                status::NOT_MY_VBUCKET,
+                b"only an active vbucket can be taken over",
+            );
+        }
         if pos.state == VbState::Dead
             || (sr.flags & stream_flag::ACTIVE_VB_ONLY != 0 && pos.state != VbState::Active)
         {
@@ -342,7 +343,12 @@ impl Producer {
             self.cursor_dropping,
             pos.state,
         ) {
-            Ok(s) => s,
+            Ok(mut s) => {
+                if takeover {
+                    s.takeover = Takeover::CatchingUp;
+                }
+                s
+            }
             Err(e) => return respond(out, req, crate::kv::status_of(&e), e.to_string().as_bytes()),
         };
         let log: Vec<FailoverEntry> = pos
@@ -376,6 +382,32 @@ impl Producer {
                 }
                 self.retire(&mut s);
             }
+        }
+    }
+
+    /// The consumer's answer to SET_VBUCKET_STATE: success to "active" completes a takeover.
+    fn set_vbucket_state_answered(&mut self, frame: &[u8]) {
+        let Ok(r) = mcbp::parse_response(frame) else {
+            return;
+        };
+        let Some(s) = self.streams.values_mut().find(|s| s.opaque == r.opaque) else {
+            return;
+        };
+        if r.status != status::SUCCESS {
+            log::error!(
+                "takeover of vbucket {}: the consumer refused SET_VBUCKET_STATE with status {:#x}",
+                s.vbucket,
+                r.status
+            );
+            return;
+        }
+        if let Some(paused) = s.takeover_acknowledged(&self.shared.engine) {
+            log::info!(
+                "vbucket {} handed over to {}; writes to it were refused here for {:.1} ms",
+                s.vbucket,
+                self.name,
+                paused.as_secs_f64() * 1000.0
+            );
         }
     }
 
@@ -454,6 +486,9 @@ impl Producer {
         if frame.first() == Some(&magic::RESPONSE) {
             if frame.get(1) == Some(&opcode::NOOP) {
                 self.noop_outstanding = None;
+            }
+            if frame.get(1) == Some(&opcode::SET_VBUCKET_STATE) {
+                self.set_vbucket_state_answered(frame);
             }
             // The consumer answers nothing else we wait for.
             return Flow::Continue;

@@ -14,7 +14,8 @@ use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
 use sluice_proto::dcp::DcpRequest;
 use sluice_proto::dcp::{
-    opcode, snapshot_flag, stream_end_reason, DocumentRef, SnapshotMarker, StreamEnd,
+    opcode, snapshot_flag, stream_end_reason, vbucket_state, DocumentRef, SetVbucketState,
+    SnapshotMarker, StreamEnd,
 };
 
 /// How a connection wants documents encoded (DCP_OPEN flags and controls).
@@ -42,6 +43,19 @@ enum Phase {
     Memory,
 }
 
+/// A takeover stream hands its vbucket to the consumer (rebalance.md): once caught up, the
+/// source goes pending (writes get a temporary failure) and says so with SET_VBUCKET_STATE;
+/// once drained, it sends SET_VBUCKET_STATE active; on the consumer's answer the source goes
+/// dead (writes get NOT_MY_VBUCKET) and the stream ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Takeover {
+    Off,
+    CatchingUp,
+    Draining(std::time::Instant),
+    AwaitingActive(std::time::Instant),
+    HandedOver,
+}
+
 pub struct Stream {
     pub vbucket: u16,
     pub opaque: u32,
@@ -67,6 +81,7 @@ pub struct Stream {
     /// Items sent by backfill and from memory, for the producer's metrics.
     pub sent_backfill: u64,
     pub sent_memory: u64,
+    pub takeover: Takeover,
 }
 
 /// Appends one message and returns its length, for flow control.
@@ -109,6 +124,7 @@ impl Stream {
             end_when_dropped,
             sent_backfill: 0,
             sent_memory: 0,
+            takeover: Takeover::Off,
         };
         if start_seqno < end_seqno {
             s.register(engine)?;
@@ -131,8 +147,42 @@ impl Stream {
         Ok(())
     }
 
+    /// The consumer answered SET_VBUCKET_STATE active: the vbucket is now its. Returns how long
+    /// writes to the vbucket were refused here.
+    pub fn takeover_acknowledged(&mut self, engine: &Engine) -> Option<std::time::Duration> {
+        let Takeover::AwaitingActive(since) = self.takeover else {
+            return None;
+        };
+        if let Err(e) = engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Dead) {
+            log::error!("takeover of vbucket {}: {e}", self.vbucket);
+        }
+        self.takeover = Takeover::HandedOver;
+        Some(since.elapsed())
+    }
+
     /// Releases the cursor (and any backfill) so the checkpoints need not keep changes for it.
+    /// A takeover cut short before the consumer was told to go active gives the vbucket back
+    /// to this node; after that, the vbucket stays pending here (the consumer may be active).
     pub fn close(&mut self, engine: &Engine) {
+        match self.takeover {
+            Takeover::Draining(_) => {
+                log::warn!(
+                    "takeover of vbucket {} cut short while draining; it is active here again",
+                    self.vbucket
+                );
+                let _ = engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Active);
+                self.takeover = Takeover::Off;
+            }
+            Takeover::AwaitingActive(_) => {
+                log::error!(
+                    "takeover of vbucket {} cut short after the consumer was told to go active; \
+                     the vbucket stays pending here until an operator decides",
+                    self.vbucket
+                );
+                self.takeover = Takeover::Off;
+            }
+            _ => {}
+        }
         if let Some((id, _)) = self.cursor.take() {
             engine.remove_cursor(&self.bucket, self.vbucket, id);
         }
@@ -186,8 +236,15 @@ impl Stream {
     pub fn fill(&mut self, engine: &Engine, out: &mut Vec<u8>, budget: usize) -> (usize, Progress) {
         let mut used = 0;
         let state = engine.vbucket_state(&self.bucket, self.vbucket);
+        if self.takeover == Takeover::HandedOver {
+            used += self.write_end(out, stream_end_reason::OK);
+            self.close(engine);
+            return (used, Progress::Ended(stream_end_reason::OK));
+        }
         let state_changed = match state {
             None | Some(VbState::Dead) => true,
+            // The takeover itself made it pending.
+            Some(VbState::Pending) if self.takeover != Takeover::Off => false,
             Some(s) => self.opened_in == VbState::Active && s != VbState::Active,
         };
         if state_changed {
@@ -211,6 +268,15 @@ impl Stream {
                         match self.read_cursor(engine) {
                             Ok(true) => {}
                             Ok(false) => {
+                                if self.takeover != Takeover::Off {
+                                    match self.hand_over(engine, out) {
+                                        Some(n) if n > 0 => {
+                                            used += n;
+                                            continue;
+                                        }
+                                        _ => {}
+                                    }
+                                }
                                 let p = if used > 0 {
                                     Progress::Sent
                                 } else {
@@ -234,6 +300,43 @@ impl Stream {
                 return (used, Progress::Ended(stream_end_reason::OK));
             }
         }
+    }
+
+    /// Called when the stream has nothing more to send: moves a takeover on once the consumer
+    /// holds everything up to the high seqno. Returns the bytes written.
+    fn hand_over(&mut self, engine: &Engine, out: &mut Vec<u8>) -> Option<usize> {
+        let high = engine
+            .stream_position(&self.bucket, self.vbucket)?
+            .high_seqno;
+        if !self.pending.is_empty() || self.last_seqno < high {
+            return None;
+        }
+        let (next, state) = match self.takeover {
+            Takeover::CatchingUp => {
+                if let Err(e) =
+                    engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Pending)
+                {
+                    log::error!("takeover of vbucket {}: {e}", self.vbucket);
+                    return None;
+                }
+                (
+                    Takeover::Draining(std::time::Instant::now()),
+                    vbucket_state::PENDING,
+                )
+            }
+            Takeover::Draining(since) => (Takeover::AwaitingActive(since), vbucket_state::ACTIVE),
+            _ => return None,
+        };
+        self.takeover = next;
+        let (vbucket, opaque) = (self.vbucket, self.opaque);
+        Some(framed(out, |out| {
+            let _ = SetVbucketState {
+                vbucket,
+                state,
+                value: Vec::new(),
+            }
+            .encode(out, opaque);
+        }))
     }
 
     fn fill_backfill(&mut self, out: &mut Vec<u8>, budget: usize) -> usize {
