@@ -15,11 +15,13 @@ HEADER = struct.Struct(">BBHBBHIIQ")
 OPEN, ADD_STREAM, CLOSE_STREAM, STREAM_REQ, GET_FAILOVER_LOG, STREAM_END = 0x50, 0x51, 0x52, 0x53, 0x54, 0x55
 SNAPSHOT_MARKER, MUTATION, DELETION, EXPIRATION = 0x56, 0x57, 0x58, 0x59
 NOOP, BUFFER_ACK, CONTROL = 0x5C, 0x5D, 0x5E
+SET_VBUCKET_STATE, SEQNO_ACKNOWLEDGED = 0x5B, 0x61
 
 PRODUCER = 0x01
 NO_VALUE = 0x08
 INCLUDE_DELETE_TIMES = 0x20
 
+FLAG_TAKEOVER = 0x01
 FLAG_TO_LATEST = 0x04
 FLAG_FROM_LATEST = 0x40
 
@@ -125,6 +127,9 @@ def parse_message(f: dict) -> dict:
         assert len(ex) == 20, ex  # expiration.md: by_seqno, rev_seqno, delete time
         by, rev, dt = struct.unpack(">QQI", ex)
         m.update(seqno=by, rev=rev, delete_time=dt, key=f["key"], cas=f["cas"])
+    elif op == SET_VBUCKET_STATE:
+        assert len(ex) == 1, ex  # set-vbucket-state.md: one state byte
+        m["state"] = ex[0]
     elif op == STREAM_END:
         assert len(ex) == 4, ex  # stream-end.md: flags (reason)
         m["reason"] = struct.unpack(">I", ex)[0]

@@ -19,12 +19,15 @@ from dcp_wire import (
     END_OK,
     EXPIRATION,
     FLAG_FROM_LATEST,
+    FLAG_TAKEOVER,
     FLAG_TO_LATEST,
     GET_FAILOVER_LOG,
     INCLUDE_DELETE_TIMES,
     MUTATION,
     NOOP,
     PRODUCER,
+    SEQNO_ACKNOWLEDGED,
+    SET_VBUCKET_STATE,
     SNAP_CHECKPOINT,
     SNAP_DISK,
     SNAP_MEMORY,
@@ -337,3 +340,71 @@ def test_requires_stream_permission(tmp_path):
         assert list(stream) == []
     finally:
         assert node.stop() == 0
+
+
+def seqno_ack(vbucket: int, seqno: int) -> bytes:
+    # seqno-acknowledged.md: 8 bytes of extras (prepared seqno), no key, no value, no reply.
+    return frame(SEQNO_ACKNOWLEDGED, extras=struct.pack(">Q", seqno), vbucket=vbucket, opaque=0x1210)
+
+
+def durable_set(host: str, port: int, key: bytes, level: int = 1) -> socket.socket:
+    """Sends a SET with the durability frame info (magic 0x08) and returns the socket to read
+    its answer from."""
+    s = socket.create_connection((host, port), timeout=30)
+    framing = bytes([0x11, level])
+    extras = struct.pack(">II", 0, 0)
+    body = len(framing) + len(extras) + len(key) + 1
+    head = struct.pack(">BBBBBBHIIQ", 0x08, 0x01, len(framing), len(key), len(extras), 0, 0, body, 7, 0)
+    s.sendall(head + framing + extras + key + b"v")
+    return s
+
+
+def test_seqno_acknowledged_completes_a_majority_write(server):
+    vb = 9
+    key = keys_in(vb, 1)[0].encode()
+    d = DcpConnection(server.host, server.port, name=b"conformance:replica")
+    # Without sync replication enabled the producer refuses the acknowledgement.
+    assert d.call(seqno_ack(vb, 1))["word"] == EINVAL
+    assert d.control("consumer_name", "replica-1") == 0
+    assert d.control("enable_sync_writes", "true") == 0
+    r = d.call(stream_req(vb, opaque=0x77))
+    assert r["word"] == 0
+    w = durable_set(server.host, server.port, key)
+    msgs = d.collect(lambda m: any(x["op"] == MUTATION for x in m))
+    seqno = next(x["seqno"] for x in msgs if x["op"] == MUTATION)
+    # The write waits for this replica; nothing has answered it yet.
+    w.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        w.recv(1)
+    d.send(seqno_ack(vb, seqno))
+    w.settimeout(10)
+    answer = read_frame(w)
+    assert answer["magic"] == 0x81 and answer["word"] == 0 and answer["opaque"] == 7
+    w.close()
+    d.close()
+
+
+def test_a_takeover_stream_hands_the_vbucket_over(server, mc):
+    vb = 12
+    keys = keys_in(vb, 50)
+    mc.set_multi({k: "before" for k in keys})
+    d = DcpConnection(server.host, server.port, name=b"conformance:takeover")
+    assert d.call(stream_req(vb, flags=FLAG_TAKEOVER, opaque=0x99))["word"] == 0
+    msgs = d.collect(lambda m: any(x["op"] == SET_VBUCKET_STATE for x in m))
+    assert sum(x["op"] == MUTATION for x in msgs) == 50
+    pending = msgs[-1]
+    assert pending["state"] == 0x03 and pending["vbucket"] == vb and pending["opaque"] == 0x99
+    # Pending: writes to the vbucket get a temporary failure, not a loss.
+    s = socket.create_connection((server.host, server.port), timeout=10)
+    s.sendall(frame(0x01, key=keys[0].encode(), value=b"x", extras=struct.pack(">II", 0, 0), opaque=5))
+    assert read_frame(s)["word"] == 0x86
+    active = d.next_message()
+    assert active["op"] == SET_VBUCKET_STATE and active["state"] == 0x01
+    # The consumer answers; then the source is dead and the stream ends.
+    d.send(frame(SET_VBUCKET_STATE, magic=0x81, opaque=active["opaque"], status=0))
+    end = d.next_message()
+    assert end["op"] == STREAM_END and end["reason"] == END_OK
+    s.sendall(frame(0x01, key=keys[0].encode(), value=b"x", extras=struct.pack(">II", 0, 0), opaque=6))
+    assert read_frame(s)["word"] == NOT_MY_VBUCKET
+    s.close()
+    d.close()

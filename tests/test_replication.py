@@ -88,9 +88,12 @@ def get_replica(sock: socket.socket, key: bytes) -> dict:
     return read_response(sock)
 
 
-def majority_set(sock: socket.socket, key: bytes, value: bytes, timeout_ms: int | None = None) -> int:
-    """SET with the durability frame info (level 1, majority); returns the status."""
-    info = b"\x01" if timeout_ms is None else b"\x01" + struct.pack(">H", timeout_ms)
+def majority_set(
+    sock: socket.socket, key: bytes, value: bytes, timeout_ms: int | None = None, level: int = 1
+) -> int:
+    """SET with the durability frame info (level 1 majority, 2 majority and persist on the
+    active, 3 persist to majority); returns the status."""
+    info = bytes([level]) if timeout_ms is None else bytes([level]) + struct.pack(">H", timeout_ms)
     framing = bytes([0x10 | len(info)]) + info
     sock.sendall(flex_request(SET, framing, key, value, set_extras()))
     return read_response(sock)["status"]
@@ -273,6 +276,9 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         while majority_set(s, b"k", b"v") != 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        for level in (2, 3):
+            assert majority_set(s, f"level{level}".encode(), b"v", level=level) == 0
+        assert majority_set(s, b"k", b"v", level=4) == 0xA0  # no such level
         replica.proc.send_signal(19)  # SIGSTOP: follows on paper, acknowledges nothing
         try:
             t0 = time.monotonic()
