@@ -315,14 +315,15 @@ def _text_or_base64(name: str, data: bytes, row: dict) -> None:
 
 class _BackfillProgress:
     """Progress of the backfills on stderr: a line at most every `every` seconds while one runs,
-    and one when all that were seen have finished."""
+    and one when they have finished: none runs and the stream is idle or over (a vbucket whose
+    backfill has not begun yet must not make the others look done)."""
 
     def __init__(self, every: float = 1.0) -> None:
         self.every = every
         self.last = -every
         self.finished_reported = False
 
-    def update(self, positions: dict) -> None:
+    def update(self, positions: dict, idle: bool = False) -> None:
         disk = [(seq, a, b) for seq, a, b, is_disk in positions.values() if is_disk]
         if not disk:
             return
@@ -336,7 +337,7 @@ class _BackfillProgress:
                 return
             pct = 100 * done / total
             line = f"backfill: {running} vbuckets running, {done:,} of {total:,} seqnos ({pct:.0f}%)"
-        elif not self.finished_reported:
+        elif not self.finished_reported and idle:
             self.finished_reported = True
             line = f"backfill: done, {total:,} seqnos from {len(disk)} vbuckets"
         else:
@@ -404,9 +405,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 stream.rollbacks.clear()
                 if args.state:
                     stream.save_state(args.state)
-                progress.update(stream.positions())
+                progress.update(stream.positions(), idle=not batch)
                 if args.max and printed >= args.max:
                     break
+            progress.update(stream.positions(), idle=True)
     except _native.SluiceError as e:
         print(f"sluice tail: {e}", file=sys.stderr)
         return EXIT_FAILURE
