@@ -904,8 +904,8 @@ impl Server {
                 }
                 Some(sluice_server::replica::ReplicaConfig {
                     active: a.to_string(),
-                    username: replication_user,
-                    password: replication_password,
+                    username: replication_user.clone(),
+                    password: replication_password.clone(),
                     noop_interval: replication_noop_interval,
                 })
             }
@@ -935,6 +935,7 @@ impl Server {
             worker_threads: io_threads.max(1),
             users: users_of(users)?,
             replica_of,
+            replication_login: (replication_user, replication_password),
         };
         let e = engine.engine.clone();
         let server = py

@@ -600,10 +600,11 @@ fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
             r.config.active
         ));
     }
+    let (username, password) = shared.config.replication_login.clone();
     let config = crate::replica::ReplicaConfig {
         active: source,
-        username: None,
-        password: None,
+        username,
+        password,
         noop_interval: 1,
     };
     let r = crate::replica::take_over(

@@ -28,6 +28,8 @@ pub struct ServerConfig {
     pub users: crate::auth::Users,
     /// Follow this active node: every bucket's replica vbuckets stream from it.
     pub replica_of: Option<crate::replica::ReplicaConfig>,
+    /// The user and password this node logs in with on other nodes (replication, takeover).
+    pub replication_login: (Option<String>, Option<String>),
 }
 
 /// Counters the metrics endpoint and STAT read.
