@@ -57,7 +57,7 @@ class FaultProxy:
                     if self._dropping:
                         continue
                     peers[s].sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: cut() closed a socket under select()
             return
         finally:
             for s in (a, b):
