@@ -209,24 +209,16 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the node's /status as tables a person can read."""
-    import json
     import urllib.error
-    import urllib.request
 
-    admin = args.admin or _load(args).values["admin_listen"]
+    admin = _admin_address(args, "status")
     if not admin:
-        print(
-            "sluice status: admin_listen is off in the configuration; pass --admin HOST:PORT", file=sys.stderr
-        )
         return EXIT_USAGE
     try:
-        with urllib.request.urlopen(f"http://{admin}/status", timeout=args.timeout) as r:
-            st = json.load(r)
+        st = _admin_call(admin, "/status", args.timeout)
     except (urllib.error.URLError, OSError) as e:
-        print(
-            f"sluice status: cannot reach the admin endpoint at {admin}: {getattr(e, 'reason', e)}",
-            file=sys.stderr,
-        )
+        why = getattr(e, "reason", e)
+        print(f"sluice status: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
         return EXIT_FAILURE
     wal = st["wal"]
     print(

@@ -430,11 +430,6 @@ impl Engine {
                 bucket.config.high_watermark_bytes()
             )));
         }
-        if durability == Durability::Persist && self.inner.wal.mode() == WalMode::None {
-            return Err(Error::DurabilityImpossible(
-                "wal.mode is none, nothing is persisted".into(),
-            ));
-        }
         if durability.persist_active() && self.inner.wal.mode() == WalMode::None {
             return Err(Error::DurabilityImpossible(format!(
                 "level {} persists on the active and wal.mode is none",

@@ -53,7 +53,7 @@ async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<(
         .into_owned();
     let mut parts = line.split(' ');
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
+    let (path, query) = path.split_once('?').unwrap_or((path, ""));
     if method == "POST" && path == "/promote" {
         let sh = shared.clone();
         let r = tokio::task::spawn_blocking(move || sh.promote()).await;
@@ -75,12 +75,7 @@ async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<(
         };
     }
     if method == "POST" && path == "/takeover" {
-        let query = line
-            .split(' ')
-            .nth(1)
-            .and_then(|p| p.split_once('?'))
-            .map(|(_, q)| q.to_string())
-            .unwrap_or_default();
+        let query = query.to_string();
         let sh = shared.clone();
         let r = tokio::task::spawn_blocking(move || takeover(&sh, &query)).await;
         return match r {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use sluice_core::bucket::Bucket;
+use sluice_core::engine::StreamPosition;
 use sluice_core::failover::FailoverEntry;
 use sluice_core::hlc::now_nanos;
 use sluice_core::item::{ChangeOp, ItemMeta};
@@ -123,6 +124,18 @@ impl Drop for Replicator {
     }
 }
 
+/// Where a vbucket's stream resumes: this node's failover log and high seqno, as a whole
+/// snapshot (what was applied of a partial one is superseded by the rest of it).
+fn resume_point(p: &StreamPosition) -> Position {
+    Position {
+        failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
+        seqno: p.high_seqno,
+        snap_start: p.high_seqno,
+        snap_end: p.high_seqno,
+        disk: false,
+    }
+}
+
 /// The vbuckets this node follows, and where each stands, from the engine's own state.
 fn own_state(engine: &Engine, bucket: &Bucket) -> (Vec<u16>, SessionState) {
     let mut vbs = Vec::new();
@@ -135,16 +148,7 @@ fn own_state(engine: &Engine, bucket: &Bucket) -> (Vec<u16>, SessionState) {
             continue;
         }
         vbs.push(v);
-        state.vbuckets.insert(
-            v,
-            Position {
-                failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
-                seqno: p.high_seqno,
-                snap_start: p.high_seqno,
-                snap_end: p.high_seqno,
-                disk: false,
-            },
-        );
+        state.vbuckets.insert(v, resume_point(&p));
     }
     (vbs, state)
 }
@@ -311,7 +315,7 @@ impl Session<'_> {
                     flags: b.flags[r],
                     expiry: b.expiry[r],
                     datatype: b.datatype[r],
-                    deleted: op != ChangeOp::Mutation,
+                    deleted: false, // the engine sets it from the op
                 };
                 (op, key, value, meta)
             });
@@ -390,16 +394,7 @@ impl Session<'_> {
                     ..Default::default()
                 },
             );
-            self.consumer.resume_at(
-                vb,
-                Position {
-                    failover: p.failover.iter().map(|e| (e.uuid, e.seqno)).collect(),
-                    seqno: at,
-                    snap_start: at,
-                    snap_end: at,
-                    disk: false,
-                },
-            );
+            self.consumer.resume_at(vb, resume_point(&p));
         }
         Ok(())
     }

@@ -355,6 +355,15 @@ impl Consumer {
         let _ = self.commands.send(Command::ResumeAt(vbucket, position));
     }
 
+    /// Writes a whole frame from the reader's thread, under the lock the consumer thread's
+    /// own writes take; false once the connection is closing.
+    fn write_now(&self, frame: &[u8]) -> bool {
+        match self.socket.lock().as_mut() {
+            Some(w) => w.write_all(frame).is_ok(),
+            None => false,
+        }
+    }
+
     /// Answers a request of the producer (SET_VBUCKET_STATE) from the reader's thread.
     pub fn respond(&self, opcode: u8, opaque: u32, st: u16) -> bool {
         let mut out = Vec::new();
@@ -366,10 +375,7 @@ impl Consumer {
             ..Default::default()
         };
         let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
-        match self.socket.lock().as_mut() {
-            Some(w) => w.write_all(&out).is_ok(),
-            None => false,
-        }
+        self.write_now(&out)
     }
 
     /// SEQNO_ACKNOWLEDGED, written at once from the reader's thread (durable writes wait on
@@ -382,10 +388,7 @@ impl Consumer {
             persisted_seqno: Some(persisted),
         }
         .encode(&mut out, 0);
-        match self.socket.lock().as_mut() {
-            Some(w) => w.write_all(&out).is_ok(),
-            None => false,
-        }
+        self.write_now(&out)
     }
 }
 
