@@ -32,6 +32,9 @@ use crate::vbucket::{VBucket, VbState};
 use crate::wal::writer::{Failpoint, MetaRecord, WalConfig, WalPayload};
 use crate::wal::{WalMode, WalWriter};
 
+/// How long a writer past twice the checkpoint quota waits for the WAL to take its changes.
+const WAL_CATCH_UP: Duration = Duration::from_secs(1);
+
 /// How a store treats an existing key (memcached's SET, ADD, REPLACE).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreMode {
@@ -456,7 +459,8 @@ impl Engine {
         })
     }
 
-    fn note_checkpoint_pressure(&self, bucket: &Bucket) {
+    /// After a write whose last WAL record is `lsn`.
+    fn note_checkpoint_pressure(&self, bucket: &Bucket, lsn: u64) {
         if !bucket.over_checkpoint_quota() {
             return;
         }
@@ -470,8 +474,17 @@ impl Engine {
         }
         // Writers outrunning the maintenance thread (a busy machine) enforce the quota
         // themselves past twice it, so the overshoot stays bounded whatever the scheduling.
-        if bucket.checkpoint_mem() > 2 * bucket.config.checkpoint_quota_bytes() {
+        let hard = 2 * bucket.config.checkpoint_quota_bytes();
+        if bucket.checkpoint_mem() > hard {
             enforce_checkpoint_quota(&self.inner);
+        }
+        // What is left over it is pinned by the persistence cursor: the WAL writer is behind
+        // (starved of CPU or a slow disk). The writer waits for it, as memcached's writers get
+        // a temporary failure past the quota; the wait is bounded so a stuck disk, which the
+        // WAL reports by itself, does not hang writers here.
+        if bucket.checkpoint_mem() > hard && self.inner.wal.wait_written(lsn, WAL_CATCH_UP).is_ok()
+        {
+            release_checkpoints(bucket);
         }
     }
 
@@ -481,7 +494,7 @@ impl Engine {
         durability: Requirement,
         r: MutationResult,
     ) -> Result<MutationResult> {
-        self.note_checkpoint_pressure(bucket);
+        self.note_checkpoint_pressure(bucket, r.lsn);
         self.wait_durable(bucket, durability, &[(r.vbucket, r.seqno)], r.lsn)?;
         Ok(r)
     }
@@ -674,7 +687,7 @@ impl Engine {
             .stats
             .sets
             .fetch_add(items.len() as u64, Ordering::Relaxed);
-        self.note_checkpoint_pressure(bucket);
+        self.note_checkpoint_pressure(bucket, last_lsn);
         self.wait_durable(bucket, durability, &written, last_lsn)?;
         Ok(last_lsn)
     }
@@ -1033,7 +1046,7 @@ impl Engine {
         bucket.account(&mut vb);
         drop(vb);
         bucket.changes.notify();
-        self.note_checkpoint_pressure(bucket);
+        self.note_checkpoint_pressure(bucket, last);
         Ok(last)
     }
 
@@ -1379,6 +1392,16 @@ fn enforce_checkpoint_quota(inner: &Inner) -> usize {
     dropped
 }
 
+/// Closes checkpoints past their period and frees what every cursor has passed.
+fn release_checkpoints(bucket: &Bucket) {
+    for v in 0..bucket.num_vbuckets() {
+        let mut vb = bucket.lock_vbucket(v).expect("in range");
+        vb.checkpoints.check_period();
+        vb.checkpoints.release();
+        bucket.account(&mut vb);
+    }
+}
+
 fn run_pager(inner: &Inner) -> usize {
     let now = now_secs();
     let purge_age = inner
@@ -1541,12 +1564,7 @@ fn maintenance_loop(inner: Arc<Inner>) {
             last_pager = Instant::now();
         } else {
             for bucket in inner.catalog.all() {
-                for v in 0..bucket.num_vbuckets() {
-                    let mut vb = bucket.lock_vbucket(v).expect("in range");
-                    vb.checkpoints.check_period();
-                    vb.checkpoints.release();
-                    bucket.account(&mut vb);
-                }
+                release_checkpoints(&bucket);
             }
         }
     }

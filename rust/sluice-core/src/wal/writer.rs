@@ -488,10 +488,29 @@ impl WalWriter {
             let _q = self.shared.queue.lock();
             self.shared.queue_cv.notify_one();
         }
+        self.wait_until(lsn, timeout, |d| d.synced)
+    }
+
+    /// Blocks until `lsn` is written (out of the process: what a crash cannot lose), the writer
+    /// fails, or `timeout` passes. Writers outrunning the WAL wait here so the changes the WAL
+    /// has not taken yet, pinned in memory, stay bounded.
+    pub fn wait_written(&self, lsn: u64, timeout: Duration) -> Result<()> {
+        if self.shared.mode == WalMode::None {
+            return Ok(());
+        }
+        self.wait_until(lsn, Some(timeout), |d| d.written)
+    }
+
+    fn wait_until(
+        &self,
+        lsn: u64,
+        timeout: Option<Duration>,
+        reached: impl Fn(&DurableState) -> u64,
+    ) -> Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut d = self.shared.durable.lock();
         loop {
-            if d.synced >= lsn {
+            if reached(&d) >= lsn {
                 return Ok(());
             }
             if self.shared.failing.load(Ordering::Acquire) {
@@ -505,7 +524,9 @@ impl WalWriter {
             }
             match deadline {
                 Some(dl) => {
-                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out() && d.synced < lsn {
+                    if self.shared.durable_cv.wait_until(&mut d, dl).timed_out()
+                        && reached(&d) < lsn
+                    {
                         return Err(Error::TempFail("timed out waiting for the WAL".into()));
                     }
                 }
