@@ -3,7 +3,7 @@ tests/test_lint.py (mypy's stubtest)."""
 
 import os
 from types import TracebackType
-from typing import final
+from typing import Any, final
 
 __all__ = [
     "BucketSettings",
@@ -259,6 +259,7 @@ class RawBatch:
     @property
     def num_rows(self) -> int: ...
     def buffers(self) -> dict[str, bytes]: ...
+    def spark_buffers(self, include_deletes: bool) -> dict[str, Any]: ...
     def rows(self) -> list[tuple[int, int, str, bytes, bytes, int, int, int, int, int]]: ...
     @property
     def ended(self) -> list[tuple[int, int]]: ...
@@ -280,6 +281,7 @@ class DcpConsumer:
         vbuckets: list[int] | None = None,
         from_now: bool = False,
         to_latest: bool = False,
+        end_seqnos: dict[int, int] | None = None,
         state: str | None = None,
         rollback: str = "ask",
         batch_size: int = 8192,
@@ -287,6 +289,7 @@ class DcpConsumer:
         noop_interval: int = 20,
         include_values: bool = True,
         cursor_dropping: bool = False,
+        setup_timeout: float | None = None,
     ) -> DcpConsumer: ...
     def next_event(
         self, timeout: float
@@ -312,5 +315,14 @@ def bench(
     user: str | None = None,
     password: str | None = None,
 ) -> dict[str, object]: ...
+def vbucket_positions(
+    address: str,
+    *,
+    bucket: str = "default",
+    username: str | None = None,
+    password: str | None = None,
+    state: str = "active",
+    timeout: float = 10.0,
+) -> list[tuple[int, int, list[tuple[int, int]]]]: ...
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...

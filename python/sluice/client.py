@@ -102,12 +102,12 @@ class Stream:
     def __init__(
         self,
         consumer: DcpConsumer,
-        fmt: str,
+        convert: Callable[[RawBatch], Any],
         rollback: RollbackPolicy,
         skip_empty: bool,
     ) -> None:
         self._consumer = consumer
-        self._format = fmt
+        self._convert = convert
         self._rollback = rollback
         self._skip_empty = skip_empty
         self.ended: dict[int, int] = {}
@@ -162,9 +162,7 @@ class Stream:
         return self.convert(raw)
 
     def convert(self, raw: RawBatch) -> Any:
-        if self._format == "arrow":
-            return to_record_batch(raw)
-        return [Change._make(r) for r in raw.rows()]
+        return self._convert(raw)
 
     @property
     def finished(self) -> bool:
@@ -229,32 +227,45 @@ class Client:
         vbuckets: list[int] | None = None,
         *,
         start: str = "beginning",
-        end: str | None = None,
+        end: str | dict[int, int] | None = None,
         state: dict | str | os.PathLike | None = None,
         rollback: RollbackPolicy = "raise",
-        format: str = "arrow",
+        format: str | Callable[[RawBatch], Any] = "arrow",
         batch_size: int = 8192,
         buffer_size: int = 16 << 20,
         noop_interval: int = 20,
         values: bool = True,
         cursor_dropping: bool = False,
         skip_empty: bool = True,
+        setup_timeout: float | None = None,
     ) -> Stream:
         """Opens streams for ``vbuckets`` (default: every active vbucket).
 
         start: "beginning" or "now", for vbuckets the state does not cover.
-        end: None to follow forever, "now" to stop at the high seqnos of the moment.
+        end: None to follow forever, "now" to stop at the high seqnos of the moment, or per
+            vbucket the seqno to stop at (the other vbuckets follow forever).
         state: a state from :meth:`Stream.state` (a dict, JSON text, or a file path).
         rollback: "raise" (RollbackError), "resume" (roll back and go on), or a callable
             ``(vbucket, seqno)`` run before the stream resumes from the rollback point.
-        format: "arrow" (pyarrow.RecordBatch) or "python" (list of Change).
+        format: "arrow" (pyarrow.RecordBatch), "python" (list of Change), or a callable that
+            turns each RawBatch into what the stream yields.
+        setup_timeout: seconds for connecting and for each setup answer (default: twice the
+            NOOP interval, 5 to 30 s).
         """
         if start not in ("beginning", "now"):
             raise ValueError(f"start must be 'beginning' or 'now', not {start!r}")
-        if end not in (None, "now"):
-            raise ValueError(f"end must be None or 'now', not {end!r}")
-        if format not in ("arrow", "python"):
-            raise ValueError(f"format must be 'arrow' or 'python', not {format!r}")
+        if not (end in (None, "now") or isinstance(end, dict)):
+            raise ValueError(f"end must be None, 'now' or a dict of seqnos, not {end!r}")
+        converters: dict[str, Callable[[RawBatch], Any]] = {
+            "arrow": to_record_batch,
+            "python": lambda raw: [Change._make(r) for r in raw.rows()],
+        }
+        if callable(format):
+            convert = format
+        elif format in converters:
+            convert = converters[format]
+        else:
+            raise ValueError(f"format must be 'arrow', 'python' or a callable, not {format!r}")
         if format == "arrow":
             try:
                 import pyarrow  # noqa: F401
@@ -272,6 +283,7 @@ class Client:
             vbuckets=vbuckets,
             from_now=start == "now",
             to_latest=end == "now",
+            end_seqnos=end if isinstance(end, dict) else None,
             state=state_text,
             rollback="resume" if rollback == "resume" else "ask",
             batch_size=batch_size,
@@ -279,8 +291,9 @@ class Client:
             noop_interval=noop_interval,
             include_values=values,
             cursor_dropping=cursor_dropping,
+            setup_timeout=setup_timeout,
         )
-        return Stream(consumer, format, rollback, skip_empty)
+        return Stream(consumer, convert, rollback, skip_empty)
 
 
 def _state_text(state: dict | str | os.PathLike | None) -> str | None:

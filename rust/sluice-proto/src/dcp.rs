@@ -585,7 +585,7 @@ fn encode_failover_log(entries: &[FailoverEntry]) -> Vec<u8> {
 }
 
 /// A failover log is a whole number of 16-byte (uuid, seqno) entries, newest first.
-fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverEntry>, DcpError> {
+pub fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverEntry>, DcpError> {
     // `chunks_exact` rather than `len() % 16`: the workspace's rust-version (1.80) predates
     // `is_multiple_of`, which clippy asks for.
     let chunks = value.chunks_exact(16);

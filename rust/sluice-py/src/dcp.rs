@@ -10,8 +10,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
+use std::collections::BTreeMap;
+
 use sluice_server::dcp::consumer::{
-    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
+    self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
 };
 
 use crate::SluiceError;
@@ -30,6 +32,33 @@ fn bytes_of<'py, T: Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
 }
 
 const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
+
+/// An Arrow variable-width column being built: int32 offsets and the bytes.
+struct Utf8Column {
+    offsets: Vec<i32>,
+    data: Vec<u8>,
+}
+
+impl Utf8Column {
+    fn with_capacity(rows: usize, bytes: usize) -> Utf8Column {
+        let mut offsets = Vec::with_capacity(rows + 1);
+        offsets.push(0);
+        Utf8Column {
+            offsets,
+            data: Vec::with_capacity(bytes),
+        }
+    }
+
+    fn push_str(&mut self, s: &str) {
+        self.data.extend_from_slice(s.as_bytes());
+        self.offsets.push(self.data.len() as i32);
+    }
+
+    fn put(&self, py: Python<'_>, d: &Bound<'_, PyDict>, name: &str) -> PyResult<()> {
+        d.set_item(format!("{name}_offsets"), bytes_of(py, &self.offsets))?;
+        d.set_item(format!("{name}_data"), PyBytes::new(py, &self.data))
+    }
+}
 
 #[pymethods]
 impl RawBatch {
@@ -55,6 +84,79 @@ impl RawBatch {
         d.set_item("keys", PyBytes::new(py, &b.keys))?;
         d.set_item("value_offsets", bytes_of(py, &b.value_offsets))?;
         d.set_item("values", PyBytes::new(py, &b.values))?;
+        Ok(d)
+    }
+
+    /// The columns of the Spark connector's schema, in native byte order: `vbucket` and
+    /// `flags` int32, `seqno`, `expiry`, `cas`, `rev_seqno` int64 (CAS and flags keep their
+    /// bits), and `op`, `key` (UTF-8; bytes that are not become U+FFFD) and `value` as Arrow
+    /// int32 offsets plus data. Deletions and expirations only with `include_deletes`.
+    fn spark_buffers<'py>(
+        &self,
+        py: Python<'py>,
+        include_deletes: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let b = &self.batch;
+        let rows: Vec<usize> = (0..b.len())
+            .filter(|&i| include_deletes || b.op[i] == 0)
+            .collect();
+        let n = rows.len();
+        let mut vbucket = Vec::with_capacity(n);
+        let mut seqno = Vec::with_capacity(n);
+        let mut flags = Vec::with_capacity(n);
+        let mut expiry = Vec::with_capacity(n);
+        let mut cas = Vec::with_capacity(n);
+        let mut rev_seqno = Vec::with_capacity(n);
+        let mut op = Utf8Column::with_capacity(n, n * 8);
+        let mut key = Utf8Column::with_capacity(n, b.keys.len());
+        let mut value = Utf8Column::with_capacity(n, 0);
+        for &i in &rows {
+            vbucket.push(i32::from(b.vbucket[i]));
+            seqno.push(b.seqno[i] as i64);
+            flags.push(b.flags[i] as i32);
+            expiry.push(i64::from(b.expiry[i]));
+            cas.push(b.cas[i] as i64);
+            rev_seqno.push(b.rev_seqno[i] as i64);
+            op.push_str(OPS[b.op[i] as usize]);
+            key.push_str(&String::from_utf8_lossy(
+                &b.keys[b.key_offsets[i] as usize..b.key_offsets[i + 1] as usize],
+            ));
+        }
+        let d = PyDict::new(py);
+        d.set_item("num_rows", n)?;
+        d.set_item("vbucket", bytes_of(py, &vbucket))?;
+        d.set_item("seqno", bytes_of(py, &seqno))?;
+        d.set_item("flags", bytes_of(py, &flags))?;
+        d.set_item("expiry", bytes_of(py, &expiry))?;
+        d.set_item("cas", bytes_of(py, &cas))?;
+        d.set_item("rev_seqno", bytes_of(py, &rev_seqno))?;
+        op.put(py, &d, "op")?;
+        key.put(py, &d, "key")?;
+        // Values are copied once, straight into the Python bytes object.
+        let total: usize = rows
+            .iter()
+            .map(|&i| (b.value_offsets[i + 1] - b.value_offsets[i]) as usize)
+            .sum();
+        if total > i32::MAX as usize {
+            return Err(PyValueError::new_err(format!(
+                "a batch of {n} rows holds {total} bytes of values, more than Spark's 2 GiB \
+                 binary column: lower the batch size"
+            )));
+        }
+        value.offsets.clear();
+        value.offsets.push(0);
+        let values = PyBytes::new_with(py, total, |buf| {
+            let mut at = 0;
+            for &i in &rows {
+                let v = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
+                buf[at..at + v.len()].copy_from_slice(v);
+                at += v.len();
+                value.offsets.push(at as i32);
+            }
+            Ok(())
+        })?;
+        d.set_item("value_offsets", bytes_of(py, &value.offsets))?;
+        d.set_item("value_data", values)?;
         Ok(d)
     }
 
@@ -98,6 +200,52 @@ impl RawBatch {
     }
 }
 
+/// (vbucket, high seqno, failover log as (uuid, seqno) pairs).
+type PositionTuple = (u16, u64, Vec<(u64, u64)>);
+
+/// Per vbucket in `state` ("active", "replica", "pending" or "dead"):
+/// (vbucket, high seqno, failover log newest first as (uuid, seqno) pairs).
+#[pyfunction]
+#[pyo3(signature = (address, *, bucket="default", username=None, password=None, state="active",
+    timeout=10.0))]
+pub fn vbucket_positions(
+    py: Python<'_>,
+    address: &str,
+    bucket: &str,
+    username: Option<String>,
+    password: Option<String>,
+    state: &str,
+    timeout: f64,
+) -> PyResult<Vec<PositionTuple>> {
+    let code = match state {
+        "active" => 1,
+        "replica" => 2,
+        "pending" => 3,
+        "dead" => 4,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "state must be active, replica, pending or dead, not '{other}'"
+            )))
+        }
+    };
+    let config = ConsumerConfig {
+        address: address.to_string(),
+        bucket: bucket.to_string(),
+        username,
+        password,
+        name: format!("sluice:positions:{}", std::process::id()),
+        setup_timeout: Some(Duration::from_secs_f64(timeout.clamp(0.1, 3600.0))),
+        ..ConsumerConfig::default()
+    };
+    let r = py.allow_threads(|| consumer::vbucket_positions(&config, code));
+    r.map(|v| {
+        v.into_iter()
+            .map(|p| (p.vbucket, p.high_seqno, p.failover))
+            .collect()
+    })
+    .map_err(SluiceError::new_err)
+}
+
 /// A DCP consumer connection on its own thread.
 #[pyclass(module = "sluice._native", frozen)]
 pub struct DcpConsumer {
@@ -116,9 +264,10 @@ fn apply(state: &mut SessionState, positions: &[(u16, Position)]) {
 impl DcpConsumer {
     #[new]
     #[pyo3(signature = (address, *, bucket="default", username=None, password=None,
-        name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, state=None,
+        name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, end_seqnos=None,
+        state=None,
         rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
-        include_values=true, cursor_dropping=false))]
+        include_values=true, cursor_dropping=false, setup_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         address: &str,
@@ -129,6 +278,7 @@ impl DcpConsumer {
         vbuckets: Option<Vec<u16>>,
         from_now: bool,
         to_latest: bool,
+        end_seqnos: Option<BTreeMap<u16, u64>>,
         state: Option<&str>,
         rollback: &str,
         batch_size: usize,
@@ -136,6 +286,7 @@ impl DcpConsumer {
         noop_interval: u32,
         include_values: bool,
         cursor_dropping: bool,
+        setup_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let state = match state {
             None => SessionState::default(),
@@ -170,6 +321,8 @@ impl DcpConsumer {
             vbuckets,
             from_now,
             to_latest,
+            end_seqnos: end_seqnos.unwrap_or_default(),
+            setup_timeout: setup_timeout.map(|t| Duration::from_secs_f64(t.clamp(0.1, 3600.0))),
             state: state.clone(),
             rollback,
             batch_size,

@@ -1134,6 +1134,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ItemView>()?;
     m.add_class::<dcp::DcpConsumer>()?;
     m.add_class::<dcp::RawBatch>()?;
+    m.add_function(wrap_pyfunction!(dcp::vbucket_positions, m)?)?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(vbucket_of, m)?)?;

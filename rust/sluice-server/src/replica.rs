@@ -175,17 +175,13 @@ fn follow(
             password: config.password.clone(),
             name: format!("replication:{node}:{}", bucket.name()),
             vbuckets: Some(vbuckets),
-            from_now: false,
-            to_latest: false,
             state,
             rollback: RollbackMode::Ask,
             batch_size: 4096,
             buffer_size: 32 << 20,
             noop_interval: config.noop_interval,
-            include_values: true,
-            cursor_dropping: false,
             replica_name: Some(node.clone()),
-            takeover: false,
+            ..ConsumerConfig::default()
         });
         stats.connects.fetch_add(1, Ordering::Relaxed);
         let mut session = Session {

@@ -168,6 +168,11 @@ pub struct ConsumerConfig {
     pub from_now: bool,
     /// End each stream at the high seqno it had when requested.
     pub to_latest: bool,
+    /// Streams that end at a given seqno (a range read), whatever `to_latest` says.
+    pub end_seqnos: BTreeMap<u16, u64>,
+    /// How long connecting and each setup answer may take; None: twice the NOOP interval,
+    /// 5 to 30 s.
+    pub setup_timeout: Option<Duration>,
     pub state: SessionState,
     pub rollback: RollbackMode,
     pub batch_size: usize,
@@ -194,6 +199,8 @@ impl Default for ConsumerConfig {
             vbuckets: None,
             from_now: false,
             to_latest: false,
+            end_seqnos: BTreeMap::new(),
+            setup_timeout: None,
             state: SessionState::default(),
             rollback: RollbackMode::Ask,
             batch_size: 8192,
@@ -320,7 +327,9 @@ impl Consumer {
         let thread = std::thread::Builder::new()
             .name("sluice-dcp-consumer".into())
             .spawn(move || {
-                let ev = match Session::connect(&config, tx.clone(), crx, &shared_socket) {
+                let session = Session::connect(&config, tx.clone(), crx, &shared_socket)
+                    .and_then(Session::open_streams);
+                let ev = match session {
                     Ok(mut s) => match s.run() {
                         Ok(()) => Event::Finished,
                         Err(e) => Event::Failed(e),
@@ -392,6 +401,31 @@ impl Consumer {
     }
 }
 
+/// Where a vbucket of the producer stands: what a reader plans its ranges from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VbucketPosition {
+    pub vbucket: u16,
+    pub high_seqno: u64,
+    /// Newest entry first: (uuid, seqno).
+    pub failover: Vec<(u64, u64)>,
+}
+
+/// Asks the producer of `config` (address, bucket, credentials) for the high seqno and the
+/// failover log of every vbucket in `state` (1 active, 2 replica, 3 pending, 4 dead), on a
+/// connection of its own that is closed afterwards.
+pub fn vbucket_positions(
+    config: &ConsumerConfig,
+    state: u32,
+) -> Result<Vec<VbucketPosition>, String> {
+    let (tx, _rx) = mpsc::sync_channel(1);
+    let (_ctx, crx) = mpsc::channel();
+    let socket = Arc::new(Mutex::new(None));
+    let mut s = Session::connect(config, tx, crx, &socket)?;
+    let r = s.vbucket_positions(state);
+    let _ = s.sock.shutdown(std::net::Shutdown::Both);
+    r
+}
+
 impl Drop for Consumer {
     fn drop(&mut self) {
         let _ = self.commands.send(Command::Close);
@@ -461,7 +495,11 @@ impl Session {
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| format!("cannot resolve {}", config.address))?;
-        let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+        // Setup answers come at once from a live producer; a silent one fails the setup.
+        let setup_timeout = config
+            .setup_timeout
+            .unwrap_or_else(|| Duration::from_secs((2 * config.noop_interval as u64).clamp(5, 30)));
+        let sock = TcpStream::connect_timeout(&addr, setup_timeout.min(Duration::from_secs(10)))
             .map_err(|e| format!("cannot connect to {}: {e}", config.address))?;
         let _ = sock.set_nodelay(true);
         *shared_socket.lock() = sock.try_clone().ok();
@@ -478,8 +516,6 @@ impl Session {
             unacked: 0,
             last_message: Instant::now(),
         };
-        // Setup answers come at once from a live producer; a silent one fails the setup.
-        let setup_timeout = Duration::from_secs((2 * config.noop_interval as u64).clamp(5, 30));
         s.sock
             .set_read_timeout(Some(setup_timeout))
             .map_err(|e| e.to_string())?;
@@ -531,6 +567,13 @@ impl Session {
         for (k, v) in controls {
             s.call(dcp::opcode::CONTROL, &[], k.as_bytes(), v.as_bytes(), 0, k)?;
         }
+        Ok(s)
+    }
+
+    /// Requests every stream of the configuration and switches to the streaming read timeout.
+    fn open_streams(mut self) -> Result<Session, String> {
+        let config = self.config.clone();
+        let s = &mut self;
         let vbuckets = match &config.vbuckets {
             Some(v) => v.clone(),
             None => {
@@ -548,7 +591,37 @@ impl Session {
         s.sock
             .set_read_timeout(Some(POLL))
             .map_err(|e| e.to_string())?;
-        Ok(s)
+        Ok(self)
+    }
+
+    /// The vbuckets in `state` (a `VbucketState` code): their high seqnos and failover logs.
+    fn vbucket_positions(&mut self, state: u32) -> Result<Vec<VbucketPosition>, String> {
+        let r = self.call(
+            op::GET_ALL_VB_SEQNOS,
+            &state.to_be_bytes(),
+            &[],
+            &[],
+            0,
+            "GET_ALL_VB_SEQNOS",
+        )?;
+        let mut out = Vec::with_capacity(r.len() / 10);
+        for c in r.chunks_exact(10) {
+            let vbucket = u16::from_be_bytes([c[0], c[1]]);
+            let high_seqno = u64::from_be_bytes(c[2..10].try_into().expect("8 bytes"));
+            let what = format!("GET_FAILOVER_LOG of vbucket {vbucket}");
+            let v = self.call(dcp::opcode::GET_FAILOVER_LOG, &[], &[], &[], vbucket, &what)?;
+            let failover = dcp::decode_failover_log(&v)
+                .map_err(|e| format!("{what}: {e}"))?
+                .into_iter()
+                .map(|e| (e.vbucket_uuid, e.seqno))
+                .collect();
+            out.push(VbucketPosition {
+                vbucket,
+                high_seqno,
+                failover,
+            });
+        }
+        Ok(out)
     }
 
     /// A setup request answered before any stream runs; returns the reply's value.
@@ -591,7 +664,10 @@ impl Session {
                 self.inbuf.drain(..n);
                 return Ok(f);
             }
-            self.read_more().map_err(|e| e.to_string())?;
+            // Setup reads wait `setup_timeout` each: nothing in that time is a dead producer.
+            if self.read_more().map_err(|e| e.to_string())? == 0 {
+                return Err("no answer from the producer in time".into());
+            }
         }
     }
 
@@ -631,7 +707,8 @@ impl Session {
         let s = self.streams.get_mut(&vb).expect("known vbucket");
         let (start, uuid, snap_start, snap_end) = s.pos.resume();
         let mut flags = 0;
-        if self.config.to_latest {
+        let end = self.config.end_seqnos.get(&vb).copied();
+        if self.config.to_latest && end.is_none() {
             flags |= stream_flag::TO_LATEST;
         }
         if self.config.takeover {
@@ -644,7 +721,7 @@ impl Session {
             vbucket: vb,
             flags,
             start_seqno: start,
-            end_seqno: u64::MAX,
+            end_seqno: end.unwrap_or(u64::MAX),
             vbucket_uuid: uuid,
             snap_start_seqno: snap_start,
             snap_end_seqno: snap_end,

@@ -1,0 +1,335 @@
+"""The ``sluice`` PySpark data source: batch and Structured Streaming reads of a bucket's
+changes, preferably from a replica.
+
+    import sluice.spark
+    sluice.spark.register(spark)
+    df = spark.read.format("sluice").option("nodes", "10.0.0.2:11210").load()
+
+Rows have the fixed schema :data:`SCHEMA`. They reach Spark as Arrow record batches whose
+columns the native module builds; each Spark task opens its own DCP connection. The package and
+its native module must be installed (``pip install 'sluice[spark]'``) on the driver and on every
+executor. Options are documented in docs/spark.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from sluice._native import RawBatch, SluiceError
+from sluice.spark import planning
+from sluice.spark.options import OptionError, Options, parse
+from sluice.spark.planning import DataLossError, Position, VbucketRange
+
+__all__ = ["SCHEMA", "DataLossError", "OptionError", "SluiceDataSource", "register"]
+
+log = logging.getLogger("sluice.spark")
+
+#: The rows' schema. ``op`` is mutation, deletion or expiration; ``expiry`` is the expiry time
+#: of a mutation and the delete time of a deletion; ``cas`` and ``flags`` keep their 64 and 32
+#: bits (values past the signed range read as negative numbers); a key that is not UTF-8 has
+#: U+FFFD in place of its bad bytes (``value`` is always exact).
+SCHEMA = (
+    "vbucket INT, seqno BIGINT, op STRING, key STRING, value BINARY, flags INT, expiry BIGINT, "
+    "cas BIGINT, rev_seqno BIGINT"
+)
+
+
+def arrow_schema() -> Any:
+    """The Arrow schema Spark expects for :data:`SCHEMA` (every field nullable)."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("vbucket", pa.int32()),
+            ("seqno", pa.int64()),
+            ("op", pa.string()),
+            ("key", pa.string()),
+            ("value", pa.binary()),
+            ("flags", pa.int32()),
+            ("expiry", pa.int64()),
+            ("cas", pa.int64()),
+            ("rev_seqno", pa.int64()),
+        ]
+    )
+
+
+def record_batch(raw: RawBatch, include_deletes: bool) -> Any:
+    """A native batch as a RecordBatch of :data:`SCHEMA`, from the columns the core built."""
+    import pyarrow as pa
+
+    b = raw.spark_buffers(include_deletes)
+    n = b["num_rows"]
+
+    def fixed(name: str, typ: Any) -> Any:
+        return pa.Array.from_buffers(typ, n, [None, pa.py_buffer(b[name])])
+
+    def variable(name: str, typ: Any) -> Any:
+        bufs = [None, pa.py_buffer(b[f"{name}_offsets"]), pa.py_buffer(b[f"{name}_data"])]
+        return pa.Array.from_buffers(typ, n, bufs)
+
+    return pa.RecordBatch.from_arrays(
+        [
+            fixed("vbucket", pa.int32()),
+            fixed("seqno", pa.int64()),
+            variable("op", pa.string()),
+            variable("key", pa.string()),
+            variable("value", pa.binary()),
+            fixed("flags", pa.int32()),
+            fixed("expiry", pa.int64()),
+            fixed("cas", pa.int64()),
+            fixed("rev_seqno", pa.int64()),
+        ],
+        schema=arrow_schema(),
+    )
+
+
+_END_REASONS = {
+    1: "closed by the node",
+    2: "the vbucket changed state on the node",
+    3: "the connection was dropped",
+    4: "the reader was too slow",
+    5: "the node failed to read its data",
+    6: "the vbucket is rolling back",
+    8: "the user lost its privileges",
+}
+
+
+@dataclass(frozen=True)
+class SluicePartition(InputPartition):
+    """Ranges of vbuckets read from one node over one connection."""
+
+    node: str
+    ranges: tuple[VbucketRange, ...]
+
+
+def read_partition(opts: Options, part: SluicePartition) -> Iterator[Any]:
+    """Streams the partition's ranges on a connection of its own, as Arrow record batches."""
+    from sluice.client import Client
+
+    ranges = [r for r in part.ranges if r.end > r.start]
+    if not ranges:
+        return
+    state = {
+        "version": 1,
+        "vbuckets": {
+            str(r.vbucket): {
+                "failover_log": [[r.uuid, 0]] if r.start > 0 else [],
+                "seqno": r.start,
+                "snapshot": [r.start, r.start],
+            }
+            for r in ranges
+        },
+    }
+
+    def rollback(vbucket: int, seqno: int) -> None:
+        why = f"the node asked this read to roll back to seqno {seqno}: its history changed"
+        if opts.fail_on_data_loss:
+            raise DataLossError(vbucket, why)
+        log.warning("vbucket %d: %s; going on from there", vbucket, why)
+
+    client = Client(
+        part.node,
+        bucket=opts.bucket,
+        username=opts.user,
+        password=opts.password,
+        name=f"spark:{part.node}:{ranges[0].vbucket}",
+    )
+    with client.stream(
+        [r.vbucket for r in ranges],
+        state=state,
+        end={r.vbucket: r.end for r in ranges},
+        rollback=rollback,
+        format=lambda raw: record_batch(raw, opts.include_deletes),
+        setup_timeout=opts.timeout,
+    ) as stream:
+        for batch in stream:
+            if batch.num_rows:
+                yield batch
+        for r in ranges:
+            reason = stream.ended.get(r.vbucket)
+            if reason not in (None, 0):
+                why = _END_REASONS.get(reason, f"reason {reason}")
+                raise SluiceError(
+                    f"vbucket {r.vbucket}'s stream from {part.node} ended before seqno {r.end}: {why}"
+                )
+
+
+def _partitions(
+    opts: Options,
+    sources: dict[int, planning.VbucketSource],
+    start: dict[int, Position],
+    end: dict[int, Position],
+) -> list[SluicePartition]:
+    ranges = [
+        (sources[vb].node if vb in sources else "", VbucketRange(vb, s.uuid, s.seqno, end[vb].seqno))
+        for vb, s in sorted(start.items())
+        if vb in end and end[vb].seqno > s.seqno
+    ]
+    unserved = [r.vbucket for node, r in ranges if not node]
+    if unserved:
+        raise SluiceError(f"no node serves vbucket(s) {unserved[:10]} any more")
+    return [SluicePartition(node, tuple(rs)) for node, rs in planning.group(ranges, opts.num_partitions)]
+
+
+class SluiceBatchReader(DataSourceReader):
+    """One snapshot per vbucket: its changes from startingOffsets up to its high seqno at
+    planning time (or endingOffsets); a key overwritten after planning shows only later."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+
+    def partitions(self) -> list[SluicePartition]:
+        sources = planning.locate(self.opts)
+        start = planning.resolve(self.opts.starting_offsets, sources, "earliest")
+        start = planning.check_history(start, sources, self.opts.fail_on_data_loss)
+        assert self.opts.ending_offsets is not None
+        end = planning.resolve(self.opts.ending_offsets, sources, "latest")
+        for vb, e in end.items():
+            if e.seqno > sources[vb].high_seqno:
+                raise OptionError(
+                    "endingOffsets",
+                    f"vbucket {vb} ends at {e.seqno}, past its high seqno {sources[vb].high_seqno}",
+                )
+        return _partitions(self.opts, sources, start, end)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, SluicePartition)
+        return read_partition(self.opts, partition)
+
+
+class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of changes between offsets that hold (uuid, seqno) per vbucket."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        # Planning state on the driver's long-lived planner process.
+        self._target: dict[int, int] | None = None  # Trigger.AvailableNow: stop here
+        self._sources: dict[int, planning.VbucketSource] = {}
+
+    def _locate(self) -> dict[int, planning.VbucketSource]:
+        self._sources = planning.locate(self.opts)
+        return self._sources
+
+    def initialOffset(self) -> dict:
+        sources = self._locate()
+        return planning.offset_json(planning.resolve(self.opts.starting_offsets, sources, "latest"))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.opts.max_records_per_batch
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {vb: s.high_seqno for vb, s in self._locate().items()}
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        sources = self._locate()
+        begin = planning.parse_offset(start)
+        checked = planning.check_history(begin, sources, self.opts.fail_on_data_loss)
+        ends: dict[int, Position] = {}
+        backlog: dict[int, int] = {}
+        for vb, src in sources.items():
+            pos = checked.get(vb, Position(0, src.uuid))  # a vbucket new to the query
+            high = src.high_seqno
+            if self._target is not None:
+                high = min(high, self._target.get(vb, high))
+            ends[vb] = pos
+            if high > pos.seqno:
+                backlog[vb] = high - pos.seqno
+        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        for vb, n in _share(backlog, budget).items():
+            seqno = ends[vb].seqno + n
+            ends[vb] = Position(seqno, planning.uuid_at(list(sources[vb].failover), seqno))
+        # Vbuckets the nodes no longer serve keep their offset.
+        for vb, pos in begin.items():
+            ends.setdefault(vb, pos)
+        out = planning.offset_json(ends)
+        return start if out == start else out
+
+    def partitions(self, start: dict, end: dict) -> list[SluicePartition]:
+        begin = planning.parse_offset(start)
+        until = planning.parse_offset(end)
+        sources = self._sources or self._locate()
+        # Where latestOffset moved a vbucket off a changed history, the range starts where
+        # the histories agree (checked again: this batch may be replayed after a restart).
+        begin = planning.check_history(begin, sources, self.opts.fail_on_data_loss)
+        return _partitions(self.opts, sources, begin, until)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, SluicePartition)
+        return read_partition(self.opts, partition)
+
+    def commit(self, end: dict) -> None:
+        """Nothing to release: the node keeps no state for the query."""
+
+
+def _share(backlog: dict[int, int], budget: int | None) -> dict[int, int]:
+    """How many seqnos each vbucket advances: all of its backlog, or a share of ``budget`` in
+    proportion to it (at least one each while the budget lasts, as Kafka's source splits
+    maxOffsetsPerTrigger)."""
+    total = sum(backlog.values())
+    if budget is None or total <= budget:
+        return dict(backlog)
+    out: dict[int, int] = {}
+    left = budget
+    for vb, n in sorted(backlog.items(), key=lambda kv: (-kv[1], kv[0])):
+        if left <= 0:
+            break
+        take = min(n, left, max(1, budget * n // total))
+        out[vb] = take
+        left -= take
+    return out
+
+
+class SluiceDataSource(DataSource):
+    """``spark.read.format("sluice")`` and ``spark.readStream.format("sluice")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "sluice"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        _check_schema(schema)
+        return SluiceBatchReader(parse(self.options, streaming=False))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        _check_schema(schema)
+        return SluiceStreamReader(parse(self.options, streaming=True))
+
+
+def spark_schema() -> StructType:
+    """:data:`SCHEMA` as a StructType (built without a SparkSession: readers run without one)."""
+    from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField
+
+    types = {"INT": IntegerType(), "BIGINT": LongType(), "STRING": StringType(), "BINARY": BinaryType()}
+    fields = [f.split() for f in SCHEMA.split(",")]
+    return StructType([StructField(name, types[typ], True) for name, typ in fields])
+
+
+def _check_schema(schema: StructType) -> None:
+    if schema != spark_schema():
+        raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
+
+
+def register(spark: Any) -> None:
+    """Registers the data source with a SparkSession under the name ``sluice``."""
+    spark.dataSource.register(SluiceDataSource)
