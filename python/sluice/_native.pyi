@@ -33,6 +33,7 @@ __all__ = [
     "__version__",
     "bench",
     "vbucket_of",
+    "vbucket_positions",
     "wal_dump",
 ]
 
