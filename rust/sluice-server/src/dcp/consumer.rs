@@ -168,7 +168,8 @@ pub struct ConsumerConfig {
     pub from_now: bool,
     /// End each stream at the high seqno it had when requested.
     pub to_latest: bool,
-    /// Streams that end at a given seqno (a range read), whatever `to_latest` says.
+    /// Streams that end at a given seqno (a range read), whatever `to_latest` says; documents
+    /// past it (the rest of its snapshot) are not handed over.
     pub end_seqnos: BTreeMap<u16, u64>,
     /// How long connecting and each setup answer may take; None: twice the NOOP interval,
     /// 5 to 30 s.
@@ -874,6 +875,11 @@ impl Session {
                 }
                 s.pos.seqno = d.by_seqno;
                 self.touched.insert(vb);
+                // The producer ends a stream at the end of the snapshot holding its end seqno;
+                // a range read keeps only what lies in the range.
+                if self.config.end_seqnos.get(&vb).is_some_and(|&end| d.by_seqno > end) {
+                    return Ok(());
+                }
                 self.batch.push(&d);
             }
             dcp::opcode::SNAPSHOT_MARKER => {

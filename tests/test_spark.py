@@ -1,0 +1,280 @@
+"""The `sluice` PySpark data source on Spark local[2] against real `sluice serve` processes:
+batch reads from a replica, streaming into a file sink across a restart, a failover under a
+running stream, and a daemon that is down or silent."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+import zlib
+from pathlib import Path
+
+import bmemcached
+import pytest
+import sluice.spark
+from helpers import run_cli
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.utils import StreamingQueryException
+from sluice.spark import planning
+from sluice.spark.options import OptionError, parse
+from test_replication import contents, start, wait_converged
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("sluice-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    sluice.spark.register(session)
+    yield session
+    session.stop()
+
+
+def wait_until(what: str, check, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.25)
+
+
+def write(node, items: dict[str, str | None]) -> None:
+    """Sets (or, for None, deletes) keys through a memcached client."""
+    c = bmemcached.Client([node.address])
+    for k, v in items.items():
+        if v is None:
+            c.delete(k)
+        else:
+            assert c.set(k, v)
+
+
+def test_a_batch_read_from_a_replica_equals_what_was_written(spark, tmp_path):
+    active = start(tmp_path, "a")
+    replica = start(tmp_path, "r", "--replica-of", active.address)
+    stopped = False
+    try:
+        expected: dict[str, str | None] = {f"k{i}": f"v{i}" * (i % 5 + 1) for i in range(4000)}
+        write(active, expected)
+        overwrites = {f"k{i}": f"w{i}" for i in range(0, 4000, 3)}
+        deletes: dict[str, str | None] = {f"k{i}": None for i in range(0, 4000, 7)}
+        write(active, overwrites)
+        write(active, deletes)
+        expected.update(overwrites)
+        expected.update(deletes)
+        wait_converged(active, replica)
+        # The active stops answering: what is read comes from the replica.
+        active.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        df = (
+            spark.read.format("sluice")
+            .option("nodes", f"{active.address},{replica.address}")
+            .option("timeout", "2")
+            .load()
+        )
+        rows = df.collect()
+        live = {r.key: bytes(r.value).decode() for r in rows if r.op == "mutation"}
+        assert live == {k: v for k, v in expected.items() if v is not None}
+        assert {r.key for r in rows if r.op == "deletion"} == {k for k, v in expected.items() if v is None}
+        # Each key once, with the replica's seqno, CAS and rev seqno.
+        assert len(rows) == len(expected)
+        on_replica = contents(replica)
+        assert {(r.vbucket, r.key.encode()): (r.seqno, r.cas % 2**64, r.rev_seqno) for r in rows} == {
+            k: (v[0], v[3], v[4]) for k, v in on_replica.items()
+        }
+        # A checksum computed by Spark itself, deletions left out by the source.
+        live_df = df.sparkSession.read.format("sluice").option("nodes", replica.address)
+        agg = (
+            live_df.option("includeDeletes", "false")
+            .load()
+            .agg(F.count("*").alias("n"), F.sum(F.crc32("value")).alias("crc"))
+            .first()
+        )
+        assert agg.n == len(live)
+        assert agg.crc == sum(zlib.crc32(v.encode()) for v in live.values())
+    finally:
+        if stopped:
+            active.proc.send_signal(signal.SIGCONT)
+        replica.stop()
+        active.stop()
+
+
+def changes_in(spark, path: Path):
+    if not (path / "_spark_metadata").exists():
+        return []
+    return spark.read.schema(sluice.spark.spark_schema()).parquet(str(path)).collect()
+
+
+def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spark, tmp_path):
+    node = start(tmp_path, "a")
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+
+    def run(**trigger):
+        return (
+            spark.readStream.format("sluice")
+            .option("nodes", node.address)
+            .option("startingOffsets", "earliest")
+            .option("maxRecordsPerBatch", "250")
+            .load()
+            .writeStream.format("parquet")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(**trigger)
+            .start()
+        )
+
+    try:
+        write(node, {f"a{i}": f"one{i}" for i in range(600)})
+        q = run(processingTime="500 milliseconds")
+        try:
+            wait_until("the first writes in the sink", lambda: len(changes_in(spark, out)) >= 600)
+            # New writes, overwrites and deletes while the query runs.
+            write(node, {f"b{i}": f"two{i}" for i in range(300)})
+            write(node, {f"a{i}": None for i in range(0, 600, 10)})
+            wait_until(
+                "the new writes in the sink",
+                lambda: {r.key for r in changes_in(spark, out)} >= {f"b{i}" for i in range(300)},
+            )
+        finally:
+            q.stop()
+        # Written while the query is stopped; picked up from the checkpoint.
+        write(node, {f"c{i}": f"three{i}" for i in range(400)})
+        write(node, {f"a{i}": f"four{i}" for i in range(1, 600, 10)})
+        q = run(availableNow=True)
+        assert q.awaitTermination(180)
+        assert q.exception() is None
+        rows = changes_in(spark, out)
+        seen = [(r.vbucket, r.seqno) for r in rows]
+        assert len(seen) == len(set(seen)), "a change was written twice"
+        # The newest row of each key is the node's current version: nothing missing.
+        newest: dict[tuple[int, bytes], tuple] = {}
+        for r in rows:
+            k = (r.vbucket, r.key.encode())
+            if k not in newest or newest[k][0] < r.seqno:
+                newest[k] = (r.seqno, r.op, bytes(r.value))
+        assert newest == {k: (v[0], v[1], v[2]) for k, v in contents(node).items()}
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_a_failover_under_a_running_stream(spark, tmp_path, fail_on_data_loss):
+    active = start(tmp_path, "a")
+    replica = start(tmp_path, "r", "--replica-of", active.address)
+    name = f"failover_{str(fail_on_data_loss).lower()}"
+    q = None
+    try:
+        write(active, {f"x{i}": "before" for i in range(300)})
+        wait_converged(active, replica)
+        q = (
+            spark.readStream.format("sluice")
+            .option("nodes", f"{active.address},{replica.address}")
+            .option("startingOffsets", "earliest")
+            .option("failOnDataLoss", str(fail_on_data_loss).lower())
+            .option("timeout", "3")
+            .load()
+            .writeStream.format("memory")
+            .queryName(name)
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+
+        def keys() -> set[str]:
+            return {r.key for r in spark.sql(f"SELECT key FROM {name}").collect()}
+
+        wait_until("the rows before the failover", lambda: len(keys()) >= 300)
+        active.stop(sig=9)
+        out = run_cli("promote", "--admin", replica.admin)
+        assert out.returncode == 0, out
+        write(replica, {f"y{i}": "after" for i in range(100)})
+        if fail_on_data_loss:
+            with pytest.raises(StreamingQueryException) as e:
+                q.awaitTermination(120)
+            text = str(e.value)
+            assert "vbucket" in text and "failover" in text and "failOnDataLoss=false" in text, text
+        else:
+            wait_until("the writes after the failover", lambda: keys() >= {f"y{i}" for i in range(100)})
+            assert q.isActive and q.exception() is None
+    finally:
+        if q is not None and q.isActive:
+            q.stop()
+        replica.stop()
+        active.stop(sig=9)
+
+
+def test_a_daemon_down_or_silent_is_a_clear_error(spark):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = "127.0.0.1:%d" % s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:
+        spark.read.format("sluice").option("nodes", down).load().count()
+    assert "no sluice node answered" in str(e.value) and "cannot connect" in str(e.value)
+    # A node that accepts connections and never answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        addr = "127.0.0.1:%d" % silent.getsockname()[1]
+        with pytest.raises(Exception) as e:
+            spark.read.format("sluice").option("nodes", addr).option("timeout", "2").load().count()
+        assert "no sluice node answered" in str(e.value) and "no answer" in str(e.value)
+    assert time.monotonic() - t0 < 60
+
+
+def test_options_are_checked_by_name(spark):
+    with pytest.raises(Exception) as e:
+        spark.read.format("sluice").option("startingOfsets", "earliest").load().count()
+    assert "startingofsets" in str(e.value) and "unknown option" in str(e.value)
+    with pytest.raises(Exception) as e:
+        spark.readStream.format("sluice").option("maxRecordsPerBatch", "lots").load().writeStream.format(
+            "memory"
+        ).queryName("bad_limit").start().awaitTermination(60)
+    assert "maxRecordsPerBatch" in str(e.value) and "whole number" in str(e.value)
+    for options, name in [
+        ({"failOnDataLoss": "maybe"}, "failOnDataLoss"),
+        ({"nodes": "nowhere"}, "nodes"),
+        ({"vbuckets": "5-2"}, "vbuckets"),
+        ({"startingOffsets": '{"0": "x"}'}, "startingOffsets"),
+        ({"user": "u"}, "password"),
+    ]:
+        with pytest.raises(OptionError, match=name):
+            parse(options, streaming=False)
+    with pytest.raises(OptionError, match="endingOffsets"):
+        parse({"endingOffsets": "latest"}, streaming=True)
+
+
+def test_the_failover_rule():
+    log = [(30, 120), (20, 100), (10, 0)]
+    # On the current history: nothing to say.
+    assert planning.diverged(log, 150, 30, 140) is None
+    assert planning.diverged(log, 150, 30, 160)[0] == 150
+    # Read past the point where an old branch ended: back to that point.
+    assert planning.diverged(log, 150, 10, 105)[0] == 100
+    # Within an old branch: nothing read was rolled back, but the uuid changed: a failover.
+    agree, why = planning.diverged(log, 150, 20, 110)
+    assert agree == 110 and "failover at seqno 120" in why
+    # An unknown uuid: from the beginning, unless nothing was read.
+    assert planning.diverged(log, 150, 99, 40)[0] == 0
+    assert planning.diverged(log, 150, 99, 0) is None
+    assert planning.uuid_at(log, 110) == 20 and planning.uuid_at(log, 120) == 30
+
+
+def test_offsets_are_canonical():
+    a = planning.offset_json({3: planning.Position(5, 7), 10: planning.Position(1, 2)})
+    b = planning.offset_json({10: planning.Position(1, 2), 3: planning.Position(5, 7)})
+    import json
+
+    assert json.dumps(a) == json.dumps(b) == (
+        '{"v": 1, "vbuckets": {"3": {"seqno": 5, "uuid": 7}, "10": {"seqno": 1, "uuid": 2}}}'
+    )
+    assert planning.parse_offset(json.loads(json.dumps(a))) == {
+        3: planning.Position(5, 7),
+        10: planning.Position(1, 2),
+    }
