@@ -212,7 +212,7 @@ def test_a_failover_under_a_running_stream(spark, tmp_path, fail_on_data_loss):
 def test_a_daemon_down_or_silent_is_a_clear_error(spark):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        down = "127.0.0.1:%d" % s.getsockname()[1]
+        down = f"127.0.0.1:{s.getsockname()[1]}"
     t0 = time.monotonic()
     with pytest.raises(Exception) as e:
         spark.read.format("sluice").option("nodes", down).load().count()
@@ -221,7 +221,7 @@ def test_a_daemon_down_or_silent_is_a_clear_error(spark):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        addr = "127.0.0.1:%d" % silent.getsockname()[1]
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
         with pytest.raises(Exception) as e:
             spark.read.format("sluice").option("nodes", addr).option("timeout", "2").load().count()
         assert "no sluice node answered" in str(e.value) and "no answer" in str(e.value)
@@ -271,8 +271,10 @@ def test_offsets_are_canonical():
     b = planning.offset_json({10: planning.Position(1, 2), 3: planning.Position(5, 7)})
     import json
 
-    assert json.dumps(a) == json.dumps(b) == (
-        '{"v": 1, "vbuckets": {"3": {"seqno": 5, "uuid": 7}, "10": {"seqno": 1, "uuid": 2}}}'
+    assert (
+        json.dumps(a)
+        == json.dumps(b)
+        == ('{"v": 1, "vbuckets": {"3": {"seqno": 5, "uuid": 7}, "10": {"seqno": 1, "uuid": 2}}}')
     )
     assert planning.parse_offset(json.loads(json.dumps(a))) == {
         3: planning.Position(5, 7),
