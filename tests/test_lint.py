@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     "cmd",
     [
-        ["ruff", "check", "python", "bench", "tests"],
-        ["ruff", "format", "--check", "python", "bench", "tests"],
+        ["ruff", "check", "python", "bench", "tests", "examples"],
+        ["ruff", "format", "--check", "python", "bench", "tests", "examples"],
         ["cargo", "fmt", "--all", "--check"],
         [
             "cargo",

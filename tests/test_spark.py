@@ -4,8 +4,11 @@ running stream, and a daemon that is down or silent."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -112,6 +115,18 @@ def changes_in(spark, path: Path):
     return spark.read.schema(sluice.spark.spark_schema()).parquet(str(path)).collect()
 
 
+def assert_each_change_once_and_none_missing(rows: list, node) -> None:
+    """No (vbucket, seqno) twice, and each key's newest row is the node's current version."""
+    seen = [(r.vbucket, r.seqno) for r in rows]
+    assert len(seen) == len(set(seen)), "a change was written twice"
+    newest: dict[tuple[int, bytes], tuple] = {}
+    for r in rows:
+        k = (r.vbucket, r.key.encode())
+        if k not in newest or newest[k][0] < r.seqno:
+            newest[k] = (r.seqno, r.op, bytes(r.value))
+    assert newest == {k: (v[0], v[1], v[2]) for k, v in contents(node).items()}
+
+
 def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spark, tmp_path):
     node = start(tmp_path, "a")
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
@@ -150,16 +165,7 @@ def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spa
         q = run(availableNow=True)
         assert q.awaitTermination(180)
         assert q.exception() is None
-        rows = changes_in(spark, out)
-        seen = [(r.vbucket, r.seqno) for r in rows]
-        assert len(seen) == len(set(seen)), "a change was written twice"
-        # The newest row of each key is the node's current version: nothing missing.
-        newest: dict[tuple[int, bytes], tuple] = {}
-        for r in rows:
-            k = (r.vbucket, r.key.encode())
-            if k not in newest or newest[k][0] < r.seqno:
-                newest[k] = (r.seqno, r.op, bytes(r.value))
-        assert newest == {k: (v[0], v[1], v[2]) for k, v in contents(node).items()}
+        assert_each_change_once_and_none_missing(changes_in(spark, out), node)
     finally:
         node.stop()
 
@@ -280,3 +286,48 @@ def test_offsets_are_canonical():
         3: planning.Position(5, 7),
         10: planning.Position(1, 2),
     }
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "replica_to_parquet.py"
+
+
+def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(spark, tmp_path):
+    active = start(tmp_path, "a")
+    replica = start(tmp_path, "r", "--replica-of", active.address)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--nodes",
+        f"{active.address},{replica.address}",
+        "--out",
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--max-records-per-batch",
+        "200",
+        "--interval",
+        "200 milliseconds",
+    ]
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    try:
+        write(active, {f"e{i}": f"one{i}" for i in range(1000)})
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            wait_until("the job's first batches", lambda: len(changes_in(spark, out)) >= 200)
+            # More writes while it runs; then it is stopped, likely in the middle of a batch.
+            write(active, {f"f{i}": f"two{i}" for i in range(500)})
+            job.send_signal(signal.SIGTERM)
+            output, _ = job.communicate(timeout=120)
+            assert job.returncode == 0, output
+        finally:
+            if job.poll() is None:
+                job.kill()
+        write(active, {f"e{i}": None for i in range(0, 1000, 4)})
+        wait_converged(active, replica)
+        done = subprocess.run([*cmd, "--available-now"], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert_each_change_once_and_none_missing(changes_in(spark, out), replica)
+    finally:
+        replica.stop()
+        active.stop()
