@@ -233,6 +233,7 @@ def main() -> int:
             .config("spark.driver.host", "127.0.0.1")
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.driver.memory", "4g")
+            .config("spark.ui.showConsoleProgress", "false")
             .getOrCreate()
         )
         stack.callback(spark.stop)
