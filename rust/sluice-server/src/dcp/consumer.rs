@@ -877,7 +877,12 @@ impl Session {
                 self.touched.insert(vb);
                 // The producer ends a stream at the end of the snapshot holding its end seqno;
                 // a range read keeps only what lies in the range.
-                if self.config.end_seqnos.get(&vb).is_some_and(|&end| d.by_seqno > end) {
+                if self
+                    .config
+                    .end_seqnos
+                    .get(&vb)
+                    .is_some_and(|&end| d.by_seqno > end)
+                {
                     return Ok(());
                 }
                 self.batch.push(&d);
