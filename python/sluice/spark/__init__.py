@@ -14,6 +14,8 @@ executor. Options are documented in docs/spark.md.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +151,8 @@ def read_partition(opts: Options, part: SluicePartition) -> Iterator[Any]:
         bucket=opts.bucket,
         username=opts.user,
         password=opts.password,
-        name=f"spark:{part.node}:{ranges[0].vbucket}",
+        # Unique per task attempt: a retried task must not share its connection's name.
+        name=f"spark:{os.getpid()}:{time.time_ns()}:{ranges[0].vbucket}",
     )
     with client.stream(
         [r.vbucket for r in ranges],
