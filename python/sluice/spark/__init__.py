@@ -180,14 +180,13 @@ def _partitions(
     start: dict[int, Position],
     end: dict[int, Position],
 ) -> list[SluicePartition]:
-    ranges = [
-        (sources[vb].node if vb in sources else "", VbucketRange(vb, s.uuid, s.seqno, end[vb].seqno))
-        for vb, s in sorted(start.items())
-        if vb in end and end[vb].seqno > s.seqno
-    ]
-    unserved = [r.vbucket for node, r in ranges if not node]
+    todo = [vb for vb, s in sorted(start.items()) if vb in end and end[vb].seqno > s.seqno]
+    unserved = [vb for vb in todo if vb not in sources]
     if unserved:
         raise SluiceError(f"no node serves vbucket(s) {unserved[:10]} any more")
+    ranges = [
+        (sources[vb].node, VbucketRange(vb, start[vb].uuid, start[vb].seqno, end[vb].seqno)) for vb in todo
+    ]
     return [SluicePartition(node, tuple(rs)) for node, rs in planning.group(ranges, opts.num_partitions)]
 
 
@@ -258,7 +257,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         for vb, n in _share(backlog, budget).items():
             seqno = ends[vb].seqno + n
-            ends[vb] = Position(seqno, planning.uuid_at(list(sources[vb].failover), seqno))
+            ends[vb] = Position(seqno, planning.uuid_at(sources[vb].failover, seqno))
         # Vbuckets the nodes no longer serve keep their offset.
         for vb, pos in begin.items():
             ends.setdefault(vb, pos)

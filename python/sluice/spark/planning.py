@@ -10,6 +10,7 @@ every time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice._native import SluiceError, vbucket_positions
@@ -17,7 +18,7 @@ from sluice.spark.options import EARLIEST, LATEST, Offsets, Options
 
 log = logging.getLogger("sluice.spark")
 
-FailoverLog = list[tuple[int, int]]  # newest first: (uuid, seqno)
+FailoverLog = Sequence[tuple[int, int]]  # newest first: (uuid, seqno)
 
 
 class DataLossError(SluiceError):
@@ -152,7 +153,7 @@ def resolve(offsets: Offsets, sources: dict[int, VbucketSource], default: str) -
             seqno = 0
         elif seqno == LATEST:
             seqno = src.high_seqno
-        out[vb] = Position(seqno, uuid if uuid is not None else uuid_at(list(src.failover), seqno))
+        out[vb] = Position(seqno, uuid if uuid is not None else uuid_at(src.failover, seqno))
     return out
 
 
@@ -167,14 +168,14 @@ def check_history(
         src = sources.get(vb)
         if src is None:
             continue
-        d = diverged(list(src.failover), src.high_seqno, pos.uuid, pos.seqno)
+        d = diverged(src.failover, src.high_seqno, pos.uuid, pos.seqno)
         if d is None:
             continue
         agree, why = d
         if fail_on_data_loss:
             raise DataLossError(vb, why)
         log.warning("vbucket %d: %s; going on from seqno %d", vb, why, agree)
-        out[vb] = Position(agree, uuid_at(list(src.failover), agree))
+        out[vb] = Position(agree, uuid_at(src.failover, agree))
     return out
 
 

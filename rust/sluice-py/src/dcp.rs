@@ -33,7 +33,7 @@ fn bytes_of<'py, T: Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
 
 const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
 
-/// An Arrow variable-width column being built: int32 offsets and the bytes.
+/// An Arrow string column being built: int32 offsets and the UTF-8 bytes.
 struct Utf8Column {
     offsets: Vec<i32>,
     data: Vec<u8>,
@@ -109,7 +109,6 @@ impl RawBatch {
         let mut rev_seqno = Vec::with_capacity(n);
         let mut op = Utf8Column::with_capacity(n, n * 8);
         let mut key = Utf8Column::with_capacity(n, b.keys.len());
-        let mut value = Utf8Column::with_capacity(n, 0);
         for &i in &rows {
             vbucket.push(i32::from(b.vbucket[i]));
             seqno.push(b.seqno[i] as i64);
@@ -143,19 +142,19 @@ impl RawBatch {
                  binary column: lower the batch size"
             )));
         }
-        value.offsets.clear();
-        value.offsets.push(0);
+        let mut value_offsets = Vec::with_capacity(n + 1);
+        value_offsets.push(0i32);
         let values = PyBytes::new_with(py, total, |buf| {
             let mut at = 0;
             for &i in &rows {
                 let v = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
                 buf[at..at + v.len()].copy_from_slice(v);
                 at += v.len();
-                value.offsets.push(at as i32);
+                value_offsets.push(at as i32);
             }
             Ok(())
         })?;
-        d.set_item("value_offsets", bytes_of(py, &value.offsets))?;
+        d.set_item("value_offsets", bytes_of(py, &value_offsets))?;
         d.set_item("value_data", values)?;
         Ok(d)
     }
@@ -200,6 +199,11 @@ impl RawBatch {
     }
 }
 
+/// Seconds from Python as a setup timeout, kept between 0.1 s and an hour.
+fn setup_timeout_of(seconds: f64) -> Duration {
+    Duration::from_secs_f64(seconds.clamp(0.1, 3600.0))
+}
+
 /// (vbucket, high seqno, failover log as (uuid, seqno) pairs).
 type PositionTuple = (u16, u64, Vec<(u64, u64)>);
 
@@ -217,24 +221,18 @@ pub fn vbucket_positions(
     state: &str,
     timeout: f64,
 ) -> PyResult<Vec<PositionTuple>> {
-    let code = match state {
-        "active" => 1,
-        "replica" => 2,
-        "pending" => 3,
-        "dead" => 4,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "state must be active, replica, pending or dead, not '{other}'"
-            )))
-        }
-    };
+    let code = sluice_core::vbucket::VbState::parse(state).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "state must be active, replica, pending or dead, not '{state}'"
+        ))
+    })? as u32;
     let config = ConsumerConfig {
         address: address.to_string(),
         bucket: bucket.to_string(),
         username,
         password,
         name: format!("sluice:positions:{}", std::process::id()),
-        setup_timeout: Some(Duration::from_secs_f64(timeout.clamp(0.1, 3600.0))),
+        setup_timeout: Some(setup_timeout_of(timeout)),
         ..ConsumerConfig::default()
     };
     let r = py.allow_threads(|| consumer::vbucket_positions(&config, code));
@@ -322,7 +320,7 @@ impl DcpConsumer {
             from_now,
             to_latest,
             end_seqnos: end_seqnos.unwrap_or_default(),
-            setup_timeout: setup_timeout.map(|t| Duration::from_secs_f64(t.clamp(0.1, 3600.0))),
+            setup_timeout: setup_timeout.map(setup_timeout_of),
             state: state.clone(),
             rollback,
             batch_size,
