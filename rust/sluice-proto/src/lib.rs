@@ -1,9 +1,10 @@
 //! Wire codecs for sluice: pure functions over bytes, no I/O, so every decoder can be fuzzed.
 //!
 //! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and, later, iproto;
-//! `mcbp` is the memcached binary protocol frame (KV, and later DCP and TAP); `dcp` the DCP
-//! messages carried in it.
+//! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
+//! stream messages carried in it.
 
 pub mod dcp;
 pub mod mcbp;
 pub mod msgpack;
+pub mod tap;
