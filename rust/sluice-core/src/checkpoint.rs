@@ -270,6 +270,15 @@ impl CheckpointManager {
         }
     }
 
+    /// The last seqno of checkpoint `id` if it is closed and still held: where a reader that
+    /// holds all of it resumes.
+    pub fn closed_checkpoint_end(&self, id: u64) -> Option<u64> {
+        self.checkpoints
+            .iter()
+            .find(|c| c.id == id && !c.open)
+            .map(|c| c.end)
+    }
+
     /// Registers a cursor for a reader that already has everything up to `have_seqno`.
     pub fn register_cursor(&mut self, name: &str, have_seqno: u64) -> (Registration, CursorHandle) {
         let id = self.next_cursor;

@@ -1246,6 +1246,15 @@ impl Engine {
         Ok((reg, handle, backfill))
     }
 
+    /// Where a reader holding all of checkpoint `id` of a vbucket resumes, if memory still
+    /// holds that checkpoint closed.
+    pub fn closed_checkpoint_end(&self, bucket: &Bucket, vbid: u16, id: u64) -> Option<u64> {
+        bucket
+            .lock_vbucket(vbid)?
+            .checkpoints
+            .closed_checkpoint_end(id)
+    }
+
     pub fn read_cursor(
         &self,
         bucket: &Bucket,

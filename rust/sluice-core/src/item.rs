@@ -6,6 +6,22 @@ pub const MAX_KEY_LEN: usize = 250;
 /// Relative expiry times are at most 30 days; anything larger is an absolute Unix time.
 pub const RELATIVE_EXPIRY_LIMIT: u32 = 30 * 24 * 3600;
 
+/// Datatype bits clients set and see (JSON, Snappy, Xattr).
+pub const DATATYPE_CLIENT_BITS: u8 = 0x07;
+const TAP_HOPS_SHIFT: u32 = 3;
+/// Most TAP hops an item can remember (five bits).
+pub const MAX_TAP_HOPS: u8 = 0x1f;
+
+/// The stored datatype's high five bits hold the TAP hops an item arrived with (0: written
+/// here), so the WAL and snapshots keep them without a format change. Clients never see them.
+pub fn tap_hops(datatype: u8) -> u8 {
+    datatype >> TAP_HOPS_SHIFT
+}
+
+pub fn with_tap_hops(datatype: u8, hops: u8) -> u8 {
+    (datatype & DATATYPE_CLIENT_BITS) | (hops.min(MAX_TAP_HOPS) << TAP_HOPS_SHIFT)
+}
+
 /// What kind of change produced a seqno.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChangeOp {

@@ -132,10 +132,14 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
     fn u16(&mut self, what: &str) -> Result<u16, TapError> {
-        Ok(u16::from_be_bytes(self.take(2, what)?.try_into().expect("2")))
+        Ok(u16::from_be_bytes(
+            self.take(2, what)?.try_into().expect("2"),
+        ))
     }
     fn u64(&mut self, what: &str) -> Result<u64, TapError> {
-        Ok(u64::from_be_bytes(self.take(8, what)?.try_into().expect("8")))
+        Ok(u64::from_be_bytes(
+            self.take(8, what)?.try_into().expect("8"),
+        ))
     }
     /// A u16 count of entries of `size` bytes each, checked against what is left before
     /// anything is allocated.
@@ -159,7 +163,10 @@ impl<'a> Reader<'a> {
 impl TapConnect {
     pub fn decode(req: &Request<'_>) -> Result<TapConnect, TapError> {
         if req.opcode != opcode::CONNECT {
-            return Err(bad(format!("opcode 0x{:02x} is not TAP_CONNECT", req.opcode)));
+            return Err(bad(format!(
+                "opcode 0x{:02x} is not TAP_CONNECT",
+                req.opcode
+            )));
         }
         let flags = match req.extras.len() {
             0 => 0,
@@ -308,7 +315,10 @@ impl<'a> TapMessage<'a> {
     pub fn decode(frame: &'a [u8]) -> Result<TapMessage<'a>, TapError> {
         let req = mcbp::parse_request(frame).map_err(|e| bad(e.to_string()))?;
         if !opcode::is_tap_message(req.opcode) {
-            return Err(bad(format!("opcode 0x{:02x} is not a TAP message", req.opcode)));
+            return Err(bad(format!(
+                "opcode 0x{:02x} is not a TAP message",
+                req.opcode
+            )));
         }
         if !req.framing.is_empty() {
             return Err(bad("TAP messages take no framing extras"));

@@ -2,6 +2,7 @@
 //! WAL dump. Every call that can block (disk, durability waits) releases the GIL.
 
 mod dcp;
+mod policy;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -325,7 +326,7 @@ impl ItemView {
             cas: it.meta.cas,
             rev_seqno: it.meta.rev_seqno,
             seqno: it.meta.by_seqno,
-            datatype: it.meta.datatype,
+            datatype: it.meta.datatype & sluice_core::item::DATATYPE_CLIENT_BITS,
             deleted: it.meta.deleted,
         }
     }
@@ -457,7 +458,7 @@ impl EmbeddedEngine {
             value,
             flags,
             expiry,
-            datatype,
+            datatype: datatype & sluice_core::item::DATATYPE_CLIENT_BITS,
             cas,
             mode,
             durability,
@@ -820,6 +821,7 @@ struct Server {
     inner: parking_lot::Mutex<Option<sluice_server::Server>>,
     address: String,
     admin_address: Option<String>,
+    policies: Arc<sluice_server::policy::PolicyHost>,
 }
 
 type UserSpec = (
@@ -870,7 +872,7 @@ fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, policy_timeout=0.05))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -885,7 +887,31 @@ impl Server {
         replication_user: Option<String>,
         replication_password: Option<String>,
         replication_noop_interval: u32,
+        tap_ack_interval: u32,
+        tap_ack_window: u32,
+        tap_grace_period: f64,
+        tap_backoff: f64,
+        tap_ttl: u8,
+        policy_timeout: f64,
     ) -> PyResult<Self> {
+        if tap_ack_interval == 0 {
+            return Err(config_err("tap.ack_interval", "must be at least 1"));
+        }
+        if tap_ack_window == 0 {
+            return Err(config_err("tap.ack_window", "must be at least 1"));
+        }
+        if !(1..=sluice_core::item::MAX_TAP_HOPS).contains(&tap_ttl) {
+            return Err(config_err("tap.ttl", "must be 1 to 31 hops"));
+        }
+        let tap = sluice_server::tap::producer::TapConfig {
+            ack_interval: tap_ack_interval,
+            ack_window: tap_ack_window,
+            grace_period: secs("tap.grace_period", tap_grace_period)?,
+            backoff: secs("tap.backoff", tap_backoff)?,
+            ttl: tap_ttl,
+        };
+        let policies = Arc::new(sluice_server::policy::PolicyHost::default());
+        policies.set_timeout(secs("policy.timeout", policy_timeout)?);
         let replica_of = match replica_of.filter(|a| !a.is_empty()) {
             None => None,
             Some(a) => {
@@ -936,10 +962,12 @@ impl Server {
             users: users_of(users)?,
             replica_of,
             replication_login: (replication_user, replication_password),
+            tap,
         };
         let e = engine.engine.clone();
+        let host = policies.clone();
         let server = py
-            .allow_threads(|| sluice_server::Server::start(e, config))
+            .allow_threads(|| sluice_server::Server::start_with(e, config, host))
             .map_err(|err| SluiceError::new_err(format!("cannot listen on {listen}: {err}")))?;
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
@@ -947,7 +975,39 @@ impl Server {
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
+            policies,
         })
+    }
+
+    /// Installs (True) or removes (False) the plugin for a policy kind ("ack", "retransmit",
+    /// "slow_consumer", "filter"). Without one the native default decides, with no Python call.
+    fn policy_install(&self, kind: &str, installed: bool) -> PyResult<()> {
+        self.policies
+            .set_installed(policy::kind_of(kind)?, installed);
+        Ok(())
+    }
+
+    /// How long the server waits for a plugin's answer before using the default.
+    fn policy_set_timeout(&self, seconds: f64) -> PyResult<()> {
+        self.policies.set_timeout(secs("policy.timeout", seconds)?);
+        Ok(())
+    }
+
+    /// The next question for a plugin, waiting up to `wait` seconds (GIL released); None if
+    /// none came.
+    #[pyo3(signature = (kind, wait=0.5))]
+    fn policy_next(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        wait: f64,
+    ) -> PyResult<Option<policy::PolicyCall>> {
+        Ok(policy::next_call(
+            py,
+            &self.policies,
+            policy::kind_of(kind)?,
+            wait,
+        ))
     }
 
     /// "HOST:PORT" actually bound.
@@ -1134,6 +1194,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ItemView>()?;
     m.add_class::<dcp::DcpConsumer>()?;
     m.add_class::<dcp::RawBatch>()?;
+    m.add_class::<policy::PolicyCall>()?;
     m.add_function(wrap_pyfunction!(dcp::vbucket_positions, m)?)?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;

@@ -146,6 +146,140 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// A counter or gauge with one value.
+fn single(o: &mut String, name: &str, kind: &str, help: &str, v: u64) {
+    metric(o, name, kind, help);
+    let _ = writeln!(o, "{name} {v}");
+}
+
+fn tap_and_policy_metrics(shared: &Shared, o: &mut String) {
+    let t = &shared.tap;
+    single(
+        o,
+        "sluice_tap_connections",
+        "gauge",
+        "TAP producer connections open now.",
+        t.connections.load(Relaxed),
+    );
+    single(
+        o,
+        "sluice_tap_sessions_parked",
+        "gauge",
+        "Named TAP sessions kept for a reconnect.",
+        shared.tap_sessions.parked() as u64,
+    );
+    for (name, help, v) in [
+        (
+            "sluice_tap_messages_total",
+            "TAP messages sent (re-sent ones included).",
+            &t.messages,
+        ),
+        ("sluice_tap_acks_total", "TAP ACKs received.", &t.acks),
+        (
+            "sluice_tap_resent_total",
+            "TAP messages sent again (reconnect or temporary failure).",
+            &t.resent,
+        ),
+        (
+            "sluice_tap_temp_failures_total",
+            "TMPFAIL or BUSY answers from TAP clients.",
+            &t.temp_failures,
+        ),
+        (
+            "sluice_tap_sessions_resumed_total",
+            "TAP reconnects that resumed their session.",
+            &t.resumed_sessions,
+        ),
+        (
+            "sluice_tap_sessions_expired_total",
+            "Parked TAP sessions whose grace period ran out.",
+            &t.expired_sessions,
+        ),
+        (
+            "sluice_tap_filtered_total",
+            "Changes a StreamFilter kept off TAP streams.",
+            &t.filtered,
+        ),
+        (
+            "sluice_tap_out_of_hops_total",
+            "Changes not sent on because their TAP hops ran out.",
+            &t.loop_stopped,
+        ),
+        (
+            "sluice_tap_applied_total",
+            "TAP messages this node applied from a feed.",
+            &t.applied,
+        ),
+    ] {
+        single(o, name, "counter", help, v.load(Relaxed));
+    }
+    let p = &shared.policies;
+    let kinds = crate::policy::PolicyKind::ALL;
+    metric(
+        o,
+        "sluice_policy_installed",
+        "gauge",
+        "1 when a Python plugin decides this policy.",
+    );
+    for k in kinds {
+        let _ = writeln!(
+            o,
+            "sluice_policy_installed{{policy=\"{}\"}} {}",
+            k.name(),
+            p.installed(k) as u8
+        );
+    }
+    type Pick = fn(&crate::policy::PolicyStats) -> &std::sync::atomic::AtomicU64;
+    let series: [(&str, &str, Pick); 4] = [
+        (
+            "sluice_policy_calls_total",
+            "Questions put to a policy plugin.",
+            |s| &s.calls,
+        ),
+        (
+            "sluice_policy_timeouts_total",
+            "Plugin answers that did not come in time (the default was used).",
+            |s| &s.timeouts,
+        ),
+        (
+            "sluice_policy_errors_total",
+            "Plugin calls that raised or answered something unusable.",
+            |s| &s.errors,
+        ),
+        (
+            "sluice_policy_skipped_total",
+            "Questions not asked because the plugin's queue was full.",
+            |s| &s.skipped,
+        ),
+    ];
+    for (name, help, pick) in series {
+        metric(o, name, "counter", help);
+        for k in kinds {
+            let _ = writeln!(
+                o,
+                "{name}{{policy=\"{}\"}} {}",
+                k.name(),
+                pick(p.stats(k)).load(Relaxed)
+            );
+        }
+    }
+    metric(
+        o,
+        "sluice_policy_answer_seconds_total",
+        "counter",
+        "Time from question to answer, summed.",
+    );
+    for k in kinds {
+        let micros = p.stats(k).answer_micros.load(Relaxed);
+        let _ = writeln!(
+            o,
+            "sluice_policy_answer_seconds_total{{policy=\"{}\"}} {:.6}",
+            k.name(),
+            micros as f64 / 1e6
+        );
+    }
+}
+
 /// Prometheus text exposition of the node.
 pub fn metrics(shared: &Shared) -> String {
     let mut o = String::with_capacity(16 << 10);
@@ -246,6 +380,7 @@ pub fn metrics(shared: &Shared) -> String {
         "sluice_dcp_dead_connections_total {}",
         d.dead_connections.load(Relaxed)
     );
+    tap_and_policy_metrics(shared, &mut o);
     let buckets = e.buckets();
     metric(
         &mut o,

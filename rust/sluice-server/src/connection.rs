@@ -53,6 +53,12 @@ pub async fn run(
                             );
                             return Box::pin(p).await;
                         }
+                        Flow::TapProducer(connect, opaque) => {
+                            let p = crate::tap::producer::run(
+                                socket, inbuf, out, session, connect, opaque, peer, shared, stop,
+                            );
+                            return Box::pin(p).await;
+                        }
                     }
                     if out.len() >= FLUSH_AT
                         && write_out(&mut socket, &mut out, &shared).await.is_err()

@@ -11,6 +11,7 @@ use sluice_proto::mcbp::{
 
 use crate::server::Shared;
 use sluice_proto::dcp::opcode as dcp_op;
+use sluice_proto::tap::opcode as tap_op;
 
 #[derive(Debug, Clone)]
 pub enum Flow {
@@ -18,6 +19,8 @@ pub enum Flow {
     Close,
     /// DCP_OPEN succeeded (its reply is written): the connection becomes a DCP producer.
     DcpProducer(crate::dcp::producer::OpenProducer),
+    /// A valid TAP_CONNECT (and its opaque): the connection becomes a TAP producer.
+    TapProducer(sluice_proto::tap::TapConnect, u32),
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -63,7 +66,8 @@ fn required_permission(opcode: u8) -> u8 {
         op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => WRITE,
         op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ | op::TOUCH => WRITE,
         op::FLUSH | op::FLUSHQ => ADMIN,
-        sluice_proto::dcp::opcode::OPEN => STREAM,
+        sluice_proto::dcp::opcode::OPEN | tap_op::CONNECT => STREAM,
+        tap_op::MUTATION..=tap_op::CHECKPOINT_END => WRITE,
         _ => 0,
     }
 }
@@ -246,11 +250,12 @@ impl Session {
                 }
             }
         }
-        self.dispatch(&req, durability, out)
+        self.dispatch(frame, &req, durability, out)
     }
 
     fn dispatch(
         &mut self,
+        frame: &[u8],
         req: &Request<'_>,
         durability: Option<Requirement>,
         out: &mut Vec<u8>,
@@ -387,7 +392,7 @@ impl Session {
                     value: req.value,
                     flags,
                     expiry,
-                    datatype: req.datatype,
+                    datatype: req.datatype & sluice_core::item::DATATYPE_CLIENT_BITS,
                     cas: req.cas,
                     mode,
                     durability,
@@ -529,6 +534,13 @@ impl Session {
                 }
                 Err((st, why)) => reply.error(st, &why, xerror),
             },
+            tap_op::CONNECT => match crate::tap::producer::check_connect(req) {
+                Ok(c) => return Flow::TapProducer(c, req.opaque),
+                Err((st, why)) => reply.error(st, &why, xerror),
+            },
+            tap_op::MUTATION..=tap_op::CHECKPOINT_END => {
+                crate::tap::apply::apply(&self.shared, &bucket, frame, reply.out)
+            }
             dcp_op::ADD_STREAM..=dcp_op::CACHE_TRANSFER_END => reply.error(
                 status::EINVAL,
                 "open a DCP connection first (DCP_OPEN)",

@@ -1,5 +1,5 @@
 //! sluice's network side: a tokio runtime of its own, listeners, connections, and the
-//! memcached binary protocol over the engine. `Server` owns the runtime; `connection` runs one
+//! memcached binary protocol over the engine, with its DCP and TAP change streams. `Server` owns the runtime; `connection` runs one
 //! client; `kv` turns one request into its response.
 
 pub mod admin;
@@ -8,7 +8,9 @@ pub mod bench;
 pub mod connection;
 pub mod dcp;
 pub mod kv;
+pub mod policy;
 pub mod replica;
 pub mod server;
+pub mod tap;
 
 pub use server::{Server, ServerConfig};

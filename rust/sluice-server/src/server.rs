@@ -30,6 +30,7 @@ pub struct ServerConfig {
     pub replica_of: Option<crate::replica::ReplicaConfig>,
     /// The user and password this node logs in with on other nodes (replication, takeover).
     pub replication_login: (Option<String>, Option<String>),
+    pub tap: crate::tap::producer::TapConfig,
 }
 
 /// Counters the metrics endpoint and STAT read.
@@ -54,6 +55,10 @@ pub struct Shared {
     pub dcp: crate::dcp::producer::DcpStats,
     /// Running while this node follows an active; emptied by a promotion.
     pub replicators: parking_lot::Mutex<Vec<crate::replica::Replicator>>,
+    pub tap_sessions: Arc<crate::tap::session::Sessions<crate::tap::producer::TapSession>>,
+    pub tap: crate::tap::TapStats,
+    /// Policy plugins (Python) and their questions.
+    pub policies: Arc<crate::policy::PolicyHost>,
 }
 
 impl Shared {
@@ -92,6 +97,15 @@ pub struct Server {
 impl Server {
     /// Binds (errors come back here, not later) and starts serving.
     pub fn start(engine: Arc<Engine>, config: ServerConfig) -> std::io::Result<Server> {
+        Server::start_with(engine, config, Default::default())
+    }
+
+    /// Starts with a policy host the caller keeps (the Python side installs plugins in it).
+    pub fn start_with(
+        engine: Arc<Engine>,
+        config: ServerConfig,
+        policies: Arc<crate::policy::PolicyHost>,
+    ) -> std::io::Result<Server> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads.max(1))
             .thread_name("sluice-io")
@@ -124,7 +138,13 @@ impl Server {
             dcp_names: Default::default(),
             dcp: Default::default(),
             replicators: Default::default(),
+            tap_sessions: Default::default(),
+            tap: Default::default(),
+            policies: policies.clone(),
         });
+        shared
+            .engine
+            .set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies)));
         if let Some(rc) = &shared.config.replica_of {
             let mut reps = shared.replicators.lock();
             for b in shared.engine.buckets() {
@@ -194,6 +214,7 @@ impl Server {
             rt.block_on(async {
                 let _ = tokio::time::timeout(grace, done).await;
             });
+            crate::tap::session::close_parked(&self.shared);
             rt.shutdown_timeout(Duration::from_millis(100));
         }
     }

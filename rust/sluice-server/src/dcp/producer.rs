@@ -25,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::stream::{Encoding, Progress, Stream, Takeover};
+use super::stream::{DcpSink, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
 use crate::server::Shared;
 
@@ -378,7 +378,7 @@ impl Producer {
             Some(mut s) => {
                 respond(out, req, status::SUCCESS, &[]);
                 if self.end_on_close {
-                    self.unacked += s.write_end(out, stream_end_reason::CLOSED);
+                    self.unacked += s.write_end(&mut DcpSink(out), stream_end_reason::CLOSED);
                 }
                 self.retire(&mut s);
             }
@@ -542,7 +542,7 @@ impl Producer {
                     break;
                 }
                 let s = self.streams.get_mut(&vb).expect("listed above");
-                let (n, progress) = s.fill(&engine, out, window.min(TURN_BYTES));
+                let (n, progress) = s.fill(&engine, &mut DcpSink(out), window.min(TURN_BYTES));
                 count_items(&self.shared.dcp, s);
                 if self.buffer_size > 0 {
                     self.unacked += n;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use sluice_core::backfill::Backfill;
 use sluice_core::bucket::Bucket;
 use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
-use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::item::{ChangeOp, ItemMeta, DATATYPE_CLIENT_BITS};
 use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
 use sluice_proto::dcp::DcpRequest;
@@ -89,6 +89,96 @@ fn framed(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) -> usize {
     let before = out.len();
     write(out);
     out.len() - before
+}
+
+/// Where a stream's messages go: DCP frames onto the wire, or events a TAP connection encodes
+/// its own way. Each method returns the bytes it used, for the caller's budget.
+pub trait StreamSink {
+    /// A snapshot `[start, end]` begins (`snapshot_flag` bits: DISK for a backfill); a memory
+    /// snapshot names its checkpoint.
+    fn marker(
+        &mut self,
+        s: &StreamView,
+        start: u64,
+        end: u64,
+        flags: u32,
+        checkpoint: Option<u64>,
+    ) -> usize;
+    /// One change; `backfill` tells whether it came from disk or memory.
+    #[allow(clippy::too_many_arguments)]
+    fn document(
+        &mut self,
+        s: &StreamView,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        meta: &ItemMeta,
+        backfill: bool,
+    ) -> usize;
+    /// The backfill's last change was passed on.
+    fn backfill_end(&mut self, _s: &StreamView) -> usize {
+        0
+    }
+    fn end(&mut self, s: &StreamView, reason: u32) -> usize;
+    /// A takeover's state change (`vbucket_state` codes).
+    fn vbucket_state(&mut self, s: &StreamView, state: u8) -> usize;
+}
+
+/// DCP frames appended to a connection's output.
+pub struct DcpSink<'a>(pub &'a mut Vec<u8>);
+
+impl StreamSink for DcpSink<'_> {
+    fn marker(
+        &mut self,
+        s: &StreamView,
+        start: u64,
+        end: u64,
+        flags: u32,
+        _checkpoint: Option<u64>,
+    ) -> usize {
+        framed(self.0, |out| {
+            let _ = SnapshotMarker {
+                vbucket: s.vbucket,
+                start_seqno: start,
+                end_seqno: end,
+                flags,
+            }
+            .encode(out, s.opaque);
+        })
+    }
+
+    fn document(
+        &mut self,
+        s: &StreamView,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        meta: &ItemMeta,
+        _backfill: bool,
+    ) -> usize {
+        s.write_document(self.0, op, key, value, meta)
+    }
+
+    fn end(&mut self, s: &StreamView, reason: u32) -> usize {
+        framed(self.0, |out| {
+            let _ = StreamEnd {
+                vbucket: s.vbucket,
+                reason,
+            }
+            .encode(out, s.opaque);
+        })
+    }
+
+    fn vbucket_state(&mut self, s: &StreamView, state: u8) -> usize {
+        framed(self.0, |out| {
+            let _ = SetVbucketState {
+                vbucket: s.vbucket,
+                state,
+                value: Vec::new(),
+            }
+            .encode(out, s.opaque);
+        })
+    }
 }
 
 impl Stream {
@@ -199,30 +289,23 @@ impl Stream {
     }
 
     /// Writes STREAM_END with `reason`; returns its length.
-    pub fn write_end(&self, out: &mut Vec<u8>, reason: u32) -> usize {
-        framed(out, |out| {
-            let _ = StreamEnd {
-                vbucket: self.vbucket,
-                reason,
-            }
-            .encode(out, self.opaque);
-        })
+    pub fn write_end(&self, sink: &mut impl StreamSink, reason: u32) -> usize {
+        sink.end(&self.view(), reason)
     }
 
-    fn write_marker(&mut self, out: &mut Vec<u8>, start: u64, end: u64, flags: u32) -> usize {
+    fn write_marker(
+        &mut self,
+        sink: &mut impl StreamSink,
+        start: u64,
+        end: u64,
+        flags: u32,
+        checkpoint: Option<u64>,
+    ) -> usize {
         self.snapshot_end = end;
-        framed(out, |out| {
-            let _ = SnapshotMarker {
-                vbucket: self.vbucket,
-                start_seqno: start,
-                end_seqno: end,
-                flags,
-            }
-            .encode(out, self.opaque);
-        })
+        sink.marker(&self.view(), start, end, flags, checkpoint)
     }
 
-    fn view(&self) -> StreamView {
+    pub fn view(&self) -> StreamView {
         StreamView {
             vbucket: self.vbucket,
             opaque: self.opaque,
@@ -233,7 +316,12 @@ impl Stream {
     /// Writes up to about `budget` bytes of this stream's messages (at least one message when
     /// there is one, as flow control lets one message overflow the window). Returns the bytes
     /// written and what happened.
-    pub fn fill(&mut self, engine: &Engine, out: &mut Vec<u8>, budget: usize) -> (usize, Progress) {
+    pub fn fill(
+        &mut self,
+        engine: &Engine,
+        out: &mut impl StreamSink,
+        budget: usize,
+    ) -> (usize, Progress) {
         let mut used = 0;
         let state = engine.vbucket_state(&self.bucket, self.vbucket);
         if self.takeover == Takeover::HandedOver {
@@ -304,7 +392,7 @@ impl Stream {
 
     /// Called when the stream has nothing more to send: moves a takeover on once the consumer
     /// holds everything up to the high seqno. Returns the bytes written.
-    fn hand_over(&mut self, engine: &Engine, out: &mut Vec<u8>) -> Option<usize> {
+    fn hand_over(&mut self, engine: &Engine, out: &mut impl StreamSink) -> Option<usize> {
         let high = engine
             .stream_position(&self.bucket, self.vbucket)?
             .high_seqno;
@@ -328,18 +416,10 @@ impl Stream {
             _ => return None,
         };
         self.takeover = next;
-        let (vbucket, opaque) = (self.vbucket, self.opaque);
-        Some(framed(out, |out| {
-            let _ = SetVbucketState {
-                vbucket,
-                state,
-                value: Vec::new(),
-            }
-            .encode(out, opaque);
-        }))
+        Some(out.vbucket_state(&self.view(), state))
     }
 
-    fn fill_backfill(&mut self, out: &mut Vec<u8>, budget: usize) -> usize {
+    fn fill_backfill(&mut self, out: &mut impl StreamSink, budget: usize) -> usize {
         let Phase::Backfill(b) = &mut self.phase else {
             return 0;
         };
@@ -352,6 +432,7 @@ impl Stream {
                 start,
                 end,
                 snapshot_flag::DISK | snapshot_flag::CHECKPOINT,
+                None,
             );
             self.snapshot_checkpoint = None;
         }
@@ -371,7 +452,7 @@ impl Stream {
             } else {
                 ChangeOp::Mutation
             };
-            used += this.write_document(out, op, item.key(), item.value(), &meta);
+            used += out.document(&this, op, item.key(), item.value(), &meta, true);
             last = meta.by_seqno;
             sent += 1;
             true
@@ -382,6 +463,7 @@ impl Stream {
             // The snapshot is complete at its end even if its last seqnos were superseded.
             self.last_seqno = self.last_seqno.max(end);
             self.phase = Phase::Memory;
+            used += out.backfill_end(&this);
         }
         used
     }
@@ -426,7 +508,7 @@ impl Stream {
         }
     }
 
-    fn fill_memory(&mut self, out: &mut Vec<u8>, budget: usize) -> usize {
+    fn fill_memory(&mut self, out: &mut impl StreamSink, budget: usize) -> usize {
         let mut used = 0;
         let this = self.view();
         while let Some(batch) = self.pending.front() {
@@ -446,16 +528,17 @@ impl Stream {
                     flags |= snapshot_flag::CHECKPOINT;
                 }
                 let (start, end, cp) = (self.snapshot_end + 1, batch.end, batch.checkpoint_id);
-                used += self.write_marker(out, start, end, flags);
+                used += self.write_marker(out, start, end, flags, Some(cp));
                 self.snapshot_checkpoint = Some(cp);
                 continue;
             }
-            used += this.write_document(
-                out,
+            used += out.document(
+                &this,
                 change.op(),
                 change.key(),
                 change.value(),
                 change.meta(),
+                false,
             );
             self.last_seqno = seqno;
             self.sent_memory += 1;
@@ -465,12 +548,12 @@ impl Stream {
     }
 }
 
-/// What encoding a document needs from its stream, apart from the stream's mutable state.
+/// What a sink needs to know of the stream a message belongs to.
 #[derive(Clone, Copy)]
-struct StreamView {
-    vbucket: u16,
-    opaque: u32,
-    encoding: Encoding,
+pub struct StreamView {
+    pub vbucket: u16,
+    pub opaque: u32,
+    pub encoding: Encoding,
 }
 
 impl StreamView {
@@ -501,7 +584,7 @@ impl StreamView {
             datatype: if e.no_value && !e.keep_datatype {
                 0
             } else {
-                meta.datatype
+                meta.datatype & DATATYPE_CLIENT_BITS
             },
             flags: meta.flags,
             expiration: if deleted { 0 } else { meta.expiry },

@@ -1,0 +1,206 @@
+//! The Python side of policy plugins: `sluice.policy` runs one thread per installed plugin
+//! that takes questions with `Server.policy_next` (the GIL released while it waits) and
+//! answers each `PolicyCall`. Questions come as plain dicts; a filter's keys come as one bytes
+//! object with their ends as packed u32s, so a batch costs two objects, not one per key.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use sluice_server::policy::{
+    Answer, Call, FilterDecision, PolicyHost, PolicyKind, Question, RetransmitEvent,
+};
+
+pub fn kind_of(name: &str) -> PyResult<PolicyKind> {
+    PolicyKind::parse(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown policy {name:?} (ack, retransmit, slow_consumer, filter)"
+        ))
+    })
+}
+
+/// One question from the server to a plugin. Answer it once with `answer`, or `fail` it;
+/// a call dropped unanswered is a timeout for the asker.
+#[pyclass(module = "sluice._native", frozen)]
+pub struct PolicyCall {
+    call: Call,
+    host: Arc<PolicyHost>,
+}
+
+fn le_bytes<T: Copy>(py: Python<'_>, v: &[T], to: impl Fn(T) -> Vec<u8>) -> Py<PyBytes> {
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for x in v {
+        out.extend(to(*x));
+    }
+    PyBytes::new(py, &out).unbind()
+}
+
+#[pymethods]
+impl PolicyCall {
+    /// "ack", "retransmit", "slow_consumer" or "filter".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.call.kind.name()
+    }
+
+    /// The question as a dict (keys depend on the kind; see sluice.policy).
+    fn question<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        match &self.call.question {
+            Question::Ack(a) => {
+                d.set_item("connection", &a.connection)?;
+                d.set_item("rtt", a.rtt)?;
+                d.set_item("unacked", a.unacked)?;
+                d.set_item("acked_total", a.acked_total)?;
+                d.set_item("sent_total", a.sent_total)?;
+                d.set_item("interval", a.interval)?;
+                d.set_item("window", a.window)?;
+            }
+            Question::Retransmit(RetransmitEvent::Disconnected {
+                connection,
+                unacked,
+            }) => {
+                d.set_item("event", "disconnected")?;
+                d.set_item("connection", connection)?;
+                d.set_item("unacked", unacked)?;
+            }
+            Question::Retransmit(RetransmitEvent::TempFail {
+                connection,
+                status,
+                attempt,
+            }) => {
+                d.set_item("event", "temp_fail")?;
+                d.set_item("connection", connection)?;
+                d.set_item("status", status)?;
+                d.set_item("attempt", attempt)?;
+            }
+            Question::SlowConsumer {
+                over_by,
+                candidates,
+            } => {
+                d.set_item("over_by", over_by)?;
+                let list = PyList::empty(py);
+                for c in candidates {
+                    let e = PyDict::new(py);
+                    e.set_item("id", c.id)?;
+                    e.set_item("name", &c.name)?;
+                    e.set_item("bucket", c.bucket)?;
+                    e.set_item("vbucket", c.vbucket)?;
+                    e.set_item("seqno", c.seqno)?;
+                    e.set_item("pinned_bytes", c.pinned_bytes)?;
+                    list.append(e)?;
+                }
+                d.set_item("candidates", list)?;
+            }
+            Question::Filter(b) => {
+                d.set_item("connection", &b.connection)?;
+                d.set_item("keys", PyBytes::new(py, &b.keys))?;
+                d.set_item(
+                    "key_ends",
+                    le_bytes(py, &b.key_ends, |x| x.to_le_bytes().to_vec()),
+                )?;
+                d.set_item(
+                    "vbuckets",
+                    le_bytes(py, &b.vbuckets, |x| x.to_le_bytes().to_vec()),
+                )?;
+                d.set_item("value_bytes", b.value_bytes)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Seconds since the question was asked.
+    #[getter]
+    fn age(&self) -> f64 {
+        self.call.posted.elapsed().as_secs_f64()
+    }
+
+    /// The plugin's decision, in the form its kind takes:
+    /// ack: (interval, window); retransmit: (seconds, resend); slow_consumer: [cursor ids];
+    /// filter: an action for all (int), one action per key (bytes), or
+    /// ("prefixes", [drop prefixes], [strip prefixes]). None: the native default.
+    fn answer(&self, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        if value.is_none() {
+            self.call.answer(Answer::Default);
+            return Ok(());
+        }
+        let a = match self.call.kind {
+            PolicyKind::Ack => {
+                let (interval, window): (u32, u32) = value.extract()?;
+                if interval == 0 || window == 0 {
+                    return Err(PyValueError::new_err(
+                        "interval and window must be at least 1",
+                    ));
+                }
+                Answer::Ack { interval, window }
+            }
+            PolicyKind::Retransmit => {
+                let (seconds, resend): (f64, bool) = value.extract()?;
+                if !(seconds.is_finite() && seconds >= 0.0) {
+                    return Err(PyValueError::new_err("seconds must be finite and >= 0"));
+                }
+                Answer::Retransmit { seconds, resend }
+            }
+            PolicyKind::SlowConsumer => Answer::Drop(value.extract()?),
+            PolicyKind::Filter => Answer::Filter(filter_decision(value)?),
+        };
+        self.call.answer(a);
+        Ok(())
+    }
+
+    /// The plugin raised: counted, and the asker gets the native default.
+    fn fail(&self) {
+        self.host.count_error(self.call.kind);
+        self.call.answer(Answer::Default);
+    }
+}
+
+fn filter_decision(value: &Bound<'_, PyAny>) -> PyResult<FilterDecision> {
+    if let Ok(a) = value.extract::<u8>() {
+        return check_action(a).map(FilterDecision::All);
+    }
+    if let Ok(b) = value.downcast::<PyBytes>() {
+        let v = b.as_bytes().to_vec();
+        for a in &v {
+            check_action(*a)?;
+        }
+        return Ok(FilterDecision::Each(v));
+    }
+    if let Ok((tag, drop, strip)) = value.extract::<(String, Vec<Vec<u8>>, Vec<Vec<u8>>)>() {
+        if tag == "prefixes" {
+            return Ok(FilterDecision::Prefixes { drop, strip });
+        }
+    }
+    Err(PyValueError::new_err(
+        "a filter answers None, an action (0 keep, 1 drop, 2 strip value), bytes of actions, \
+         or (\"prefixes\", drop, strip)",
+    ))
+}
+
+fn check_action(a: u8) -> PyResult<u8> {
+    if a <= 2 {
+        Ok(a)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "filter action {a} is not 0 (keep), 1 (drop) or 2 (strip value)"
+        )))
+    }
+}
+
+/// The next question for plugin `kind`, waiting up to `wait` seconds with the GIL released.
+pub fn next_call(
+    py: Python<'_>,
+    host: &Arc<PolicyHost>,
+    kind: PolicyKind,
+    wait: f64,
+) -> Option<PolicyCall> {
+    let wait = Duration::from_secs_f64(wait.clamp(0.0, 60.0));
+    let h = host.clone();
+    py.allow_threads(move || h.next_call(kind, wait))
+        .map(|call| PolicyCall {
+            call,
+            host: host.clone(),
+        })
+}

@@ -1,0 +1,420 @@
+//! Policy plugins: decisions a Python plugin may take in place of the native default (which
+//! ACK interval and window a TAP connection uses, how long a dropped session lives, which
+//! cursors to drop, which changes a stream passes on).
+//!
+//! The network side never runs plugin code. It posts a question to the plugin's queue and
+//! waits, asynchronously and at most the configured timeout, for the answer; a Python thread
+//! per plugin takes questions off the queue (the GIL released while it waits) and answers them.
+//! No answer in time, a full queue or a plugin error all mean the native default. Questions are
+//! asked per batch or per round trip, never per item. With no plugin installed nothing is
+//! queued at all.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use sluice_core::checkpoint::{CursorDropPolicy, CursorId, CursorInfo, DropSlowest};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    Ack = 0,
+    Retransmit = 1,
+    SlowConsumer = 2,
+    Filter = 3,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Ack,
+        PolicyKind::Retransmit,
+        PolicyKind::SlowConsumer,
+        PolicyKind::Filter,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Ack => "ack",
+            PolicyKind::Retransmit => "retransmit",
+            PolicyKind::SlowConsumer => "slow_consumer",
+            PolicyKind::Filter => "filter",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<PolicyKind> {
+        PolicyKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// What a TAP connection tells its AckPolicy after each ACK.
+#[derive(Debug, Clone, Default)]
+pub struct AckStats {
+    pub connection: String,
+    /// Round trip of the message just acknowledged, in seconds.
+    pub rtt: f64,
+    pub unacked: u64,
+    pub acked_total: u64,
+    pub sent_total: u64,
+    pub interval: u32,
+    pub window: u32,
+}
+
+/// What a RetransmitPolicy decides about.
+#[derive(Debug, Clone)]
+pub enum RetransmitEvent {
+    /// A named session lost its connection with this many messages unacknowledged.
+    Disconnected { connection: String, unacked: u64 },
+    /// The client answered TMPFAIL or BUSY; `attempt` counts the replies in a row.
+    TempFail {
+        connection: String,
+        status: u16,
+        attempt: u32,
+    },
+}
+
+/// One batch a StreamFilter judges: keys in one buffer with their ends.
+#[derive(Debug, Clone, Default)]
+pub struct FilterBatch {
+    pub connection: String,
+    pub vbuckets: Vec<u16>,
+    pub keys: Vec<u8>,
+    pub key_ends: Vec<u32>,
+    pub value_bytes: u64,
+}
+
+/// Per-item filter actions.
+pub mod action {
+    pub const KEEP: u8 = 0;
+    pub const DROP: u8 = 1;
+    pub const STRIP_VALUE: u8 = 2;
+}
+
+#[derive(Debug, Clone)]
+pub enum FilterDecision {
+    /// One action for the whole batch.
+    All(u8),
+    /// One action per item, in order.
+    Each(Vec<u8>),
+    /// Native rules: drop keys with any of these prefixes, strip the values of others.
+    Prefixes {
+        drop: Vec<Vec<u8>>,
+        strip: Vec<Vec<u8>>,
+    },
+}
+
+impl FilterDecision {
+    /// The action for item `i` with `key`.
+    pub fn action(&self, i: usize, key: &[u8]) -> u8 {
+        match self {
+            FilterDecision::All(a) => *a,
+            FilterDecision::Each(v) => v.get(i).copied().unwrap_or(action::KEEP),
+            FilterDecision::Prefixes { drop, strip } => {
+                if drop.iter().any(|p| key.starts_with(p)) {
+                    action::DROP
+                } else if strip.iter().any(|p| key.starts_with(p)) {
+                    action::STRIP_VALUE
+                } else {
+                    action::KEEP
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Question {
+    Ack(AckStats),
+    Retransmit(RetransmitEvent),
+    SlowConsumer {
+        over_by: usize,
+        candidates: Vec<CursorInfo>,
+    },
+    Filter(FilterBatch),
+}
+
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// Use the native decision.
+    Default,
+    Ack {
+        interval: u32,
+        window: u32,
+    },
+    /// Grace period in seconds (for a disconnect) or back-off (after a temporary failure);
+    /// `resend` whether a reconnect gets the unacknowledged messages again.
+    Retransmit {
+        seconds: f64,
+        resend: bool,
+    },
+    /// Cursors (by id) to drop.
+    Drop(Vec<CursorId>),
+    Filter(FilterDecision),
+}
+
+/// Where an answer lands: the asker waits on it (blocking or async).
+#[derive(Default)]
+struct Slot {
+    answer: Mutex<Option<Answer>>,
+    ready: Condvar,
+    notify: tokio::sync::Notify,
+}
+
+/// A question in flight, as the plugin thread receives it.
+pub struct Call {
+    pub kind: PolicyKind,
+    pub question: Question,
+    pub posted: Instant,
+    slot: Arc<Slot>,
+}
+
+impl Call {
+    pub fn answer(&self, a: Answer) {
+        *self.slot.answer.lock() = Some(a);
+        self.slot.ready.notify_all();
+        self.slot.notify.notify_one();
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct PolicyStats {
+    pub calls: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub errors: AtomicU64,
+    /// Questions not asked because the plugin's queue was full (it is far behind).
+    pub skipped: AtomicU64,
+    /// Total seconds from question to answer, in microseconds.
+    pub answer_micros: AtomicU64,
+}
+
+struct Queue {
+    installed: AtomicBool,
+    tx: SyncSender<Call>,
+    rx: Mutex<Receiver<Call>>,
+    stats: PolicyStats,
+}
+
+/// Questions waiting per plugin; more are answered with the default at once.
+const QUEUE_DEPTH: usize = 64;
+
+pub struct PolicyHost {
+    queues: [Queue; 4],
+    timeout: RwLock<Duration>,
+}
+
+impl Default for PolicyHost {
+    fn default() -> Self {
+        let queue = || {
+            let (tx, rx) = sync_channel(QUEUE_DEPTH);
+            Queue {
+                installed: AtomicBool::new(false),
+                tx,
+                rx: Mutex::new(rx),
+                stats: PolicyStats::default(),
+            }
+        };
+        PolicyHost {
+            queues: [queue(), queue(), queue(), queue()],
+            timeout: RwLock::new(Duration::from_millis(50)),
+        }
+    }
+}
+
+impl PolicyHost {
+    pub fn installed(&self, kind: PolicyKind) -> bool {
+        self.queues[kind as usize].installed.load(Ordering::Acquire)
+    }
+
+    /// Installs or removes a plugin (the Python side's loader and SIGHUP reload).
+    pub fn set_installed(&self, kind: PolicyKind, on: bool) {
+        self.queues[kind as usize]
+            .installed
+            .store(on, Ordering::Release);
+        if !on {
+            // Questions left behind are answered with the default by their askers' timeouts.
+            let rx = self.queues[kind as usize].rx.lock();
+            while rx.try_recv().is_ok() {}
+        }
+    }
+
+    pub fn set_timeout(&self, t: Duration) {
+        *self.timeout.write() = t;
+    }
+
+    pub fn timeout(&self) -> Duration {
+        *self.timeout.read()
+    }
+
+    pub fn stats(&self, kind: PolicyKind) -> &PolicyStats {
+        &self.queues[kind as usize].stats
+    }
+
+    fn post(&self, kind: PolicyKind, question: Question) -> Option<Arc<Slot>> {
+        let q = &self.queues[kind as usize];
+        if !q.installed.load(Ordering::Acquire) {
+            return None;
+        }
+        let slot = Arc::new(Slot::default());
+        let call = Call {
+            kind,
+            question,
+            posted: Instant::now(),
+            slot: slot.clone(),
+        };
+        q.stats.calls.fetch_add(1, Ordering::Relaxed);
+        match q.tx.try_send(call) {
+            Ok(()) => Some(slot),
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                q.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn settle(&self, kind: PolicyKind, slot: &Slot, started: Instant) -> Answer {
+        let q = &self.queues[kind as usize];
+        match slot.answer.lock().take() {
+            Some(a) => {
+                q.stats
+                    .answer_micros
+                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                a
+            }
+            None => {
+                q.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                Answer::Default
+            }
+        }
+    }
+
+    /// Asks the plugin and waits (without blocking the thread) up to the timeout.
+    pub async fn ask(&self, kind: PolicyKind, question: Question) -> Answer {
+        let started = Instant::now();
+        let Some(slot) = self.post(kind, question) else {
+            return Answer::Default;
+        };
+        let _ = tokio::time::timeout(self.timeout(), slot.notify.notified()).await;
+        self.settle(kind, &slot, started)
+    }
+
+    /// Asks the plugin and blocks this (non-I/O) thread up to the timeout.
+    pub fn ask_blocking(&self, kind: PolicyKind, question: Question) -> Answer {
+        let started = Instant::now();
+        let Some(slot) = self.post(kind, question) else {
+            return Answer::Default;
+        };
+        let deadline = started + self.timeout();
+        let mut answer = slot.answer.lock();
+        while answer.is_none() {
+            if slot.ready.wait_until(&mut answer, deadline).timed_out() {
+                break;
+            }
+        }
+        drop(answer);
+        self.settle(kind, &slot, started)
+    }
+
+    /// The plugin thread's side: the next question, waiting up to `wait`.
+    pub fn next_call(&self, kind: PolicyKind, wait: Duration) -> Option<Call> {
+        let rx = self.queues[kind as usize].rx.lock();
+        match rx.recv_timeout(wait) {
+            Ok(c) => Some(c),
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
+    /// The plugin raised (or answered with something unusable): counted; the asker gets the
+    /// default.
+    pub fn count_error(&self, kind: PolicyKind) {
+        self.queues[kind as usize]
+            .stats
+            .errors
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The engine's cursor-drop policy: a SlowConsumerPolicy plugin when one is installed, else
+/// the native choice (the cursors pinning the most memory).
+pub struct PluginDropPolicy(pub Arc<PolicyHost>);
+
+impl CursorDropPolicy for PluginDropPolicy {
+    fn choose(&self, over_by: usize, candidates: &[CursorInfo]) -> Vec<(u16, u16, CursorId)> {
+        if self.0.installed(PolicyKind::SlowConsumer) {
+            let q = Question::SlowConsumer {
+                over_by,
+                candidates: candidates.to_vec(),
+            };
+            if let Answer::Drop(ids) = self.0.ask_blocking(PolicyKind::SlowConsumer, q) {
+                return candidates
+                    .iter()
+                    .filter(|c| ids.contains(&c.id))
+                    .map(|c| (c.bucket, c.vbucket, c.id))
+                    .collect();
+            }
+        }
+        DropSlowest.choose(over_by, candidates)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_is_queued_without_a_plugin() {
+        let host = PolicyHost::default();
+        let a = host.ask_blocking(PolicyKind::Ack, Question::Ack(AckStats::default()));
+        assert!(matches!(a, Answer::Default));
+        assert_eq!(host.stats(PolicyKind::Ack).calls.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn an_answer_in_time_is_used_and_a_late_one_is_a_timeout() {
+        let host = Arc::new(PolicyHost::default());
+        host.set_installed(PolicyKind::Ack, true);
+        host.set_timeout(Duration::from_millis(200));
+        let h = host.clone();
+        let plugin = std::thread::spawn(move || {
+            let c = h
+                .next_call(PolicyKind::Ack, Duration::from_secs(5))
+                .unwrap();
+            c.answer(Answer::Ack {
+                interval: 7,
+                window: 9,
+            });
+            let c = h
+                .next_call(PolicyKind::Ack, Duration::from_secs(5))
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(400));
+            c.answer(Answer::Ack {
+                interval: 1,
+                window: 1,
+            });
+        });
+        let a = host.ask_blocking(PolicyKind::Ack, Question::Ack(AckStats::default()));
+        assert!(matches!(
+            a,
+            Answer::Ack {
+                interval: 7,
+                window: 9
+            }
+        ));
+        let a = host.ask_blocking(PolicyKind::Ack, Question::Ack(AckStats::default()));
+        assert!(matches!(a, Answer::Default));
+        plugin.join().unwrap();
+        let s = host.stats(PolicyKind::Ack);
+        assert_eq!(s.calls.load(Ordering::Relaxed), 2);
+        assert_eq!(s.timeouts.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn prefix_rules() {
+        let d = FilterDecision::Prefixes {
+            drop: vec![b"tmp:".to_vec()],
+            strip: vec![b"big:".to_vec()],
+        };
+        assert_eq!(d.action(0, b"tmp:1"), action::DROP);
+        assert_eq!(d.action(0, b"big:1"), action::STRIP_VALUE);
+        assert_eq!(d.action(0, b"user:1"), action::KEEP);
+    }
+}
