@@ -117,7 +117,7 @@ def item_state(engine: sluice.EmbeddedEngine, key: bytes, bucket: str = "default
 class Node:
     """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded."""
 
-    def __init__(self, data_dir: Path, *args: str) -> None:
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         import queue
         import threading
 
@@ -126,7 +126,7 @@ class Node:
             cmd += ["--listen", "127.0.0.1:0"]
         if "--admin-listen" not in args:
             cmd += ["--admin-listen", "127.0.0.1:0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

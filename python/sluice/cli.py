@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from sluice import _native, systemd
-from sluice.config import Config, example_toml, hash_password, is_loopback, load_config, reference
+from sluice.config import ENGINE_KEYS, Config, example_toml, hash_password, is_loopback, load_config, reference
+from sluice.policy import PluginError, PluginRunner
 
 log = logging.getLogger("sluice")
 
@@ -70,6 +71,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except _native.SluiceError:
         engine.close()
         raise
+    plugins = PluginRunner(server)
+    try:
+        plugins.apply(cfg.plugins())
+    except PluginError as e:
+        server.stop()
+        engine.close()
+        raise _native.ConfigError(f"invalid config: policy: {e}") from None
     report = engine.recovery_report()
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
@@ -94,23 +102,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
             systemd.notify("WATCHDOG=1")
         if reload.is_set():
             reload.clear()
-            cfg = _reload(args, cfg, server)
+            cfg = _reload(args, cfg, server, plugins)
     systemd.notify("STOPPING=1", "STATUS=finishing requests and flushing the WAL")
+    plugins.stop()
     server.stop()
     engine.close()
     log.info("stopped cleanly")
     return EXIT_OK
 
 
-def _reload(args: argparse.Namespace, current: Config, server: _native.Server) -> Config:
-    """SIGHUP: re-reads the configuration. Users and their permissions change at once; every
-    other change is logged as waiting for a restart; a file that no longer validates is reported
-    and ignored."""
+def _reload(args: argparse.Namespace, current: Config, server: _native.Server, plugins: PluginRunner) -> Config:
+    """SIGHUP: re-reads the configuration. Users and their permissions change at once, policy
+    plugins are re-imported and replaced, and policy.timeout applies; every other change is
+    logged as waiting for a restart; a file that no longer validates is reported and ignored."""
     try:
         new = _load(args)
-    except _native.ConfigError as e:
+        plugins.apply(new.plugins(), reload=True)
+    except (_native.ConfigError, PluginError) as e:
         log.error("reload: the configuration is not valid, keeping the running one: %s", e)
         return current
+    live = {k.name for k in ENGINE_KEYS if k.plugin} | {"policy.timeout"}
+    server.policy_set_timeout(new.values["policy.timeout"])
+    current = dataclasses.replace(current, values={**current.values, **{k: new.values[k] for k in live}})
     if new.users != current.users:
         server.set_users(new.user_list())
         added, removed = (

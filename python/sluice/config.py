@@ -121,6 +121,7 @@ class Key:
     check: Callable[[Any], str | None] | None = None
     native: str | None = None  # keyword of the native settings object, when it differs
     server: bool = False  # a setting of the network server, not of the engine
+    plugin: bool = False  # a policy plugin's import path, loaded on the Python side
 
     def value(self, path: str, raw: Any) -> Any:
         v = self.parse(path, raw)
@@ -333,6 +334,117 @@ ENGINE_KEYS += [
     ),
 ]
 
+def _plugin(kind: str) -> Callable[[str, Any], str]:
+    def parse(path: str, v: Any) -> str:
+        text = _str(path, v)
+        if text:
+            from sluice.policy import PluginError, load_plugin
+
+            try:
+                load_plugin(kind, text)
+            except PluginError as e:
+                raise _fail(path, str(e)) from None
+        return text
+
+    return parse
+
+
+ENGINE_KEYS += [
+    Key(
+        "tap.ack_interval",
+        _int,
+        1000,
+        "A TAP connection with SUPPORT_ACK asks for an ACK every this many messages (and on the "
+        "last one before it goes idle); an AckPolicy plugin may change it per connection.",
+        "integer",
+        _between(1, 1_000_000),
+        native="tap_ack_interval",
+        server=True,
+    ),
+    Key(
+        "tap.ack_window",
+        _int,
+        10_000,
+        "A TAP connection pauses while this many messages are unacknowledged.",
+        "integer",
+        _between(1, 10_000_000),
+        native="tap_ack_window",
+        server=True,
+    ),
+    Key(
+        "tap.grace_period",
+        parse_duration,
+        300.0,
+        "How long a named TAP session with SUPPORT_ACK outlives its connection: a reconnect under "
+        "the same name (and flags) within it gets every unacknowledged message again; later, it "
+        "starts over. A RetransmitPolicy plugin may decide per session.",
+        "duration",
+        _between(0, 86400 * 7),
+        native="tap_grace_period",
+        server=True,
+    ),
+    Key(
+        "tap.backoff",
+        parse_duration,
+        1.0,
+        "How long a TAP connection waits before sending again after a TMPFAIL or BUSY answer.",
+        "duration",
+        _between(0, 3600),
+        native="tap_backoff",
+        server=True,
+    ),
+    Key(
+        "tap.ttl",
+        _int,
+        1,
+        "Hops a change written on this node is sent with over TAP. A node applying a TAP feed "
+        "sends each change on with one hop less, and not at all at 0: this stops loops between "
+        "nodes that tap each other.",
+        "integer",
+        _between(1, 31),
+        native="tap_ttl",
+        server=True,
+    ),
+    Key(
+        "policy.timeout",
+        parse_duration,
+        0.05,
+        "How long the server waits for a policy plugin's answer before it uses the native default.",
+        "duration",
+        _between(0.001, 10),
+        native="policy_timeout",
+        server=True,
+    ),
+]
+ENGINE_KEYS += [
+    Key(
+        f"policy.{kind}",
+        _plugin(kind),
+        "",
+        f'Import path ("package.module:Class") of a {base} plugin (sluice.policy); "" uses the '
+        f"native default. Loaded at start, reloaded on SIGHUP. {what}",
+        "string",
+        server=True,
+        plugin=True,
+    )
+    for kind, base, what in [
+        ("ack", "AckPolicy", "Decides TAP ACK interval and window per round trip."),
+        (
+            "retransmit",
+            "RetransmitPolicy",
+            "Decides a dropped TAP session's grace, whether it gets its messages again, and the "
+            "back-off after TMPFAIL/BUSY.",
+        ),
+        (
+            "slow_consumer",
+            "SlowConsumerPolicy",
+            "Decides which cursors (DCP and TAP streams) are dropped when checkpoint memory is over "
+            "its quota.",
+        ),
+        ("filter", "StreamFilter", "Judges each batch of a TAP stream: keep, drop or strip values."),
+    ]
+]
+
 BUCKET_KEYS: list[Key] = [
     Key(
         "num_vbuckets",
@@ -470,7 +582,9 @@ class Config:
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
         out = {
-            (k.native or k.name): self.values[k.name] for k in ENGINE_KEYS if k.server and k.name != "listen"
+            (k.native or k.name): self.values[k.name]
+            for k in ENGINE_KEYS
+            if k.server and not k.plugin and k.name != "listen"
         }
         out["replica_of"] = out["replica_of"] or None
         out["replication_user"] = out["replication_user"] or None
@@ -482,6 +596,10 @@ class Config:
             except OSError as e:
                 raise _fail("replication.password_file", f"cannot read {pw_file}: {e.strerror}") from None
         return out
+
+    def plugins(self) -> dict[str, str]:
+        """The configured policy plugins: {kind: import path}."""
+        return {k.name.split(".", 1)[1]: self.values[k.name] for k in ENGINE_KEYS if k.plugin and self.values[k.name]}
 
     @property
     def data_dir(self) -> Path:
