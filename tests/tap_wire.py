@@ -122,5 +122,14 @@ class TapClient:
             return True
         return False  # a message arrived, or the connection closed
 
+    def drain(self, quiet: float = 0.5) -> list[Message]:
+        """Every message until none comes for `quiet` seconds."""
+        out = []
+        while True:
+            try:
+                out.append(self.next(timeout=quiet))
+            except (TimeoutError, socket.timeout):
+                return out
+
     def close(self) -> None:
         self.sock.close()

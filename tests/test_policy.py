@@ -1,0 +1,233 @@
+"""Python policy plugins in a real `sluice serve`: one that raises, one that sleeps past its
+timeout, one that changes the ACK interval while the stream runs, one that drops a key prefix,
+a SlowConsumerPolicy choosing which cursor goes, and SIGHUP swapping a plugin; each seen on the
+wire and in /metrics while the daemon keeps serving. Then configuration errors: one message
+each and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import struct
+import time
+import urllib.request
+from pathlib import Path
+
+import bmemcached
+import pytest
+from helpers import Node, run_cli
+from tap_wire import BACKFILL, MUTATION, SUPPORT_ACK, TapClient, ack
+
+import sluice
+
+PLUGINS = '''
+import time
+from sluice.policy import AckPolicy, Prefixes, RetransmitPolicy, SlowConsumerPolicy, StreamFilter, DROP, KEEP
+
+
+class Raising(AckPolicy):
+    def on_ack(self, stats):
+        raise RuntimeError("plugin bug")
+
+
+class Sleepy(StreamFilter):
+    def filter(self, batch):
+        time.sleep(1.0)
+        return DROP  # too late: the default (keep everything) was used
+
+
+class EveryThird(AckPolicy):
+    """Asks for an ACK every 3 messages once it has seen 2 ACKs."""
+
+    def on_ack(self, stats):
+        return (3, 1000) if stats.acked_total >= 2 else None
+
+
+class NoTmp(StreamFilter):
+    def filter(self, batch):
+        return bytes(DROP if k.startswith(b"tmp:") else KEEP for k in batch.keys)
+
+
+class NoSession(StreamFilter):
+    def filter(self, batch):
+        return Prefixes(drop=(b"session:",))
+
+
+class ShortGrace(RetransmitPolicy):
+    def on_disconnect(self, connection, unacked):
+        return (0.0, False)
+'''
+
+
+def metric(node: Node, name: str, policy: str | None = None) -> float:
+    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    label = f'{{policy="{policy}"}}' if policy else ""
+    m = re.search(rf"^{re.escape(name + label)} (\S+)$", text, re.M)
+    assert m, f"{name}{label} not in /metrics"
+    return float(m.group(1))
+
+
+def start(tmp_path: Path, name: str, policy: dict[str, str], tap: str = "") -> tuple[Node, Path]:
+    (tmp_path / "myplugins.py").write_text(PLUGINS)
+    cfg = tmp_path / f"{name}.toml"
+    lines = ["[snapshot]", "interval = 0", "[buckets.default]", "num_vbuckets = 8", "[tap]", tap, "[policy]"]
+    lines += [f'{k} = "{v}"' for k, v in policy.items()]
+    cfg.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return Node(tmp_path / name, "--config", str(cfg), env=env), cfg
+
+
+def write(node: Node, keys: list[str]) -> None:
+    mc = bmemcached.Client([node.address])
+    for k in keys:
+        mc.set(k, b"value")
+
+
+def stream_keys(node: Node, n: int, flags: int = 0) -> set[bytes]:
+    """The keys of the first `n` changes of a TAP stream of everything."""
+    c = TapClient((node.host, node.port), b"", flags | BACKFILL, struct.pack(">Q", 0))
+    msgs = c.mutations_until(n, timeout=10)
+    c.close()
+    return {m.key for m in msgs if m.opcode == MUTATION}
+
+
+def test_a_raising_plugin_is_counted_and_the_stream_goes_on(tmp_path: Path) -> None:
+    n, _ = start(tmp_path, "raise", {"ack": "myplugins:Raising"}, "ack_interval = 5")
+    try:
+        write(n, [f"k{i}" for i in range(200)])
+        assert len(stream_keys(n, 200, SUPPORT_ACK)) == 200
+        deadline = time.monotonic() + 10
+        while metric(n, "sluice_policy_errors_total", "ack") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(n, "sluice_policy_errors_total", "ack") >= 1
+        assert metric(n, "sluice_policy_calls_total", "ack") >= 1
+        assert "plugin bug" in "".join(n.lines) or n.wait_for("plugin bug", timeout=5)
+        assert bmemcached.Client([n.address]).get("k1") == b"value", "the daemon keeps serving"
+    finally:
+        assert n.stop() == 0
+
+
+def test_a_plugin_past_its_timeout_gets_the_default(tmp_path: Path) -> None:
+    n, _ = start(tmp_path, "sleep", {"filter": "myplugins:Sleepy"})
+    try:
+        keys = [f"s{i}" for i in range(50)]
+        write(n, keys)
+        started = time.monotonic()
+        assert stream_keys(n, 50) == {k.encode() for k in keys}, "kept: the default"
+        assert time.monotonic() - started < 5
+        assert metric(n, "sluice_policy_timeouts_total", "filter") >= 1
+    finally:
+        n.stop()
+
+
+def test_an_ack_policy_changes_the_interval_at_run_time(tmp_path: Path) -> None:
+    n, _ = start(tmp_path, "interval", {"ack": "myplugins:EveryThird"}, "ack_interval = 20\nack_window = 20")
+    try:
+        write(n, [f"i{i:04d}" for i in range(400)])
+        c = TapClient((n.host, n.port), b"", SUPPORT_ACK | BACKFILL, struct.pack(">Q", 0))
+        gaps, since = [], 0
+        for m in c.mutations_until(400):
+            since += 1
+            if m.wants_ack:
+                gaps.append(since)
+                since = 0
+                ack(c.sock, m)
+                time.sleep(0.05)  # a round trip: the policy's answer lands before the next batch
+        c.close()
+        assert gaps[0] == 20, gaps
+        assert gaps[-10:].count(3) >= 8, f"every third message asks once the policy says so: {gaps}"
+        assert metric(n, "sluice_policy_calls_total", "ack") >= 2
+    finally:
+        n.stop()
+
+
+@pytest.mark.parametrize("plugin", ["NoTmp", "NoSession"])
+def test_a_filter_drops_a_key_prefix(tmp_path: Path, plugin: str) -> None:
+    prefix = "tmp:" if plugin == "NoTmp" else "session:"
+    n, _ = start(tmp_path, plugin, {"filter": f"myplugins:{plugin}"})
+    try:
+        kept = [f"user:{i}" for i in range(100)]
+        write(n, kept + [f"{prefix}{i}" for i in range(100)])
+        got = stream_keys(n, 100)
+        c = TapClient((n.host, n.port), b"", BACKFILL, struct.pack(">Q", 0))
+        c.mutations_until(100)
+        assert not [m.key for m in c.drain() if m.opcode == MUTATION], "nothing beyond the kept keys"
+        c.close()
+        assert got == {k.encode() for k in kept}
+        assert metric(n, "sluice_tap_filtered_total") >= 200
+        assert metric(n, "sluice_policy_installed", "filter") == 1
+    finally:
+        n.stop()
+
+
+def test_sighup_replaces_and_removes_plugins(tmp_path: Path) -> None:
+    n, cfg = start(tmp_path, "hup", {})
+    try:
+        write(n, ["tmp:1", "user:1"])
+        assert stream_keys(n, 2) == {b"tmp:1", b"user:1"}
+        cfg.write_text(cfg.read_text() + 'filter = "myplugins:NoTmp"\n')
+        n.proc.send_signal(signal.SIGHUP)
+        n.wait_for("policy filter: myplugins:NoTmp")
+        assert stream_keys(n, 1) == {b"user:1"}
+        assert metric(n, "sluice_policy_installed", "filter") == 1
+        cfg.write_text(cfg.read_text().replace('filter = "myplugins:NoTmp"\n', ""))
+        n.proc.send_signal(signal.SIGHUP)
+        n.wait_for("policy filter: back to the native default")
+        assert metric(n, "sluice_policy_installed", "filter") == 0
+        assert stream_keys(n, 2) == {b"tmp:1", b"user:1"}
+    finally:
+        assert n.stop() == 0
+
+
+def test_a_retransmit_policy_decides_the_grace(tmp_path: Path) -> None:
+    n, _ = start(tmp_path, "grace", {"retransmit": "myplugins:ShortGrace"}, 'grace_period = "1h"')
+    try:
+        write(n, [f"g{i}" for i in range(10)])
+        c = TapClient((n.host, n.port), b"named", SUPPORT_ACK | BACKFILL, struct.pack(">Q", 0))
+        c.mutations_until(10, auto_ack=False)
+        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+        deadline = time.monotonic() + 10
+        while metric(n, "sluice_tap_sessions_expired_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(n, "sluice_tap_sessions_expired_total") == 1, "a grace of 0 instead of 1 h"
+    finally:
+        n.stop()
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[tap]\nttl = "three"\n', "tap.ttl: expected an integer, got str 'three'"),
+        ("[tap]\nack_intervall = 5\n", "tap.ack_intervall: unknown key"),
+        ('[policy]\nack = "no_such_module:Policy"\n', "policy.ack: cannot import module 'no_such_module'"),
+        ('[policy]\nfilter = "sluice.policy:AckPolicy"\n', "is not a subclass of sluice.policy.StreamFilter"),
+        ("[tap]\nttl = 40\n", "tap.ttl: 40 is not in 1..31"),
+    ],
+)
+def test_config_errors_name_the_key_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
+    cfg = _config(tmp_path, text)
+    for args in (["config", "check", str(cfg)], ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")]):
+        r = run_cli(*args)
+        assert r.returncode == 2, r
+        assert message in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1, f"one clear message: {r.stderr}"
+
+
+def test_the_base_classes_decide_nothing() -> None:
+    from sluice import policy
+
+    assert policy.AckPolicy().on_ack(policy.AckStats("c", 0.1, 0, 0, 0, 1, 1)) is None
+    assert policy.StreamFilter().filter(policy.FilterBatch({"connection": "c", "value_bytes": 0, "keys": b"ab", "key_ends": struct.pack("<I", 2), "vbuckets": struct.pack("<H", 1)})) is None
+    b = policy.FilterBatch({"connection": "c", "value_bytes": 3, "keys": b"abcde", "key_ends": struct.pack("<II", 2, 5), "vbuckets": struct.pack("<HH", 1, 7)})
+    assert b.keys == [b"ab", b"cde"] and list(b.vbuckets) == [1, 7] and len(b) == 2
+    assert sluice.policy.load_plugin("ack", "sluice.policy:AckPolicy").on_ack is not None
