@@ -126,7 +126,9 @@ class Node:
             cmd += ["--listen", "127.0.0.1:0"]
         if "--admin-listen" not in args:
             cmd += ["--admin-listen", "127.0.0.1:0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -79,13 +79,24 @@ def as_command(m: Message) -> bytes:
     if m.opcode == MUTATION:
         extras += struct.pack(">II", m.item_flags, m.expiry)
     body = extras + m.engine_specific + m.key + m.value
-    return HEADER.pack(0x80, m.opcode, len(m.key), len(extras), 0, m.vbucket, len(body), m.opaque, m.cas) + body
+    return (
+        HEADER.pack(0x80, m.opcode, len(m.key), len(extras), 0, m.vbucket, len(body), m.opaque, m.cas) + body
+    )
 
 
 class TapClient:
     """A TAP client on a socket: reads messages, acknowledges those that ask (unless told not to)."""
 
-    def __init__(self, address: tuple[str, int], name: bytes, flags: int = 0, body: bytes = b"", *, extras_len: int = 4, raw: bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        name: bytes,
+        flags: int = 0,
+        body: bytes = b"",
+        *,
+        extras_len: int = 4,
+        raw: bytes | None = None,
+    ) -> None:
         self.sock = socket.create_connection(address, timeout=10)
         self.sock.sendall(raw if raw is not None else connect_frame(name, flags, body, extras_len))
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import bmemcached
 import pytest
+import sluice
 from helpers import Node, run_cli
 from tap_wire import BACKFILL, MUTATION, SUPPORT_ACK, TapClient, ack
-
-import sluice
 
 PLUGINS = '''
 import time
@@ -216,7 +215,10 @@ def _config(tmp_path: Path, text: str) -> Path:
 )
 def test_config_errors_name_the_key_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
     cfg = _config(tmp_path, text)
-    for args in (["config", "check", str(cfg)], ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")]):
+    for args in (
+        ["config", "check", str(cfg)],
+        ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")],
+    ):
         r = run_cli(*args)
         assert r.returncode == 2, r
         assert message in r.stderr, r.stderr
@@ -227,7 +229,28 @@ def test_the_base_classes_decide_nothing() -> None:
     from sluice import policy
 
     assert policy.AckPolicy().on_ack(policy.AckStats("c", 0.1, 0, 0, 0, 1, 1)) is None
-    assert policy.StreamFilter().filter(policy.FilterBatch({"connection": "c", "value_bytes": 0, "keys": b"ab", "key_ends": struct.pack("<I", 2), "vbuckets": struct.pack("<H", 1)})) is None
-    b = policy.FilterBatch({"connection": "c", "value_bytes": 3, "keys": b"abcde", "key_ends": struct.pack("<II", 2, 5), "vbuckets": struct.pack("<HH", 1, 7)})
+    assert (
+        policy.StreamFilter().filter(
+            policy.FilterBatch(
+                {
+                    "connection": "c",
+                    "value_bytes": 0,
+                    "keys": b"ab",
+                    "key_ends": struct.pack("<I", 2),
+                    "vbuckets": struct.pack("<H", 1),
+                }
+            )
+        )
+        is None
+    )
+    b = policy.FilterBatch(
+        {
+            "connection": "c",
+            "value_bytes": 3,
+            "keys": b"abcde",
+            "key_ends": struct.pack("<II", 2, 5),
+            "vbuckets": struct.pack("<HH", 1, 7),
+        }
+    )
     assert b.keys == [b"ab", b"cde"] and list(b.vbuckets) == [1, 7] and len(b) == 2
     assert sluice.policy.load_plugin("ack", "sluice.policy:AckPolicy").on_ack is not None

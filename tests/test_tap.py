@@ -16,6 +16,7 @@ from pathlib import Path
 
 import bmemcached
 import pytest
+import sluice
 from helpers import Node
 from tap_wire import (
     BACKFILL,
@@ -40,12 +41,12 @@ from tap_wire import (
 )
 from test_server_protocol import read_response, request, set_extras
 
-import sluice
-
 NUM_VBUCKETS = 8
 
 
-def start(tmp_path: Path, name: str, tap: dict | None = None, extra: str = "", env: dict | None = None) -> Node:
+def start(
+    tmp_path: Path, name: str, tap: dict | None = None, extra: str = "", env: dict | None = None
+) -> Node:
     lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}", "[tap]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in (tap or {}).items()]
     cfg = tmp_path / f"{name}.toml"
@@ -70,9 +71,7 @@ def docs(messages: list) -> list:
 
 
 SEED_PLAIN = bytes(
-    [0x80, 0x40, 0x00, 0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05]
-    + [0x00] * 12
-    + list(b"node1")
+    [0x80, 0x40, 0x00, 0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05] + [0x00] * 12 + list(b"node1")
 )
 # The BACKFILL example as its field table gives it (extras length 8, body 0x15): the dump's
 # header bytes say extras 0 and body 0x0c, which do not add up with the 21 bytes that follow.
@@ -300,11 +299,20 @@ def test_a_temporary_failure_sends_the_message_again_after_the_back_off(tmp_path
 
 def test_takeover_hands_the_vbucket_to_the_tap_client(node: Node) -> None:
     vb = 3
-    keys = [k for k in (f"to-{i}".encode() for i in range(400)) if sluice._native.vbucket_of(k, NUM_VBUCKETS) == vb][:20]
+    keys = [
+        k
+        for k in (f"to-{i}".encode() for i in range(400))
+        if sluice._native.vbucket_of(k, NUM_VBUCKETS) == vb
+    ][:20]
     mc = client(node)
     for k in keys:
         mc.set(k.decode(), b"v")
-    c = TapClient((node.host, node.port), b"taker", BACKFILL | LIST_VBUCKETS | TAKEOVER_VBUCKETS | SUPPORT_ACK, struct.pack(">Q", 0) + vbucket_list(vb))
+    c = TapClient(
+        (node.host, node.port),
+        b"taker",
+        BACKFILL | LIST_VBUCKETS | TAKEOVER_VBUCKETS | SUPPORT_ACK,
+        struct.pack(">Q", 0) + vbucket_list(vb),
+    )
     states, got = [], set()
     while True:
         try:
@@ -346,7 +354,10 @@ def test_hops_stop_a_loop_between_two_nodes_that_tap_each_other(tmp_path: Path) 
         tap.close()
         out.close()
 
-    threads = [threading.Thread(target=relay, args=(a, b, "a->b")), threading.Thread(target=relay, args=(b, a, "b->a"))]
+    threads = [
+        threading.Thread(target=relay, args=(a, b, "a->b")),
+        threading.Thread(target=relay, args=(b, a, "b->a")),
+    ]
     try:
         for t in threads:
             t.start()

@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 
 from sluice import _native, systemd
-from sluice.config import ENGINE_KEYS, Config, example_toml, hash_password, is_loopback, load_config, reference
+from sluice.config import (
+    ENGINE_KEYS,
+    Config,
+    example_toml,
+    hash_password,
+    is_loopback,
+    load_config,
+    reference,
+)
 from sluice.policy import PluginError, PluginRunner
 
 log = logging.getLogger("sluice")
@@ -111,7 +119,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _reload(args: argparse.Namespace, current: Config, server: _native.Server, plugins: PluginRunner) -> Config:
+def _reload(
+    args: argparse.Namespace, current: Config, server: _native.Server, plugins: PluginRunner
+) -> Config:
     """SIGHUP: re-reads the configuration. Users and their permissions change at once, policy
     plugins are re-imported and replaced, and policy.timeout applies; every other change is
     logged as waiting for a restart; a file that no longer validates is reported and ignored."""

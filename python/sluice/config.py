@@ -334,6 +334,7 @@ ENGINE_KEYS += [
     ),
 ]
 
+
 def _plugin(kind: str) -> Callable[[str, Any], str]:
     def parse(path: str, v: Any) -> str:
         text = _str(path, v)
@@ -599,7 +600,11 @@ class Config:
 
     def plugins(self) -> dict[str, str]:
         """The configured policy plugins: {kind: import path}."""
-        return {k.name.split(".", 1)[1]: self.values[k.name] for k in ENGINE_KEYS if k.plugin and self.values[k.name]}
+        return {
+            k.name.split(".", 1)[1]: self.values[k.name]
+            for k in ENGINE_KEYS
+            if k.plugin and self.values[k.name]
+        }
 
     @property
     def data_dir(self) -> Path:

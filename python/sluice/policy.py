@@ -257,7 +257,9 @@ class PluginRunner:
             self._plugins[kind] = plugin
             self._paths[kind] = paths[kind]
             if kind not in self._threads:
-                t = threading.Thread(target=self._serve, args=(kind,), name=f"sluice-policy-{kind}", daemon=True)
+                t = threading.Thread(
+                    target=self._serve, args=(kind,), name=f"sluice-policy-{kind}", daemon=True
+                )
                 self._threads[kind] = t
                 t.start()
             self._server.policy_install(kind, True)
@@ -289,4 +291,6 @@ class PluginRunner:
                 now = time.monotonic()
                 if now - self._last_error.get(kind, -1e9) >= 10:
                     self._last_error[kind] = now
-                    log.exception("policy %s (%s) raised; the native default was used", kind, self._paths[kind])
+                    log.exception(
+                        "policy %s (%s) raised; the native default was used", kind, self._paths[kind]
+                    )
