@@ -33,6 +33,7 @@ __all__ = [
     "WalFailedError",
     "__version__",
     "bench",
+    "tap_drain",
     "vbucket_of",
     "vbucket_positions",
     "wal_dump",
@@ -349,3 +350,13 @@ def vbucket_positions(
 ) -> list[tuple[int, int, list[tuple[int, int]]]]: ...
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...
+def tap_drain(
+    target: str,
+    *,
+    name: bytes = b"",
+    flags: int = 0,
+    backfill_since: int | None = None,
+    vbuckets: list[int] | None = None,
+    count: int = 0,
+    timeout: float = 60.0,
+) -> dict[str, Any]: ...

@@ -1093,6 +1093,52 @@ fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
     .map_err(to_py)
 }
 
+/// Reads a TAP stream natively (acknowledging what asks) until `count` changes arrived (0: until
+/// the server closes it) or `timeout` passes; for benchmarks. Returns counts and seconds.
+#[pyfunction]
+#[pyo3(signature = (target, *, name=b"".to_vec(), flags=0, backfill_since=None, vbuckets=None, count=0, timeout=60.0))]
+#[allow(clippy::too_many_arguments)]
+fn tap_drain<'py>(
+    py: Python<'py>,
+    target: &str,
+    name: Vec<u8>,
+    flags: u32,
+    backfill_since: Option<u64>,
+    vbuckets: Option<Vec<u16>>,
+    count: u64,
+    timeout: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    use sluice_proto::tap::{connect_flag, TapConnect};
+    let mut flags = flags;
+    if backfill_since.is_some() {
+        flags |= connect_flag::BACKFILL;
+    }
+    if vbuckets.is_some() {
+        flags |= connect_flag::LIST_VBUCKETS;
+    }
+    let connect = TapConnect {
+        name,
+        flags,
+        backfill_since,
+        vbuckets,
+        checkpoints: Vec::new(),
+    };
+    let addr = socket_addr("target", target)?;
+    let timeout = secs("timeout", timeout)?;
+    let r = py
+        .allow_threads(|| sluice_server::tap::client::drain(addr, &connect, count, timeout))
+        .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
+    let d = PyDict::new(py);
+    d.set_item("messages", r.messages)?;
+    d.set_item("mutations", r.mutations)?;
+    d.set_item("deletions", r.deletions)?;
+    d.set_item("acks_sent", r.acks_sent)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("closed", r.closed)?;
+    Ok(d)
+}
+
 /// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
@@ -1198,6 +1244,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dcp::vbucket_positions, m)?)?;
     m.add_function(wrap_pyfunction!(wal_dump, m)?)?;
     m.add_function(wrap_pyfunction!(run_bench, m)?)?;
+    m.add_function(wrap_pyfunction!(tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(vbucket_of, m)?)?;
     for (name, ty) in [
         ("SluiceError", py.get_type::<SluiceError>()),

@@ -29,10 +29,15 @@ pub struct PolicyCall {
     host: Arc<PolicyHost>,
 }
 
-fn le_bytes<T: Copy>(py: Python<'_>, v: &[T], to: impl Fn(T) -> Vec<u8>) -> Py<PyBytes> {
-    let mut out = Vec::with_capacity(v.len() * 4);
+/// Numbers packed little-endian into one bytes object (Python reads it with memoryview.cast).
+fn le_bytes<const N: usize, T: Copy>(
+    py: Python<'_>,
+    v: &[T],
+    to: impl Fn(T) -> [u8; N],
+) -> Py<PyBytes> {
+    let mut out = Vec::with_capacity(v.len() * N);
     for x in v {
-        out.extend(to(*x));
+        out.extend_from_slice(&to(*x));
     }
     PyBytes::new(py, &out).unbind()
 }
@@ -97,14 +102,8 @@ impl PolicyCall {
             Question::Filter(b) => {
                 d.set_item("connection", &b.connection)?;
                 d.set_item("keys", PyBytes::new(py, &b.keys))?;
-                d.set_item(
-                    "key_ends",
-                    le_bytes(py, &b.key_ends, |x| x.to_le_bytes().to_vec()),
-                )?;
-                d.set_item(
-                    "vbuckets",
-                    le_bytes(py, &b.vbuckets, |x| x.to_le_bytes().to_vec()),
-                )?;
+                d.set_item("key_ends", le_bytes(py, &b.key_ends, u32::to_le_bytes))?;
+                d.set_item("vbuckets", le_bytes(py, &b.vbuckets, u16::to_le_bytes))?;
                 d.set_item("value_bytes", b.value_bytes)?;
             }
         }

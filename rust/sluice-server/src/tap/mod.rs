@@ -1,9 +1,10 @@
 //! TAP over mcbp (seed 000): the producer a connection becomes after TAP_CONNECT (`producer`),
 //! the named sessions that outlive a dropped connection (`session`), the messages staged from
-//! the vbucket streams and encoded as TAP (`staged`), and a node applying a TAP feed it is
-//! sent (`apply`).
+//! the vbucket streams and encoded as TAP (`staged`), a node applying a TAP feed it is sent
+//! (`apply`), and a native reader for benchmarks (`client`).
 
 pub mod apply;
+pub mod client;
 pub mod producer;
 pub mod session;
 pub mod staged;

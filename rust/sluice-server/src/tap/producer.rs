@@ -38,6 +38,9 @@ use crate::server::Shared;
 const FLUSH_AT: usize = 256 << 10;
 /// What one vbucket stream may stage per turn, so that streams share the connection fairly.
 const TURN_BYTES: usize = 64 << 10;
+/// A round's staging budget when a StreamFilter judges it: larger, so that the plugin's round
+/// trip is paid once per few thousand changes.
+const FILTERED_ROUND_BYTES: usize = 1 << 20;
 /// How long a new connection waits for the old holder of its name to give the session up.
 const TAKE_NAME_WAIT: Duration = Duration::from_secs(2);
 
@@ -293,10 +296,10 @@ impl TapSession {
 
     /// Stages the streams' next changes in turns until the budget or the window is used up.
     /// Returns whether any stream had something.
-    fn stage(&mut self, engine: &Engine, staged: &mut Staged) -> bool {
+    fn stage(&mut self, engine: &Engine, staged: &mut Staged, budget: usize) -> bool {
         let mut any = false;
         let mut idle_round = false;
-        while !idle_round && staged.data.len() < FLUSH_AT && !self.streams.is_empty() {
+        while !idle_round && staged.data.len() < budget && !self.streams.is_empty() {
             idle_round = true;
             let order: Vec<u16> = self
                 .streams
@@ -306,7 +309,7 @@ impl TapSession {
                 .collect();
             for vb in order {
                 let room = self.window as usize - self.unacked.len().min(self.window as usize);
-                if staged.data.len() >= FLUSH_AT
+                if staged.data.len() >= budget
                     || (self.supports_ack() && staged.events.len() >= room)
                 {
                     self.turn = vb;
@@ -348,9 +351,15 @@ impl TapSession {
         }
         staged.clear();
         let engine = shared.engine.clone();
-        self.stage(&engine, staged);
         let policies = &shared.policies;
-        let decision = if staged.docs() > 0 && policies.installed(PolicyKind::Filter) {
+        let filtered = policies.installed(PolicyKind::Filter);
+        let budget = if filtered {
+            FILTERED_ROUND_BYTES
+        } else {
+            FLUSH_AT
+        };
+        self.stage(&engine, staged, budget);
+        let decision = if filtered && staged.docs() > 0 {
             let batch = staged.filter_batch(&self.name);
             match policies
                 .ask(PolicyKind::Filter, Question::Filter(batch))
@@ -412,7 +421,7 @@ impl TapSession {
             return true;
         }
         // Caught up with messages not yet covered by an ACK request: the last one asks.
-        let caught_up = staged.data.len() < FLUSH_AT;
+        let caught_up = staged.data.len() < budget;
         if let (true, true, Some((at, end))) = (self.supports_ack(), caught_up, last_message) {
             if self.since_ack > 0 {
                 let seq = u32::from_be_bytes(out[at + 12..at + 16].try_into().expect("4"));
