@@ -38,7 +38,6 @@ from statistics import median
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from replication_bench import SluiceNode, log, run_load  # noqa: E402
-
 from sluice import _native  # noqa: E402
 
 RESULTS = HERE / "results"
