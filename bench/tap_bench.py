@@ -91,7 +91,7 @@ def metric_sum(node: SluiceNode, name: str) -> float:
 
 
 def one_run(node: SluiceNode, items: int) -> dict:
-    r = _native.tap_drain(node.address, name=b"", flags=SUPPORT_ACK | DUMP, timeout=600)
+    r = _native.tap_drain(node.address, flags=SUPPORT_ACK | DUMP, timeout=600)
     if not r["closed"] or r["mutations"] < items:
         raise RuntimeError(f"the dump did not deliver every item: {r}")
     r["items_per_s"] = r["mutations"] / r["seconds"]

@@ -353,7 +353,7 @@ def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...
 def tap_drain(
     target: str,
     *,
-    name: bytes = b"",
+    name: bytes | None = None,
     flags: int = 0,
     backfill_since: int | None = None,
     vbuckets: list[int] | None = None,

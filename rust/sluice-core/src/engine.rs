@@ -805,7 +805,8 @@ impl Engine {
                 value,
                 flags: cur.meta.flags,
                 expiry: cur.meta.expiry,
-                datatype: cur.meta.datatype,
+                // A local change: whatever TAP hops the old value arrived with do not carry over.
+                datatype: cur.meta.datatype & crate::item::DATATYPE_CLIENT_BITS,
             })
         })
         .map(|(r, _)| r)

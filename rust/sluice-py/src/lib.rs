@@ -1096,12 +1096,12 @@ fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
 /// Reads a TAP stream natively (acknowledging what asks) until `count` changes arrived (0: until
 /// the server closes it) or `timeout` passes; for benchmarks. Returns counts and seconds.
 #[pyfunction]
-#[pyo3(signature = (target, *, name=b"".to_vec(), flags=0, backfill_since=None, vbuckets=None, count=0, timeout=60.0))]
+#[pyo3(signature = (target, *, name=None, flags=0, backfill_since=None, vbuckets=None, count=0, timeout=60.0))]
 #[allow(clippy::too_many_arguments)]
 fn tap_drain<'py>(
     py: Python<'py>,
     target: &str,
-    name: Vec<u8>,
+    name: Option<Vec<u8>>,
     flags: u32,
     backfill_since: Option<u64>,
     vbuckets: Option<Vec<u16>>,
@@ -1117,7 +1117,7 @@ fn tap_drain<'py>(
         flags |= connect_flag::LIST_VBUCKETS;
     }
     let connect = TapConnect {
-        name,
+        name: name.unwrap_or_default(),
         flags,
         backfill_since,
         vbuckets,

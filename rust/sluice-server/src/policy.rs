@@ -408,6 +408,39 @@ mod tests {
     }
 
     #[test]
+    fn a_slow_consumer_plugin_chooses_the_cursors_to_drop() {
+        let host = Arc::new(PolicyHost::default());
+        let info = |id, pinned| CursorInfo {
+            bucket: 0,
+            vbucket: 1,
+            id,
+            name: format!("dcp:c{id}:1"),
+            seqno: 0,
+            pinned_bytes: pinned,
+        };
+        let candidates = [info(1, 900), info(2, 10)];
+        let policy = PluginDropPolicy(host.clone());
+        // Native: the cursor pinning the most memory.
+        assert_eq!(policy.choose(100, &candidates), vec![(0, 1, 1)]);
+        host.set_installed(PolicyKind::SlowConsumer, true);
+        host.set_timeout(Duration::from_secs(5));
+        let h = host.clone();
+        let plugin = std::thread::spawn(move || {
+            let c = h
+                .next_call(PolicyKind::SlowConsumer, Duration::from_secs(5))
+                .unwrap();
+            assert!(matches!(
+                c.question,
+                Question::SlowConsumer { over_by: 100, .. }
+            ));
+            c.answer(Answer::Drop(vec![2, 99]));
+        });
+        // The plugin's choice, limited to real candidates.
+        assert_eq!(policy.choose(100, &candidates), vec![(0, 1, 2)]);
+        plugin.join().unwrap();
+    }
+
+    #[test]
     fn prefix_rules() {
         let d = FilterDecision::Prefixes {
             drop: vec![b"tmp:".to_vec()],

@@ -231,7 +231,8 @@ impl TapSession {
     }
 
     /// Gives the messages appended to `out` since `from` their sequence numbers and ACK flags,
-    /// and keeps what needs an ACK. `force_ack` marks a message that always asks for one.
+    /// and keeps what needs an ACK. `force_ack` makes the (last) message ask for one; a
+    /// TAP_VBUCKET_SET always does.
     /// Returns where the last one lies in `out`.
     fn stamp(
         &mut self,
@@ -247,7 +248,10 @@ impl TapSession {
             let end = at + mcbp::HEADER_LEN + body;
             let seq = self.next_seq;
             self.next_seq = self.next_seq.wrapping_add(1).max(1);
-            let ack = force_ack || (self.supports_ack() && self.since_ack + 1 >= self.ack_interval);
+            let vbucket_set = out[at + 1] == opcode::VBUCKET_SET;
+            let ack = force_ack
+                || vbucket_set
+                || (self.supports_ack() && self.since_ack + 1 >= self.ack_interval);
             restamp(&mut out[at..end], seq, ack);
             if ack {
                 self.since_ack = 0;
@@ -257,7 +261,7 @@ impl TapSession {
             if self.supports_ack() || ack {
                 self.unacked.push(seq, &out[at..end]);
             }
-            if force_ack && out[at + 1] == opcode::VBUCKET_SET {
+            if vbucket_set {
                 self.takeover_acks
                     .push((seq, u16::from_be_bytes([out[at + 6], out[at + 7]])));
             }
@@ -278,16 +282,9 @@ impl TapSession {
             };
             let from = out.len();
             out.extend_from_slice(&m);
+            // The last one asks, so the client confirms the whole re-sent run.
             let last = self.resend.is_empty();
-            let was = self.since_ack;
-            if last {
-                // The last one asks, so the client confirms the whole re-sent run.
-                self.since_ack = self.ack_interval;
-            }
-            self.stamp(out, from, false, shared);
-            if !last && was + 1 < self.ack_interval {
-                self.since_ack = was + 1;
-            }
+            self.stamp(out, from, last, shared);
             shared.tap.resent.fetch_add(1, Ordering::Relaxed);
             wrote = true;
         }
@@ -389,10 +386,6 @@ impl TapSession {
             match r {
                 Encoded::Message => {
                     last_message = Some(self.stamp(out, from, false, shared));
-                }
-                Encoded::VbucketState => {
-                    self.stamp(out, from, true, shared);
-                    last_message = None;
                 }
                 Encoded::Skipped(Skip::Filtered) => {
                     shared.tap.filtered.fetch_add(1, Ordering::Relaxed);

@@ -180,8 +180,6 @@ pub enum Encoded {
     Message,
     /// Left out: filtered, before the backfill's time, or out of hops.
     Skipped(Skip),
-    /// A TAP_VBUCKET_SET, which always asks for an ACK.
-    VbucketState,
     Nothing,
 }
 
@@ -255,7 +253,7 @@ pub fn encode(
                 ..Default::default()
             }
             .encode(out);
-            return Encoded::VbucketState;
+            return Encoded::Message;
         }
         Event::End { .. } => return Encoded::Nothing,
         Event::Doc {
