@@ -186,6 +186,11 @@ fn tap_and_policy_metrics(shared: &Shared, o: &mut String) {
             &t.temp_failures,
         ),
         (
+            "sluice_tap_sessions_parked_total",
+            "Named TAP sessions kept after their connection dropped.",
+            &t.parked_sessions,
+        ),
+        (
             "sluice_tap_sessions_resumed_total",
             "TAP reconnects that resumed their session.",
             &t.resumed_sessions,

@@ -25,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::stream::{DcpSink, Encoding, Progress, Stream, Takeover};
+use super::stream::{turn_order, DcpSink, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
 use crate::server::Shared;
 
@@ -529,12 +529,7 @@ impl Producer {
         let mut idle_round = false;
         while !idle_round && out.len() < FLUSH_AT && self.window() > 0 && !self.streams.is_empty() {
             idle_round = true;
-            let order: Vec<u16> = self
-                .streams
-                .range(self.turn..)
-                .chain(self.streams.range(..self.turn))
-                .map(|(vb, _)| *vb)
-                .collect();
+            let order = turn_order(&self.streams, self.turn);
             for vb in order {
                 let window = self.window();
                 if window == 0 || out.len() >= FLUSH_AT {

@@ -91,6 +91,15 @@ fn framed(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) -> usize {
     out.len() - before
 }
 
+/// A connection's vbuckets in the order their streams take turns, starting at `turn`.
+pub fn turn_order(streams: &std::collections::BTreeMap<u16, Stream>, turn: u16) -> Vec<u16> {
+    streams
+        .range(turn..)
+        .chain(streams.range(..turn))
+        .map(|(vb, _)| *vb)
+        .collect()
+}
+
 /// Where a stream's messages go: DCP frames onto the wire, or events a TAP connection encodes
 /// its own way. Each method returns the bytes it used, for the caller's budget.
 pub trait StreamSink {

@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 use super::session::{restamp, Claim, Found, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
-use crate::dcp::stream::{Encoding, Progress, Stream, Takeover};
+use crate::dcp::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
 use crate::policy::{AckStats, Answer, PolicyKind, Question, RetransmitEvent};
 use crate::server::Shared;
@@ -298,12 +298,7 @@ impl TapSession {
         let mut idle_round = false;
         while !idle_round && staged.data.len() < budget && !self.streams.is_empty() {
             idle_round = true;
-            let order: Vec<u16> = self
-                .streams
-                .range(self.turn..)
-                .chain(self.streams.range(..self.turn))
-                .map(|(vb, _)| *vb)
-                .collect();
+            let order = turn_order(&self.streams, self.turn);
             for vb in order {
                 let room = self.window as usize - self.unacked.len().min(self.window as usize);
                 if staged.data.len() >= budget
