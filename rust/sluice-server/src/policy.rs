@@ -160,6 +160,26 @@ struct Slot {
     notify: tokio::sync::Notify,
 }
 
+/// A question posed and not yet collected (see `PolicyHost::pose`).
+pub struct Pending {
+    kind: PolicyKind,
+    /// None: nothing was asked (no plugin, or its queue was full), so the default applies.
+    slot: Option<Arc<Slot>>,
+    deadline: Instant,
+    started: Instant,
+}
+
+impl Pending {
+    /// The plugin's answer, waiting (without blocking the thread) until the deadline.
+    pub async fn answer(self, host: &PolicyHost) -> Answer {
+        let Some(slot) = self.slot else {
+            return Answer::Default;
+        };
+        let _ = tokio::time::timeout_at(self.deadline.into(), slot.notify.notified()).await;
+        host.settle(self.kind, &slot, self.started)
+    }
+}
+
 /// A question in flight, as the plugin thread receives it.
 pub struct Call {
     pub kind: PolicyKind,
@@ -289,12 +309,20 @@ impl PolicyHost {
 
     /// Asks the plugin and waits (without blocking the thread) up to the timeout.
     pub async fn ask(&self, kind: PolicyKind, question: Question) -> Answer {
+        self.pose(kind, question).answer(self).await
+    }
+
+    /// Asks the plugin without waiting: the caller goes on with other work (the next batch)
+    /// and collects the answer later; the timeout counts from now.
+    pub fn pose(&self, kind: PolicyKind, question: Question) -> Pending {
         let started = Instant::now();
-        let Some(slot) = self.post(kind, question) else {
-            return Answer::Default;
-        };
-        let _ = tokio::time::timeout(self.timeout(), slot.notify.notified()).await;
-        self.settle(kind, &slot, started)
+        let slot = self.post(kind, question);
+        Pending {
+            kind,
+            slot,
+            deadline: started + self.timeout(),
+            started,
+        }
     }
 
     /// Asks the plugin and blocks this (non-I/O) thread up to the timeout.

@@ -31,16 +31,15 @@ use super::session::{restamp, Claim, Found, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
 use crate::dcp::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
-use crate::policy::{AckStats, Answer, PolicyKind, Question, RetransmitEvent};
+use crate::policy::{AckStats, Answer, Pending, PolicyKind, Question, RetransmitEvent};
 use crate::server::Shared;
 
-/// Output is written once this much is pending; also a round's staging budget.
-const FLUSH_AT: usize = 256 << 10;
+/// A round's staging budget: output is written once a round is encoded. With a StreamFilter
+/// this is also its batch; larger batches measured slower (the staged round and its output no
+/// longer stay in cache), and the plugin's round trip is hidden by pipelining instead.
+const ROUND_BYTES: usize = 256 << 10;
 /// What one vbucket stream may stage per turn, so that streams share the connection fairly.
 const TURN_BYTES: usize = 64 << 10;
-/// A round's staging budget when a StreamFilter judges it: larger, so that the plugin's round
-/// trip is paid once per few thousand changes.
-const FILTERED_ROUND_BYTES: usize = 1 << 20;
 /// How long a new connection waits for the old holder of its name to give the session up.
 const TAKE_NAME_WAIT: Duration = Duration::from_secs(2);
 
@@ -89,6 +88,17 @@ pub struct TapSession {
     takeover_acks: Vec<(u32, u16)>,
     temp_failures_in_a_row: u32,
     close_sent: bool,
+    /// A round staged and put to the StreamFilter, encoded by the next round: the plugin
+    /// judges it while the connection stages the round after it.
+    ahead: Option<Judged>,
+    /// Staging buffers not in use, kept for their capacity.
+    spare: Vec<Staged>,
+}
+
+/// A staged round and the StreamFilter's pending answer about it.
+struct Judged {
+    staged: Staged,
+    verdict: Option<Pending>,
 }
 
 fn error_reply(out: &mut Vec<u8>, opaque: u32, st: u16, why: &str) {
@@ -205,6 +215,8 @@ impl TapSession {
             takeover_acks: Vec::new(),
             temp_failures_in_a_row: 0,
             close_sent: false,
+            ahead: None,
+            spare: Vec::new(),
         })
     }
 
@@ -291,9 +303,10 @@ impl TapSession {
         wrote
     }
 
-    /// Stages the streams' next changes in turns until the budget or the window is used up.
-    /// Returns whether any stream had something.
-    fn stage(&mut self, engine: &Engine, staged: &mut Staged, budget: usize) -> bool {
+    /// Stages the streams' next changes in turns until the budget or the window is used up
+    /// (`held` messages are staged already, not yet sent). Returns whether any stream had
+    /// something.
+    fn stage(&mut self, engine: &Engine, staged: &mut Staged, budget: usize, held: usize) -> bool {
         let mut any = false;
         let mut idle_round = false;
         while !idle_round && staged.data.len() < budget && !self.streams.is_empty() {
@@ -302,7 +315,7 @@ impl TapSession {
             for vb in order {
                 let room = self.window as usize - self.unacked.len().min(self.window as usize);
                 if staged.data.len() >= budget
-                    || (self.supports_ack() && staged.events.len() >= room)
+                    || (self.supports_ack() && held + staged.events.len() >= room)
                 {
                     self.turn = vb;
                     return any;
@@ -334,34 +347,49 @@ impl TapSession {
         any
     }
 
+    /// Stages a round into a spare buffer and, with a StreamFilter installed, puts its
+    /// documents to the plugin without waiting for the answer.
+    fn stage_judged(&mut self, shared: &Shared, held: usize) -> Judged {
+        let mut staged = self.spare.pop().unwrap_or_default();
+        staged.clear();
+        self.stage(&shared.engine, &mut staged, ROUND_BYTES, held);
+        let policies = &shared.policies;
+        let verdict = (policies.installed(PolicyKind::Filter) && staged.docs() > 0).then(|| {
+            let batch = staged.filter_batch(&self.name);
+            policies.pose(PolicyKind::Filter, Question::Filter(batch))
+        });
+        Judged { staged, verdict }
+    }
+
     /// One round: messages to send again, then the streams' changes (judged by the
     /// StreamFilter, if one is installed), encoded into `out`. Returns whether it wrote.
-    async fn round(&mut self, shared: &Shared, staged: &mut Staged, out: &mut Vec<u8>) -> bool {
+    ///
+    /// With a filter, the round after this one is staged and put to the plugin before this
+    /// one's answer is awaited, so the plugin thinks while the connection works.
+    async fn round(&mut self, shared: &Shared, out: &mut Vec<u8>) -> bool {
         let mut wrote = self.send_again(out, shared);
         if !self.resend.is_empty() || !self.window_open() {
             return wrote;
         }
-        staged.clear();
-        let engine = shared.engine.clone();
-        let policies = &shared.policies;
-        let filtered = policies.installed(PolicyKind::Filter);
-        let budget = if filtered {
-            FILTERED_ROUND_BYTES
-        } else {
-            FLUSH_AT
+        let current = match self.ahead.take() {
+            Some(j) => j,
+            None => self.stage_judged(shared, 0),
         };
-        self.stage(&engine, staged, budget);
-        let decision = if filtered && staged.docs() > 0 {
-            let batch = staged.filter_batch(&self.name);
-            match policies
-                .ask(PolicyKind::Filter, Question::Filter(batch))
-                .await
-            {
+        if current.verdict.is_some() {
+            let next = self.stage_judged(shared, current.staged.events.len());
+            if next.staged.events.is_empty() {
+                self.spare.push(next.staged);
+            } else {
+                self.ahead = Some(next);
+            }
+        }
+        let staged = current.staged;
+        let decision = match current.verdict {
+            Some(v) => match v.answer(&shared.policies).await {
                 Answer::Filter(d) => Some(d),
                 _ => None,
-            }
-        } else {
-            None
+            },
+            None => None,
         };
         let mut doc_index = 0;
         let mut last_message = None;
@@ -369,7 +397,7 @@ impl TapSession {
             let is_doc = matches!(event, super::staged::Event::Doc { .. });
             let from = out.len();
             let r = encode(
-                staged,
+                &staged,
                 event,
                 doc_index,
                 decision.as_ref(),
@@ -392,7 +420,7 @@ impl TapSession {
             }
             wrote |= out.len() > from;
         }
-        if self.streams.is_empty() && self.finite() && !self.close_sent {
+        if self.streams.is_empty() && self.ahead.is_none() && self.finite() && !self.close_sent {
             // Everything asked for was sent: say so, and ask for the final ACK.
             let code = opaque_code::CLOSE_TAP_STREAM.to_be_bytes();
             let from = out.len();
@@ -409,7 +437,8 @@ impl TapSession {
             return true;
         }
         // Caught up with messages not yet covered by an ACK request: the last one asks.
-        let caught_up = staged.data.len() < budget;
+        let caught_up = self.ahead.is_none() && staged.data.len() < ROUND_BYTES;
+        self.spare.push(staged);
         if let (true, true, Some((at, end))) = (self.supports_ack(), caught_up, last_message) {
             if self.since_ack > 0 {
                 let seq = u32::from_be_bytes(out[at + 12..at + 16].try_into().expect("4"));
@@ -601,7 +630,6 @@ async fn serve(
 ) -> Ended {
     let max_body = shared.config.max_body;
     let bucket = s.bucket.clone();
-    let mut staged = Staged::default();
     let mut suspended_until: Option<Instant> = None;
     let advice = Arc::new(AckAdvice::default());
     loop {
@@ -638,7 +666,7 @@ async fn serve(
         }
         let generation = bucket.changes.generation();
         let wrote = if suspended_until.is_none() {
-            s.round(shared, &mut staged, out).await
+            s.round(shared, out).await
         } else {
             false
         };
@@ -649,9 +677,6 @@ async fn serve(
                 .bytes_out
                 .fetch_add(out.len() as u64, Ordering::Relaxed);
             out.clear();
-            if out.capacity() > 4 * FLUSH_AT {
-                out.shrink_to(FLUSH_AT);
-            }
             if r.is_err() {
                 return Ended::Disconnected("write failed");
             }
@@ -675,6 +700,14 @@ async fn serve(
                 Err(_) => return Ended::Disconnected("read failed"),
             }
             continue;
+        }
+        // Idle: a burst's buffers go back to their resting size.
+        if out.capacity() > 4 * ROUND_BYTES {
+            out.shrink_to(ROUND_BYTES);
+        }
+        s.spare.truncate(1);
+        for b in &mut s.spare {
+            b.shrink_to(ROUND_BYTES);
         }
         let can_send = !s.streams.is_empty() && s.window_open() && suspended_until.is_none();
         let changes = async {

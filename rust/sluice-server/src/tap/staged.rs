@@ -57,6 +57,12 @@ impl Staged {
         self.events.clear();
     }
 
+    /// Gives back memory beyond what a round of `bytes` needs (an idle connection).
+    pub fn shrink_to(&mut self, bytes: usize) {
+        self.data.shrink_to(bytes);
+        self.events.shrink_to(bytes / MESSAGE_COST);
+    }
+
     fn copy(&mut self, bytes: &[u8]) -> Range<usize> {
         let start = self.data.len();
         self.data.extend_from_slice(bytes);
