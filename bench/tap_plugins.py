@@ -10,6 +10,8 @@ class AdaptiveAck(AckPolicy):
     """Asks less often while round trips are short, more often when they grow."""
 
     def on_ack(self, stats: AckStats) -> tuple[int, int] | None:
+        if stats.protocol != "tap":
+            return None
         if stats.rtt < 0.005:
             interval = min(stats.interval * 2, 4000)
         elif stats.rtt > 0.050:

@@ -18,8 +18,12 @@ from pathlib import Path
 import bmemcached
 import pytest
 import sluice
+from dcp_wire import FLAG_TO_LATEST, STREAM_END, DcpConnection, buffer_ack, stream_req
 from helpers import Node, run_cli
 from tap_wire import BACKFILL, MUTATION, SUPPORT_ACK, TapClient, ack
+from test_server_protocol import read_response, request
+
+GET_REPLICA = 0x83
 
 PLUGINS = '''
 import time
@@ -54,6 +58,15 @@ class NoSession(StreamFilter):
         return Prefixes(drop=(b"session:",))
 
 
+class SmallDcpBuffer(AckPolicy):
+    """A replica's DCP buffer of 96 KiB, acknowledged every 16 KiB."""
+
+    def on_ack(self, stats):
+        if stats.protocol == "dcp":
+            return (16384, 98304)
+        return None
+
+
 class ShortGrace(RetransmitPolicy):
     def on_disconnect(self, connection, unacked):
         return (0.0, False)
@@ -69,14 +82,16 @@ def metric(node: Node, name: str, policy: str | None = None) -> float:
     return float(m.group(1))
 
 
-def start(tmp_path: Path, name: str, policy: dict[str, str], tap: str = "") -> tuple[Node, Path]:
+def start(
+    tmp_path: Path, name: str, policy: dict[str, str], tap: str = "", args: tuple[str, ...] = ()
+) -> tuple[Node, Path]:
     (tmp_path / "myplugins.py").write_text(PLUGINS)
     cfg = tmp_path / f"{name}.toml"
     lines = ["[snapshot]", "interval = 0", "[buckets.default]", "num_vbuckets = 8", "[tap]", tap, "[policy]"]
     lines += [f'{k} = "{v}"' for k, v in policy.items()]
     cfg.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return Node(tmp_path / name, "--config", str(cfg), env=env), cfg
+    return Node(tmp_path / name, "--config", str(cfg), *args, env=env), cfg
 
 
 def write(node: Node, keys: list[str]) -> None:
@@ -160,6 +175,67 @@ def test_a_filter_drops_a_key_prefix(tmp_path: Path, plugin: str) -> None:
         assert metric(n, "sluice_policy_installed", "filter") == 1
     finally:
         n.stop()
+
+
+def test_a_filter_drops_a_key_prefix_on_dcp_streams_within_the_window(tmp_path: Path) -> None:
+    """A DCP consumer with a small flow-control buffer: dropped changes never reach it, and the
+    bytes they would have taken do not count against its window (else the stream stalls)."""
+    n, _ = start(tmp_path, "dcp-filter", {"filter": "myplugins:NoSession"})
+    try:
+        kept = [f"user:{i}" for i in range(300)]
+        write(n, kept + [f"session:{i}" for i in range(3000)])
+        c = DcpConnection(n.host, n.port, name=b"filtered-reader")
+        assert c.control("connection_buffer_size", "4096") == 0
+        for vb in range(8):
+            assert c.call(stream_req(vb, flags=FLAG_TO_LATEST))["word"] == 0
+        keys, ended = [], 0
+        while ended < 8:
+            m = c.next_message(timeout=20)
+            c.send(buffer_ack(m["size"]))
+            if m["op"] == STREAM_END:
+                ended += 1
+            elif "key" in m:
+                keys.append(m["key"])
+        c.close()
+        assert sorted(keys) == sorted(k.encode() for k in kept)
+        assert metric(n, "sluice_dcp_filtered_total") == 3000
+        assert metric(n, "sluice_policy_calls_total", "filter") >= 1
+    finally:
+        n.stop()
+
+
+def test_an_ack_policy_sizes_a_replicas_dcp_buffer(tmp_path: Path) -> None:
+    """On a replica, the AckPolicy sizes the DCP connection's flow control: the active hears
+    the new buffer size, and replication goes on within it. The active's StreamFilter leaves
+    replication whole."""
+    active, _ = start(tmp_path, "active", {"filter": "myplugins:NoSession"})
+    replica = None
+    try:
+        write(active, [f"r{i}" for i in range(2000)])
+        replica, _ = start(
+            tmp_path, "replica", {"ack": "myplugins:SmallDcpBuffer"}, args=("--replica-of", active.address)
+        )
+        write(active, [f"s{i}" for i in range(20_000)])
+        active.wait_for("resizes its buffer from 33554432 to 98304 bytes")
+        replica.wait_for("sets the buffer to 98304 bytes, acknowledged every 16384 bytes", timeout=5)
+        bmemcached.Client([active.address]).set_multi({"session:1": b"kept", "last": b"done"})
+        sock = socket.create_connection((replica.host, replica.port), timeout=10)
+        want = {b"last": b"done", b"session:1": b"kept"}
+        deadline, got = time.monotonic() + 60, {}
+        while time.monotonic() < deadline and got != want:
+            for k in want:
+                sock.sendall(request(GET_REPLICA, key=k))
+                got[k] = read_response(sock).get("value")
+            time.sleep(0.05)
+        sock.close()
+        # Replication goes on within the plugin's buffer, and the filter leaves it whole.
+        assert got == want
+        assert metric(replica, "sluice_policy_calls_total", "ack") >= 1
+        assert metric(active, "sluice_dcp_filtered_total") == 0
+    finally:
+        if replica is not None:
+            replica.stop()
+        active.stop()
 
 
 def test_sighup_replaces_and_removes_plugins(tmp_path: Path) -> None:

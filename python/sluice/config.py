@@ -429,7 +429,12 @@ ENGINE_KEYS += [
         plugin=True,
     )
     for kind, base, what in [
-        ("ack", "AckPolicy", "Decides TAP ACK interval and window per round trip."),
+        (
+            "ack",
+            "AckPolicy",
+            "Decides TAP ACK interval and window per ACK, and a replica's DCP buffer size and "
+            "acknowledgement interval per buffer acknowledgement.",
+        ),
         (
             "retransmit",
             "RetransmitPolicy",
@@ -442,7 +447,12 @@ ENGINE_KEYS += [
             "Decides which cursors (DCP and TAP streams) are dropped when checkpoint memory is over "
             "its quota.",
         ),
-        ("filter", "StreamFilter", "Judges each batch of a TAP stream: keep, drop or strip values."),
+        (
+            "filter",
+            "StreamFilter",
+            "Judges each batch of a TAP stream, or of a DCP stream other than replication: keep, "
+            "drop or strip values.",
+        ),
     ]
 ]
 

@@ -46,27 +46,43 @@ class PluginError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class AckStats:
-    """What a TAP connection measured up to the ACK just received."""
+    """What a connection measured up to its latest acknowledgement.
+
+    On ``protocol == "tap"`` (a TAP producer, after an ACK) counts are messages and ``rtt`` is
+    the seconds between sending the acknowledged message and its ACK. On ``"dcp"`` (a
+    replica's DCP consumer, after it sent a buffer acknowledgement) counts are bytes:
+    ``interval`` is the bytes received between acknowledgements, ``window`` the connection
+    buffer the producer may fill, and ``rtt`` the seconds the acknowledged bytes took to come.
+    """
 
     connection: str
-    #: Seconds between sending the acknowledged message and its ACK.
     rtt: float
-    #: Messages still unacknowledged.
+    #: Still unacknowledged.
     unacked: int
     acked_total: int
+    #: Sent (TAP) or received (DCP) in all.
     sent_total: int
     #: The interval and window in force.
     interval: int
     window: int
+    protocol: str = "tap"
 
 
 class AckPolicy:
-    """How often a TAP connection with SUPPORT_ACK asks for an ACK (``interval``: every N
-    messages) and how many messages may be unacknowledged before sending pauses (``window``).
+    """Flow control, per connection.
 
-    ``on_ack`` is called once per ACK received. Return ``(interval, window)`` to change them
-    for that connection, or ``None`` to keep them. The native default keeps the configured
-    ``tap.ack_interval`` and ``tap.ack_window``.
+    TAP (``stats.protocol == "tap"``): how often a connection with SUPPORT_ACK asks for an
+    ACK (``interval``: every N messages) and how many messages may be unacknowledged before
+    sending pauses (``window``). Called once per ACK received. The native default keeps the
+    configured ``tap.ack_interval`` and ``tap.ack_window``.
+
+    DCP (``"dcp"``): a replica's connection to its active node. ``interval`` is how many
+    received bytes are acknowledged at once, ``window`` the connection buffer size in bytes
+    (at least 64 KiB; a change is sent to the producer as ``connection_buffer_size``). Called
+    once per buffer acknowledgement. The native default is a 32 MiB buffer acknowledged a
+    fifth at a time.
+
+    Return ``(interval, window)`` to change them for that connection, or ``None`` to keep them.
     """
 
     def on_ack(self, stats: AckStats) -> tuple[int, int] | None:
@@ -122,7 +138,7 @@ class SlowConsumerPolicy:
 
 
 class FilterBatch:
-    """One batch of changes a TAP stream is about to send, as its filter sees it. ``keys`` is
+    """One batch of changes a TAP or DCP stream is about to send, as its filter sees it. ``keys`` is
     built on first use; a filter that returns a `Prefixes` rule never pays for it."""
 
     __slots__ = ("connection", "value_bytes", "_blob", "_ends", "_vbuckets", "_keys")
@@ -164,7 +180,10 @@ class Prefixes:
 
 
 class StreamFilter:
-    """Judges each batch of a TAP stream before it is sent.
+    """Judges each batch of a stream's changes before it is sent: every TAP stream, and DCP
+    streams other than replication (a replica that named itself with ``consumer_name``, or a
+    takeover), whose copies must stay whole. ``batch.connection`` is the TAP or DCP
+    connection name. Dropped DCP changes leave gaps in the seqnos, as deduplication does.
 
     Return one of: ``None`` or ``KEEP`` (send everything), ``DROP`` or ``STRIP_VALUE`` for the
     whole batch, a ``bytes`` of one action per change (``len(batch)`` long), or a `Prefixes`

@@ -330,6 +330,7 @@ impl DcpConsumer {
             cursor_dropping,
             replica_name: None,
             takeover: false,
+            flow_control: None,
         };
         Ok(DcpConsumer {
             consumer: Mutex::new(Some(Consumer::start(config))),

@@ -55,6 +55,7 @@ impl PolicyCall {
         let d = PyDict::new(py);
         match &self.call.question {
             Question::Ack(a) => {
+                d.set_item("protocol", a.protocol)?;
                 d.set_item("connection", &a.connection)?;
                 d.set_item("rtt", a.rtt)?;
                 d.set_item("unacked", a.unacked)?;

@@ -376,6 +376,13 @@ pub fn metrics(shared: &Shared) -> String {
     );
     metric(
         &mut o,
+        "sluice_dcp_filtered_total",
+        "counter",
+        "Documents a StreamFilter plugin kept off DCP streams.",
+    );
+    let _ = writeln!(o, "sluice_dcp_filtered_total {}", d.filtered.load(Relaxed));
+    metric(
+        &mut o,
         "sluice_dcp_dead_connections_total",
         "counter",
         "DCP connections closed because a NOOP went unanswered.",

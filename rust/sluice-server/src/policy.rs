@@ -47,11 +47,16 @@ impl PolicyKind {
     }
 }
 
-/// What a TAP connection tells its AckPolicy after each ACK.
+/// What a connection tells its AckPolicy after each acknowledgement: a TAP producer after an
+/// ACK (counts in messages), or a replica's DCP consumer after a buffer acknowledgement (counts
+/// in bytes; `interval` is the bytes between acknowledgements, `window` the connection buffer).
 #[derive(Debug, Clone, Default)]
 pub struct AckStats {
+    /// "tap" or "dcp".
+    pub protocol: &'static str,
     pub connection: String,
-    /// Round trip of the message just acknowledged, in seconds.
+    /// Round trip of the message just acknowledged, in seconds (TAP); on DCP, the seconds the
+    /// acknowledged bytes took to arrive.
     pub rtt: f64,
     pub unacked: u64,
     pub acked_total: u64,
@@ -178,6 +183,18 @@ impl Pending {
         let _ = tokio::time::timeout_at(self.deadline.into(), slot.notify.notified()).await;
         host.settle(self.kind, &slot, self.started)
     }
+
+    /// The answer if it is in or the deadline has passed (then the default); None while the
+    /// plugin may still answer. For threads that poll rather than wait.
+    pub fn try_answer(&self, host: &PolicyHost) -> Option<Answer> {
+        let Some(slot) = &self.slot else {
+            return Some(Answer::Default);
+        };
+        if slot.answer.lock().is_none() && Instant::now() < self.deadline {
+            return None;
+        }
+        Some(host.settle(self.kind, slot, self.started))
+    }
 }
 
 /// A question in flight, as the plugin thread receives it.
@@ -220,6 +237,19 @@ const QUEUE_DEPTH: usize = 64;
 pub struct PolicyHost {
     queues: [Queue; 4],
     timeout: RwLock<Duration>,
+}
+
+impl std::fmt::Debug for PolicyHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let installed: Vec<&str> = PolicyKind::ALL
+            .into_iter()
+            .filter(|k| self.installed(*k))
+            .map(PolicyKind::name)
+            .collect();
+        f.debug_struct("PolicyHost")
+            .field("installed", &installed)
+            .finish()
+    }
 }
 
 impl Default for PolicyHost {

@@ -27,6 +27,7 @@ use sluice_proto::mcbp::status;
 use crate::dcp::consumer::{
     Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
 };
+use crate::policy::PolicyHost;
 
 #[derive(Debug, Clone)]
 pub struct ReplicaConfig {
@@ -89,7 +90,13 @@ pub struct Replicator {
 }
 
 impl Replicator {
-    pub fn start(engine: Arc<Engine>, bucket: Arc<Bucket>, config: ReplicaConfig) -> Replicator {
+    /// `policies`: an AckPolicy plugin there sizes the connection's flow control.
+    pub fn start(
+        engine: Arc<Engine>,
+        bucket: Arc<Bucket>,
+        config: ReplicaConfig,
+        policies: Arc<PolicyHost>,
+    ) -> Replicator {
         let stats = Arc::new(ReplicaStats::default());
         let stop = Arc::new(AtomicBool::new(false));
         let name = bucket.name().to_string();
@@ -97,7 +104,7 @@ impl Replicator {
             let (stats, stop, config) = (stats.clone(), stop.clone(), config.clone());
             std::thread::Builder::new()
                 .name(format!("sluice-replica-{name}"))
-                .spawn(move || follow(engine, bucket, config, stats, stop))
+                .spawn(move || follow(engine, bucket, config, stats, stop, policies))
                 .expect("spawn a thread")
         };
         Replicator {
@@ -159,6 +166,7 @@ fn follow(
     config: ReplicaConfig,
     stats: Arc<ReplicaStats>,
     stop: Arc<AtomicBool>,
+    policies: Arc<PolicyHost>,
 ) {
     let mut backoff = Duration::from_millis(50);
     let node = engine.instance().to_string();
@@ -181,6 +189,7 @@ fn follow(
             buffer_size: 32 << 20,
             noop_interval: config.noop_interval,
             replica_name: Some(node.clone()),
+            flow_control: Some(policies.clone()),
             ..ConsumerConfig::default()
         });
         stats.connects.fetch_add(1, Ordering::Relaxed);

@@ -152,6 +152,7 @@ impl Server {
                     shared.engine.clone(),
                     b,
                     rc.clone(),
+                    shared.policies.clone(),
                 ));
             }
         }

@@ -22,9 +22,13 @@ use sluice_proto::dcp::{
 };
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
+use crate::policy::{AckStats, Answer, Pending, PolicyHost, PolicyKind, Question};
+
 /// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
 const MAX_FRAME_BODY: usize = 21 << 20;
 const READ_CHUNK: usize = 256 << 10;
+/// The smallest buffer an AckPolicy may set: room for a few ordinary frames.
+const MIN_BUFFER_SIZE: u32 = 64 << 10;
 /// How often the thread looks at its commands while the socket is quiet.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -187,6 +191,9 @@ pub struct ConsumerConfig {
     pub replica_name: Option<String>,
     /// Request takeover streams: the producer hands the vbuckets over once caught up.
     pub takeover: bool,
+    /// Where an AckPolicy plugin may resize the flow control (buffer size, acknowledgement
+    /// interval) after each buffer acknowledgement.
+    pub flow_control: Option<Arc<PolicyHost>>,
 }
 
 impl Default for ConsumerConfig {
@@ -211,6 +218,7 @@ impl Default for ConsumerConfig {
             cursor_dropping: false,
             replica_name: None,
             takeover: false,
+            flow_control: None,
         }
     }
 }
@@ -459,6 +467,32 @@ struct Session {
     touched: BTreeSet<u16>,
     unacked: usize,
     last_message: Instant,
+    flow: FlowControl,
+}
+
+/// The consumer's side of DCP flow control: the buffer the producer may fill, and how many
+/// received bytes are acknowledged at once (a fifth of the buffer unless an AckPolicy says).
+struct FlowControl {
+    buffer_size: u32,
+    ack_bytes: usize,
+    received_total: u64,
+    acked_total: u64,
+    last_ack: Instant,
+    /// The AckPolicy's answer to the last acknowledgement, not in yet.
+    advice: Option<Pending>,
+}
+
+impl FlowControl {
+    fn new(buffer_size: u32) -> FlowControl {
+        FlowControl {
+            buffer_size,
+            ack_bytes: (buffer_size as usize / 5).max(1),
+            received_total: 0,
+            acked_total: 0,
+            last_ack: Instant::now(),
+            advice: None,
+        }
+    }
 }
 
 fn frame(
@@ -516,6 +550,7 @@ impl Session {
             touched: BTreeSet::new(),
             unacked: 0,
             last_message: Instant::now(),
+            flow: FlowControl::new(config.buffer_size),
         };
         s.sock
             .set_read_timeout(Some(setup_timeout))
@@ -764,8 +799,9 @@ impl Session {
     }
 
     fn acknowledge(&mut self, force: bool) -> Result<(), String> {
-        let threshold = (self.config.buffer_size as usize / 5).max(1);
-        if self.config.buffer_size > 0 && self.unacked > 0 && (force || self.unacked >= threshold) {
+        self.take_advice()?;
+        let threshold = self.flow.ack_bytes;
+        if self.flow.buffer_size > 0 && self.unacked > 0 && (force || self.unacked >= threshold) {
             let n = self.unacked.min(u32::MAX as usize) as u32;
             let f = frame(
                 dcp::opcode::BUFFER_ACKNOWLEDGEMENT,
@@ -777,6 +813,70 @@ impl Session {
             );
             self.send(&f)?;
             self.unacked -= n as usize;
+            self.flow.acked_total += n as u64;
+            self.ask_advice();
+        }
+        Ok(())
+    }
+
+    /// Puts the acknowledgement to the AckPolicy plugin, if one is installed and no question
+    /// is out already; the answer is taken on a later round (`take_advice`).
+    fn ask_advice(&mut self) {
+        let Some(host) = &self.config.flow_control else {
+            return;
+        };
+        if self.flow.advice.is_some() || !host.installed(PolicyKind::Ack) {
+            return;
+        }
+        let f = &mut self.flow;
+        let stats = AckStats {
+            protocol: "dcp",
+            connection: self.config.name.clone(),
+            rtt: std::mem::replace(&mut f.last_ack, Instant::now())
+                .elapsed()
+                .as_secs_f64(),
+            unacked: self.unacked as u64,
+            acked_total: f.acked_total,
+            sent_total: f.received_total,
+            interval: f.ack_bytes.min(u32::MAX as usize) as u32,
+            window: f.buffer_size,
+        };
+        f.advice = Some(host.pose(PolicyKind::Ack, Question::Ack(stats)));
+    }
+
+    /// Applies the AckPolicy's answer once it is in: a new buffer size goes to the producer
+    /// as the control `connection_buffer_size`.
+    fn take_advice(&mut self) -> Result<(), String> {
+        let (Some(host), Some(p)) = (&self.config.flow_control, &self.flow.advice) else {
+            return Ok(());
+        };
+        let Some(answer) = p.try_answer(host) else {
+            return Ok(());
+        };
+        self.flow.advice = None;
+        let Answer::Ack { interval, window } = answer else {
+            return Ok(());
+        };
+        let window = window.max(MIN_BUFFER_SIZE);
+        self.flow.ack_bytes = (interval as usize).clamp(1, window as usize);
+        if window != self.flow.buffer_size && self.flow.buffer_size > 0 {
+            log::info!(
+                "DCP consumer '{}': the AckPolicy sets the buffer to {window} bytes, \
+                 acknowledged every {} bytes",
+                self.config.name,
+                self.flow.ack_bytes
+            );
+            self.flow.buffer_size = window;
+            let key = b"connection_buffer_size";
+            let f = frame(
+                dcp::opcode::CONTROL,
+                0,
+                0,
+                &[],
+                key,
+                window.to_string().as_bytes(),
+            );
+            self.send(&f)?;
         }
         Ok(())
     }
@@ -860,6 +960,7 @@ impl Session {
             return self.send(&out);
         }
         self.unacked += f.len();
+        self.flow.received_total += f.len() as u64;
         let vb = req.vbucket;
         match req.opcode {
             dcp::opcode::MUTATION | dcp::opcode::DELETION | dcp::opcode::EXPIRATION => {

@@ -25,8 +25,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use super::filter;
 use super::stream::{turn_order, DcpSink, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
+use crate::policy::{Answer, PolicyKind, Question};
 use crate::server::Shared;
 
 /// Replies and stream messages are written once this much is pending.
@@ -94,6 +96,8 @@ pub struct DcpStats {
     pub items_memory: AtomicU64,
     pub streams_too_slow: AtomicU64,
     pub dead_connections: AtomicU64,
+    /// Documents a StreamFilter plugin kept off a stream.
+    pub filtered: AtomicU64,
 }
 
 /// A checked DCP_OPEN for a producer: the kv session hands it over with the connection.
@@ -155,6 +159,8 @@ struct Producer {
     /// The vbucket whose stream goes first in the next fill (round robin).
     turn: u16,
     streamed: bool,
+    /// A round's frames while a StreamFilter judges them.
+    staged: Vec<u8>,
 }
 
 fn respond(out: &mut Vec<u8>, req: &Request<'_>, st: u16, value: &[u8]) {
@@ -195,6 +201,14 @@ impl Producer {
         let ok = match key.as_str() {
             "connection_buffer_size" => match value.parse::<u64>() {
                 Ok(n) if n <= u32::MAX as u64 + 1 => {
+                    if self.streamed && n as usize != self.buffer_size {
+                        log::info!(
+                            "DCP producer '{}': the consumer resizes its buffer from {} to {n} \
+                             bytes",
+                            self.name,
+                            self.buffer_size
+                        );
+                    }
                     self.buffer_size = n as usize;
                     true
                 }
@@ -564,6 +578,47 @@ impl Producer {
         wrote
     }
 
+    /// Whether a StreamFilter applies: not to replication (a replica, which declared its
+    /// consumer name, or a takeover), whose copy must be whole.
+    fn filterable(&self) -> bool {
+        self.consumer_name.is_none() && self.streams.values().all(|s| s.takeover == Takeover::Off)
+    }
+
+    /// `fill` through the StreamFilter plugin: the round is staged, judged by key, and copied
+    /// to `out` without what the plugin dropped. Bytes not sent leave the flow-control window.
+    async fn fill_filtered(&mut self, out: &mut Vec<u8>) -> bool {
+        let mut staged = std::mem::take(&mut self.staged);
+        staged.clear();
+        let wrote = self.fill(&mut staged);
+        let batch = filter::batch(&staged, &self.name);
+        let answer = if batch.key_ends.is_empty() {
+            Answer::Default
+        } else {
+            let policies = &self.shared.policies;
+            policies
+                .ask(PolicyKind::Filter, Question::Filter(batch))
+                .await
+        };
+        match answer {
+            Answer::Filter(d) => {
+                let r = filter::apply(&staged, &d, out);
+                if self.buffer_size > 0 {
+                    self.unacked = self.unacked.saturating_sub(r.bytes_removed);
+                }
+                self.shared
+                    .dcp
+                    .filtered
+                    .fetch_add(r.dropped, Ordering::Relaxed);
+            }
+            _ => out.extend_from_slice(&staged),
+        }
+        if staged.capacity() > 4 * FLUSH_AT {
+            staged.shrink_to(FLUSH_AT);
+        }
+        self.staged = staged;
+        wrote
+    }
+
     /// The NOOP to send now, if one is due; Err when the consumer failed to answer the last.
     fn noop_due(&mut self, now: Instant, out: &mut Vec<u8>) -> Result<(), ()> {
         if !self.noop_enabled || !self.streamed {
@@ -646,6 +701,7 @@ pub async fn run(
         persisted_acks: false,
         turn: 0,
         streamed: false,
+        staged: Vec::new(),
     };
     let why = serve(
         &mut socket,
@@ -695,7 +751,11 @@ async fn serve(
             }
         }
         let generation = bucket.changes.generation();
-        let wrote = p.fill(out);
+        let wrote = if p.filterable() && shared.policies.installed(PolicyKind::Filter) {
+            p.fill_filtered(out).await
+        } else {
+            p.fill(out)
+        };
         let now = Instant::now();
         if p.noop_due(now, out).is_err() {
             shared.dcp.dead_connections.fetch_add(1, Ordering::Relaxed);

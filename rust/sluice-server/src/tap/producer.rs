@@ -795,6 +795,7 @@ async fn answered(
                 && !advice.asking.swap(true, Ordering::AcqRel)
             {
                 let stats = AckStats {
+                    protocol: "tap",
                     connection: s.name.clone(),
                     rtt: rtt.as_secs_f64(),
                     unacked: s.unacked.len() as u64,
