@@ -9,9 +9,10 @@ Subclass one of the base classes below and name it in the configuration by impor
 
 How they are called:
 
-* Per round trip or per batch, never per item: an AckPolicy once per ACK a TAP client sends,
-  a StreamFilter once per batch of up to about 256 KiB of changes, a SlowConsumerPolicy once
-  per checkpoint-memory check that finds the quota exceeded.
+* Per round trip or per batch, never per item: an AckPolicy once per ACK a TAP client sends
+  (or per buffer acknowledgement a replica's DCP connection sends), a StreamFilter once per
+  batch of up to 512 KiB (TAP) or 256 KiB (DCP) of changes, a SlowConsumerPolicy once per
+  checkpoint-memory check that finds the quota exceeded.
 * On a Python thread of their own (one per plugin), never on the daemon's I/O threads. The
   I/O side waits at most ``policy.timeout`` for an answer, then uses the native default.
 * An exception is logged and counted (``sluice_policy_errors_total``), never fatal: that call
