@@ -177,6 +177,29 @@ def test_a_filter_drops_a_key_prefix(tmp_path: Path, plugin: str) -> None:
         n.stop()
 
 
+def test_a_filter_dropping_whole_batches_does_not_stall_the_stream(tmp_path: Path) -> None:
+    """Several rounds of nothing but filtered keys, then kept ones: the stream carries on to
+    the kept keys at once (a round that sends nothing still has the next one staged)."""
+    n, _ = start(tmp_path, "whole", {"filter": "myplugins:NoTmp"})
+    try:
+        mc = bmemcached.Client([n.address])
+        big = os.urandom(1000)  # incompressible: the client would otherwise shrink it
+        for i in range(0, 3000, 500):
+            mc.set_multi({f"tmp:{j}": big for j in range(i, i + 500)})
+        kept = [f"user:{i}" for i in range(50)]
+        write(n, kept)
+        time.sleep(1)  # the writes' own wake-ups are over
+        started = time.monotonic()
+        c = TapClient((n.host, n.port), b"", BACKFILL, struct.pack(">Q", 0))
+        got = c.mutations_until(50, timeout=5)
+        c.close()
+        assert {m.key for m in got if m.opcode == MUTATION} == {k.encode() for k in kept}
+        assert time.monotonic() - started < 5
+        assert metric(n, "sluice_tap_filtered_total") == 3000
+    finally:
+        n.stop()
+
+
 def test_a_filter_drops_a_key_prefix_on_dcp_streams_within_the_window(tmp_path: Path) -> None:
     """A DCP consumer with a small flow-control buffer: dropped changes never reach it, and the
     bytes they would have taken do not count against its window (else the stream stalls)."""

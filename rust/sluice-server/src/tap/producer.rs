@@ -362,7 +362,8 @@ impl TapSession {
     }
 
     /// One round: messages to send again, then the streams' changes (judged by the
-    /// StreamFilter, if one is installed), encoded into `out`. Returns whether it wrote.
+    /// StreamFilter, if one is installed), encoded into `out`. Returns whether it wrote or
+    /// has a staged round waiting.
     ///
     /// With a filter, the round after this one is staged and put to the plugin before this
     /// one's answer is awaited, so the plugin thinks while the connection works.
@@ -446,7 +447,8 @@ impl TapSession {
                 self.since_ack = 0;
             }
         }
-        wrote
+        // A staged round waiting is more to do now, even if the filter dropped all of this one.
+        wrote || self.ahead.is_some()
     }
 }
 
