@@ -13,13 +13,9 @@ use crate::policy::{action, FilterBatch, FilterDecision};
 fn frames(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut at = 0;
     std::iter::from_fn(move || {
-        if at + mcbp::HEADER_LEN > buf.len() {
-            return None;
-        }
-        let body = u32::from_be_bytes(buf[at + 8..at + 12].try_into().expect("4")) as usize;
-        let end = (at + mcbp::HEADER_LEN + body).min(buf.len());
-        let f = &buf[at..end];
-        at = end;
+        let n = mcbp::frame_len(&buf[at..], usize::MAX).ok()??;
+        let f = &buf[at..at + n];
+        at += n;
         Some(f)
     })
 }

@@ -255,9 +255,8 @@ impl TapSession {
     ) -> (usize, usize) {
         let mut at = from;
         let mut last = (from, from);
-        while at + mcbp::HEADER_LEN <= out.len() {
-            let body = u32::from_be_bytes(out[at + 8..at + 12].try_into().expect("4")) as usize;
-            let end = at + mcbp::HEADER_LEN + body;
+        while let Ok(Some(n)) = mcbp::frame_len(&out[at..], usize::MAX) {
+            let end = at + n;
             let seq = self.next_seq;
             self.next_seq = self.next_seq.wrapping_add(1).max(1);
             let vbucket_set = out[at + 1] == opcode::VBUCKET_SET;
@@ -354,10 +353,11 @@ impl TapSession {
         staged.clear();
         self.stage(&shared.engine, &mut staged, ROUND_BYTES, held);
         let policies = &shared.policies;
-        let verdict = (policies.installed(PolicyKind::Filter) && staged.docs() > 0).then(|| {
-            let batch = staged.filter_batch(&self.name);
-            policies.pose(PolicyKind::Filter, Question::Filter(batch))
-        });
+        let verdict = policies
+            .installed(PolicyKind::Filter)
+            .then(|| staged.filter_batch(&self.name))
+            .filter(|batch| !batch.key_ends.is_empty())
+            .map(|batch| policies.pose(PolicyKind::Filter, Question::Filter(batch)));
         Judged { staged, verdict }
     }
 

@@ -69,13 +69,6 @@ impl Staged {
         start..self.data.len()
     }
 
-    pub fn docs(&self) -> usize {
-        self.events
-            .iter()
-            .filter(|e| matches!(e, Event::Doc { .. }))
-            .count()
-    }
-
     /// The round's documents as a StreamFilter sees them.
     pub fn filter_batch(&self, connection: &str) -> FilterBatch {
         let mut b = FilterBatch {
