@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 
 
 def main() -> int:
@@ -56,23 +57,28 @@ def main() -> int:
         writer = writer.trigger(processingTime=args.interval)
     query = writer.start()
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    # SIGTERM (systemd, kill) stops like Ctrl-C. A micro-batch cut short is not committed to
-    # the checkpoint, and the next start writes it again in full; the file sink's log keeps
+    # SIGTERM (systemd, kill) and Ctrl-C only ask the loop below to stop. Raising from the
+    # handler instead would cut a py4j call short and leave the JVM gateway unusable for the
+    # query.stop() that follows. A micro-batch cut short by the stop is not committed to the
+    # checkpoint, and the next start writes it again in full; the file sink's log keeps
     # readers from seeing the partial one.
-    signal.signal(signal.SIGTERM, interrupt)
+    stop = threading.Event()
+
+    def request_stop(*_: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     shown = -1
     try:
-        while query.isActive:
+        while query.isActive and not stop.is_set():
             progress = query.lastProgress
             if progress and progress["batchId"] != shown:
                 shown = progress["batchId"]
                 print(f"batch {shown}: {progress['numInputRows']} changes", flush=True)
             query.awaitTermination(1)
-    except KeyboardInterrupt:
-        print("stopping", flush=True)
+        if stop.is_set():
+            print("stopping", flush=True)
     finally:
         query.stop()
         spark.stop()
