@@ -331,25 +331,19 @@ def test_the_base_classes_decide_nothing() -> None:
     assert (
         policy.StreamFilter().filter(
             policy.FilterBatch(
-                {
-                    "connection": "c",
-                    "value_bytes": 0,
-                    "keys": b"ab",
-                    "key_ends": struct.pack("<I", 2),
-                    "vbuckets": struct.pack("<H", 1),
-                }
+                {"connection": "c", "value_bytes": 0, "docs": 1},
+                lambda: (b"ab", struct.pack("I", 2), struct.pack("H", 1)),
             )
         )
         is None
     )
-    b = policy.FilterBatch(
-        {
-            "connection": "c",
-            "value_bytes": 3,
-            "keys": b"abcde",
-            "key_ends": struct.pack("<II", 2, 5),
-            "vbuckets": struct.pack("<HH", 1, 7),
-        }
-    )
-    assert b.keys == [b"ab", b"cde"] and list(b.vbuckets) == [1, 7] and len(b) == 2
+    loads = []
+
+    def load() -> tuple[bytes, bytes, bytes]:
+        loads.append(1)
+        return b"abcde", struct.pack("II", 2, 5), struct.pack("HH", 1, 7)
+
+    b = policy.FilterBatch({"connection": "c", "value_bytes": 3, "docs": 2}, load)
+    assert len(b) == 2 and not loads, "keys are read only when asked for"
+    assert b.keys == [b"ab", b"cde"] and list(b.vbuckets) == [1, 7] and len(loads) == 1
     assert sluice.policy.load_plugin("ack", "sluice.policy:AckPolicy").on_ack is not None

@@ -11,7 +11,7 @@ How they are called:
 
 * Per round trip or per batch, never per item: an AckPolicy once per ACK a TAP client sends
   (or per buffer acknowledgement a replica's DCP connection sends), a StreamFilter once per
-  batch of up to 512 KiB (TAP) or 256 KiB (DCP) of changes, a SlowConsumerPolicy once per
+  batch of up to 1 MiB (TAP) or 256 KiB (DCP) of changes, a SlowConsumerPolicy once per
   checkpoint-memory check that finds the quota exceeded.
 * On a Python thread of their own (one per plugin), never on the daemon's I/O threads. The
   I/O side waits at most ``policy.timeout`` for an answer, then uses the native default.
@@ -32,7 +32,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("sluice.policy")
@@ -139,27 +139,41 @@ class SlowConsumerPolicy:
 
 
 class FilterBatch:
-    """One batch of changes a TAP or DCP stream is about to send, as its filter sees it. ``keys`` is
-    built on first use; a filter that returns a `Prefixes` rule never pays for it."""
+    """One batch of changes a TAP or DCP stream is about to send, as its filter sees it. ``keys``
+    and ``vbuckets`` are read on first use, and only during the ``filter`` call: a filter that
+    returns a `Prefixes` rule never pays for them."""
 
-    __slots__ = ("connection", "value_bytes", "_blob", "_ends", "_vbuckets", "_keys")
+    __slots__ = ("connection", "value_bytes", "_docs", "_load", "_blob", "_ends", "_vbuckets", "_keys")
 
-    def __init__(self, q: dict[str, Any]) -> None:
+    def __init__(self, q: dict[str, Any], load: Callable[[], tuple[bytes, bytes, bytes]]) -> None:
+        """``q`` holds ``connection``, ``docs`` and ``value_bytes``; ``load`` returns the keys in
+        one bytes object, their ends as packed u32s and the vbuckets as packed u16s."""
         self.connection: str = q["connection"]
         self.value_bytes: int = q["value_bytes"]
-        self._blob: bytes = q["keys"]
-        self._ends = memoryview(q["key_ends"]).cast("I")
-        self._vbuckets = memoryview(q["vbuckets"]).cast("H")
+        self._docs: int = q["docs"]
+        self._load = load
+        self._blob: bytes | None = None
+        self._ends: memoryview | None = None
+        self._vbuckets: memoryview | None = None
         self._keys: list[bytes] | None = None
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return self._docs
+
+    def _loaded(self) -> tuple[bytes, memoryview, memoryview]:
+        if self._blob is None:
+            blob, ends, vbuckets = self._load()
+            self._blob = blob
+            self._ends, self._vbuckets = memoryview(ends).cast("I"), memoryview(vbuckets).cast("H")
+        assert self._ends is not None and self._vbuckets is not None
+        return self._blob, self._ends, self._vbuckets
 
     @property
     def keys(self) -> list[bytes]:
         if self._keys is None:
-            blob, start, keys = self._blob, 0, []
-            for end in self._ends:
+            blob, ends, _ = self._loaded()
+            start, keys = 0, []
+            for end in ends:
                 keys.append(blob[start:end])
                 start = end
             self._keys = keys
@@ -167,7 +181,7 @@ class FilterBatch:
 
     @property
     def vbuckets(self) -> Sequence[int]:
-        return self._vbuckets
+        return self._loaded()[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +245,9 @@ def load_plugin(kind: str, path: str, *, reload: bool = False) -> Any:
         raise PluginError(f"{path}() raised {type(e).__name__}: {e}") from None
 
 
-def _answer(kind: str, plugin: Any, q: dict[str, Any]) -> Any:
-    """Calls the plugin with the question and returns the answer in the native form."""
+def _answer(kind: str, plugin: Any, call: Any) -> Any:
+    """Calls the plugin with the call's question and returns the answer in the native form."""
+    q = call.question()
     if kind == "ack":
         fields = {f.name for f in dataclasses.fields(AckStats)}
         return plugin.on_ack(AckStats(**{k: v for k, v in q.items() if k in fields}))
@@ -244,7 +259,7 @@ def _answer(kind: str, plugin: Any, q: dict[str, Any]) -> Any:
     if kind == "slow_consumer":
         ids = plugin.choose(q["over_by"], [CursorInfo(**c) for c in q["candidates"]])
         return None if ids is None else [int(i) for i in ids]
-    decision = plugin.filter(FilterBatch(q))
+    decision = plugin.filter(FilterBatch(q, call.filter_keys))
     if isinstance(decision, Prefixes):
         return ("prefixes", list(decision.drop), list(decision.strip))
     if isinstance(decision, (bytearray, memoryview)):
@@ -303,7 +318,7 @@ class PluginRunner:
                 call.answer(None)
                 continue
             try:
-                answer = _answer(kind, plugin, call.question())
+                answer = _answer(kind, plugin, call)
                 call.answer(answer)
             except Exception:
                 call.fail()

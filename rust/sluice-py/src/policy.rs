@@ -1,16 +1,18 @@
 //! The Python side of policy plugins: `sluice.policy` runs one thread per installed plugin
 //! that takes questions with `Server.policy_next` (the GIL released while it waits) and
-//! answers each `PolicyCall`. Questions come as plain dicts; a filter's keys come as one bytes
-//! object with their ends as packed u32s, so a batch costs two objects, not one per key.
+//! answers each `PolicyCall`. Questions come as plain dicts. A filter's keys are read only when
+//! the plugin asks for them (`filter_keys`), as one bytes object with their ends as packed
+//! u32s, so a batch costs a few objects, not one per key.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use sluice_server::policy::{
-    Answer, Call, FilterDecision, PolicyHost, PolicyKind, Question, RetransmitEvent,
+    Answer, FilterDecision, PolicyHost, PolicyKind, PrefixRule, Question, Reply, RetransmitEvent,
 };
 
 pub fn kind_of(name: &str) -> PyResult<PolicyKind> {
@@ -25,8 +27,15 @@ pub fn kind_of(name: &str) -> PyResult<PolicyKind> {
 /// a call dropped unanswered is a timeout for the asker.
 #[pyclass(module = "sluice._native", frozen)]
 pub struct PolicyCall {
-    call: Call,
+    /// Let go of when the call is answered: a filter's batch shares the connection's buffer,
+    /// which the connection reuses once no one else holds it.
+    question: Mutex<Option<Question>>,
+    reply: Reply,
     host: Arc<PolicyHost>,
+}
+
+fn answered() -> PyErr {
+    PyRuntimeError::new_err("the call was answered: its question is no longer there")
 }
 
 /// Numbers packed little-endian into one bytes object (Python reads it with memoryview.cast).
@@ -47,13 +56,14 @@ impl PolicyCall {
     /// "ack", "retransmit", "slow_consumer" or "filter".
     #[getter]
     fn kind(&self) -> &'static str {
-        self.call.kind.name()
+        self.reply.kind.name()
     }
 
     /// The question as a dict (keys depend on the kind; see sluice.policy).
     fn question<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        match &self.call.question {
+        let question = self.question.lock();
+        match question.as_ref().ok_or_else(answered)? {
             Question::Ack(a) => {
                 d.set_item("protocol", a.protocol)?;
                 d.set_item("connection", &a.connection)?;
@@ -102,19 +112,37 @@ impl PolicyCall {
             }
             Question::Filter(b) => {
                 d.set_item("connection", &b.connection)?;
-                d.set_item("keys", PyBytes::new(py, &b.keys))?;
-                d.set_item("key_ends", le_bytes(py, &b.key_ends, u32::to_le_bytes))?;
-                d.set_item("vbuckets", le_bytes(py, &b.vbuckets, u16::to_le_bytes))?;
+                d.set_item("docs", b.docs)?;
                 d.set_item("value_bytes", b.value_bytes)?;
             }
         }
         Ok(d)
     }
 
+    /// A filter question's keys: (keys, their ends as packed u32s, vbuckets as packed u16s).
+    fn filter_keys<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Py<PyBytes>, Py<PyBytes>)> {
+        let question = self.question.lock();
+        let Some(Question::Filter(b)) = question.as_ref() else {
+            return Err(match question.as_ref() {
+                None => answered(),
+                Some(_) => PyValueError::new_err("not a filter question"),
+            });
+        };
+        let k = b.keys();
+        Ok((
+            PyBytes::new(py, &k.keys),
+            le_bytes(py, &k.ends, u32::to_le_bytes),
+            le_bytes(py, &k.vbuckets, u16::to_le_bytes),
+        ))
+    }
+
     /// Seconds since the question was asked.
     #[getter]
     fn age(&self) -> f64 {
-        self.call.posted.elapsed().as_secs_f64()
+        self.reply.posted.elapsed().as_secs_f64()
     }
 
     /// The plugin's decision, in the form its kind takes:
@@ -122,11 +150,8 @@ impl PolicyCall {
     /// filter: an action for all (int), one action per key (bytes), or
     /// ("prefixes", [drop prefixes], [strip prefixes]). None: the native default.
     fn answer(&self, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        if value.is_none() {
-            self.call.answer(Answer::Default);
-            return Ok(());
-        }
-        let a = match self.call.kind {
+        let a = match self.reply.kind {
+            _ if value.is_none() => Answer::Default,
             PolicyKind::Ack => {
                 let (interval, window): (u32, u32) = value.extract()?;
                 if interval == 0 || window == 0 {
@@ -146,14 +171,16 @@ impl PolicyCall {
             PolicyKind::SlowConsumer => Answer::Drop(value.extract()?),
             PolicyKind::Filter => Answer::Filter(filter_decision(value)?),
         };
-        self.call.answer(a);
+        self.question.lock().take();
+        self.reply.answer(a);
         Ok(())
     }
 
     /// The plugin raised: counted, and the asker gets the native default.
     fn fail(&self) {
-        self.host.count_error(self.call.kind);
-        self.call.answer(Answer::Default);
+        self.question.lock().take();
+        self.host.count_error(self.reply.kind);
+        self.reply.answer(Answer::Default);
     }
 }
 
@@ -170,7 +197,7 @@ fn filter_decision(value: &Bound<'_, PyAny>) -> PyResult<FilterDecision> {
     }
     if let Ok((tag, drop, strip)) = value.extract::<(String, Vec<Vec<u8>>, Vec<Vec<u8>>)>() {
         if tag == "prefixes" {
-            return Ok(FilterDecision::Prefixes { drop, strip });
+            return Ok(FilterDecision::Prefixes(PrefixRule::new(drop, strip)));
         }
     }
     Err(PyValueError::new_err(
@@ -200,7 +227,8 @@ pub fn next_call(
     let h = host.clone();
     py.allow_threads(move || h.next_call(kind, wait))
         .map(|call| PolicyCall {
-            call,
+            question: Mutex::new(Some(call.question)),
+            reply: call.reply,
             host: host.clone(),
         })
 }

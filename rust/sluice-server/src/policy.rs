@@ -78,14 +78,55 @@ pub enum RetransmitEvent {
     },
 }
 
-/// One batch a StreamFilter judges: keys in one buffer with their ends.
-#[derive(Debug, Clone, Default)]
+/// The documents of a batch a StreamFilter judges, shared with the plugin's thread. Their
+/// keys are read there, and only if the plugin looks at them: a filter that answers with a
+/// prefix rule costs the connection nothing per document.
+pub trait FilterDocs: Send + Sync {
+    /// Appends each document's key, the end of its key, and its vbucket.
+    fn read_keys(&self, into: &mut FilterKeys);
+}
+
+/// A batch's keys in one buffer with their ends, and their vbuckets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FilterKeys {
+    pub keys: Vec<u8>,
+    pub ends: Vec<u32>,
+    pub vbuckets: Vec<u16>,
+}
+
+impl FilterKeys {
+    pub fn push(&mut self, key: &[u8], vbucket: u16) {
+        self.keys.extend_from_slice(key);
+        self.ends.push(self.keys.len() as u32);
+        self.vbuckets.push(vbucket);
+    }
+}
+
+/// One batch a StreamFilter judges.
+#[derive(Clone)]
 pub struct FilterBatch {
     pub connection: String,
-    pub vbuckets: Vec<u16>,
-    pub keys: Vec<u8>,
-    pub key_ends: Vec<u32>,
+    pub docs: usize,
     pub value_bytes: u64,
+    pub source: Arc<dyn FilterDocs>,
+}
+
+impl FilterBatch {
+    pub fn keys(&self) -> FilterKeys {
+        let mut k = FilterKeys::default();
+        self.source.read_keys(&mut k);
+        k
+    }
+}
+
+impl std::fmt::Debug for FilterBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FilterBatch")
+            .field("connection", &self.connection)
+            .field("docs", &self.docs)
+            .field("value_bytes", &self.value_bytes)
+            .finish()
+    }
 }
 
 /// Per-item filter actions.
@@ -101,11 +142,8 @@ pub enum FilterDecision {
     All(u8),
     /// One action per item, in order.
     Each(Vec<u8>),
-    /// Native rules: drop keys with any of these prefixes, strip the values of others.
-    Prefixes {
-        drop: Vec<Vec<u8>>,
-        strip: Vec<Vec<u8>>,
-    },
+    /// Native rules applied to each key.
+    Prefixes(PrefixRule),
 }
 
 impl FilterDecision {
@@ -114,15 +152,46 @@ impl FilterDecision {
         match self {
             FilterDecision::All(a) => *a,
             FilterDecision::Each(v) => v.get(i).copied().unwrap_or(action::KEEP),
-            FilterDecision::Prefixes { drop, strip } => {
-                if drop.iter().any(|p| key.starts_with(p)) {
-                    action::DROP
-                } else if strip.iter().any(|p| key.starts_with(p)) {
-                    action::STRIP_VALUE
-                } else {
-                    action::KEEP
-                }
+            FilterDecision::Prefixes(rule) => rule.action(key),
+        }
+    }
+}
+
+/// Drop keys with any of the `drop` prefixes, strip the values of keys with any of the `strip`
+/// prefixes, keep the rest.
+#[derive(Debug, Clone)]
+pub struct PrefixRule {
+    drop: Vec<Vec<u8>>,
+    strip: Vec<Vec<u8>>,
+    /// A bit per byte some prefix begins with (all, if one is empty): most keys are kept
+    /// after one lookup, without comparing prefixes.
+    first: [u64; 4],
+}
+
+impl PrefixRule {
+    pub fn new(drop: Vec<Vec<u8>>, strip: Vec<Vec<u8>>) -> PrefixRule {
+        let mut first = [0u64; 4];
+        for p in drop.iter().chain(&strip) {
+            match p.first() {
+                Some(&b) => first[b as usize >> 6] |= 1 << (b & 63),
+                None => first = [u64::MAX; 4],
             }
+        }
+        PrefixRule { drop, strip, first }
+    }
+
+    pub fn action(&self, key: &[u8]) -> u8 {
+        if key
+            .first()
+            .is_some_and(|&b| self.first[b as usize >> 6] & (1 << (b & 63)) == 0)
+        {
+            action::KEEP
+        } else if self.drop.iter().any(|p| key.starts_with(p)) {
+            action::DROP
+        } else if self.strip.iter().any(|p| key.starts_with(p)) {
+            action::STRIP_VALUE
+        } else {
+            action::KEEP
         }
     }
 }
@@ -199,13 +268,29 @@ impl Pending {
 
 /// A question in flight, as the plugin thread receives it.
 pub struct Call {
-    pub kind: PolicyKind,
     pub question: Question,
+    pub reply: Reply,
+}
+
+impl Call {
+    pub fn kind(&self) -> PolicyKind {
+        self.reply.kind
+    }
+
+    pub fn answer(&self, a: Answer) {
+        self.reply.answer(a);
+    }
+}
+
+/// Where a call's answer goes. Kept apart from the question, so that a plugin's thread can let
+/// go of the question (and the batch it shares with the connection) before it answers.
+pub struct Reply {
+    pub kind: PolicyKind,
     pub posted: Instant,
     slot: Arc<Slot>,
 }
 
-impl Call {
+impl Reply {
     pub fn answer(&self, a: Answer) {
         *self.slot.answer.lock() = Some(a);
         self.slot.ready.notify_all();
@@ -306,10 +391,12 @@ impl PolicyHost {
         }
         let slot = Arc::new(Slot::default());
         let call = Call {
-            kind,
             question,
-            posted: Instant::now(),
-            slot: slot.clone(),
+            reply: Reply {
+                kind,
+                posted: Instant::now(),
+                slot: slot.clone(),
+            },
         };
         q.stats.calls.fetch_add(1, Ordering::Relaxed);
         match q.tx.try_send(call) {
@@ -500,12 +587,20 @@ mod tests {
 
     #[test]
     fn prefix_rules() {
-        let d = FilterDecision::Prefixes {
-            drop: vec![b"tmp:".to_vec()],
-            strip: vec![b"big:".to_vec()],
-        };
+        let d = FilterDecision::Prefixes(PrefixRule::new(
+            vec![b"tmp:".to_vec()],
+            vec![b"big:".to_vec(), b"tx".to_vec()],
+        ));
         assert_eq!(d.action(0, b"tmp:1"), action::DROP);
         assert_eq!(d.action(0, b"big:1"), action::STRIP_VALUE);
+        assert_eq!(d.action(0, b"txn"), action::STRIP_VALUE);
+        // Same first byte as a prefix, but no prefix: compared, and kept.
+        assert_eq!(d.action(0, b"tmq"), action::KEEP);
         assert_eq!(d.action(0, b"user:1"), action::KEEP);
+        assert_eq!(d.action(0, b""), action::KEEP);
+        // An empty prefix matches every key.
+        let all = PrefixRule::new(vec![], vec![Vec::new()]);
+        assert_eq!(all.action(b"user:1"), action::STRIP_VALUE);
+        assert_eq!(all.action(b""), action::STRIP_VALUE);
     }
 }

@@ -7,7 +7,9 @@
 use sluice_proto::dcp::opcode;
 use sluice_proto::mcbp::{self, magic};
 
-use crate::policy::{action, FilterBatch, FilterDecision};
+use std::sync::Arc;
+
+use crate::policy::{action, FilterBatch, FilterDecision, FilterDocs, FilterKeys};
 
 /// The frames in `buf`, which holds whole frames the producer encoded.
 fn frames(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
@@ -36,21 +38,36 @@ fn key_range(f: &[u8]) -> Option<std::ops::Range<usize>> {
     (start + key_len <= f.len()).then_some(start..start + key_len)
 }
 
-/// The round's documents as the filter sees them.
-pub fn batch(staged: &[u8], connection: &str) -> FilterBatch {
-    let mut b = FilterBatch {
-        connection: connection.to_string(),
-        ..Default::default()
-    };
-    for f in frames(staged) {
-        if let Some(k) = key_range(f) {
-            b.vbuckets.push(u16::from_be_bytes([f[6], f[7]]));
-            b.keys.extend_from_slice(&f[k.clone()]);
-            b.key_ends.push(b.keys.len() as u32);
-            b.value_bytes += (f.len() - k.end) as u64;
+/// A round of staged frames, shared with the StreamFilter's thread while it is judged.
+pub struct Round(pub Vec<u8>);
+
+impl Round {
+    /// The round as the filter is told of it: its documents and their values' bytes.
+    pub fn batch(self: &Arc<Round>, connection: &str) -> FilterBatch {
+        let (mut docs, mut value_bytes) = (0, 0);
+        for f in frames(&self.0) {
+            if let Some(k) = key_range(f) {
+                docs += 1;
+                value_bytes += (f.len() - k.end) as u64;
+            }
+        }
+        FilterBatch {
+            connection: connection.to_string(),
+            docs,
+            value_bytes,
+            source: self.clone(),
         }
     }
-    b
+}
+
+impl FilterDocs for Round {
+    fn read_keys(&self, into: &mut FilterKeys) {
+        for f in frames(&self.0) {
+            if let Some(k) = key_range(f) {
+                into.push(&f[k], u16::from_be_bytes([f[6], f[7]]));
+            }
+        }
+    }
 }
 
 /// What applying a decision changed.
@@ -97,6 +114,7 @@ pub fn apply(staged: &[u8], decision: &FilterDecision, out: &mut Vec<u8>) -> App
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::PrefixRule;
     use sluice_proto::dcp::{DcpRequest, DocumentRef, SnapshotMarker};
 
     fn doc(out: &mut Vec<u8>, key: &[u8], value: &[u8], seqno: u64) {
@@ -132,14 +150,17 @@ mod tests {
         doc(&mut staged, b"user:1", b"{\"a\":1}", 1);
         doc(&mut staged, b"tmp:1", b"xxxx", 2);
         doc(&mut staged, b"big:1", b"yyyyyyyy", 3);
-        let b = batch(&staged, "c");
-        assert_eq!(b.keys, b"user:1tmp:1big:1");
-        assert_eq!(b.key_ends, vec![6, 11, 16]);
-        assert_eq!(b.vbuckets, vec![3, 3, 3]);
-        let d = FilterDecision::Prefixes {
-            drop: vec![b"tmp:".to_vec()],
-            strip: vec![b"big:".to_vec()],
-        };
+        let round = Arc::new(Round(staged.clone()));
+        let b = round.batch("c");
+        assert_eq!((b.docs, b.value_bytes), (3, 7 + 4 + 8));
+        let k = b.keys();
+        assert_eq!(k.keys, b"user:1tmp:1big:1");
+        assert_eq!(k.ends, vec![6, 11, 16]);
+        assert_eq!(k.vbuckets, vec![3, 3, 3]);
+        let d = FilterDecision::Prefixes(PrefixRule::new(
+            vec![b"tmp:".to_vec()],
+            vec![b"big:".to_vec()],
+        ));
         let mut out = Vec::new();
         let r = apply(&staged, &d, &mut out);
         assert_eq!((r.dropped, r.stripped), (1, 1));

@@ -590,8 +590,9 @@ impl Producer {
         let mut staged = std::mem::take(&mut self.staged);
         staged.clear();
         let wrote = self.fill(&mut staged);
-        let batch = filter::batch(&staged, &self.name);
-        let answer = if batch.key_ends.is_empty() {
+        let round = Arc::new(filter::Round(staged));
+        let batch = round.batch(&self.name);
+        let answer = if batch.docs == 0 {
             Answer::Default
         } else {
             let policies = &self.shared.policies;
@@ -601,7 +602,7 @@ impl Producer {
         };
         match answer {
             Answer::Filter(d) => {
-                let r = filter::apply(&staged, &d, out);
+                let r = filter::apply(&round.0, &d, out);
                 if self.buffer_size > 0 {
                     self.unacked = self.unacked.saturating_sub(r.bytes_removed);
                 }
@@ -610,12 +611,16 @@ impl Producer {
                     .filtered
                     .fetch_add(r.dropped, Ordering::Relaxed);
             }
-            _ => out.extend_from_slice(&staged),
+            _ => out.extend_from_slice(&round.0),
         }
-        if staged.capacity() > 4 * FLUSH_AT {
-            staged.shrink_to(FLUSH_AT);
+        // The buffer comes back for the next round unless a plugin that gave up on it (a
+        // timeout) still holds it.
+        if let Ok(filter::Round(mut staged)) = Arc::try_unwrap(round) {
+            if staged.capacity() > 4 * FLUSH_AT {
+                staged.shrink_to(FLUSH_AT);
+            }
+            self.staged = staged;
         }
-        self.staged = staged;
         wrote
     }
 

@@ -31,13 +31,19 @@ use super::session::{restamp, Claim, Found, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
 use crate::dcp::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
-use crate::policy::{AckStats, Answer, Pending, PolicyKind, Question, RetransmitEvent};
+use crate::policy::{
+    AckStats, Answer, FilterBatch, FilterDecision, Pending, PolicyKind, Question, RetransmitEvent,
+};
 use crate::server::Shared;
 
-/// A round's staging budget: output is written once a round is encoded. With a StreamFilter
-/// this is also its batch. 256 and 512 KiB measured alike; 1 MiB slower (the two staged rounds
-/// and the output no longer stay in cache); the plugin's round trip is hidden by pipelining.
+/// What a round encodes before its output is written, and what it stages without a
+/// StreamFilter. 256 and 512 KiB measured alike; 1 MiB slower (staging and output no longer
+/// stay in cache).
 const ROUND_BYTES: usize = 512 << 10;
+/// What is staged for one StreamFilter question, sent over several rounds. Each question
+/// wakes the plugin's thread, CPU a busy machine takes from the connection; larger batches
+/// wait longer for their answer and leave the cache. 512 KiB, 1 and 2 MiB measured alike.
+const FILTER_BATCH_BYTES: usize = 1 << 20;
 /// What one vbucket stream may stage per turn, so that streams share the connection fairly.
 const TURN_BYTES: usize = 64 << 10;
 /// How long a new connection waits for the old holder of its name to give the session up.
@@ -88,17 +94,27 @@ pub struct TapSession {
     takeover_acks: Vec<(u32, u16)>,
     temp_failures_in_a_row: u32,
     close_sent: bool,
-    /// A round staged and put to the StreamFilter, encoded by the next round: the plugin
-    /// judges it while the connection stages the round after it.
+    /// The batch being sent, over as many rounds as its size and the ACK window take.
+    current: Option<Judged>,
+    /// With a StreamFilter, the batch after `current`, staged and put to the plugin: the
+    /// plugin judges it while the connection sends `current`.
     ahead: Option<Judged>,
     /// Staging buffers not in use, kept for their capacity.
     spare: Vec<Staged>,
 }
 
-/// A staged round and the StreamFilter's pending answer about it.
+/// A staged batch, the StreamFilter's answer about it, and how far it has been sent.
 struct Judged {
-    staged: Staged,
+    /// Shared with the StreamFilter's thread while it may read the keys.
+    staged: Arc<Staged>,
+    /// The question put to the StreamFilter, until its answer is collected into `decision`.
     verdict: Option<Pending>,
+    decision: Option<FilterDecision>,
+    /// Events, and documents among them, encoded so far.
+    next_event: usize,
+    next_doc: usize,
+    /// Staging stopped at its budget, so the streams may have more at once.
+    full: bool,
 }
 
 fn error_reply(out: &mut Vec<u8>, opaque: u32, st: u16, why: &str) {
@@ -215,6 +231,7 @@ impl TapSession {
             takeover_acks: Vec::new(),
             temp_failures_in_a_row: 0,
             close_sent: false,
+            current: None,
             ahead: None,
             spare: Vec::new(),
         })
@@ -251,6 +268,7 @@ impl TapSession {
         out: &mut [u8],
         from: usize,
         force_ack: bool,
+        sent_at: Instant,
         shared: &Shared,
     ) -> (usize, usize) {
         let mut at = from;
@@ -270,7 +288,7 @@ impl TapSession {
                 self.since_ack += 1;
             }
             if self.supports_ack() || ack {
-                self.unacked.push(seq, &out[at..end]);
+                self.unacked.push(seq, &out[at..end], sent_at);
             }
             if vbucket_set {
                 self.takeover_acks
@@ -285,7 +303,7 @@ impl TapSession {
     }
 
     /// Sends queued messages again under new sequence numbers, as far as the window allows.
-    fn send_again(&mut self, out: &mut Vec<u8>, shared: &Shared) -> bool {
+    fn send_again(&mut self, out: &mut Vec<u8>, sent_at: Instant, shared: &Shared) -> bool {
         let mut wrote = false;
         while self.window_open() {
             let Some(m) = self.resend.pop_front() else {
@@ -295,37 +313,29 @@ impl TapSession {
             out.extend_from_slice(&m);
             // The last one asks, so the client confirms the whole re-sent run.
             let last = self.resend.is_empty();
-            self.stamp(out, from, last, shared);
+            self.stamp(out, from, last, sent_at, shared);
             shared.tap.resent.fetch_add(1, Ordering::Relaxed);
             wrote = true;
         }
         wrote
     }
 
-    /// Stages the streams' next changes in turns until the budget or the window is used up
-    /// (`held` messages are staged already, not yet sent). Returns whether any stream had
-    /// something.
-    fn stage(&mut self, engine: &Engine, staged: &mut Staged, budget: usize, held: usize) -> bool {
-        let mut any = false;
+    /// Stages the streams' next changes in turns until the budget is used up. The ACK window
+    /// limits what is sent, not what is staged.
+    fn stage(&mut self, engine: &Engine, staged: &mut Staged, budget: usize) {
         let mut idle_round = false;
         while !idle_round && staged.data.len() < budget && !self.streams.is_empty() {
             idle_round = true;
             let order = turn_order(&self.streams, self.turn);
             for vb in order {
-                let room = self.window as usize - self.unacked.len().min(self.window as usize);
-                if staged.data.len() >= budget
-                    || (self.supports_ack() && held + staged.events.len() >= room)
-                {
+                if staged.data.len() >= budget {
                     self.turn = vb;
-                    return any;
+                    return;
                 }
                 let s = self.streams.get_mut(&vb).expect("listed above");
                 let (_, progress) = s.fill(engine, staged, TURN_BYTES);
                 match progress {
-                    Progress::Sent => {
-                        idle_round = false;
-                        any = true;
-                    }
+                    Progress::Sent => idle_round = false,
                     Progress::Idle => {}
                     Progress::Ended(reason) => {
                         let mut s = self.streams.remove(&vb).expect("listed above");
@@ -337,79 +347,116 @@ impl TapSession {
                         }
                         s.close(engine);
                         idle_round = false;
-                        any = true;
                     }
                 }
                 self.turn = vb.wrapping_add(1);
             }
         }
-        any
     }
 
-    /// Stages a round into a spare buffer and, with a StreamFilter installed, puts its
+    /// Stages a batch into a spare buffer and, with a StreamFilter installed, puts its
     /// documents to the plugin without waiting for the answer.
-    fn stage_judged(&mut self, shared: &Shared, held: usize) -> Judged {
+    fn stage_judged(&mut self, shared: &Shared) -> Judged {
+        let policies = &shared.policies;
+        let filtered = policies.installed(PolicyKind::Filter);
+        let budget = if filtered {
+            FILTER_BATCH_BYTES
+        } else {
+            ROUND_BYTES
+        };
         let mut staged = self.spare.pop().unwrap_or_default();
         staged.clear();
-        self.stage(&shared.engine, &mut staged, ROUND_BYTES, held);
-        let policies = &shared.policies;
-        let verdict = policies
-            .installed(PolicyKind::Filter)
-            .then(|| staged.filter_batch(&self.name))
-            .filter(|batch| !batch.key_ends.is_empty())
-            .map(|batch| policies.pose(PolicyKind::Filter, Question::Filter(batch)));
-        Judged { staged, verdict }
+        self.stage(&shared.engine, &mut staged, budget);
+        let staged = Arc::new(staged);
+        let verdict = (filtered && staged.docs > 0).then(|| {
+            let batch = FilterBatch {
+                connection: self.name.clone(),
+                docs: staged.docs,
+                value_bytes: staged.value_bytes,
+                source: staged.clone(),
+            };
+            policies.pose(PolicyKind::Filter, Question::Filter(batch))
+        });
+        Judged {
+            full: staged.data.len() >= budget,
+            staged,
+            verdict,
+            decision: None,
+            next_event: 0,
+            next_doc: 0,
+        }
     }
 
-    /// One round: messages to send again, then the streams' changes (judged by the
-    /// StreamFilter, if one is installed), encoded into `out`. Returns whether it wrote or
-    /// has a staged round waiting.
-    ///
-    /// With a filter, the round after this one is staged and put to the plugin before this
-    /// one's answer is awaited, so the plugin thinks while the connection works.
-    async fn round(&mut self, shared: &Shared, out: &mut Vec<u8>) -> bool {
-        let mut wrote = self.send_again(out, shared);
-        if !self.resend.is_empty() || !self.window_open() {
-            return wrote;
+    /// Keeps a sent batch's buffers for the next, unless a plugin that gave up on it (a
+    /// timeout) still holds it.
+    fn keep_spare(&mut self, staged: Arc<Staged>) {
+        if let Ok(s) = Arc::try_unwrap(staged) {
+            self.spare.push(s);
         }
-        let current = match self.ahead.take() {
-            Some(j) => j,
-            None => self.stage_judged(shared, 0),
+    }
+
+    /// The batch to send from: the one under way, else the next (staged ahead, or now). With
+    /// a filter, the batch after it is staged and put to the plugin before this one's answer
+    /// is awaited, so the plugin thinks while the connection works.
+    async fn batch(&mut self, shared: &Shared) -> Judged {
+        if let Some(b) = self.current.take() {
+            return b;
+        }
+        let mut b = match self.ahead.take() {
+            Some(b) => b,
+            None => self.stage_judged(shared),
         };
-        if current.verdict.is_some() {
-            let next = self.stage_judged(shared, current.staged.events.len());
+        if b.verdict.is_some() {
+            let next = self.stage_judged(shared);
             if next.staged.events.is_empty() {
-                self.spare.push(next.staged);
+                self.keep_spare(next.staged);
             } else {
                 self.ahead = Some(next);
             }
         }
-        let staged = current.staged;
-        let decision = match current.verdict {
-            Some(v) => match v.answer(&shared.policies).await {
-                Answer::Filter(d) => Some(d),
-                _ => None,
-            },
-            None => None,
-        };
-        let mut doc_index = 0;
+        if let Some(v) = b.verdict.take() {
+            if let Answer::Filter(d) = v.answer(&shared.policies).await {
+                b.decision = Some(d);
+            }
+        }
+        b
+    }
+
+    /// One round: messages to send again, then the streams' changes (judged by the
+    /// StreamFilter, if one is installed), encoded into `out` up to a round's bytes or the
+    /// ACK window. Returns whether it wrote or has staged changes waiting.
+    async fn round(&mut self, shared: &Shared, out: &mut Vec<u8>) -> bool {
+        // A round's output goes out in one write: one send time serves for all its messages'
+        // round trips (the clock is not read per message).
+        let sent_at = Instant::now();
+        let mut wrote = self.send_again(out, sent_at, shared);
+        if !self.resend.is_empty() || !self.window_open() {
+            return wrote;
+        }
+        let mut batch = self.batch(shared).await;
+        // After waiting for the filter, so that its time is not counted as the client's.
+        let sent_at = Instant::now();
         let mut last_message = None;
-        for event in &staged.events {
-            let is_doc = matches!(event, super::staged::Event::Doc { .. });
+        while batch.next_event < batch.staged.events.len()
+            && out.len() < ROUND_BYTES
+            && self.window_open()
+        {
+            let event = &batch.staged.events[batch.next_event];
             let from = out.len();
             let r = encode(
-                &staged,
+                &batch.staged,
                 event,
-                doc_index,
-                decision.as_ref(),
+                batch.next_doc,
+                batch.decision.as_ref(),
                 &self.enc,
                 &mut self.open_checkpoints,
                 out,
             );
-            doc_index += is_doc as usize;
+            batch.next_doc += matches!(event, super::staged::Event::Doc { .. }) as usize;
+            batch.next_event += 1;
             match r {
                 Encoded::Message => {
-                    last_message = Some(self.stamp(out, from, false, shared));
+                    last_message = Some(self.stamp(out, from, false, sent_at, shared));
                 }
                 Encoded::Skipped(Skip::Filtered) => {
                     shared.tap.filtered.fetch_add(1, Ordering::Relaxed);
@@ -421,7 +468,20 @@ impl TapSession {
             }
             wrote |= out.len() > from;
         }
-        if self.streams.is_empty() && self.ahead.is_none() && self.finite() && !self.close_sent {
+        // Caught up: nothing staged is left and the streams had no more at once.
+        let caught_up =
+            batch.next_event == batch.staged.events.len() && !batch.full && self.ahead.is_none();
+        if batch.next_event == batch.staged.events.len() {
+            self.keep_spare(batch.staged);
+        } else {
+            self.current = Some(batch);
+        }
+        if self.streams.is_empty()
+            && self.current.is_none()
+            && self.ahead.is_none()
+            && self.finite()
+            && !self.close_sent
+        {
             // Everything asked for was sent: say so, and ask for the final ACK.
             let code = opaque_code::CLOSE_TAP_STREAM.to_be_bytes();
             let from = out.len();
@@ -433,22 +493,23 @@ impl TapSession {
             }
             .encode(out);
             let ack = self.supports_ack();
-            self.stamp(out, from, ack, shared);
+            self.stamp(out, from, ack, sent_at, shared);
             self.close_sent = true;
             return true;
         }
-        // Caught up with messages not yet covered by an ACK request: the last one asks.
-        let caught_up = self.ahead.is_none() && staged.data.len() < ROUND_BYTES;
-        self.spare.push(staged);
-        if let (true, true, Some((at, end))) = (self.supports_ack(), caught_up, last_message) {
+        // Caught up, or stopped by the window, with messages not yet covered by an ACK
+        // request: the last one asks.
+        let waits = caught_up || !self.window_open();
+        if let (true, true, Some((at, end))) = (self.supports_ack(), waits, last_message) {
             if self.since_ack > 0 {
                 let seq = u32::from_be_bytes(out[at + 12..at + 16].try_into().expect("4"));
                 restamp(&mut out[at..end], seq, true);
                 self.since_ack = 0;
             }
         }
-        // A staged round waiting is more to do now, even if the filter dropped all of this one.
-        wrote || self.ahead.is_some()
+        // Staged changes waiting are more to do now, even if the filter dropped all of this
+        // round's.
+        wrote || self.current.is_some() || self.ahead.is_some()
     }
 }
 

@@ -47,14 +47,15 @@ impl Unacked {
         self.live == 0
     }
 
-    pub fn push(&mut self, seq: u32, message: &[u8]) {
+    /// Keeps message `seq`, sent `at`.
+    pub fn push(&mut self, seq: u32, message: &[u8], at: Instant) {
         let start = self.bytes.len();
         self.bytes.extend_from_slice(message);
         self.sent.push_back(Sent {
             seq,
             start,
             len: message.len(),
-            at: Instant::now(),
+            at,
             live: true,
         });
         self.live += 1;
@@ -292,7 +293,7 @@ mod tests {
     fn an_ack_covers_everything_before_it() {
         let mut u = Unacked::default();
         for seq in 1..=5u32 {
-            u.push(seq, &[seq as u8; 30]);
+            u.push(seq, &[seq as u8; 30], Instant::now());
         }
         assert_eq!(u.len(), 5);
         assert!(u.ack(3).is_some());

@@ -10,7 +10,7 @@ use sluice_proto::dcp::snapshot_flag;
 use sluice_proto::tap::{message_flag, opaque_code, opcode, TapMessage};
 
 use crate::dcp::stream::{StreamSink, StreamView};
-use crate::policy::{action, FilterBatch, FilterDecision};
+use crate::policy::{action, FilterDecision, FilterDocs, FilterKeys};
 
 /// Per-message overhead counted against a round's budget, beyond key and value.
 const MESSAGE_COST: usize = 48;
@@ -49,12 +49,17 @@ pub enum Event {
 pub struct Staged {
     pub data: Vec<u8>,
     pub events: Vec<Event>,
+    /// Documents among the events, and their values' bytes (what a StreamFilter is told).
+    pub docs: usize,
+    pub value_bytes: u64,
 }
 
 impl Staged {
     pub fn clear(&mut self) {
         self.data.clear();
         self.events.clear();
+        self.docs = 0;
+        self.value_bytes = 0;
     }
 
     /// Gives back memory beyond what a round of `bytes` needs (an idle connection).
@@ -68,28 +73,15 @@ impl Staged {
         self.data.extend_from_slice(bytes);
         start..self.data.len()
     }
+}
 
-    /// The round's documents as a StreamFilter sees them.
-    pub fn filter_batch(&self, connection: &str) -> FilterBatch {
-        let mut b = FilterBatch {
-            connection: connection.to_string(),
-            ..Default::default()
-        };
+impl FilterDocs for Staged {
+    fn read_keys(&self, into: &mut FilterKeys) {
         for e in &self.events {
-            if let Event::Doc {
-                vbucket,
-                key,
-                value,
-                ..
-            } = e
-            {
-                b.vbuckets.push(*vbucket);
-                b.keys.extend_from_slice(&self.data[key.clone()]);
-                b.key_ends.push(b.keys.len() as u32);
-                b.value_bytes += value.len() as u64;
+            if let Event::Doc { vbucket, key, .. } = e {
+                into.push(&self.data[key.clone()], *vbucket);
             }
         }
-        b
     }
 }
 
@@ -129,6 +121,8 @@ impl StreamSink for Staged {
             self.copy(value)
         };
         let cost = MESSAGE_COST + key.len() + value.len();
+        self.docs += 1;
+        self.value_bytes += value.len() as u64;
         self.events.push(Event::Doc {
             vbucket: s.vbucket,
             op,
