@@ -58,6 +58,19 @@ class NoSession(StreamFilter):
         return Prefixes(drop=(b"session:",))
 
 
+class LateReader(StreamFilter):
+    """Keeps each batch and reads its keys in the next call, after it was answered."""
+
+    def __init__(self):
+        self.last = None
+
+    def filter(self, batch):
+        if self.last is not None:
+            self.last.keys
+        self.last = batch
+        return Prefixes(drop=(b"tmp:",))
+
+
 class SmallDcpBuffer(AckPolicy):
     """A replica's DCP buffer of 96 KiB, acknowledged every 16 KiB."""
 
@@ -196,6 +209,52 @@ def test_a_filter_dropping_whole_batches_does_not_stall_the_stream(tmp_path: Pat
         assert {m.key for m in got if m.opcode == MUTATION} == {k.encode() for k in kept}
         assert time.monotonic() - started < 5
         assert metric(n, "sluice_tap_filtered_total") == 3000
+    finally:
+        n.stop()
+
+
+def test_a_filtered_batch_larger_than_the_ack_window_goes_out_window_by_window(tmp_path: Path) -> None:
+    """A StreamFilter judges a batch of about 1 MiB; with an ACK window of 50 messages it goes
+    out over many windows: every kept key arrives once and no filtered one. The ACK interval
+    (100) is longer than the window: the message that fills the window asks for the ACK."""
+    n, _ = start(tmp_path, "window", {"filter": "myplugins:NoTmp"}, "ack_interval = 100\nack_window = 50")
+    try:
+        mc = bmemcached.Client([n.address])
+        big = os.urandom(500)
+        for i in range(0, 2000, 250):
+            mc.set_multi({(f"tmp:{j}" if j % 2 else f"user:{j}"): big for j in range(i, i + 250)})
+        c = TapClient((n.host, n.port), b"", SUPPORT_ACK | BACKFILL, struct.pack(">Q", 0))
+        # Read until the stream pauses, then acknowledge: each burst is what the window let out.
+        got, bursts = [], []
+        while len(got) < 1000:
+            burst = c.drain(quiet=0.2)
+            assert burst, f"the stream stalled after {len(got)} keys"
+            got += [m.key for m in burst if m.opcode == MUTATION]
+            bursts.append(len(burst))
+            ack(c.sock, [m for m in burst if m.wants_ack][-1])
+        assert not [m.key for m in c.drain() if m.opcode == MUTATION], "nothing beyond the kept keys"
+        c.close()
+        assert sorted(got) == sorted(f"user:{j}".encode() for j in range(0, 2000, 2))
+        assert len(set(got)) == len(got)
+        assert max(bursts) <= 51 and len(bursts) >= 20, f"the window of 50 held: {bursts}"
+        assert metric(n, "sluice_tap_filtered_total") == 1000
+        assert metric(n, "sluice_policy_calls_total", "filter") < 10, "a few batches, not one per window"
+    finally:
+        n.stop()
+
+
+def test_a_batchs_keys_are_there_only_during_the_filter_call(tmp_path: Path) -> None:
+    """A plugin that keeps a batch and reads its keys later gets an error (counted; that call
+    gets the default), not keys from a buffer the connection has moved on from."""
+    n, _ = start(tmp_path, "late", {"filter": "myplugins:LateReader"})
+    try:
+        write(n, [f"user:{i}" for i in range(20)] + [f"tmp:{i}" for i in range(20)])
+        assert stream_keys(n, 20) == {f"user:{i}".encode() for i in range(20)}  # first call: fine
+        write(n, ["user:late"])
+        keys = stream_keys(n, 21)
+        assert b"user:late" in keys
+        n.wait_for("the call was answered", timeout=10)
+        assert metric(n, "sluice_policy_errors_total", "filter") >= 1
     finally:
         n.stop()
 
