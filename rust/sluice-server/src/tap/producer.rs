@@ -311,8 +311,9 @@ impl TapSession {
             };
             let from = out.len();
             out.extend_from_slice(&m);
-            // The last one asks, so the client confirms the whole re-sent run.
-            let last = self.resend.is_empty();
+            // The last one, or the one that fills the window, asks, so the client confirms
+            // the re-sent run (and the window opens again whatever the ACK interval).
+            let last = self.resend.is_empty() || self.unacked.len() + 1 >= self.window as usize;
             self.stamp(out, from, last, sent_at, shared);
             shared.tap.resent.fetch_add(1, Ordering::Relaxed);
             wrote = true;
