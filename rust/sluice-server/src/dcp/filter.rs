@@ -4,10 +4,10 @@
 //! stream ends and state changes pass untouched, so a consumer sees the same snapshots with
 //! gaps in the seqnos, as after deduplication.
 
+use std::sync::Arc;
+
 use sluice_proto::dcp::opcode;
 use sluice_proto::mcbp::{self, magic};
-
-use std::sync::Arc;
 
 use crate::policy::{action, FilterBatch, FilterDecision, FilterDocs, FilterKeys};
 
