@@ -272,16 +272,6 @@ pub struct Call {
     pub reply: Reply,
 }
 
-impl Call {
-    pub fn kind(&self) -> PolicyKind {
-        self.reply.kind
-    }
-
-    pub fn answer(&self, a: Answer) {
-        self.reply.answer(a);
-    }
-}
-
 /// Where a call's answer goes. Kept apart from the question, so that a plugin's thread can let
 /// go of the question (and the batch it shares with the connection) before it answers.
 pub struct Reply {
@@ -523,7 +513,7 @@ mod tests {
             let c = h
                 .next_call(PolicyKind::Ack, Duration::from_secs(5))
                 .unwrap();
-            c.answer(Answer::Ack {
+            c.reply.answer(Answer::Ack {
                 interval: 7,
                 window: 9,
             });
@@ -531,7 +521,7 @@ mod tests {
                 .next_call(PolicyKind::Ack, Duration::from_secs(5))
                 .unwrap();
             std::thread::sleep(Duration::from_millis(400));
-            c.answer(Answer::Ack {
+            c.reply.answer(Answer::Ack {
                 interval: 1,
                 window: 1,
             });
@@ -578,7 +568,7 @@ mod tests {
                 c.question,
                 Question::SlowConsumer { over_by: 100, .. }
             ));
-            c.answer(Answer::Drop(vec![2, 99]));
+            c.reply.answer(Answer::Drop(vec![2, 99]));
         });
         // The plugin's choice, limited to real candidates.
         assert_eq!(policy.choose(100, &candidates), vec![(0, 1, 2)]);
