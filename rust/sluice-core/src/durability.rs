@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::Durability;
+use crate::signal::ChangeSignal;
 
 /// Couchbase's durability requirement: a level and the time the write may wait for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +69,8 @@ pub struct ReplicaAck {
 pub struct ReplicaAcks {
     vbuckets: Mutex<Vec<Vec<ReplicaAck>>>,
     moved: Condvar,
+    /// Moves with `moved`, for async waits.
+    progress: ChangeSignal,
 }
 
 /// Why a wait for replicas ended without them.
@@ -86,6 +89,7 @@ impl ReplicaAcks {
         ReplicaAcks {
             vbuckets: Mutex::new(vec![Vec::new(); num_vbuckets as usize]),
             moved: Condvar::new(),
+            progress: ChangeSignal::default(),
         }
     }
 
@@ -110,7 +114,7 @@ impl ReplicaAcks {
             list.retain(|a| a.name != name);
         }
         drop(all);
-        self.moved.notify_all();
+        self.announce();
     }
 
     pub fn ack(&self, vb: u16, name: &str, seqno: u64, persisted: Option<u64>) {
@@ -126,7 +130,57 @@ impl ReplicaAcks {
             a.persisted = a.persisted.max(p);
         }
         drop(all);
+        self.announce();
+    }
+
+    fn announce(&self) {
         self.moved.notify_all();
+        self.progress.notify();
+    }
+
+    /// Some(outcome) once a wait for `seqno` of `vb` is over.
+    fn outcome(
+        list: &[ReplicaAck],
+        seqno: u64,
+        persisted: bool,
+        needed: usize,
+    ) -> Option<Result<(), WaitError>> {
+        let done = list
+            .iter()
+            .filter(|a| (if persisted { a.persisted } else { a.seqno }) >= seqno)
+            .count();
+        if done >= needed {
+            return Some(Ok(()));
+        }
+        if list.len() < needed {
+            return Some(Err(WaitError::TooFewReplicas {
+                following: list.len(),
+                needed,
+            }));
+        }
+        None
+    }
+
+    /// Completes once `needed` replicas acknowledged `seqno` of `vb` (on disk if `persisted`),
+    /// or fewer than that follow it; the caller bounds the wait in time.
+    pub async fn acked(
+        &self,
+        vb: u16,
+        seqno: u64,
+        persisted: bool,
+        needed: usize,
+    ) -> Result<(), WaitError> {
+        loop {
+            let seen = self.progress.generation();
+            {
+                let all = self.vbuckets.lock();
+                let list = all.get(vb as usize).map(|l| l.as_slice()).unwrap_or(&[]);
+                if let Some(done) = Self::outcome(list, seqno, persisted, needed) {
+                    return done;
+                }
+            }
+            self.progress.changed(seen).await;
+        }
     }
 
     pub fn following(&self, vb: u16) -> Vec<ReplicaAck> {
@@ -162,18 +216,8 @@ impl ReplicaAcks {
         let mut all = self.vbuckets.lock();
         loop {
             let list = all.get(vb as usize).map(|l| l.as_slice()).unwrap_or(&[]);
-            let done = list
-                .iter()
-                .filter(|a| (if persisted { a.persisted } else { a.seqno }) >= seqno)
-                .count();
-            if done >= needed {
-                return Ok(());
-            }
-            if list.len() < needed {
-                return Err(WaitError::TooFewReplicas {
-                    following: list.len(),
-                    needed,
-                });
+            if let Some(done) = Self::outcome(list, seqno, persisted, needed) {
+                return done;
             }
             if self.moved.wait_until(&mut all, deadline).timed_out() {
                 return Err(WaitError::TimedOut);

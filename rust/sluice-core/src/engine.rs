@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -88,6 +89,57 @@ pub struct MutationResult {
     pub vbucket: u16,
     pub seqno: u64,
     pub lsn: u64,
+}
+
+/// A write applied in memory and queued for the WAL, not yet acknowledged: its reply waits
+/// until `Engine::settle` (blocking) or `Engine::settled` (async) says it meets its level. At
+/// level `none` that is the WAL having written it (`lsn`); the other levels add a sync and
+/// replicas' acknowledgements.
+#[must_use = "a write is acknowledged only once it is settled"]
+#[derive(Debug)]
+pub struct Written<T> {
+    pub value: T,
+    requirement: Requirement,
+    lsn: u64,
+    /// The (vbucket, seqno) the replicas must acknowledge: the last write of each vbucket.
+    first: (u16, u64),
+    more: Vec<(u16, u64)>,
+}
+
+impl<T> Written<T> {
+    fn new(value: T, requirement: Requirement, lsn: u64, writes: &[(u16, u64)]) -> Written<T> {
+        Written {
+            value,
+            requirement,
+            lsn,
+            first: writes.first().copied().unwrap_or_default(),
+            more: writes.get(1..).map(|m| m.to_vec()).unwrap_or_default(),
+        }
+    }
+
+    /// The WAL record the reply must wait for.
+    pub fn lsn(&self) -> u64 {
+        self.lsn
+    }
+
+    /// Whether the write waits for more than the WAL writing it (a sync or replicas).
+    pub fn needs_settling(&self) -> bool {
+        self.requirement.level != Durability::None
+    }
+
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Written<U> {
+        Written {
+            value: f(self.value),
+            requirement: self.requirement,
+            lsn: self.lsn,
+            first: self.first,
+            more: self.more,
+        }
+    }
+
+    fn writes(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        std::iter::once(self.first).chain(self.more.iter().copied())
+    }
 }
 
 /// What a stream request is decided on: one vbucket's state, seqnos and failover log.
@@ -424,6 +476,14 @@ impl Engine {
                 "the WAL cannot write ({why}); retry later"
             )));
         }
+        if self.inner.wal.is_backlogged() {
+            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::TempFail(format!(
+                "the WAL is {} bytes behind (limit {}); retry later",
+                self.inner.wal.queued_bytes(),
+                crate::wal::writer::QUEUE_LIMIT_BYTES
+            )));
+        }
         if op == ChangeOp::Mutation && bucket.above_high_watermark() {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
             return Err(Error::TempFail(format!(
@@ -482,41 +542,40 @@ impl Engine {
         // (starved of CPU or a slow disk). The writer waits for it, as memcached's writers get
         // a temporary failure past the quota; the wait is bounded so a stuck disk, which the
         // WAL reports by itself, does not hang writers here.
-        if bucket.checkpoint_mem() > hard && self.inner.wal.wait_written(lsn, WAL_CATCH_UP).is_ok()
+        if bucket.checkpoint_mem() > hard
+            && self.inner.wal.wait_written(lsn, Some(WAL_CATCH_UP)).is_ok()
         {
             release_checkpoints(bucket);
         }
     }
 
-    fn finish_write(
+    fn written(
         &self,
         bucket: &Bucket,
         durability: Requirement,
         r: MutationResult,
-    ) -> Result<MutationResult> {
+    ) -> Written<MutationResult> {
         self.note_checkpoint_pressure(bucket, r.lsn);
-        self.wait_durable(bucket, durability, &[(r.vbucket, r.seqno)], r.lsn)?;
-        Ok(r)
+        Written::new(r, durability, r.lsn, &[(r.vbucket, r.seqno)])
     }
 
-    /// Waits until writes (their vbuckets and seqnos, the last one's LSN) meet the level: on
-    /// this node's WAL, then on the replicas; SyncWriteAmbiguous when the time runs out.
-    fn wait_durable(
-        &self,
-        bucket: &Bucket,
-        durability: Requirement,
-        writes: &[(u16, u64)],
-        lsn: u64,
-    ) -> Result<()> {
-        let level = durability.level;
+    /// Blocks until a write meets its level: written to the WAL (every level, so that nothing
+    /// acknowledged is lost to a process crash), synced for the `persist` levels, acknowledged
+    /// by replicas for the majority levels; SyncWriteAmbiguous when its time runs out.
+    pub fn settle<T>(&self, bucket: &Bucket, w: Written<T>) -> Result<T> {
+        let level = w.requirement.level;
         let started = Instant::now();
-        let timeout = durability
-            .timeout
-            .unwrap_or(bucket.config.durability_timeout);
+        let timeout = self.settle_timeout(bucket, &w);
+        if !level.persist_active() {
+            self.inner.wal.wait_written(w.lsn, None)?;
+        }
+        if level == Durability::None {
+            return Ok(w.value);
+        }
         if level.persist_active() {
             self.inner
                 .wal
-                .wait_durable(lsn, Some(timeout))
+                .wait_durable(w.lsn, Some(timeout))
                 .map_err(|e| match e {
                     Error::TempFail(_) => {
                         Error::SyncWriteAmbiguous(format!("not on disk within {timeout:?}"))
@@ -525,11 +584,11 @@ impl Engine {
                 })?;
         }
         if !level.needs_replicas() {
-            return Ok(());
+            return Ok(w.value);
         }
         let needed = replicas_for_majority(bucket.config.replicas);
         let on_disk = level == Durability::PersistToMajority;
-        for &(vb, seqno) in writes {
+        for (vb, seqno) in w.writes() {
             let left = timeout.saturating_sub(started.elapsed());
             bucket
                 .acks
@@ -547,11 +606,84 @@ impl Engine {
                     ))
                 })?;
         }
-        Ok(())
+        Ok(w.value)
     }
 
-    /// SET / ADD / REPLACE, with CAS and a durability level.
+    /// How long a write may wait to meet its level: its request's timeout or the bucket's.
+    pub fn settle_timeout<T>(&self, bucket: &Bucket, w: &Written<T>) -> Duration {
+        w.requirement
+            .timeout
+            .unwrap_or(bucket.config.durability_timeout)
+    }
+
+    /// `settle` for async callers: completes when the write meets its level, or when `timer`
+    /// (a sleep of `settle_timeout`, from the caller's runtime) completes first, which makes
+    /// the outcome SyncWriteAmbiguous. Waits on no thread: a connection keeps serving the
+    /// requests behind it meanwhile.
+    pub async fn settled<T>(
+        &self,
+        bucket: &Bucket,
+        w: Written<T>,
+        timer: impl Future<Output = ()>,
+    ) -> Result<T> {
+        let level = w.requirement.level;
+        let timeout = self.settle_timeout(bucket, &w);
+        let wait = async {
+            if level.persist_active() {
+                self.inner.wal.synced(w.lsn).await?;
+            } else {
+                self.inner.wal.written(w.lsn).await?;
+            }
+            if !level.needs_replicas() {
+                return Ok(());
+            }
+            let needed = replicas_for_majority(bucket.config.replicas);
+            let on_disk = level == Durability::PersistToMajority;
+            for (vb, seqno) in w.writes() {
+                bucket
+                    .acks
+                    .acked(vb, seqno, on_disk, needed)
+                    .await
+                    .map_err(|e| {
+                        Error::SyncWriteAmbiguous(format!(
+                            "vbucket {vb} seqno {seqno} at level {}: {e:?}",
+                            level.as_str()
+                        ))
+                    })?;
+            }
+            Ok(())
+        };
+        {
+            let mut wait = std::pin::pin!(wait);
+            let mut timer = std::pin::pin!(timer);
+            std::future::poll_fn(|cx| {
+                if let std::task::Poll::Ready(r) = wait.as_mut().poll(cx) {
+                    return std::task::Poll::Ready(r);
+                }
+                timer.as_mut().poll(cx).map(|()| {
+                    Err(Error::SyncWriteAmbiguous(format!(
+                        "not durable at level {} within {timeout:?}",
+                        level.as_str()
+                    )))
+                })
+            })
+            .await?;
+        }
+        Ok(w.value)
+    }
+
+    /// SET / ADD / REPLACE, with CAS and a durability level; returns once settled.
     pub fn store(&self, bucket: &Bucket, req: &StoreRequest<'_>) -> Result<MutationResult> {
+        self.write_store(bucket, req)
+            .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `store` applied and queued, to be settled by the caller.
+    pub fn write_store(
+        &self,
+        bucket: &Bucket,
+        req: &StoreRequest<'_>,
+    ) -> Result<Written<MutationResult>> {
         validate_key(req.key)?;
         if req.value.len() > bucket.config.max_item_size {
             return Err(Error::TooBig {
@@ -599,7 +731,7 @@ impl Engine {
         )?;
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
-        self.finish_write(bucket, durability, r)
+        Ok(self.written(bucket, durability, r))
     }
 
     /// Many SETs in one call: grouped by vbucket, one lock and one WAL queue lock per group.
@@ -688,8 +820,10 @@ impl Engine {
             .sets
             .fetch_add(items.len() as u64, Ordering::Relaxed);
         self.note_checkpoint_pressure(bucket, last_lsn);
-        self.wait_durable(bucket, durability, &written, last_lsn)?;
-        Ok(last_lsn)
+        self.settle(
+            bucket,
+            Written::new(last_lsn, durability, last_lsn, &written),
+        )
     }
 
     pub fn delete(
@@ -699,6 +833,18 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<MutationResult> {
+        self.write_delete(bucket, key, cas, durability)
+            .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `delete` applied and queued, to be settled by the caller.
+    pub fn write_delete(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        cas: u64,
+        durability: Option<Requirement>,
+    ) -> Result<Written<MutationResult>> {
         validate_key(key)?;
         let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
         self.admit_write(bucket, durability.level, ChangeOp::Deletion)?;
@@ -725,21 +871,22 @@ impl Engine {
             .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta)?;
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
-        self.finish_write(bucket, durability, r)
+        Ok(self.written(bucket, durability, r))
     }
 
     /// A read-modify-write of one live key under its vbucket's lock: `f` sees the current item
     /// (None when missing, deleted or expired) and returns the new value, flags and absolute
     /// expiry, or an error that leaves the item alone. `cas` non-zero must match. This is the
-    /// one path for APPEND, PREPEND, INCR, DECR and TOUCH.
-    pub fn update(
+    /// one path for APPEND, PREPEND, INCR, DECR and TOUCH. Applied and queued, to be settled by
+    /// the caller.
+    pub fn write_update(
         &self,
         bucket: &Bucket,
         key: &[u8],
         cas: u64,
         durability: Option<Requirement>,
         f: impl FnOnce(Option<&Item>) -> Result<Update>,
-    ) -> Result<(MutationResult, Item)> {
+    ) -> Result<Written<(MutationResult, Item)>> {
         validate_key(key)?;
         let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
         self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
@@ -778,7 +925,7 @@ impl Engine {
         let item = vb.store.get(key).expect("just stored").to_item();
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
-        Ok((self.finish_write(bucket, durability, r)?, item))
+        Ok(self.written(bucket, durability, r).map(|r| (r, item)))
     }
 
     /// APPEND (`at_end`) or PREPEND: the key must exist (memcached's NOT_STORED otherwise).
@@ -791,7 +938,21 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<MutationResult> {
-        self.update(bucket, key, cas, durability, |cur| {
+        self.write_concat(bucket, key, data, at_end, cas, durability)
+            .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `concat` applied and queued, to be settled by the caller.
+    pub fn write_concat(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        data: &[u8],
+        at_end: bool,
+        cas: u64,
+        durability: Option<Requirement>,
+    ) -> Result<Written<MutationResult>> {
+        self.write_update(bucket, key, cas, durability, |cur| {
             let cur = cur.ok_or(Error::NotStored)?;
             let mut value = Vec::with_capacity(cur.value().len() + data.len());
             if at_end {
@@ -809,7 +970,7 @@ impl Engine {
                 datatype: cur.meta.datatype & crate::item::DATATYPE_CLIENT_BITS,
             })
         })
-        .map(|(r, _)| r)
+        .map(|w| w.map(|(r, _)| r))
     }
 
     /// INCR / DECR with memcached's rules: a missing key is created with `initial` unless
@@ -827,8 +988,27 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<(MutationResult, u64)> {
+        self.write_arithmetic(
+            bucket, key, delta, initial, expiry, increment, cas, durability,
+        )
+        .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `arithmetic` applied and queued, to be settled by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_arithmetic(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        increment: bool,
+        cas: u64,
+        durability: Option<Requirement>,
+    ) -> Result<Written<(MutationResult, u64)>> {
         let now = now_secs();
-        let (r, item) = self.update(bucket, key, cas, durability, |cur| {
+        let w = self.write_update(bucket, key, cas, durability, |cur| {
             let (n, flags, exp) = match cur {
                 None if expiry == u32::MAX => return Err(Error::NotFound),
                 None => (initial, 0, absolute_expiry(expiry, now)),
@@ -850,11 +1030,13 @@ impl Engine {
                 datatype: 0,
             })
         })?;
-        let n = std::str::from_utf8(item.value())
-            .ok()
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(0);
-        Ok((r, n))
+        Ok(w.map(|(r, item)| {
+            let n = std::str::from_utf8(item.value())
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            (r, n)
+        }))
     }
 
     /// TOUCH: a new expiry for a live key (a mutation with its own seqno, as Couchbase does).
@@ -866,8 +1048,20 @@ impl Engine {
         expiry: u32,
         durability: Option<Requirement>,
     ) -> Result<(MutationResult, Item)> {
+        self.write_touch(bucket, key, expiry, durability)
+            .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `touch` applied and queued, to be settled by the caller.
+    pub fn write_touch(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        expiry: u32,
+        durability: Option<Requirement>,
+    ) -> Result<Written<(MutationResult, Item)>> {
         let now = now_secs();
-        self.update(bucket, key, 0, durability, |cur| {
+        self.write_update(bucket, key, 0, durability, |cur| {
             let cur = cur.ok_or(Error::NotFound)?;
             Ok(Update {
                 value: cur.value().to_vec(),
@@ -881,9 +1075,16 @@ impl Engine {
     /// FLUSH: deletes every live item of the bucket (each a DELETION with its own seqno, so
     /// streams and replicas see it). Returns how many.
     pub fn flush(&self, bucket: &Bucket) -> Result<usize> {
+        self.write_flush(bucket)
+            .and_then(|w| self.settle(bucket, w))
+    }
+
+    /// `flush` applied and queued, to be settled by the caller (at level `none`: written).
+    pub fn write_flush(&self, bucket: &Bucket) -> Result<Written<usize>> {
         self.check_open()?;
         let now = now_secs();
         let mut n = 0;
+        let mut lsn = 0;
         for v in 0..bucket.num_vbuckets() {
             let mut vb = bucket.lock_vbucket(v).expect("in range");
             if vb.state != VbState::Active {
@@ -897,13 +1098,15 @@ impl Engine {
                     deleted: true,
                     ..Default::default()
                 };
-                self.inner
-                    .apply_locked(bucket, &mut vb, ChangeOp::Deletion, &key, b"", meta)?;
+                lsn = self
+                    .inner
+                    .apply_locked(bucket, &mut vb, ChangeOp::Deletion, &key, b"", meta)?
+                    .lsn;
                 n += 1;
             }
         }
         bucket.stats.deletes.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
+        Ok(Written::new(n, Durability::None.into(), lsn, &[]))
     }
 
     /// The live item, or None. An expired item found here turns into an EXPIRATION change

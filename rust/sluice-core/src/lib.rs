@@ -26,5 +26,5 @@ pub mod wal;
 
 pub use config::{BucketConfig, Durability, EngineConfig};
 pub use durability::Requirement;
-pub use engine::{Engine, MutationResult, StoreMode, StoreRequest, Update};
+pub use engine::{Engine, MutationResult, StoreMode, StoreRequest, Update, Written};
 pub use error::{Error, Result};

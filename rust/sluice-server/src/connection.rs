@@ -2,7 +2,13 @@
 //! parsed, every complete frame handled in order (pipelining: replies in request order, quiet
 //! commands silent on success), and one write per round. The connection reads again only after
 //! writing, so a peer that sends but never reads stalls itself, not the server's memory.
+//!
+//! No reply leaves before the WAL has written every change it acknowledges (one wait per round,
+//! shared by every write in it: group commit). A durable write's reply is held until its level
+//! is met, and the replies after it queue behind it, while the connection goes on reading and
+//! applying the requests that follow.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,11 +19,48 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::kv::{Flow, Session};
+use crate::kv::{Flow, HeldReply, Session};
 use crate::server::Shared;
 
 /// Replies are written once this much is pending, even mid-batch.
 const FLUSH_AT: usize = 1 << 20;
+
+/// Held replies past which the connection stops reading until the oldest is sent: a client
+/// pipelining durable writes cannot make the server hold more than this many.
+const MAX_HELD: usize = 1024;
+
+/// The replies of one connection in request order: those ready to send, then held ones, each
+/// with the ready replies that came after it.
+#[derive(Default)]
+struct Replies {
+    ready: Vec<u8>,
+    held: VecDeque<(HeldReply, Vec<u8>)>,
+}
+
+impl Replies {
+    /// Where the next reply goes: behind the last held one, if any.
+    fn tail(&mut self) -> &mut Vec<u8> {
+        match self.held.back_mut() {
+            Some((_, after)) => after,
+            None => &mut self.ready,
+        }
+    }
+
+    /// The oldest held reply is ready: it and the replies behind it join the ready ones.
+    fn release_head(&mut self, reply: Vec<u8>) {
+        let (_, after) = self.held.pop_front().expect("a held reply");
+        self.ready.extend_from_slice(&reply);
+        self.ready.extend_from_slice(&after);
+    }
+
+    /// Waits for every held reply, in order.
+    async fn settle_all(&mut self) {
+        while let Some((head, _)) = self.held.front_mut() {
+            let reply = head.await;
+            self.release_head(reply);
+        }
+    }
+}
 
 pub async fn run(
     mut socket: TcpStream,
@@ -27,41 +70,49 @@ pub async fn run(
 ) {
     let mut session = Session::new(shared.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
-    let mut out: Vec<u8> = Vec::with_capacity(16 << 10);
+    let mut replies = Replies::default();
     let max_body = shared.config.max_body;
     let idle = shared.config.idle_timeout;
     loop {
-        loop {
+        while replies.held.len() < MAX_HELD {
             match mcbp::frame_len(&inbuf, max_body) {
                 Ok(Some(n)) => {
                     let frame = inbuf.split_to(n);
                     let flow = if session.may_block(&frame) {
-                        // A durability wait parks this thread, not the runtime's others.
-                        tokio::task::block_in_place(|| session.handle(&frame, &mut out))
+                        // The password hash parks this thread, not the runtime's others.
+                        tokio::task::block_in_place(|| session.handle(&frame, replies.tail()))
                     } else {
-                        session.handle(&frame, &mut out)
+                        session.handle(&frame, replies.tail())
                     };
                     match flow {
                         Flow::Continue => {}
+                        Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
                         Flow::Close => {
-                            let _ = write_out(&mut socket, &mut out, &shared).await;
+                            replies.settle_all().await;
+                            let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
                             return;
                         }
                         Flow::DcpProducer(open) => {
+                            replies.settle_all().await;
+                            let out = std::mem::take(&mut replies.ready);
                             let p = crate::dcp::producer::run(
                                 socket, inbuf, out, session, open, peer, shared, stop,
                             );
                             return Box::pin(p).await;
                         }
                         Flow::TapProducer(connect, opaque) => {
+                            replies.settle_all().await;
+                            let out = std::mem::take(&mut replies.ready);
                             let p = crate::tap::producer::run(
                                 socket, inbuf, out, session, connect, opaque, peer, shared, stop,
                             );
                             return Box::pin(p).await;
                         }
                     }
-                    if out.len() >= FLUSH_AT
-                        && write_out(&mut socket, &mut out, &shared).await.is_err()
+                    if replies.ready.len() >= FLUSH_AT
+                        && send(&mut socket, &mut replies.ready, &session, &shared)
+                            .await
+                            .is_err()
                     {
                         return;
                     }
@@ -70,30 +121,53 @@ pub async fn run(
                 Err(e) => {
                     shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     log::warn!("closing connection from {peer}: {e}");
+                    replies.settle_all().await;
                     if let FrameError::TooBig { .. } = e {
-                        session.refuse_too_big(&inbuf, &mut out);
+                        session.refuse_too_big(&inbuf, &mut replies.ready);
                     }
-                    let _ = write_out(&mut socket, &mut out, &shared).await;
+                    let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
                     return;
                 }
             }
         }
-        if !out.is_empty() && write_out(&mut socket, &mut out, &shared).await.is_err() {
+        if send(&mut socket, &mut replies.ready, &session, &shared)
+            .await
+            .is_err()
+        {
             return;
         }
         if *stop.borrow() {
+            // Shutting down: requests already read are answered, held ones too.
+            replies.settle_all().await;
+            let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
             return;
         }
+        let reading = replies.held.len() < MAX_HELD;
+        let waiting = !replies.held.is_empty();
         let read = async {
-            if idle.is_zero() {
+            if !reading {
+                std::future::pending().await
+            } else if idle.is_zero() || waiting {
                 Ok(socket.read_buf(&mut inbuf).await)
             } else {
                 tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
             }
         };
+        let head = async {
+            match replies.held.front_mut() {
+                Some((head, _)) => head.await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            reply = head => replies.release_head(reply),
             r = read => match r {
-                Ok(Ok(0)) => return,
+                Ok(Ok(0)) => {
+                    // The client closed its side: what it sent is still answered.
+                    replies.settle_all().await;
+                    let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+                    return;
+                }
                 Ok(Ok(n)) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
                 Ok(Err(e)) => {
                     log::debug!("connection from {peer}: {e}");
@@ -105,11 +179,32 @@ pub async fn run(
                 }
             },
             _ = stop.changed() => {
-                // Shutting down: requests already read were answered above.
+                replies.settle_all().await;
+                let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
                 return;
             }
         }
     }
+}
+
+/// Sends the ready replies once the WAL holds every change they acknowledge. If the WAL stopped
+/// without writing them, nothing is sent: the connection closes unanswered rather than
+/// acknowledge what a restart would not have.
+async fn send(
+    socket: &mut TcpStream,
+    out: &mut Vec<u8>,
+    session: &Session,
+    shared: &Shared,
+) -> std::io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    if let Err(e) = shared.engine.wal().written(session.owed_lsn()).await {
+        log::warn!("closing a connection with unsent replies: {e}");
+        out.clear();
+        return Err(std::io::Error::other(e.to_string()));
+    }
+    write_out(socket, out, shared).await
 }
 
 async fn write_out(

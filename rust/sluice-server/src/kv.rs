@@ -1,10 +1,14 @@
 //! The memcached binary protocol's KV commands over the engine: one request in, its reply (or,
 //! for a quiet command that succeeded, nothing) appended to the connection's output.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use sluice_core::bucket::Bucket;
-use sluice_core::{Durability, Error, MutationResult, Requirement, StoreMode, StoreRequest};
+use sluice_core::{
+    Durability, Error, MutationResult, Requirement, StoreMode, StoreRequest, Written,
+};
 use sluice_proto::mcbp::{
     self, feature, magic, opcode as op, status, FrameInfo, HeaderFields, Request,
 };
@@ -13,14 +17,26 @@ use crate::server::Shared;
 use sluice_proto::dcp::opcode as dcp_op;
 use sluice_proto::tap::opcode as tap_op;
 
-#[derive(Debug, Clone)]
 pub enum Flow {
     Continue,
+    /// The reply waits for a durable write to settle: the connection sends it, and every reply
+    /// after it, once it is ready, and goes on reading meanwhile.
+    Hold(HeldReply),
     Close,
     /// DCP_OPEN succeeded (its reply is written): the connection becomes a DCP producer.
     DcpProducer(crate::dcp::producer::OpenProducer),
     /// A valid TAP_CONNECT (and its opaque): the connection becomes a TAP producer.
     TapProducer(sluice_proto::tap::TapConnect, u32),
+}
+
+/// A reply whose bytes are known once its write settles (success or the error it met).
+pub struct HeldReply(Pin<Box<dyn Future<Output = Vec<u8>> + Send>>);
+
+impl Future for HeldReply {
+    type Output = Vec<u8>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Vec<u8>> {
+        self.0.as_mut().poll(cx)
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -41,6 +57,9 @@ pub struct Session {
     features: Features,
     /// The authenticated user, if any.
     user: Option<String>,
+    /// The last WAL record a reply given so far acknowledges: the connection sends no reply
+    /// before the WAL has written this far.
+    owed_lsn: u64,
 }
 
 /// The permission a command needs on the selected bucket (0: none, anyone may).
@@ -143,13 +162,33 @@ impl Reply<'_> {
     }
 
     fn error(&mut self, st: u16, message: &str, xerror: bool) {
-        if xerror {
-            let body = format!("{{\"error\":{{\"context\":{}}}}}", json_string(message));
-            self.send(st, 0, &[], &[], body.as_bytes(), 0x01);
-        } else {
-            self.send(st, 0, &[], &[], message.as_bytes(), 0);
-        }
+        error_frame(
+            self.out,
+            self.req.opcode,
+            self.req.opaque,
+            st,
+            message,
+            xerror,
+        );
     }
+}
+
+/// An error reply: the message as text, or as Couchbase's JSON error context with XERROR.
+fn error_frame(out: &mut Vec<u8>, opcode: u8, opaque: u32, st: u16, message: &str, xerror: bool) {
+    let h = HeaderFields {
+        magic: magic::RESPONSE,
+        opcode,
+        datatype: if xerror { 0x01 } else { 0 },
+        word: st,
+        opaque,
+        cas: 0,
+    };
+    let _ = if xerror {
+        let body = format!("{{\"error\":{{\"context\":{}}}}}", json_string(message));
+        mcbp::write_frame(out, &h, &[], &[], &[], body.as_bytes())
+    } else {
+        mcbp::write_frame(out, &h, &[], &[], &[], message.as_bytes())
+    };
 }
 
 fn json_string(s: &str) -> String {
@@ -178,7 +217,85 @@ impl Session {
             bucket,
             features: Features::default(),
             user: None,
+            owed_lsn: 0,
         }
+    }
+
+    /// The last WAL record the replies given so far acknowledge (see `owed_lsn`).
+    pub fn owed_lsn(&self) -> u64 {
+        self.owed_lsn
+    }
+
+    /// For connections that do not pipeline held replies (DCP and TAP producers): waits for a
+    /// held reply, and for the WAL to hold what the replies in `out` acknowledge. Close if the
+    /// WAL stopped without writing it (nothing unwritten is acknowledged).
+    pub async fn settle(&self, flow: Flow, out: &mut Vec<u8>) -> Flow {
+        let flow = match flow {
+            Flow::Hold(held) => {
+                out.extend_from_slice(&held.await);
+                Flow::Continue
+            }
+            other => other,
+        };
+        if let Err(e) = self.shared.engine.wal().written(self.owed_lsn).await {
+            log::warn!("closing a connection with unsent replies: {e}");
+            out.clear();
+            return Flow::Close;
+        }
+        flow
+    }
+
+    /// Answers a write: at once when the WAL writing it is all its level asks (the connection
+    /// waits for that before it sends), held until it settles otherwise. `ok` writes the
+    /// success reply; a quiet command's success has none.
+    fn answer_write<T: Send + Sync + 'static>(
+        &mut self,
+        bucket: &Arc<Bucket>,
+        w: Written<T>,
+        reply: &mut Reply<'_>,
+        quiet: bool,
+        ok: impl FnOnce(&Self, &mut Reply<'_>, &T),
+    ) -> Flow {
+        self.owed_lsn = self.owed_lsn.max(w.lsn());
+        if !w.needs_settling() {
+            if !quiet {
+                ok(self, reply, &w.value);
+            }
+            return Flow::Continue;
+        }
+        let mut done = Vec::new();
+        if !quiet {
+            ok(
+                self,
+                &mut Reply {
+                    out: &mut done,
+                    req: reply.req,
+                },
+                &w.value,
+            );
+        }
+        let (opcode, opaque, xerror) = (reply.req.opcode, reply.req.opaque, self.features.xerror);
+        let shared = self.shared.clone();
+        let bucket = bucket.clone();
+        Flow::Hold(HeldReply(Box::pin(async move {
+            let timeout = shared.engine.settle_timeout(&bucket, &w);
+            let timer = tokio::time::sleep(timeout);
+            match shared.engine.settled(&bucket, w, timer).await {
+                Ok(_) => done,
+                Err(e) => {
+                    let mut out = Vec::new();
+                    error_frame(
+                        &mut out,
+                        opcode,
+                        opaque,
+                        status_of(&e),
+                        &e.to_string(),
+                        xerror,
+                    );
+                    out
+                }
+            }
+        })))
     }
 
     /// The selected bucket.
@@ -186,13 +303,11 @@ impl Session {
         self.bucket.clone()
     }
 
-    /// Whether handling this frame may wait on the disk (a durability level), so the caller can
-    /// move it off the async worker.
+    /// Whether handling this frame takes long on a CPU (the deliberately slow password hash of
+    /// SASL_AUTH), so the caller can move it off the async worker. Durable writes do not
+    /// block: their replies are held (`Flow::Hold`).
     pub fn may_block(&self, frame: &[u8]) -> bool {
-        // Durability waits, and the deliberately slow password hash of SASL_AUTH.
-        frame.first() == Some(&magic::ALT_REQUEST)
-            || frame.get(1) == Some(&op::SASL_AUTH)
-            || self.bucket.config.durability != Durability::None
+        frame.get(1) == Some(&op::SASL_AUTH)
     }
 
     /// The reply to a frame whose body is over the limit: E2BIG, with the header's opaque.
@@ -397,11 +512,12 @@ impl Session {
                     mode,
                     durability,
                 };
-                match engine.store(&bucket, &r) {
-                    Ok(m) if quiet => {
-                        let _ = m;
+                match engine.write_store(&bucket, &r) {
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, quiet, |s, r, m| {
+                            s.mutation_reply(r, &bucket, m)
+                        })
                     }
-                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
                     // memcached: ADD on an existing key and REPLACE of a missing one are NOT_STORED
                     // only in the text protocol; the binary protocol says EEXISTS / ENOENT.
                     Err(e) => fail!(e),
@@ -414,14 +530,19 @@ impl Session {
                 if wrong_vbucket(&bucket) {
                     fail!(Error::NotMyVbucket(req.vbucket));
                 }
-                match engine.delete(&bucket, req.key, req.cas, durability) {
-                    Ok(_) if quiet => {}
-                    // memcached answers a DELETE with CAS 0 (its conformance checker insists);
-                    // Couchbase-aware clients (MUTATION_SEQNO) get the tombstone's CAS.
-                    Ok(_) if !self.features.mutation_seqno => {
-                        reply.send(status::SUCCESS, 0, &[], &[], &[], 0)
+                match engine.write_delete(&bucket, req.key, req.cas, durability) {
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, quiet, |s, r, m| {
+                            // memcached answers a DELETE with CAS 0 (its conformance checker
+                            // insists); Couchbase-aware clients (MUTATION_SEQNO) get the
+                            // tombstone's CAS.
+                            if s.features.mutation_seqno {
+                                s.mutation_reply(r, &bucket, m)
+                            } else {
+                                r.ok()
+                            }
+                        });
                     }
-                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
                     Err(e) => fail!(e),
                 }
             }
@@ -436,13 +557,14 @@ impl Session {
                     fail!(Error::NotMyVbucket(req.vbucket));
                 }
                 let inc = matches!(req.opcode, op::INCREMENT | op::INCREMENTQ);
-                match engine.arithmetic(
+                match engine.write_arithmetic(
                     &bucket, req.key, delta, initial, expiry, inc, req.cas, durability,
                 ) {
-                    Ok(_) if quiet => {}
-                    Ok((m, n)) => {
-                        let extras = self.seqno_extras(&bucket, &m);
-                        reply.send(status::SUCCESS, m.cas, &extras, &[], &n.to_be_bytes(), 0);
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, quiet, |s, r, (m, n)| {
+                            let extras = s.seqno_extras(&bucket, m);
+                            r.send(status::SUCCESS, m.cas, &extras, &[], &n.to_be_bytes(), 0);
+                        })
                     }
                     Err(e) => fail!(e),
                 }
@@ -455,9 +577,13 @@ impl Session {
                     fail!(Error::NotMyVbucket(req.vbucket));
                 }
                 let at_end = matches!(req.opcode, op::APPEND | op::APPENDQ);
-                match engine.concat(&bucket, req.key, req.value, at_end, req.cas, durability) {
-                    Ok(_) if quiet => {}
-                    Ok(m) => self.mutation_reply(&mut reply, &bucket, &m),
+                match engine.write_concat(&bucket, req.key, req.value, at_end, req.cas, durability)
+                {
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, quiet, |s, r, m| {
+                            s.mutation_reply(r, &bucket, m)
+                        })
+                    }
                     Err(e) => fail!(e),
                 }
             }
@@ -468,18 +594,23 @@ impl Session {
                 if wrong_vbucket(&bucket) {
                     fail!(Error::NotMyVbucket(req.vbucket));
                 }
-                match engine.touch(&bucket, req.key, expiry, durability) {
-                    Ok((m, _)) if req.opcode == op::TOUCH => {
-                        reply.send(status::SUCCESS, m.cas, &[], &[], &[], 0)
+                match engine.write_touch(&bucket, req.key, expiry, durability) {
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, false, |s, r, (m, it)| {
+                            if r.req.opcode == op::TOUCH {
+                                r.send(status::SUCCESS, m.cas, &[], &[], &[], 0)
+                            } else {
+                                r.send(
+                                    status::SUCCESS,
+                                    m.cas,
+                                    &it.meta.flags.to_be_bytes(),
+                                    &[],
+                                    it.value(),
+                                    s.datatype(it.meta.datatype),
+                                )
+                            }
+                        })
                     }
-                    Ok((m, it)) => reply.send(
-                        status::SUCCESS,
-                        m.cas,
-                        &it.meta.flags.to_be_bytes(),
-                        &[],
-                        it.value(),
-                        self.datatype(it.meta.datatype),
-                    ),
                     Err(Error::NotFound) if req.opcode == op::GATQ => {}
                     Err(e) => fail!(e),
                 }
@@ -498,9 +629,10 @@ impl Session {
                     }
                     _ => einval!("FLUSH takes no extras or 4 bytes"),
                 }
-                match engine.flush(&bucket) {
-                    Ok(_) if quiet => {}
-                    Ok(_) => reply.ok(),
+                match engine.write_flush(&bucket) {
+                    Ok(w) => {
+                        return self.answer_write(&bucket, w, &mut reply, quiet, |_, r, _| r.ok())
+                    }
                     Err(e) => fail!(e),
                 }
             }
@@ -539,7 +671,19 @@ impl Session {
                 Err((st, why)) => reply.error(st, &why, xerror),
             },
             tap_op::MUTATION..=tap_op::CHECKPOINT_END => {
-                crate::tap::apply::apply(&self.shared, &bucket, frame, reply.out)
+                match crate::tap::apply::apply(&self.shared, &bucket, frame) {
+                    // A TAP message is answered when it asks for an ACK, or failed.
+                    Ok(applied) => match applied.written {
+                        Some(w) => {
+                            let quiet = !applied.ack;
+                            return self
+                                .answer_write(&bucket, w, &mut reply, quiet, |_, r, _| r.ok());
+                        }
+                        None if applied.ack => reply.ok(),
+                        None => {}
+                    },
+                    Err(e) => fail!(e),
+                }
             }
             dcp_op::ADD_STREAM..=dcp_op::CACHE_TRANSFER_END => reply.error(
                 status::EINVAL,

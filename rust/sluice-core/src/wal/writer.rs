@@ -12,7 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -24,6 +24,7 @@ use super::xlog::{self, FileHeader, FileKind};
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::item::Change;
+use crate::signal::ChangeSignal;
 use crate::vbucket::VbState;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +91,23 @@ struct Queued {
     payload: WalPayload,
 }
 
+/// What a queued record is counted as against `QUEUE_LIMIT_BYTES`: its key and value, and a
+/// fixed part for the entry and its encoding.
+const QUEUED_OVERHEAD: usize = 96;
+
+/// The bytes of records queued and not yet written past which new writes are refused
+/// (TMPFAIL) until the writer catches up: the WAL never runs further behind than this.
+pub const QUEUE_LIMIT_BYTES: usize = 64 << 20;
+
 impl Queued {
+    fn charge(&self) -> usize {
+        QUEUED_OVERHEAD
+            + match &self.payload {
+                WalPayload::Change(c) => c.key().len() + c.value().len(),
+                WalPayload::Meta(_) => 0,
+            }
+    }
+
     fn encode(&self, out: &mut Vec<u8>) {
         let rec = match &self.payload {
             WalPayload::Change(c) => Record {
@@ -169,6 +186,18 @@ struct Shared {
     /// In write mode, the highest LSN a `persist` waiter needs synced.
     sync_wanted: AtomicU64,
     sync_latency: SyncLatency,
+    /// Bytes of records queued or being written (see `QUEUE_LIMIT_BYTES`).
+    queued_bytes: AtomicUsize,
+    /// Moves whenever `durable` changes (written, synced, an error, the stop), for async waits.
+    progress: ChangeSignal,
+}
+
+impl Shared {
+    /// Publishes a change of `durable` to blocking and async waiters alike.
+    fn announce(&self) {
+        self.durable_cv.notify_all();
+        self.progress.notify();
+    }
 }
 
 /// Upper bounds (microseconds) of the WAL sync latency histogram's buckets.
@@ -239,7 +268,11 @@ impl Appender<'_> {
         let lsn = self.guard.next_lsn;
         self.guard.next_lsn += 1;
         if self.shared.mode != WalMode::None {
-            self.guard.pending.push(Queued { lsn, payload });
+            let q = Queued { lsn, payload };
+            self.shared
+                .queued_bytes
+                .fetch_add(q.charge(), Ordering::Relaxed);
+            self.guard.pending.push(q);
         }
         lsn
     }
@@ -403,6 +436,8 @@ impl WalWriter {
             failpoint: AtomicU8::new(Failpoint::Off as u8),
             sync_wanted: AtomicU64::new(0),
             sync_latency: SyncLatency::default(),
+            queued_bytes: AtomicUsize::new(0),
+            progress: ChangeSignal::default(),
         });
         let thread = if cfg.mode == WalMode::None {
             None
@@ -467,6 +502,89 @@ impl WalWriter {
         self.shared.failing.load(Ordering::Acquire)
     }
 
+    /// True while the records queued and not yet written are over `QUEUE_LIMIT_BYTES`: new
+    /// writes should wait or be refused until the writer catches up.
+    pub fn is_backlogged(&self) -> bool {
+        self.shared.queued_bytes.load(Ordering::Relaxed) > QUEUE_LIMIT_BYTES
+    }
+
+    /// Bytes of records queued and not yet written.
+    pub fn queued_bytes(&self) -> usize {
+        self.shared.queued_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Completes once `lsn` is written (what a process crash cannot lose), waiting through
+    /// write failures, which the writer retries; `Error::Closed` if the writer stopped without
+    /// writing it. This is the wait of every reply to a write: nothing is acknowledged that
+    /// the WAL file does not hold.
+    pub async fn written(&self, lsn: u64) -> Result<()> {
+        if self.shared.mode == WalMode::None {
+            return Ok(());
+        }
+        loop {
+            let seen = self.shared.progress.generation();
+            {
+                let d = self.shared.durable.lock();
+                if d.written >= lsn {
+                    return Ok(());
+                }
+                if d.stopped {
+                    return Err(Error::Closed);
+                }
+            }
+            self.shared.progress.changed(seen).await;
+        }
+    }
+
+    /// Completes once `lsn` is synced to the device (the `persist` level), or fails as soon as
+    /// the writer reports a failure, as `wait_durable` does.
+    pub async fn synced(&self, lsn: u64) -> Result<()> {
+        if self.shared.mode == WalMode::None {
+            return Err(Error::DurabilityImpossible("wal.mode is none".into()));
+        }
+        self.ask_sync(lsn);
+        loop {
+            let seen = self.shared.progress.generation();
+            if let Some(done) = self.outcome(&self.shared.durable.lock(), lsn, |d| d.synced) {
+                return done;
+            }
+            self.shared.progress.changed(seen).await;
+        }
+    }
+
+    /// In write mode, where batches are not synced by themselves, asks the writer to sync
+    /// through `lsn`; waiters arriving together share one sync.
+    fn ask_sync(&self, lsn: u64) {
+        if self.shared.mode == WalMode::Write
+            && self.shared.sync_wanted.fetch_max(lsn, Ordering::AcqRel) < lsn
+        {
+            let _q = self.shared.queue.lock();
+            self.shared.queue_cv.notify_one();
+        }
+    }
+
+    /// Some(outcome) once a wait for `lsn` is over: reached, the writer failing, or stopped.
+    fn outcome(
+        &self,
+        d: &DurableState,
+        lsn: u64,
+        reached: impl Fn(&DurableState) -> u64,
+    ) -> Option<Result<()>> {
+        if reached(d) >= lsn {
+            return Some(Ok(()));
+        }
+        if self.shared.failing.load(Ordering::Acquire) {
+            let why = d.error.clone().unwrap_or_else(|| "unknown error".into());
+            return Some(Err(Error::WalFailed(format!(
+                "{why}; the change is kept in memory and retried"
+            ))));
+        }
+        if d.stopped {
+            return Some(Err(Error::Closed));
+        }
+        None
+    }
+
     pub fn last_error(&self) -> Option<String> {
         self.shared.durable.lock().error.clone()
     }
@@ -482,23 +600,17 @@ impl WalWriter {
         if self.shared.mode == WalMode::None {
             return Err(Error::DurabilityImpossible("wal.mode is none".into()));
         }
-        if self.shared.mode == WalMode::Write
-            && self.shared.sync_wanted.fetch_max(lsn, Ordering::AcqRel) < lsn
-        {
-            let _q = self.shared.queue.lock();
-            self.shared.queue_cv.notify_one();
-        }
+        self.ask_sync(lsn);
         self.wait_until(lsn, timeout, |d| d.synced)
     }
 
     /// Blocks until `lsn` is written (out of the process: what a crash cannot lose), the writer
-    /// fails, or `timeout` passes. Writers outrunning the WAL wait here so the changes the WAL
-    /// has not taken yet, pinned in memory, stay bounded.
-    pub fn wait_written(&self, lsn: u64, timeout: Duration) -> Result<()> {
+    /// fails, or `timeout` (None: no limit) passes.
+    pub fn wait_written(&self, lsn: u64, timeout: Option<Duration>) -> Result<()> {
         if self.shared.mode == WalMode::None {
             return Ok(());
         }
-        self.wait_until(lsn, Some(timeout), |d| d.written)
+        self.wait_until(lsn, timeout, |d| d.written)
     }
 
     fn wait_until(
@@ -510,17 +622,8 @@ impl WalWriter {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut d = self.shared.durable.lock();
         loop {
-            if reached(&d) >= lsn {
-                return Ok(());
-            }
-            if self.shared.failing.load(Ordering::Acquire) {
-                let why = d.error.clone().unwrap_or_else(|| "unknown error".into());
-                return Err(Error::WalFailed(format!(
-                    "{why}; the change is kept in memory and retried"
-                )));
-            }
-            if d.stopped {
-                return Err(Error::Closed);
+            if let Some(done) = self.outcome(&d, lsn, &reached) {
+                return done;
             }
             match deadline {
                 Some(dl) => {
@@ -554,7 +657,7 @@ impl WalWriter {
         }
         let mut d = self.shared.durable.lock();
         d.stopped = true;
-        self.shared.durable_cv.notify_all();
+        self.shared.announce();
     }
 
     /// For tests of recovery: writes what is queued, then stops without the EOF marker or the
@@ -630,7 +733,7 @@ fn writer_loop(
                         {
                             let mut d = shared.durable.lock();
                             d.error = Some(msg);
-                            shared.durable_cv.notify_all();
+                            shared.announce();
                         }
                         if shared.queue.lock().shutdown
                             && failing_since.elapsed() > Duration::from_secs(3)
@@ -674,6 +777,8 @@ fn writer_loop(
             }
             persisted.clear();
             persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
+            let charged: usize = batch.iter().map(Queued::charge).sum();
+            shared.queued_bytes.fetch_sub(charged, Ordering::Relaxed);
             batch.clear();
             // After a surge, give back what a normal batch does not need.
             batch.shrink_to(MAX_KEPT_ENTRIES);
@@ -687,7 +792,7 @@ fn writer_loop(
             d.written = written;
             d.synced = synced;
             d.error = None;
-            shared.durable_cv.notify_all();
+            shared.announce();
         }
         if sync_due(&shared, synced) && written > synced {
             // One sync serves every persist waiter of write mode that asked so far.
@@ -696,7 +801,7 @@ fn writer_loop(
                     synced = written;
                     let mut d = shared.durable.lock();
                     d.synced = synced;
-                    shared.durable_cv.notify_all();
+                    shared.announce();
                 }
                 Err(e) => {
                     log::error!("WAL sync failed, retrying: {e}");
@@ -715,7 +820,7 @@ fn writer_loop(
                             synced = written;
                             let mut d = shared.durable.lock();
                             d.synced = synced;
-                            shared.durable_cv.notify_all();
+                            shared.announce();
                         }
                         Err(e) => log::error!("closing WAL segment: {e}"),
                     }

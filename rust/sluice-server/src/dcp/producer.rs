@@ -742,7 +742,8 @@ async fn serve(
             match mcbp::frame_len(inbuf, max_body) {
                 Ok(Some(n)) => {
                     let frame = inbuf.split_to(n);
-                    if matches!(p.handle(&frame, session, out), Flow::Close) {
+                    let flow = p.handle(&frame, session, out);
+                    if matches!(session.settle(flow, out).await, Flow::Close) {
                         let _ = write_out(socket, out, shared).await;
                         return "the consumer quit";
                     }

@@ -708,9 +708,12 @@ async fn serve(
                             Ok(None) => {}
                             Err(why) => return Ended::Disconnected(why),
                         }
-                    } else if matches!(kv.handle(&frame, out), Flow::Close) {
-                        let _ = socket.write_all(out).await;
-                        return Ended::Done("the client quit");
+                    } else {
+                        let flow = kv.handle(&frame, out);
+                        if matches!(kv.settle(flow, out).await, Flow::Close) {
+                            let _ = socket.write_all(out).await;
+                            return Ended::Done("the client quit");
+                        }
                     }
                 }
                 Ok(None) => break,
