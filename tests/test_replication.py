@@ -489,6 +489,10 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
         reached_y()
         states = {v["vbucket"]: v["state"] for v in status(y)["buckets"][0]["vbuckets"]}
         assert states[vb] == "dead" and all(states[v] == "replica" for v in states if v != vb), states
+        moved_key = next(
+            k for k in (f"base{i}".encode() for i in range(3000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == vb
+        )
+        assert get_replica(mc(y), moved_key)["status"] == 0x07
         # The stream that ended was asked for again on the same connection: no reconnect loop.
         assert metric(y, "sluice_replica_connects_total") == connects
         log = "".join(y.lines)
