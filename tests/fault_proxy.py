@@ -1,6 +1,6 @@
 """A TCP proxy on 127.0.0.1 that injects network faults between two real processes: it cuts
-connections, stalls them (bytes held, then delivered), and drops them silently (bytes
-discarded, sockets left open, as when a peer vanishes without a FIN)."""
+connections, stalls them (bytes held, then delivered), throttles them (a slow link), and drops
+them silently (bytes discarded, sockets left open, as when a peer vanishes without a FIN)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class FaultProxy:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._stalled_until = 0.0
         self._dropping = False
+        self._rate = 0.0  # bytes per second per connection; 0: no limit
         self._closed = False
         self.accepted = 0
         self.cuts = 0
@@ -51,12 +52,14 @@ class FaultProxy:
                     continue
                 ready, _, _ = select.select([a, b], [], [], 0.05)
                 for s in ready:
-                    data = s.recv(65536)
+                    data = s.recv(4096 if self._rate else 65536)
                     if not data:
                         return
                     if self._dropping:
                         continue
                     peers[s].sendall(data)
+                    if self._rate:
+                        time.sleep(len(data) / self._rate)
         except (OSError, ValueError):  # ValueError: cut() closed a socket under select()
             return
         finally:
@@ -85,6 +88,11 @@ class FaultProxy:
     def stall(self, seconds: float) -> None:
         """Holds every byte for `seconds`, then delivers it."""
         self._stalled_until = time.monotonic() + seconds
+
+    def throttle(self, bytes_per_second: float) -> None:
+        """Limits each connection to `bytes_per_second` (0: no limit), both directions together,
+        as a slow link does: bytes come late, none are lost."""
+        self._rate = float(bytes_per_second)
 
     def drop(self, on: bool) -> None:
         """While on, bytes are read and thrown away: both peers see silence, not a close."""

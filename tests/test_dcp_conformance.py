@@ -408,3 +408,24 @@ def test_a_takeover_stream_hands_the_vbucket_over(server, mc):
     assert read_frame(s)["word"] == NOT_MY_VBUCKET
     s.close()
     d.close()
+
+
+def test_get_all_vb_seqnos_on_a_dcp_connection(server, mc):
+    """Answered by the producer itself: a stream user (a replica measuring its lag) may ask."""
+    get_all_vb_seqnos = 0x48
+    mc.set("seqnos-key", "v")
+    s = socket.create_connection((server.host, server.port), timeout=10)
+    s.sendall(open_producer(b"conformance:seqnos"))
+    assert read_frame(s)["word"] == 0
+    s.sendall(frame(get_all_vb_seqnos, opaque=7))
+    r = read_frame(s)
+    assert (r["word"], r["opaque"]) == (0, 7)
+    pairs = dict(struct.iter_unpack(">HQ", r["value"]))
+    assert len(pairs) == 64 and pairs[sluice.vbucket_of(b"seqnos-key", 64)] == 1  # default num_vbuckets
+    s.sendall(frame(get_all_vb_seqnos, extras=struct.pack(">I", 2)))  # replica: none here
+    r = read_frame(s)
+    assert (r["word"], r["value"]) == (0, b"")
+    for bad in (struct.pack(">I", 99), b"\x00\x01"):
+        s.sendall(frame(get_all_vb_seqnos, extras=bad))
+        assert read_frame(s)["word"] == EINVAL
+    s.close()

@@ -25,16 +25,17 @@ GET, SET, DELETE, GET_REPLICA = 0x00, 0x01, 0x04, 0x83
 NUM_VBUCKETS = 16
 
 
-def config_file(tmp_path: Path, name: str, **bucket: object) -> Path:
+def config_file(tmp_path: Path, name: str, extra: str = "", **bucket: object) -> Path:
+    """A node's configuration: the default bucket with `bucket`'s keys, then `extra` (TOML)."""
     lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in bucket.items()]
     p = tmp_path / f"{name}.toml"
-    p.write_text("\n".join(lines) + "\n")
+    p.write_text("\n".join(lines) + "\n" + extra)
     return p
 
 
-def start(tmp_path: Path, name: str, *args: str, **bucket: object) -> Node:
-    return Node(tmp_path / name, "--config", str(config_file(tmp_path, name, **bucket)), *args)
+def start(tmp_path: Path, name: str, *args: str, extra: str = "", **bucket: object) -> Node:
+    return Node(tmp_path / name, "--config", str(config_file(tmp_path, name, extra, **bucket)), *args)
 
 
 def status(node: Node) -> dict:
@@ -405,3 +406,155 @@ def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
         stop.set()
         b.stop()
         a.stop()
+
+
+def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
+    x = start(tmp_path, "x")
+    y = start(tmp_path, "y", "--replica-of", x.address)
+    z = start(tmp_path, "z")
+    vb = 5
+    later: dict[bytes, bytes] = {}  # written to X's other vbuckets after the move
+
+    def write_to_x(n: int, tag: str) -> None:
+        """`n` writes to X's vbuckets other than the moved one, each read back from Y later."""
+        w = mc(x)
+        i = 0
+        while i < n:
+            key = f"{tag}:{i}".encode()
+            i += 1
+            if sluice.vbucket_of(key, NUM_VBUCKETS) == vb:
+                continue
+            w.sendall(request(SET, key=key, value=key * 2, extras=set_extras()))
+            assert read_response(w)["status"] == 0, key
+            later[key] = key * 2
+
+    stop = threading.Event()
+    taken = {"moved": 0, "others": 0}
+    try:
+        bmemcached.Client([x.address]).set_multi({f"base{i}": b"b" for i in range(3000)})
+        wait_converged(x, y)
+
+        def writer() -> None:
+            # Every vbucket, the moved one included, until X refuses it.
+            w = mc(x)
+            i = 0
+            moved_away = False
+            while not stop.is_set():
+                key = f"during:{i}".encode()
+                i += 1
+                on_vb = sluice.vbucket_of(key, NUM_VBUCKETS) == vb
+                if on_vb and moved_away:
+                    continue
+                w.sendall(request(SET, key=key, value=b"d", extras=set_extras()))
+                st = read_response(w)["status"]
+                if st == 0x07 and on_vb:
+                    moved_away = True
+                elif st == 0x86 and on_vb:  # pending: writes to it wait for the hand-over
+                    time.sleep(0.001)
+                else:
+                    assert st == 0, (key, hex(st))
+                    taken["moved" if on_vb else "others"] += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(0.5)
+        out = run_cli("move-vbucket", "--vb", str(vb), "--from", x.admin, "--to", z.admin, timeout=120)
+        assert out.returncode == 0, out.stderr
+        time.sleep(0.5)
+        stop.set()
+        t.join()
+        assert taken["moved"] > 0 and taken["others"] > 100, taken
+
+        y.wait_for("it is dead here and no longer followed")
+        connects = metric(y, "sluice_replica_connects_total")
+        write_to_x(600, "after")
+
+        def reached_y() -> None:
+            # Y holds every other vbucket exactly as X does, and each later write reads back.
+            deadline = time.monotonic() + 30
+            while True:
+                sx, sy = seqnos(x), seqnos(y)
+                if all(sx[v] == sy[v] for v in range(NUM_VBUCKETS) if v != vb):
+                    break
+                assert time.monotonic() < deadline, (sx, sy)
+                time.sleep(0.05)
+            s = mc(y)
+            missing = []
+            for key, value in later.items():
+                r = get_replica(s, key)
+                if r["status"] != 0 or r["value"] != value:
+                    missing.append((key, r["status"]))
+            assert missing == []
+
+        reached_y()
+        states = {v["vbucket"]: v["state"] for v in status(y)["buckets"][0]["vbuckets"]}
+        assert states[vb] == "dead" and all(states[v] == "replica" for v in states if v != vb), states
+        moved_key = next(
+            k for k in (f"base{i}".encode() for i in range(3000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == vb
+        )
+        assert get_replica(mc(y), moved_key)["status"] == 0x07
+        # The stream that ended was asked for again on the same connection: no reconnect loop.
+        assert metric(y, "sluice_replica_connects_total") == connects
+        log = "".join(y.lines)
+        assert "refused with status" not in log and "reconnecting" not in log, log[-3000:]
+        lags = metrics(y)
+        assert f'sluice_replica_lag_seqnos{{bucket="default",vbucket="{vb}"}}' not in lags
+        out = run_cli("status", "--admin", y.admin)
+        assert out.returncode == 0, out.stderr
+        assert re.search(rf"^\s*{vb}\s+dead\s.*not followed", out.stdout, re.M), out.stdout
+
+        # A restart keeps it: the dead vbucket is not asked for, the others go on.
+        assert y.stop() == 0
+        y = start(tmp_path, "y", "--replica-of", x.address)
+        write_to_x(300, "restarted")
+        reached_y()
+        log = "".join(y.lines)
+        assert "refused with status" not in log and "reconnecting" not in log, log[-3000:]
+        assert status(y)["buckets"][0]["vbuckets"][vb]["state"] == "dead"
+        # The moved vbucket lives on Z, with what X took before the move.
+        states_z = {v["vbucket"]: v["state"] for v in status(z)["buckets"][0]["vbuckets"]}
+        assert states_z[vb] == "active"
+    finally:
+        stop.set()
+        for n in (y, z, x):
+            n.stop()
+
+
+def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_path):
+    """A slow link between active and replica: the lag is measured against the active's own
+    high seqnos (asked on a connection of its own), not against what already arrived. The
+    replication user holds only the `stream` permission."""
+    repl = sluice.config.hash_password("repl-secret", iterations=1000)
+    writer = sluice.config.hash_password("w-secret", iterations=1000)
+    users = (
+        f'[users.repl]\npassword_hash = "{repl}"\nbuckets = {{ default = ["stream"] }}\n'
+        f'[users.w]\npassword_hash = "{writer}"\nbuckets = {{ default = ["read", "write"] }}\n'
+    )
+    active = start(tmp_path, "a", extra=users)
+    proxy = FaultProxy(active.address)
+    (tmp_path / "repl.pw").write_text("repl-secret\n")
+    replication = f'[replication]\nuser = "repl"\npassword_file = "{tmp_path / "repl.pw"}"\n'
+    replica = start(tmp_path, "b", "--replica-of", proxy.address, extra=replication)
+    try:
+        c = bmemcached.Client([active.address], "w", "w-secret")
+        c.set_multi({f"k{i}": b"x" for i in range(2000)})
+        wait_converged(active, replica)
+        proxy.throttle(100_000)
+        for n in range(10):
+            c.set_multi({f"k{n}:{i}": b"v" * 300 for i in range(1000)})
+        time.sleep(2.5)  # the probe asks every second
+        behind_before = sum(seqnos(active)) - sum(seqnos(replica))
+        lag = metric(replica, "sluice_replica_lag_seqnos")
+        behind_after = sum(seqnos(active)) - sum(seqnos(replica))
+        assert behind_after > 3000, (behind_before, behind_after)
+        assert behind_after * 0.95 <= lag <= behind_before * 1.05, (behind_before, lag, behind_after)
+        proxy.throttle(0)
+        wait_converged(active, replica)
+        deadline = time.monotonic() + 10
+        while metric(replica, "sluice_replica_lag_seqnos") != 0:
+            assert time.monotonic() < deadline, metrics(replica)
+            time.sleep(0.2)
+    finally:
+        proxy.close()
+        replica.stop()
+        active.stop()

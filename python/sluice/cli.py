@@ -275,6 +275,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 lag = lags.get((b["name"], v["vbucket"]))
                 if lag is not None:
                     repl = f"lag {lag['lag_seqnos']} seqnos, {lag['lag_ms']:.1f} ms"
+                elif rep and v["state"] == "dead":
+                    repl = "not followed (dead on the active: moved away)"
                 elif v.get("followers"):
                     repl = ", ".join(
                         f"{f['replica'][:12]} acked {f['acked_seqno']} "

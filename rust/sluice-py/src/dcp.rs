@@ -330,6 +330,7 @@ impl DcpConsumer {
             cursor_dropping,
             replica_name: None,
             takeover: false,
+            end_refused_streams: false,
             flow_control: None,
         };
         Ok(DcpConsumer {

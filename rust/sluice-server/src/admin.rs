@@ -588,7 +588,7 @@ fn replication_metrics(shared: &Shared, o: &mut String) {
         o,
         "sluice_replica_lag_seqnos",
         "gauge",
-        "Per replica vbucket: the active's announced high seqno minus the seqno applied here.",
+        "Per replica vbucket followed: the active's high seqno (asked every second) minus the seqno applied here.",
     );
     metric(o, "sluice_replica_lag_ms", "gauge", "Per replica vbucket: milliseconds from the active's write to its apply here, for the newest change of the last batch.");
     for r in reps.iter() {

@@ -5,6 +5,14 @@
 //! full resync. Rollbacks asked for by the active are carried out on the vbucket before its
 //! stream goes on. After each batch, the replica acknowledges (SEQNO_ACKNOWLEDGED) the end of
 //! the last whole snapshot it holds, and what of it is on disk, for durable writes.
+//!
+//! When the active gives a vbucket away (a takeover to another node), its stream here ends
+//! (STREAM_END, state changed) and is asked for again alone; the active, whose copy is now
+//! dead, refuses it (NOT_MY_VBUCKET), and the vbucket goes dead here too and is no longer
+//! followed, as a Couchbase replica's does. The other streams go on throughout.
+//!
+//! A probe connection of its own asks the active for its high seqnos every second, so the lag
+//! reported is against where the active is, not against what this node has received.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,11 +29,11 @@ use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::vbucket::VbState;
 use sluice_core::Engine;
 
-use sluice_proto::dcp::{self, vbucket_state};
+use sluice_proto::dcp::{self, stream_end_reason, vbucket_state};
 use sluice_proto::mcbp::status;
 
 use crate::dcp::consumer::{
-    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
+    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SeqnoProbe, SessionState,
 };
 use crate::policy::PolicyHost;
 
@@ -39,10 +47,14 @@ pub struct ReplicaConfig {
     pub noop_interval: u32,
 }
 
+/// How often the replica asks its active for its high seqnos.
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Where one replica vbucket stands against its active, for /metrics and /status.
 #[derive(Debug, Clone, Default)]
 pub struct VbLag {
-    /// The active's high seqno as last announced (the end of its latest snapshot marker).
+    /// The active's high seqno as last learned: from the probe (asked every second) or a
+    /// snapshot marker received since, whichever is newer.
     pub active_seqno: u64,
     pub applied_seqno: u64,
     /// Milliseconds from the active's write (its CAS clock) to the apply here, for the newest
@@ -87,6 +99,8 @@ pub struct Replicator {
     pub stats: Arc<ReplicaStats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    probe: Option<JoinHandle<()>>,
+    interrupt_probe: Box<dyn Fn() + Send + Sync>,
 }
 
 impl Replicator {
@@ -100,11 +114,30 @@ impl Replicator {
         let stats = Arc::new(ReplicaStats::default());
         let stop = Arc::new(AtomicBool::new(false));
         let name = bucket.name().to_string();
+        let node = engine.instance().to_string();
         let thread = {
             let (stats, stop, config) = (stats.clone(), stop.clone(), config.clone());
             std::thread::Builder::new()
                 .name(format!("sluice-replica-{name}"))
-                .spawn(move || follow(engine, bucket, config, stats, stop, policies))
+                .spawn(move || follow(engine.clone(), bucket, config, stats, stop, policies))
+                .expect("spawn a thread")
+        };
+        let probe = SeqnoProbe::new(ConsumerConfig {
+            address: config.active.clone(),
+            bucket: name.clone(),
+            username: config.username.clone(),
+            password: config.password.clone(),
+            name: format!("replication-probe:{node}:{name}"),
+            setup_timeout: Some(Duration::from_secs(2)),
+            noop_interval: 0,
+            ..ConsumerConfig::default()
+        });
+        let interrupt_probe = Box::new(probe.interrupter());
+        let probe = {
+            let (stats, stop) = (stats.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name(format!("sluice-replica-probe-{name}"))
+                .spawn(move || probe_active(probe, &stats, &stop))
                 .expect("spawn a thread")
         };
         Replicator {
@@ -113,13 +146,19 @@ impl Replicator {
             stats,
             stop,
             thread: Some(thread),
+            probe: Some(probe),
+            interrupt_probe,
         }
     }
 
     /// Stops following; returns once the connection is closed and nothing more is applied.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
+        (self.interrupt_probe)();
+        for t in [self.thread.take(), self.probe.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = t.join();
         }
     }
@@ -128,6 +167,29 @@ impl Replicator {
 impl Drop for Replicator {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Asks the active for its high seqnos every `PROBE_INTERVAL` until stopped, into the lag of
+/// the vbuckets followed. Failures are left to the stream connection to report (they share
+/// the path); the last known seqnos stand meanwhile.
+fn probe_active(mut probe: SeqnoProbe, stats: &ReplicaStats, stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        let asked = Instant::now();
+        match probe.high_seqnos() {
+            Ok(highs) => {
+                let mut lags = stats.vbuckets.lock();
+                for (vb, l) in lags.iter_mut() {
+                    if let Some(&high) = highs.get(vb) {
+                        l.active_seqno = high;
+                    }
+                }
+            }
+            Err(e) => log::debug!("asking the active for its high seqnos: {e}"),
+        }
+        while asked.elapsed() < PROBE_INTERVAL && !stop.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
@@ -172,6 +234,19 @@ fn follow(
     let node = engine.instance().to_string();
     while !stop.load(Ordering::Acquire) {
         let (vbuckets, state) = own_state(&engine, &bucket);
+        {
+            // The lag of every vbucket followed is reported from the start (the probe fills
+            // in the active's side); vbuckets no longer followed leave the report.
+            let mut lags = stats.vbuckets.lock();
+            lags.retain(|vb, _| state.vbuckets.contains_key(vb));
+            for (vb, p) in &state.vbuckets {
+                lags.entry(*vb).or_insert_with(|| VbLag {
+                    active_seqno: p.seqno,
+                    applied_seqno: p.seqno,
+                    ..VbLag::default()
+                });
+            }
+        }
         if vbuckets.is_empty() {
             std::thread::sleep(Duration::from_millis(100));
             continue;
@@ -190,6 +265,7 @@ fn follow(
             noop_interval: config.noop_interval,
             replica_name: Some(node.clone()),
             flow_control: Some(policies.clone()),
+            end_refused_streams: true,
             ..ConsumerConfig::default()
         });
         stats.connects.fetch_add(1, Ordering::Relaxed);
@@ -268,13 +344,8 @@ impl Session<'_> {
                 None => {}
                 Some(Event::Batch(b)) => {
                     self.stats.connected.store(true, Ordering::Release);
-                    if let Err(e) = self.apply(&b) {
+                    if let Err(e) = self.follow_batch(&b) {
                         return Some(e);
-                    }
-                    if let Some((vb, reason)) = b.ended.first() {
-                        return Some(format!(
-                            "the active ended the stream of vbucket {vb} (reason {reason})"
-                        ));
                     }
                 }
                 Some(Event::VbucketState { opaque, .. }) => {
@@ -294,6 +365,31 @@ impl Session<'_> {
             self.acknowledge();
         }
         None
+    }
+
+    /// Applies a batch of the replication stream and follows the streams it ended or that
+    /// were refused; Err when the connection must start over.
+    fn follow_batch(&mut self, b: &Batch) -> Result<(), String> {
+        self.apply(b)?;
+        for &vb in &b.refused {
+            self.given_away(vb)?;
+        }
+        for &(vb, reason) in &b.ended {
+            if reason != stream_end_reason::STATE_CHANGED {
+                return Err(format!(
+                    "the active ended the stream of vbucket {vb} (reason {reason})"
+                ));
+            }
+            // The active's vbucket went pending (a takeover under way: the new stream follows
+            // it through) or dead (given away: the new request is refused, see `given_away`).
+            log::info!(
+                "replication of bucket {:?}: the active's vbucket {vb} changed state; \
+                 asking for its stream again",
+                self.bucket.name()
+            );
+            self.consumer.resume(vb);
+        }
+        Ok(())
     }
 
     fn apply(&mut self, b: &Batch) -> Result<(), String> {
@@ -359,6 +455,23 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// The active refused the stream of `vb` (NOT_MY_VBUCKET): it gave the vbucket away or
+    /// never had it. The copy here goes dead (kept on disk, as the active's is, and refused to
+    /// readers and writers) and is no longer followed, here or after a restart.
+    fn given_away(&mut self, vb: u16) -> Result<(), String> {
+        self.engine
+            .set_vbucket_state(self.bucket, vb, VbState::Dead)
+            .map_err(|e| format!("vbucket {vb}: {e}"))?;
+        self.snapshots.remove(&vb);
+        self.stats.vbuckets.lock().remove(&vb);
+        log::warn!(
+            "replication of bucket {:?}: the active no longer serves vbucket {vb} \
+             (moved away); it is dead here and no longer followed",
+            self.bucket.name()
+        );
+        Ok(())
+    }
+
     /// Rolls back `vb` and the others asked for with it: the answers to a session's stream
     /// requests come together, and the rollbacks share one snapshot. Batches of other
     /// vbuckets arriving meanwhile are applied.
@@ -369,7 +482,7 @@ impl Session<'_> {
             match self.consumer.next_event(left) {
                 None => break,
                 Some(Event::Rollback { vbucket, seqno, .. }) => asked.push((vbucket, seqno)),
-                Some(Event::Batch(b)) => self.apply(&b)?,
+                Some(Event::Batch(b)) => self.follow_batch(&b)?,
                 Some(Event::VbucketState { opaque, .. }) => {
                     self.consumer
                         .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);

@@ -191,6 +191,10 @@ pub struct ConsumerConfig {
     pub replica_name: Option<String>,
     /// Request takeover streams: the producer hands the vbuckets over once caught up.
     pub takeover: bool,
+    /// A stream request refused with NOT_MY_VBUCKET (the vbucket is dead there or not there)
+    /// ends that vbucket's stream, reported in `Batch::refused`, and the other streams go on;
+    /// otherwise any refusal fails the connection.
+    pub end_refused_streams: bool,
     /// Where an AckPolicy plugin may resize the flow control (buffer size, acknowledgement
     /// interval) after each buffer acknowledgement.
     pub flow_control: Option<Arc<PolicyHost>>,
@@ -218,6 +222,7 @@ impl Default for ConsumerConfig {
             cursor_dropping: false,
             replica_name: None,
             takeover: false,
+            end_refused_streams: false,
             flow_control: None,
         }
     }
@@ -243,6 +248,9 @@ pub struct Batch {
     pub positions: Vec<(u16, Position)>,
     /// Streams that ended, with the STREAM_END reason.
     pub ended: Vec<(u16, u32)>,
+    /// Stream requests refused with NOT_MY_VBUCKET (`ConsumerConfig::end_refused_streams`):
+    /// those streams are over.
+    pub refused: Vec<u16>,
     /// Rollbacks followed automatically (RollbackMode::Resume): vbucket and seqno.
     pub rollbacks: Vec<(u16, u64)>,
 }
@@ -433,6 +441,56 @@ pub fn vbucket_positions(
     let r = s.vbucket_positions(state);
     let _ = s.sock.shutdown(std::net::Shutdown::Both);
     r
+}
+
+/// A connection of its own to the producer that asks for the high seqnos of its vbuckets
+/// (GET_ALL_VB_SEQNOS): what a replica measures its lag against. Its answers come at once even
+/// while the stream connection is backlogged, which is when the lag matters.
+pub struct SeqnoProbe {
+    config: ConsumerConfig,
+    session: Option<Session>,
+    socket: Arc<Mutex<Option<TcpStream>>>,
+}
+
+impl SeqnoProbe {
+    /// `config`: address, bucket, credentials, name and setup timeout of the probe connection.
+    pub fn new(config: ConsumerConfig) -> SeqnoProbe {
+        SeqnoProbe {
+            config,
+            session: None,
+            socket: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The high seqno of every vbucket the producer streams (active, replica or pending
+    /// there), connecting first if need be. An error drops the connection; the next call
+    /// connects again.
+    pub fn high_seqnos(&mut self) -> Result<BTreeMap<u16, u64>, String> {
+        let mut session = match self.session.take() {
+            Some(s) => s,
+            None => {
+                let (tx, _rx) = mpsc::sync_channel(1);
+                let (_ctx, crx) = mpsc::channel();
+                Session::connect(&self.config, tx, crx, &self.socket)?
+            }
+        };
+        let mut out = BTreeMap::new();
+        for state in [1, 2, 3] {
+            out.extend(session.high_seqnos(state)?);
+        }
+        self.session = Some(session);
+        Ok(out)
+    }
+
+    /// Shuts the connection down from another thread: a call waiting on it returns at once.
+    pub fn interrupter(&self) -> impl Fn() + Send + Sync + 'static {
+        let socket = self.socket.clone();
+        move || {
+            if let Some(s) = socket.lock().as_ref() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
 }
 
 impl Drop for Consumer {
@@ -630,8 +688,8 @@ impl Session {
         Ok(self)
     }
 
-    /// The vbuckets in `state` (a `VbucketState` code): their high seqnos and failover logs.
-    fn vbucket_positions(&mut self, state: u32) -> Result<Vec<VbucketPosition>, String> {
+    /// The vbuckets in `state` (a `VbucketState` code) and their high seqnos.
+    fn high_seqnos(&mut self, state: u32) -> Result<Vec<(u16, u64)>, String> {
         let r = self.call(
             op::GET_ALL_VB_SEQNOS,
             &state.to_be_bytes(),
@@ -640,10 +698,22 @@ impl Session {
             0,
             "GET_ALL_VB_SEQNOS",
         )?;
-        let mut out = Vec::with_capacity(r.len() / 10);
-        for c in r.chunks_exact(10) {
-            let vbucket = u16::from_be_bytes([c[0], c[1]]);
-            let high_seqno = u64::from_be_bytes(c[2..10].try_into().expect("8 bytes"));
+        Ok(r.chunks_exact(10)
+            .map(|c| {
+                let vbucket = u16::from_be_bytes([c[0], c[1]]);
+                (
+                    vbucket,
+                    u64::from_be_bytes(c[2..10].try_into().expect("8 bytes")),
+                )
+            })
+            .collect())
+    }
+
+    /// The vbuckets in `state` (a `VbucketState` code): their high seqnos and failover logs.
+    fn vbucket_positions(&mut self, state: u32) -> Result<Vec<VbucketPosition>, String> {
+        let seqnos = self.high_seqnos(state)?;
+        let mut out = Vec::with_capacity(seqnos.len());
+        for (vbucket, high_seqno) in seqnos {
             let what = format!("GET_FAILOVER_LOG of vbucket {vbucket}");
             let v = self.call(dcp::opcode::GET_FAILOVER_LOG, &[], &[], &[], vbucket, &what)?;
             let failover = dcp::decode_failover_log(&v)
@@ -741,6 +811,8 @@ impl Session {
 
     fn request(&mut self, vb: u16) -> Result<(), String> {
         let s = self.streams.get_mut(&vb).expect("known vbucket");
+        // A stream the producer ended may be asked for again (`Consumer::resume`).
+        s.ended = false;
         let (start, uuid, snap_start, snap_end) = s.pos.resume();
         let mut flags = 0;
         let end = self.config.end_seqnos.get(&vb).copied();
@@ -786,6 +858,7 @@ impl Session {
         if self.batch.is_empty()
             && self.touched.is_empty()
             && self.batch.ended.is_empty()
+            && self.batch.refused.is_empty()
             && self.batch.rollbacks.is_empty()
         {
             return true;
@@ -1065,6 +1138,20 @@ impl Session {
                         Ok(())
                     }
                 }
+            }
+            Err(dcp::DcpError::Status(status::NOT_MY_VBUCKET))
+                if self.config.end_refused_streams =>
+            {
+                log::info!(
+                    "DCP consumer '{}': the producer does not serve vbucket {vb} \
+                     (NOT_MY_VBUCKET: {}); its stream is over",
+                    self.config.name,
+                    String::from_utf8_lossy(r.value)
+                );
+                self.streams.get_mut(&vb).expect("checked").ended = true;
+                self.touched.remove(&vb);
+                self.batch.refused.push(vb);
+                Ok(())
             }
             Err(dcp::DcpError::Status(st)) => Err(format!(
                 "stream request for vbucket {vb} refused with status {st:#04x}: {}",

@@ -494,8 +494,39 @@ impl Producer {
         }
     }
 
+    /// GET_ALL_VB_SEQNOS on a DCP connection, answered here rather than by the kv session:
+    /// the connection's `stream` permission covers it (its streams carry the same seqnos), so
+    /// a replica logged in with only that permission can measure how far behind it is.
+    /// No extras: the active vbuckets; else a 4-byte state (1 active .. 4 dead).
+    fn all_vb_seqnos(&self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let wanted = match *req.extras {
+            [] => VbState::Active,
+            [a, b, c, d] => match VbState::from_code(u32::from_be_bytes([a, b, c, d])) {
+                Some(s) => s,
+                None => return respond(out, req, status::EINVAL, b"no such vbucket state"),
+            },
+            _ => {
+                return respond(
+                    out,
+                    req,
+                    status::EINVAL,
+                    b"GET_ALL_VB_SEQNOS takes no extras or a 4-byte state",
+                )
+            }
+        };
+        let engine = &self.shared.engine;
+        let mut value = Vec::new();
+        for (vb, high) in engine.high_seqnos(&self.bucket).into_iter().enumerate() {
+            if engine.vbucket_state(&self.bucket, vb as u16) == Some(wanted) {
+                value.extend_from_slice(&(vb as u16).to_be_bytes());
+                value.extend_from_slice(&high.to_be_bytes());
+            }
+        }
+        respond(out, req, status::SUCCESS, &value);
+    }
+
     /// One frame from the consumer. Frames that are not DCP go to the kv session (STAT,
-    /// GET_ALL_VB_SEQNOS, NOOP...).
+    /// NOOP...).
     fn handle(&mut self, frame: &[u8], session: &mut Session, out: &mut Vec<u8>) -> Flow {
         if frame.first() == Some(&magic::RESPONSE) {
             if frame.get(1) == Some(&opcode::NOOP) {
@@ -515,6 +546,7 @@ impl Producer {
             opcode::STREAM_REQ => self.stream_request(&req, out),
             opcode::CLOSE_STREAM => self.close_stream(&req, out),
             opcode::GET_FAILOVER_LOG => self.failover_log(&req, out),
+            mcbp::opcode::GET_ALL_VB_SEQNOS => self.all_vb_seqnos(&req, out),
             opcode::SEQNO_ACKNOWLEDGED => self.seqno_acknowledged(&req, out),
             opcode::BUFFER_ACKNOWLEDGEMENT => match BufferAcknowledgement::decode(&req) {
                 // No reply: acknowledgements are one-way.
