@@ -1,6 +1,7 @@
 """A TCP proxy on 127.0.0.1 that injects network faults between two real processes: it cuts
-connections, stalls them (bytes held, then delivered), and drops them silently (bytes
-discarded, sockets left open, as when a peer vanishes without a FIN)."""
+connections, stalls them (bytes held, then delivered), slows them (every chunk delayed), and
+drops them silently (bytes discarded, sockets left open, as when a peer vanishes without a
+FIN)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class FaultProxy:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._stalled_until = 0.0
         self._dropping = False
+        self._latency = 0.0
         self._closed = False
         self.accepted = 0
         self.cuts = 0
@@ -56,6 +58,8 @@ class FaultProxy:
                         return
                     if self._dropping:
                         continue
+                    if self._latency:
+                        time.sleep(self._latency)
                     peers[s].sendall(data)
         except (OSError, ValueError):  # ValueError: cut() closed a socket under select()
             return
@@ -85,6 +89,11 @@ class FaultProxy:
     def stall(self, seconds: float) -> None:
         """Holds every byte for `seconds`, then delivers it."""
         self._stalled_until = time.monotonic() + seconds
+
+    def slow(self, latency: float) -> None:
+        """Holds every chunk read `latency` seconds before passing it on (a slow link: each
+        request and answer waits, so every round trip takes at least twice as long)."""
+        self._latency = latency
 
     def drop(self, on: bool) -> None:
         """While on, bytes are read and thrown away: both peers see silence, not a close."""

@@ -325,8 +325,9 @@ ENGINE_KEYS += [
         "replication.noop_interval",
         _int,
         1,
-        "Seconds between NOOPs on the replication connection; twice this long silent, it is dead "
-        "and the replica reconnects.",
+        "Seconds between NOOPs on the replication connection and on takeover streams this node "
+        "runs; twice this long silent, it is dead (a replica reconnects, a takeover fails). A "
+        "slow link needs it longer than the time to drain the 16 MiB flow-control window.",
         "integer",
         _between(1, 10800),
         native="replication_noop_interval",
