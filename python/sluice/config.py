@@ -271,7 +271,9 @@ ENGINE_KEYS += [
         "admin_listen",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "127.0.0.1:11280",
-        'Address of the admin HTTP endpoint: /metrics (Prometheus) and /status (JSON). "" turns it off.',
+        "Address of the admin HTTP endpoint: GET /metrics (Prometheus) and /status (JSON), POST "
+        '/promote and /takeover (README "Admin endpoint"). "" turns it off. Beyond loopback it needs '
+        "users (or --insecure).",
         "HOST:PORT",
         server=True,
     ),
