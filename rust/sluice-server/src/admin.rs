@@ -66,15 +66,23 @@ impl Token {
         let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
         let path = data_dir.join(TOKEN_FILE);
         let tmp = data_dir.join(format!("{TOKEN_FILE}.tmp"));
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        std::io::Write::write_all(&mut f, format!("{secret}\n").as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
+        let write = || -> std::io::Result<()> {
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            std::io::Write::write_all(&mut f, format!("{secret}\n").as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot write the admin token {}: {e}", path.display()),
+            )
+        })?;
         Ok(Token { secret, path })
     }
 
