@@ -1,6 +1,7 @@
 """A TCP proxy on 127.0.0.1 that injects network faults between two real processes: it cuts
-connections, stalls them (bytes held, then delivered), throttles them (a slow link), and drops
-them silently (bytes discarded, sockets left open, as when a peer vanishes without a FIN)."""
+connections, stalls them (bytes held, then delivered), throttles them (a slow link), slows
+them (every chunk delayed), and drops them silently (bytes discarded, sockets left open, as
+when a peer vanishes without a FIN)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class FaultProxy:
         self._stalled_until = 0.0
         self._dropping = False
         self._rate = 0.0  # bytes per second per connection; 0: no limit
+        self._latency = 0.0
         self._closed = False
         self.accepted = 0
         self.cuts = 0
@@ -57,6 +59,8 @@ class FaultProxy:
                         return
                     if self._dropping:
                         continue
+                    if self._latency:
+                        time.sleep(self._latency)
                     peers[s].sendall(data)
                     if self._rate:
                         time.sleep(len(data) / self._rate)
@@ -93,6 +97,10 @@ class FaultProxy:
         """Limits each connection to `bytes_per_second` (0: no limit), both directions together,
         as a slow link does: bytes come late, none are lost."""
         self._rate = float(bytes_per_second)
+    def slow(self, latency: float) -> None:
+        """Holds every chunk read `latency` seconds before passing it on (a slow link: each
+        request and answer waits, so every round trip takes at least twice as long)."""
+        self._latency = latency
 
     def drop(self, on: bool) -> None:
         """While on, bytes are read and thrown away: both peers see silence, not a close."""

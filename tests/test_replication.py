@@ -558,3 +558,47 @@ def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_p
         proxy.close()
         replica.stop()
         active.stop()
+def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
+    """The target's POST /takeover answers when the vbucket has moved, however long that takes:
+    here 45 incompressible 100 KB values cross a link that holds every chunk (64 KiB at most)
+    0.1 s, so the move cannot take less than ~7 s."""
+    import os
+
+    a = start(tmp_path, "a")
+    b_config = config_file(tmp_path, "b")
+    # The source's NOOPs wait behind megabytes of slow data: the default 1 s would call it dead.
+    b_config.write_text(b_config.read_text() + "[replication]\nnoop_interval = 30\n")
+    b = Node(tmp_path / "b", "--config", str(b_config))
+    link = FaultProxy(a.address)
+    try:
+        keys = [
+            k for k in (f"key:{i}" for i in range(2000)) if sluice.vbucket_of(k.encode(), NUM_VBUCKETS) == 5
+        ]
+        values = {k: os.urandom(100_000) for k in keys[:45]}
+        bmemcached.Client([a.address]).set_multi(values)
+        link.slow(0.1)
+        began = time.monotonic()
+        out = run_cli(
+            "move-vbucket",
+            "--vb",
+            "5",
+            "--from",
+            a.admin,
+            "--to",
+            b.admin,
+            "--source-address",
+            link.address,
+            timeout=120,
+        )
+        took = time.monotonic() - began
+        assert out.returncode == 0, out.stderr
+        assert took > 5, f"the move took only {took:.1f} s: it proves nothing about the 5 s limit"
+        assert "vbucket 5 of bucket default moved" in out.stdout and "45 changes streamed" in out.stdout
+        states = {v["vbucket"]: v["state"] for v in status(b)["buckets"][0]["vbuckets"]}
+        assert states[5] == "active"
+        cb = bmemcached.Client([b.address])
+        assert all(cb.get(k) == v for k, v in values.items())
+    finally:
+        link.close()
+        b.stop()
+        a.stop()

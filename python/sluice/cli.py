@@ -30,6 +30,9 @@ from sluice.policy import PluginError, PluginRunner
 
 log = logging.getLogger("sluice")
 
+# The file a running node keeps its admin bearer token in, in its data directory (admin.rs).
+TOKEN_FILE = "admin.token"
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
@@ -51,12 +54,14 @@ def _load(args: argparse.Namespace) -> Config:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    for key in ("listen", "admin_listen"):
+        address = cfg.values[key]
+        if address and not is_loopback(address) and not cfg.users and not args.insecure:
+            raise _native.ConfigError(
+                f"invalid config: {key}: {address} is beyond loopback and no user is configured "
+                "([users.NAME]); pass --insecure to serve it anyway"
+            )
     listen = cfg.values["listen"]
-    if not is_loopback(listen) and not cfg.users and not args.insecure:
-        raise _native.ConfigError(
-            f"invalid config: listen: {listen} is beyond loopback and no user is configured ([users.NAME]); "
-            "pass --insecure to serve it anyway"
-        )
     settings = cfg.to_native()
     started = time.monotonic()
     # Handlers go in before anything is announced: a SIGTERM sent right after the ready line
@@ -171,15 +176,72 @@ def _admin_address(args: argparse.Namespace, command: str) -> str | None:
     return admin or None
 
 
-def _admin_call(admin: str, path: str, timeout: float, method: str = "GET") -> dict:
-    """JSON from the admin endpoint; raises OSError (URLError) when the node cannot be reached."""
+class _UsageError(Exception):
+    """A command-line mistake found while preparing a command (exit 2)."""
+
+
+def _basic_auth(args: argparse.Namespace) -> str | None:
+    """The Authorization header for --user: the password from SLUICE_PASSWORD, else a prompt
+    on a terminal, else the first line of stdin."""
+    import base64
+
+    if not args.user:
+        return None
+    password = os.environ.get("SLUICE_PASSWORD")
+    if password is None:
+        if sys.stdin.isatty():
+            password = getpass.getpass(f"password of {args.user}: ")
+        else:
+            password = sys.stdin.readline().rstrip("\n")
+    raw = f"{args.user}:{password}".encode()
+    return "Basic " + base64.b64encode(raw).decode("ascii")
+
+
+def _admin_auth(args: argparse.Namespace) -> str | None:
+    """The Authorization header for the node this command changes or reads: --user's password,
+    else the bearer token the node keeps in its data directory (--token-file, else admin.token
+    in --data-dir or the configuration's data_dir, when that file is there and readable)."""
+    basic = _basic_auth(args)
+    if basic or args.user:
+        return basic
+    if args.token_file:
+        path = Path(args.token_file)
+    else:
+        path = Path(_load(args).data_dir) / TOKEN_FILE
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        if args.token_file:
+            raise _UsageError(f"--token-file: cannot read {path}: {e.strerror}") from None
+        return None
+    return f"Bearer {token}" if token else None
+
+
+def _admin_call(admin: str, path: str, timeout: float, method: str = "GET", auth: str | None = None) -> dict:
+    """JSON from the admin endpoint; raises OSError (URLError) when the node cannot be reached,
+    HTTPError when it answers with an error. Every request says it is no browser's
+    (X-Sluice-Request), which POSTs need (README "Admin endpoint")."""
     import json
     import urllib.request
 
     body = b"" if method == "POST" else None
-    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=body)
+    headers = {"X-Sluice-Request": "1"}
+    if auth:
+        headers["Authorization"] = auth
+    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
+
+
+def _refusal(e: Exception) -> str:
+    """What the node said when it answered with an error, with a hint for a missing login."""
+    why = e.read().decode(errors="replace").strip()
+    if e.code == 401:
+        why += (
+            " (pass --user NAME with the password in SLUICE_PASSWORD or at the prompt, or "
+            "--data-dir/--token-file to use the node's admin.token)"
+        )
+    return why
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -188,11 +250,11 @@ def cmd_promote(args: argparse.Namespace) -> int:
     admin = _admin_address(args, "promote")
     if not admin:
         return EXIT_USAGE
+    auth = _admin_auth(args)
     try:
-        done = _admin_call(admin, "/promote", args.timeout, method="POST")
+        done = _admin_call(admin, "/promote", args.timeout, method="POST", auth=auth)
     except urllib.error.HTTPError as e:
-        why = e.read().decode(errors="replace").strip()
-        print(f"sluice promote: the node refused: {why}", file=sys.stderr)
+        print(f"sluice promote: the node refused: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
@@ -204,26 +266,36 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_move_vbucket(args: argparse.Namespace) -> int:
-    """Moves one vbucket between two running nodes with a takeover stream."""
+    """Moves one vbucket between two running nodes with a takeover stream. The POST to the
+    target waits as long as the move runs (up to --timeout, which the target applies too)."""
     import urllib.error
+    import urllib.parse
 
+    basic = _basic_auth(args)
     try:
-        source = _admin_call(args.source, "/status", args.timeout)
+        source = _admin_call(args.source, "/status", args.timeout, auth=basic)
+    except urllib.error.HTTPError as e:
+        print(f"sluice move-vbucket: {args.source} refused: {_refusal(e)}", file=sys.stderr)
+        return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
         print(f"sluice move-vbucket: cannot reach {args.source}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return EXIT_FAILURE
-    path = f"/takeover?bucket={args.bucket}&vbucket={args.vb}&source={source['listen']}"
+    source_kv = args.source_address or source["listen"]
+    query = urllib.parse.urlencode(
+        {"bucket": args.bucket, "vbucket": args.vb, "source": source_kv, "timeout": args.timeout}
+    )
+    auth = basic or _admin_auth(args)
     try:
-        r = _admin_call(args.target, path, args.timeout, method="POST")
+        # The target gives up at --timeout; the socket waits a little longer to hear it say so.
+        r = _admin_call(args.target, f"/takeover?{query}", args.timeout + 10, method="POST", auth=auth)
     except urllib.error.HTTPError as e:
-        why = e.read().decode(errors="replace").strip()
-        print(f"sluice move-vbucket: the takeover failed: {why}", file=sys.stderr)
+        print(f"sluice move-vbucket: the takeover failed: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
         print(f"sluice move-vbucket: cannot reach {args.target}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return EXIT_FAILURE
     print(
-        f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from {source['listen']} to the node at "
+        f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from {source_kv} to the node at "
         f"{args.target}: {r['items']:,} changes streamed in {r['seconds']:.2f} s, "
         f"high seqno {r['high_seqno']}; writes to it paused {r['writes_paused_ms']:.1f} ms"
     )
@@ -238,7 +310,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not admin:
         return EXIT_USAGE
     try:
-        st = _admin_call(admin, "/status", args.timeout)
+        st = _admin_call(admin, "/status", args.timeout, auth=_admin_auth(args))
+    except urllib.error.HTTPError as e:
+        print(f"sluice status: the node refused: {_refusal(e)}", file=sys.stderr)
+        return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
         print(f"sluice status: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
@@ -554,6 +629,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
     st.add_argument("--all", action="store_true", help="also list empty active vbuckets")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
+    st.add_argument(
+        "--user", help="log in as this user (HTTP Basic); the password from SLUICE_PASSWORD or a prompt"
+    )
+    st.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the node's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
+    )
+    st.add_argument("--data-dir", metavar="DIR", help="the node's data directory (for its admin.token)")
     st.set_defaults(func=cmd_status)
 
     pr = sub.add_parser(
@@ -566,6 +650,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
     pr.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
     pr.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the node")
+    pr.add_argument(
+        "--user", help="log in as this user (HTTP Basic); the password from SLUICE_PASSWORD or a prompt"
+    )
+    pr.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the node's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
+    )
+    pr.add_argument("--data-dir", metavar="DIR", help="the node's data directory (for its admin.token)")
     pr.set_defaults(func=cmd_promote)
 
     mv = sub.add_parser(
@@ -585,6 +678,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mv.add_argument("--bucket", default="default")
     mv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move")
+    mv.add_argument(
+        "--source-address",
+        metavar="HOST:PORT",
+        help="the source's KV address as the target reaches it "
+        "(default: the listen address the source reports)",
+    )
+    mv.add_argument("--config", metavar="FILE", help="the target's TOML configuration (for its data_dir)")
+    mv.add_argument(
+        "--user", help="log in as this user (HTTP Basic); the password from SLUICE_PASSWORD or a prompt"
+    )
+    mv.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the target's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
+    )
+    mv.add_argument("--data-dir", metavar="DIR", help="the target's data directory (for its admin.token)")
     mv.set_defaults(func=cmd_move_vbucket)
 
     d = sub.add_parser(
@@ -672,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except _native.ConfigError as e:
         print(f"sluice: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _UsageError as e:
+        print(f"sluice {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except _native.SluiceError as e:
         print(f"sluice: {e}", file=sys.stderr)

@@ -271,7 +271,9 @@ ENGINE_KEYS += [
         "admin_listen",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "127.0.0.1:11280",
-        'Address of the admin HTTP endpoint: /metrics (Prometheus) and /status (JSON). "" turns it off.',
+        "Address of the admin HTTP endpoint: GET /metrics (Prometheus) and /status (JSON), POST "
+        '/promote and /takeover (README "Admin endpoint"). "" turns it off. Beyond loopback it needs '
+        "users (or --insecure).",
         "HOST:PORT",
         server=True,
     ),
@@ -325,8 +327,9 @@ ENGINE_KEYS += [
         "replication.noop_interval",
         _int,
         1,
-        "Seconds between NOOPs on the replication connection; twice this long silent, it is dead "
-        "and the replica reconnects.",
+        "Seconds between NOOPs on the replication connection and on takeover streams this node "
+        "runs; twice this long silent, it is dead (a replica reconnects, a takeover fails). A "
+        "slow link needs it longer than the time to drain the 16 MiB flow-control window.",
         "integer",
         _between(1, 10800),
         native="replication_noop_interval",

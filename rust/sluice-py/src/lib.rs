@@ -912,16 +912,16 @@ impl Server {
         };
         let policies = Arc::new(sluice_server::policy::PolicyHost::default());
         policies.set_timeout(secs("policy.timeout", policy_timeout)?);
+        if !(1..=10800).contains(&replication_noop_interval) {
+            return Err(config_err(
+                "replication.noop_interval",
+                "must be 1 to 10800 seconds",
+            ));
+        }
         let replica_of = match replica_of.filter(|a| !a.is_empty()) {
             None => None,
             Some(a) => {
                 socket_addr("replication.replica_of", a)?;
-                if !(1..=10800).contains(&replication_noop_interval) {
-                    return Err(config_err(
-                        "replication.noop_interval",
-                        "must be 1 to 10800 seconds",
-                    ));
-                }
                 if !engine.engine.config().replica {
                     return Err(config_err(
                         "replication.replica_of",
@@ -962,6 +962,7 @@ impl Server {
             users: users_of(users)?,
             replica_of,
             replication_login: (replication_user, replication_password),
+            replication_noop_interval,
             tap,
         };
         let e = engine.engine.clone();

@@ -1,30 +1,527 @@
-//! The admin endpoint: `GET /metrics` (Prometheus text format) and `GET /status` (JSON, what
-//! `sluice status` prints as a table). A small HTTP/1.1 responder: one GET per connection, the
-//! request head bounded to 8 KiB and 5 seconds, then `Connection: close`.
+//! The admin endpoint: `GET /metrics` (Prometheus text format), `GET /status` (JSON, what
+//! `sluice status` prints as tables), `POST /promote` (failover) and `POST /takeover` (a vbucket
+//! move). A small HTTP/1.1 responder: one request per connection, then `Connection: close`.
+//!
+//! Who may do what (README "Admin endpoint"):
+//! - Reads (GET) are open on a loopback endpoint; beyond loopback, once users exist, they need
+//!   credentials (any user, or the token).
+//! - State changes (POST) need, once users exist, a user with the `admin` permission on every
+//!   bucket they change (`/promote`: every bucket of the node; `/takeover`: the moved one), or
+//!   the token the node writes to `DATA_DIR/admin.token` at start (mode 0600: whoever can read
+//!   the data directory holds the data already). Without users they are taken only on a
+//!   loopback endpoint from a loopback peer.
+//! - No state change from a browser's cross-site request: a POST must carry `Authorization` or
+//!   `X-Sluice-Request` (headers a page cannot add to a cross-site request without a CORS
+//!   preflight, which this endpoint never grants), and is refused when its `Origin` or
+//!   `Sec-Fetch-Site` names another site or, on a loopback endpoint, its `Host` is not a
+//!   loopback name (DNS rebinding).
+//!
+//! Limits, checked before anything is allocated for them: the request head within 5 s and
+//! 8 KiB (64 headers), a body (read and ignored) within 64 KiB, the answer written within 10 s,
+//! 64 connections at once. The work itself has no fixed bound: a takeover runs until the vbucket
+//! has moved or its own deadline (`timeout=` seconds, default 600) passes.
 
 use std::fmt::Write as _;
-use std::sync::atomic::Ordering::Relaxed;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
+use crate::auth::{Users, ADMIN};
 use crate::server::Shared;
 use sluice_core::wal::writer::SYNC_BUCKETS_US;
 
+/// The token file's name in the data directory.
+pub const TOKEN_FILE: &str = "admin.token";
+/// The header a non-browser client sends on a POST without `Authorization`.
+pub const REQUEST_HEADER: &str = "x-sluice-request";
 const MAX_HEAD: usize = 8 << 10;
+const MAX_HEADERS: usize = 64;
+const MAX_BODY: usize = 64 << 10;
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_CONNECTIONS: usize = 64;
+const TAKEOVER_TIMEOUT_S: u64 = 600;
+/// At most one warning about refused requests per this interval (the rest are counted).
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+/// The bearer token of the local CLI: random per start, in `DATA_DIR/admin.token` (mode 0600)
+/// while the node runs, removed when it stops.
+pub struct Token {
+    secret: String,
+    path: PathBuf,
+}
+
+impl Token {
+    /// A fresh token, written to a temporary file of mode 0600 and renamed into place.
+    pub fn create(data_dir: &Path) -> std::io::Result<Token> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut raw = [0u8; 32];
+        getrandom::getrandom(&mut raw).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        let path = data_dir.join(TOKEN_FILE);
+        let tmp = data_dir.join(format!("{TOKEN_FILE}.tmp"));
+        let write = || -> std::io::Result<()> {
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            std::io::Write::write_all(&mut f, format!("{secret}\n").as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot write the admin token {}: {e}", path.display()),
+            )
+        })?;
+        Ok(Token { secret, path })
+    }
+
+    fn matches(&self, given: &str) -> bool {
+        let (a, b) = (self.secret.as_bytes(), given.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl Drop for Token {
+    fn drop(&mut self) {
+        // Only our own: a node started since on the same directory may have replaced it.
+        if std::fs::read_to_string(&self.path).is_ok_and(|s| s.trim() == self.secret) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Why a request was refused; each has its counter in /metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    NoCredentials,
+    BadCredentials,
+    NoPermission,
+    CrossSite,
+    NotLoopback,
+}
+
+impl Refusal {
+    const ALL: [Refusal; 5] = [
+        Refusal::NoCredentials,
+        Refusal::BadCredentials,
+        Refusal::NoPermission,
+        Refusal::CrossSite,
+        Refusal::NotLoopback,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Refusal::NoCredentials => "no_credentials",
+            Refusal::BadCredentials => "bad_credentials",
+            Refusal::NoPermission => "no_permission",
+            Refusal::CrossSite => "cross_site",
+            Refusal::NotLoopback => "not_loopback",
+        }
+    }
+
+    fn answer(self) -> Answer {
+        let text = match self {
+            Refusal::NoCredentials => {
+                "credentials required: HTTP Basic of a user, or Bearer with the node's admin.token\n"
+            }
+            Refusal::BadCredentials => "wrong user, password or token\n",
+            Refusal::NoPermission => {
+                "this user lacks the admin permission on the bucket(s) this changes\n"
+            }
+            Refusal::CrossSite => {
+                "refused as a possible cross-site request: a POST needs an Authorization or \
+                 X-Sluice-Request header, and no Origin, Sec-Fetch-Site or Host of another site\n"
+            }
+            Refusal::NotLoopback => {
+                "no users are configured: state changes are taken only on a loopback admin \
+                 endpoint from loopback (or with the node's admin.token)\n"
+            }
+        };
+        let mut a = Answer::text(
+            match self {
+                Refusal::NoCredentials | Refusal::BadCredentials => 401,
+                _ => 403,
+            },
+            text,
+        );
+        a.challenge = a.code == 401;
+        a
+    }
+}
+
+/// The admin endpoint's own state: where it listens, the token, counters of refusals.
+pub struct Admin {
+    addr: SocketAddr,
+    loopback: bool,
+    token: Token,
+    refused: [AtomicU64; Refusal::ALL.len()],
+    last_warning: parking_lot::Mutex<Option<Instant>>,
+    unlogged: AtomicU64,
+}
+
+enum Caller {
+    Anonymous,
+    Token,
+    User(String),
+}
+
+impl Admin {
+    pub fn new(addr: SocketAddr, token: Token) -> Admin {
+        Admin {
+            addr,
+            loopback: addr.ip().is_loopback(),
+            token,
+            refused: Default::default(),
+            last_warning: Default::default(),
+            unlogged: AtomicU64::new(0),
+        }
+    }
+
+    /// Decides whether `req` may run (see the module comment for the rules).
+    fn admit(
+        &self,
+        req: &Request,
+        peer: SocketAddr,
+        shared: &Shared,
+        change: bool,
+    ) -> Result<(), Refusal> {
+        if change {
+            self.same_site(req)?;
+        }
+        let users = shared.users.read().clone();
+        match self.caller(req, &users)? {
+            Caller::Token => Ok(()),
+            Caller::User(name) => {
+                let user = users.get(&name).ok_or(Refusal::BadCredentials)?;
+                let buckets = if req.path == "/promote" {
+                    shared
+                        .engine
+                        .buckets()
+                        .iter()
+                        .map(|b| b.name().to_string())
+                        .collect()
+                } else {
+                    vec![req.arg("bucket").unwrap_or_else(|| "default".into())]
+                };
+                if !change || buckets.iter().all(|b| user.permissions(b) & ADMIN != 0) {
+                    Ok(())
+                } else {
+                    Err(Refusal::NoPermission)
+                }
+            }
+            Caller::Anonymous if users.required() => {
+                if change || !self.loopback {
+                    Err(Refusal::NoCredentials)
+                } else {
+                    Ok(())
+                }
+            }
+            Caller::Anonymous => {
+                if change && !(self.loopback && peer.ip().is_loopback()) {
+                    Err(Refusal::NotLoopback)
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Who the request says it is; wrong credentials are refused even where none are needed.
+    fn caller(&self, req: &Request, users: &Users) -> Result<Caller, Refusal> {
+        let Some(auth) = req.header("authorization") else {
+            return Ok(Caller::Anonymous);
+        };
+        let (scheme, credentials) = auth.split_once(' ').unwrap_or((auth, ""));
+        let credentials = credentials.trim();
+        if scheme.eq_ignore_ascii_case("bearer") {
+            return if self.token.matches(credentials) {
+                Ok(Caller::Token)
+            } else {
+                Err(Refusal::BadCredentials)
+            };
+        }
+        if !scheme.eq_ignore_ascii_case("basic") {
+            return Err(Refusal::BadCredentials);
+        }
+        let decoded = base64_decode(credentials).ok_or(Refusal::BadCredentials)?;
+        let (name, password) = std::str::from_utf8(&decoded)
+            .ok()
+            .and_then(|t| t.split_once(':'))
+            .ok_or(Refusal::BadCredentials)?;
+        match users.get(name) {
+            Some(u) if u.hash.verify(password.as_bytes()) => Ok(Caller::User(name.to_string())),
+            Some(_) => Err(Refusal::BadCredentials),
+            None => {
+                // The same work as for a known user, so the time taken does not tell who exists.
+                if let Some(u) = users.names().first().and_then(|n| users.get(n)) {
+                    let _ = u.hash.verify(password.as_bytes());
+                }
+                Err(Refusal::BadCredentials)
+            }
+        }
+    }
+
+    /// A POST must show it was not sent by a page of another site (see the module comment).
+    fn same_site(&self, req: &Request) -> Result<(), Refusal> {
+        if req
+            .header("sec-fetch-site")
+            .is_some_and(|s| !matches!(s, "same-origin" | "none"))
+        {
+            return Err(Refusal::CrossSite);
+        }
+        let host = req.header("host");
+        if self.loopback && host.is_some_and(|h| !self.is_loopback_authority(h)) {
+            return Err(Refusal::CrossSite);
+        }
+        if let Some(origin) = req.header("origin") {
+            let authority = origin
+                .strip_prefix("http://")
+                .or_else(|| origin.strip_prefix("https://"));
+            let ok = match authority {
+                Some(a) if self.loopback => self.is_loopback_authority(a),
+                Some(a) => host.is_some_and(|h| h.eq_ignore_ascii_case(a)),
+                None => false,
+            };
+            if !ok {
+                return Err(Refusal::CrossSite);
+            }
+        }
+        if req.header("authorization").is_none() && req.header(REQUEST_HEADER).is_none() {
+            return Err(Refusal::CrossSite);
+        }
+        Ok(())
+    }
+
+    /// HOST:PORT naming this loopback endpoint.
+    fn is_loopback_authority(&self, authority: &str) -> bool {
+        let port = self.addr.port();
+        [
+            self.addr.to_string(),
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ]
+        .iter()
+        .any(|a| a.eq_ignore_ascii_case(authority))
+    }
+
+    /// Counts the refusal, logs it (rate-limited) and answers it.
+    fn refuse(&self, why: Refusal, req: &Request, peer: SocketAddr) -> Answer {
+        let i = Refusal::ALL.iter().position(|r| *r == why).unwrap_or(0);
+        self.refused[i].fetch_add(1, Relaxed);
+        let mut last = self.last_warning.lock();
+        if last.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+            *last = Some(Instant::now());
+            let unlogged = self.unlogged.swap(0, Relaxed);
+            log::warn!(
+                "admin: refused {} {} from {peer}: {}{}",
+                req.method,
+                req.path,
+                why.label(),
+                if unlogged > 0 {
+                    format!(" ({unlogged} more refused since the last warning)")
+                } else {
+                    String::new()
+                }
+            );
+        } else {
+            self.unlogged.fetch_add(1, Relaxed);
+        }
+        why.answer()
+    }
+
+    fn metrics(&self, o: &mut String) {
+        metric(
+            o,
+            "sluice_admin_refused_total",
+            "counter",
+            "Admin requests refused, by reason (no_credentials and bad_credentials answer 401).",
+        );
+        for (r, n) in Refusal::ALL.iter().zip(&self.refused) {
+            let _ = writeln!(
+                o,
+                "sluice_admin_refused_total{{reason=\"{}\"}} {}",
+                r.label(),
+                n.load(Relaxed)
+            );
+        }
+    }
+}
+
+/// RFC 4648 base64 with padding (HTTP Basic); None for anything else.
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    let s = s.as_bytes();
+    if !s.len().is_multiple_of(4) {
+        return None;
+    }
+    let value = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    };
+    let groups = s.len() / 4;
+    let mut out = Vec::with_capacity(groups * 3);
+    for (i, group) in s.chunks(4).enumerate() {
+        let pad = group.iter().rev().take_while(|&&c| c == b'=').count();
+        if pad > 2 || (pad > 0 && i + 1 != groups) {
+            return None;
+        }
+        let mut n = 0u32;
+        for &c in &group[..4 - pad] {
+            n = n << 6 | value(c)?;
+        }
+        n <<= 6 * pad as u32;
+        out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8][..3 - pad]);
+    }
+    Some(out)
+}
+
+/// One parsed request head.
+struct Request {
+    method: String,
+    path: String,
+    query: String,
+    /// Names in lower case, values trimmed.
+    headers: Vec<(String, String)>,
+}
+
+impl Request {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn arg(&self, name: &str) -> Option<String> {
+        query_arg(&self.query, name)
+    }
+}
+
+/// A query parameter (`name=value`), percent-decoded; None if absent or badly encoded.
+fn query_arg(query: &str, name: &str) -> Option<String> {
+    let (_, raw) = query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == name)?;
+    let raw = raw.as_bytes();
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'%' => {
+                let hex = std::str::from_utf8(raw.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// What goes back: status, body, and for a 401 the Basic challenge.
+struct Answer {
+    code: u16,
+    content_type: &'static str,
+    body: Vec<u8>,
+    challenge: bool,
+}
+
+impl Answer {
+    fn text(code: u16, body: impl Into<String>) -> Answer {
+        Answer {
+            code,
+            content_type: "text/plain; charset=utf-8",
+            body: body.into().into_bytes(),
+            challenge: false,
+        }
+    }
+
+    fn json(v: serde_json::Value) -> Answer {
+        Answer {
+            code: 200,
+            content_type: "application/json",
+            body: v.to_string().into_bytes(),
+            challenge: false,
+        }
+    }
+
+    async fn write(self, socket: &mut TcpStream) -> std::io::Result<()> {
+        let reason = match self.code {
+            200 => "OK",
+            400 => "Bad Request",
+            401 => "Unauthorized",
+            403 => "Forbidden",
+            404 => "Not Found",
+            405 => "Method Not Allowed",
+            409 => "Conflict",
+            413 => "Content Too Large",
+            431 => "Request Header Fields Too Large",
+            501 => "Not Implemented",
+            _ => "Internal Server Error",
+        };
+        let challenge = if self.challenge {
+            "WWW-Authenticate: Basic realm=\"sluice\"\r\n"
+        } else {
+            ""
+        };
+        let head = format!(
+            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{challenge}\
+             Cache-Control: no-store\r\nConnection: close\r\n\r\n",
+            self.code,
+            self.content_type,
+            self.body.len()
+        );
+        socket.write_all(head.as_bytes()).await?;
+        socket.write_all(&self.body).await?;
+        socket.shutdown().await
+    }
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    admin: Arc<Admin>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             accepted = listener.accept() => match accepted {
-                Ok((socket, _)) => {
-                    let sh = shared.clone();
+                Ok((socket, peer)) => {
+                    let Ok(slot) = slots.clone().try_acquire_owned() else {
+                        log::debug!("admin: {MAX_CONNECTIONS} connections open, closing the one from {peer}");
+                        continue;
+                    };
+                    let (sh, ad) = (shared.clone(), admin.clone());
                     tokio::spawn(async move {
-                        let _ = tokio::time::timeout(Duration::from_secs(5), handle(socket, sh)).await;
+                        handle(socket, peer, sh, ad).await;
+                        drop(slot);
                     });
                 }
                 Err(e) => {
@@ -36,110 +533,141 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::
     }
 }
 
-async fn handle(mut socket: TcpStream, shared: Arc<Shared>) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = socket.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-        if head.len() > MAX_HEAD {
-            return respond(&mut socket, 431, "text/plain", b"request head too large\n").await;
-        }
-    }
-    let line = String::from_utf8_lossy(&head[..head.iter().position(|&b| b == b'\r').unwrap_or(0)])
-        .into_owned();
-    let mut parts = line.split(' ');
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (path, query) = path.split_once('?').unwrap_or((path, ""));
-    if method == "POST" && path == "/promote" {
-        let sh = shared.clone();
-        let r = tokio::task::spawn_blocking(move || sh.promote()).await;
-        return match r {
-            Ok(Ok(done)) => {
-                let body = serde_json::json!({"promoted": done.iter().map(|(b, v)| serde_json::json!({"bucket": b, "vbuckets": v})).collect::<Vec<_>>()});
-                respond(
-                    &mut socket,
-                    200,
-                    "application/json",
-                    body.to_string().as_bytes(),
-                )
-                .await
-            }
-            Ok(Err(e)) => {
-                respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await
-            }
-            Err(e) => respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await,
-        };
-    }
-    if method == "POST" && path == "/takeover" {
-        let query = query.to_string();
-        let sh = shared.clone();
-        let r = tokio::task::spawn_blocking(move || takeover(&sh, &query)).await;
-        return match r {
-            Ok(Ok(body)) => {
-                respond(
-                    &mut socket,
-                    200,
-                    "application/json",
-                    body.to_string().as_bytes(),
-                )
-                .await
-            }
-            Ok(Err(e)) => {
-                respond(&mut socket, 409, "text/plain", format!("{e}\n").as_bytes()).await
-            }
-            Err(e) => respond(&mut socket, 500, "text/plain", format!("{e}\n").as_bytes()).await,
-        };
-    }
-    if method != "GET" {
-        return respond(
-            &mut socket,
-            405,
-            "text/plain",
-            b"GET /metrics, GET /status, POST /promote, POST /takeover\n",
-        )
-        .await;
-    }
-    match path {
-        "/metrics" => {
-            let body = tokio::task::block_in_place(|| metrics(&shared));
-            respond(
-                &mut socket,
-                200,
-                "text/plain; version=0.0.4; charset=utf-8",
-                body.as_bytes(),
-            )
-            .await
-        }
-        "/status" => {
-            let body = tokio::task::block_in_place(|| status(&shared)).to_string();
-            respond(&mut socket, 200, "application/json", body.as_bytes()).await
-        }
-        _ => respond(&mut socket, 404, "text/plain", b"try /metrics or /status\n").await,
-    }
+async fn handle(mut socket: TcpStream, peer: SocketAddr, shared: Arc<Shared>, admin: Arc<Admin>) {
+    let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut socket)).await {
+        // Too slow, closed early, or unreadable: nothing worth answering.
+        Err(_) | Ok(Err(None)) => return,
+        Ok(Err(Some(refused))) => refused,
+        Ok(Ok(req)) => answer(&req, peer, &shared, &admin).await,
+    };
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut socket)).await;
 }
 
-async fn respond(
-    socket: &mut TcpStream,
-    code: u16,
-    content_type: &str,
-    body: &[u8],
-) -> std::io::Result<()> {
-    let reason = match code {
-        200 => "OK",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        409 => "Conflict",
-        500 => "Internal Server Error",
-        _ => "Request Header Fields Too Large",
+/// Reads and parses one request head and skips its body; Err(Some) is an answer to send
+/// instead (the request is malformed or over a limit), Err(None) a connection to just close.
+async fn read_request(socket: &mut TcpStream) -> Result<Request, Option<Answer>> {
+    let mut buf = vec![0u8; MAX_HEAD];
+    let mut len = 0usize;
+    let head_end = loop {
+        let from = len.saturating_sub(3);
+        let n = socket.read(&mut buf[len..]).await.map_err(|_| None)?;
+        if n == 0 {
+            return Err(None);
+        }
+        len += n;
+        if let Some(i) = buf[from..len].windows(4).position(|w| w == b"\r\n\r\n") {
+            break from + i;
+        }
+        if len == MAX_HEAD {
+            return Err(Some(Answer::text(431, "request head over 8 KiB\n")));
+        }
     };
-    let head = format!("HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
-    socket.write_all(head.as_bytes()).await?;
-    socket.write_all(body).await?;
-    socket.shutdown().await
+    let req = parse_head(&buf[..head_end]).map_err(|why| Some(Answer::text(400, why)))?;
+    if req.header("transfer-encoding").is_some() {
+        return Err(Some(Answer::text(
+            501,
+            "chunked bodies are not taken; the endpoints need no body\n",
+        )));
+    }
+    let body_len: usize = match req.header("content-length") {
+        None => 0,
+        Some(v) => v
+            .parse()
+            .map_err(|_| Some(Answer::text(400, "bad Content-Length\n")))?,
+    };
+    if body_len > MAX_BODY {
+        return Err(Some(Answer::text(413, "a body over 64 KiB\n")));
+    }
+    // The body is not used; it is read so that closing does not reset the connection before
+    // the client has read the answer.
+    let mut left = body_len.saturating_sub(len - head_end - 4);
+    while left > 0 {
+        let n = socket
+            .read(&mut buf[..left.min(MAX_HEAD)])
+            .await
+            .map_err(|_| None)?;
+        if n == 0 {
+            return Err(None);
+        }
+        left -= n;
+    }
+    Ok(req)
+}
+
+fn parse_head(head: &[u8]) -> Result<Request, &'static str> {
+    let text = std::str::from_utf8(head).map_err(|_| "the request head is not UTF-8\n")?;
+    let mut lines = text.split("\r\n");
+    let mut parts = lines.next().unwrap_or("").split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err("the request line is not METHOD TARGET VERSION\n");
+    };
+    if !matches!(version, "HTTP/1.1" | "HTTP/1.0") {
+        return Err("only HTTP/1.0 and HTTP/1.1\n");
+    }
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let mut headers = Vec::new();
+    for line in lines {
+        if headers.len() == MAX_HEADERS {
+            return Err("more than 64 headers\n");
+        }
+        let (name, value) = line.split_once(':').ok_or("a header line without ':'\n")?;
+        if name.is_empty() || name.bytes().any(|b| b.is_ascii_whitespace()) {
+            return Err("a bad header name\n");
+        }
+        headers.push((name.to_ascii_lowercase(), value.trim().to_string()));
+    }
+    Ok(Request {
+        method: method.to_string(),
+        path: path.to_string(),
+        query: query.to_string(),
+        headers,
+    })
+}
+
+async fn answer(req: &Request, peer: SocketAddr, shared: &Arc<Shared>, admin: &Admin) -> Answer {
+    let change = match (req.method.as_str(), req.path.as_str()) {
+        ("GET", "/metrics" | "/status") => false,
+        ("POST", "/promote" | "/takeover") => true,
+        (_, "/metrics" | "/status" | "/promote" | "/takeover") => {
+            return Answer::text(
+                405,
+                "GET /metrics, GET /status, POST /promote, POST /takeover\n",
+            )
+        }
+        _ => return Answer::text(404, "try /metrics or /status\n"),
+    };
+    // A password check is a deliberate ~0.1 s of CPU: off the I/O threads' queue.
+    if let Err(why) = tokio::task::block_in_place(|| admin.admit(req, peer, shared, change)) {
+        return admin.refuse(why, req, peer);
+    }
+    let sh = shared.clone();
+    match req.path.as_str() {
+        "/metrics" => {
+            let mut body = tokio::task::block_in_place(|| metrics(shared));
+            admin.metrics(&mut body);
+            let mut a = Answer::text(200, body);
+            a.content_type = "text/plain; version=0.0.4; charset=utf-8";
+            a
+        }
+        "/status" => Answer::json(tokio::task::block_in_place(|| status(shared))),
+        "/promote" => match tokio::task::spawn_blocking(move || sh.promote()).await {
+            Ok(Ok(done)) => Answer::json(serde_json::json!({
+                "promoted": done.iter().map(|(b, v)| serde_json::json!({"bucket": b, "vbuckets": v})).collect::<Vec<_>>()
+            })),
+            Ok(Err(e)) => Answer::text(500, format!("{e}\n")),
+            Err(e) => Answer::text(500, format!("{e}\n")),
+        },
+        _ => {
+            let query = req.query.clone();
+            match tokio::task::spawn_blocking(move || takeover(&sh, &query)).await {
+                Ok(Ok(body)) => Answer::json(body),
+                Ok(Err(e)) => Answer::text(409, format!("{e}\n")),
+                Err(e) => Answer::text(500, format!("{e}\n")),
+            }
+        }
+    }
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -716,21 +1244,24 @@ fn replication_status(shared: &Shared) -> serde_json::Value {
     json!({"replica_of": reps[0].config.active, "buckets": buckets})
 }
 
-/// POST /takeover?bucket=B&vbucket=N&source=HOST:PORT: moves the vbucket from the source node
-/// to this one (see `replica::take_over`); answers when it is active here.
+/// POST /takeover?bucket=B&vbucket=N&source=HOST:PORT[&timeout=SECONDS]: moves the vbucket
+/// from the source node to this one (see `replica::take_over`); answers when it is active here,
+/// or gives up after `timeout` seconds (default 600; the caller's own wait, so both agree).
 fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
-    let arg = |name: &str| {
-        query
-            .split('&')
-            .filter_map(|kv| kv.split_once('='))
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.to_string())
-    };
+    let arg = |name: &str| query_arg(query, name);
     let vb: u16 = arg("vbucket")
         .and_then(|v| v.parse().ok())
         .ok_or("vbucket=N is required")?;
     let source = arg("source").ok_or("source=HOST:PORT is required")?;
     let bucket_name = arg("bucket").unwrap_or_else(|| "default".into());
+    let timeout = match arg("timeout") {
+        None => TAKEOVER_TIMEOUT_S as f64,
+        Some(t) => t
+            .parse::<f64>()
+            .ok()
+            .filter(|t| (1.0..=86_400.0).contains(t))
+            .ok_or("timeout=SECONDS must be 1 to 86400")?,
+    };
     let bucket = shared
         .engine
         .bucket(&bucket_name)
@@ -747,14 +1278,14 @@ fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
         active: source,
         username,
         password,
-        noop_interval: 1,
+        noop_interval: shared.config.replication_noop_interval,
     };
     let r = crate::replica::take_over(
         &shared.engine,
         &bucket,
         vb,
         &config,
-        std::time::Duration::from_secs(600),
+        Duration::from_secs_f64(timeout),
     )?;
     Ok(serde_json::json!({
         "bucket": bucket_name,
@@ -764,4 +1295,70 @@ fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
         "writes_paused_ms": r.writes_paused_ms,
         "high_seqno": r.high_seqno,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_decodes_basic_credentials_and_refuses_the_rest() {
+        assert_eq!(base64_decode("YWRhOnNlY3JldA==").unwrap(), b"ada:secret");
+        assert_eq!(base64_decode("YWRhOnM=").unwrap(), b"ada:s");
+        assert_eq!(base64_decode("YWRh").unwrap(), b"ada");
+        assert_eq!(base64_decode("").unwrap(), b"");
+        for bad in ["YWR", "YW=h", "Y===", "YWRh!A==", "YQ==YWRh"] {
+            assert_eq!(base64_decode(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn request_heads_are_parsed_or_refused() {
+        let r = parse_head(
+            b"POST /takeover?vbucket=5&bucket=b HTTP/1.1\r\nHost: x\r\nX-Sluice-Request:  1 ",
+        )
+        .unwrap();
+        assert_eq!((r.method.as_str(), r.path.as_str()), ("POST", "/takeover"));
+        assert_eq!(r.arg("vbucket").as_deref(), Some("5"));
+        assert_eq!(
+            (r.arg("bucket").as_deref(), r.arg("nope")),
+            (Some("b"), None)
+        );
+        assert_eq!(
+            query_arg("source=127.0.0.1%3A11210&x=a+b", "source").as_deref(),
+            Some("127.0.0.1:11210")
+        );
+        assert_eq!(query_arg("x=a+b", "x").as_deref(), Some("a b"));
+        assert_eq!(query_arg("x=%4", "x"), None);
+        assert_eq!(query_arg("x=%zz", "x"), None);
+        assert_eq!(r.header("x-sluice-request"), Some("1"));
+        assert_eq!(r.header("host"), Some("x"));
+        for bad in [
+            &b"GET /status"[..],
+            b"GET /status HTTP/2",
+            b"GET  /status HTTP/1.1",
+            b"GET /status HTTP/1.1\r\nno colon",
+            b"GET /status HTTP/1.1\r\nBad Name: x",
+            b"GET /\xff HTTP/1.1",
+        ] {
+            assert!(parse_head(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+        let many = format!("GET / HTTP/1.1{}", "\r\nA: b".repeat(MAX_HEADERS + 1));
+        assert!(parse_head(many.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn the_token_file_is_private_and_goes_with_the_token() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let token = Token::create(dir.path()).unwrap();
+        let path = dir.path().join(TOKEN_FILE);
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(token.matches(text.trim()) && text.trim().len() == 64);
+        assert!(!token.matches("") && !token.matches(&text.trim()[1..]));
+        drop(token);
+        assert!(!path.exists());
+    }
 }

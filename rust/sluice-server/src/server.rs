@@ -16,7 +16,7 @@ use crate::connection;
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
-    /// The admin HTTP endpoint (/metrics, /status), if any.
+    /// The admin HTTP endpoint (/metrics, /status, /promote, /takeover), if any.
     pub admin_listen: Option<SocketAddr>,
     pub max_connections: usize,
     /// Largest request body accepted; larger frames get E2BIG and the connection closes.
@@ -30,6 +30,8 @@ pub struct ServerConfig {
     pub replica_of: Option<crate::replica::ReplicaConfig>,
     /// The user and password this node logs in with on other nodes (replication, takeover).
     pub replication_login: (Option<String>, Option<String>),
+    /// Seconds between NOOPs on this node's replication and takeover streams.
+    pub replication_noop_interval: u32,
     pub tap: crate::tap::producer::TapConfig,
 }
 
@@ -160,14 +162,22 @@ impl Server {
             let _enter = runtime.enter();
             TcpListener::from_std(std_listener)?
         };
-        if let Some(l) = admin {
+        if let (Some(l), Some(addr)) = (admin, admin_addr) {
             let listener = {
                 let _enter = runtime.enter();
                 TcpListener::from_std(l)?
             };
+            let token = crate::admin::Token::create(&shared.engine.config().data_dir)?;
+            if !addr.ip().is_loopback() && shared.config.users.required() {
+                log::warn!(
+                    "the admin endpoint {addr} is beyond loopback: HTTP Basic passwords sent to it \
+                     cross the network unencrypted"
+                );
+            }
             runtime.spawn(crate::admin::serve(
                 listener,
                 shared.clone(),
+                Arc::new(crate::admin::Admin::new(addr, token)),
                 stop_rx.clone(),
             ));
         }
