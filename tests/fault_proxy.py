@@ -97,6 +97,7 @@ class FaultProxy:
         """Limits each connection to `bytes_per_second` (0: no limit), both directions together,
         as a slow link does: bytes come late, none are lost."""
         self._rate = float(bytes_per_second)
+
     def slow(self, latency: float) -> None:
         """Holds every chunk read `latency` seconds before passing it on (a slow link: each
         request and answer waits, so every round trip takes at least twice as long)."""

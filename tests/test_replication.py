@@ -558,6 +558,8 @@ def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_p
         proxy.close()
         replica.stop()
         active.stop()
+
+
 def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
     """The target's POST /takeover answers when the vbucket has moved, however long that takes:
     here 45 incompressible 100 KB values cross a link that holds every chunk (64 KiB at most)
