@@ -89,6 +89,19 @@ def get_replica(sock: socket.socket, key: bytes) -> dict:
     return read_response(sock)
 
 
+def wait_stopped(pid: int) -> None:
+    """Waits until every thread of `pid` is stopped: a SIGSTOP reaches a busy thread late."""
+    deadline = time.monotonic() + 10
+    while True:
+        states = [
+            (t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        if all(s == "T" for s in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.01)
+
+
 def majority_set(
     sock: socket.socket, key: bytes, value: bytes, timeout_ms: int | None = None, level: int = 1
 ) -> int:
@@ -282,6 +295,7 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         assert majority_set(s, b"k", b"v", level=4) == 0xA0  # no such level
         replica.proc.send_signal(19)  # SIGSTOP: follows on paper, acknowledges nothing
         try:
+            wait_stopped(replica.proc.pid)
             t0 = time.monotonic()
             assert majority_set(s, b"k2", b"v", timeout_ms=300) == 0xA3
             assert 0.25 < time.monotonic() - t0 < 5
