@@ -5,6 +5,10 @@ run on this machine. Writes bench/results/server.{json,md,png}.
 
 Each configuration runs --runs times alternating servers; the table gives medians and the
 sluice/memcached ratio. Both servers get the same threads (2) and the same memory (1 GiB).
+
+`--baseline PYTHON` also runs the sluice installed for another interpreter (a virtualenv holding
+an earlier build) in the same rounds, and adds the ratio of this build to it: what a change
+costs, measured side by side.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def wait_port(port: int, timeout: float = 30) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def start(kind: str, data: Path) -> tuple[subprocess.Popen, int]:
+def start(kind: str, data: Path, baseline: str | None = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if kind == "memcached":
         cmd = [
@@ -72,7 +76,7 @@ def start(kind: str, data: Path) -> tuple[subprocess.Popen, int]:
             cmd += ["-u", "root"]
     else:
         cmd = [
-            sys.executable,
+            baseline if kind == "baseline" and baseline else sys.executable,
             "-m",
             "sluice",
             "serve",
@@ -93,7 +97,9 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--baseline", metavar="PYTHON", help="also run the sluice of this interpreter")
     args = ap.parse_args()
+    kinds = ["sluice", "memcached"] + (["baseline"] if args.baseline else [])
     if shutil.which("memcached") is None:
         print("memcached is not installed: apt-get install memcached", file=sys.stderr)
         return 1
@@ -104,11 +110,11 @@ def main() -> int:
         "loads": {},
     }
     for name, ratio, size, pipeline in LOADS:
-        per = {"sluice": [], "memcached": []}
+        per: dict[str, list] = {k: [] for k in kinds}
         for run in range(args.runs):
-            for kind in ("sluice", "memcached") if run % 2 == 0 else ("memcached", "sluice"):
+            for kind in kinds if run % 2 == 0 else kinds[::-1]:
                 with tempfile.TemporaryDirectory() as d:
-                    p, port = start(kind, Path(d))
+                    p, port = start(kind, Path(d), args.baseline)
                     try:
                         r = sluice._native.bench(
                             f"127.0.0.1:{port}",
@@ -137,10 +143,11 @@ def main() -> int:
 def write(results: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "server.json").write_text(json.dumps(results, indent=2) + "\n")
+    with_baseline = any("baseline" in per for per in results["loads"].values())
     rows = [
         "| load | sluice ops/s | memcached ops/s | ratio | sluice p50 / p99 (us) "
-        "| memcached p50 / p99 (us) |",
-        "|---|---|---|---|---|---|",
+        "| memcached p50 / p99 (us) |" + (" baseline ops/s | sluice / baseline |" if with_baseline else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if with_baseline else ""),
     ]
     names, ratios = [], []
     for name, per in results["loads"].items():
@@ -148,15 +155,19 @@ def write(results: dict) -> None:
         m = statistics.median(r["ops_per_s"] for r in per["memcached"])
         sl = [statistics.median(r["latency_us"][k] for r in per["sluice"]) for k in ("p50", "p99")]
         ml = [statistics.median(r["latency_us"][k] for r in per["memcached"]) for k in ("p50", "p99")]
-        rows.append(
+        row = (
             f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "
             f"{ml[0]:,.0f} / {ml[1]:,.0f} |"
         )
+        if with_baseline:
+            b = statistics.median(r["ops_per_s"] for r in per["baseline"])
+            row += f" {b:,.0f} | {s / b:.3f} |"
+        rows.append(row)
         names.append(name)
         ratios.append((s, m))
     md = (
         f"# sluice against memcached\n\n`python bench/server_bench.py --duration {results['duration']} "
-        f"--runs {results['runs']}`: {results['connections']} connections, 100,000 keys, medians of "
+        f"--runs {results['runs']}{' --baseline PYTHON' if with_baseline else ''}`: {results['connections']} connections, 100,000 keys, medians of "
         "the runs, "
         "both servers on 2 threads on this 2-core machine (the load generator shares it).\n\n"
         + "\n".join(rows)
