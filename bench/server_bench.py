@@ -165,10 +165,11 @@ def write(results: dict) -> None:
         rows.append(row)
         names.append(name)
         ratios.append((s, m))
+    flags = f"--duration {results['duration']} --runs {results['runs']}"
+    flags += " --baseline PYTHON" if with_baseline else ""
     md = (
-        f"# sluice against memcached\n\n`python bench/server_bench.py --duration {results['duration']} "
-        f"--runs {results['runs']}{' --baseline PYTHON' if with_baseline else ''}`: {results['connections']} connections, 100,000 keys, medians of "
-        "the runs, "
+        f"# sluice against memcached\n\n`python bench/server_bench.py {flags}`: "
+        f"{results['connections']} connections, 100,000 keys, medians of the runs, "
         "both servers on 2 threads on this 2-core machine (the load generator shares it).\n\n"
         + "\n".join(rows)
         + "\n"
