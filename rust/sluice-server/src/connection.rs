@@ -53,6 +53,19 @@ impl Replies {
         self.ready.extend_from_slice(&after);
     }
 
+    /// Before a producer takes over the connection and its output: every held reply is ready
+    /// and the WAL holds what the replies acknowledge. False if it never will (the WAL stopped).
+    async fn hand_over(&mut self, session: &Session, shared: &Shared) -> bool {
+        self.settle_all().await;
+        match shared.engine.wal().written(session.owed_lsn()).await {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("closing a connection with unsent replies: {e}");
+                false
+            }
+        }
+    }
+
     /// Waits for every held reply, in order.
     async fn settle_all(&mut self) {
         while let Some((head, _)) = self.held.front_mut() {
@@ -93,7 +106,9 @@ pub async fn run(
                             return;
                         }
                         Flow::DcpProducer(open) => {
-                            replies.settle_all().await;
+                            if !replies.hand_over(&session, &shared).await {
+                                return;
+                            }
                             let out = std::mem::take(&mut replies.ready);
                             let p = crate::dcp::producer::run(
                                 socket, inbuf, out, session, open, peer, shared, stop,
@@ -101,7 +116,9 @@ pub async fn run(
                             return Box::pin(p).await;
                         }
                         Flow::TapProducer(connect, opaque) => {
-                            replies.settle_all().await;
+                            if !replies.hand_over(&session, &shared).await {
+                                return;
+                            }
                             let out = std::mem::take(&mut replies.ready);
                             let p = crate::tap::producer::run(
                                 socket, inbuf, out, session, connect, opaque, peer, shared, stop,
