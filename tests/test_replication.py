@@ -306,6 +306,50 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         active.stop()
 
 
+def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
+    """A majority SET that cannot be acknowledged (the replica is stopped) waits for its
+    timeout, but the plain SETs pipelined behind it on the same connection are applied at once
+    (another client reads them meanwhile); the replies still come in request order."""
+    active = start(tmp_path, "a", replicas=1)
+    replica = start(tmp_path, "b", "--replica-of", active.address)
+    try:
+        s = mc(active)
+        deadline = time.monotonic() + 30
+        while majority_set(s, b"warm", b"v") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        replica.proc.send_signal(19)  # SIGSTOP
+        try:
+            wait_stopped(replica.proc.pid)
+            info = bytes([1]) + struct.pack(">H", 3000)  # majority, 3 s
+            framing = bytes([0x10 | len(info)]) + info
+            s.sendall(
+                flex_request(SET, framing, b"held", b"v", set_extras(), opaque=1)
+                + b"".join(
+                    request(SET, f"behind{i}".encode(), b"x", set_extras(), opaque=2 + i) for i in range(8)
+                )
+            )
+            t0 = time.monotonic()
+            reader = bmemcached.Client([active.address])
+            while reader.get("behind7") not in (b"x", "x"):
+                assert time.monotonic() - t0 < 1.5, "the requests behind the held write were not applied"
+                time.sleep(0.02)
+            applied_after = time.monotonic() - t0
+            replies = [read_response(s) for _ in range(9)]
+            answered_after = time.monotonic() - t0
+        finally:
+            replica.proc.send_signal(18)  # SIGCONT
+        assert [r["opaque"] for r in replies] == list(range(1, 10))
+        assert replies[0]["status"] == 0xA3  # ambiguous: not acknowledged in time
+        assert all(r["status"] == 0 for r in replies[1:])
+        # The replica's silence ends the held write (its timeout, or the replica dropped for
+        # missing NOOPs): well after the requests behind it were applied.
+        assert answered_after > applied_after + 0.5
+        replica.stop()
+    finally:
+        active.stop()
+
+
 def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
     a = start(tmp_path, "a")
     proxy = FaultProxy(a.address)
