@@ -261,15 +261,15 @@ impl Salvage {
                 vb.purge_seqno = vb.purge_seqno.max(*purge_seqno);
                 vb.snapshot_lsn = vb.snapshot_lsn.max(rec.lsn);
             }
-            RecordBody::VbucketState { state, .. } => {
-                if vb.state.is_none_or(|(lsn, _)| lsn <= rec.lsn) {
-                    vb.state = Some((rec.lsn, *state));
-                }
+            RecordBody::VbucketState { state, .. }
+                if vb.state.is_none_or(|(lsn, _)| lsn <= rec.lsn) =>
+            {
+                vb.state = Some((rec.lsn, *state));
             }
-            RecordBody::FailoverEntry(e) if newer_meta => {
-                if !vb.failover.iter().any(|x| x.uuid == e.uuid) {
-                    vb.failover.insert(0, *e);
-                }
+            RecordBody::FailoverEntry(e)
+                if newer_meta && !vb.failover.iter().any(|x| x.uuid == e.uuid) =>
+            {
+                vb.failover.insert(0, *e);
             }
             RecordBody::FailoverReset if from_wal && newer_meta => vb.failover.clear(),
             RecordBody::PurgeSeqno(s) => vb.purge_seqno = vb.purge_seqno.max(*s),

@@ -663,24 +663,19 @@ mod tests {
             let clean = std::fs::read(&p).unwrap();
             let n = clean.len();
             let last = offs[1];
-            let cases: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
-                (
-                    "last 16 bytes flipped",
-                    Box::new(|b| b[n - 16..].iter_mut().for_each(|x| *x ^= 0xff)),
-                ),
-                ("last 4 KiB zeroed", Box::new(|b| b[n - 4096..].fill(0))),
-                (
-                    "cut inside the last block",
-                    Box::new(|b| b.truncate(n - 100)),
-                ),
-                (
-                    "zeros appended",
-                    Box::new(|b| b.extend_from_slice(&[0; 4096])),
-                ),
-            ];
-            for (what, damage) in cases {
+            for what in [
+                "last 16 bytes flipped",
+                "last 4 KiB zeroed",
+                "cut inside the last block",
+                "zeros appended",
+            ] {
                 let mut bytes = clean.clone();
-                damage(&mut bytes);
+                match what {
+                    "last 16 bytes flipped" => bytes[n - 16..].iter_mut().for_each(|x| *x ^= 0xff),
+                    "last 4 KiB zeroed" => bytes[n - 4096..].fill(0),
+                    "cut inside the last block" => bytes.truncate(n - 100),
+                    _ => bytes.extend_from_slice(&[0; 4096]),
+                }
                 std::fs::write(&p, &bytes).unwrap();
                 let end = end_of(&p);
                 // `b` keeps its EOF marker only where the damage leaves it; `c` ends at the
