@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import sluice
 
@@ -93,6 +95,17 @@ def flip_byte(path: Path, offset: int, mask: int = 0x40) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
+def as_crash_left_it(segment: Path) -> Path:
+    """Turns a cleanly closed WAL segment into what a crash leaves: still `.inprogress`, without
+    the EOF marker. Returns its new path."""
+    lay = layout(segment)
+    if lay.eof_offset is not None:
+        os.truncate(segment, lay.eof_offset)
+    open_path = segment.with_name(segment.name + ".inprogress")
+    segment.rename(open_path)
+    return open_path
+
+
 def segments(data_dir: Path) -> list[Path]:
     """WAL segment files (closed and in progress), sorted by first LSN."""
     return sorted((Path(data_dir) / "wal").iterdir(), key=lambda p: p.name)
@@ -169,7 +182,41 @@ class Node:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def log(self) -> str:
+        """Everything the server wrote to stderr so far (after it exits: all of it)."""
+        import queue
+
+        while True:
+            try:
+                line = self._q.get(timeout=5 if self.proc.poll() is not None else 0)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+        return "".join(self.lines)
+
     def stop(self, sig: int = 15, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
+        return wait_or_dump(self.proc, timeout, self.log)
+
+
+def wait_or_dump(proc: subprocess.Popen, timeout: float, log: Callable[[], str]) -> int:
+    """Waits for a `sluice serve` child to exit. If it does not within `timeout`, it is sent
+    SIGABRT (serve enables faulthandler: every thread's Python stack goes to stderr), then
+    killed, and the test fails with its whole stderr."""
+    import signal
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        raise AssertionError(
+            f"sluice serve (pid {proc.pid}) did not exit within {timeout} s; its stderr:\n{log()}"
+        ) from None

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import flip_byte, layout, open_engine, run_cli, segments, wal_dump
+from helpers import flip_byte, layout, open_engine, run_cli, segments, wait_or_dump, wal_dump
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ class Serve:
             args = (*args, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")  # free ports
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "serve", *args],
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -61,8 +61,12 @@ class Serve:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> tuple[int, str]:
         """Sends `sig`, waits for the exit; returns the exit code and the whole stderr."""
         self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=timeout)
-        self._t.join(timeout=timeout)
+        code = wait_or_dump(self.proc, timeout, self._drain)
+        return code, self._drain()
+
+    def _drain(self) -> str:
+        """Everything the child wrote to stderr (once it has exited: all of it)."""
+        self._t.join(timeout=30)
         while True:
             try:
                 line = self._q.get_nowait()
@@ -70,7 +74,7 @@ class Serve:
                 break
             if line is not None:
                 self.lines.append(line)
-        return code, "".join(self.lines)
+        return "".join(self.lines)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -274,13 +278,20 @@ def test_wal_dump_reports_how_a_damaged_file_ends(data_dir, tmp_path):
     lay = layout(seg)
     good = seg.read_bytes()
 
-    torn = tmp_path / "torn.xlog"
+    # A segment still being written (`.inprogress`) can end in a torn write, or at a block.
+    torn = tmp_path / "torn.xlog.inprogress"
     torn.write_bytes(good[: lay.blocks[-1].end - 3])
     assert wal_dump(torn)[-1]["end"] == "torn" and wal_dump(torn)[-1]["offset"] == lay.blocks[-1].offset
 
-    open_end = tmp_path / "open.xlog"
+    open_end = tmp_path / "open.xlog.inprogress"
     open_end.write_bytes(good[: lay.eof_offset])
     assert wal_dump(open_end)[-1] == {"end": "no-eof-marker", "offset": lay.eof_offset}
+
+    # A closed one cut the same ways has lost its end: damage.
+    for name, cut in (("cut.xlog", lay.blocks[-1].end - 3), ("noeof.xlog", lay.eof_offset)):
+        (tmp_path / name).write_bytes(good[:cut])
+        end = wal_dump(tmp_path / name)[-1]
+        assert end["end"] == "corrupt" and "closed cleanly" in end["reason"], end
 
     corrupt = tmp_path / "corrupt.xlog"
     corrupt.write_bytes(good)
@@ -325,3 +336,14 @@ def test_wal_dump_into_a_closed_pipe_ends_quietly(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2
     assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_stop_that_times_out_shows_the_server_log(tmp_path):
+    from helpers import Node
+
+    node = Node(tmp_path / "d")
+    node.proc.send_signal(signal.SIGSTOP)  # a server that cannot act on SIGTERM
+    with pytest.raises(AssertionError) as info:
+        node.stop(timeout=1)
+    assert "did not exit within 1 s" in str(info.value) and "sluice ready" in str(info.value)
+    assert node.proc.poll() is not None, "the stuck server was killed"

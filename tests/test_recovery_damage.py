@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import sluice
 from helpers import (
+    Node,
+    as_crash_left_it,
     first_lsn,
     flip_byte,
     item_state,
@@ -97,22 +100,28 @@ def test_clean_close_preserves_everything_without_a_failover_entry(data_dir):
             assert _state(e, KEYS) == before
 
 
-def test_torn_tail_in_the_last_block_is_truncated(data_dir):
+def test_torn_tail_in_the_last_block_is_truncated(data_dir, caplog):
     with open_engine(data_dir, wal__mode="write") as e:
         keys = _persist_writes(e, 10)
     (seg,) = segments(data_dir)
     lay = layout(seg)
     last = lay.blocks[-1]
     assert lay.eof_offset == last.end and len(lay.blocks) >= 10
-    os.truncate(seg, last.offset + 12 + last.length // 2)  # cut inside the last block
+    open_seg = as_crash_left_it(seg)
+    os.truncate(open_seg, last.offset + 12 + last.length // 2)  # a write cut inside the last block
     with open_engine(data_dir) as e:
         report = e.recovery_report()
-        assert report["truncated"] == (str(seg), last.offset)
+        assert report["truncated"] == (str(open_seg), last.offset)
         assert report["unclean_shutdown"] is True
+        assert report["dropped"] == [] and report["moved_aside"] == []
         assert [e.get(k).value for k in keys[:-1]] == [b"value-%d" % i for i in range(9)]
         assert e.get(keys[-1]) is None, "the torn block's write is gone"
         assert all(len(e.failover_log(vb)) == 2 for vb in range(64))
         e.set(b"new", b"write")
+    assert any(
+        r.levelname == "WARNING" and f"torn write at byte offset {last.offset}" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     # The truncated segment was sealed: it now ends cleanly where the tear began.
     assert wal_dump(seg)[-1] == {"end": "eof", "offset": last.offset}
     with open_engine(data_dir) as e:
@@ -120,30 +129,43 @@ def test_torn_tail_in_the_last_block_is_truncated(data_dir):
         assert e.get(b"new").value == b"write" and e.get(keys[-2]) is not None
 
 
-@pytest.mark.parametrize("damage", ["checksum", "short-header", "zero-fill"])
+@pytest.mark.parametrize("damage", ["short-header", "zero-fill", "lost-pages"])
 def test_other_torn_tails_of_the_last_segment(data_dir, damage):
     with open_engine(data_dir, wal__mode="write") as e:
         keys = _persist_writes(e, 5)
+        e.set(b"big", b"x" * 10000)  # a last block over several pages
     (seg,) = segments(data_dir)
     lay = layout(seg)
     last = lay.blocks[-1]
-    os.truncate(seg, lay.eof_offset)  # as a crash leaves it: no EOF marker
-    if damage == "checksum":
-        flip_byte(seg, last.payload_offset + 1)  # the last block runs to the end of the file
-        cut = last.offset
-    elif damage == "short-header":
+    seg = as_crash_left_it(seg)
+    if damage == "short-header":
         with open(seg, "ab") as f:
             f.write(bytes.fromhex("d5ba0bab0000"))  # 6 bytes of a 12-byte block header
         cut = lay.eof_offset
-    else:
+    elif damage == "zero-fill":
         with open(seg, "ab") as f:
             f.write(b"\0" * 8192)  # a tail the file system extended with zeros
         cut = lay.eof_offset
+    else:  # the last write's pages from a page boundary on never reached the disk
+        page = (last.payload_offset // 4096 + 1) * 4096
+        with open(seg, "r+b") as f:
+            f.seek(page)
+            f.write(b"\0" * (lay.eof_offset - page))
+        cut = last.offset
     with open_engine(data_dir) as e:
         assert e.recovery_report()["truncated"] == (str(seg), cut)
-        expected_last = None if damage == "checksum" else b"value-4"
-        assert [e.get(k).value for k in keys[:-1]] == [b"value-%d" % i for i in range(4)]
-        assert (e.get(keys[-1]).value if e.get(keys[-1]) else None) == expected_last
+        assert [e.get(k).value for k in keys] == [b"value-%d" % i for i in range(5)]
+        assert (e.get(b"big") is None) == (damage == "lost-pages")
+
+
+def _refused_at(data_dir: Path, seg: Path, offset: int) -> None:
+    """Start-up stops naming the file and the byte offset, every time, leaving the file as it is."""
+    before = seg.read_bytes()
+    for _ in range(2):
+        with pytest.raises(sluice.CorruptionError) as info:
+            open_engine(data_dir)
+        assert str(seg) in str(info.value) and f"byte offset {offset}" in str(info.value), info.value
+        assert seg.read_bytes() == before
 
 
 def test_checksum_damage_in_a_closed_file_is_not_a_torn_tail(data_dir):
@@ -153,9 +175,51 @@ def test_checksum_damage_in_a_closed_file_is_not_a_torn_tail(data_dir):
     (seg,) = segments(data_dir)
     last = layout(seg).blocks[-1]
     flip_byte(seg, last.payload_offset + 2)
-    with pytest.raises(sluice.CorruptionError) as info:
-        open_engine(data_dir)
-    assert str(seg) in str(info.value) and f"byte offset {last.offset}" in str(info.value)
+    _refused_at(data_dir, seg, last.offset)
+
+
+def test_checksum_damage_at_the_end_of_an_open_segment_is_not_a_torn_tail(data_dir):
+    # A complete last block whose checksum fails: no write cut short leaves one.
+    with open_engine(data_dir, wal__mode="write") as e:
+        _persist_writes(e, 5)
+    (seg,) = segments(data_dir)
+    last = layout(seg).blocks[-1]
+    seg = as_crash_left_it(seg)
+    flip_byte(seg, last.payload_offset + 1)
+    _refused_at(data_dir, seg, last.offset)
+
+
+@pytest.mark.parametrize("damage", ["last 16 bytes flipped", "last 4 KiB zeroed", "cut in the last block"])
+def test_damage_at_the_end_of_a_closed_segment_is_refused(data_dir, damage):
+    """The issue's finding: such damage was cut as a torn tail, persist-acknowledged writes
+    silently gone and the shutdown called unclean."""
+    with open_engine(data_dir, wal__mode="write") as e:
+        keys = _persist_writes(e, 40, pad=100)
+    (seg,) = segments(data_dir)
+    lay = layout(seg)
+    assert lay.size > 8192
+    original = seg.read_bytes()
+    data = bytearray(original)
+    if damage == "last 16 bytes flipped":
+        start = lay.size - 16
+        data[start:] = bytes(b ^ 0xFF for b in data[start:])
+    elif damage == "last 4 KiB zeroed":
+        start = lay.size - 4096
+        data[start:] = bytes(4096)
+    else:
+        start = lay.blocks[-1].offset + 20
+        del data[start:]
+    seg.write_bytes(bytes(data))
+    damaged = max(b.offset for b in lay.blocks if b.offset <= start)
+    _refused_at(data_dir, seg, damaged)
+    with open_engine(data_dir, force_recovery=True) as e:
+        report = e.recovery_report()
+        (dropped,) = report["dropped"]
+        assert dropped["file"] == str(seg) and dropped["offset"] == damaged and dropped["bytes"] > 0
+        # Every write before the damaged block is back (its padding write follows it).
+        intact = [k for k in keys if original.find(k + b"-pad") < damaged]
+        assert len(intact) >= 15
+        assert [e.get(k).value for k in intact] == [b"value-%d" % i for i in range(len(intact))]
 
 
 def test_damage_before_later_blocks_stops_recovery(data_dir):
@@ -320,3 +384,70 @@ def test_unfinished_snapshot_is_removed(data_dir):
         assert e.get(b"k").value == b"v"
         assert e.recovery_report()["snapshot"] is None
     assert not leftover.exists()
+
+
+def _two_damaged_snapshots(data_dir: Path) -> tuple[dict[bytes, bytes], list[tuple[Path, int]]]:
+    """3,000 items of 1 KiB: 1,500 before the older snapshot (so only in snapshots), 1,500 after
+    it (also in the WAL). One flipped byte in each snapshot, in blocks covering different
+    vbuckets: the older one's last block, the newer one's first."""
+    rng = random.Random(5)
+    items = {b"item-%d" % i: rng.randbytes(1024) for i in range(3000)}
+    keys = list(items)
+    with open_engine(data_dir, wal__mode="write", snapshot__count=2) as e:
+        for k in keys[:1500]:
+            e.set(k, items[k])
+        older = Path(e.snapshot())
+        for k in keys[1500:]:
+            e.set(k, items[k])
+        newer = Path(e.snapshot())
+    damaged = []
+    for snap, block in ((older, -1), (newer, 0)):
+        lay = layout(snap)
+        assert len(lay.blocks) >= 2
+        b = lay.blocks[block]
+        flip_byte(snap, b.payload_offset + b.length // 2)
+        damaged.append((snap, b.offset))
+    return items, damaged
+
+
+def test_force_recovery_salvages_two_damaged_snapshots_and_keeps_the_wal(data_dir, tmp_path):
+    """The issue's finding: this started with 0 of 3,000 items and moved every WAL segment aside."""
+    items, damaged = _two_damaged_snapshots(data_dir)
+    (newer, newer_offset) = damaged[1]
+    wal_before = segments(data_dir)
+    assert wal_before
+    shutil.copytree(data_dir, tmp_path / "copy")
+    with pytest.raises(sluice.CorruptionError) as info:
+        open_engine(data_dir)
+    assert str(newer) in str(info.value) and f"byte offset {newer_offset}" in str(info.value)
+
+    with open_engine(data_dir, force_recovery=True) as e:
+        report = e.recovery_report()
+        lost = [k for k, v in items.items() if (it := e.get(k)) is None or it.value != v]
+        assert lost == [], f"{len(lost)} of 3,000 items not recovered"
+        # Each damaged block is reported by file and offset; nothing else was dropped.
+        assert sorted((d["file"], d["offset"]) for d in report["dropped"]) == sorted(
+            (str(p), off) for p, off in damaged
+        )
+        assert all(d["bytes"] > 0 for d in report["dropped"])
+        # The damaged snapshots go aside; every WAL record was replayed and no segment moved
+        # aside (the snapshot written after the recovery holds them, so retention may remove
+        # them, as after any snapshot).
+        assert sorted(report["moved_aside"]) == sorted(str(p) + ".damaged" for p, _ in damaged)
+        assert report["wal_records"] >= 1500 and report["wal_segments"] == len(wal_before)
+        assert not [p for p in segments(data_dir) if p.suffix == ".damaged"]
+    # The snapshot written after the forced recovery makes the next start an ordinary one.
+    with open_engine(data_dir) as e:
+        assert e.recovery_report()["dropped"] == []
+        assert all(e.get(k).value == v for k, v in items.items())
+
+    # `sluice serve --force-recovery` logs what was dropped, by file and offset, before its ready line.
+    node = Node(tmp_path / "copy", "--force-recovery")
+    try:
+        before_ready = "".join(node.lines)
+        for p, off in damaged:
+            copy = tmp_path / "copy" / "snap" / p.name
+            assert f"--force-recovery dropped {copy} byte offset {off}" in before_ready, before_ready
+        assert "3000 items" in node.lines[-1] and "2 damaged part(s) dropped" in node.lines[-1]
+    finally:
+        assert node.stop() == 0

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import wait_or_dump
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -60,7 +62,7 @@ def test_ready_status_watchdog_and_stopping(tmp_path):
             proc.send_signal(signal.SIGTERM)
             stopping = receive(sock, "STOPPING=1")
             assert "STATUS=finishing requests and flushing the WAL" in stopping[-1]
-            assert proc.wait(timeout=60) == 0
+            assert wait_or_dump(proc, 60, proc.stderr.read) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()

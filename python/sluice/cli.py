@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import getpass
 import logging
 import os
@@ -64,6 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     listen = cfg.values["listen"]
     settings = cfg.to_native()
     started = time.monotonic()
+    # A fatal signal (SIGABRT from a supervisor or a test whose stop timed out, a crash) prints
+    # every thread's Python stack to stderr: where a stop hangs shows in the log.
+    faulthandler.enable(all_threads=True)
     # Handlers go in before anything is announced: a SIGTERM sent right after the ready line
     # (or during recovery) must still flush the WAL and exit 0, not kill the process.
     stop = threading.Event()
@@ -92,6 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
         raise _native.ConfigError(f"invalid config: policy: {e}") from None
     report = engine.recovery_report()
+    for d in report["dropped"]:
+        log.warning("--force-recovery dropped %s", d["text"])
+    if report["moved_aside"]:
+        log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
         "sluice ready: listening on %s (admin %s); %d items in %d bucket(s) %s, recovered in %.3f s "
@@ -104,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         report["seconds"],
         report["snapshot_lsn"],
         report["wal_records"],
-        ", after an unclean shutdown" if report["unclean_shutdown"] else "",
+        (", after an unclean shutdown" if report["unclean_shutdown"] else "")
+        + (f", {len(report['dropped'])} damaged part(s) dropped" if report["dropped"] else ""),
         time.monotonic() - started,
     )
     systemd.notify("READY=1", f"STATUS=serving on {server.address}, {items} items", f"MAINPID={os.getpid()}")

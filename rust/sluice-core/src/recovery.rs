@@ -1,8 +1,12 @@
-//! Recovery: the newest valid snapshot, then WAL records with a higher LSN. A torn tail of the
-//! last segment is truncated with a warning; damage anywhere else stops start-up with the file
-//! and byte offset, unless `force` is set, in which case it is logged and skipped.
+//! Recovery: the newest valid snapshot, then WAL records with a higher LSN. A torn write at the
+//! end of the last segment is truncated with a warning (see `XlogReader::anomaly` for what counts
+//! as one); damage anywhere else stops start-up with the file and byte offset, unless `force`
+//! is set. Forced, recovery keeps every intact record it can: it resumes after a damaged block
+//! at the next valid one, and when no valid snapshot is reachable through the WAL it salvages
+//! the intact blocks of the damaged snapshots (`Salvage`), then replays the whole WAL on top.
+//! Whatever it had to drop is logged and listed in the report (`Report::dropped`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -10,6 +14,8 @@ use sluice_proto::msgpack::Reader;
 
 use crate::checkpoint::CheckpointConfig;
 use crate::error::{Error, Result};
+use crate::failover::FailoverEntry;
+use crate::item::ItemMeta;
 use crate::vbucket::{VBucket, VbState};
 use crate::wal::record::{self, Record, RecordBody};
 use crate::wal::xlog::{self, FileKind, Next, XlogReader};
@@ -35,7 +41,41 @@ pub struct Report {
     pub skipped_damage: Vec<String>,
     /// Damaged files renamed to `*.damaged`.
     pub moved_aside: Vec<PathBuf>,
+    /// What force recovery could not keep (empty otherwise).
+    pub dropped: Vec<Dropped>,
     pub duration: Duration,
+}
+
+/// A part of a file that force recovery left out: damaged bytes (skipped to the next valid
+/// block, or to the end), or records it could not place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dropped {
+    pub file: PathBuf,
+    pub offset: u64,
+    /// Bytes skipped (0 when whole records were left out of an intact block).
+    pub bytes: u64,
+    /// Records known to be left out (damaged bytes hold an unknown number: 0 here).
+    pub records: u64,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Dropped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} byte offset {}: ", self.file.display(), self.offset)?;
+        match (self.bytes, self.records) {
+            (0, n) => write!(f, "{n} records left out")?,
+            (b, 0) => write!(f, "{b} bytes skipped")?,
+            (b, n) => write!(f, "{b} bytes ({n} records) skipped")?,
+        }
+        write!(f, " ({})", self.reason)
+    }
+}
+
+impl Report {
+    fn drop(&mut self, d: Dropped) {
+        log::error!("force recovery dropped {d}");
+        self.dropped.push(d);
+    }
 }
 
 pub struct Recovered {
@@ -144,6 +184,236 @@ impl State {
         vb.last_lsn = vb.last_lsn.max(rec.lsn);
         Ok(())
     }
+}
+
+/// Force recovery's merge of everything intact, when no valid snapshot is reachable through the
+/// WAL: the newest valid snapshot (if any), the intact blocks of the damaged ones after it, then
+/// every WAL record. Sources overlap and arrive out of order, so each key keeps the version with
+/// the highest seqno, and vbucket metadata the one with the highest LSN. (What this cannot see:
+/// a tombstone purged between two snapshots lets the older snapshot's version come back.)
+#[derive(Default)]
+struct Salvage {
+    buckets: BTreeMap<u16, (String, u16)>,
+    vbuckets: BTreeMap<(u16, u16), SalvagedVb>,
+    /// Records for a bucket whose declaration was in no intact block.
+    unplaced: u64,
+}
+
+#[derive(Default)]
+struct SalvagedVb {
+    items: HashMap<Vec<u8>, (Vec<u8>, ItemMeta)>,
+    /// The state, with the LSN that set it.
+    state: Option<(u64, VbState)>,
+    high_seqno: u64,
+    max_cas: u64,
+    purge_seqno: u64,
+    /// Newest first, as `FailoverLog` keeps them.
+    failover: Vec<FailoverEntry>,
+    /// The highest LSN a snapshot of this vbucket covered: WAL metadata at or below it is older.
+    snapshot_lsn: u64,
+    last_lsn: u64,
+}
+
+impl Salvage {
+    fn apply(&mut self, rec: &Record<'_>, from_wal: bool) {
+        if let RecordBody::Bucket { name, num_vbuckets } = rec.body {
+            let name = String::from_utf8_lossy(name).into_owned();
+            self.buckets
+                .entry(rec.bucket)
+                .or_insert((name, num_vbuckets));
+            return;
+        }
+        match self.buckets.get(&rec.bucket) {
+            Some((_, n)) if rec.vbucket < *n => {}
+            _ => {
+                self.unplaced += 1;
+                return;
+            }
+        }
+        let vb = self.vbuckets.entry((rec.bucket, rec.vbucket)).or_default();
+        vb.last_lsn = vb.last_lsn.max(rec.lsn);
+        let newer_meta = !from_wal || rec.lsn > vb.snapshot_lsn;
+        match &rec.body {
+            RecordBody::Change {
+                key, value, meta, ..
+            } => {
+                vb.high_seqno = vb.high_seqno.max(meta.by_seqno);
+                vb.max_cas = vb.max_cas.max(meta.cas);
+                let newer = vb
+                    .items
+                    .get(*key)
+                    .is_none_or(|(_, old)| old.by_seqno < meta.by_seqno);
+                if newer {
+                    vb.items.insert(key.to_vec(), (value.to_vec(), *meta));
+                }
+            }
+            RecordBody::VbucketSnapshot {
+                state,
+                high_seqno,
+                max_cas,
+                purge_seqno,
+            } => {
+                if vb.state.is_none_or(|(lsn, _)| lsn <= rec.lsn) {
+                    vb.state = Some((rec.lsn, *state));
+                }
+                vb.high_seqno = vb.high_seqno.max(*high_seqno);
+                vb.max_cas = vb.max_cas.max(*max_cas);
+                vb.purge_seqno = vb.purge_seqno.max(*purge_seqno);
+                vb.snapshot_lsn = vb.snapshot_lsn.max(rec.lsn);
+            }
+            RecordBody::VbucketState { state, .. }
+                if vb.state.is_none_or(|(lsn, _)| lsn <= rec.lsn) =>
+            {
+                vb.state = Some((rec.lsn, *state));
+            }
+            RecordBody::FailoverEntry(e)
+                if newer_meta && !vb.failover.iter().any(|x| x.uuid == e.uuid) =>
+            {
+                vb.failover.insert(0, *e);
+            }
+            RecordBody::FailoverReset if from_wal && newer_meta => vb.failover.clear(),
+            RecordBody::PurgeSeqno(s) => vb.purge_seqno = vb.purge_seqno.max(*s),
+            _ => {}
+        }
+    }
+
+    /// The merged vbuckets, each item inserted in seqno order as the item store wants them.
+    fn into_state(self) -> State {
+        let mut state = State::default();
+        let mut vbuckets = self.vbuckets;
+        for (id, (name, n)) in self.buckets {
+            let vbs = (0..n)
+                .map(|v| {
+                    let cfg = CheckpointConfig::default();
+                    let mut vb = VBucket::new(id, v, VbState::Dead, cfg);
+                    let Some(s) = vbuckets.remove(&(id, v)) else {
+                        return vb;
+                    };
+                    match s.state {
+                        Some((_, st)) => vb.state = st,
+                        None => log::error!(
+                            "force recovery: the state of bucket {name:?} vbucket {v} was in no \
+                             intact block; it stays dead"
+                        ),
+                    }
+                    let mut items: Vec<_> = s.items.into_iter().collect();
+                    items.sort_by_key(|(_, (_, m))| m.by_seqno);
+                    for (key, (value, meta)) in &items {
+                        vb.recover_item(key, value, meta);
+                    }
+                    vb.high_seqno = vb.high_seqno.max(s.high_seqno);
+                    vb.clock.observe(s.max_cas);
+                    vb.purge_seqno = s.purge_seqno;
+                    vb.failover.replace_all(s.failover);
+                    vb.last_lsn = s.last_lsn;
+                    vb
+                })
+                .collect();
+            state.buckets.insert(
+                id,
+                RecoveredBucket {
+                    id,
+                    name,
+                    vbuckets: vbs,
+                },
+            );
+        }
+        state
+    }
+}
+
+/// Where WAL records go: the state on top of a valid snapshot, or force recovery's salvage.
+enum Target {
+    Replay(State),
+    Salvage(Salvage),
+}
+
+impl Target {
+    fn apply(&mut self, rec: &Record<'_>) -> std::result::Result<(), String> {
+        match self {
+            Target::Replay(s) => s.apply(rec, true),
+            Target::Salvage(s) => {
+                s.apply(rec, true);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Feeds every intact block of a (damaged) snapshot to the salvage, skipping damaged blocks to
+/// the next valid one; what is skipped goes into the report.
+fn salvage_snapshot(
+    path: &Path,
+    salvage: &mut Salvage,
+    instance: &mut Option<String>,
+    report: &mut Report,
+) -> Result<()> {
+    let mut r = match XlogReader::open(path) {
+        Ok(r) => r,
+        Err(Error::Corrupt { offset, reason, .. }) => {
+            let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            report.drop(Dropped {
+                file: path.to_path_buf(),
+                offset,
+                bytes,
+                records: 0,
+                reason: format!("unreadable header: {reason}"),
+            });
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    check_instance(path, &r.header().instance.clone(), instance)?;
+    let io = |e| Error::io(path.display(), e);
+    let mut records = 0u64;
+    loop {
+        let (offset, reason) = match r.next_block()? {
+            Next::Block { offset, payload } => {
+                let mut rd = Reader::new(payload);
+                while !rd.is_empty() {
+                    match record::decode(&mut rd) {
+                        Ok(rec) => {
+                            salvage.apply(&rec, false);
+                            records += 1;
+                        }
+                        // Cannot happen in a block whose checksum held, short of a bug.
+                        Err(e) => {
+                            report.drop(Dropped {
+                                file: path.to_path_buf(),
+                                offset,
+                                bytes: (payload.len() - rd.position()) as u64,
+                                records: 0,
+                                reason: e.to_string(),
+                            });
+                            break;
+                        }
+                    }
+                }
+                continue;
+            }
+            Next::Eof { .. } => break,
+            Next::End { offset } => (offset, "ends without its EOF marker".to_string()),
+            Next::Torn { offset, reason } | Next::Corrupt { offset, reason } => (offset, reason),
+        };
+        let resumed = r.resync_after(offset).map_err(io)?;
+        let to = if resumed { r.offset() } else { r.file_len() };
+        report.drop(Dropped {
+            file: path.to_path_buf(),
+            offset,
+            bytes: to - offset,
+            records: 0,
+            reason,
+        });
+        if !resumed {
+            break;
+        }
+    }
+    report.snapshot_records += records;
+    log::warn!(
+        "force recovery: salvaged {records} records from damaged snapshot {}",
+        path.display()
+    );
+    Ok(())
 }
 
 fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> Error {
@@ -291,6 +561,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     // The newest valid snapshot; an older one serves if the WAL still reaches back to it.
     let mut state = State::default();
     let mut snap_lsn = 0;
+    let mut base_snapshot = None;
     let mut damaged_snaps = Vec::new();
     for (lsn, path, _) in snaps.iter().rev() {
         let mut inst = instance.clone();
@@ -299,6 +570,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 state = s;
                 snap_lsn = l;
                 instance = inst;
+                base_snapshot = Some(path.clone());
                 report.snapshot = Some(path.clone());
                 report.snapshot_records = n;
                 break;
@@ -309,6 +581,9 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
             }
         }
     }
+    // Without a valid snapshot the WAL reaches back to, what the damaged snapshots alone held
+    // is lost unless forced; forced, their intact blocks are salvaged.
+    let mut salvaging = false;
     if let Some((_, first_error)) = damaged_snaps.first() {
         let reaches = segments
             .first()
@@ -319,26 +594,41 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 return Err(first_error.clone());
             }
             report.skipped_damage.push(first_error.to_string());
+            salvaging = true;
         }
-        for (path, _) in &damaged_snaps {
-            move_aside(path, &mut report)?;
+    }
+    let mut target = if salvaging {
+        let mut salvage = Salvage::default();
+        if let Some(base) = &base_snapshot {
+            // Valid: it reads whole, this time into the salvage.
+            salvage_snapshot(base, &mut salvage, &mut instance, &mut report)?;
         }
+        // Oldest first (the newest valid one, if any, is older than all of them).
+        for (path, _) in damaged_snaps.iter().rev() {
+            salvage_snapshot(path, &mut salvage, &mut instance, &mut report)?;
+        }
+        Target::Salvage(salvage)
+    } else {
+        Target::Replay(state)
+    };
+    for (path, _) in &damaged_snaps {
+        move_aside(path, &mut report)?;
     }
     report.snapshot_lsn = snap_lsn;
 
-    let mut expected = snap_lsn + 1;
+    // Salvaging, every record of the WAL is merged in (the merge keeps the newest version);
+    // LSNs before the first segment are the snapshots' to hold, not a gap.
+    let mut expected = match (&target, segments.first()) {
+        (Target::Salvage(_), Some(first)) => first.0,
+        _ => snap_lsn + 1,
+    };
     let mut last_lsn = snap_lsn;
     let mut unclean = false;
     // Segments wholly at or below the snapshot's LSN are not needed.
     let needed: Vec<_> = segments
         .iter()
         .enumerate()
-        .filter(|(i, _)| {
-            segments
-                .get(i + 1)
-                .map(|n| n.0 > snap_lsn + 1)
-                .unwrap_or(true)
-        })
+        .filter(|(i, _)| segments.get(i + 1).map(|n| n.0 > expected).unwrap_or(true))
         .map(|(_, s)| s.clone())
         .collect();
     // Damage is fatal unless forced; forced, it is logged, reported, and skipped.
@@ -355,7 +645,19 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         let mut r = match XlogReader::open(path) {
             Ok(r) => r,
             Err(e @ Error::Corrupt { .. }) => {
+                let (offset, reason) = match &e {
+                    Error::Corrupt { offset, reason, .. } => (*offset, reason.clone()),
+                    _ => unreachable!(),
+                };
                 note(e, &mut report)?;
+                let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+                report.drop(Dropped {
+                    file: path.clone(),
+                    offset,
+                    bytes,
+                    records: 0,
+                    reason: format!("unreadable header: {reason}"),
+                });
                 move_aside(path, &mut report)?;
                 unclean |= is_last;
                 continue;
@@ -369,6 +671,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
         }
         check_instance(path, &r.header().instance.clone(), &mut instance)?;
         if *first > expected {
+            let missing = *first - expected;
             note(
                 corrupt(
                     path,
@@ -379,6 +682,13 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 ),
                 &mut report,
             )?;
+            report.drop(Dropped {
+                file: path.clone(),
+                offset: 0,
+                bytes: 0,
+                records: missing,
+                reason: format!("LSNs {expected}..{first} are in no segment"),
+            });
             expected = *first;
         }
         report.wal_segments += 1;
@@ -403,6 +713,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                             continue;
                         }
                         if rec.lsn > expected {
+                            // Records in between were in a damaged block (already reported).
                             note(
                                 corrupt(
                                     path,
@@ -411,10 +722,9 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                                 ),
                                 &mut report,
                             )?;
-                            damaged = true;
                             expected = rec.lsn;
                         }
-                        if let Err(e) = state.apply(&rec, true) {
+                        if let Err(e) = target.apply(&rec) {
                             bad = Some(corrupt(path, offset, e));
                             break;
                         }
@@ -439,7 +749,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 Next::Torn { offset, reason } => {
                     if is_last {
                         log::warn!(
-                            "WAL {}: torn tail at byte offset {offset} ({reason}); truncating",
+                            "WAL {}: torn write at byte offset {offset} ({reason}); truncating",
                             path.display()
                         );
                         let f = std::fs::OpenOptions::new()
@@ -457,17 +767,32 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                 Next::Corrupt { offset, reason } => (corrupt(path, offset, reason), offset),
             };
             // Forced past damage: carry on from the next valid block, if any.
-            note(damage.0, &mut report)?;
+            let (err, offset) = damage;
+            let reason = match &err {
+                Error::Corrupt { reason, .. } => reason.clone(),
+                other => other.to_string(),
+            };
+            note(err, &mut report)?;
             damaged = true;
-            if !r
-                .resync_after(damage.1)
-                .map_err(|e| Error::io(path.display(), e))?
-            {
+            let resumed = r
+                .resync_after(offset)
+                .map_err(|e| Error::io(path.display(), e))?;
+            let to = if resumed { r.offset() } else { r.file_len() };
+            report.drop(Dropped {
+                file: path.clone(),
+                offset,
+                bytes: to - offset,
+                records: 0,
+                reason,
+            });
+            if !resumed {
                 break false;
             }
         };
         let inprogress = path.extension().is_some_and(|e| e == "inprogress");
         if damaged {
+            // Its intact records are replayed; the file goes aside so that no later start
+            // trips over it (the snapshot written after a forced recovery holds them).
             move_aside(path, &mut report)?;
             unclean |= is_last;
         } else if is_last {
@@ -478,6 +803,30 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
             seal_segment(path, clean, records_in_file)?;
         }
     }
+    let state = match target {
+        Target::Replay(state) => state,
+        Target::Salvage(salvage) => {
+            if salvage.unplaced > 0 {
+                report.drop(Dropped {
+                    file: snap_dir.to_path_buf(),
+                    offset: 0,
+                    bytes: 0,
+                    records: salvage.unplaced,
+                    reason: "their bucket was declared only in damaged blocks".into(),
+                });
+            }
+            let state = salvage.into_state();
+            last_lsn = last_lsn.max(
+                state
+                    .buckets
+                    .values()
+                    .flat_map(|b| b.vbuckets.iter().map(|v| v.last_lsn))
+                    .max()
+                    .unwrap_or(0),
+            );
+            state
+        }
+    };
     report.last_lsn = last_lsn;
     report.unclean_shutdown |= unclean;
     let unclean = report.unclean_shutdown;

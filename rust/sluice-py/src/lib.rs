@@ -778,6 +778,18 @@ impl EmbeddedEngine {
                 .map(|p| p.display().to_string())
                 .collect::<Vec<_>>(),
         )?;
+        let dropped = PyList::empty(py);
+        for x in &r.dropped {
+            let e = PyDict::new(py);
+            e.set_item("file", x.file.display().to_string())?;
+            e.set_item("offset", x.offset)?;
+            e.set_item("bytes", x.bytes)?;
+            e.set_item("records", x.records)?;
+            e.set_item("reason", &x.reason)?;
+            e.set_item("text", x.to_string())?;
+            dropped.append(e)?;
+        }
+        d.set_item("dropped", dropped)?;
         d.set_item("seconds", r.duration.as_secs_f64())?;
         Ok(d)
     }

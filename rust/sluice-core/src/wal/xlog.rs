@@ -5,11 +5,9 @@
 //! block*: magic 0xd5ba0bab (u32 BE) | payload length (u32 BE) | crc32c(payload) (u32 BE) | payload
 //! EOF marker 0xd510aded (u32 BE), written on a clean close
 //! ```
-//! A payload is a run of msgpack records (see `record`). The reader tells a torn tail (a short
-//! block, or a checksum mismatch in a block that runs to the end of the file) from damage
-//! elsewhere, so that recovery can truncate the one and refuse the other. A block that looks
-//! short is only a torn tail if no valid block follows it: a damaged length field in the middle
-//! of a file must not pass for the end of the file.
+//! A payload is a run of msgpack records (see `record`). The reader tells a torn write from
+//! damage, so that recovery can truncate the one and refuse the other; see `XlogReader::anomaly`
+//! for the rule and why it holds.
 
 use std::fs::File;
 use std::io::{self, BufReader, Read};
@@ -25,6 +23,8 @@ const MAX_HEADER_LEN: usize = 4096;
 /// The reason recovery recognises as a segment cut short while its header was being written.
 pub const HEADER_TRUNCATED: &str = "file ends inside its header";
 pub const FORMAT_VERSION: &str = "1";
+/// The unit in which a power loss can leave file contents unwritten (a file-system block).
+const PAGE: u64 = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileKind {
@@ -106,8 +106,23 @@ pub enum Next<'a> {
     },
 }
 
+/// What kind of anomaly a block shows: a write that may have been cut short, or bytes that no
+/// interrupted write of ours leaves behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Anomaly {
+    /// The file ends inside the block: a header shorter than 12 bytes that begins like one, or
+    /// a declared length running past the end of the file.
+    EndsInside,
+    /// A complete header with a wrong magic or impossible length, or a complete block whose
+    /// checksum fails.
+    Mismatch,
+}
+
 pub struct XlogReader {
     path: PathBuf,
+    /// The file was closed cleanly: its name has lost `.inprogress` (the writer renames only
+    /// after the EOF marker is written and synced) or it ends with the EOF marker.
+    closed: Option<bool>,
     r: BufReader<File>,
     file_len: u64,
     offset: u64,
@@ -151,6 +166,7 @@ impl XlogReader {
         let offset = head.len() as u64;
         Ok(XlogReader {
             path: path.to_path_buf(),
+            closed: None,
             r,
             file_len,
             offset,
@@ -171,6 +187,10 @@ impl XlogReader {
         self.offset
     }
 
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
     fn read_exact_or_short(&mut self, n: usize) -> io::Result<usize> {
         self.buf.clear();
         self.buf.resize(n, 0);
@@ -189,21 +209,48 @@ impl XlogReader {
     pub fn next_block(&mut self) -> crate::Result<Next<'_>> {
         let at = self.offset;
         let remaining = self.file_len.saturating_sub(at);
-        if remaining == 0 {
-            return Ok(Next::End { offset: at });
-        }
         let path = self.path.clone();
         let io_err = |e| crate::Error::io(path.display(), e);
+        if remaining == 0 {
+            // A file renamed from `.inprogress` had its EOF marker: without it, it lost its end.
+            if self.closed_cleanly().map_err(io_err)? {
+                return Ok(Next::Corrupt {
+                    offset: at,
+                    reason: "the file ends without its EOF marker, but it was closed cleanly"
+                        .into(),
+                });
+            }
+            return Ok(Next::End { offset: at });
+        }
         let got = self
             .read_exact_or_short(BLOCK_HEADER_LEN.min(remaining as usize))
             .map_err(io_err)?;
         let head = &self.buf[..got];
         if got >= 4 && u32::from_be_bytes(head[..4].try_into().expect("4 bytes")) == EOF_MARKER {
+            // Nothing is ever written after the marker: bytes there are damage.
+            if remaining > 4 {
+                return Ok(Next::Corrupt {
+                    offset: at,
+                    reason: format!("{} bytes after the EOF marker", remaining - 4),
+                });
+            }
             return Ok(Next::Eof { offset: at });
         }
         if got < BLOCK_HEADER_LEN {
+            // A prefix of a block header (or of the EOF marker) starts like one; a lost page
+            // reads as zeros. Anything else is not the start of a block.
+            let n = got.min(4);
+            let starts_like = |word: u32| head[..n] == word.to_be_bytes()[..n];
+            let kind = if starts_like(BLOCK_MAGIC)
+                || starts_like(EOF_MARKER)
+                || head.iter().all(|&b| b == 0)
+            {
+                Anomaly::EndsInside
+            } else {
+                Anomaly::Mismatch
+            };
             return self
-                .anomaly(at, format!("short block header ({got} bytes)"))
+                .anomaly(at, format!("short block header ({got} bytes)"), kind)
                 .map_err(io_err);
         }
         let head: [u8; BLOCK_HEADER_LEN] = head.try_into().expect("12 bytes");
@@ -212,12 +259,20 @@ impl XlogReader {
         let crc = u32::from_be_bytes(head[8..12].try_into().expect("4 bytes"));
         if magic != BLOCK_MAGIC {
             return self
-                .anomaly(at, format!("bad block magic 0x{magic:08x}"))
+                .anomaly(
+                    at,
+                    format!("bad block magic 0x{magic:08x}"),
+                    Anomaly::Mismatch,
+                )
                 .map_err(io_err);
         }
         if len > MAX_BLOCK_LEN {
             return self
-                .anomaly(at, format!("block length {len} exceeds {MAX_BLOCK_LEN}"))
+                .anomaly(
+                    at,
+                    format!("block length {len} exceeds {MAX_BLOCK_LEN}"),
+                    Anomaly::Mismatch,
+                )
                 .map_err(io_err);
         }
         let body_remaining = remaining - BLOCK_HEADER_LEN as u64;
@@ -226,19 +281,20 @@ impl XlogReader {
                 .anomaly(
                     at,
                     format!("short block: {len} bytes declared, {body_remaining} present"),
+                    Anomaly::EndsInside,
                 )
                 .map_err(io_err);
         }
         let got = self.read_exact_or_short(len).map_err(io_err)?;
         if got < len {
             return self
-                .anomaly(at, "file shrank while reading".into())
+                .anomaly(at, "file shrank while reading".into(), Anomaly::EndsInside)
                 .map_err(io_err);
         }
         let end = at + (BLOCK_HEADER_LEN + len) as u64;
         if crc32c::crc32c(&self.buf) != crc {
             return self
-                .anomaly(at, "block checksum mismatch".into())
+                .anomaly(at, "block checksum mismatch".into(), Anomaly::Mismatch)
                 .map_err(io_err);
         }
         self.offset = end;
@@ -248,24 +304,86 @@ impl XlogReader {
         })
     }
 
-    /// Classifies something wrong at `at`. It is a torn tail (an incomplete last write) only
-    /// when the file was not closed cleanly (no EOF marker at its end) and no valid block
-    /// follows; anything else is damage. This one rule covers short blocks, checksum
-    /// mismatches and the zero-filled or garbage pages a power loss can leave.
-    fn anomaly(&self, at: u64, reason: String) -> io::Result<Next<'static>> {
-        if self.ends_with_eof_marker()? {
+    /// Classifies something wrong at `at` as a torn write (`Torn`: recovery may cut it off) or
+    /// damage (`Corrupt`: recovery stops unless forced). The rule:
+    ///
+    /// - A file that was closed cleanly has no torn write: whatever is wrong in it is damage.
+    ///   The writer appends only to `.inprogress` files and renames one only after its EOF
+    ///   marker is written and synced, so a name without `.inprogress`, or an EOF marker at the
+    ///   end, means the file was complete once.
+    /// - Anything with a valid block after it is damage: a write that was cut short is the last.
+    /// - What remains is at the end of a file that was being written. Blocks are appended with
+    ///   `pwrite` in whole batches. A process killed mid-write leaves a prefix of the write, and
+    ///   a prefix ends *inside* a block: a short header, or a declared length running past the
+    ///   end of the file. That is a torn write.
+    /// - A power loss can also leave pages the file size covers but the data never reached:
+    ///   they read as zeros, from a page boundary (or from where the file ended before) to the
+    ///   end. Such a zero tail is a torn write too; it only touches data not yet synced, which no
+    ///   `persist` or `fsync` acknowledgement covered.
+    /// - A complete block whose checksum fails, or a bad magic followed by anything but such
+    ///   zeros, is damage even at the very end: no interrupted write of ours leaves one. (Losing
+    ///   a middle page of an un-synced write to a power loss could; recovery then refuses,
+    ///   naming the block, and `--force-recovery` keeps every intact record.)
+    fn anomaly(&mut self, at: u64, reason: String, kind: Anomaly) -> io::Result<Next<'static>> {
+        if self.closed_cleanly()? {
             return Ok(Next::Corrupt {
                 offset: at,
                 reason: format!("{reason}, in a file that was closed cleanly"),
             });
         }
-        Ok(match self.valid_block_after(at + 1)? {
-            Some(next) => Next::Corrupt {
+        if let Some(next) = self.valid_block_after(at + 1)? {
+            return Ok(Next::Corrupt {
                 offset: at,
                 reason: format!("{reason}, and a valid block follows at {next}"),
-            },
-            None => Next::Torn { offset: at, reason },
+            });
+        }
+        if kind == Anomaly::EndsInside {
+            return Ok(Next::Torn { offset: at, reason });
+        }
+        if let Some(zeros) = self.lost_pages_from(at)? {
+            return Ok(Next::Torn {
+                offset: at,
+                reason: format!(
+                    "{reason}; zeros from byte {zeros} to the end (pages never written)"
+                ),
+            });
+        }
+        Ok(Next::Corrupt {
+            offset: at,
+            reason: format!("{reason} at the end of the file, which no interrupted write leaves"),
         })
+    }
+
+    /// Whether the file was closed cleanly (see `anomaly`); looked up once, when first needed.
+    fn closed_cleanly(&mut self) -> io::Result<bool> {
+        if let Some(c) = self.closed {
+            return Ok(c);
+        }
+        let renamed = !self
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".inprogress"));
+        let c = renamed || self.ends_with_eof_marker()?;
+        self.closed = Some(c);
+        Ok(c)
+    }
+
+    /// Where the file's tail of zeros begins, if it covers what a power loss leaves unwritten:
+    /// everything from the block at `at`, or from a page boundary at or after it, to the end.
+    fn lost_pages_from(&self, at: u64) -> io::Result<Option<u64>> {
+        let len = (self.file_len - at) as usize;
+        let mut rest = vec![0u8; len];
+        self.r.get_ref().read_exact_at(&mut rest, at)?;
+        let nonzero = rest
+            .iter()
+            .rposition(|&b| b != 0)
+            .map(|i| at + i as u64 + 1);
+        let zeros_from = match nonzero {
+            None => at,
+            Some(end) => end.div_ceil(PAGE) * PAGE,
+        };
+        Ok((zeros_from < self.file_len).then_some(zeros_from))
     }
 
     fn ends_with_eof_marker(&self) -> io::Result<bool> {
@@ -446,19 +564,24 @@ mod tests {
         assert!(end.starts_with("Eof"));
     }
 
+    fn end_of(path: &Path) -> String {
+        collect(path).1
+    }
+
+    fn edit(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+        let mut bytes = std::fs::read(path).unwrap();
+        f(&mut bytes);
+        std::fs::write(path, &bytes).unwrap();
+    }
+
     #[test]
-    fn torn_tail_versus_damage_in_the_middle() {
+    fn torn_write_versus_damage_in_a_file_being_written() {
         let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("a.xlog");
+        // Still being written (or the process died): `.inprogress`, no EOF marker.
+        let p = d.path().join("a.xlog.inprogress");
         let offs = write_file(&p, &[b"one", b"two"], false);
-        // cut inside the second block: torn
-        let len = std::fs::metadata(&p).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&p)
-            .unwrap()
-            .set_len(len - 1)
-            .unwrap();
+        // cut inside the second block: a prefix of a write, torn
+        edit(&p, |b| b.truncate(b.len() - 1));
         let (blocks, end) = collect(&p);
         assert_eq!(blocks.len(), 1);
         assert_eq!(
@@ -468,25 +591,122 @@ mod tests {
                 offs[1]
             )
         );
-        // flip a byte in the first block's payload: damage, since another block follows
+        // a few bytes of the next block's header: torn
         write_file(&p, &[b"one", b"two"], false);
-        let mut bytes = std::fs::read(&p).unwrap();
-        bytes[offs[0] as usize + BLOCK_HEADER_LEN] ^= 0x40;
-        std::fs::write(&p, &bytes).unwrap();
-        let (_, end) = collect(&p);
+        edit(&p, |b| b.extend_from_slice(&BLOCK_MAGIC.to_be_bytes()[..3]));
+        assert!(end_of(&p).starts_with("Torn"), "{}", end_of(&p));
+        // a short tail that is not the start of a block: damage
+        write_file(&p, &[b"one", b"two"], false);
+        edit(&p, |b| b.extend_from_slice(b"garbage"));
+        assert!(end_of(&p).starts_with("Corrupt"), "{}", end_of(&p));
+        // a flipped byte in the first block: damage, since another block follows
+        write_file(&p, &[b"one", b"two"], false);
+        edit(&p, |b| b[offs[0] as usize + BLOCK_HEADER_LEN] ^= 0x40);
+        let end = end_of(&p);
         assert!(
             end.starts_with(&format!("Corrupt {{ offset: {}", offs[0])),
             "{end}"
         );
-        // the same flip in the last block is a torn tail
+        // the same flip in the last block: a complete block with a bad checksum is damage too,
+        // no interrupted write leaves one
         write_file(&p, &[b"one", b"two"], false);
-        let mut bytes = std::fs::read(&p).unwrap();
-        bytes[offs[1] as usize + BLOCK_HEADER_LEN] ^= 0x40;
-        std::fs::write(&p, &bytes).unwrap();
-        let (_, end) = collect(&p);
+        edit(&p, |b| b[offs[1] as usize + BLOCK_HEADER_LEN] ^= 0x40);
+        let end = end_of(&p);
+        assert!(
+            end.starts_with(&format!("Corrupt {{ offset: {}", offs[1])),
+            "{end}"
+        );
+    }
+
+    #[test]
+    fn a_zero_tail_is_torn_only_where_a_power_loss_can_leave_one() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.xlog.inprogress");
+        let big = vec![7u8; 3 * PAGE as usize];
+        // zeros from a block boundary to the end (the file size reached the disk, its data not)
+        let offs = write_file(&p, &[b"one", &big], false);
+        edit(&p, |b| b.extend_from_slice(&[0u8; 8192]));
+        let end = end_of(&p);
+        assert!(end.starts_with("Torn"), "{end}");
+        // the last block's pages zeroed from a page boundary on
+        write_file(&p, &[b"one", &big], false);
+        edit(&p, |b| {
+            let from = (offs[1] as usize).div_ceil(PAGE as usize) * PAGE as usize + 1;
+            let from = from.div_ceil(PAGE as usize) * PAGE as usize;
+            b[from..].fill(0);
+        });
+        let end = end_of(&p);
         assert!(
             end.starts_with(&format!("Torn {{ offset: {}", offs[1])),
             "{end}"
         );
+        // zeros that stop short of the end are no lost page: damage
+        write_file(&p, &[b"one", &big], false);
+        edit(&p, |b| {
+            let n = b.len();
+            b[n - 200..n - 100].fill(0)
+        });
+        assert!(end_of(&p).starts_with("Corrupt"), "{}", end_of(&p));
+    }
+
+    #[test]
+    fn any_damage_in_a_cleanly_closed_file_is_reported() {
+        let d = tempfile::tempdir().unwrap();
+        let big = vec![7u8; 3 * PAGE as usize];
+        for (name, eof) in [
+            ("a.xlog", true),
+            ("b.xlog.inprogress", true),
+            ("c.xlog", false),
+        ] {
+            let p = d.path().join(name);
+            let offs = write_file(&p, &[b"one", &big], eof);
+            let clean = std::fs::read(&p).unwrap();
+            let n = clean.len();
+            let last = offs[1];
+            for what in [
+                "last 16 bytes flipped",
+                "last 4 KiB zeroed",
+                "cut inside the last block",
+                "zeros appended",
+            ] {
+                let mut bytes = clean.clone();
+                match what {
+                    "last 16 bytes flipped" => bytes[n - 16..].iter_mut().for_each(|x| *x ^= 0xff),
+                    "last 4 KiB zeroed" => bytes[n - 4096..].fill(0),
+                    "cut inside the last block" => bytes.truncate(n - 100),
+                    _ => bytes.extend_from_slice(&[0; 4096]),
+                }
+                std::fs::write(&p, &bytes).unwrap();
+                let end = end_of(&p);
+                // `b` keeps its EOF marker only where the damage leaves it; `c` ends at the
+                // last block (an `.xlog` without its marker).
+                let at = match (what, eof) {
+                    ("zeros appended", true) => n as u64 - 4,
+                    ("zeros appended", false) => n as u64,
+                    _ => last,
+                };
+                assert!(
+                    end.starts_with(&format!("Corrupt {{ offset: {at}"))
+                        || (name != "a.xlog" && end.starts_with("Torn")),
+                    "{name}, {what}: {end}"
+                );
+                if name == "a.xlog" {
+                    let why = if what == "zeros appended" {
+                        "after the EOF marker"
+                    } else {
+                        "closed cleanly"
+                    };
+                    assert!(end.contains(why), "{what}: {end}");
+                }
+            }
+            // An `.xlog` cut exactly at a block boundary lost its EOF marker: damage.
+            std::fs::write(&p, &clean[..if eof { n - 4 } else { n }]).unwrap();
+            let end = end_of(&p);
+            if name.ends_with(".inprogress") {
+                assert!(end.starts_with("End"), "{name}: {end}");
+            } else {
+                assert!(end.starts_with("Corrupt"), "{name}: {end}");
+            }
+        }
     }
 }
