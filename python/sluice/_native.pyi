@@ -251,6 +251,11 @@ class Server:
         tap_grace_period: float = 300.0,
         tap_backoff: float = 1.0,
         tap_ttl: int = 1,
+        tap_max_sessions: int = 64,
+        tap_max_unacked_bytes: int = 16777216,
+        max_unauthenticated: int = 256,
+        max_unauthenticated_per_ip: int = 64,
+        login_timeout: float = 10.0,
         policy_timeout: float = 0.05,
     ) -> Server: ...
     @property

@@ -294,6 +294,35 @@ ENGINE_KEYS += [
         "duration",
         server=True,
     ),
+    Key(
+        "max_unauthenticated",
+        _int,
+        256,
+        "With users configured: connections not yet logged in, at most; more are closed at accept "
+        "(counted in /metrics) so that logged-in clients still get in.",
+        "integer",
+        _at_least(1),
+        server=True,
+    ),
+    Key(
+        "max_unauthenticated_per_ip",
+        _int,
+        64,
+        "The same, per client address.",
+        "integer",
+        _at_least(1),
+        server=True,
+    ),
+    Key(
+        "login_timeout",
+        parse_duration,
+        10.0,
+        "With users configured: a connection not logged in this long after accept is closed, "
+        "whatever it sends meanwhile. Until it logs in, a request body over 4 KiB gets E2BIG.",
+        "duration",
+        _between(0, 3600, lo_open=True),
+        server=True,
+    ),
     Key("io_threads", _int, 2, "Threads running the network I/O.", "integer", _between(1, 256), server=True),
     Key(
         "replication.replica_of",
@@ -379,9 +408,10 @@ ENGINE_KEYS += [
         "tap.grace_period",
         parse_duration,
         300.0,
-        "How long a named TAP session with SUPPORT_ACK outlives its connection: a reconnect under "
-        "the same name (and flags) within it gets every unacknowledged message again; later, it "
-        "starts over. A RetransmitPolicy plugin may decide per session.",
+        "How long a named TAP session with SUPPORT_ACK (REGISTERED_CLIENT ones too) outlives its "
+        "connection: a reconnect under the same name (and flags) within it gets every "
+        "unacknowledged message again; later, it starts over. A RetransmitPolicy plugin may "
+        "decide per session.",
         "duration",
         _between(0, 86400 * 7),
         native="tap_grace_period",
@@ -407,6 +437,28 @@ ENGINE_KEYS += [
         "integer",
         _between(1, 31),
         native="tap_ttl",
+        server=True,
+    ),
+    Key(
+        "tap.max_sessions",
+        _int,
+        64,
+        "Named TAP sessions (connected or within their grace period) at most; a TAP_CONNECT "
+        "under a new name past it gets ETMPFAIL.",
+        "integer",
+        _between(1, 100_000),
+        native="tap_max_sessions",
+        server=True,
+    ),
+    Key(
+        "tap.max_unacked_bytes",
+        parse_size,
+        16 * 1024**2,
+        "A TAP connection with SUPPORT_ACK pauses while it holds this many bytes unacknowledged "
+        "(with tap.ack_window, this bounds what a parked session keeps).",
+        "size",
+        _between(64 * 1024, 1024**3),
+        native="tap_max_unacked_bytes",
         server=True,
     ),
     Key(

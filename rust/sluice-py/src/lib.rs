@@ -884,7 +884,7 @@ fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, policy_timeout=0.05))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, tap_max_sessions=64, tap_max_unacked_bytes=16_777_216, max_unauthenticated=256, max_unauthenticated_per_ip=64, login_timeout=10.0, policy_timeout=0.05))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -904,6 +904,11 @@ impl Server {
         tap_grace_period: f64,
         tap_backoff: f64,
         tap_ttl: u8,
+        tap_max_sessions: usize,
+        tap_max_unacked_bytes: usize,
+        max_unauthenticated: usize,
+        max_unauthenticated_per_ip: usize,
+        login_timeout: f64,
         policy_timeout: f64,
     ) -> PyResult<Self> {
         if tap_ack_interval == 0 {
@@ -921,7 +926,35 @@ impl Server {
             grace_period: secs("tap.grace_period", tap_grace_period)?,
             backoff: secs("tap.backoff", tap_backoff)?,
             ttl: tap_ttl,
+            max_sessions: tap_max_sessions,
+            max_unacked_bytes: tap_max_unacked_bytes,
         };
+        if tap_max_sessions == 0 {
+            return Err(config_err("tap.max_sessions", "must be at least 1"));
+        }
+        if tap_max_unacked_bytes < 64 << 10 {
+            return Err(config_err(
+                "tap.max_unacked_bytes",
+                "must be at least 64 KiB",
+            ));
+        }
+        if max_unauthenticated == 0 {
+            return Err(config_err("max_unauthenticated", "must be at least 1"));
+        }
+        if max_unauthenticated_per_ip == 0 {
+            return Err(config_err(
+                "max_unauthenticated_per_ip",
+                "must be at least 1",
+            ));
+        }
+        let login = sluice_server::limits::LoginLimits {
+            max_unauthenticated,
+            max_unauthenticated_per_ip,
+            login_timeout: secs("login_timeout", login_timeout)?,
+        };
+        if login.login_timeout.is_zero() {
+            return Err(config_err("login_timeout", "must be more than 0"));
+        }
         let policies = Arc::new(sluice_server::policy::PolicyHost::default());
         policies.set_timeout(secs("policy.timeout", policy_timeout)?);
         if !(1..=10800).contains(&replication_noop_interval) {
@@ -976,6 +1009,7 @@ impl Server {
             replication_login: (replication_user, replication_password),
             replication_noop_interval,
             tap,
+            login,
         };
         let e = engine.engine.clone();
         let host = policies.clone();

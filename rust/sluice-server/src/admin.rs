@@ -724,6 +724,11 @@ fn tap_and_policy_metrics(shared: &Shared, o: &mut String) {
             &t.resumed_sessions,
         ),
         (
+            "sluice_tap_sessions_refused_total",
+            "TAP_CONNECTs refused because tap.max_sessions named sessions exist.",
+            &t.refused_sessions,
+        ),
+        (
             "sluice_tap_sessions_expired_total",
             "Parked TAP sessions whose grace period ran out.",
             &t.expired_sessions,
@@ -868,6 +873,7 @@ pub fn metrics(shared: &Shared) -> String {
         "sluice_protocol_errors_total {}",
         s.protocol_errors.load(Relaxed)
     );
+    shared.prelogin.metrics(&mut o);
     let d = &shared.dcp;
     metric(
         &mut o,

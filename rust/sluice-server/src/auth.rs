@@ -100,12 +100,25 @@ impl User {
 #[derive(Debug, Clone, Default)]
 pub struct Users {
     by_name: HashMap<String, User>,
+    /// Checked for a name no user has, so that an unknown user takes as long as a wrong
+    /// password: the largest iteration count configured, a salt of its own.
+    dummy: Option<PasswordHash>,
 }
 
 impl Users {
     pub fn new(users: Vec<User>) -> Users {
+        let dummy = users
+            .iter()
+            .map(|u| u.hash.iterations)
+            .max()
+            .map(|iterations| PasswordHash {
+                iterations,
+                salt: b"sluice-unknown-user".to_vec(),
+                hash: vec![0; 32],
+            });
         Users {
             by_name: users.into_iter().map(|u| (u.name.clone(), u)).collect(),
+            dummy,
         }
     }
 
@@ -132,9 +145,18 @@ impl Users {
         if parts.next().is_some() || (!authz.is_empty() && authz != authc) {
             return None;
         }
-        let name = std::str::from_utf8(authc).ok()?;
-        let user = self.by_name.get(name)?;
-        user.hash.verify(pass).then(|| name.to_string())
+        let user = std::str::from_utf8(authc)
+            .ok()
+            .and_then(|name| self.by_name.get(name));
+        match (user, &self.dummy) {
+            (Some(user), _) => user.hash.verify(pass).then(|| user.name.clone()),
+            (None, Some(dummy)) => {
+                // Same work as a wrong password; its result does not matter.
+                std::hint::black_box(dummy.verify(pass));
+                None
+            }
+            (None, None) => None,
+        }
     }
 }
 
@@ -175,6 +197,11 @@ mod tests {
         );
         assert_eq!(u.authenticate_plain(b"\0nobody\0secret"), None);
         assert_eq!(u.authenticate_plain(b"ada secret"), None);
+        assert_eq!(
+            u.dummy.as_ref().map(|d| d.iterations),
+            Some(1000),
+            "an unknown user costs a hash of the configured cost"
+        );
         assert_eq!(u.get("ada").unwrap().permissions("default"), READ | WRITE);
         assert_eq!(u.get("ada").unwrap().permissions("other"), 0);
     }

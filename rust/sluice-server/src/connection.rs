@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::BytesMut;
 use sluice_proto::mcbp::{self, FrameError};
@@ -20,6 +21,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::kv::{Flow, HeldReply, Session};
+use crate::limits::PRELOGIN_MAX_BODY;
 use crate::server::Shared;
 
 /// Replies are written once this much is pending, even mid-batch.
@@ -81,19 +83,44 @@ pub async fn run(
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
+    // Until it logs in (when users are configured), a connection holds a pre-login slot and
+    // gets the small frame limit and the login deadline (see `limits`).
+    let mut prelogin = match crate::limits::admit(&shared, peer) {
+        Ok(slot) => slot,
+        Err(_) => return,
+    };
+    let login_deadline = Instant::now() + shared.config.login.login_timeout;
     let mut session = Session::new(shared.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
-    let max_body = shared.config.max_body;
     let idle = shared.config.idle_timeout;
     loop {
         while replies.held.len() < MAX_HELD {
+            let max_body = match prelogin {
+                Some(_) => shared.config.max_body.min(PRELOGIN_MAX_BODY),
+                None => shared.config.max_body,
+            };
             match mcbp::frame_len(&inbuf, max_body) {
                 Ok(Some(n)) => {
                     let frame = inbuf.split_to(n);
                     let flow = if session.may_block(&frame) {
-                        // The password hash parks this thread, not the runtime's others.
-                        tokio::task::block_in_place(|| session.handle(&frame, replies.tail()))
+                        let deadline = prelogin.as_ref().map(|_| login_deadline);
+                        let out = replies.tail();
+                        let ip = peer.ip();
+                        let f = crate::login::sasl_auth(
+                            &mut session,
+                            &frame,
+                            ip,
+                            &shared,
+                            deadline,
+                            &mut stop,
+                            out,
+                        );
+                        let flow = f.await;
+                        if session.authenticated() {
+                            prelogin = None;
+                        }
+                        flow
                     } else {
                         session.handle(&frame, replies.tail())
                     };
@@ -137,7 +164,11 @@ pub async fn run(
                 Ok(None) => break,
                 Err(e) => {
                     shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("closing connection from {peer}: {e}");
+                    if prelogin.is_some() {
+                        crate::limits::closing_before_login(&shared, peer, &e);
+                    } else {
+                        log::warn!("closing connection from {peer}: {e}");
+                    }
                     replies.settle_all().await;
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);
@@ -161,9 +192,13 @@ pub async fn run(
         }
         let reading = replies.held.len() < MAX_HELD;
         let waiting = !replies.held.is_empty();
+        let deadline = prelogin.as_ref().map(|_| login_deadline);
         let read = async {
             if !reading {
                 std::future::pending().await
+            } else if let Some(deadline) = deadline {
+                // From accept, so that a trickle of bytes does not move it.
+                tokio::time::timeout_at(deadline.into(), socket.read_buf(&mut inbuf)).await
             } else if idle.is_zero() || waiting {
                 Ok(socket.read_buf(&mut inbuf).await)
             } else {
@@ -188,6 +223,10 @@ pub async fn run(
                 Ok(Ok(n)) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
                 Ok(Err(e)) => {
                     log::debug!("connection from {peer}: {e}");
+                    return;
+                }
+                Err(_) if deadline.is_some() => {
+                    crate::limits::login_timed_out(&shared, peer);
                     return;
                 }
                 Err(_) => {

@@ -221,6 +221,11 @@ impl Session {
         }
     }
 
+    /// Whether a user has logged in (SASL) on this connection.
+    pub fn authenticated(&self) -> bool {
+        self.user.is_some()
+    }
+
     /// The last WAL record the replies given so far acknowledge (see `owed_lsn`).
     pub fn owed_lsn(&self) -> u64 {
         self.owed_lsn

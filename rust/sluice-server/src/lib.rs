@@ -8,6 +8,8 @@ pub mod bench;
 pub mod connection;
 pub mod dcp;
 pub mod kv;
+pub mod limits;
+pub mod login;
 pub mod policy;
 pub mod replica;
 pub mod server;

@@ -33,6 +33,8 @@ pub struct ServerConfig {
     /// Seconds between NOOPs on this node's replication and takeover streams.
     pub replication_noop_interval: u32,
     pub tap: crate::tap::producer::TapConfig,
+    /// Bounds on connections that have not logged in (when users are configured).
+    pub login: crate::limits::LoginLimits,
 }
 
 /// Counters the metrics endpoint and STAT read.
@@ -61,6 +63,8 @@ pub struct Shared {
     pub tap: crate::tap::TapStats,
     /// Policy plugins (Python) and their questions.
     pub policies: Arc<crate::policy::PolicyHost>,
+    /// Connections not yet logged in, and failed logins.
+    pub prelogin: crate::limits::PreLogin,
 }
 
 impl Shared {
@@ -131,6 +135,7 @@ impl Server {
         config.admin_listen = admin_addr;
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let tap_sessions = Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions));
         let shared = Arc::new(Shared {
             engine,
             users: parking_lot::RwLock::new(Arc::new(config.users.clone())),
@@ -140,9 +145,10 @@ impl Server {
             dcp_names: Default::default(),
             dcp: Default::default(),
             replicators: Default::default(),
-            tap_sessions: Default::default(),
+            tap_sessions,
             tap: Default::default(),
             policies: policies.clone(),
+            prelogin: Default::default(),
         });
         shared
             .engine

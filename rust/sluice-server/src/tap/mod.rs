@@ -18,6 +18,8 @@ pub struct TapStats {
     pub parked_sessions: AtomicU64,
     pub resumed_sessions: AtomicU64,
     pub expired_sessions: AtomicU64,
+    /// TAP_CONNECTs refused: `tap.max_sessions` named sessions exist.
+    pub refused_sessions: AtomicU64,
     pub messages: AtomicU64,
     pub acks: AtomicU64,
     pub resent: AtomicU64,

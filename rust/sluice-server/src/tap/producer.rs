@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::session::{restamp, Claim, Found, Unacked};
+use super::session::{restamp, Claim, Found, Full, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
 use crate::dcp::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
@@ -58,6 +58,11 @@ pub struct TapConfig {
     pub backoff: Duration,
     /// Hops an item written on this node is sent with.
     pub ttl: u8,
+    /// Named sessions (live or parked) at most; TAP_CONNECT with a new name past it gets
+    /// ETMPFAIL.
+    pub max_sessions: usize,
+    /// The ACK window in bytes: sending pauses while a session holds this much unacknowledged.
+    pub max_unacked_bytes: usize,
 }
 
 impl Default for TapConfig {
@@ -68,6 +73,8 @@ impl Default for TapConfig {
             grace_period: Duration::from_secs(300),
             backoff: Duration::from_secs(1),
             ttl: 1,
+            max_sessions: 64,
+            max_unacked_bytes: 16 << 20,
         }
     }
 }
@@ -88,6 +95,7 @@ pub struct TapSession {
     since_ack: u32,
     ack_interval: u32,
     window: u32,
+    window_bytes: usize,
     sent_total: u64,
     acked_total: u64,
     /// TAP_VBUCKET_SET active messages whose ACK completes a takeover: (seq, vbucket).
@@ -226,6 +234,7 @@ impl TapSession {
             since_ack: 0,
             ack_interval: cfg.ack_interval.max(1),
             window: cfg.ack_window.max(1),
+            window_bytes: cfg.max_unacked_bytes.max(1),
             sent_total: 0,
             acked_total: 0,
             takeover_acks: Vec::new(),
@@ -247,7 +256,9 @@ impl TapSession {
     }
 
     fn window_open(&self) -> bool {
-        !self.supports_ack() || self.unacked.len() < self.window as usize
+        !self.supports_ack()
+            || (self.unacked.len() < self.window as usize
+                && self.unacked.held_bytes() < self.window_bytes)
     }
 
     /// Releases every cursor (the session is over).
@@ -313,7 +324,9 @@ impl TapSession {
             out.extend_from_slice(&m);
             // The last one, or the one that fills the window, asks, so the client confirms
             // the re-sent run (and the window opens again whatever the ACK interval).
-            let last = self.resend.is_empty() || self.unacked.len() + 1 >= self.window as usize;
+            let last = self.resend.is_empty()
+                || self.unacked.len() + 1 >= self.window as usize
+                || self.unacked.held_bytes() + m.len() >= self.window_bytes;
             self.stamp(out, from, last, sent_at, shared);
             shared.tap.resent.fetch_add(1, Ordering::Relaxed);
             wrote = true;
@@ -539,7 +552,20 @@ pub async fn run(
     let named = !connect.name.is_empty();
     let claim = if named {
         let key = (bucket.id, connect.name.clone());
-        Some(shared.tap_sessions.claim(key, TAKE_NAME_WAIT).await)
+        match shared.tap_sessions.claim(key, TAKE_NAME_WAIT).await {
+            Ok(claimed) => Some(claimed),
+            Err(Full(n)) => {
+                shared.tap.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                let why = format!(
+                    "too many named TAP sessions ({n}, tap.max_sessions); retry once one \
+                     expires, or connect without a name"
+                );
+                log::warn!("TAP '{name}' from {peer} refused: {why}");
+                error_reply(&mut out, opaque, status::ETMPFAIL, &why);
+                let _ = socket.write_all(&out).await;
+                return;
+            }
+        }
     } else {
         None
     };
@@ -649,7 +675,6 @@ async fn finish(
             session.resend.clear();
         }
     }
-    let grace = (!registered).then_some(grace);
     let sh = shared.clone();
     let unacked = session.unacked.len() + session.resend.len();
     let back = shared
@@ -667,8 +692,13 @@ async fn finish(
         None => {
             shared.tap.parked_sessions.fetch_add(1, Ordering::Relaxed);
             log::info!(
-                "TAP session '{name}' kept for {} with {unacked} unacknowledged message(s)",
-                grace.map_or("good (registered client)".to_string(), |g| format!("{g:?}"))
+                "TAP session '{name}'{} kept for {grace:?} with {unacked} unacknowledged \
+                 message(s)",
+                if registered {
+                    " (registered client)"
+                } else {
+                    ""
+                }
             );
         }
     }

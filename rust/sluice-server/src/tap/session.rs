@@ -1,7 +1,9 @@
 //! Named TAP sessions: the streams, cursors and unacknowledged messages of a TAP client, kept
 //! for a grace period after its connection drops so that a reconnect under the same name gets
 //! every unacknowledged message again and then carries on (seed 000: "resumable at the
-//! server's discretion"). A REGISTERED_CLIENT's session is kept until the server stops.
+//! server's discretion"). REGISTERED_CLIENT sessions too expire after their grace period. At
+//! most `tap.max_sessions` names are in use, live or parked, per server; what each holds
+//! unacknowledged is bounded by the ACK window (`tap.ack_window`, `tap.max_unacked_bytes`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,6 +47,11 @@ impl Unacked {
 
     pub fn is_empty(&self) -> bool {
         self.live == 0
+    }
+
+    /// Bytes kept for the messages not yet acknowledged.
+    pub fn held_bytes(&self) -> usize {
+        self.bytes.len() - self.head
     }
 
     /// Keeps message `seq`, sent `at`.
@@ -136,13 +143,20 @@ enum Entry<S> {
 pub struct Sessions<S> {
     entries: Mutex<HashMap<SessionKey, Entry<S>>>,
     next: AtomicU64,
+    /// Names in use at most; a new name past it is refused.
+    max: usize,
 }
 
-impl<S> Default for Sessions<S> {
-    fn default() -> Self {
+/// A new name was refused: this many are in use.
+#[derive(Debug)]
+pub struct Full(pub usize);
+
+impl<S> Sessions<S> {
+    pub fn new(max: usize) -> Sessions<S> {
         Sessions {
             entries: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
+            max,
         }
     }
 }
@@ -163,13 +177,17 @@ pub enum Found<S> {
 impl<S: Send + 'static> Sessions<S> {
     /// Takes the name for a new connection: a live holder is told to stop (and gets `wait` to
     /// park its session); a parked session is handed over.
-    pub async fn claim(&self, key: SessionKey, wait: Duration) -> (Claim, Found<S>) {
+    /// A name not in use is refused (`Full`) when `max` are.
+    pub async fn claim(&self, key: SessionKey, wait: Duration) -> Result<(Claim, Found<S>), Full> {
         let token = self.next.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + wait;
         loop {
             let (tx, rx) = watch::channel(false);
             {
                 let mut entries = self.entries.lock();
+                if !entries.contains_key(&key) && entries.len() >= self.max {
+                    return Err(Full(entries.len()));
+                }
                 let live = matches!(entries.get(&key), Some(Entry::Live { .. }));
                 if !live || Instant::now() >= deadline {
                     let old = entries.insert(
@@ -192,7 +210,7 @@ impl<S: Send + 'static> Sessions<S> {
                         token,
                         replaced: rx,
                     };
-                    return (claim, found);
+                    return Ok((claim, found));
                 }
                 if let Some(Entry::Live { replaced, .. }) = entries.get(&key) {
                     let _ = replaced.send(true);
@@ -203,13 +221,13 @@ impl<S: Send + 'static> Sessions<S> {
     }
 
     /// The connection ends: its session is parked under the name (if the claim still holds it)
-    /// until `grace` passes (None: until the server stops). Returns the session back when the
-    /// claim was lost, for the caller to close.
+    /// until `grace` passes. Returns the session back when the claim was lost, for the caller
+    /// to close.
     pub fn park(
         self: &Arc<Self>,
         claim: &Claim,
         session: Box<S>,
-        grace: Option<Duration>,
+        grace: Duration,
         expire: impl FnOnce(Box<S>) + Send + 'static,
     ) -> Option<Box<S>> {
         let mut entries = self.entries.lock();
@@ -226,21 +244,18 @@ impl<S: Send + 'static> Sessions<S> {
             },
         );
         drop(entries);
-        if let Some(grace) = grace {
-            let this = self.clone();
-            let (key, token) = (claim.key.clone(), claim.token);
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                let mut entries = this.entries.lock();
-                if matches!(entries.get(&key), Some(Entry::Parked { token: t, .. }) if *t == token)
-                {
-                    if let Some(Entry::Parked { session, .. }) = entries.remove(&key) {
-                        drop(entries);
-                        expire(session);
-                    }
+        let this = self.clone();
+        let (key, token) = (claim.key.clone(), claim.token);
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let mut entries = this.entries.lock();
+            if matches!(entries.get(&key), Some(Entry::Parked { token: t, .. }) if *t == token) {
+                if let Some(Entry::Parked { session, .. }) = entries.remove(&key) {
+                    drop(entries);
+                    expire(session);
                 }
-            });
-        }
+            }
+        });
         None
     }
 
@@ -296,7 +311,9 @@ mod tests {
             u.push(seq, &[seq as u8; 30], Instant::now());
         }
         assert_eq!(u.len(), 5);
+        assert_eq!(u.held_bytes(), 150);
         assert!(u.ack(3).is_some());
+        assert_eq!(u.held_bytes(), 60);
         assert_eq!(u.len(), 2);
         assert!(u.ack(3).is_none(), "already acknowledged");
         let again = u.take(5).unwrap();
