@@ -119,8 +119,9 @@ pub async fn run(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("closing connection from {peer}: {e}");
+                    shared
+                        .stats
+                        .protocol_error("closing a connection", format_args!("{peer}: {e}"));
                     replies.settle_all().await;
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);

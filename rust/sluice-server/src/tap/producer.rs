@@ -718,8 +718,10 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("TAP producer '{}': {e}", s.name);
+                    shared.stats.protocol_error(
+                        "closing a TAP producer",
+                        format_args!("'{}': {e}", s.name),
+                    );
                     return Ended::Disconnected("malformed input");
                 }
             }
