@@ -74,7 +74,7 @@ def test_bad_connections_are_counted_each_and_logged_once_in_a_while(server):
     assert "sluice_protocol_errors_total 30" in metrics
     time.sleep(0.2)  # the log lines, read on a thread
     server.stop()
-    warned = [line for line in server.lines + list(iter_rest(server)) if "closing a connection" in line]
+    warned = [line for line in server.lines + list(iter_rest(server)) if "closing connection from" in line]
     assert len(warned) == 1, warned
 
 

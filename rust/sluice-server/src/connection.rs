@@ -121,7 +121,7 @@ pub async fn run(
                 Err(e) => {
                     shared
                         .stats
-                        .protocol_error("closing a connection", format_args!("{peer}: {e}"));
+                        .protocol_error("KV", format_args!("closing connection from {peer}: {e}"));
                     replies.settle_all().await;
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);

@@ -83,14 +83,14 @@ impl ServerStats {
     /// A peer's bad input: counted, and logged as a warning unless one of its kind was logged
     /// in the last `WARNING_EVERY` (then at debug level), the next warning saying how
     /// many were held back.
-    pub fn protocol_error(&self, kind: &'static str, detail: std::fmt::Arguments<'_>) {
+    pub fn protocol_error(&self, kind: &'static str, message: std::fmt::Arguments<'_>) {
         self.protocol_errors.fetch_add(1, Ordering::Relaxed);
         match self.protocol_warnings.admit(kind, Instant::now()) {
-            Some(0) => log::warn!("{kind}: {detail}"),
+            Some(0) => log::warn!("{message}"),
             Some(held) => log::warn!(
-                "{kind}: {detail} (and {held} more since the last such warning, not logged)"
+                "{message} (and {held} more {kind} errors since the last such warning, not logged)"
             ),
-            None => log::debug!("{kind}: {detail}"),
+            None => log::debug!("{message}"),
         }
     }
 }

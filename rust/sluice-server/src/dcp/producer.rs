@@ -811,10 +811,9 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_error(
-                        "closing a DCP producer",
-                        format_args!("'{}': {e}", p.name),
-                    );
+                    shared
+                        .stats
+                        .protocol_error("DCP", format_args!("DCP producer '{}': {e}", p.name));
                     return "malformed input";
                 }
             }

@@ -718,10 +718,9 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_error(
-                        "closing a TAP producer",
-                        format_args!("'{}': {e}", s.name),
-                    );
+                    shared
+                        .stats
+                        .protocol_error("TAP", format_args!("TAP producer '{}': {e}", s.name));
                     return Ended::Disconnected("malformed input");
                 }
             }
