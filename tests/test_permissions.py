@@ -267,14 +267,7 @@ def replication_users(tmp_path):
 
 
 def dcp_as(node, user: str, name: bytes) -> DcpConnection:
-    """A DCP producer connection logged in as `user` (DcpConnection opens at once, so the login
-    goes first on a socket of our own)."""
-    c = DcpConnection.__new__(DcpConnection)
-    c.sock = connect(node)
-    c.pending = []
-    login(c.sock, user)
-    assert c.call(open_producer(name))["word"] == 0
-    return c
+    return DcpConnection(node.host, node.port, name, login=(user, PASSWORD))
 
 
 def durable_set(node, key: bytes, timeout_ms: int) -> int:
