@@ -139,10 +139,21 @@ def parse_message(f: dict) -> dict:
 class DcpConnection:
     """A hand-written consumer: one socket, requests answered in order, producer messages queued."""
 
-    def __init__(self, host: str, port: int, name: bytes = b"test:consumer", flags: int = PRODUCER):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: bytes = b"test:consumer",
+        flags: int = PRODUCER,
+        login: tuple[str, str] | None = None,
+    ):
         self.sock = socket.create_connection((host, port), timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pending: list[dict] = []
+        if login is not None:  # SASL PLAIN (0x21) first, on a node with users
+            user, password = login
+            r = self.call(frame(0x21, key=b"PLAIN", value=f"\0{user}\0{password}".encode()))
+            assert r["word"] == 0, r
         r = self.call(open_producer(name, flags))
         assert r["word"] == 0, r
 

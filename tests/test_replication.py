@@ -581,11 +581,11 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
 def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_path):
     """A slow link between active and replica: the lag is measured against the active's own
     high seqnos (asked on a connection of its own), not against what already arrived. The
-    replication user holds only the `stream` permission."""
+    replication user holds only the `replication` permission (which includes `stream`)."""
     repl = sluice.config.hash_password("repl-secret", iterations=1000)
     writer = sluice.config.hash_password("w-secret", iterations=1000)
     users = (
-        f'[users.repl]\npassword_hash = "{repl}"\nbuckets = {{ default = ["stream"] }}\n'
+        f'[users.repl]\npassword_hash = "{repl}"\nbuckets = {{ default = ["replication"] }}\n'
         f'[users.w]\npassword_hash = "{writer}"\nbuckets = {{ default = ["read", "write"] }}\n'
     )
     active = start(tmp_path, "a", extra=users)

@@ -338,7 +338,8 @@ ENGINE_KEYS += [
         "replication.user",
         _str,
         "",
-        "User this node authenticates as on its active (SASL PLAIN); it needs the stream permission.",
+        "User this node authenticates as on its active (SASL PLAIN), and on a move's source; it needs "
+        "the replication permission (or stream and admin) there.",
         "string",
         native="replication_user",
         server=True,
@@ -690,13 +691,13 @@ class Config:
         )
 
 
-PERMISSIONS = ("read", "write", "stream", "admin")
+PERMISSIONS = ("read", "write", "stream", "admin", "replication")
 _HASH = re.compile(r"pbkdf2-sha256:\d+:[0-9a-f]{16,}:[0-9a-f]{64}")
 
 
 def _user(name: str, table: Any) -> dict[str, Any]:
     """[users.NAME]: password_hash (from `sluice user hash`; never a password) and buckets, a table of
-    bucket name (or "*") to a list of permissions among read, write, stream, admin."""
+    bucket name (or "*") to a list of permissions among read, write, stream, admin, replication."""
     path = f"users.{name}"
     if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,128}", name):
         raise _fail(path, f"user name {name!r} must be 1 to 128 of A-Z a-z 0-9 _ . @ -")

@@ -469,9 +469,15 @@ impl Engine {
     /// durability level this node cannot provide.
     fn admit_write(&self, bucket: &Bucket, durability: Durability, op: ChangeOp) -> Result<()> {
         self.check_open()?;
-        if self.inner.wal.is_failing() {
+        // The atomic flag first (no lock on the hot path), then the reason with it.
+        if let Some(why) = self
+            .inner
+            .wal
+            .is_failing()
+            .then(|| self.inner.wal.failure())
+            .flatten()
+        {
             bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
-            let why = self.inner.wal.last_error().unwrap_or_default();
             return Err(Error::TempFail(format!(
                 "the WAL cannot write ({why}); retry later"
             )));

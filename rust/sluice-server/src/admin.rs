@@ -47,8 +47,6 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 64;
 const TAKEOVER_TIMEOUT_S: u64 = 600;
-/// At most one warning about refused requests per this interval (the rest are counted).
-const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// The bearer token of the local CLI: random per start, in `DATA_DIR/admin.token` (mode 0600)
 /// while the node runs, removed when it stops.
@@ -166,8 +164,8 @@ pub struct Admin {
     loopback: bool,
     token: Token,
     refused: [AtomicU64; Refusal::ALL.len()],
-    last_warning: parking_lot::Mutex<Option<Instant>>,
-    unlogged: AtomicU64,
+    /// At most one warning about refused requests per interval (the rest are counted).
+    warnings: crate::server::WarningLimiter,
 }
 
 enum Caller {
@@ -183,8 +181,7 @@ impl Admin {
             loopback: addr.ip().is_loopback(),
             token,
             refused: Default::default(),
-            last_warning: Default::default(),
-            unlogged: AtomicU64::new(0),
+            warnings: Default::default(),
         }
     }
 
@@ -320,10 +317,7 @@ impl Admin {
     fn refuse(&self, why: Refusal, req: &Request, peer: SocketAddr) -> Answer {
         let i = Refusal::ALL.iter().position(|r| *r == why).unwrap_or(0);
         self.refused[i].fetch_add(1, Relaxed);
-        let mut last = self.last_warning.lock();
-        if last.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
-            *last = Some(Instant::now());
-            let unlogged = self.unlogged.swap(0, Relaxed);
+        if let Some(unlogged) = self.warnings.admit("refused", Instant::now()) {
             log::warn!(
                 "admin: refused {} {} from {peer}: {}{}",
                 req.method,
@@ -335,8 +329,6 @@ impl Admin {
                     String::new()
                 }
             );
-        } else {
-            self.unlogged.fetch_add(1, Relaxed);
         }
         why.answer()
     }

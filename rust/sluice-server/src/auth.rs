@@ -11,15 +11,29 @@ pub const READ: u8 = 1;
 pub const WRITE: u8 = 2;
 pub const STREAM: u8 = 4;
 pub const ADMIN: u8 = 8;
+/// The replication role: what nodes log in with to follow or take over each other's vbuckets.
+/// It grants takeover streams (DCP STREAM_REQ with the takeover flag, TAP TAKEOVER_VBUCKETS)
+/// and registering as a replica whose SEQNO_ACKNOWLEDGED count toward durable writes; both
+/// change what a node promises, beyond reading its changes.
+pub const REPLICATION: u8 = 16;
 
+/// A configured permission's bits. `replication` includes `stream`: a replica has to open the
+/// stream it replicates.
 pub fn permission(name: &str) -> Option<u8> {
     match name {
         "read" => Some(READ),
         "write" => Some(WRITE),
         "stream" => Some(STREAM),
         "admin" => Some(ADMIN),
+        "replication" => Some(REPLICATION | STREAM),
         _ => None,
     }
+}
+
+/// Whether permissions allow what the replication role does (see `REPLICATION`): the role
+/// itself, or `admin`, which may move vbuckets through the admin endpoint anyway.
+pub fn may_replicate(permissions: u8) -> bool {
+    permissions & (REPLICATION | ADMIN) != 0
 }
 
 /// `pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX`, as `sluice user hash` prints it.

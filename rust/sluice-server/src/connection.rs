@@ -163,11 +163,14 @@ pub async fn run(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     if prelogin.is_some() {
+                        shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
                         crate::limits::closing_before_login(&shared, peer, &e);
                     } else {
-                        log::warn!("closing connection from {peer}: {e}");
+                        shared.stats.protocol_error(
+                            "KV",
+                            format_args!("closing connection from {peer}: {e}"),
+                        );
                     }
                     replies.settle_all().await;
                     if let FrameError::TooBig { .. } = e {

@@ -85,10 +85,40 @@ fn required_permission(opcode: u8) -> u8 {
         op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => WRITE,
         op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ | op::TOUCH => WRITE,
         op::FLUSH | op::FLUSHQ => ADMIN,
+        // Takeover (TAP_CONNECT's TAKEOVER_VBUCKETS, a DCP stream's takeover flag) needs the
+        // replication role on top: checked where the flag is read.
         sluice_proto::dcp::opcode::OPEN | tap_op::CONNECT => STREAM,
+        // A TAP feed's flush empties the bucket and its vbucket state message kills or demotes
+        // vbuckets: the same as FLUSH and a vbucket move, so admin.
+        tap_op::FLUSH | tap_op::VBUCKET_SET => ADMIN,
         tap_op::MUTATION..=tap_op::CHECKPOINT_END => WRITE,
         _ => 0,
     }
+}
+
+/// GET_ALL_VB_SEQNOS's value, for the kv session and DCP connections alike: (u16 vbucket,
+/// u64 high seqno) for each vbucket in the state the extras name (4 bytes: 1 active .. 4 dead),
+/// the active ones without extras. Err: the EINVAL message.
+pub fn all_vb_seqnos(
+    engine: &sluice_core::Engine,
+    bucket: &Bucket,
+    extras: &[u8],
+) -> Result<Vec<u8>, &'static str> {
+    use sluice_core::vbucket::VbState;
+    let wanted = match *extras {
+        [] => VbState::Active,
+        [a, b, c, d] => VbState::from_code(u32::from_be_bytes([a, b, c, d]))
+            .ok_or("no such vbucket state (1 active, 2 replica, 3 pending, 4 dead)")?,
+        _ => return Err("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
+    };
+    let mut value = Vec::new();
+    for (vb, high) in engine.high_seqnos(bucket).into_iter().enumerate() {
+        if engine.vbucket_state(bucket, vb as u16) == Some(wanted) {
+            value.extend_from_slice(&(vb as u16).to_be_bytes());
+            value.extend_from_slice(&high.to_be_bytes());
+        }
+    }
+    Ok(value)
 }
 
 /// The engine's errors as the protocol's status codes.
@@ -303,6 +333,29 @@ impl Session {
         })))
     }
 
+    /// The permission bits of the logged-in user on the selected bucket; all of them when the
+    /// node has no users, none before login when it has.
+    pub fn permissions(&self) -> u8 {
+        let users = self.shared.users.read();
+        if !users.required() {
+            return u8::MAX;
+        }
+        self.user
+            .as_deref()
+            .and_then(|n| users.get(n))
+            .map_or(0, |u| u.permissions(self.bucket.name()))
+    }
+
+    /// The EACCESS message for what only the replication role may do.
+    pub fn lacks_replication(&self) -> String {
+        format!(
+            "user {} lacks the replication (or admin) permission on bucket {}: takeover and \
+             registering as a replica need it",
+            self.user.as_deref().unwrap_or("(none)"),
+            self.bucket.name()
+        )
+    }
+
     /// The selected bucket.
     pub fn bucket(&self) -> Arc<Bucket> {
         self.bucket.clone()
@@ -322,6 +375,13 @@ impl Session {
 
     pub fn handle(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
         let req = match mcbp::parse_request(frame) {
+            // A server's request (0x82) goes from server to client: from a client it is never a
+            // command (kv_engine takes requests 0x80 and 0x08 only, besides responses).
+            Ok(r) if r.magic == magic::SERVER_REQUEST => {
+                let why = "magic 0x82 is a server's request; a client sends 0x80 or 0x08";
+                reply_to_header(frame, status::EINVAL, why.as_bytes(), out);
+                return Flow::Continue;
+            }
             Ok(r) => r,
             Err(e) => {
                 // A frame whose sections do not add up: EINVAL, and the stream is still in sync
@@ -672,6 +732,12 @@ impl Session {
                 Err((st, why)) => reply.error(st, &why, xerror),
             },
             tap_op::CONNECT => match crate::tap::producer::check_connect(req) {
+                Ok(c)
+                    if c.flags & sluice_proto::tap::connect_flag::TAKEOVER_VBUCKETS != 0
+                        && !crate::auth::may_replicate(self.permissions()) =>
+                {
+                    reply.error(status::EACCESS, &self.lacks_replication(), xerror)
+                }
                 Ok(c) => return Flow::TapProducer(c, req.opaque),
                 Err((st, why)) => reply.error(st, &why, xerror),
             },
@@ -695,23 +761,10 @@ impl Session {
                 "open a DCP connection first (DCP_OPEN)",
                 xerror,
             ),
-            op::GET_ALL_VB_SEQNOS => {
-                let wanted = match req.extras.len() {
-                    0 => Some(sluice_core::vbucket::VbState::Active),
-                    4 => sluice_core::vbucket::VbState::from_code(u32::from_be_bytes(
-                        req.extras.try_into().expect("4 bytes"),
-                    )),
-                    _ => einval!("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
-                };
-                let mut value = Vec::new();
-                for (vb, high) in engine.high_seqnos(&bucket).into_iter().enumerate() {
-                    if wanted.is_none() || engine.vbucket_state(&bucket, vb as u16) == wanted {
-                        value.extend_from_slice(&(vb as u16).to_be_bytes());
-                        value.extend_from_slice(&high.to_be_bytes());
-                    }
-                }
-                reply.send(status::SUCCESS, 0, &[], &[], &value, 0);
-            }
+            op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &bucket, req.extras) {
+                Ok(value) => reply.send(status::SUCCESS, 0, &[], &[], &value, 0),
+                Err(why) => einval!(why),
+            },
             _ => {
                 reply.error(
                     status::UNKNOWN_COMMAND,

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sluice_core::Engine;
 use tokio::net::TcpListener;
@@ -46,6 +46,55 @@ pub struct ServerStats {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub protocol_errors: AtomicU64,
+    pub protocol_warnings: WarningLimiter,
+}
+
+/// At most one warning per kind in this long about what peers do wrong (protocol errors,
+/// refused admin requests): a flood of bad connections must not flood the log (the metrics
+/// still count every one).
+pub const WARNING_EVERY: Duration = Duration::from_secs(10);
+
+/// Per kind of warning: when one was last logged and how many were held back since.
+#[derive(Debug, Default)]
+pub struct WarningLimiter {
+    kinds: parking_lot::Mutex<std::collections::HashMap<&'static str, (Instant, u64)>>,
+}
+
+impl WarningLimiter {
+    /// Some(held back since the last one logged) when a warning of `kind` may be logged now.
+    pub fn admit(&self, kind: &'static str, now: Instant) -> Option<u64> {
+        let mut kinds = self.kinds.lock();
+        match kinds.get_mut(kind) {
+            Some((last, held)) if now.duration_since(*last) < WARNING_EVERY => {
+                *held += 1;
+                None
+            }
+            Some((last, held)) => {
+                *last = now;
+                Some(std::mem::take(held))
+            }
+            None => {
+                kinds.insert(kind, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
+impl ServerStats {
+    /// A peer's bad input: counted, and logged as a warning unless one of its kind was logged
+    /// in the last `WARNING_EVERY` (then at debug level), the next warning saying how
+    /// many were held back.
+    pub fn protocol_error(&self, kind: &'static str, message: std::fmt::Arguments<'_>) {
+        self.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        match self.protocol_warnings.admit(kind, Instant::now()) {
+            Some(0) => log::warn!("{message}"),
+            Some(held) => log::warn!(
+                "{message} (and {held} more {kind} errors since the last such warning, not logged)"
+            ),
+            None => log::debug!("{message}"),
+        }
+    }
 }
 
 pub struct Shared {
@@ -282,4 +331,23 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch
     drop(listener);
     // Graceful: connections see the stop signal after the requests they hold.
     while tasks.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_warnings_are_limited_per_kind_and_count_what_they_held_back() {
+        let w = WarningLimiter::default();
+        let t0 = Instant::now();
+        assert_eq!(w.admit("kv", t0), Some(0));
+        assert_eq!(w.admit("dcp", t0), Some(0), "kinds are limited apart");
+        for _ in 0..5 {
+            assert_eq!(w.admit("kv", t0 + Duration::from_secs(1)), None);
+        }
+        assert_eq!(w.admit("kv", t0 + WARNING_EVERY), Some(5));
+        assert_eq!(w.admit("kv", t0 + WARNING_EVERY), None);
+        assert_eq!(w.admit("kv", t0 + 2 * WARNING_EVERY), Some(1));
+    }
 }

@@ -585,8 +585,14 @@ impl WalWriter {
         None
     }
 
-    pub fn last_error(&self) -> Option<String> {
-        self.shared.durable.lock().error.clone()
+    /// Why the writer is failing, if it is: the flag and the reason are set and cleared
+    /// together under one lock, so a failing writer always has its reason.
+    pub fn failure(&self) -> Option<String> {
+        let d = self.shared.durable.lock();
+        self.shared
+            .failing
+            .load(Ordering::Acquire)
+            .then(|| d.error.clone().unwrap_or_else(|| "unknown error".into()))
     }
 
     pub fn set_failpoint(&self, fp: Failpoint) {
@@ -725,15 +731,19 @@ fn writer_loop(
                     Ok(()) => break,
                     Err(e) => {
                         let msg = format!("writing {}: {e}", segment.path.display());
-                        if !shared.failing.swap(true, Ordering::AcqRel) {
+                        // The reason first, then the flag, under the lock `failure` reads
+                        // them with: whoever sees the writer failing sees why.
+                        let began_failing = {
+                            let mut d = shared.durable.lock();
+                            d.error = Some(msg.clone());
+                            let was = shared.failing.swap(true, Ordering::AcqRel);
+                            shared.announce();
+                            !was
+                        };
+                        if began_failing {
                             log::error!(
                                 "WAL write failed, refusing new writes until it succeeds: {msg}"
                             );
-                        }
-                        {
-                            let mut d = shared.durable.lock();
-                            d.error = Some(msg);
-                            shared.announce();
                         }
                         if shared.queue.lock().shutdown
                             && failing_since.elapsed() > Duration::from_secs(3)
@@ -749,7 +759,12 @@ fn writer_loop(
                     }
                 }
             }
-            if shared.failing.swap(false, Ordering::AcqRel) {
+            let recovered = {
+                let mut d = shared.durable.lock();
+                d.error = None;
+                shared.failing.swap(false, Ordering::AcqRel)
+            };
+            if recovered {
                 log::warn!("WAL writes succeed again; accepting writes");
             }
             segment.records += batch.len() as u64;

@@ -36,6 +36,11 @@ const FLUSH_AT: usize = 256 << 10;
 /// What one stream may write per turn, so that streams share the connection fairly.
 const TURN_BYTES: usize = 64 << 10;
 const DEFAULT_NOOP_INTERVAL: Duration = Duration::from_secs(120);
+/// The longest consumer_name: the DCP connection names' limit (DCP_OPEN), which Couchbase's
+/// documents give no other for.
+const MAX_CONSUMER_NAME: usize = 200;
+/// The STREAM_REQ flags defined (Couchbase's 0x01 takeover .. 0x100 cache transfer).
+const KNOWN_STREAM_FLAGS: u32 = 0x1ff;
 
 /// DCP connection names per bucket: opening a name that is in use replaces (closes) the
 /// connection that held it, as Couchbase does.
@@ -191,7 +196,7 @@ impl Producer {
         }
     }
 
-    fn control(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+    fn control(&mut self, req: &Request<'_>, session: &Session, out: &mut Vec<u8>) {
         let c = match Control::decode(req) {
             Ok(c) => c,
             Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
@@ -232,7 +237,21 @@ impl Producer {
             "send_stream_end_on_client_close_stream" => {
                 parse_bool(&value).map(|b| self.end_on_close = b).is_some()
             }
-            "consumer_name" if !value.is_empty() && value.len() <= 200 => {
+            "consumer_name" if c.value.len() > MAX_CONSUMER_NAME => {
+                let why = format!(
+                    "DCP control consumer_name: the value is {} bytes, over the limit of \
+                     {MAX_CONSUMER_NAME}",
+                    c.value.len()
+                );
+                return respond(out, req, status::EINVAL, why.as_bytes());
+            }
+            // A replica's acknowledgements satisfy durable writes (and its streams are never
+            // filtered): only the replication role may claim to be one.
+            "consumer_name" if !crate::auth::may_replicate(session.permissions()) => {
+                let why = session.lacks_replication();
+                return respond(out, req, status::EACCESS, why.as_bytes());
+            }
+            "consumer_name" if !value.is_empty() => {
                 self.consumer_name = Some(value.clone());
                 true
             }
@@ -255,11 +274,22 @@ impl Producer {
         }
     }
 
-    fn stream_request(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+    fn stream_request(&mut self, req: &Request<'_>, session: &Session, out: &mut Vec<u8>) {
         let sr = match StreamRequest::decode(req) {
             Ok(s) => s,
             Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
         };
+        let unknown = sr.flags & !KNOWN_STREAM_FLAGS;
+        if unknown != 0 {
+            let why = format!("undefined STREAM_REQ flag bits {unknown:#x}");
+            return respond(out, req, status::EINVAL, why.as_bytes());
+        }
+        let takeover = sr.flags & stream_flag::TAKEOVER != 0;
+        // A takeover ends with this node's vbucket dead: the replication role's to ask for.
+        if takeover && !crate::auth::may_replicate(session.permissions()) {
+            let why = session.lacks_replication();
+            return respond(out, req, status::EACCESS, why.as_bytes());
+        }
         let vb = sr.vbucket;
         if self.streams.contains_key(&vb) {
             return respond(
@@ -273,7 +303,6 @@ impl Producer {
         let Some(pos) = engine.stream_position(&self.bucket, vb) else {
             return respond(out, req, status::NOT_MY_VBUCKET, b"no such vbucket");
         };
-        let takeover = sr.flags & stream_flag::TAKEOVER != 0;
         if takeover && pos.state != VbState::Active {
             return respond(
                 out,
@@ -374,8 +403,11 @@ impl Producer {
             })
             .collect();
         let _ = StreamRequestResponse::Ok(log).encode(out, req.opaque);
-        if let Some(name) = self.replica_name() {
+        let mut stream = stream;
+        // A replica's stream carries whole documents: one without values copies nothing.
+        if let Some(name) = self.replica_name().filter(|_| !encoding.no_value) {
             self.bucket.acks.attach(vb, name);
+            stream.acks_as = Some(name.to_string());
         }
         self.streams.insert(vb, stream);
         self.streamed = true;
@@ -451,23 +483,41 @@ impl Producer {
                 b"a persisted seqno needs the control persisted_seqno_acks",
             );
         }
-        if !self.streams.contains_key(&a.vbucket) {
+        let Some(stream) = self.streams.get(&a.vbucket) else {
             return respond(
                 out,
                 req,
                 status::NOT_MY_VBUCKET,
                 b"no stream for this vbucket",
             );
+        };
+        if stream.acks_as.as_deref() != Some(name) {
+            return respond(
+                out,
+                req,
+                status::EINVAL,
+                b"this vbucket's stream is not a replica's (it opened before consumer_name and \
+                  enable_sync_writes, or without values)",
+            );
         }
+        // What the consumer cannot have received never counts: an acknowledgement past the
+        // last seqno sent on this stream is clamped to it rather than refused, because an
+        // honest replica acknowledges a snapshot's end, which may lie past the last document
+        // sent when later seqnos of it were superseded.
+        let sent = stream.last_sent_seqno();
+        let clamp = |seqno: u64| seqno.min(sent);
         // No reply on success: acknowledgements are one-way.
-        self.bucket
-            .acks
-            .ack(a.vbucket, name, a.prepared_seqno, a.persisted_seqno);
+        self.bucket.acks.ack(
+            a.vbucket,
+            name,
+            clamp(a.prepared_seqno),
+            a.persisted_seqno.map(clamp),
+        );
     }
 
     fn retire(&self, s: &mut Stream) {
-        if let Some(name) = self.replica_name() {
-            self.bucket.acks.detach(s.vbucket, name);
+        if let Some(name) = s.acks_as.take() {
+            self.bucket.acks.detach(s.vbucket, &name);
         }
         s.close(&self.shared.engine);
         self.shared.dcp.streams.fetch_sub(1, Ordering::Relaxed);
@@ -497,32 +547,11 @@ impl Producer {
     /// GET_ALL_VB_SEQNOS on a DCP connection, answered here rather than by the kv session:
     /// the connection's `stream` permission covers it (its streams carry the same seqnos), so
     /// a replica logged in with only that permission can measure how far behind it is.
-    /// No extras: the active vbuckets; else a 4-byte state (1 active .. 4 dead).
     fn all_vb_seqnos(&self, req: &Request<'_>, out: &mut Vec<u8>) {
-        let wanted = match *req.extras {
-            [] => VbState::Active,
-            [a, b, c, d] => match VbState::from_code(u32::from_be_bytes([a, b, c, d])) {
-                Some(s) => s,
-                None => return respond(out, req, status::EINVAL, b"no such vbucket state"),
-            },
-            _ => {
-                return respond(
-                    out,
-                    req,
-                    status::EINVAL,
-                    b"GET_ALL_VB_SEQNOS takes no extras or a 4-byte state",
-                )
-            }
-        };
-        let engine = &self.shared.engine;
-        let mut value = Vec::new();
-        for (vb, high) in engine.high_seqnos(&self.bucket).into_iter().enumerate() {
-            if engine.vbucket_state(&self.bucket, vb as u16) == Some(wanted) {
-                value.extend_from_slice(&(vb as u16).to_be_bytes());
-                value.extend_from_slice(&high.to_be_bytes());
-            }
+        match crate::kv::all_vb_seqnos(&self.shared.engine, &self.bucket, req.extras) {
+            Ok(value) => respond(out, req, status::SUCCESS, &value),
+            Err(why) => respond(out, req, status::EINVAL, why.as_bytes()),
         }
-        respond(out, req, status::SUCCESS, &value);
     }
 
     /// One frame from the consumer. Frames that are not DCP go to the kv session (STAT,
@@ -542,8 +571,8 @@ impl Producer {
             return session.handle(frame, out);
         };
         match req.opcode {
-            opcode::CONTROL => self.control(&req, out),
-            opcode::STREAM_REQ => self.stream_request(&req, out),
+            opcode::CONTROL => self.control(&req, session, out),
+            opcode::STREAM_REQ => self.stream_request(&req, session, out),
             opcode::CLOSE_STREAM => self.close_stream(&req, out),
             opcode::GET_FAILOVER_LOG => self.failover_log(&req, out),
             mcbp::opcode::GET_ALL_VB_SEQNOS => self.all_vb_seqnos(&req, out),
@@ -782,8 +811,9 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("DCP producer '{}': {e}", p.name);
+                    shared
+                        .stats
+                        .protocol_error("DCP", format_args!("DCP producer '{}': {e}", p.name));
                     return "malformed input";
                 }
             }

@@ -82,6 +82,8 @@ pub struct Stream {
     pub sent_backfill: u64,
     pub sent_memory: u64,
     pub takeover: Takeover,
+    /// The replica name this stream's SEQNO_ACKNOWLEDGED count under, when it is a replica's.
+    pub acks_as: Option<String>,
 }
 
 /// Appends one message and returns its length, for flow control.
@@ -223,6 +225,7 @@ impl Stream {
             end_when_dropped,
             sent_backfill: 0,
             sent_memory: 0,
+            acks_as: None,
             takeover: Takeover::Off,
         };
         if start_seqno < end_seqno {
@@ -298,6 +301,12 @@ impl Stream {
     }
 
     /// Writes STREAM_END with `reason`; returns its length.
+    /// The last seqno this stream has sent, or the consumer's start before it sent any: the
+    /// most a consumer of it can have received.
+    pub fn last_sent_seqno(&self) -> u64 {
+        self.last_seqno
+    }
+
     pub fn write_end(&self, sink: &mut impl StreamSink, reason: u32) -> usize {
         sink.end(&self.view(), reason)
     }

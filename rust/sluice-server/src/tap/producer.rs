@@ -748,8 +748,9 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("TAP producer '{}': {e}", s.name);
+                    shared
+                        .stats
+                        .protocol_error("TAP", format_args!("TAP producer '{}': {e}", s.name));
                     return Ended::Disconnected("malformed input");
                 }
             }
