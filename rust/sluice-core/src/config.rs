@@ -6,9 +6,38 @@ use std::time::Duration;
 
 use crate::checkpoint::CheckpointConfig;
 use crate::error::{Error, Result};
-use crate::wal::WalMode;
 
 pub const MAX_VBUCKETS: u16 = 1024;
+
+/// How the WAL keeps changes (`wal.mode`); see README's table of durability promises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WalMode {
+    /// Nothing is written: a pure cache.
+    None,
+    /// write() per batch: survives the process dying, not the machine.
+    Write,
+    /// write() and fdatasync() per batch.
+    Fsync,
+}
+
+impl WalMode {
+    pub fn parse(s: &str) -> Option<WalMode> {
+        match s {
+            "none" => Some(WalMode::None),
+            "write" => Some(WalMode::Write),
+            "fsync" => Some(WalMode::Fsync),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WalMode::None => "none",
+            WalMode::Write => "write",
+            WalMode::Fsync => "fsync",
+        }
+    }
+}
+
 /// Largest value sluice accepts at all; `max_item_size` may be set up to this.
 pub const MAX_ITEM_SIZE_LIMIT: usize = 64 << 20;
 

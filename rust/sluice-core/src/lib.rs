@@ -6,6 +6,7 @@
 pub mod alloc;
 pub mod backfill;
 pub mod bucket;
+pub mod catalog;
 pub mod checkpoint;
 pub mod config;
 pub mod dump;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::backfill::Backfill;
-use crate::engine::Catalog;
+use crate::catalog::Catalog;
 use crate::error::{Error, Result};
 use crate::item::ChangeOp;
 use crate::wal::record::{Record, RecordBody};

@@ -6,4 +6,5 @@ pub mod writer;
 pub mod xlog;
 
 pub use record::{Record, RecordBody};
-pub use writer::{WalMode, WalWriter};
+pub use crate::config::WalMode;
+pub use writer::WalWriter;

@@ -21,39 +21,12 @@ use parking_lot::{Condvar, Mutex};
 
 use super::record::{Record, RecordBody};
 use super::xlog::{self, FileHeader, FileKind};
+use crate::config::WalMode;
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::item::Change;
 use crate::signal::ChangeSignal;
 use crate::vbucket::VbState;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WalMode {
-    /// Nothing is written: a pure cache.
-    None,
-    /// write() per batch: survives the process dying, not the machine.
-    Write,
-    /// write() and fdatasync() per batch.
-    Fsync,
-}
-
-impl WalMode {
-    pub fn parse(s: &str) -> Option<WalMode> {
-        match s {
-            "none" => Some(WalMode::None),
-            "write" => Some(WalMode::Write),
-            "fsync" => Some(WalMode::Fsync),
-            _ => None,
-        }
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WalMode::None => "none",
-            WalMode::Write => "write",
-            WalMode::Fsync => "fsync",
-        }
-    }
-}
 
 /// Records other than item changes.
 #[derive(Debug, Clone)]
