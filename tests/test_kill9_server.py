@@ -122,14 +122,17 @@ def _round(node: Node, tag: str, value_size: int, rng: random.Random, tmp: Path)
         )
         for w in range(WRITERS)
     ]
-    time.sleep(rng.uniform(0.4, 1.2))
+    # Every writer is connected and acknowledged before the kill is timed (a loaded machine can
+    # take a while to start them).
+    first = [p.stdout.readline() for p in writers if p.stdout is not None]
+    assert all(first), [p.communicate(timeout=60)[1] for p in writers]
+    time.sleep(rng.uniform(0.1, 0.8))
     node.stop(sig=9, timeout=30)
     acked: dict[bytes, bytes] = {}
     for w, p in enumerate(writers):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        lines = out.splitlines()
-        assert lines, f"writer {w} had nothing acknowledged before the kill: {err}"
+        lines = [first[w], *out.splitlines()]
         for c, upto in enumerate(json.loads(lines[-1])):
             for i in range(1, upto + 1):
                 key = b"%sw%d-%d-%08d" % (tag.encode(), w, c, i)

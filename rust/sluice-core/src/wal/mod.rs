@@ -5,6 +5,6 @@ pub mod record;
 pub mod writer;
 pub mod xlog;
 
-pub use record::{Record, RecordBody};
 pub use crate::config::WalMode;
+pub use record::{Record, RecordBody};
 pub use writer::WalWriter;
