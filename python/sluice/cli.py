@@ -95,13 +95,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     report = engine.recovery_report()
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (TLS %s, admin %s); %d items in %d bucket(s) %s, recovered in %.3f s "
+        "sluice ready: listening on %s (admin %s) (TLS %s); %d items in %d bucket(s) %s, recovered in %.3f s "
         "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
         server.address,
-        server.tls_address or "off",
-        (f"https://{server.admin_address}" if cfg.values["tls.certificate"] and cfg.values["tls.admin"] else None)
+        (
+            f"https://{server.admin_address}"
+            if cfg.values["tls.certificate"] and cfg.values["tls.admin"]
+            else None
+        )
         or server.admin_address
         or "off",
+        server.tls_address or "off",
         items,
         len(settings.bucket_names),
         ",".join(settings.bucket_names),

@@ -696,7 +696,14 @@ class Config:
         }
         out["replica_of"] = out["replica_of"] or None
         out["replication_user"] = out["replication_user"] or None
-        for k in ("tls_certificate", "tls_key", "tls_client_ca", "replication_ca", "replication_certificate", "replication_key"):
+        for k in (
+            "tls_certificate",
+            "tls_key",
+            "tls_client_ca",
+            "replication_ca",
+            "replication_certificate",
+            "replication_key",
+        ):
             out[k] = str(out[k]) if out[k] else None
         if out["tls_listen"] == "auto":
             out["tls_listen"] = "127.0.0.1:11207" if out["tls_certificate"] else None
