@@ -351,6 +351,7 @@ def bench(
     threads: int = 2,
     user: str | None = None,
     password: str | None = None,
+    cacert: str | None = None,
 ) -> dict[str, object]: ...
 def vbucket_positions(
     address: str,

@@ -567,6 +567,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         user=args.user,
         password=password,
+        cacert=args.cacert,
     )
     if args.json:
         print(json.dumps(r))
@@ -797,6 +798,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     b.add_argument("--password-stdin", action="store_true")
+    b.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="connect over TLS (the TLS port, e.g. 11207), trusting the CAs in this PEM file; the "
+        "server's certificate must carry the --server IP address",
+    )
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
     b.set_defaults(func=cmd_bench)
 

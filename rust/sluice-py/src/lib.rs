@@ -1251,7 +1251,7 @@ fn tap_drain<'py>(
 /// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
-#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None))]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_bench<'py>(
     py: Python<'py>,
@@ -1268,7 +1268,12 @@ fn run_bench<'py>(
     threads: usize,
     user: Option<String>,
     password: Option<String>,
+    cacert: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let tls = cacert
+        .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
+        .transpose()
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
     // Values up to sluice's own item size limit, so every request can be framed.
     if connections == 0
         || pipeline == 0
@@ -1295,6 +1300,7 @@ fn run_bench<'py>(
         prefill,
         threads,
         user: user.zip(password),
+        tls,
     };
     let r = py
         .allow_threads(|| sluice_server::bench::run(cfg))

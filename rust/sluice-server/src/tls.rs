@@ -318,7 +318,22 @@ impl ClientTls {
         ca: &Path,
         identity: Option<(&Path, &Path)>,
     ) -> Result<ClientTls, String> {
-        let roots = load_roots(&format!("{prefix}.ca"), ca)?;
+        Self::build(prefix, &format!("{prefix}.ca"), ca, identity)
+    }
+
+    /// A client with no certificate of its own that trusts the CAs in `ca` (named `ca_key` in
+    /// errors).
+    pub fn trusting(ca_key: &str, ca: &Path) -> Result<ClientTls, String> {
+        Self::build(ca_key, ca_key, ca, None)
+    }
+
+    fn build(
+        prefix: &str,
+        ca_key: &str,
+        ca: &Path,
+        identity: Option<(&Path, &Path)>,
+    ) -> Result<ClientTls, String> {
+        let roots = load_roots(ca_key, ca)?;
         let builder = rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("{prefix}: {e}"))?
