@@ -218,7 +218,7 @@ def test_a_bad_tls_configuration_is_refused_with_the_key(tmp_path, pki, toml, re
     cfg = tmp_path / "bad.toml"
     cfg.write_text(toml.format(cert=cert, key=key, missing=tmp_path / "missing.pem"))
     r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0")
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stderr
     assert reason in r.stderr, r.stderr
 
 
