@@ -257,11 +257,23 @@ class Server:
         max_unauthenticated_per_ip: int = 64,
         login_timeout: float = 10.0,
         policy_timeout: float = 0.05,
+        tls_listen: str | None = None,
+        tls_certificate: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        tls_admin: bool = True,
+        replication_tls: bool = False,
+        replication_ca: str | None = None,
+        replication_certificate: str | None = None,
+        replication_key: str | None = None,
     ) -> Server: ...
     @property
     def address(self) -> str: ...
     @property
     def admin_address(self) -> str | None: ...
+    @property
+    def tls_address(self) -> str | None: ...
+    def reload_tls(self) -> bool: ...
     def set_users(self, users: list[tuple[str, str, dict[str, list[str]]]]) -> None: ...
     def promote(self) -> dict[str, list[int]]: ...
     def stop(self, grace: float = 5.0) -> None: ...
@@ -344,6 +356,7 @@ def bench(
     threads: int = 2,
     user: str | None = None,
     password: str | None = None,
+    cacert: str | None = None,
 ) -> dict[str, object]: ...
 def vbucket_positions(
     address: str,

@@ -55,8 +55,9 @@ def _load(args: argparse.Namespace) -> Config:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    for key in ("listen", "admin_listen"):
-        address = cfg.values[key]
+    tls_listen = cfg.server_settings()["tls_listen"]
+    for key in ("listen", "admin_listen", "tls_listen"):
+        address = tls_listen if key == "tls_listen" else cfg.values[key]
         if address and not is_loopback(address) and not cfg.users and not args.insecure:
             raise _native.ConfigError(
                 f"invalid config: {key}: {address} is beyond loopback and no user is configured "
@@ -102,10 +103,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (admin %s); %d items in %d bucket(s) %s, recovered in %.3f s "
+        "sluice ready: listening on %s (admin %s) (TLS %s); %d items in %d bucket(s) %s, recovered in %.3f s "
         "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
         server.address,
-        server.admin_address or "off",
+        (
+            f"https://{server.admin_address}"
+            if cfg.values["tls.certificate"] and cfg.values["tls.admin"]
+            else None
+        )
+        or server.admin_address
+        or "off",
+        server.tls_address or "off",
         items,
         len(settings.bucket_names),
         ",".join(settings.bucket_names),
@@ -137,14 +145,21 @@ def _reload(
     args: argparse.Namespace, current: Config, server: _native.Server, plugins: PluginRunner
 ) -> Config:
     """SIGHUP: re-reads the configuration. Users and their permissions change at once, policy
-    plugins are re-imported and replaced, and policy.timeout applies; every other change is
-    logged as waiting for a restart; a file that no longer validates is reported and ignored."""
+    plugins are re-imported and replaced, policy.timeout applies, and the TLS certificate and
+    key files are read again (a pair that fails to load keeps the one in use); every other
+    change is logged as waiting for a restart; a file that no longer validates is reported and
+    ignored."""
     try:
         new = _load(args)
         plugins.apply(new.plugins(), reload=True)
     except (_native.ConfigError, PluginError) as e:
         log.error("reload: the configuration is not valid, keeping the running one: %s", e)
         return current
+    try:
+        if server.reload_tls():
+            log.warning("reload: TLS certificate and key read again; new connections get them")
+    except _native.ConfigError as e:
+        log.error("reload: keeping the TLS certificate in use: %s", e)
     live = {k.name for k in ENGINE_KEYS if k.plugin} | {"policy.timeout"}
     server.policy_set_timeout(new.values["policy.timeout"])
     current = dataclasses.replace(current, values={**current.values, **{k: new.values[k] for k in live}})
@@ -176,7 +191,14 @@ def _reload(
 
 
 def _admin_address(args: argparse.Namespace, command: str) -> str | None:
-    admin = args.admin or _load(args).values["admin_listen"]
+    """The admin endpoint's URL base: --admin as given (http:// unless it says https://), else
+    admin_listen of the configuration, over HTTPS when the configuration serves it so."""
+    admin = args.admin
+    if not admin:
+        cfg = _load(args)
+        admin = cfg.values["admin_listen"]
+        if admin and cfg.values["tls.certificate"] and cfg.values["tls.admin"]:
+            admin = f"https://{admin}"
     if not admin:
         print(
             f"sluice {command}: admin_listen is off in the configuration; pass --admin HOST:PORT",
@@ -226,19 +248,31 @@ def _admin_auth(args: argparse.Namespace) -> str | None:
     return f"Bearer {token}" if token else None
 
 
-def _admin_call(admin: str, path: str, timeout: float, method: str = "GET", auth: str | None = None) -> dict:
-    """JSON from the admin endpoint; raises OSError (URLError) when the node cannot be reached,
-    HTTPError when it answers with an error. Every request says it is no browser's
-    (X-Sluice-Request), which POSTs need (README "Admin endpoint")."""
+def _admin_call(
+    admin: str,
+    path: str,
+    timeout: float,
+    method: str = "GET",
+    auth: str | None = None,
+    cacert: str | None = None,
+) -> dict:
+    """JSON from the admin endpoint (HOST:PORT, http://HOST:PORT or https://HOST:PORT; HTTPS
+    verifies the node's certificate against `cacert`, else the system's CAs); raises OSError
+    (URLError) when the node cannot be reached or its certificate is not trusted, HTTPError when
+    it answers with an error. Every request says it is no browser's (X-Sluice-Request), which
+    POSTs need (README "Admin endpoint")."""
     import json
+    import ssl
     import urllib.request
 
     body = b"" if method == "POST" else None
     headers = {"X-Sluice-Request": "1"}
     if auth:
         headers["Authorization"] = auth
-    req = urllib.request.Request(f"http://{admin}{path}", method=method, data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    base = admin if "://" in admin else f"http://{admin}"
+    context = ssl.create_default_context(cafile=cacert) if base.startswith("https://") else None
+    req = urllib.request.Request(f"{base}{path}", method=method, data=body, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
         return json.load(r)
 
 
@@ -261,7 +295,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     auth = _admin_auth(args)
     try:
-        done = _admin_call(admin, "/promote", args.timeout, method="POST", auth=auth)
+        done = _admin_call(admin, "/promote", args.timeout, method="POST", auth=auth, cacert=args.cacert)
     except urllib.error.HTTPError as e:
         print(f"sluice promote: the node refused: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -282,7 +316,7 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
 
     basic = _basic_auth(args)
     try:
-        source = _admin_call(args.source, "/status", args.timeout, auth=basic)
+        source = _admin_call(args.source, "/status", args.timeout, auth=basic, cacert=args.cacert)
     except urllib.error.HTTPError as e:
         print(f"sluice move-vbucket: {args.source} refused: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -296,7 +330,9 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
     auth = basic or _admin_auth(args)
     try:
         # The target gives up at --timeout; the socket waits a little longer to hear it say so.
-        r = _admin_call(args.target, f"/takeover?{query}", args.timeout + 10, method="POST", auth=auth)
+        r = _admin_call(
+            args.target, f"/takeover?{query}", args.timeout + 10, method="POST", auth=auth, cacert=args.cacert
+        )
     except urllib.error.HTTPError as e:
         print(f"sluice move-vbucket: the takeover failed: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -319,7 +355,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not admin:
         return EXIT_USAGE
     try:
-        st = _admin_call(admin, "/status", args.timeout, auth=_admin_auth(args))
+        st = _admin_call(admin, "/status", args.timeout, auth=_admin_auth(args), cacert=args.cacert)
     except urllib.error.HTTPError as e:
         print(f"sluice status: the node refused: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -540,6 +576,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         user=args.user,
         password=password,
+        cacert=args.cacert,
     )
     if args.json:
         print(json.dumps(r))
@@ -635,7 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
         "prints, per bucket, each vbucket's state, items, high and persisted seqnos.",
     )
     st.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
-    st.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
+    st.add_argument(
+        "--admin", metavar="[https://]HOST:PORT", help="the admin endpoint (default: admin_listen)"
+    )
     st.add_argument("--all", action="store_true", help="also list empty active vbuckets")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
     st.add_argument(
@@ -647,6 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the node's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
     )
     st.add_argument("--data-dir", metavar="DIR", help="the node's data directory (for its admin.token)")
+    st.add_argument(
+        "--cacert", metavar="FILE", help="PEM CA file to verify an https:// admin endpoint's certificate with"
+    )
     st.set_defaults(func=cmd_status)
 
     pr = sub.add_parser(
@@ -657,7 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
         "old active with --replica-of this node to rejoin it: it rolls back what it never replicated.",
     )
     pr.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
-    pr.add_argument("--admin", metavar="HOST:PORT", help="the admin endpoint (default: admin_listen)")
+    pr.add_argument(
+        "--admin", metavar="[https://]HOST:PORT", help="the admin endpoint (default: admin_listen)"
+    )
     pr.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the node")
     pr.add_argument(
         "--user", help="log in as this user (HTTP Basic); the password from SLUICE_PASSWORD or a prompt"
@@ -668,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the node's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
     )
     pr.add_argument("--data-dir", metavar="DIR", help="the node's data directory (for its admin.token)")
+    pr.add_argument(
+        "--cacert", metavar="FILE", help="PEM CA file to verify an https:// admin endpoint's certificate with"
+    )
     pr.set_defaults(func=cmd_promote)
 
     mv = sub.add_parser(
@@ -703,6 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target's admin token (default: admin.token in --data-dir or the configuration's data_dir)",
     )
     mv.add_argument("--data-dir", metavar="DIR", help="the target's data directory (for its admin.token)")
+    mv.add_argument(
+        "--cacert", metavar="FILE", help="PEM CA file to verify an https:// admin endpoint's certificate with"
+    )
     mv.set_defaults(func=cmd_move_vbucket)
 
     d = sub.add_parser(
@@ -757,6 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     b.add_argument("--password-stdin", action="store_true")
+    b.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="connect over TLS (the TLS port, e.g. 11207), trusting the CAs in this PEM file; the "
+        "server's certificate must carry the --server IP address",
+    )
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
     b.set_defaults(func=cmd_bench)
 

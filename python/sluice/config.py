@@ -80,6 +80,11 @@ def _path(path: str, v: Any) -> Path:
     return Path(v)
 
 
+def _optional_path(path: str, v: Any) -> Path | str:
+    """A path, or "" for none."""
+    return _path(path, v) if _str(path, v) != "" else ""
+
+
 def parse_size(path: str, v: Any) -> int:
     """Bytes from an integer or a string such as "64MiB" or "1GB"."""
     if isinstance(v, str):
@@ -325,6 +330,57 @@ ENGINE_KEYS += [
     ),
     Key("io_threads", _int, 2, "Threads running the network I/O.", "integer", _between(1, 256), server=True),
     Key(
+        "tls_listen",
+        lambda p, v: parse_listen(p, v) if v not in ("", "auto") else v,
+        "auto",
+        'Address of the TLS memcached listener (Couchbase\'s convention: 11207 next to 11210). "auto" '
+        '(the default): 127.0.0.1:11207 when tls.certificate is set, off otherwise; "" turns it off. '
+        "Beyond loopback it needs users (or --insecure).",
+        "HOST:PORT",
+        server=True,
+    ),
+    Key(
+        "tls.certificate",
+        _optional_path,
+        "",
+        "PEM file with the server's certificate chain (leaf first) for the TLS listener and, with "
+        "tls.admin, the admin endpoint. Read again on SIGHUP: new connections get the new one; a "
+        "file that fails to load keeps the old certificate (logged).",
+        "path",
+        native="tls_certificate",
+        server=True,
+    ),
+    Key(
+        "tls.key",
+        _optional_path,
+        "",
+        "PEM file with the private key of tls.certificate (PKCS#8, PKCS#1 or SEC1). Reloaded with it.",
+        "path",
+        native="tls_key",
+        server=True,
+    ),
+    Key(
+        "tls.client_ca",
+        _optional_path,
+        "",
+        "PEM file of CAs: when set, clients of the TLS listener must present a certificate signed by "
+        "one of them (SASL still decides who the user is).",
+        "path",
+        native="tls_client_ca",
+        server=True,
+    ),
+    Key(
+        "tls.admin",
+        _bool,
+        True,
+        "Serve admin_listen over HTTPS (same certificate) when tls.certificate is set, so HTTP Basic "
+        "passwords never cross the network in clear text. `sluice status --admin https://HOST:PORT "
+        "--cacert CA.pem` talks to it.",
+        "boolean",
+        native="tls_admin",
+        server=True,
+    ),
+    Key(
         "replication.replica_of",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "",
@@ -363,6 +419,44 @@ ENGINE_KEYS += [
         "integer",
         _between(1, 10800),
         native="replication_noop_interval",
+        server=True,
+    ),
+    Key(
+        "replication.tls",
+        _bool,
+        False,
+        "Connect to the active (and to a takeover's source) over TLS: replication.replica_of is then "
+        "its TLS port (11207), and its certificate must chain to replication.ca and name the host "
+        "of replica_of (an IP address must be in its IP SANs).",
+        "boolean",
+        native="replication_tls",
+        server=True,
+    ),
+    Key(
+        "replication.ca",
+        _optional_path,
+        "",
+        "PEM file of the CAs the active's certificate must chain to (required with replication.tls).",
+        "path",
+        native="replication_ca",
+        server=True,
+    ),
+    Key(
+        "replication.certificate",
+        _optional_path,
+        "",
+        "PEM file with this node's client certificate, for an active whose tls.client_ca asks for one.",
+        "path",
+        native="replication_certificate",
+        server=True,
+    ),
+    Key(
+        "replication.key",
+        _optional_path,
+        "",
+        "PEM file with the private key of replication.certificate.",
+        "path",
+        native="replication_key",
         server=True,
     ),
 ]
@@ -655,6 +749,18 @@ class Config:
         }
         out["replica_of"] = out["replica_of"] or None
         out["replication_user"] = out["replication_user"] or None
+        for k in (
+            "tls_certificate",
+            "tls_key",
+            "tls_client_ca",
+            "replication_ca",
+            "replication_certificate",
+            "replication_key",
+        ):
+            out[k] = str(out[k]) if out[k] else None
+        if out["tls_listen"] == "auto":
+            out["tls_listen"] = "127.0.0.1:11207" if out["tls_certificate"] else None
+        out["tls_listen"] = out["tls_listen"] or None
         pw_file = out.pop("replication_password")
         out["replication_password"] = None
         if pw_file:

@@ -332,6 +332,7 @@ impl DcpConsumer {
             takeover: false,
             end_refused_streams: false,
             flow_control: None,
+            tls: None,
         };
         Ok(DcpConsumer {
             consumer: Mutex::new(Some(Consumer::start(config))),

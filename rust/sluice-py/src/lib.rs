@@ -833,6 +833,7 @@ struct Server {
     inner: parking_lot::Mutex<Option<sluice_server::Server>>,
     address: String,
     admin_address: Option<String>,
+    tls_address: Option<String>,
     policies: Arc<sluice_server::policy::PolicyHost>,
 }
 
@@ -884,7 +885,7 @@ fn socket_addr(key: &str, text: &str) -> PyResult<std::net::SocketAddr> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, tap_max_sessions=64, tap_max_unacked_bytes=16_777_216, max_unauthenticated=256, max_unauthenticated_per_ip=64, login_timeout=10.0, policy_timeout=0.05))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, tap_max_sessions=64, tap_max_unacked_bytes=16_777_216, max_unauthenticated=256, max_unauthenticated_per_ip=64, login_timeout=10.0, policy_timeout=0.05, tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=true, replication_tls=false, replication_ca=None, replication_certificate=None, replication_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -910,7 +911,84 @@ impl Server {
         max_unauthenticated_per_ip: usize,
         login_timeout: f64,
         policy_timeout: f64,
+        tls_listen: Option<&str>,
+        tls_certificate: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_client_ca: Option<PathBuf>,
+        tls_admin: bool,
+        replication_tls: bool,
+        replication_ca: Option<PathBuf>,
+        replication_certificate: Option<PathBuf>,
+        replication_key: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let tls = match (tls_certificate, tls_key) {
+            (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
+                certificate,
+                key,
+                client_ca: tls_client_ca,
+                admin: tls_admin,
+            }),
+            (None, None) => {
+                if tls_client_ca.is_some() {
+                    return Err(config_err(
+                        "tls.client_ca",
+                        "needs tls.certificate and tls.key (the TLS listener's own certificate)",
+                    ));
+                }
+                None
+            }
+            (Some(_), None) => return Err(config_err("tls.key", "required with tls.certificate")),
+            (None, Some(_)) => return Err(config_err("tls.certificate", "required with tls.key")),
+        };
+        let tls_listen = tls_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("tls_listen", a))
+            .transpose()?;
+        if tls_listen.is_some() && tls.is_none() {
+            return Err(config_err(
+                "tls_listen",
+                "set, but no certificate is configured (tls.certificate, tls.key)",
+            ));
+        }
+        let replication_tls = if replication_tls {
+            let ca = replication_ca.ok_or_else(|| {
+                config_err(
+                    "replication.ca",
+                    "required with replication.tls: the CA the active's certificate must chain to",
+                )
+            })?;
+            let identity = match (&replication_certificate, &replication_key) {
+                (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+                (None, None) => None,
+                (Some(_), None) => {
+                    return Err(config_err(
+                        "replication.key",
+                        "required with replication.certificate",
+                    ))
+                }
+                (None, Some(_)) => {
+                    return Err(config_err(
+                        "replication.certificate",
+                        "required with replication.key",
+                    ))
+                }
+            };
+            Some(
+                sluice_server::tls::ClientTls::load("replication", &ca, identity)
+                    .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))?,
+            )
+        } else {
+            for (key, v) in [
+                ("replication.ca", &replication_ca),
+                ("replication.certificate", &replication_certificate),
+                ("replication.key", &replication_key),
+            ] {
+                if v.is_some() {
+                    return Err(config_err(key, "set, but replication.tls is false"));
+                }
+            }
+            None
+        };
         if tap_ack_interval == 0 {
             return Err(config_err("tap.ack_interval", "must be at least 1"));
         }
@@ -978,6 +1056,7 @@ impl Server {
                     username: replication_user.clone(),
                     password: replication_password.clone(),
                     noop_interval: replication_noop_interval,
+                    tls: replication_tls.clone(),
                 })
             }
         };
@@ -1008,20 +1087,31 @@ impl Server {
             replica_of,
             replication_login: (replication_user, replication_password),
             replication_noop_interval,
+            replication_tls,
             tap,
             login,
+            tls_listen,
+            tls,
         };
         let e = engine.engine.clone();
         let host = policies.clone();
         let server = py
             .allow_threads(|| sluice_server::Server::start_with(e, config, host))
-            .map_err(|err| SluiceError::new_err(format!("cannot listen on {listen}: {err}")))?;
+            .map_err(|err| {
+                if err.kind() == std::io::ErrorKind::InvalidInput {
+                    ConfigError::new_err(format!("invalid config: {err}"))
+                } else {
+                    SluiceError::new_err(format!("cannot listen on {listen}: {err}"))
+                }
+            })?;
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
+        let tls_address = server.tls_addr().map(|a| a.to_string());
         Ok(Server {
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
+            tls_address,
             policies,
         })
     }
@@ -1070,6 +1160,24 @@ impl Server {
             s.set_users(users);
         }
         Ok(())
+    }
+
+    /// "HOST:PORT" of the TLS KV listener, if it runs.
+    #[getter]
+    fn tls_address(&self) -> Option<&str> {
+        self.tls_address.as_deref()
+    }
+
+    /// Reads the TLS certificate and key again (SIGHUP): connections accepted afterwards get
+    /// them. Returns False when no TLS is configured; raises ConfigError (the old certificate
+    /// stays in use) when the files cannot be used.
+    fn reload_tls(&self, py: Python<'_>) -> PyResult<bool> {
+        let guard = self.inner.lock();
+        let Some(s) = guard.as_ref() else {
+            return Err(ClosedError::new_err("the server is stopped"));
+        };
+        py.allow_threads(|| s.reload_tls())
+            .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))
     }
 
     /// "HOST:PORT" of the admin endpoint (/metrics, /status), if it runs.
@@ -1189,7 +1297,7 @@ fn tap_drain<'py>(
 /// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
-#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None))]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_bench<'py>(
     py: Python<'py>,
@@ -1206,7 +1314,12 @@ fn run_bench<'py>(
     threads: usize,
     user: Option<String>,
     password: Option<String>,
+    cacert: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let tls = cacert
+        .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
+        .transpose()
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
     // Values up to sluice's own item size limit, so every request can be framed.
     if connections == 0
         || pipeline == 0
@@ -1233,6 +1346,7 @@ fn run_bench<'py>(
         prefill,
         threads,
         user: user.zip(password),
+        tls,
     };
     let r = py
         .allow_threads(|| sluice_server::bench::run(cfg))

@@ -29,7 +29,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
+
+use crate::tls::{MaybeTls, ReloadableTls};
 use tokio::sync::{watch, Semaphore};
 
 use crate::auth::{Users, ADMIN};
@@ -462,7 +464,7 @@ impl Answer {
         }
     }
 
-    async fn write(self, socket: &mut TcpStream) -> std::io::Result<()> {
+    async fn write(self, socket: &mut MaybeTls) -> std::io::Result<()> {
         let reason = match self.code {
             200 => "OK",
             400 => "Bad Request",
@@ -490,6 +492,7 @@ impl Answer {
         );
         socket.write_all(head.as_bytes()).await?;
         socket.write_all(&self.body).await?;
+        // Shutting down flushes (a TLS stream sends its close_notify too).
         socket.shutdown().await
     }
 }
@@ -499,6 +502,7 @@ pub async fn serve(
     shared: Arc<Shared>,
     admin: Arc<Admin>,
     mut stop: watch::Receiver<bool>,
+    https: Option<Arc<ReloadableTls>>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -511,7 +515,19 @@ pub async fn serve(
                         continue;
                     };
                     let (sh, ad) = (shared.clone(), admin.clone());
+                    let acceptor = https.as_ref().map(|t| t.admin_acceptor());
                     tokio::spawn(async move {
+                        let socket = match acceptor {
+                            None => socket.into(),
+                            Some(a) => match crate::tls::accept(a, socket).await {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    log::debug!("admin: closing the connection from {peer}: {e}");
+                                    drop(slot);
+                                    return;
+                                }
+                            },
+                        };
                         handle(socket, peer, sh, ad).await;
                         drop(slot);
                     });
@@ -525,7 +541,7 @@ pub async fn serve(
     }
 }
 
-async fn handle(mut socket: TcpStream, peer: SocketAddr, shared: Arc<Shared>, admin: Arc<Admin>) {
+async fn handle(mut socket: MaybeTls, peer: SocketAddr, shared: Arc<Shared>, admin: Arc<Admin>) {
     let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut socket)).await {
         // Too slow, closed early, or unreadable: nothing worth answering.
         Err(_) | Ok(Err(None)) => return,
@@ -537,7 +553,7 @@ async fn handle(mut socket: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ad
 
 /// Reads and parses one request head and skips its body; Err(Some) is an answer to send
 /// instead (the request is malformed or over a limit), Err(None) a connection to just close.
-async fn read_request(socket: &mut TcpStream) -> Result<Request, Option<Answer>> {
+async fn read_request(socket: &mut MaybeTls) -> Result<Request, Option<Answer>> {
     let mut buf = vec![0u8; MAX_HEAD];
     let mut len = 0usize;
     let head_end = loop {
@@ -837,6 +853,17 @@ pub fn metrics(shared: &Shared) -> String {
         o,
         "sluice_connections_total{{result=\"refused\"}} {}",
         s.connections_rejected.load(Relaxed)
+    );
+    metric(
+        &mut o,
+        "sluice_tls_handshake_failures_total",
+        "counter",
+        "Connections to the TLS KV listener that failed their handshake (plain-text clients too).",
+    );
+    let _ = writeln!(
+        o,
+        "sluice_tls_handshake_failures_total {}",
+        s.tls_handshake_failures.load(Relaxed)
     );
     metric(
         &mut o,
@@ -1204,6 +1231,8 @@ pub fn status(shared: &Shared) -> serde_json::Value {
         "instance": e.instance(),
         "uptime_s": shared.started.elapsed().as_secs(),
         "listen": shared.config.listen.to_string(),
+        "tls_listen": shared.config.tls_listen.map(|a| a.to_string()),
+        "admin_https": shared.tls.as_ref().is_some_and(|t| t.settings().admin),
         "connections": shared.stats.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
@@ -1277,6 +1306,7 @@ fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
         username,
         password,
         noop_interval: shared.config.replication_noop_interval,
+        tls: shared.config.replication_tls.clone(),
     };
     let r = crate::replica::take_over(
         &shared.engine,

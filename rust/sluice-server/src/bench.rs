@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use sluice_proto::mcbp::{self, magic, opcode, status, HeaderFields};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 #[derive(Debug, Clone)]
@@ -31,6 +31,8 @@ pub struct BenchConfig {
     pub threads: usize,
     /// SASL PLAIN credentials, when the target wants them.
     pub user: Option<(String, String)>,
+    /// Connect over TLS (the target's certificate must carry its IP address).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -81,8 +83,8 @@ fn push_request(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
     .expect("bounded sizes");
 }
 
-async fn read_replies(
-    sock: &mut TcpStream,
+async fn read_replies<S: AsyncRead + Unpin>(
+    sock: &mut S,
     buf: &mut Vec<u8>,
     mut n: usize,
     mut each: impl FnMut(u8, u16),
@@ -113,7 +115,10 @@ async fn read_replies(
     Ok(())
 }
 
-async fn login(sock: &mut TcpStream, user: &Option<(String, String)>) -> std::io::Result<()> {
+async fn login<S: AsyncRead + AsyncWrite + Unpin>(
+    sock: &mut S,
+    user: &Option<(String, String)>,
+) -> std::io::Result<()> {
     let Some((u, p)) = user else { return Ok(()) };
     let mut req = Vec::new();
     let data = [&b"\0"[..], u.as_bytes(), b"\0", p.as_bytes()].concat();
@@ -124,6 +129,7 @@ async fn login(sock: &mut TcpStream, user: &Option<(String, String)>) -> std::io
     };
     mcbp::write_frame(&mut req, &h, &[], &[], b"PLAIN", &data).expect("small");
     sock.write_all(&req).await?;
+    sock.flush().await?;
     let mut ok = false;
     read_replies(sock, &mut Vec::new(), 1, |_, st| ok = st == status::SUCCESS).await?;
     if ok {
@@ -142,11 +148,40 @@ struct Shared {
     stop: AtomicBool,
 }
 
+/// Connects to the target and runs `$body` with `$sock` bound to the stream: plain TCP as it
+/// is, or TLS over it (each a concrete type, so the load loop is compiled for both).
+macro_rules! with_stream {
+    ($cfg:expr, |$sock:ident| $body:expr) => {{
+        let tcp = TcpStream::connect($cfg.target).await?;
+        tcp.set_nodelay(true)?;
+        match &$cfg.tls {
+            None => {
+                let mut $sock = tcp;
+                $body
+            }
+            Some(tls) => {
+                let name = crate::tls::server_name(&$cfg.target.to_string())
+                    .map_err(std::io::Error::other)?;
+                let mut $sock = tokio_rustls::TlsConnector::from(tls.config.clone())
+                    .connect(name, tcp)
+                    .await?;
+                $body
+            }
+        }
+    }};
+}
+
 async fn worker(shared: Arc<Shared>, seed: u64) -> std::io::Result<(Histogram<u64>, [u64; 5])> {
+    with_stream!(shared.cfg, |sock| load(&shared, seed, &mut sock).await)
+}
+
+async fn load<S: AsyncRead + AsyncWrite + Unpin>(
+    shared: &Shared,
+    seed: u64,
+    sock: &mut S,
+) -> std::io::Result<(Histogram<u64>, [u64; 5])> {
     let cfg = &shared.cfg;
-    let mut sock = TcpStream::connect(cfg.target).await?;
-    sock.set_nodelay(true)?;
-    login(&mut sock, &cfg.user).await?;
+    login(sock, &cfg.user).await?;
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
     let value = vec![b'v'; cfg.value_size];
     let mut rng = Rng(seed | 1);
@@ -176,7 +211,8 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> std::io::Result<(Histogram<u6
         }
         let t0 = Instant::now();
         sock.write_all(&out).await?;
-        read_replies(&mut sock, &mut inbuf, cfg.pipeline, |op, st| {
+        sock.flush().await?;
+        read_replies(sock, &mut inbuf, cfg.pipeline, |op, st| {
             ops += 1;
             match (op, st) {
                 (opcode::GET, status::SUCCESS) => gets += 1,
@@ -195,8 +231,14 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> std::io::Result<(Histogram<u6
 }
 
 async fn prefill(cfg: &BenchConfig) -> std::io::Result<()> {
-    let mut sock = TcpStream::connect(cfg.target).await?;
-    login(&mut sock, &cfg.user).await?;
+    with_stream!(cfg, |sock| prefill_on(cfg, &mut sock).await)
+}
+
+async fn prefill_on<S: AsyncRead + AsyncWrite + Unpin>(
+    cfg: &BenchConfig,
+    sock: &mut S,
+) -> std::io::Result<()> {
+    login(sock, &cfg.user).await?;
     let value = vec![b'v'; cfg.value_size];
     let mut out = Vec::new();
     let mut i = 0;
@@ -207,7 +249,8 @@ async fn prefill(cfg: &BenchConfig) -> std::io::Result<()> {
             push_request(&mut out, opcode::SET, &key(i + j, cfg.key_size), &value);
         }
         sock.write_all(&out).await?;
-        read_replies(&mut sock, &mut Vec::new(), n as usize, |_, _| {}).await?;
+        sock.flush().await?;
+        read_replies(sock, &mut Vec::new(), n as usize, |_, _| {}).await?;
         i += n;
     }
     Ok(())

@@ -16,13 +16,13 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 use sluice_proto::mcbp::{self, FrameError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use crate::kv::{Flow, HeldReply, Session};
 use crate::limits::PRELOGIN_MAX_BODY;
 use crate::server::Shared;
+use crate::tls::MaybeTls;
 
 /// Replies are written once this much is pending, even mid-batch.
 const FLUSH_AT: usize = 1 << 20;
@@ -78,7 +78,7 @@ impl Replies {
 }
 
 pub async fn run(
-    mut socket: TcpStream,
+    mut socket: MaybeTls,
     peer: SocketAddr,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -250,7 +250,7 @@ pub async fn run(
 /// without writing them, nothing is sent: the connection closes unanswered rather than
 /// acknowledge what a restart would not have.
 async fn send(
-    socket: &mut TcpStream,
+    socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     session: &Session,
     shared: &Shared,
@@ -267,14 +267,14 @@ async fn send(
 }
 
 async fn write_out(
-    socket: &mut TcpStream,
+    socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     shared: &Shared,
 ) -> std::io::Result<()> {
     if out.is_empty() {
         return Ok(());
     }
-    let r = socket.write_all(out).await;
+    let r = crate::tls::send_all(socket, out).await;
     shared
         .stats
         .bytes_out

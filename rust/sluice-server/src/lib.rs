@@ -14,5 +14,6 @@ pub mod policy;
 pub mod replica;
 pub mod server;
 pub mod tap;
+pub mod tls;
 
 pub use server::{Server, ServerConfig};

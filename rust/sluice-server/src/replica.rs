@@ -45,6 +45,8 @@ pub struct ReplicaConfig {
     pub password: Option<String>,
     /// Seconds between NOOPs; a connection silent for twice this long is dead.
     pub noop_interval: u32,
+    /// Connect over TLS, verifying the active's certificate.
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 /// How often the replica asks its active for its high seqnos.
@@ -128,6 +130,7 @@ impl Replicator {
             username: config.username.clone(),
             password: config.password.clone(),
             name: format!("replication-probe:{node}:{name}"),
+            tls: config.tls.clone(),
             setup_timeout: Some(Duration::from_secs(2)),
             noop_interval: 0,
             ..ConsumerConfig::default()
@@ -257,6 +260,7 @@ fn follow(
             username: config.username.clone(),
             password: config.password.clone(),
             name: format!("replication:{node}:{}", bucket.name()),
+            tls: config.tls.clone(),
             vbuckets: Some(vbuckets),
             state,
             rollback: RollbackMode::Ask,
@@ -582,6 +586,7 @@ pub fn take_over(
         username: source.username.clone(),
         password: source.password.clone(),
         name: format!("takeover:{}:{}:{vb}", engine.instance(), bucket.name()),
+        tls: source.tls.clone(),
         vbuckets: Some(vec![vb]),
         state,
         rollback: RollbackMode::Ask,

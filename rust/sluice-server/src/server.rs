@@ -32,9 +32,17 @@ pub struct ServerConfig {
     pub replication_login: (Option<String>, Option<String>),
     /// Seconds between NOOPs on this node's replication and takeover streams.
     pub replication_noop_interval: u32,
+    /// TLS for the connections this node opens to others (replication, takeover): whom it
+    /// trusts and its own certificate.
+    pub replication_tls: Option<crate::tls::ClientTls>,
     pub tap: crate::tap::producer::TapConfig,
     /// Bounds on connections that have not logged in (when users are configured).
     pub login: crate::limits::LoginLimits,
+    /// The TLS KV listener (next to `listen`); needs `tls`.
+    pub tls_listen: Option<SocketAddr>,
+    /// The certificate and key of the TLS listener (and of the admin endpoint when
+    /// `tls.admin`).
+    pub tls: Option<crate::tls::TlsSettings>,
 }
 
 /// Counters the metrics endpoint and STAT read.
@@ -47,6 +55,8 @@ pub struct ServerStats {
     pub bytes_out: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub protocol_warnings: WarningLimiter,
+    /// Connections to the TLS listener that failed their handshake (plain-text clients too).
+    pub tls_handshake_failures: AtomicU64,
 }
 
 /// At most one warning per kind in this long about what peers do wrong (protocol errors,
@@ -114,6 +124,8 @@ pub struct Shared {
     pub policies: Arc<crate::policy::PolicyHost>,
     /// Connections not yet logged in, and failed logins.
     pub prelogin: crate::limits::PreLogin,
+    /// The certificate in use, replaced by a reload (SIGHUP).
+    pub tls: Option<Arc<crate::tls::ReloadableTls>>,
 }
 
 impl Shared {
@@ -144,13 +156,15 @@ pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
     local_addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
+    tls_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     shared: Arc<Shared>,
 }
 
 impl Server {
-    /// Binds (errors come back here, not later) and starts serving.
+    /// Binds (errors come back here, not later) and starts serving. A TLS certificate that
+    /// cannot be used is an `InvalidInput` error naming the key and the file.
     pub fn start(engine: Arc<Engine>, config: ServerConfig) -> std::io::Result<Server> {
         Server::start_with(engine, config, Default::default())
     }
@@ -178,10 +192,32 @@ impl Server {
             None => None,
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        let tls = match &config.tls {
+            Some(t) => Some(Arc::new(
+                crate::tls::ReloadableTls::load(t.clone())
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            )),
+            None => None,
+        };
+        let tls_listener =
+            match (config.tls_listen, &tls) {
+                (Some(a), Some(_)) => {
+                    let l = std::net::TcpListener::bind(a)?;
+                    l.set_nonblocking(true)?;
+                    Some(l)
+                }
+                (Some(_), None) => return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "tls_listen: set, but no certificate is configured (tls.certificate, tls.key)",
+                )),
+                (None, _) => None,
+            };
+        let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
         // What was bound (a port 0 becomes the real one), for STAT and /status.
         let mut config = config;
         config.listen = local_addr;
         config.admin_listen = admin_addr;
+        config.tls_listen = tls_addr;
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let tap_sessions = Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions));
@@ -198,6 +234,7 @@ impl Server {
             tap: Default::default(),
             policies: policies.clone(),
             prelogin: Default::default(),
+            tls,
         });
         shared
             .engine
@@ -223,7 +260,8 @@ impl Server {
                 TcpListener::from_std(l)?
             };
             let token = crate::admin::Token::create(&shared.engine.config().data_dir)?;
-            if !addr.ip().is_loopback() && shared.config.users.required() {
+            let https = shared.tls.clone().filter(|t| t.settings().admin);
+            if !addr.ip().is_loopback() && shared.config.users.required() && https.is_none() {
                 log::warn!(
                     "the admin endpoint {addr} is beyond loopback: HTTP Basic passwords sent to it \
                      cross the network unencrypted"
@@ -234,17 +272,34 @@ impl Server {
                 shared.clone(),
                 Arc::new(crate::admin::Admin::new(addr, token)),
                 stop_rx.clone(),
+                https,
             ));
         }
+        let tls_listener = match tls_listener {
+            Some(l) => {
+                let _enter = runtime.enter();
+                Some(TcpListener::from_std(l)?)
+            }
+            None => None,
+        };
         let sh = shared.clone();
         runtime.spawn(async move {
-            accept_loop(listener, sh, stop_rx).await;
+            // One limit for both listeners: max_connections counts every client connection.
+            let limit = Arc::new(Semaphore::new(sh.config.max_connections));
+            let plain = accept_loop(listener, sh.clone(), stop_rx.clone(), limit.clone(), None);
+            let tls = async {
+                if let (Some(l), Some(t)) = (tls_listener, sh.tls.clone()) {
+                    accept_loop(l, sh.clone(), stop_rx, limit, Some(t)).await;
+                }
+            };
+            tokio::join!(plain, tls);
             let _ = done_tx.send(());
         });
         Ok(Server {
             runtime: Some(runtime),
             local_addr,
             admin_addr,
+            tls_addr,
             stop: stop_tx,
             done: Some(done_rx),
             shared,
@@ -263,6 +318,20 @@ impl Server {
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// The TLS KV listener's address, if it runs.
+    pub fn tls_addr(&self) -> Option<SocketAddr> {
+        self.tls_addr
+    }
+
+    /// Reads the TLS certificate and key again (SIGHUP): connections accepted afterwards get
+    /// them. On an error the ones in use stay. Ok(false): no TLS is configured.
+    pub fn reload_tls(&self) -> Result<bool, String> {
+        match &self.shared.tls {
+            Some(t) => t.reload().map(|()| true),
+            None => Ok(false),
+        }
     }
 
     pub fn shared(&self) -> &Arc<Shared> {
@@ -292,8 +361,15 @@ impl Drop for Server {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+/// Accepts on one listener; `tls`: the TLS KV listener, whose connections do their handshake
+/// in their own task before the first request.
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+    limit: Arc<Semaphore>,
+    tls: Option<Arc<crate::tls::ReloadableTls>>,
+) {
     let mut tasks = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
@@ -318,9 +394,23 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch
                 shared.stats.connections_total.fetch_add(1, Ordering::Relaxed);
                 let sh = shared.clone();
                 let stop = stop.clone();
+                let acceptor = tls.as_ref().map(|t| t.kv_acceptor());
                 tasks.spawn(async move {
                     sh.stats.curr_connections.fetch_add(1, Ordering::Relaxed);
-                    connection::run(socket, peer, sh.clone(), stop).await;
+                    let socket = match acceptor {
+                        None => Some(socket.into()),
+                        Some(a) => match crate::tls::accept(a, socket).await {
+                            Ok(s) => Some(s),
+                            Err(e) => {
+                                sh.stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                                log::info!("closing connection from {peer}: {e}");
+                                None
+                            }
+                        },
+                    };
+                    if let Some(socket) = socket {
+                        connection::run(socket, peer, sh.clone(), stop).await;
+                    }
                     sh.stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
                     drop(permit);
                 });

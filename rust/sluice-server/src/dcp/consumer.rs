@@ -5,8 +5,10 @@
 //! the session state after it, so that what the reader has seen is what it resumes from.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
+
+use crate::tls::{SyncReader, SyncWriter};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -198,6 +200,9 @@ pub struct ConsumerConfig {
     /// Where an AckPolicy plugin may resize the flow control (buffer size, acknowledgement
     /// interval) after each buffer acknowledgement.
     pub flow_control: Option<Arc<PolicyHost>>,
+    /// Connect over TLS (the producer's certificate is verified; the host of `address` is the
+    /// name it must carry).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 impl Default for ConsumerConfig {
@@ -224,6 +229,7 @@ impl Default for ConsumerConfig {
             takeover: false,
             end_refused_streams: false,
             flow_control: None,
+            tls: None,
         }
     }
 }
@@ -332,7 +338,7 @@ pub struct Consumer {
     thread: Option<JoinHandle<()>>,
     /// The thread's socket, shut down on drop so that a read or write blocked on a silent
     /// producer returns at once.
-    socket: Arc<Mutex<Option<TcpStream>>>,
+    socket: Arc<Mutex<Option<SyncWriter>>>,
 }
 
 impl Consumer {
@@ -449,7 +455,7 @@ pub fn vbucket_positions(
 pub struct SeqnoProbe {
     config: ConsumerConfig,
     session: Option<Session>,
-    socket: Arc<Mutex<Option<TcpStream>>>,
+    socket: Arc<Mutex<Option<SyncWriter>>>,
 }
 
 impl SeqnoProbe {
@@ -514,8 +520,8 @@ struct VbStream {
 }
 
 struct Session {
-    sock: TcpStream,
-    writer: Arc<Mutex<Option<TcpStream>>>,
+    sock: SyncReader,
+    writer: Arc<Mutex<Option<SyncWriter>>>,
     config: ConsumerConfig,
     events: SyncSender<Event>,
     commands: Receiver<Command>,
@@ -582,7 +588,7 @@ impl Session {
         config: &ConsumerConfig,
         events: SyncSender<Event>,
         commands: Receiver<Command>,
-        shared_socket: &Arc<Mutex<Option<TcpStream>>>,
+        shared_socket: &Arc<Mutex<Option<SyncWriter>>>,
     ) -> Result<Session, String> {
         let addr = std::net::ToSocketAddrs::to_socket_addrs(&config.address)
             .ok()
@@ -595,7 +601,11 @@ impl Session {
         let sock = TcpStream::connect_timeout(&addr, setup_timeout.min(Duration::from_secs(10)))
             .map_err(|e| format!("cannot connect to {}: {e}", config.address))?;
         let _ = sock.set_nodelay(true);
-        *shared_socket.lock() = sock.try_clone().ok();
+        sock.set_read_timeout(Some(setup_timeout))
+            .map_err(|e| e.to_string())?;
+        let (sock, writer) =
+            crate::tls::connect_client(sock, &config.address, config.tls.as_ref())?;
+        *shared_socket.lock() = Some(writer);
         let mut s = Session {
             sock,
             writer: shared_socket.clone(),

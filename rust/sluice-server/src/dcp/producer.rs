@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::tls::MaybeTls;
 use bytes::BytesMut;
 use parking_lot::Mutex;
 use sluice_core::bucket::Bucket;
@@ -21,8 +22,7 @@ use sluice_proto::dcp::{
     SeqnoAcknowledged, StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, status, Request};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use super::filter;
@@ -725,7 +725,7 @@ impl Producer {
 /// fails its NOOPs, the name is reopened elsewhere, or the server stops.
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
-    mut socket: TcpStream,
+    mut socket: MaybeTls,
     mut inbuf: BytesMut,
     mut out: Vec<u8>,
     mut session: Session,
@@ -787,7 +787,7 @@ pub async fn run(
 
 #[allow(clippy::too_many_arguments)]
 async fn serve(
-    socket: &mut TcpStream,
+    socket: &mut MaybeTls,
     inbuf: &mut BytesMut,
     out: &mut Vec<u8>,
     session: &mut Session,
@@ -883,11 +883,11 @@ async fn serve(
 }
 
 async fn write_out(
-    socket: &mut TcpStream,
+    socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     shared: &Shared,
 ) -> std::io::Result<()> {
-    let r = socket.write_all(out).await;
+    let r = crate::tls::send_all(socket, out).await;
     shared
         .stats
         .bytes_out

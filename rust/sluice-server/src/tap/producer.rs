@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::tls::MaybeTls;
 use bytes::BytesMut;
 use parking_lot::Mutex;
 use sluice_core::bucket::Bucket;
@@ -23,8 +24,7 @@ use sluice_core::Engine;
 use sluice_proto::dcp::stream_end_reason;
 use sluice_proto::mcbp::{self, magic, status};
 use sluice_proto::tap::{connect_flag, opaque_code, opcode, TapConnect, TapMessage};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use super::session::{restamp, Claim, Found, Full, Unacked};
@@ -537,7 +537,7 @@ enum Ended {
 /// Serves a connection that TAP_CONNECT turned into a producer.
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
-    mut socket: TcpStream,
+    mut socket: MaybeTls,
     mut inbuf: BytesMut,
     mut out: Vec<u8>,
     mut kv: Session,
@@ -562,7 +562,7 @@ pub async fn run(
                 );
                 log::warn!("TAP '{name}' from {peer} refused: {why}");
                 error_reply(&mut out, opaque, status::ETMPFAIL, &why);
-                let _ = socket.write_all(&out).await;
+                let _ = crate::tls::send_all(&mut socket, &out).await;
                 return;
             }
         }
@@ -599,7 +599,7 @@ pub async fn run(
                 Err((st, why)) => {
                     log::warn!("TAP '{name}' from {peer} refused: {why}");
                     error_reply(&mut out, opaque, st, &why);
-                    let _ = socket.write_all(&out).await;
+                    let _ = crate::tls::send_all(&mut socket, &out).await;
                     if let Some(c) = &claim {
                         shared.tap_sessions.release(c);
                     }
@@ -713,7 +713,7 @@ struct AckAdvice {
 
 #[allow(clippy::too_many_arguments)]
 async fn serve(
-    socket: &mut TcpStream,
+    socket: &mut MaybeTls,
     inbuf: &mut BytesMut,
     out: &mut Vec<u8>,
     kv: &mut Session,
@@ -741,7 +741,7 @@ async fn serve(
                     } else {
                         let flow = kv.handle(&frame, out);
                         if matches!(kv.settle(flow, out).await, Flow::Close) {
-                            let _ = socket.write_all(out).await;
+                            let _ = crate::tls::send_all(socket, out).await;
                             return Ended::Done("the client quit");
                         }
                     }
@@ -769,7 +769,7 @@ async fn serve(
             false
         };
         if !out.is_empty() {
-            let r = socket.write_all(out).await;
+            let r = crate::tls::send_all(socket, out).await;
             shared
                 .stats
                 .bytes_out

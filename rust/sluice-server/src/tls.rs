@@ -1,0 +1,528 @@
+//! TLS (rustls, ring provider) for the KV TLS listener, the admin endpoint and the replica's
+//! connection to its active.
+//!
+//! The server side keeps its certificate and key in a `ReloadableTls`: connections accepted
+//! after a successful `reload` (SIGHUP) get the new certificate; a reload that fails keeps the
+//! old one. Connections are a `MaybeTls`, one enum for plain and TLS streams, so the connection,
+//! DCP and TAP code runs unchanged over either (plain TCP pays one match per poll).
+//!
+//! The replica's consumer is blocking and writes from two threads (its own, and the reader's
+//! acknowledgements) while one of them reads: `connect_client` splits a rustls client
+//! connection into a `SyncReader` and a `SyncWriter` that share the TLS state under a lock held
+//! only while records are encrypted, decrypted or written, never while waiting for the socket.
+
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::BytesMut;
+use parking_lot::{Mutex, RwLock};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// The server's certificate files, as configured (`tls.*`).
+#[derive(Debug, Clone)]
+pub struct TlsSettings {
+    /// PEM: the certificate chain, leaf first.
+    pub certificate: PathBuf,
+    /// PEM: the private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// PEM: CAs whose certificates clients of the TLS KV listener must present; None: clients
+    /// need no certificate.
+    pub client_ca: Option<PathBuf>,
+    /// Serve the admin endpoint over HTTPS (with the same certificate).
+    pub admin: bool,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The certificates of a PEM file; `key` names the configuration key in errors.
+pub fn load_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let read =
+        std::fs::read(path).map_err(|e| format!("{key}: cannot read {}: {e}", path.display()))?;
+    let certs = CertificateDer::pem_slice_iter(&read)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{key}: {} is not valid PEM: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "{key}: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            path.display()
+        ));
+    }
+    Ok(certs)
+}
+
+fn load_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    let read =
+        std::fs::read(path).map_err(|e| format!("{key}: cannot read {}: {e}", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&read).map_err(|e| {
+        format!(
+            "{key}: {} holds no usable PEM private key: {e}",
+            path.display()
+        )
+    })
+}
+
+fn load_roots(key: &str, path: &Path) -> Result<rustls::RootCertStore, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in load_certificates(key, path)? {
+        roots.add(c).map_err(|e| {
+            format!(
+                "{key}: a certificate in {} is not a usable CA: {e}",
+                path.display()
+            )
+        })?;
+    }
+    Ok(roots)
+}
+
+/// The server configurations built from one reading of the files: the KV listener's (asks for
+/// client certificates when `client_ca` is set) and the admin endpoint's (never does).
+struct ServerConfigs {
+    kv: Arc<rustls::ServerConfig>,
+    admin: Arc<rustls::ServerConfig>,
+}
+
+fn server_configs(s: &TlsSettings) -> Result<ServerConfigs, String> {
+    let chain = load_certificates("tls.certificate", &s.certificate)?;
+    let key = load_key("tls.key", &s.key)?;
+    let builder = || {
+        rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))
+    };
+    let mismatch = |e: rustls::Error| {
+        format!(
+            "tls.key: {} does not go with the certificate in {}: {e}",
+            s.key.display(),
+            s.certificate.display()
+        )
+    };
+    let kv = match &s.client_ca {
+        None => builder()?.with_no_client_auth(),
+        Some(ca) => {
+            let roots = load_roots("tls.client_ca", ca)?;
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider(),
+            )
+            .build()
+            .map_err(|e| format!("tls.client_ca: {e}"))?;
+            builder()?.with_client_cert_verifier(verifier)
+        }
+    }
+    .with_single_cert(chain.clone(), key.clone_key())
+    .map_err(mismatch)?;
+    let admin = builder()?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(mismatch)?;
+    Ok(ServerConfigs {
+        kv: Arc::new(kv),
+        admin: Arc::new(admin),
+    })
+}
+
+/// The server's TLS configuration, replaced whole by a successful reload.
+pub struct ReloadableTls {
+    settings: TlsSettings,
+    current: RwLock<ServerConfigs>,
+}
+
+impl std::fmt::Debug for ReloadableTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReloadableTls")
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+impl ReloadableTls {
+    /// Reads the files; an error names the key and the file.
+    pub fn load(settings: TlsSettings) -> Result<ReloadableTls, String> {
+        let current = RwLock::new(server_configs(&settings)?);
+        Ok(ReloadableTls { settings, current })
+    }
+
+    /// Reads the files again: connections accepted afterwards get the new certificate. On an
+    /// error the configuration in use stays.
+    pub fn reload(&self) -> Result<(), String> {
+        let fresh = server_configs(&self.settings)?;
+        *self.current.write() = fresh;
+        Ok(())
+    }
+
+    pub fn settings(&self) -> &TlsSettings {
+        &self.settings
+    }
+
+    pub fn kv_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.current.read().kv.clone())
+    }
+
+    pub fn admin_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.current.read().admin.clone())
+    }
+}
+
+/// How long a client has to finish its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Runs the server side of a handshake within `HANDSHAKE_TIMEOUT`; the error says why it
+/// failed (a plain-text client on the TLS port, an unknown client certificate, a timeout).
+pub async fn accept(
+    acceptor: tokio_rustls::TlsAcceptor,
+    socket: TcpStream,
+) -> Result<MaybeTls, String> {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {
+        Ok(Ok(s)) => Ok(MaybeTls::Tls(Box::new(s))),
+        Ok(Err(e)) => Err(format!("TLS handshake failed: {e}")),
+        Err(_) => Err(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
+    }
+}
+
+/// A server-side connection, plain or TLS.
+pub enum MaybeTls {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl From<TcpStream> for MaybeTls {
+    fn from(s: TcpStream) -> Self {
+        MaybeTls::Plain(s)
+    }
+}
+
+impl MaybeTls {
+    /// Reads what is there without waiting (`TcpStream::try_read_buf`): WouldBlock if nothing
+    /// is.
+    pub fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        match self {
+            MaybeTls::Plain(s) => s.try_read_buf(buf),
+            MaybeTls::Tls(s) => {
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                let dst = buf.spare_capacity_mut();
+                if dst.is_empty() {
+                    buf.reserve(8 << 10);
+                }
+                let dst = buf.spare_capacity_mut();
+                let mut rb = ReadBuf::uninit(dst);
+                match Pin::new(&mut **s).poll_read(&mut cx, &mut rb) {
+                    Poll::Ready(Ok(())) => {
+                        let n = rb.filled().len();
+                        // Safety: poll_read initialised and filled these n bytes.
+                        unsafe { buf.set_len(buf.len() + n) };
+                        Ok(n)
+                    }
+                    Poll::Ready(Err(e)) => Err(e),
+                    Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
+                }
+            }
+        }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        matches!(self, MaybeTls::Tls(_))
+    }
+}
+
+impl AsyncRead for MaybeTls {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for MaybeTls {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            MaybeTls::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            MaybeTls::Plain(s) => s.is_write_vectored(),
+            MaybeTls::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_flush(cx),
+            MaybeTls::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            MaybeTls::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Writes all of `buf` and flushes: a TLS stream may keep encrypted records buffered after
+/// `write_all` returns (plain TCP's flush does nothing).
+pub async fn send_all<S: AsyncWrite + Unpin>(socket: &mut S, buf: &[u8]) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    socket.write_all(buf).await?;
+    socket.flush().await
+}
+
+/// How a client connects over TLS: whom it trusts, its own certificate if any.
+#[derive(Clone)]
+pub struct ClientTls {
+    pub config: Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientTls")
+    }
+}
+
+impl ClientTls {
+    /// `ca`: the CAs the peer's certificate must chain to; `identity`: this node's certificate
+    /// and key, for peers that ask for one. Keys in errors are `{prefix}.ca` etc.
+    pub fn load(
+        prefix: &str,
+        ca: &Path,
+        identity: Option<(&Path, &Path)>,
+    ) -> Result<ClientTls, String> {
+        Self::build(prefix, &format!("{prefix}.ca"), ca, identity)
+    }
+
+    /// A client with no certificate of its own that trusts the CAs in `ca` (named `ca_key` in
+    /// errors).
+    pub fn trusting(ca_key: &str, ca: &Path) -> Result<ClientTls, String> {
+        Self::build(ca_key, ca_key, ca, None)
+    }
+
+    fn build(
+        prefix: &str,
+        ca_key: &str,
+        ca: &Path,
+        identity: Option<(&Path, &Path)>,
+    ) -> Result<ClientTls, String> {
+        let roots = load_roots(ca_key, ca)?;
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("{prefix}: {e}"))?
+            .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let chain = load_certificates(&format!("{prefix}.certificate"), cert)?;
+                let k = load_key(&format!("{prefix}.key"), key)?;
+                builder.with_client_auth_cert(chain, k).map_err(|e| {
+                    format!(
+                        "{prefix}.key: {} does not go with the certificate in {}: {e}",
+                        key.display(),
+                        cert.display()
+                    )
+                })?
+            }
+        };
+        Ok(ClientTls {
+            config: Arc::new(config),
+        })
+    }
+}
+
+/// The name a peer's certificate must carry: the host of HOST:PORT (an IP address must be in
+/// the certificate's IP SANs).
+pub fn server_name(address: &str) -> Result<ServerName<'static>, String> {
+    let host = match address.rsplit_once(':') {
+        Some((h, _)) => h,
+        None => address,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    ServerName::try_from(host.to_string())
+        .map_err(|e| format!("{host:?} is not a TLS server name: {e}"))
+}
+
+/// The TLS state both halves of a blocking client connection share.
+pub struct SharedClient {
+    conn: Mutex<rustls::ClientConnection>,
+    /// Written under `conn`'s lock, so records leave in the order they were made.
+    tcp: std::net::TcpStream,
+}
+
+impl SharedClient {
+    /// Sends what rustls has queued (records, alerts); call with `conn` locked.
+    fn push(&self, conn: &mut rustls::ClientConnection) -> io::Result<()> {
+        while conn.wants_write() {
+            conn.write_tls(&mut &self.tcp)?;
+        }
+        Ok(())
+    }
+}
+
+/// The reading half of a blocking client connection.
+pub enum SyncReader {
+    Plain(std::net::TcpStream),
+    Tls {
+        tcp: std::net::TcpStream,
+        shared: Arc<SharedClient>,
+        raw: Vec<u8>,
+        raw_start: usize,
+        raw_end: usize,
+    },
+}
+
+/// The writing half of a blocking client connection; whole frames are written under one call.
+pub enum SyncWriter {
+    Plain(std::net::TcpStream),
+    Tls(Arc<SharedClient>),
+}
+
+/// Makes `tcp` a client connection, over TLS when `tls` is given (the handshake runs here,
+/// bounded by the socket's read timeout).
+pub fn connect_client(
+    tcp: std::net::TcpStream,
+    address: &str,
+    tls: Option<&ClientTls>,
+) -> Result<(SyncReader, SyncWriter), String> {
+    let writer_tcp = tcp.try_clone().map_err(|e| e.to_string())?;
+    let Some(tls) = tls else {
+        return Ok((SyncReader::Plain(tcp), SyncWriter::Plain(writer_tcp)));
+    };
+    let name = server_name(address)?;
+    let mut conn = rustls::ClientConnection::new(tls.config.clone(), name)
+        .map_err(|e| format!("TLS to {address}: {e}"))?;
+    let mut io = &tcp;
+    while conn.is_handshaking() {
+        conn.complete_io(&mut io)
+            .map_err(|e| format!("TLS handshake with {address} failed: {e}"))?;
+    }
+    let shared = Arc::new(SharedClient {
+        conn: Mutex::new(conn),
+        tcp: writer_tcp,
+    });
+    Ok((
+        SyncReader::Tls {
+            tcp,
+            shared: shared.clone(),
+            raw: vec![0; 64 << 10],
+            raw_start: 0,
+            raw_end: 0,
+        },
+        SyncWriter::Tls(shared),
+    ))
+}
+
+impl SyncReader {
+    pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            SyncReader::Plain(s) | SyncReader::Tls { tcp: s, .. } => s.set_read_timeout(t),
+        }
+    }
+
+    pub fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
+        match self {
+            SyncReader::Plain(s) | SyncReader::Tls { tcp: s, .. } => s.shutdown(how),
+        }
+    }
+}
+
+impl Read for SyncReader {
+    /// Plain: the socket's read. TLS: decrypted bytes; the socket's timeout errors come through
+    /// as they would for plain TCP; Ok(0) is the peer's close.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let (tcp, shared, raw, raw_start, raw_end) = match self {
+            SyncReader::Plain(s) => return s.read(buf),
+            SyncReader::Tls {
+                tcp,
+                shared,
+                raw,
+                raw_start,
+                raw_end,
+            } => (tcp, shared, raw, raw_start, raw_end),
+        };
+        loop {
+            {
+                let mut conn = shared.conn.lock();
+                match conn.reader().read(buf) {
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            let eof = if *raw_start == *raw_end {
+                // Waiting for the socket holds no lock: the writer goes on meanwhile.
+                let n = tcp.read(raw)?;
+                *raw_start = 0;
+                *raw_end = n;
+                n == 0
+            } else {
+                false
+            };
+            let mut conn = shared.conn.lock();
+            let mut pending = &raw[*raw_start..*raw_end];
+            // At EOF `pending` is empty, which tells rustls the peer is gone.
+            let used = conn.read_tls(&mut pending)?;
+            *raw_start += used;
+            if let Err(e) = conn.process_new_packets() {
+                // Tell the peer why (the alert rustls queued), then fail.
+                let _ = shared.push(&mut conn);
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            shared.push(&mut conn)?;
+            if eof {
+                return match conn.reader().read(buf) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+                    r => r,
+                };
+            }
+        }
+    }
+}
+
+impl SyncWriter {
+    pub fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            SyncWriter::Plain(s) => s.write_all(bytes),
+            SyncWriter::Tls(shared) => {
+                let mut conn = shared.conn.lock();
+                conn.writer().write_all(bytes)?;
+                shared.push(&mut conn)
+            }
+        }
+    }
+
+    pub fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
+        match self {
+            SyncWriter::Plain(s) => s.shutdown(how),
+            SyncWriter::Tls(shared) => shared.tcp.shutdown(how),
+        }
+    }
+}
