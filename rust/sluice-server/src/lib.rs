@@ -13,6 +13,7 @@ pub mod login;
 pub mod policy;
 pub mod replica;
 pub mod server;
+pub mod stream;
 pub mod tap;
 pub mod tls;
 

@@ -26,10 +26,11 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use super::filter;
-use super::stream::{turn_order, DcpSink, Encoding, Progress, Stream, Takeover};
+use super::sink::DcpSink;
 use crate::kv::{Flow, Session};
 use crate::policy::{Answer, PolicyKind, Question};
 use crate::server::Shared;
+use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 
 /// Replies and stream messages are written once this much is pending.
 const FLUSH_AT: usize = 256 << 10;

@@ -29,12 +29,12 @@ use tokio::sync::watch;
 
 use super::session::{restamp, Claim, Found, Full, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
-use crate::dcp::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use crate::kv::{Flow, Session};
 use crate::policy::{
     AckStats, Answer, FilterBatch, FilterDecision, Pending, PolicyKind, Question, RetransmitEvent,
 };
 use crate::server::Shared;
+use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 
 /// What a round encodes before its output is written, and what it stages without a
 /// StreamFilter. 256 and 512 KiB measured alike; 1 MiB slower (staging and output no longer

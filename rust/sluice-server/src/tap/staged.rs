@@ -9,8 +9,8 @@ use sluice_core::item::{tap_hops, ChangeOp, ItemMeta, DATATYPE_CLIENT_BITS};
 use sluice_proto::dcp::snapshot_flag;
 use sluice_proto::tap::{message_flag, opaque_code, opcode, TapMessage};
 
-use crate::dcp::stream::{StreamSink, StreamView};
 use crate::policy::{action, FilterDecision, FilterDocs, FilterKeys};
+use crate::stream::{StreamSink, StreamView};
 
 /// Per-message overhead counted against a round's budget, beyond key and value.
 const MESSAGE_COST: usize = 48;

@@ -1,7 +1,10 @@
-//! One DCP stream of a producer connection: a vbucket's changes after the consumer's start, as
-//! snapshots. Older history comes by backfill (one disk snapshot up to the high seqno taken when
-//! it began), then the stream follows its checkpoint cursor (memory snapshots); the cursor is
-//! registered atomically with the backfill, so the two meet without a gap or a duplicate.
+//! A vbucket's change stream, whichever protocol carries it: its changes after the consumer's
+//! start, as snapshots. Older history comes by backfill (one disk snapshot up to the high seqno
+//! taken when it began), then the stream follows its checkpoint cursor (memory snapshots); the
+//! cursor is registered atomically with the backfill, so the two meet without a gap or a
+//! duplicate. Messages go to a `StreamSink`: DCP frames (`dcp::sink`), TAP's staged rounds, or
+//! a test's recording. The stream's vocabulary (snapshot flags, STREAM_END reasons, vbucket
+//! state codes) is DCP's, which the other protocols map from.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -9,14 +12,10 @@ use std::sync::Arc;
 use sluice_core::backfill::Backfill;
 use sluice_core::bucket::Bucket;
 use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
-use sluice_core::item::{ChangeOp, ItemMeta, DATATYPE_CLIENT_BITS};
+use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
-use sluice_proto::dcp::DcpRequest;
-use sluice_proto::dcp::{
-    opcode, snapshot_flag, stream_end_reason, vbucket_state, DocumentRef, SetVbucketState,
-    SnapshotMarker, StreamEnd,
-};
+use sluice_proto::dcp::{snapshot_flag, stream_end_reason, vbucket_state};
 
 /// How a connection wants documents encoded (DCP_OPEN flags and controls).
 #[derive(Debug, Clone, Copy, Default)]
@@ -86,13 +85,6 @@ pub struct Stream {
     pub acks_as: Option<String>,
 }
 
-/// Appends one message and returns its length, for flow control.
-fn framed(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) -> usize {
-    let before = out.len();
-    write(out);
-    out.len() - before
-}
-
 /// A connection's vbuckets in the order their streams take turns, starting at `turn`.
 pub fn turn_order(streams: &std::collections::BTreeMap<u16, Stream>, turn: u16) -> Vec<u16> {
     streams
@@ -133,63 +125,6 @@ pub trait StreamSink {
     fn end(&mut self, s: &StreamView, reason: u32) -> usize;
     /// A takeover's state change (`vbucket_state` codes).
     fn vbucket_state(&mut self, s: &StreamView, state: u8) -> usize;
-}
-
-/// DCP frames appended to a connection's output.
-pub struct DcpSink<'a>(pub &'a mut Vec<u8>);
-
-impl StreamSink for DcpSink<'_> {
-    fn marker(
-        &mut self,
-        s: &StreamView,
-        start: u64,
-        end: u64,
-        flags: u32,
-        _checkpoint: Option<u64>,
-    ) -> usize {
-        framed(self.0, |out| {
-            let _ = SnapshotMarker {
-                vbucket: s.vbucket,
-                start_seqno: start,
-                end_seqno: end,
-                flags,
-            }
-            .encode(out, s.opaque);
-        })
-    }
-
-    fn document(
-        &mut self,
-        s: &StreamView,
-        op: ChangeOp,
-        key: &[u8],
-        value: &[u8],
-        meta: &ItemMeta,
-        _backfill: bool,
-    ) -> usize {
-        s.write_document(self.0, op, key, value, meta)
-    }
-
-    fn end(&mut self, s: &StreamView, reason: u32) -> usize {
-        framed(self.0, |out| {
-            let _ = StreamEnd {
-                vbucket: s.vbucket,
-                reason,
-            }
-            .encode(out, s.opaque);
-        })
-    }
-
-    fn vbucket_state(&mut self, s: &StreamView, state: u8) -> usize {
-        framed(self.0, |out| {
-            let _ = SetVbucketState {
-                vbucket: s.vbucket,
-                state,
-                value: Vec::new(),
-            }
-            .encode(out, s.opaque);
-        })
-    }
 }
 
 impl Stream {
@@ -300,13 +235,13 @@ impl Stream {
         self.last_seqno >= self.end_seqno && self.last_seqno >= self.snapshot_end
     }
 
-    /// Writes STREAM_END with `reason`; returns its length.
     /// The last seqno this stream has sent, or the consumer's start before it sent any: the
     /// most a consumer of it can have received.
     pub fn last_sent_seqno(&self) -> u64 {
         self.last_seqno
     }
 
+    /// Writes STREAM_END with `reason`; returns its length.
     pub fn write_end(&self, sink: &mut impl StreamSink, reason: u32) -> usize {
         sink.end(&self.view(), reason)
     }
@@ -574,44 +509,5 @@ pub struct StreamView {
     pub encoding: Encoding,
 }
 
-impl StreamView {
-    fn write_document(
-        &self,
-        out: &mut Vec<u8>,
-        op: ChangeOp,
-        key: &[u8],
-        value: &[u8],
-        meta: &ItemMeta,
-    ) -> usize {
-        let e = self.encoding;
-        let opcode = match op {
-            ChangeOp::Mutation => opcode::MUTATION,
-            ChangeOp::Deletion => opcode::DELETION,
-            ChangeOp::Expiration if e.expiry_opcode => opcode::EXPIRATION,
-            ChangeOp::Expiration => opcode::DELETION,
-        };
-        let deleted = opcode != opcode::MUTATION;
-        let doc = DocumentRef {
-            opcode,
-            vbucket: self.vbucket,
-            key,
-            value: if e.no_value { &[] } else { value },
-            by_seqno: meta.by_seqno,
-            rev_seqno: meta.rev_seqno,
-            cas: meta.cas,
-            datatype: if e.no_value && !e.keep_datatype {
-                0
-            } else {
-                meta.datatype & DATATYPE_CLIENT_BITS
-            },
-            flags: meta.flags,
-            expiration: if deleted { 0 } else { meta.expiry },
-            // A tombstone's expiry field holds its delete time.
-            delete_time: if deleted { meta.expiry } else { 0 },
-        };
-        framed(out, |out| {
-            // Keys and values are bounded by what the engine accepted: encoding cannot fail.
-            let _ = doc.encode(out, self.opaque, e.delete_times);
-        })
-    }
-}
+#[cfg(test)]
+mod tests;
