@@ -75,6 +75,7 @@ def test_bad_connections_are_counted_each_and_logged_once_in_a_while(server):
     assert "sluice_protocol_errors_total 30" in metrics
     server.proc.send_signal(signal.SIGTERM)
     server.wait_for("stopped cleanly")  # every line logged before it is in server.lines
+    assert server.proc.wait(timeout=30) == 0
     warned = [line for line in server.lines if "closing connection from" in line]
     assert len(warned) == 1, warned
 
