@@ -1,0 +1,444 @@
+//! The memcached binary protocol's KV commands over the engine: one request in, its reply (or,
+//! for a quiet command that succeeded, nothing) appended to the connection's output.
+//!
+//! One file per command family: `read`, `write`, `stat`; `reply` builds the frames they answer with.
+
+use std::sync::Arc;
+
+use sluice_core::bucket::Bucket;
+use sluice_core::{Durability, Requirement};
+use sluice_proto::mcbp::{self, feature, magic, opcode as op, status, FrameInfo, Request};
+
+use crate::server::Shared;
+use sluice_proto::dcp::opcode as dcp_op;
+use sluice_proto::tap::opcode as tap_op;
+
+/// Answers an engine error and ends the command.
+macro_rules! fail {
+    ($reply:expr, $xerror:expr, $e:expr) => {{
+        let e: sluice_core::Error = $e;
+        $reply.error($crate::kv::status_of(&e), &e.to_string(), $xerror);
+        return $crate::kv::Flow::Continue;
+    }};
+}
+
+/// Answers EINVAL (a malformed request) and ends the command.
+macro_rules! einval {
+    ($reply:expr, $xerror:expr, $why:expr) => {{
+        $reply.error(sluice_proto::mcbp::status::EINVAL, $why, $xerror);
+        return $crate::kv::Flow::Continue;
+    }};
+}
+
+mod read;
+mod reply;
+mod stat;
+mod write;
+
+pub use read::all_vb_seqnos;
+use reply::{reply_to_header, Reply};
+pub use reply::{status_of, HeldReply};
+
+/// Whether a vbucket-aware client's vbucket differs from the key's (0 means "route it for me").
+fn wrong_vbucket(req: &Request<'_>, bucket: &Bucket) -> bool {
+    req.vbucket != 0 && req.vbucket != bucket.vbucket_of(req.key)
+}
+
+pub enum Flow {
+    Continue,
+    /// The reply waits for a durable write to settle: the connection sends it, and every reply
+    /// after it, once it is ready, and goes on reading meanwhile.
+    Hold(HeldReply),
+    Close,
+    /// DCP_OPEN succeeded (its reply is written): the connection becomes a DCP producer.
+    DcpProducer(crate::dcp::producer::OpenProducer),
+    /// A valid TAP_CONNECT (and its opaque): the connection becomes a TAP producer.
+    TapProducer(sluice_proto::tap::TapConnect, u32),
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Features {
+    mutation_seqno: bool,
+    xerror: bool,
+    select_bucket: bool,
+    json: bool,
+    alt_request: bool,
+    duplex: bool,
+    tcp_nodelay: bool,
+}
+
+/// One connection's protocol state.
+pub struct Session {
+    shared: Arc<Shared>,
+    bucket: Arc<Bucket>,
+    features: Features,
+    /// The authenticated user, if any.
+    user: Option<String>,
+    /// The last WAL record a reply given so far acknowledges: the connection sends no reply
+    /// before the WAL has written this far.
+    owed_lsn: u64,
+}
+
+/// The permission a command needs on the selected bucket (0: none, anyone may).
+fn required_permission(opcode: u8) -> u8 {
+    use crate::auth::{ADMIN, READ, STREAM, WRITE};
+    match opcode {
+        op::GET
+        | op::GETQ
+        | op::GETK
+        | op::GETKQ
+        | op::GET_REPLICA
+        | op::STAT
+        | op::GET_ALL_VB_SEQNOS => READ,
+        op::GAT | op::GATQ => READ | WRITE,
+        op::SET
+        | op::SETQ
+        | op::ADD
+        | op::ADDQ
+        | op::REPLACE
+        | op::REPLACEQ
+        | op::DELETE
+        | op::DELETEQ => WRITE,
+        op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => WRITE,
+        op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ | op::TOUCH => WRITE,
+        op::FLUSH | op::FLUSHQ => ADMIN,
+        // Takeover (TAP_CONNECT's TAKEOVER_VBUCKETS, a DCP stream's takeover flag) needs the
+        // replication role on top: checked where the flag is read.
+        sluice_proto::dcp::opcode::OPEN | tap_op::CONNECT => STREAM,
+        // A TAP feed's flush empties the bucket and its vbucket state message kills or demotes
+        // vbuckets: the same as FLUSH and a vbucket move, so admin.
+        tap_op::FLUSH | tap_op::VBUCKET_SET => ADMIN,
+        tap_op::MUTATION..=tap_op::CHECKPOINT_END => WRITE,
+        _ => 0,
+    }
+}
+
+fn durability_of(level: u8) -> Option<Durability> {
+    match level {
+        1 => Some(Durability::Majority),
+        2 => Some(Durability::MajorityAndPersistActive),
+        3 => Some(Durability::PersistToMajority),
+        _ => None,
+    }
+}
+
+impl Session {
+    pub fn new(shared: Arc<Shared>) -> Session {
+        let bucket = shared
+            .engine
+            .bucket("default")
+            .expect("the default bucket always exists");
+        Session {
+            shared,
+            bucket,
+            features: Features::default(),
+            user: None,
+            owed_lsn: 0,
+        }
+    }
+
+    /// Whether a user has logged in (SASL) on this connection.
+    pub fn authenticated(&self) -> bool {
+        self.user.is_some()
+    }
+
+    /// The last WAL record the replies given so far acknowledge (see `owed_lsn`).
+    pub fn owed_lsn(&self) -> u64 {
+        self.owed_lsn
+    }
+
+    /// For connections that do not pipeline held replies (DCP and TAP producers): waits for a
+    /// held reply, and for the WAL to hold what the replies in `out` acknowledge. Close if the
+    /// WAL stopped without writing it (nothing unwritten is acknowledged).
+    pub async fn settle(&self, flow: Flow, out: &mut Vec<u8>) -> Flow {
+        let flow = match flow {
+            Flow::Hold(held) => {
+                out.extend_from_slice(&held.await);
+                Flow::Continue
+            }
+            other => other,
+        };
+        if let Err(e) = self.shared.engine.wal().written(self.owed_lsn).await {
+            log::warn!("closing a connection with unsent replies: {e}");
+            out.clear();
+            return Flow::Close;
+        }
+        flow
+    }
+
+    /// The permission bits of the logged-in user on the selected bucket; all of them when the
+    /// node has no users, none before login when it has.
+    pub fn permissions(&self) -> u8 {
+        let users = self.shared.users.read();
+        if !users.required() {
+            return u8::MAX;
+        }
+        self.user
+            .as_deref()
+            .and_then(|n| users.get(n))
+            .map_or(0, |u| u.permissions(self.bucket.name()))
+    }
+
+    /// The EACCESS message for what only the replication role may do.
+    pub fn lacks_replication(&self) -> String {
+        format!(
+            "user {} lacks the replication (or admin) permission on bucket {}: takeover and \
+             registering as a replica need it",
+            self.user.as_deref().unwrap_or("(none)"),
+            self.bucket.name()
+        )
+    }
+
+    /// The selected bucket.
+    pub fn bucket(&self) -> Arc<Bucket> {
+        self.bucket.clone()
+    }
+
+    /// Whether handling this frame takes long on a CPU (the deliberately slow password hash of
+    /// SASL_AUTH), so the caller can move it off the async worker. Durable writes do not
+    /// block: their replies are held (`Flow::Hold`).
+    pub fn may_block(&self, frame: &[u8]) -> bool {
+        frame.get(1) == Some(&op::SASL_AUTH)
+    }
+
+    /// The reply to a frame whose body is over the limit: E2BIG, with the header's opaque.
+    pub fn refuse_too_big(&self, header: &[u8], out: &mut Vec<u8>) {
+        reply_to_header(header, status::E2BIG, b"request body too large", out);
+    }
+
+    pub fn handle(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
+        let req = match mcbp::parse_request(frame) {
+            // A server's request (0x82) goes from server to client: from a client it is never a
+            // command (kv_engine takes requests 0x80 and 0x08 only, besides responses).
+            Ok(r) if r.magic == magic::SERVER_REQUEST => {
+                let why = "magic 0x82 is a server's request; a client sends 0x80 or 0x08";
+                reply_to_header(frame, status::EINVAL, why.as_bytes(), out);
+                return Flow::Continue;
+            }
+            Ok(r) => r,
+            Err(e) => {
+                // A frame whose sections do not add up: EINVAL, and the stream is still in sync
+                // because frame_len framed it by its body length.
+                reply_to_header(frame, status::EINVAL, e.to_string().as_bytes(), out);
+                return Flow::Continue;
+            }
+        };
+        let mut durability = None;
+        for info in mcbp::frame_infos(req.framing) {
+            match info {
+                Ok(FrameInfo::Durability { level, timeout_ms }) => match durability_of(level) {
+                    Some(d) => {
+                        durability = Some(Requirement {
+                            level: d,
+                            timeout: timeout_ms
+                                .map(|ms| std::time::Duration::from_millis(ms as u64)),
+                        })
+                    }
+                    None => {
+                        Reply { out, req: &req }.error(
+                            status::DURABILITY_INVALID_LEVEL,
+                            "unknown durability level",
+                            self.features.xerror,
+                        );
+                        return Flow::Continue;
+                    }
+                },
+                Ok(FrameInfo::Barrier) => {} // requests already run one after another
+                Ok(other) => {
+                    let why = format!("frame info {other:?} is not supported");
+                    Reply { out, req: &req }.error(
+                        status::UNKNOWN_FRAME_INFO,
+                        &why,
+                        self.features.xerror,
+                    );
+                    return Flow::Continue;
+                }
+                Err(e) => {
+                    Reply { out, req: &req }.error(
+                        status::EINVAL,
+                        &e.to_string(),
+                        self.features.xerror,
+                    );
+                    return Flow::Continue;
+                }
+            }
+        }
+        self.dispatch(frame, &req, durability, out)
+    }
+
+    fn dispatch(
+        &mut self,
+        frame: &[u8],
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        out: &mut Vec<u8>,
+    ) -> Flow {
+        let xerror = self.features.xerror;
+        let mut reply = Reply { out, req };
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        let users = self.shared.users.read().clone();
+        if users.required()
+            && !matches!(
+                req.opcode,
+                op::HELLO
+                    | op::NOOP
+                    | op::VERSION
+                    | op::QUIT
+                    | op::QUITQ
+                    | op::SASL_LIST_MECHS
+                    | op::SASL_AUTH
+                    | op::SASL_STEP
+            )
+        {
+            let Some(user) = self.user.as_deref().and_then(|n| users.get(n)) else {
+                reply.error(
+                    status::AUTH_ERROR,
+                    "authenticate first (SASL PLAIN)",
+                    xerror,
+                );
+                return Flow::Continue;
+            };
+            let (target, need) = if req.opcode == op::SELECT_BUCKET {
+                (String::from_utf8_lossy(req.key).into_owned(), 0)
+            } else {
+                (bucket.name().to_string(), required_permission(req.opcode))
+            };
+            let have = user.permissions(&target);
+            if have == 0 || have & need != need {
+                reply.error(
+                    status::EACCESS,
+                    &format!(
+                        "user {} lacks that permission on bucket {target}",
+                        user.name
+                    ),
+                    xerror,
+                );
+                return Flow::Continue;
+            }
+        }
+        match req.opcode {
+            op::SASL_LIST_MECHS => reply.send(status::SUCCESS, 0, &[], &[], b"PLAIN", 0),
+            op::SASL_AUTH if req.key == b"PLAIN" => match users.authenticate_plain(req.value) {
+                Some(name) => {
+                    self.user = Some(name);
+                    reply.send(status::SUCCESS, 0, &[], &[], b"Authenticated", 0);
+                }
+                None => {
+                    self.user = None;
+                    reply.error(status::AUTH_ERROR, "Auth failure", xerror);
+                }
+            },
+            op::SASL_AUTH | op::SASL_STEP => {
+                reply.error(status::AUTH_ERROR, "only SASL PLAIN is offered", xerror)
+            }
+            op::GET | op::GETQ | op::GETK | op::GETKQ | op::GET_REPLICA => {
+                return self.get(req, &mut reply)
+            }
+            op::SET | op::SETQ | op::ADD | op::ADDQ | op::REPLACE | op::REPLACEQ => {
+                return self.store(req, durability, &mut reply)
+            }
+            op::DELETE | op::DELETEQ => return self.delete(req, durability, &mut reply),
+            op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => {
+                return self.arithmetic(req, durability, &mut reply)
+            }
+            op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ => {
+                return self.concat(req, durability, &mut reply)
+            }
+            op::TOUCH | op::GAT | op::GATQ => return self.touch(req, durability, &mut reply),
+            op::FLUSH | op::FLUSHQ => return self.flush(req, &mut reply),
+            op::NOOP => reply.ok(),
+            op::VERSION => reply.send(
+                status::SUCCESS,
+                0,
+                &[],
+                &[],
+                env!("CARGO_PKG_VERSION").as_bytes(),
+                0,
+            ),
+            op::QUIT => {
+                reply.ok();
+                return Flow::Close;
+            }
+            op::QUITQ => return Flow::Close,
+            op::HELLO => self.hello(&mut reply),
+            op::SELECT_BUCKET => match engine.bucket(&String::from_utf8_lossy(req.key)) {
+                Ok(b) => {
+                    self.bucket = b;
+                    reply.ok();
+                }
+                Err(e) => fail!(reply, xerror, e),
+            },
+            op::STAT => self.stat(&mut reply),
+            dcp_op::OPEN => match crate::dcp::producer::check_open(req) {
+                Ok(open) => {
+                    reply.ok();
+                    return Flow::DcpProducer(open);
+                }
+                Err((st, why)) => reply.error(st, &why, xerror),
+            },
+            tap_op::CONNECT => match crate::tap::producer::check_connect(req) {
+                Ok(c)
+                    if c.flags & sluice_proto::tap::connect_flag::TAKEOVER_VBUCKETS != 0
+                        && !crate::auth::may_replicate(self.permissions()) =>
+                {
+                    reply.error(status::EACCESS, &self.lacks_replication(), xerror)
+                }
+                Ok(c) => return Flow::TapProducer(c, req.opaque),
+                Err((st, why)) => reply.error(st, &why, xerror),
+            },
+            tap_op::MUTATION..=tap_op::CHECKPOINT_END => {
+                return self.tap_apply(req, frame, &mut reply)
+            }
+            dcp_op::ADD_STREAM..=dcp_op::CACHE_TRANSFER_END => reply.error(
+                status::EINVAL,
+                "open a DCP connection first (DCP_OPEN)",
+                xerror,
+            ),
+            op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &bucket, req.extras) {
+                Ok(value) => reply.send(status::SUCCESS, 0, &[], &[], &value, 0),
+                Err(why) => einval!(reply, xerror, why),
+            },
+            _ => {
+                reply.error(
+                    status::UNKNOWN_COMMAND,
+                    &format!("unknown command 0x{:02x}", req.opcode),
+                    xerror,
+                );
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Datatype bits the client may see: JSON only if it said it understands it.
+    fn datatype(&self, stored: u8) -> u8 {
+        if self.features.json {
+            stored & 0x01
+        } else {
+            0
+        }
+    }
+
+    fn hello(&mut self, reply: &mut Reply<'_>) {
+        let mut enabled = Vec::new();
+        let mut f = Features::default();
+        for code in reply.req.value.chunks_exact(2) {
+            let code = u16::from_be_bytes([code[0], code[1]]);
+            let known = match code {
+                feature::TCP_NODELAY => !std::mem::replace(&mut f.tcp_nodelay, true),
+                feature::MUTATION_SEQNO => !std::mem::replace(&mut f.mutation_seqno, true),
+                feature::XERROR => !std::mem::replace(&mut f.xerror, true),
+                feature::SELECT_BUCKET => !std::mem::replace(&mut f.select_bucket, true),
+                feature::JSON => !std::mem::replace(&mut f.json, true),
+                feature::DUPLEX => !std::mem::replace(&mut f.duplex, true),
+                feature::ALT_REQUEST_SUPPORT => !std::mem::replace(&mut f.alt_request, true),
+                _ => false,
+            };
+            if known {
+                enabled.extend_from_slice(&code.to_be_bytes());
+            }
+        }
+        self.features = f;
+        reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
+    }
+}

@@ -1,0 +1,113 @@
+//! STAT: the default group (memcached's names) and vbucket-seqno (Couchbase's).
+
+use super::reply::Reply;
+use super::Session;
+use sluice_proto::mcbp::status;
+
+impl Session {
+    /// STAT vbucket-seqno (Couchbase's names): per vbucket its uuid, high seqno and purge seqno.
+    pub(super) fn stat_vbucket_seqno(&self, reply: &mut Reply<'_>) {
+        let b = &self.bucket;
+        for v in 0..b.num_vbuckets() {
+            let Some(vb) = b.lock_vbucket(v) else {
+                continue;
+            };
+            let uuid = vb.failover.latest().map(|e| e.uuid).unwrap_or(0);
+            let rows = [
+                (format!("vb_{v}:uuid"), uuid.to_string()),
+                (format!("vb_{v}:high_seqno"), vb.high_seqno.to_string()),
+                (format!("vb_{v}:abs_high_seqno"), vb.high_seqno.to_string()),
+                (format!("vb_{v}:purge_seqno"), vb.purge_seqno.to_string()),
+                (
+                    format!("vb_{v}:persisted_seqno"),
+                    vb.persisted_seqno.to_string(),
+                ),
+            ];
+            drop(vb);
+            for (k, val) in rows {
+                reply.send(status::SUCCESS, 0, &[], k.as_bytes(), val.as_bytes(), 0);
+            }
+        }
+        reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+
+    /// The default STAT group: one reply per statistic, then an empty one that ends the list.
+    pub(super) fn stat(&self, reply: &mut Reply<'_>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        match reply.req.key {
+            b"" => {}
+            b"vbucket-seqno" => return self.stat_vbucket_seqno(reply),
+            _ => {
+                reply.error(
+                    status::KEY_ENOENT,
+                    "STAT groups: the default one and vbucket-seqno",
+                    self.features.xerror,
+                );
+                return;
+            }
+        }
+        let e = &self.shared.engine;
+        let s = &self.shared.stats;
+        let b = &self.bucket;
+        let items: usize = (0..b.num_vbuckets())
+            .map(|v| {
+                b.lock_vbucket(v)
+                    .map(|vb| vb.store.live_items())
+                    .unwrap_or(0)
+            })
+            .sum();
+        let pairs: Vec<(&str, String)> = vec![
+            ("pid", std::process::id().to_string()),
+            (
+                "uptime",
+                self.shared.started.elapsed().as_secs().to_string(),
+            ),
+            ("time", sluice_core::hlc::now_secs().to_string()),
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+            (
+                "curr_connections",
+                s.curr_connections.load(Relaxed).to_string(),
+            ),
+            (
+                "total_connections",
+                s.connections_total.load(Relaxed).to_string(),
+            ),
+            (
+                "rejected_connections",
+                s.connections_rejected.load(Relaxed).to_string(),
+            ),
+            ("bytes_read", s.bytes_in.load(Relaxed).to_string()),
+            ("bytes_written", s.bytes_out.load(Relaxed).to_string()),
+            ("curr_items", items.to_string()),
+            ("bytes", b.mem_used().to_string()),
+            ("limit_maxbytes", b.config.memory_quota.to_string()),
+            ("cmd_get", b.stats.gets.load(Relaxed).to_string()),
+            ("get_misses", b.stats.get_misses.load(Relaxed).to_string()),
+            (
+                "get_hits",
+                (b.stats.gets.load(Relaxed)
+                    - b.stats
+                        .get_misses
+                        .load(Relaxed)
+                        .min(b.stats.gets.load(Relaxed)))
+                .to_string(),
+            ),
+            ("cmd_set", b.stats.sets.load(Relaxed).to_string()),
+            ("delete_hits", b.stats.deletes.load(Relaxed).to_string()),
+            (
+                "expired_unfetched",
+                b.stats.expired_by_pager.load(Relaxed).to_string(),
+            ),
+            (
+                "ep_tmp_failures",
+                b.stats.tmp_failures.load(Relaxed).to_string(),
+            ),
+            ("ep_wal_synced_lsn", e.wal().synced_lsn().to_string()),
+            ("ep_num_vbuckets", b.num_vbuckets().to_string()),
+        ];
+        for (k, v) in pairs {
+            reply.send(status::SUCCESS, 0, &[], k.as_bytes(), v.as_bytes(), 0);
+        }
+        reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+}

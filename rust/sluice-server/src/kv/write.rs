@@ -1,0 +1,318 @@
+//! The write commands: SET, ADD, REPLACE, DELETE, INCR, DECR, APPEND, PREPEND, TOUCH, GAT,
+//! FLUSH and a TAP feed's messages. Each write is answered once the WAL holds it, or held
+//! until its durability level is met (`Flow::Hold`).
+
+use std::sync::Arc;
+
+use super::reply::{error_frame, status_of, HeldReply, Reply};
+use super::{wrong_vbucket, Flow, Session};
+use sluice_core::bucket::Bucket;
+use sluice_core::{Error, MutationResult, Requirement, StoreMode, StoreRequest, Written};
+use sluice_proto::mcbp::{self, opcode as op, status, Request};
+
+impl Session {
+    /// Answers a write: at once when the WAL writing it is all its level asks (the connection
+    /// waits for that before it sends), held until it settles otherwise. `ok` writes the
+    /// success reply; a quiet command's success has none.
+    pub(super) fn answer_write<T: Send + Sync + 'static>(
+        &mut self,
+        bucket: &Arc<Bucket>,
+        w: Written<T>,
+        reply: &mut Reply<'_>,
+        quiet: bool,
+        ok: impl FnOnce(&Self, &mut Reply<'_>, &T),
+    ) -> Flow {
+        self.owed_lsn = self.owed_lsn.max(w.lsn());
+        if !w.needs_settling() {
+            if !quiet {
+                ok(self, reply, &w.value);
+            }
+            return Flow::Continue;
+        }
+        let mut done = Vec::new();
+        if !quiet {
+            ok(
+                self,
+                &mut Reply {
+                    out: &mut done,
+                    req: reply.req,
+                },
+                &w.value,
+            );
+        }
+        let (opcode, opaque, xerror) = (reply.req.opcode, reply.req.opaque, self.features.xerror);
+        let shared = self.shared.clone();
+        let bucket = bucket.clone();
+        Flow::Hold(HeldReply(Box::pin(async move {
+            let timeout = shared.engine.settle_timeout(&bucket, &w);
+            let timer = tokio::time::sleep(timeout);
+            match shared.engine.settled(&bucket, w, timer).await {
+                Ok(_) => done,
+                Err(e) => {
+                    let mut out = Vec::new();
+                    error_frame(
+                        &mut out,
+                        opcode,
+                        opaque,
+                        status_of(&e),
+                        &e.to_string(),
+                        xerror,
+                    );
+                    out
+                }
+            }
+        })))
+    }
+
+    pub(super) fn seqno_extras(&self, bucket: &Bucket, m: &MutationResult) -> Vec<u8> {
+        if !self.features.mutation_seqno {
+            return Vec::new();
+        }
+        let uuid = self
+            .shared
+            .engine
+            .failover_log(bucket, m.vbucket)
+            .and_then(|l| l.first().map(|e| e.uuid))
+            .unwrap_or(0);
+        let mut x = Vec::with_capacity(16);
+        x.extend_from_slice(&uuid.to_be_bytes());
+        x.extend_from_slice(&m.seqno.to_be_bytes());
+        x
+    }
+
+    pub(super) fn mutation_reply(
+        &self,
+        reply: &mut Reply<'_>,
+        bucket: &Bucket,
+        m: &MutationResult,
+    ) {
+        let extras = self.seqno_extras(bucket, m);
+        reply.send(status::SUCCESS, m.cas, &extras, &[], &[], 0);
+    }
+
+    /// SET, ADD, REPLACE and their quiet forms.
+    pub(super) fn store(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        let Some((flags, expiry)) = mcbp::store_extras(req.extras) else {
+            einval!(reply, xerror, "SET, ADD and REPLACE take 8 bytes of extras")
+        };
+        if wrong_vbucket(req, &bucket) {
+            fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
+        }
+        let mode = match req.opcode {
+            op::SET | op::SETQ => StoreMode::Set,
+            op::ADD | op::ADDQ => StoreMode::Add,
+            _ => StoreMode::Replace,
+        };
+        if mode == StoreMode::Add && req.cas != 0 {
+            einval!(reply, xerror, "ADD takes no CAS");
+        }
+        let r = StoreRequest {
+            key: req.key,
+            value: req.value,
+            flags,
+            expiry,
+            datatype: req.datatype & sluice_core::item::DATATYPE_CLIENT_BITS,
+            cas: req.cas,
+            mode,
+            durability,
+        };
+        match engine.write_store(&bucket, &r) {
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| {
+                s.mutation_reply(r, &bucket, m)
+            }),
+            // memcached: ADD on an existing key and REPLACE of a missing one are NOT_STORED
+            // only in the text protocol; the binary protocol says EEXISTS / ENOENT.
+            Err(e) => fail!(reply, xerror, e),
+        }
+    }
+
+    /// DELETE and DELETEQ.
+    pub(super) fn delete(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        if !req.extras.is_empty() || !req.value.is_empty() {
+            einval!(reply, xerror, "DELETE takes a key only");
+        }
+        if wrong_vbucket(req, &bucket) {
+            fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
+        }
+        match engine.write_delete(&bucket, req.key, req.cas, durability) {
+            Ok(w) => {
+                self.answer_write(&bucket, w, reply, quiet, |s, r, m| {
+                    // memcached answers a DELETE with CAS 0 (its conformance checker
+                    // insists); Couchbase-aware clients (MUTATION_SEQNO) get the
+                    // tombstone's CAS.
+                    if s.features.mutation_seqno {
+                        s.mutation_reply(r, &bucket, m)
+                    } else {
+                        r.ok()
+                    }
+                })
+            }
+            Err(e) => fail!(reply, xerror, e),
+        }
+    }
+
+    /// INCR and DECR and their quiet forms.
+    pub(super) fn arithmetic(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        let Some((delta, initial, expiry)) = mcbp::arithmetic_extras(req.extras) else {
+            einval!(reply, xerror, "INCR and DECR take 20 bytes of extras")
+        };
+        if !req.value.is_empty() {
+            einval!(reply, xerror, "INCR and DECR take no value");
+        }
+        if wrong_vbucket(req, &bucket) {
+            fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
+        }
+        let inc = matches!(req.opcode, op::INCREMENT | op::INCREMENTQ);
+        match engine.write_arithmetic(
+            &bucket, req.key, delta, initial, expiry, inc, req.cas, durability,
+        ) {
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, (m, n)| {
+                let extras = s.seqno_extras(&bucket, m);
+                r.send(status::SUCCESS, m.cas, &extras, &[], &n.to_be_bytes(), 0);
+            }),
+            Err(e) => fail!(reply, xerror, e),
+        }
+    }
+
+    /// APPEND and PREPEND and their quiet forms.
+    pub(super) fn concat(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        if !req.extras.is_empty() {
+            einval!(reply, xerror, "APPEND and PREPEND take no extras");
+        }
+        if wrong_vbucket(req, &bucket) {
+            fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
+        }
+        let at_end = matches!(req.opcode, op::APPEND | op::APPENDQ);
+        match engine.write_concat(&bucket, req.key, req.value, at_end, req.cas, durability) {
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| {
+                s.mutation_reply(r, &bucket, m)
+            }),
+            Err(e) => fail!(reply, xerror, e),
+        }
+    }
+
+    /// TOUCH, GAT and GATQ.
+    pub(super) fn touch(
+        &mut self,
+        req: &Request<'_>,
+        durability: Option<Requirement>,
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        let Some(expiry) = mcbp::expiry_extras(req.extras) else {
+            einval!(reply, xerror, "TOUCH and GAT take 4 bytes of extras")
+        };
+        if wrong_vbucket(req, &bucket) {
+            fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
+        }
+        match engine.write_touch(&bucket, req.key, expiry, durability) {
+            Ok(w) => {
+                return self.answer_write(&bucket, w, reply, false, |s, r, (m, it)| {
+                    if r.req.opcode == op::TOUCH {
+                        r.send(status::SUCCESS, m.cas, &[], &[], &[], 0)
+                    } else {
+                        r.send(
+                            status::SUCCESS,
+                            m.cas,
+                            &it.meta.flags.to_be_bytes(),
+                            &[],
+                            it.value(),
+                            s.datatype(it.meta.datatype),
+                        )
+                    }
+                })
+            }
+            Err(Error::NotFound) if req.opcode == op::GATQ => {}
+            Err(e) => fail!(reply, xerror, e),
+        }
+        Flow::Continue
+    }
+
+    /// FLUSH and FLUSHQ.
+    pub(super) fn flush(&mut self, req: &Request<'_>, reply: &mut Reply<'_>) -> Flow {
+        let quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let engine = &self.shared.engine;
+        let bucket = self.bucket.clone();
+        match req.extras.len() {
+            0 => {}
+            4 if mcbp::expiry_extras(req.extras) == Some(0) => {}
+            4 => {
+                reply.error(
+                    status::NOT_SUPPORTED,
+                    "delayed flush is not supported",
+                    xerror,
+                );
+                return Flow::Continue;
+            }
+            _ => einval!(reply, xerror, "FLUSH takes no extras or 4 bytes"),
+        }
+        match engine.write_flush(&bucket) {
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |_, r, _| r.ok()),
+            Err(e) => fail!(reply, xerror, e),
+        }
+    }
+
+    /// A TAP message sent as a command (a TAP feed): applied, answered when it asks for an ACK or fails.
+    pub(super) fn tap_apply(
+        &mut self,
+        req: &Request<'_>,
+        frame: &[u8],
+        reply: &mut Reply<'_>,
+    ) -> Flow {
+        let _quiet = op::is_quiet(req.opcode);
+        let xerror = self.features.xerror;
+        let bucket = self.bucket.clone();
+        match crate::tap::apply::apply(&self.shared, &bucket, frame) {
+            // A TAP message is answered when it asks for an ACK, or failed.
+            Ok(applied) => match applied.written {
+                Some(w) => {
+                    let quiet = !applied.ack;
+                    return self.answer_write(&bucket, w, reply, quiet, |_, r, _| r.ok());
+                }
+                None if applied.ack => reply.ok(),
+                None => {}
+            },
+            Err(e) => fail!(reply, xerror, e),
+        }
+        Flow::Continue
+    }
+}
