@@ -22,7 +22,6 @@ This machine is shared and noisy: every figure is the median of --runs runs, all
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -30,15 +29,12 @@ import struct
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import sluice
+from _common import MC_HEADER, RESULTS, admin_get, pyplot, write_json
 from sluice._native import DcpConsumer, Server
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 SOURCES = ("memory", "backfill")
 VALUE_SIZES = (100, 1024)
 CONSUMERS = (1, 4)
@@ -80,8 +76,7 @@ def load(engine: sluice.EmbeddedEngine, items: int, value_size: int) -> None:
 
 
 def items_by_source(admin_address: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://{admin_address}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = admin_get(admin_address, "/metrics")
     counts = {}
     for source in SOURCES:
         prefix = f'sluice_dcp_items_total{{source="{source}"}} '
@@ -92,7 +87,6 @@ def items_by_source(admin_address: str) -> dict[str, int]:
 
 
 # DCP frames by hand (layouts as in tests/dcp_wire.py), for the pinning connection only.
-HEADER = struct.Struct(">BBHBBHIIQ")
 REQUEST, RESPONSE = 0x80, 0x81
 DCP_OPEN, DCP_STREAM_REQ, DCP_STREAM_END, DCP_CONTROL = 0x50, 0x53, 0x55, 0x5E
 MAX_SEQNO = 2**64 - 1
@@ -129,7 +123,7 @@ class PinningConnection:
         self, opcode: int, key: bytes = b"", value: bytes = b"", extras: bytes = b"", vbucket: int = 0
     ) -> None:
         body = len(extras) + len(key) + len(value)
-        head = HEADER.pack(REQUEST, opcode, len(key), len(extras), 0, vbucket, body, 0, 0)
+        head = MC_HEADER.pack(REQUEST, opcode, len(key), len(extras), 0, vbucket, body, 0, 0)
         self.sock.sendall(head + extras + key + value)
         magic, got, status, payload = self._read_frame()
         if (magic, got, status) != (RESPONSE, opcode, 0):
@@ -145,7 +139,7 @@ class PinningConnection:
         return bytes(buf)
 
     def _read_frame(self) -> tuple[int, int, int, bytes]:
-        magic, opcode, _, _, _, status, body, _, _ = HEADER.unpack(self._recv(HEADER.size))
+        magic, opcode, _, _, _, status, body, _, _ = MC_HEADER.unpack(self._recv(MC_HEADER.size))
         return magic, opcode, status, self._recv(body)
 
     def close(self) -> None:
@@ -237,8 +231,7 @@ def show_target(source: str, value_size: int) -> str:
 
 
 def write_outputs(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "dcp.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(RESULTS / "dcp.json", res)
     rows = [
         "| source | value | consumers | items/s | MB/s | runs (items/s) | target | met | from the source |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -266,13 +259,8 @@ def write_outputs(res: dict) -> None:
     )
     (RESULTS / "dcp.md").write_text(md)
     print(md)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     groups = [(s, v) for s in SOURCES for v in VALUE_SIZES]
     by_key = {(c["source"], c["value_size"], c["consumers"]): c for c in res["configs"]}

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from _common import RESULTS, ROOT, pyplot, write_json
+
 INGEST = ROOT / "target" / "release" / "examples" / "ingest"
 TARGETS = {"ingest_write_items_per_s": 2_000_000, "recovery_ready_s": 1.0, "bytes_per_item": 80}
 
@@ -166,8 +166,7 @@ def _verdict(value: float, target: float, *, at_least: bool) -> str:
 
 
 def write_outputs(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(RESULTS / "engine.json", res)
     ing = res["ingest"]
     n_items = f"{res['items']:,}"
     rows = [
@@ -213,13 +212,8 @@ def write_outputs(res: dict) -> None:
     )
     (RESULTS / "engine.md").write_text(md)
     print(md)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     labels, vals, errs = [], [], []

@@ -14,7 +14,6 @@ costs, measured side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import socket
 import statistics
@@ -25,9 +24,8 @@ import time
 from pathlib import Path
 
 import sluice
+from _common import RESULTS, free_port, pyplot, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 LOADS = [
     # name, get ratio, value size, pipeline
     ("90% GET, 100 B, pipeline 32", 0.9, 100, 32),
@@ -35,12 +33,6 @@ LOADS = [
     ("90% GET, 1 KiB, pipeline 32", 0.9, 1024, 32),
     ("90% GET, 100 B, no pipelining", 0.9, 100, 1),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, timeout: float = 30) -> None:
@@ -141,8 +133,7 @@ def main() -> int:
 
 
 def write(results: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "server.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(RESULTS / "server.json", results)
     with_baseline = any("baseline" in per for per in results["loads"].values())
     rows = [
         "| load | sluice ops/s | memcached ops/s | ratio | sluice p50 / p99 (us) "
@@ -176,12 +167,8 @@ def write(results: dict) -> None:
     )
     (RESULTS / "server.md").write_text(md)
     print(md)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     x = range(len(names))

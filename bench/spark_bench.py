@@ -25,7 +25,6 @@ reaching the sink. The machine is shared and noisy: figures are medians over --r
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -34,10 +33,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replication_bench import Conn, Sluice, log, percentile  # noqa: E402
+from _common import RESULTS, log, percentile, pyplot, write_json
+from _load import Conn
+from _systems import Sluice
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 1.5
 MEASURES = [
     ("sluice_count", "sluice -> count()"),
@@ -143,8 +142,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def write_outputs(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "spark.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(RESULTS / "spark.json", res)
     sm, items = res["summary"], res["items"]
     lines = [
         f"# sluice Spark data source vs Spark's Parquet reader ({items:,} items)",
@@ -178,13 +176,8 @@ def write_outputs(res: dict) -> None:
 
 
 def plot(res: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     med = res["summary"]["median_s"]
     fig, ax = plt.subplots(figsize=(8, 4.2))

@@ -26,7 +26,6 @@ and more): figures are medians over --runs rounds, and each run streams about ha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -37,12 +36,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from replication_bench import SluiceNode, log, run_load  # noqa: E402
-from sluice import _native  # noqa: E402
+from _common import RESULTS, SluiceNode, log, pyplot, write_json
+from _load import run_load
+from sluice import _native
 
-RESULTS = HERE / "results"
+HERE = Path(__file__).resolve().parent
 TARGET_COST = 0.05
 SUPPORT_ACK, DUMP = 0x10, 0x02
 SETTINGS = {
@@ -84,14 +82,6 @@ def switch(node: SluiceNode, config: Path, setting: str) -> None:
     raise RuntimeError(f"reload to {setting} not confirmed: {''.join(node.lines)[-2000:]}")
 
 
-def metric_sum(node: SluiceNode, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def one_run(node: SluiceNode, items: int) -> dict:
     r = _native.tap_drain(node.address, flags=SUPPORT_ACK | DUMP, timeout=600)
     if not r["closed"] or r["mutations"] < items:
@@ -125,9 +115,9 @@ def main() -> int:
                 r = one_run(node, args.items)
                 runs[setting].append(r)
                 log(f"round {i + 1} {setting}: {r['items_per_s']:,.0f} items/s ({r['acks_sent']} ACKs)")
-        calls = metric_sum(node, "sluice_policy_calls_total")
-        timeouts = metric_sum(node, "sluice_policy_timeouts_total")
-        errors = metric_sum(node, "sluice_policy_errors_total")
+        calls = node.metric_sum("sluice_policy_calls_total")
+        timeouts = node.metric_sum("sluice_policy_timeouts_total")
+        errors = node.metric_sum("sluice_policy_errors_total")
     med = {s: median(r["items_per_s"] for r in rs) for s, rs in runs.items()}
     res = {
         "command": f"python bench/tap_bench.py --items {args.items} --runs {args.runs}",
@@ -148,8 +138,7 @@ def main() -> int:
 
 
 def write_outputs(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tap.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(RESULTS / "tap.json", res)
     med, cost = res["median_items_per_s"], res["cost"]
     lines = [
         f"# TAP stream throughput, native defaults vs Python policy plugins ({res['items']:,} items)",
@@ -175,13 +164,8 @@ def write_outputs(res: dict) -> None:
 
 
 def plot(res: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.6))
     names = list(SETTINGS)

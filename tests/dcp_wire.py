@@ -8,9 +8,7 @@ import socket
 import struct
 import time
 
-from test_server_protocol import recv_exact
-
-HEADER = struct.Struct(">BBHBBHIIQ")
+from mcbp_wire import read_frame, request, sasl_plain
 
 OPEN, ADD_STREAM, CLOSE_STREAM, STREAM_REQ, GET_FAILOVER_LOG, STREAM_END = 0x50, 0x51, 0x52, 0x53, 0x54, 0x55
 SNAPSHOT_MARKER, MUTATION, DELETION, EXPIRATION = 0x56, 0x57, 0x58, 0x59
@@ -42,9 +40,9 @@ def frame(
     magic: int = 0x80,
     status: int | None = None,
 ) -> bytes:
+    """A request (or, with `status`, a response) of `opcode`."""
     word = vbucket if status is None else status
-    body = len(extras) + len(key) + len(value)
-    return HEADER.pack(magic, opcode, len(key), len(extras), 0, word, body, opaque, 0) + extras + key + value
+    return request(opcode, key, value, extras, opaque=opaque, vbucket=word, magic=magic)
 
 
 def open_producer(name: bytes, flags: int = PRODUCER, opaque: int = 1) -> bytes:
@@ -79,23 +77,9 @@ def buffer_ack(nbytes: int) -> bytes:
     return frame(BUFFER_ACK, extras=struct.pack(">I", nbytes))
 
 
-def read_frame(sock: socket.socket) -> dict:
-    head = recv_exact(sock, 24)
-    magic, opcode, keylen, extlen, datatype, word, body, opaque, cas = HEADER.unpack(head)
-    payload = recv_exact(sock, body)
-    return {
-        "magic": magic,
-        "opcode": opcode,
-        "word": word,
-        "opaque": opaque,
-        "cas": cas,
-        "datatype": datatype,
-        "extras": payload[:extlen],
-        "key": payload[extlen : extlen + keylen],
-        "value": payload[extlen + keylen :],
-        "size": 24 + body,
-        "raw": head + payload,
-    }
+def seqno_ack(vbucket: int, seqno: int, opaque: int = 0) -> bytes:
+    # seqno-acknowledged.md: 8 bytes of extras (prepared seqno), no key, no value, no reply.
+    return frame(SEQNO_ACKNOWLEDGED, extras=struct.pack(">Q", seqno), vbucket=vbucket, opaque=opaque)
 
 
 def failover_log(value: bytes) -> list[tuple[int, int]]:
@@ -151,8 +135,7 @@ class DcpConnection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pending: list[dict] = []
         if login is not None:  # SASL PLAIN (0x21) first, on a node with users
-            user, password = login
-            r = self.call(frame(0x21, key=b"PLAIN", value=f"\0{user}\0{password}".encode()))
+            r = self.call(sasl_plain(*login))
             assert r["word"] == 0, r
         r = self.call(open_producer(name, flags))
         assert r["word"] == 0, r

@@ -1,5 +1,6 @@
 """Helpers shared by the end-to-end tests: opening engines on a tmp data dir, running the CLI
-in a subprocess, and reading the WAL/snapshot file format directly (to damage it on purpose).
+in a subprocess, reading the WAL/snapshot file format directly (to damage it on purpose), and
+`sluice serve` nodes with readers for their admin endpoint (/metrics, /status).
 
 File format (README "Storage"): a text header ending with a blank line, then blocks of
 magic 0xd5ba0bab (u32 BE) | payload length (u32 BE) | crc32c (u32 BE) | payload, then the
@@ -8,12 +9,18 @@ EOF marker 0xd510aded on a clean close.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
+import random
+import re
 import struct
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -127,6 +134,65 @@ def item_state(engine: sluice.EmbeddedEngine, key: bytes, bucket: str = "default
     return (it.value, it.flags, it.expiry, it.cas, it.rev_seqno, it.seqno, it.datatype, it.deleted)
 
 
+def admin_get(address: str, path: str) -> str:
+    """GET `path` on the admin endpoint at `address` (reads are open on loopback): the body."""
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as r:
+        return r.read().decode()
+
+
+def admin_post(
+    node: Node, path: str, headers: dict[str, str] | None = None, data: bytes = b""
+) -> tuple[int, dict, str]:
+    """POST to the admin endpoint: (status, headers, body), errors included."""
+    req = urllib.request.Request(
+        f"http://{node.admin}{path}", data=data, method="POST", headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def basic_auth(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text format as (name, labels, value), one per sample line."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the one series `name` with exactly `labels`; fails when there is none."""
+    found = [v for n, ls, v in metric_samples(text) if n == name and ls == labels]
+    assert found, f"{name}{labels or ''} not in /metrics"
+    return found[0]
+
+
+def write_users_config(path: Path, bob_perms: str) -> None:
+    """Users ada (read, write), bob (`bob_perms` on the default bucket) and root (everything on
+    every bucket); each one's password is NAME-secret."""
+    ada = sluice.config.hash_password("ada-secret", iterations=1000)
+    bob = sluice.config.hash_password("bob-secret", iterations=1000)
+    root = sluice.config.hash_password("root-secret", iterations=1000)
+    path.write_text(
+        f'[users.ada]\npassword_hash = "{ada}"\nbuckets = {{ default = ["read", "write"] }}\n'
+        f'[users.bob]\npassword_hash = "{bob}"\nbuckets = {{ default = {bob_perms} }}\n'
+        f'[users.root]\npassword_hash = "{root}"\n'
+        'buckets = { "*" = ["read", "write", "stream", "admin"] }\n'
+    )
+
+
 class Node:
     """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded."""
 
@@ -176,6 +242,26 @@ class Node:
                 return line
         raise AssertionError(f"no {text!r} within {timeout} s: {''.join(self.lines)[-3000:]}")
 
+    def metrics(self) -> str:
+        """GET /metrics: the Prometheus text."""
+        return admin_get(self.admin, "/metrics")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the series `name` with exactly `labels`; fails when it is not there."""
+        return metric_value(self.metrics(), name, **labels)
+
+    def metric_sum(self, name: str) -> float:
+        """The sum over every series of `name`, whatever its labels (0 when there is none)."""
+        return sum(v for n, _, v in metric_samples(self.metrics()) if n == name)
+
+    def status(self) -> dict:
+        """GET /status, parsed."""
+        return json.loads(admin_get(self.admin, "/status"))
+
+    def seqnos(self) -> list[int]:
+        """The high seqno of each vbucket of the first bucket."""
+        return [v["high_seqno"] for v in self.status()["buckets"][0]["vbuckets"]]
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -220,3 +306,40 @@ def wait_or_dump(proc: subprocess.Popen, timeout: float, log: Callable[[], str])
         raise AssertionError(
             f"sluice serve (pid {proc.pid}) did not exit within {timeout} s; its stderr:\n{log()}"
         ) from None
+
+
+NUM_VBUCKETS = 16  # of the default bucket of a node from start_node (64 is the default)
+
+
+def node_config(tmp_path: Path, name: str, extra: str = "", **bucket: object) -> Path:
+    """A node's configuration: the default bucket with `bucket`'s keys, then `extra` (TOML)."""
+    lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in bucket.items()]
+    p = tmp_path / f"{name}.toml"
+    p.write_text("\n".join(lines) + "\n" + extra)
+    return p
+
+
+def start_node(tmp_path: Path, name: str, *args: str, extra: str = "", **bucket: object) -> Node:
+    """A node on tmp_path/name with node_config's configuration and the serve `args`."""
+    return Node(tmp_path / name, "--config", str(node_config(tmp_path, name, extra, **bucket)), *args)
+
+
+def wait_converged(active: Node, replica: Node, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if active.seqnos() == replica.seqnos():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no convergence in {timeout} s: {active.seqnos()} vs {replica.seqnos()}")
+
+
+def contents(node: Node) -> dict[tuple[int, bytes], tuple]:
+    """Every key's current version (tombstones included) as the node's DCP stream gives it."""
+    out = {}
+    client = sluice.Client(node.address, name=f"check-{random.random()}")
+    with client.stream(list(range(NUM_VBUCKETS)), start="beginning", end="now", format="python") as s:
+        for batch in s:
+            for c in batch:
+                out[(c.vbucket, c.key)] = (c.seqno, c.op, c.value, c.cas, c.rev_seqno, c.flags)
+    return out

@@ -7,9 +7,7 @@ import dataclasses
 import socket
 import struct
 
-from test_server_protocol import recv_exact
-
-HEADER = struct.Struct(">BBHBBHIIQ")
+from mcbp_wire import HEADER, recv_exact
 
 CONNECT, MUTATION, DELETE, FLUSH, OPAQUE, VBUCKET_SET, CHECKPOINT_START, CHECKPOINT_END = range(0x40, 0x48)
 BACKFILL, DUMP, LIST_VBUCKETS, TAKEOVER_VBUCKETS = 0x01, 0x02, 0x04, 0x08

@@ -3,7 +3,6 @@ and `sluice status` printing it as tables."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import stat
@@ -14,11 +13,7 @@ import urllib.request
 
 import bmemcached
 import pytest
-
-
-def fetch(node, path: str) -> str:
-    with urllib.request.urlopen(f"http://{node.admin}{path}", timeout=10) as r:
-        return r.read().decode()
+from helpers import Node, admin_get, admin_post, basic_auth, write_users_config
 
 
 def test_metrics_count_what_clients_did(server):
@@ -28,7 +23,7 @@ def test_metrics_count_what_clients_did(server):
     c.get("k1")
     c.get("missing")
     c.disconnect_all()
-    text = fetch(server, "/metrics")
+    text = server.metrics()
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert int(lines['sluice_ops_total{bucket="default",op="set"}']) == 25
     assert int(lines['sluice_ops_total{bucket="default",op="get_miss"}']) == 1
@@ -44,7 +39,7 @@ def test_status_json_and_the_table(server):
     c = bmemcached.Client([server.address])
     c.set("a", "1")
     c.disconnect_all()
-    st = json.loads(fetch(server, "/status"))
+    st = server.status()
     assert st["listen"] == server.address and len(st["buckets"][0]["vbuckets"]) == 64
     vb = [v for v in st["buckets"][0]["vbuckets"] if v["high_seqno"]]
     assert len(vb) == 1 and vb[0]["state"] == "active" and vb[0]["items"] == 1
@@ -61,7 +56,7 @@ def test_status_json_and_the_table(server):
 
 def test_other_paths_and_methods(server):
     with pytest.raises(urllib.error.HTTPError) as e:
-        fetch(server, "/nope")
+        admin_get(server.admin, "/nope")
     assert e.value.code == 404
     req = urllib.request.Request(f"http://{server.admin}/metrics", data=b"x", method="POST")
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -82,25 +77,9 @@ def test_status_of_a_node_that_is_not_there():
 # --- Who may change the node: users, the token, and cross-site requests -------------------
 
 
-def post(node, path: str, headers: dict[str, str] | None = None, data: bytes = b"") -> tuple[int, dict, str]:
-    """POST to the admin endpoint: (status, headers, body), errors included."""
-    req = urllib.request.Request(
-        f"http://{node.admin}{path}", data=data, method="POST", headers=headers or {}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, dict(r.headers), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode()
-
-
-def basic(user: str, password: str) -> dict[str, str]:
-    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
-
-
 def role(node) -> str | None:
     """Whom the node follows (None once it is active) and checks its vbuckets agree."""
-    st = json.loads(fetch(node, "/status"))
+    st = node.status()
     states = {v["state"] for v in st["buckets"][0]["vbuckets"]}
     rep = st["replication"]
     assert states == ({"replica"} if rep else {"active"}), states
@@ -110,20 +89,18 @@ def role(node) -> str | None:
 def refused(node) -> dict[str, int]:
     return {
         line.split('reason="')[1].split('"')[0]: int(line.rsplit(" ", 1)[1])
-        for line in fetch(node, "/metrics").splitlines()
+        for line in node.metrics().splitlines()
         if line.startswith("sluice_admin_refused_total{")
     }
 
 
 @pytest.fixture
 def secured_pair(tmp_path):
-    """An active and its replica, both with users (test_server_auth's ada, bob read-only, root
+    """An active and its replica, both with users (write_users_config's ada, bob read-only, root
     admin on "*"); the replica logs in to the active as root."""
-    from helpers import Node
-    from test_server_auth import write_config
 
     users = tmp_path / "users.toml"
-    write_config(users, '["read"]')
+    write_users_config(users, '["read"]')
     active = Node(tmp_path / "a", "--config", str(users))
     (tmp_path / "root.pw").write_text("root-secret\n")
     replica_cfg = tmp_path / "replica.toml"
@@ -140,13 +117,13 @@ def test_state_changes_need_a_user_with_admin(secured_pair):
     active, replica = secured_pair
     takeover = f"/takeover?vbucket=5&source={active.address}"
     for path in ("/promote", takeover):
-        code, headers, _ = post(replica, path, {"X-Sluice-Request": "1"})
+        code, headers, _ = admin_post(replica, path, {"X-Sluice-Request": "1"})
         assert code == 401 and headers["WWW-Authenticate"] == 'Basic realm="sluice"', path
-        code, _, body = post(replica, path, basic("bob", "bob-secret"))
+        code, _, body = admin_post(replica, path, basic_auth("bob", "bob-secret"))
         assert code == 403 and "admin permission" in body, path
-    assert post(replica, "/promote", basic("root", "wrong"))[0] == 401
-    assert post(replica, "/promote", basic("nobody", "root-secret"))[0] == 401
-    assert post(replica, "/promote", {"Authorization": "Bearer not-the-token"})[0] == 401
+    assert admin_post(replica, "/promote", basic_auth("root", "wrong"))[0] == 401
+    assert admin_post(replica, "/promote", basic_auth("nobody", "root-secret"))[0] == 401
+    assert admin_post(replica, "/promote", {"Authorization": "Bearer not-the-token"})[0] == 401
     assert role(replica) == active.address, "nothing refused changed the node"
     assert refused(replica) == {
         "no_credentials": 2,
@@ -215,7 +192,6 @@ def test_the_local_cli_uses_the_nodes_token_file(secured_pair, tmp_path):
 def test_a_cross_site_post_changes_nothing(tmp_path):
     """Without users, a loopback endpoint takes state changes from local tools; a page in a
     browser on the same machine must not be able to make them."""
-    from helpers import Node
 
     active = Node(tmp_path / "a")
     replica = Node(tmp_path / "b", "--replica-of", active.address)
@@ -231,12 +207,12 @@ def test_a_cross_site_post_changes_nothing(tmp_path):
             {"Host": f"evil.example:{port}", "X-Sluice-Request": "1"},  # DNS rebinding
         ]
         for headers in attempts:
-            code, _, body = post(replica, "/promote", headers, data=b"a=1")
+            code, _, body = admin_post(replica, "/promote", headers, data=b"a=1")
             assert code == 403 and "cross-site" in body, headers
         assert refused(replica)["cross_site"] == len(attempts)
         assert role(replica) == active.address, "the replica was not promoted"
         # The same origin, or a tool saying it is no browser, is taken.
-        code, _, body = post(
+        code, _, body = admin_post(
             replica, "/promote", {"Origin": f"http://localhost:{port}", "X-Sluice-Request": "1"}
         )
         assert code == 200 and len(json.loads(body)["promoted"][0]["vbuckets"]) == 64
@@ -246,7 +222,6 @@ def test_a_cross_site_post_changes_nothing(tmp_path):
 
 
 def test_an_admin_endpoint_beyond_loopback_needs_users_or_insecure(tmp_path):
-    from helpers import Node
 
     r = subprocess.run(
         [
@@ -270,13 +245,13 @@ def test_an_admin_endpoint_beyond_loopback_needs_users_or_insecure(tmp_path):
     node = Node(tmp_path / "d", "--admin-listen", "0.0.0.0:0", "--insecure")
     try:
         node.admin = "127.0.0.1:" + node.admin.rsplit(":", 1)[1]
-        assert json.loads(fetch(node, "/status"))["buckets"]
+        assert node.status()["buckets"]
         # Even from loopback: without users nothing on a reachable endpoint vouches for the caller.
-        code, _, body = post(node, "/promote", {"X-Sluice-Request": "1"})
+        code, _, body = admin_post(node, "/promote", {"X-Sluice-Request": "1"})
         assert code == 403 and "no users are configured" in body
         assert refused(node)["not_loopback"] == 1
         token = (tmp_path / "d" / "admin.token").read_text().strip()
-        assert post(node, "/promote", {"Authorization": f"Bearer {token}"})[0] == 200
+        assert admin_post(node, "/promote", {"Authorization": f"Bearer {token}"})[0] == 200
     finally:
         assert node.stop() == 0
 

@@ -42,10 +42,7 @@ def test_bench_json_counts_match_the_server(server):
     assert out["misses"] == 0, "prefilled: every GET hits"
     lat = out["latency_us"]
     assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{server.admin}/metrics", timeout=10) as m:
-        text = m.read().decode()
+    text = server.metrics()
     sets = int(next(line.split()[-1] for line in text.splitlines() if 'op="set"' in line))
     assert sets == out["sets"] + 1000, "the server counted the bench's SETs and the 1000 of the prefill"
 

@@ -26,7 +26,6 @@ from dcp_wire import (
     MUTATION,
     NOOP,
     PRODUCER,
-    SEQNO_ACKNOWLEDGED,
     SET_VBUCKET_STATE,
     SNAP_CHECKPOINT,
     SNAP_DISK,
@@ -40,9 +39,11 @@ from dcp_wire import (
     frame,
     open_producer,
     read_frame,
+    seqno_ack,
     stream_req,
 )
 from helpers import Node
+from mcbp_wire import SET, durability_framing, flex_request, set_extras
 
 EINVAL, KEY_EEXISTS, KEY_ENOENT, NOT_MY_VBUCKET, ERANGE, ROLLBACK, NOT_SUPPORTED = (
     0x04,
@@ -342,20 +343,11 @@ def test_requires_stream_permission(tmp_path):
         assert node.stop() == 0
 
 
-def seqno_ack(vbucket: int, seqno: int) -> bytes:
-    # seqno-acknowledged.md: 8 bytes of extras (prepared seqno), no key, no value, no reply.
-    return frame(SEQNO_ACKNOWLEDGED, extras=struct.pack(">Q", seqno), vbucket=vbucket, opaque=0x1210)
-
-
 def durable_set(host: str, port: int, key: bytes, level: int = 1) -> socket.socket:
     """Sends a SET with the durability frame info (magic 0x08) and returns the socket to read
     its answer from."""
     s = socket.create_connection((host, port), timeout=30)
-    framing = bytes([0x11, level])
-    extras = struct.pack(">II", 0, 0)
-    body = len(framing) + len(extras) + len(key) + 1
-    head = struct.pack(">BBBBBBHIIQ", 0x08, 0x01, len(framing), len(key), len(extras), 0, 0, body, 7, 0)
-    s.sendall(head + framing + extras + key + b"v")
+    s.sendall(flex_request(SET, durability_framing(level), key, b"v", set_extras(), opaque=7))
     return s
 
 
@@ -364,7 +356,7 @@ def test_seqno_acknowledged_completes_a_majority_write(server):
     key = keys_in(vb, 1)[0].encode()
     d = DcpConnection(server.host, server.port, name=b"conformance:replica")
     # Without sync replication enabled the producer refuses the acknowledgement.
-    assert d.call(seqno_ack(vb, 1))["word"] == EINVAL
+    assert d.call(seqno_ack(vb, 1, opaque=0x1210))["word"] == EINVAL
     assert d.control("consumer_name", "replica-1") == 0
     assert d.control("enable_sync_writes", "true") == 0
     r = d.call(stream_req(vb, opaque=0x77))
@@ -376,7 +368,7 @@ def test_seqno_acknowledged_completes_a_majority_write(server):
     w.settimeout(0.3)
     with pytest.raises(socket.timeout):
         w.recv(1)
-    d.send(seqno_ack(vb, seqno))
+    d.send(seqno_ack(vb, seqno, opaque=0x1210))
     w.settimeout(10)
     answer = read_frame(w)
     assert answer["magic"] == 0x81 and answer["word"] == 0 and answer["opaque"] == 7

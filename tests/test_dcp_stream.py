@@ -8,7 +8,6 @@ import json
 import random
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import bmemcached
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pytest
 import sluice
 from dcp_wire import DELETION, MUTATION, SNAPSHOT_MARKER, STREAM_END, DcpConnection, stream_req
-from helpers import Node
+from helpers import Node, admin_get
 
 WRITES_PER_WRITER = 3000
 KEYSPACE = 400
@@ -41,8 +40,7 @@ class Served:
         self.port = int(port)
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.server.admin_address}/metrics", timeout=10) as r:
-            return r.read().decode()
+        return admin_get(self.server.admin_address, "/metrics")
 
     def close(self) -> None:
         self.server.stop()

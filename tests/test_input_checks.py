@@ -10,13 +10,12 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 
 import pytest
 import sluice
 from dcp_wire import DcpConnection, frame, stream_req
 from helpers import open_engine
-from test_server_protocol import GET_ALL_VB_SEQNOS, SET, connect, read_response, request, set_extras
+from mcbp_wire import GET_ALL_VB_SEQNOS, SET, connect, read_response, request, set_extras
 
 EINVAL = 0x04
 
@@ -70,8 +69,7 @@ def test_bad_connections_are_counted_each_and_logged_once_in_a_while(server):
         with socket.create_connection((server.host, server.port), timeout=10) as s:
             s.sendall(b"\x42" * 24)  # no magic a client sends
             assert s.recv(100) == b"", "closed"
-    with urllib.request.urlopen(f"http://{server.admin}/metrics", timeout=10) as r:
-        metrics = r.read().decode()
+    metrics = server.metrics()
     assert "sluice_protocol_errors_total 30" in metrics
     server.proc.send_signal(signal.SIGTERM)
     server.wait_for("stopped cleanly")  # every line logged before it is in server.lines

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -20,13 +19,15 @@ from pathlib import Path
 
 import pytest
 from helpers import Node
+from mcbp_wire import GETK, read_response, request
 
 WRITERS = 3  # processes
 CONNECTIONS = 2  # per process
 PIPELINE = 128
 
 WRITER = r"""
-import json, socket, struct, sys
+import json, socket, sys
+from mcbp_wire import SET, read_response, request, set_extras
 
 host, port, tag, value_size, connections, pipeline = (
     sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
@@ -35,18 +36,7 @@ def value_of(key):
     return (key * (value_size // len(key) + 1))[:value_size]
 
 def set_frame(key, opaque):
-    v = value_of(key)
-    body = struct.pack(">II", 0, 0) + key + v
-    return struct.pack(">BBHBBHIIQ", 0x80, 0x01, len(key), 8, 0, 0, len(body), opaque, 0) + body
-
-def recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
+    return request(SET, key, value_of(key), set_extras(), opaque=opaque)
 
 socks = [socket.create_connection((host, port)) for _ in range(connections)]
 acked = [0] * connections
@@ -58,9 +48,7 @@ try:
             s.sendall(b"".join(
                 set_frame(b"%s-%d-%08d" % (tag.encode(), c, first + i + 1), i) for i in range(pipeline)))
             for i in range(pipeline):
-                h = recv_exact(s, 24)
-                status, blen = struct.unpack(">H", h[6:8])[0], struct.unpack(">I", h[8:12])[0]
-                recv_exact(s, blen)
+                status = read_response(s)["status"]
                 if status != 0:
                     raise SystemExit("status 0x%x" % status)
                 acked[c] = first + i + 1
@@ -81,23 +69,11 @@ def _read_back(host: str, port: int, keys: list[bytes]) -> dict[bytes, bytes]:
         s.settimeout(60)
         for at in range(0, len(keys), 500):
             chunk = keys[at : at + 500]
-            s.sendall(
-                b"".join(
-                    struct.pack(">BBHBBHIIQ", 0x80, 0x0C, len(k), 0, 0, 0, len(k), i, 0) + k
-                    for i, k in enumerate(chunk)
-                )
-            )
-            buf = b""
+            s.sendall(b"".join(request(GETK, k, opaque=i) for i, k in enumerate(chunk)))
             for _ in chunk:
-                while len(buf) < 24:
-                    buf += s.recv(1 << 20)
-                klen, xlen = struct.unpack(">H", buf[2:4])[0], buf[4]
-                status, blen = struct.unpack(">H", buf[6:8])[0], struct.unpack(">I", buf[8:12])[0]
-                while len(buf) < 24 + blen:
-                    buf += s.recv(1 << 20)
-                body, buf = buf[24 : 24 + blen], buf[24 + blen :]
-                if status == 0:
-                    found[body[xlen : xlen + klen]] = body[xlen + klen :]
+                r = read_response(s)
+                if r["status"] == 0:
+                    found[r["key"]] = r["value"]
     return found
 
 
@@ -119,6 +95,7 @@ def _round(node: Node, tag: str, value_size: int, rng: random.Random, tmp: Path)
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=Path(__file__).resolve().parent,  # the writer imports mcbp_wire
         )
         for w in range(WRITERS)
     ]

@@ -11,21 +11,30 @@ import struct
 import time
 from pathlib import Path
 
+import mcbp_wire
 import pytest
 import sluice
 from dcp_wire import (
     FLAG_TAKEOVER,
     MUTATION,
-    SEQNO_ACKNOWLEDGED,
     DcpConnection,
     control,
     open_producer,
+    seqno_ack,
     stream_req,
 )
-from helpers import Node, run_cli
+from helpers import NUM_VBUCKETS, Node, admin_post, basic_auth, run_cli, start_node
+from mcbp_wire import (
+    HEADER,
+    NOOP,
+    connect,
+    durability_framing,
+    flex_request,
+    read_response,
+    request,
+    set_extras,
+)
 from tap_wire import DUMP, FLAG_ACK, LIST_VBUCKETS, TAKEOVER_VBUCKETS, connect_frame, vbucket_list
-from test_admin import basic, post
-from test_server_protocol import NOOP, connect, read_response, request, set_extras
 
 EACCESS = 0x24
 PERMISSIONS = ("read", "write", "stream", "admin", "replication")
@@ -53,8 +62,7 @@ def lacking(needed: str) -> list[str]:
 
 
 def login(s, user: str) -> None:
-    s.sendall(request(0x21, b"PLAIN", b"\0" + user.encode() + b"\0" + PASSWORD.encode()))
-    assert read_response(s)["status"] == 0, user
+    assert mcbp_wire.login(s, user, PASSWORD) == 0, user
 
 
 def kv_status(s, frame: bytes) -> int:
@@ -76,7 +84,7 @@ def tap_command(
     if opcode == 0x41:
         extras += struct.pack(">II", 0, 0)
     body = extras + engine + key + value
-    return struct.pack(">BBHBBHIIQ", 0x80, opcode, len(key), len(extras), 0, vbucket, len(body), 0, 0) + body
+    return HEADER.pack(0x80, opcode, len(key), len(extras), 0, vbucket, len(body), 0, 0) + body
 
 
 def tap_connect_status(s, frame: bytes) -> int:
@@ -248,9 +256,9 @@ def test_each_command_needs_its_permission(node, row):
 @pytest.mark.parametrize("row", ADMIN_ROWS, ids=[r[0] for r in ADMIN_ROWS])
 def test_each_admin_request_needs_its_permission(node, row):
     _, needed, path = row
-    code, _, _ = post(node, path, basic(f"lacks_{needed}", PASSWORD))
+    code, _, _ = admin_post(node, path, basic_auth(f"lacks_{needed}", PASSWORD))
     assert code == 403
-    code, _, body = post(node, path, basic(f"only_{needed}", PASSWORD))
+    code, _, body = admin_post(node, path, basic_auth(f"only_{needed}", PASSWORD))
     assert code == 200 if path == "/promote" else code not in (401, 403), (code, body)
 
 
@@ -258,10 +266,8 @@ def test_each_admin_request_needs_its_permission(node, row):
 def replication_users(tmp_path):
     """A node whose users are `writer` (read, write), `streamer` (stream) and `repl`
     (replication), on 16 vbuckets."""
-    from test_replication import start
-
     users = {"writer": ["read", "write"], "streamer": ["stream"], "repl": ["replication"]}
-    n = start(tmp_path, "a", extra=users_config(users))
+    n = start_node(tmp_path, "a", extra=users_config(users))
     yield n
     assert n.stop() == 0
 
@@ -272,20 +278,15 @@ def dcp_as(node, user: str, name: bytes) -> DcpConnection:
 
 def durable_set(node, key: bytes, timeout_ms: int) -> int:
     """SET at durability majority (frame info 1, level 1, with a timeout) as `writer`."""
-    from test_server_protocol import flex_request
-
     with connect(node) as s:
         s.settimeout(30)
         login(s, "writer")
-        framing = bytes([0x13, 1]) + struct.pack(">H", timeout_ms)
-        s.sendall(flex_request(0x01, framing, key, b"v", set_extras()))
+        s.sendall(flex_request(0x01, durability_framing(1, timeout_ms), key, b"v", set_extras()))
         return read_response(s)["status"]
 
 
 def ack(c: DcpConnection, vb: int, seqno: int) -> None:
-    c.send(
-        struct.pack(">BBHBBHIIQ", 0x80, SEQNO_ACKNOWLEDGED, 0, 8, 0, vb, 8, 0, 0) + struct.pack(">Q", seqno)
-    )
+    c.send(seqno_ack(vb, seqno))
 
 
 def test_only_the_replication_role_registers_a_replica(replication_users):
@@ -299,8 +300,6 @@ def test_only_the_replication_role_registers_a_replica(replication_users):
 
 
 def test_a_seqno_ack_counts_only_what_its_stream_was_sent(replication_users):
-    from test_replication import NUM_VBUCKETS
-
     node = replication_users
     key = b"durable"
     vb = sluice.vbucket_of(key, NUM_VBUCKETS)
@@ -334,8 +333,6 @@ def test_a_seqno_ack_counts_only_what_its_stream_was_sent(replication_users):
 
 
 def test_a_move_works_with_a_replication_user_and_not_without_the_role(tmp_path):
-    from test_replication import NUM_VBUCKETS, start, status
-
     h = sluice.config.hash_password("repl-secret", iterations=1000)
     (tmp_path / "repl.pw").write_text("repl-secret\n")
     login_as = f'[replication]\nuser = "repl"\npassword_file = "{tmp_path / "repl.pw"}"\n'
@@ -343,9 +340,9 @@ def test_a_move_works_with_a_replication_user_and_not_without_the_role(tmp_path)
         f'[users.repl]\npassword_hash = "{h}"\nbuckets = {{ default = ["replication"] }}\n'
         f'[users.streamer]\npassword_hash = "{h}"\nbuckets = {{ default = ["stream"] }}\n'
     )
-    a = start(tmp_path, "a", extra=source_users)
-    b = start(tmp_path, "b", extra=login_as)
-    c = start(tmp_path, "c", extra=login_as.replace('"repl"', '"streamer"'))
+    a = start_node(tmp_path, "a", extra=source_users)
+    b = start_node(tmp_path, "b", extra=login_as)
+    c = start_node(tmp_path, "c", extra=login_as.replace('"repl"', '"streamer"'))
     try:
         keys = [k for k in (f"k{i}".encode() for i in range(500)) if sluice.vbucket_of(k, NUM_VBUCKETS) == 5]
         with connect(a) as s:
@@ -355,12 +352,12 @@ def test_a_move_works_with_a_replication_user_and_not_without_the_role(tmp_path)
         refused = run_cli("move-vbucket", "--vb", "5", "--from", a.admin, "--to", c.admin, timeout=60)
         assert refused.returncode != 0
         assert "replication" in refused.stderr + refused.stdout, refused.stderr
-        state_a = {v["vbucket"]: v["state"] for v in status(a)["buckets"][0]["vbuckets"]}
+        state_a = {v["vbucket"]: v["state"] for v in a.status()["buckets"][0]["vbuckets"]}
         assert state_a[5] == "active", "a refused takeover leaves the source as it was"
         moved = run_cli("move-vbucket", "--vb", "5", "--from", a.admin, "--to", b.admin, timeout=60)
         assert moved.returncode == 0, moved.stderr
         assert f"{len(keys)} changes streamed" in moved.stdout, moved.stdout
-        assert {v["vbucket"]: v["state"] for v in status(b)["buckets"][0]["vbuckets"]}[5] == "active"
+        assert {v["vbucket"]: v["state"] for v in b.status()["buckets"][0]["vbuckets"]}[5] == "active"
     finally:
         for n in (c, b, a):
             n.stop()

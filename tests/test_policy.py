@@ -7,12 +7,10 @@ each and exit code 2."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import struct
 import time
-import urllib.request
 from pathlib import Path
 
 import bmemcached
@@ -20,10 +18,8 @@ import pytest
 import sluice
 from dcp_wire import FLAG_TO_LATEST, STREAM_END, DcpConnection, buffer_ack, stream_req
 from helpers import Node, run_cli
+from mcbp_wire import GET_REPLICA, read_response, request
 from tap_wire import BACKFILL, MUTATION, SUPPORT_ACK, TapClient, ack
-from test_server_protocol import read_response, request
-
-GET_REPLICA = 0x83
 
 PLUGINS = '''
 import time
@@ -86,15 +82,6 @@ class ShortGrace(RetransmitPolicy):
 '''
 
 
-def metric(node: Node, name: str, policy: str | None = None) -> float:
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    label = f'{{policy="{policy}"}}' if policy else ""
-    m = re.search(rf"^{re.escape(name + label)} (\S+)$", text, re.M)
-    assert m, f"{name}{label} not in /metrics"
-    return float(m.group(1))
-
-
 def start(
     tmp_path: Path, name: str, policy: dict[str, str], tap: str = "", args: tuple[str, ...] = ()
 ) -> tuple[Node, Path]:
@@ -127,10 +114,10 @@ def test_a_raising_plugin_is_counted_and_the_stream_goes_on(tmp_path: Path) -> N
         write(n, [f"k{i}" for i in range(200)])
         assert len(stream_keys(n, 200, SUPPORT_ACK)) == 200
         deadline = time.monotonic() + 10
-        while metric(n, "sluice_policy_errors_total", "ack") == 0 and time.monotonic() < deadline:
+        while n.metric("sluice_policy_errors_total", policy="ack") == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metric(n, "sluice_policy_errors_total", "ack") >= 1
-        assert metric(n, "sluice_policy_calls_total", "ack") >= 1
+        assert n.metric("sluice_policy_errors_total", policy="ack") >= 1
+        assert n.metric("sluice_policy_calls_total", policy="ack") >= 1
         assert "plugin bug" in "".join(n.lines) or n.wait_for("plugin bug", timeout=5)
         assert bmemcached.Client([n.address]).get("k1") == b"value", "the daemon keeps serving"
     finally:
@@ -145,7 +132,7 @@ def test_a_plugin_past_its_timeout_gets_the_default(tmp_path: Path) -> None:
         started = time.monotonic()
         assert stream_keys(n, 50) == {k.encode() for k in keys}, "kept: the default"
         assert time.monotonic() - started < 5
-        assert metric(n, "sluice_policy_timeouts_total", "filter") >= 1
+        assert n.metric("sluice_policy_timeouts_total", policy="filter") >= 1
     finally:
         n.stop()
 
@@ -166,7 +153,7 @@ def test_an_ack_policy_changes_the_interval_at_run_time(tmp_path: Path) -> None:
         c.close()
         assert gaps[0] == 20, gaps
         assert gaps[-10:].count(3) >= 8, f"every third message asks once the policy says so: {gaps}"
-        assert metric(n, "sluice_policy_calls_total", "ack") >= 2
+        assert n.metric("sluice_policy_calls_total", policy="ack") >= 2
     finally:
         n.stop()
 
@@ -184,8 +171,8 @@ def test_a_filter_drops_a_key_prefix(tmp_path: Path, plugin: str) -> None:
         assert not [m.key for m in c.drain() if m.opcode == MUTATION], "nothing beyond the kept keys"
         c.close()
         assert got == {k.encode() for k in kept}
-        assert metric(n, "sluice_tap_filtered_total") >= 200
-        assert metric(n, "sluice_policy_installed", "filter") == 1
+        assert n.metric("sluice_tap_filtered_total") >= 200
+        assert n.metric("sluice_policy_installed", policy="filter") == 1
     finally:
         n.stop()
 
@@ -208,7 +195,7 @@ def test_a_filter_dropping_whole_batches_does_not_stall_the_stream(tmp_path: Pat
         c.close()
         assert {m.key for m in got if m.opcode == MUTATION} == {k.encode() for k in kept}
         assert time.monotonic() - started < 5
-        assert metric(n, "sluice_tap_filtered_total") == 3000
+        assert n.metric("sluice_tap_filtered_total") == 3000
     finally:
         n.stop()
 
@@ -237,8 +224,10 @@ def test_a_filtered_batch_larger_than_the_ack_window_goes_out_window_by_window(t
         assert sorted(got) == sorted(f"user:{j}".encode() for j in range(0, 2000, 2))
         assert len(set(got)) == len(got)
         assert max(bursts) <= 51 and len(bursts) >= 20, f"the window of 50 held: {bursts}"
-        assert metric(n, "sluice_tap_filtered_total") == 1000
-        assert metric(n, "sluice_policy_calls_total", "filter") < 10, "a few batches, not one per window"
+        assert n.metric("sluice_tap_filtered_total") == 1000
+        assert n.metric("sluice_policy_calls_total", policy="filter") < 10, (
+            "a few batches, not one per window"
+        )
     finally:
         n.stop()
 
@@ -254,7 +243,7 @@ def test_a_batchs_keys_are_there_only_during_the_filter_call(tmp_path: Path) -> 
         keys = stream_keys(n, 21)
         assert b"user:late" in keys
         n.wait_for("the call was answered", timeout=10)
-        assert metric(n, "sluice_policy_errors_total", "filter") >= 1
+        assert n.metric("sluice_policy_errors_total", policy="filter") >= 1
     finally:
         n.stop()
 
@@ -280,8 +269,8 @@ def test_a_filter_drops_a_key_prefix_on_dcp_streams_within_the_window(tmp_path: 
                 keys.append(m["key"])
         c.close()
         assert sorted(keys) == sorted(k.encode() for k in kept)
-        assert metric(n, "sluice_dcp_filtered_total") == 3000
-        assert metric(n, "sluice_policy_calls_total", "filter") >= 1
+        assert n.metric("sluice_dcp_filtered_total") == 3000
+        assert n.metric("sluice_policy_calls_total", policy="filter") >= 1
     finally:
         n.stop()
 
@@ -312,8 +301,8 @@ def test_an_ack_policy_sizes_a_replicas_dcp_buffer(tmp_path: Path) -> None:
         sock.close()
         # Replication goes on within the plugin's buffer, and the filter leaves it whole.
         assert got == want
-        assert metric(replica, "sluice_policy_calls_total", "ack") >= 1
-        assert metric(active, "sluice_dcp_filtered_total") == 0
+        assert replica.metric("sluice_policy_calls_total", policy="ack") >= 1
+        assert active.metric("sluice_dcp_filtered_total") == 0
     finally:
         if replica is not None:
             replica.stop()
@@ -329,11 +318,11 @@ def test_sighup_replaces_and_removes_plugins(tmp_path: Path) -> None:
         n.proc.send_signal(signal.SIGHUP)
         n.wait_for("policy filter: myplugins:NoTmp")
         assert stream_keys(n, 1) == {b"user:1"}
-        assert metric(n, "sluice_policy_installed", "filter") == 1
+        assert n.metric("sluice_policy_installed", policy="filter") == 1
         cfg.write_text(cfg.read_text().replace('filter = "myplugins:NoTmp"\n', ""))
         n.proc.send_signal(signal.SIGHUP)
         n.wait_for("policy filter: back to the native default")
-        assert metric(n, "sluice_policy_installed", "filter") == 0
+        assert n.metric("sluice_policy_installed", policy="filter") == 0
         assert stream_keys(n, 2) == {b"tmp:1", b"user:1"}
     finally:
         assert n.stop() == 0
@@ -348,9 +337,9 @@ def test_a_retransmit_policy_decides_the_grace(tmp_path: Path) -> None:
         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.close()
         deadline = time.monotonic() + 10
-        while metric(n, "sluice_tap_sessions_expired_total") < 1 and time.monotonic() < deadline:
+        while n.metric("sluice_tap_sessions_expired_total") < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metric(n, "sluice_tap_sessions_expired_total") == 1, "a grace of 0 instead of 1 h"
+        assert n.metric("sluice_tap_sessions_expired_total") == 1, "a grace of 0 instead of 1 h"
     finally:
         n.stop()
 

@@ -10,29 +10,15 @@ import re
 import socket
 import struct
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import sluice
 from helpers import Node
+from mcbp_wire import HEADER, NOOP, SET, connect, login, read_response, request, sasl_plain, set_extras
 from tap_wire import BACKFILL, MUTATION, REGISTERED_CLIENT, SUPPORT_ACK, TapClient, ack
-from test_server_protocol import NOOP, SET, connect, read_response, request, set_extras
 
-SASL_AUTH = 0x21
 AUTH_ERROR, E2BIG, ETMPFAIL = 0x20, 0x03, 0x86
-
-
-def metrics_text(node: Node) -> str:
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def metric(node: Node, series: str) -> float:
-    """One series' value, labels included in `series` (e.g. 'x_total{reason="y"}')."""
-    m = re.search(rf"^{re.escape(series)} (\S+)$", metrics_text(node), re.M)
-    assert m, f"{series} not in /metrics"
-    return float(m.group(1))
 
 
 def start(
@@ -50,15 +36,6 @@ def start(
         ]
     cfg.write_text("\n".join(lines) + "\n")
     return Node(tmp_path / "d", "--config", str(cfg))
-
-
-def plain(user: str, password: str) -> bytes:
-    return request(SASL_AUTH, b"PLAIN", b"\0" + user.encode() + b"\0" + password.encode())
-
-
-def login(s: socket.socket, user: str, password: str) -> int:
-    s.sendall(plain(user, password))
-    return read_response(s)["status"]
 
 
 def connect_from(node: Node, source: str) -> socket.socket:
@@ -103,8 +80,8 @@ def test_a_silent_or_trickling_connection_is_closed_at_the_login_deadline(tmp_pa
         assert closed_by_server(silent, 5)
         member.sendall(request(NOOP))
         assert read_response(member)["status"] == 0, "a logged-in connection has no login deadline"
-        assert metric(node, 'sluice_prelogin_closed_total{reason="login_timeout"}') == 2
-        assert metric(node, "sluice_unauthenticated_connections") == 0
+        assert node.metric("sluice_prelogin_closed_total", reason="login_timeout") == 2
+        assert node.metric("sluice_unauthenticated_connections") == 0
         node.wait_for("not logged in within")
         for s in (silent, trickle, member):
             s.close()
@@ -119,7 +96,7 @@ def test_a_big_frame_before_login_gets_e2big_and_memory_stays_flat(tmp_path):
         socks = []
         # 50 connections, each announcing a 19 MiB SET and sending 4 MiB of it: buffered, that
         # would be 200 MiB; refused at the header, it is nothing.
-        head = struct.pack(">BBHBBHIIQ", 0x80, SET, 1, 8, 0, 0, 19 << 20, 7, 0)
+        head = HEADER.pack(0x80, SET, 1, 8, 0, 0, 19 << 20, 7, 0)
         chunk = b"x" * (1 << 20)
         for _ in range(50):
             s = connect(node)
@@ -140,7 +117,7 @@ def test_a_big_frame_before_login_gets_e2big_and_memory_stays_flat(tmp_path):
                 pass  # the reply was lost to the reset our unread bytes caused
             assert closed_by_server(s, 5)
             s.close()
-        assert metric(node, 'sluice_prelogin_closed_total{reason="frame_too_big"}') == 50
+        assert node.metric("sluice_prelogin_closed_total", reason="frame_too_big") == 50
         # After login, the normal limit applies.
         with connect(node) as s:
             assert login(s, "ada", "ada-secret") == 0
@@ -173,9 +150,9 @@ def test_unauthenticated_connections_are_capped_per_address_and_in_total(tmp_pat
         again = connect_from(node, "127.0.0.4")
         again.sendall(request(NOOP))
         assert read_response(again)["status"] == 0
-        assert metric(node, 'sluice_prelogin_closed_total{reason="max_unauthenticated_per_ip"}') == 1
-        assert metric(node, 'sluice_prelogin_closed_total{reason="max_unauthenticated"}') == 1
-        assert metric(node, "sluice_unauthenticated_connections") == 5
+        assert node.metric("sluice_prelogin_closed_total", reason="max_unauthenticated_per_ip") == 1
+        assert node.metric("sluice_prelogin_closed_total", reason="max_unauthenticated") == 1
+        assert node.metric("sluice_unauthenticated_connections") == 5
         node.wait_for("connections are not logged in")
         for s in [*mine, *more, over_ip, other, over_total, again]:
             s.close()
@@ -194,19 +171,19 @@ def test_wrong_passwords_are_slowed_down_counted_and_logged_once(tmp_path):
                 took.append(time.monotonic() - t)
             # 0, then 100, 200, 400 ms before the password is checked.
             assert took[3] > 0.3 and took[3] > took[1] * 1.5, took
-            assert metric(node, "sluice_auth_failures_total") == 4
+            assert node.metric("sluice_auth_failures_total") == 4
             # The right password, after its turn, still logs in.
             assert login(s, "ada", "ada-secret") == 0
         # Parallel guesses queue behind each other rather than multiplying the rate.
         socks = [connect(node) for _ in range(4)]
         t = time.monotonic()
         for c in socks:
-            c.sendall(plain("ada", "guess"))
+            c.sendall(sasl_plain("ada", "guess"))
         for c in socks:
             assert read_response(c)["status"] == AUTH_ERROR
             c.close()
         assert time.monotonic() - t > 1.0
-        assert metric(node, "sluice_auth_failures_total") == 8
+        assert node.metric("sluice_auth_failures_total") == 8
         node.wait_for('failed SASL login for user "ada" from 127.0.0.1')
         with pytest.raises(AssertionError, match="no 'failed SASL login'"):
             node.wait_for("failed SASL login", timeout=0.5)  # one line per 10 s for all 8
@@ -233,7 +210,7 @@ def test_an_unknown_user_takes_as_long_as_a_wrong_password(tmp_path):
         unknown = sorted(attempt(f"127.0.2.{i}", f"nobody{i}") for i in range(len(users)))
         ratio = unknown[2] / known[2]
         assert 1 / 3 < ratio < 3, (known, unknown)
-        assert metric(node, "sluice_auth_failures_total") == 10
+        assert node.metric("sluice_auth_failures_total") == 10
     finally:
         assert node.stop() == 0
 
@@ -247,9 +224,8 @@ def tap_start(tmp_path: Path, tap: str) -> Node:
 def tap_answer(c: TapClient) -> tuple[int, int, bytes]:
     """(magic, status, body) of what the server sends first after TAP_CONNECT."""
     c.sock.settimeout(10)
-    head = c.sock.recv(24, socket.MSG_WAITALL)
-    magic, _op, _kl, _el, _dt, st, body, _op2, _cas = struct.unpack(">BBHBBHIIQ", head)
-    return magic, st, c.sock.recv(body, socket.MSG_WAITALL) if body else b""
+    r = read_response(c.sock)
+    return r["magic"], r["status"], r["raw"][24:]
 
 
 def test_named_tap_sessions_are_capped_and_registered_ones_expire(tmp_path):
@@ -266,22 +242,22 @@ def test_named_tap_sessions_are_capped_and_registered_ones_expire(tmp_path):
             assert tap_answer(c)[0] == 0x80, "a TAP stream starts"
             c.close()
         time.sleep(0.3)
-        assert metric(node, "sluice_tap_sessions_parked") == 3
+        assert node.metric("sluice_tap_sessions_parked") == 3
         c = TapClient(addr, b"reg-new", flags, since)
         magic, st, why = tap_answer(c)
         assert (magic, st) == (0x81, ETMPFAIL) and b"tap.max_sessions" in why, why
         c.close()
-        assert metric(node, "sluice_tap_sessions_refused_total") == 1
+        assert node.metric("sluice_tap_sessions_refused_total") == 1
         # An existing name may come back while its session is kept.
         c = TapClient(addr, b"reg-0", flags, since)
         assert tap_answer(c)[0] == 0x80
         c.close()
         # Registered sessions expire after the grace period like others; then new names fit.
         deadline = time.monotonic() + 10
-        while metric(node, "sluice_tap_sessions_parked") > 0 and time.monotonic() < deadline:
+        while node.metric("sluice_tap_sessions_parked") > 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert metric(node, "sluice_tap_sessions_parked") == 0
-        assert metric(node, "sluice_tap_sessions_expired_total") == 3
+        assert node.metric("sluice_tap_sessions_parked") == 0
+        assert node.metric("sluice_tap_sessions_expired_total") == 3
         c = TapClient(addr, b"reg-new", flags, since)
         assert tap_answer(c)[0] == 0x80
         c.close()

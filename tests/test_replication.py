@@ -4,84 +4,30 @@ majority, and a proxy injecting network faults between the two."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import socket
 import struct
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import bmemcached
 import pytest
 import sluice
 from fault_proxy import FaultProxy
-from helpers import Node, run_cli
-from test_server_protocol import flex_request, read_response, request, set_extras
-
-GET, SET, DELETE, GET_REPLICA = 0x00, 0x01, 0x04, 0x83
-NUM_VBUCKETS = 16
-
-
-def config_file(tmp_path: Path, name: str, extra: str = "", **bucket: object) -> Path:
-    """A node's configuration: the default bucket with `bucket`'s keys, then `extra` (TOML)."""
-    lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in bucket.items()]
-    p = tmp_path / f"{name}.toml"
-    p.write_text("\n".join(lines) + "\n" + extra)
-    return p
-
-
-def start(tmp_path: Path, name: str, *args: str, extra: str = "", **bucket: object) -> Node:
-    return Node(tmp_path / name, "--config", str(config_file(tmp_path, name, extra, **bucket)), *args)
-
-
-def status(node: Node) -> dict:
-    with urllib.request.urlopen(f"http://{node.admin}/status", timeout=10) as r:
-        return json.load(r)
-
-
-def metrics(node: Node) -> str:
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def metric(node: Node, name: str) -> float:
-    total = 0.0
-    for line in metrics(node).splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def seqnos(node: Node) -> list[int]:
-    return [v["high_seqno"] for v in status(node)["buckets"][0]["vbuckets"]]
-
-
-def wait_converged(active: Node, replica: Node, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if seqnos(active) == seqnos(replica):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no convergence in {timeout} s: {seqnos(active)} vs {seqnos(replica)}")
-
-
-def contents(node: Node) -> dict[tuple[int, bytes], tuple]:
-    """Every key's current version (tombstones included) as the node's DCP stream gives it."""
-    out = {}
-    client = sluice.Client(node.address, name=f"check-{random.random()}")
-    with client.stream(list(range(NUM_VBUCKETS)), start="beginning", end="now", format="python") as s:
-        for batch in s:
-            for c in batch:
-                out[(c.vbucket, c.key)] = (c.seqno, c.op, c.value, c.cas, c.rev_seqno, c.flags)
-    return out
-
-
-def mc(node: Node) -> socket.socket:
-    return socket.create_connection((node.host, node.port), timeout=10)
+from helpers import NUM_VBUCKETS, Node, contents, node_config, run_cli, start_node, wait_converged
+from mcbp_wire import (
+    GET,
+    GET_REPLICA,
+    SET,
+    connect,
+    durability_framing,
+    flex_request,
+    read_response,
+    request,
+    set_extras,
+)
 
 
 def get_replica(sock: socket.socket, key: bytes) -> dict:
@@ -107,15 +53,13 @@ def majority_set(
 ) -> int:
     """SET with the durability frame info (level 1 majority, 2 majority and persist on the
     active, 3 persist to majority); returns the status."""
-    info = bytes([level]) if timeout_ms is None else bytes([level]) + struct.pack(">H", timeout_ms)
-    framing = bytes([0x10 | len(info)]) + info
-    sock.sendall(flex_request(SET, framing, key, value, set_extras()))
+    sock.sendall(flex_request(SET, durability_framing(level, timeout_ms), key, value, set_extras()))
     return read_response(sock)["status"]
 
 
 def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
-    active = start(tmp_path, "a")
-    replica = start(tmp_path, "b", "--replica-of", active.address)
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
     try:
         rng = random.Random(5)
         c = bmemcached.Client([active.address])
@@ -134,7 +78,7 @@ def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
         assert a == b
         # The replica serves reads of its vbuckets with GET_REPLICA; writes and plain reads
         # belong to the active.
-        s = mc(replica)
+        s = connect(replica)
         live = next(k for k, v in a.items() if v[1] == "mutation")
         r = get_replica(s, live[1])
         assert r["status"] == 0 and r["value"] == a[live][2]
@@ -142,11 +86,11 @@ def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
         assert read_response(s)["status"] == 0x07
         s.sendall(request(SET, key=b"x", value=b"y", extras=set_extras()))
         assert read_response(s)["status"] == 0x07
-        st = status(replica)
+        st = replica.status()
         assert st["replication"]["replica_of"] == active.address
         assert st["replication"]["buckets"][0]["connected"]
-        assert 'sluice_replica_lag_seqnos{bucket="default",vbucket="0"} 0' in metrics(replica)
-        followers = status(active)["buckets"][0]["vbuckets"][0]["followers"]
+        assert 'sluice_replica_lag_seqnos{bucket="default",vbucket="0"} 0' in replica.metrics()
+        followers = active.status()["buckets"][0]["vbuckets"][0]["followers"]
         assert len(followers) == 1
         out = run_cli("status", "--admin", replica.admin)
         assert out.returncode == 0 and f"replica of {active.address}" in out.stdout, out
@@ -159,24 +103,24 @@ def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
 
 
 def test_a_chain_and_a_restarted_replica_resume_without_a_full_resync(tmp_path):
-    active = start(tmp_path, "a")
-    middle = start(tmp_path, "b", "--replica-of", active.address)
-    tail = start(tmp_path, "c", "--replica-of", middle.address)
+    active = start_node(tmp_path, "a")
+    middle = start_node(tmp_path, "b", "--replica-of", active.address)
+    tail = start_node(tmp_path, "c", "--replica-of", middle.address)
     try:
         c = bmemcached.Client([active.address])
         c.set_multi({f"k{i}": b"one" for i in range(5000)})
         wait_converged(active, middle)
         wait_converged(middle, tail)
-        sent_before = metric(active, "sluice_dcp_items_total")
+        sent_before = active.metric_sum("sluice_dcp_items_total")
         middle.stop()
         c.set_multi({f"k{i}": b"two" for i in range(0, 5000, 2)})
         # Back on the same address, so the tail finds it again.
-        middle = start(tmp_path, "b", "--replica-of", active.address, "--listen", middle.address)
+        middle = start_node(tmp_path, "b", "--replica-of", active.address, "--listen", middle.address)
         wait_converged(active, middle)
         wait_converged(middle, tail)
         # Only the new changes crossed the wire again: the restarted replica resumed from its
         # own WAL, not from zero.
-        assert metric(active, "sluice_dcp_items_total") - sent_before <= 2500
+        assert active.metric_sum("sluice_dcp_items_total") - sent_before <= 2500
         assert contents(active) == contents(tail)
     finally:
         for n in (tail, middle, active):
@@ -184,9 +128,9 @@ def test_a_chain_and_a_restarted_replica_resume_without_a_full_resync(tmp_path):
 
 
 def test_faults_between_active_and_replica(tmp_path):
-    active = start(tmp_path, "a")
+    active = start_node(tmp_path, "a")
     proxy = FaultProxy(active.address)
-    replica = start(tmp_path, "b", "--replica-of", proxy.address)
+    replica = start_node(tmp_path, "b", "--replica-of", proxy.address)
     stop = threading.Event()
     try:
         c = bmemcached.Client([active.address])
@@ -215,10 +159,10 @@ def test_faults_between_active_and_replica(tmp_path):
         # Resumed where it stood each time: the active sent at most what was written (less,
         # deduplicated), plus partial snapshots again. A single full resync would add the
         # whole bucket (50,000 keys).
-        sent = metric(active, "sluice_dcp_items_total")
+        sent = active.metric_sum("sluice_dcp_items_total")
         assert sent < written[0] + 25_000, (sent, written[0])
-        assert metric(replica, "sluice_replica_connects_total") >= 2
-        assert metric(replica, "sluice_replica_rollbacks_total") == 0
+        assert replica.metric_sum("sluice_replica_connects_total") >= 2
+        assert replica.metric_sum("sluice_replica_rollbacks_total") == 0
         assert contents(active) == contents(replica)
     finally:
         stop.set()
@@ -228,20 +172,20 @@ def test_faults_between_active_and_replica(tmp_path):
 
 
 def test_majority_writes_survive_a_kill_of_the_active(tmp_path):
-    active = start(tmp_path, "a", durability_timeout="5s")
-    replica = start(tmp_path, "b", "--replica-of", active.address)
+    active = start_node(tmp_path, "a", durability_timeout="5s")
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
     acked: list[bytes] = []
     stop = threading.Event()
     try:
         # Before a replica follows, majority is impossible; with one, it is met.
         deadline = time.monotonic() + 30
-        s = mc(active)
+        s = connect(active)
         while majority_set(s, b"probe", b"1") != 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
 
         def writer(n: int) -> None:
-            w = mc(active)
+            w = connect(active)
             i = 0
             while not stop.is_set():
                 key = f"w{n}:{i}".encode()
@@ -264,7 +208,7 @@ def test_majority_writes_survive_a_kill_of_the_active(tmp_path):
         assert len(acked) > 500
         out = run_cli("promote", "--admin", replica.admin)
         assert out.returncode == 0 and "promoted to active" in out.stdout, out
-        s = mc(replica)
+        s = connect(replica)
         missing = []
         for k in acked:
             s.sendall(request(GET, key=k))
@@ -281,11 +225,11 @@ def test_majority_writes_survive_a_kill_of_the_active(tmp_path):
 
 
 def test_durability_impossible_and_ambiguous(tmp_path):
-    active = start(tmp_path, "a", replicas=1)
+    active = start_node(tmp_path, "a", replicas=1)
     try:
-        s = mc(active)
+        s = connect(active)
         assert majority_set(s, b"k", b"v") == 0xA1  # no replica follows
-        replica = start(tmp_path, "b", "--replica-of", active.address)
+        replica = start_node(tmp_path, "b", "--replica-of", active.address)
         deadline = time.monotonic() + 30
         while majority_set(s, b"k", b"v") != 0:
             assert time.monotonic() < deadline
@@ -310,10 +254,10 @@ def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
     """A majority SET that cannot be acknowledged (the replica is stopped) waits for its
     timeout, but the plain SETs pipelined behind it on the same connection are applied at once
     (another client reads them meanwhile); the replies still come in request order."""
-    active = start(tmp_path, "a", replicas=1)
-    replica = start(tmp_path, "b", "--replica-of", active.address)
+    active = start_node(tmp_path, "a", replicas=1)
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
     try:
-        s = mc(active)
+        s = connect(active)
         deadline = time.monotonic() + 30
         while majority_set(s, b"warm", b"v") != 0:
             assert time.monotonic() < deadline
@@ -351,14 +295,14 @@ def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
 
 
 def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
-    a = start(tmp_path, "a")
+    a = start_node(tmp_path, "a")
     proxy = FaultProxy(a.address)
-    b = start(tmp_path, "b", "--replica-of", proxy.address)
+    b = start_node(tmp_path, "b", "--replica-of", proxy.address)
     try:
         ca = bmemcached.Client([a.address])
         ca.set_multi({f"s1:{i}": b"replicated" for i in range(3000)})
         wait_converged(a, b)
-        before = seqnos(a)
+        before = a.seqnos()
         proxy.drop(True)  # the replica hears nothing more
         ca.set_multi({f"s2:{i}": b"lost" for i in range(1000)})  # acknowledged at level none
         ca.set_multi({f"s1:{i}": b"overwritten-then-lost" for i in range(0, 3000, 3)})
@@ -367,7 +311,7 @@ def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
         assert run_cli("promote", "--admin", b.admin).returncode == 0
         cb = bmemcached.Client([b.address])
         cb.set_multi({f"s3:{i}": b"new" for i in range(1000)})
-        a = start(tmp_path, "a", "--replica-of", b.address)
+        a = start_node(tmp_path, "a", "--replica-of", b.address)
         wait_converged(b, a)
         got_a, got_b = contents(a), contents(b)
         assert got_a == got_b
@@ -384,7 +328,7 @@ def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
         rolled = [int(x) for x in re.findall(r"rolled back to seqno (\d+)", "".join(a.lines))]
         assert len(rolled) == NUM_VBUCKETS, "".join(a.lines)
         assert sorted(rolled) == sorted(before), "".join(a.lines)
-        assert metric(a, "sluice_replica_rollbacks_total") == NUM_VBUCKETS
+        assert a.metric_sum("sluice_replica_rollbacks_total") == NUM_VBUCKETS
     finally:
         b.stop()
         a.stop()
@@ -398,8 +342,8 @@ def test_a_bad_replica_of_is_a_config_error(tmp_path, bad):
 
 
 def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
-    a = start(tmp_path, "a")
-    b = start(tmp_path, "b")
+    a = start_node(tmp_path, "a")
+    b = start_node(tmp_path, "b")
     vb = 5
     keys = [
         k for k in (f"key:{i}".encode() for i in range(20_000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == vb
@@ -413,7 +357,7 @@ def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
         ca.set_multi({k.decode(): b"start" for k in keys})
 
         def writer() -> None:
-            sa, sb = mc(a), mc(b)
+            sa, sb = connect(a), connect(b)
             n = 0
             target = ("a", sa)
             while not stop.is_set() and n < 200_000:
@@ -447,17 +391,17 @@ def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
         assert refused["not_my_vbucket"] == 1
         assert taken["a"] > 100 and taken["b"] > 100, taken
         assert paused < 5000
-        states_a = {v["vbucket"]: v["state"] for v in status(a)["buckets"][0]["vbuckets"]}
-        states_b = {v["vbucket"]: v["state"] for v in status(b)["buckets"][0]["vbuckets"]}
+        states_a = {v["vbucket"]: v["state"] for v in a.status()["buckets"][0]["vbuckets"]}
+        states_b = {v["vbucket"]: v["state"] for v in b.status()["buckets"][0]["vbuckets"]}
         assert states_a[vb] == "dead" and states_b[vb] == "active"
         # Every acknowledged write is on the new active, whichever node took it.
-        sb = mc(b)
+        sb = connect(b)
         for key, (_, value) in acked.items():
             sb.sendall(request(GET, key=key, vbucket=vb))
             r = read_response(sb)
             assert r["status"] == 0 and r["value"] == value, key
         # The old active refuses the vbucket from now on.
-        sa = mc(a)
+        sa = connect(a)
         sa.sendall(request(SET, key=keys[0], value=b"late", extras=set_extras(), vbucket=vb))
         assert read_response(sa)["status"] == 0x07
     finally:
@@ -467,15 +411,15 @@ def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
 
 
 def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
-    x = start(tmp_path, "x")
-    y = start(tmp_path, "y", "--replica-of", x.address)
-    z = start(tmp_path, "z")
+    x = start_node(tmp_path, "x")
+    y = start_node(tmp_path, "y", "--replica-of", x.address)
+    z = start_node(tmp_path, "z")
     vb = 5
     later: dict[bytes, bytes] = {}  # written to X's other vbuckets after the move
 
     def write_to_x(n: int, tag: str) -> None:
         """`n` writes to X's vbuckets other than the moved one, each read back from Y later."""
-        w = mc(x)
+        w = connect(x)
         i = 0
         while i < n:
             key = f"{tag}:{i}".encode()
@@ -494,7 +438,7 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
 
         def writer() -> None:
             # Every vbucket, the moved one included, until X refuses it.
-            w = mc(x)
+            w = connect(x)
             i = 0
             moved_away = False
             while not stop.is_set():
@@ -524,19 +468,19 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
         assert taken["moved"] > 0 and taken["others"] > 100, taken
 
         y.wait_for("it is dead here and no longer followed")
-        connects = metric(y, "sluice_replica_connects_total")
+        connects = y.metric_sum("sluice_replica_connects_total")
         write_to_x(600, "after")
 
         def reached_y() -> None:
             # Y holds every other vbucket exactly as X does, and each later write reads back.
             deadline = time.monotonic() + 30
             while True:
-                sx, sy = seqnos(x), seqnos(y)
+                sx, sy = x.seqnos(), y.seqnos()
                 if all(sx[v] == sy[v] for v in range(NUM_VBUCKETS) if v != vb):
                     break
                 assert time.monotonic() < deadline, (sx, sy)
                 time.sleep(0.05)
-            s = mc(y)
+            s = connect(y)
             missing = []
             for key, value in later.items():
                 r = get_replica(s, key)
@@ -545,17 +489,17 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
             assert missing == []
 
         reached_y()
-        states = {v["vbucket"]: v["state"] for v in status(y)["buckets"][0]["vbuckets"]}
+        states = {v["vbucket"]: v["state"] for v in y.status()["buckets"][0]["vbuckets"]}
         assert states[vb] == "dead" and all(states[v] == "replica" for v in states if v != vb), states
         moved_key = next(
             k for k in (f"base{i}".encode() for i in range(3000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == vb
         )
-        assert get_replica(mc(y), moved_key)["status"] == 0x07
+        assert get_replica(connect(y), moved_key)["status"] == 0x07
         # The stream that ended was asked for again on the same connection: no reconnect loop.
-        assert metric(y, "sluice_replica_connects_total") == connects
+        assert y.metric_sum("sluice_replica_connects_total") == connects
         log = "".join(y.lines)
         assert "refused with status" not in log and "reconnecting" not in log, log[-3000:]
-        lags = metrics(y)
+        lags = y.metrics()
         assert f'sluice_replica_lag_seqnos{{bucket="default",vbucket="{vb}"}}' not in lags
         out = run_cli("status", "--admin", y.admin)
         assert out.returncode == 0, out.stderr
@@ -563,14 +507,14 @@ def test_a_replica_follows_its_active_through_a_vbucket_move(tmp_path):
 
         # A restart keeps it: the dead vbucket is not asked for, the others go on.
         assert y.stop() == 0
-        y = start(tmp_path, "y", "--replica-of", x.address)
+        y = start_node(tmp_path, "y", "--replica-of", x.address)
         write_to_x(300, "restarted")
         reached_y()
         log = "".join(y.lines)
         assert "refused with status" not in log and "reconnecting" not in log, log[-3000:]
-        assert status(y)["buckets"][0]["vbuckets"][vb]["state"] == "dead"
+        assert y.status()["buckets"][0]["vbuckets"][vb]["state"] == "dead"
         # The moved vbucket lives on Z, with what X took before the move.
-        states_z = {v["vbucket"]: v["state"] for v in status(z)["buckets"][0]["vbuckets"]}
+        states_z = {v["vbucket"]: v["state"] for v in z.status()["buckets"][0]["vbuckets"]}
         assert states_z[vb] == "active"
     finally:
         stop.set()
@@ -588,11 +532,11 @@ def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_p
         f'[users.repl]\npassword_hash = "{repl}"\nbuckets = {{ default = ["replication"] }}\n'
         f'[users.w]\npassword_hash = "{writer}"\nbuckets = {{ default = ["read", "write"] }}\n'
     )
-    active = start(tmp_path, "a", extra=users)
+    active = start_node(tmp_path, "a", extra=users)
     proxy = FaultProxy(active.address)
     (tmp_path / "repl.pw").write_text("repl-secret\n")
     replication = f'[replication]\nuser = "repl"\npassword_file = "{tmp_path / "repl.pw"}"\n'
-    replica = start(tmp_path, "b", "--replica-of", proxy.address, extra=replication)
+    replica = start_node(tmp_path, "b", "--replica-of", proxy.address, extra=replication)
     try:
         c = bmemcached.Client([active.address], "w", "w-secret")
         c.set_multi({f"k{i}": b"x" for i in range(2000)})
@@ -601,16 +545,16 @@ def test_the_lag_metric_counts_what_the_active_has_and_the_replica_not_yet(tmp_p
         for n in range(10):
             c.set_multi({f"k{n}:{i}": b"v" * 300 for i in range(1000)})
         time.sleep(2.5)  # the probe asks every second
-        behind_before = sum(seqnos(active)) - sum(seqnos(replica))
-        lag = metric(replica, "sluice_replica_lag_seqnos")
-        behind_after = sum(seqnos(active)) - sum(seqnos(replica))
+        behind_before = sum(active.seqnos()) - sum(replica.seqnos())
+        lag = replica.metric_sum("sluice_replica_lag_seqnos")
+        behind_after = sum(active.seqnos()) - sum(replica.seqnos())
         assert behind_after > 3000, (behind_before, behind_after)
         assert behind_after * 0.95 <= lag <= behind_before * 1.05, (behind_before, lag, behind_after)
         proxy.throttle(0)
         wait_converged(active, replica)
         deadline = time.monotonic() + 10
-        while metric(replica, "sluice_replica_lag_seqnos") != 0:
-            assert time.monotonic() < deadline, metrics(replica)
+        while replica.metric_sum("sluice_replica_lag_seqnos") != 0:
+            assert time.monotonic() < deadline, replica.metrics()
             time.sleep(0.2)
     finally:
         proxy.close()
@@ -624,8 +568,8 @@ def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
     0.1 s, so the move cannot take less than ~7 s."""
     import os
 
-    a = start(tmp_path, "a")
-    b_config = config_file(tmp_path, "b")
+    a = start_node(tmp_path, "a")
+    b_config = node_config(tmp_path, "b")
     # The source's NOOPs wait behind megabytes of slow data: the default 1 s would call it dead.
     b_config.write_text(b_config.read_text() + "[replication]\nnoop_interval = 30\n")
     b = Node(tmp_path / "b", "--config", str(b_config))
@@ -654,7 +598,7 @@ def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
         assert out.returncode == 0, out.stderr
         assert took > 5, f"the move took only {took:.1f} s: it proves nothing about the 5 s limit"
         assert "vbucket 5 of bucket default moved" in out.stdout and "45 changes streamed" in out.stdout
-        states = {v["vbucket"]: v["state"] for v in status(b)["buckets"][0]["vbuckets"]}
+        states = {v["vbucket"]: v["state"] for v in b.status()["buckets"][0]["vbuckets"]}
         assert states[5] == "active"
         cb = bmemcached.Client([b.address])
         assert all(cb.get(k) == v for k, v in values.items())

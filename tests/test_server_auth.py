@@ -9,33 +9,25 @@ import struct
 import bmemcached
 import pytest
 import sluice
-from helpers import Node
-from test_server_protocol import NOOP, connect, read_response, request, set_extras
-
-SET, GET, FLUSH, SASL_LIST_MECHS, SASL_AUTH = 0x01, 0x00, 0x08, 0x20, 0x21
-
-
-def write_config(path, bob_perms: str) -> None:
-    ada = sluice.config.hash_password("ada-secret", iterations=1000)
-    bob = sluice.config.hash_password("bob-secret", iterations=1000)
-    root = sluice.config.hash_password("root-secret", iterations=1000)
-    path.write_text(
-        f'[users.ada]\npassword_hash = "{ada}"\nbuckets = {{ default = ["read", "write"] }}\n'
-        f'[users.bob]\npassword_hash = "{bob}"\nbuckets = {{ default = {bob_perms} }}\n'
-        f'[users.root]\npassword_hash = "{root}"\n'
-        'buckets = { "*" = ["read", "write", "stream", "admin"] }\n'
-    )
-
-
-def auth(s, user: str, password: str) -> int:
-    s.sendall(request(SASL_AUTH, b"PLAIN", b"\0" + user.encode() + b"\0" + password.encode()))
-    return read_response(s)["status"]
+from helpers import Node, write_users_config
+from mcbp_wire import (
+    FLUSH,
+    GET,
+    NOOP,
+    SASL_LIST_MECHS,
+    SET,
+    connect,
+    login,
+    read_response,
+    request,
+    set_extras,
+)
 
 
 @pytest.fixture
 def secured(tmp_path):
     cfg = tmp_path / "sluice.toml"
-    write_config(cfg, '["read"]')
+    write_users_config(cfg, '["read"]')
     node = Node(tmp_path / "d", "--config", str(cfg))
     node.config = cfg
     yield node
@@ -49,9 +41,9 @@ def test_nothing_before_authentication_and_wrong_passwords_fail(secured):
         assert read_response(s)["value"] == b"PLAIN"
         s.sendall(request(GET, b"k"))
         assert read_response(s)["status"] == 0x0020, "unauthenticated: AUTH_ERROR"
-        assert auth(s, "ada", "wrong") == 0x0020
-        assert auth(s, "nobody", "ada-secret") == 0x0020
-        assert auth(s, "ada", "ada-secret") == 0
+        assert login(s, "ada", "wrong") == 0x0020
+        assert login(s, "nobody", "ada-secret") == 0x0020
+        assert login(s, "ada", "ada-secret") == 0
         s.sendall(request(SET, b"k", b"v", set_extras()) + request(GET, b"k"))
         assert read_response(s)["status"] == 0
         assert read_response(s)["value"] == b"v"
@@ -65,19 +57,19 @@ def test_a_real_client_logs_in_with_plain(secured):
 
 def test_permissions_per_bucket_and_sighup_changes_them_live(secured):
     with connect(secured) as s:
-        assert auth(s, "bob", "bob-secret") == 0
+        assert login(s, "bob", "bob-secret") == 0
         s.sendall(request(GET, b"k") + request(SET, b"k", b"v", set_extras()))
         assert read_response(s)["status"] == 0x0001, "read allowed (a miss)"
         assert read_response(s)["status"] == 0x0024, "write refused: EACCESS"
         s.sendall(request(FLUSH))
         assert read_response(s)["status"] == 0x0024
-        write_config(secured.config, '["read", "write"]')
+        write_users_config(secured.config, '["read", "write"]')
         secured.proc.send_signal(signal.SIGHUP)
         secured.wait_for("users updated now")
         s.sendall(request(SET, b"k", b"v", set_extras()))
         assert read_response(s)["status"] == 0, "the same connection, new permissions"
     with connect(secured) as s:
-        assert auth(s, "root", "root-secret") == 0
+        assert login(s, "root", "root-secret") == 0
         s.sendall(request(FLUSH, extras=struct.pack(">I", 0)))
         assert read_response(s)["status"] == 0, "admin may flush"
 

@@ -10,89 +10,25 @@ import time
 
 import pytest
 from helpers import Node
-
-HEADER = struct.Struct(">BBHBBHIIQ")  # magic, opcode, keylen, extlen, datatype, vb/status, body, opaque, cas
-
-GET, SET, ADD, DELETE, INCR, NOOP, VERSION, GETKQ, SETQ, STAT, HELLO, GET_ALL_VB_SEQNOS = (
-    0x00,
-    0x01,
-    0x02,
-    0x04,
-    0x05,
-    0x0A,
-    0x0B,
-    0x0D,
-    0x11,
-    0x10,
-    0x1F,
-    0x48,
+from mcbp_wire import (
+    DELETE,
+    GET,
+    GET_ALL_VB_SEQNOS,
+    GETKQ,
+    HEADER,
+    HELLO,
+    INCR,
+    NOOP,
+    SET,
+    SETQ,
+    STAT,
+    VERSION,
+    connect,
+    flex_request,
+    read_response,
+    request,
+    set_extras,
 )
-
-
-def request(
-    opcode: int,
-    key: bytes = b"",
-    value: bytes = b"",
-    extras: bytes = b"",
-    opaque: int = 0,
-    vbucket: int = 0,
-    cas: int = 0,
-    magic: int = 0x80,
-) -> bytes:
-    body = len(extras) + len(key) + len(value)
-    return (
-        HEADER.pack(magic, opcode, len(key), len(extras), 0, vbucket, body, opaque, cas)
-        + extras
-        + key
-        + value
-    )
-
-
-def flex_request(
-    opcode: int, framing: bytes, key: bytes, value: bytes, extras: bytes, opaque: int = 0
-) -> bytes:
-    """Magic 0x08: byte 2 holds the framing extras' length, byte 3 the key length."""
-    body = len(framing) + len(extras) + len(key) + len(value)
-    head = struct.pack(
-        ">BBBBBBHIIQ", 0x08, opcode, len(framing), len(key), len(extras), 0, 0, body, opaque, 0
-    )
-    return head + framing + extras + key + value
-
-
-def read_response(sock: socket.socket) -> dict:
-    head = recv_exact(sock, 24)
-    magic, opcode, keylen, extlen, datatype, status, body, opaque, cas = HEADER.unpack(head)
-    payload = recv_exact(sock, body)
-    return {
-        "magic": magic,
-        "opcode": opcode,
-        "status": status,
-        "opaque": opaque,
-        "cas": cas,
-        "datatype": datatype,
-        "extras": payload[:extlen],
-        "key": payload[extlen : extlen + keylen],
-        "value": payload[extlen + keylen :],
-    }
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
-
-
-def connect(node: Node) -> socket.socket:
-    s = socket.create_connection((node.host, node.port), timeout=10)
-    return s
-
-
-def set_extras(flags: int = 0, expiry: int = 0) -> bytes:
-    return struct.pack(">II", flags, expiry)
 
 
 def test_the_documented_get_example_on_the_wire(server):

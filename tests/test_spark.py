@@ -16,13 +16,12 @@ from pathlib import Path
 import bmemcached
 import pytest
 import sluice.spark
-from helpers import run_cli
+from helpers import contents, run_cli, start_node, wait_converged
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.utils import StreamingQueryException
 from sluice.spark import planning
 from sluice.spark.options import OptionError, parse
-from test_replication import contents, start, wait_converged
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,8 @@ def write(node, items: dict[str, str | None]) -> None:
 
 
 def test_a_batch_read_from_a_replica_equals_what_was_written(spark, tmp_path):
-    active = start(tmp_path, "a")
-    replica = start(tmp_path, "r", "--replica-of", active.address)
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
     stopped = False
     try:
         expected: dict[str, str | None] = {f"k{i}": f"v{i}" * (i % 5 + 1) for i in range(4000)}
@@ -128,7 +127,7 @@ def assert_each_change_once_and_none_missing(rows: list, node) -> None:
 
 
 def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spark, tmp_path):
-    node = start(tmp_path, "a")
+    node = start_node(tmp_path, "a")
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
 
     def run(**trigger):
@@ -172,8 +171,8 @@ def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spa
 
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
 def test_a_failover_under_a_running_stream(spark, tmp_path, fail_on_data_loss):
-    active = start(tmp_path, "a")
-    replica = start(tmp_path, "r", "--replica-of", active.address)
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
     name = f"failover_{str(fail_on_data_loss).lower()}"
     q = None
     try:
@@ -292,8 +291,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "replica_to_parq
 
 
 def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(spark, tmp_path):
-    active = start(tmp_path, "a")
-    replica = start(tmp_path, "r", "--replica-of", active.address)
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
     cmd = [
         sys.executable,

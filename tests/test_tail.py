@@ -7,16 +7,10 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 
 import bmemcached
 import sluice
 from helpers import run_cli
-
-
-def metrics(node) -> str:
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        return r.read().decode()
 
 
 def tail(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -82,7 +76,7 @@ def test_table_chosen_vbuckets_and_from_now(server):
     )
     # Wait until its 64 streams are open on the server.
     deadline = time.monotonic() + 60
-    while "sluice_dcp_streams 64" not in metrics(server):
+    while "sluice_dcp_streams 64" not in server.metrics():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
     mc.set("later1", "a")

@@ -6,18 +6,17 @@ other. Writes go through python-binary-memcached."""
 from __future__ import annotations
 
 import json
-import re
 import socket
 import struct
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import bmemcached
 import pytest
 import sluice
 from helpers import Node
+from mcbp_wire import read_response, request, set_extras
 from tap_wire import (
     BACKFILL,
     CLOSE_BACKFILL,
@@ -39,7 +38,6 @@ from tap_wire import (
     as_command,
     vbucket_list,
 )
-from test_server_protocol import read_response, request, set_extras
 
 NUM_VBUCKETS = 8
 
@@ -52,14 +50,6 @@ def start(
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text("\n".join(lines) + "\n" + extra)
     return Node(tmp_path / name, "--config", str(cfg), env=env)
-
-
-def metric(node: Node, name: str) -> float:
-    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def client(node: Node) -> bmemcached.Client:
@@ -258,15 +248,15 @@ def test_a_reconnect_within_the_grace_gets_every_unacked_message_again(tmp_path:
         assert not any(m.opcode == OPAQUE and m.code == INITIAL_VBUCKET_STREAM for m in msgs[:5]), (
             "the session resumed, it did not start over"
         )
-        assert metric(n, "sluice_tap_sessions_resumed_total") == 1
-        assert metric(n, "sluice_tap_resent_total") >= len(unacked_seen)
+        assert n.metric("sluice_tap_sessions_resumed_total") == 1
+        assert n.metric("sluice_tap_resent_total") >= len(unacked_seen)
 
         # Past the grace period the session is gone: the same client starts over (a full
         # BACKFILL from 0 again, every item).
         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.close()
         time.sleep(2.0)
-        assert metric(n, "sluice_tap_sessions_expired_total") == 1
+        assert n.metric("sluice_tap_sessions_expired_total") == 1
         c = TapClient(addr, b"resumer", flags, body)
         again = {m.key: m.value for m in docs(c.mutations_until(len(written)))}
         assert again == written
@@ -291,7 +281,7 @@ def test_a_temporary_failure_sends_the_message_again_after_the_back_off(tmp_path
         assert (again.key, again.value) == (last.key, last.value)
         assert again.opaque != last.opaque and again.wants_ack
         ack(c.sock, again)
-        assert metric(n, "sluice_tap_temp_failures_total") == 1
+        assert n.metric("sluice_tap_temp_failures_total") == 1
         c.close()
     finally:
         n.stop()
@@ -370,7 +360,7 @@ def test_hops_stop_a_loop_between_two_nodes_that_tap_each_other(tmp_path: Path) 
         hops = [(label, t) for label, k, t in forwarded if k == b"ping"]
         assert hops == [("a->b", 3), ("b->a", 2), ("a->b", 1)], hops
         assert client(a).get("ping") == b"pong" and client(b).get("ping") == b"pong"
-        assert metric(b, "sluice_tap_out_of_hops_total") == 1
+        assert b.metric("sluice_tap_out_of_hops_total") == 1
     finally:
         stop.set()
         for t in threads:

@@ -1,0 +1,121 @@
+"""The memcached binary protocol on the wire, written from BinaryProtocol.md's layouts, not from
+sluice's encoder: the 24-byte header, requests as bytes (plain and with flexible framing extras),
+frames read off a socket. Shared by every test that talks to a `sluice serve` byte for byte."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+HEADER = struct.Struct(">BBHBBHIIQ")  # magic, opcode, keylen, extlen, datatype, vb/status, body, opaque, cas
+
+GET, SET, ADD, DELETE, INCR, FLUSH, NOOP, VERSION, GETK, GETKQ, SETQ, STAT, HELLO = (
+    0x00,
+    0x01,
+    0x02,
+    0x04,
+    0x05,
+    0x08,
+    0x0A,
+    0x0B,
+    0x0C,
+    0x0D,
+    0x11,
+    0x10,
+    0x1F,
+)
+SASL_LIST_MECHS, SASL_AUTH, GET_ALL_VB_SEQNOS, GET_REPLICA = 0x20, 0x21, 0x48, 0x83
+
+
+def request(
+    opcode: int,
+    key: bytes = b"",
+    value: bytes = b"",
+    extras: bytes = b"",
+    opaque: int = 0,
+    vbucket: int = 0,
+    cas: int = 0,
+    magic: int = 0x80,
+) -> bytes:
+    body = len(extras) + len(key) + len(value)
+    return (
+        HEADER.pack(magic, opcode, len(key), len(extras), 0, vbucket, body, opaque, cas)
+        + extras
+        + key
+        + value
+    )
+
+
+def flex_request(
+    opcode: int, framing: bytes, key: bytes, value: bytes, extras: bytes, opaque: int = 0
+) -> bytes:
+    """Magic 0x08: byte 2 holds the framing extras' length, byte 3 the key length."""
+    body = len(framing) + len(extras) + len(key) + len(value)
+    head = struct.pack(
+        ">BBBBBBHIIQ", 0x08, opcode, len(framing), len(key), len(extras), 0, 0, body, opaque, 0
+    )
+    return head + framing + extras + key + value
+
+
+def durability_framing(level: int = 1, timeout_ms: int | None = None) -> bytes:
+    """The durability frame info (id 1): level 1 majority, 2 majority and persist on the active,
+    3 persist to majority; with a timeout, 2 more bytes."""
+    info = bytes([level]) if timeout_ms is None else bytes([level]) + struct.pack(">H", timeout_ms)
+    return bytes([0x10 | len(info)]) + info
+
+
+def read_frame(sock: socket.socket) -> dict:
+    """One frame: `word` is the vbucket of a request and the status of a response."""
+    head = recv_exact(sock, 24)
+    magic, opcode, keylen, extlen, datatype, word, body, opaque, cas = HEADER.unpack(head)
+    payload = recv_exact(sock, body)
+    return {
+        "magic": magic,
+        "opcode": opcode,
+        "word": word,
+        "opaque": opaque,
+        "cas": cas,
+        "datatype": datatype,
+        "extras": payload[:extlen],
+        "key": payload[extlen : extlen + keylen],
+        "value": payload[extlen + keylen :],
+        "size": 24 + body,
+        "raw": head + payload,
+    }
+
+
+def read_response(sock: socket.socket) -> dict:
+    """One frame read as a response: its header's vbucket field is the `status`."""
+    frame = read_frame(sock)
+    frame["status"] = frame.pop("word")
+    return frame
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def connect(node) -> socket.socket:
+    """A client socket to a node's memcached port (anything with `host` and `port`)."""
+    return socket.create_connection((node.host, node.port), timeout=10)
+
+
+def set_extras(flags: int = 0, expiry: int = 0) -> bytes:
+    return struct.pack(">II", flags, expiry)
+
+
+def sasl_plain(user: str, password: str) -> bytes:
+    """SASL_AUTH with the PLAIN mechanism: NUL, user, NUL, password."""
+    return request(SASL_AUTH, b"PLAIN", f"\0{user}\0{password}".encode())
+
+
+def login(sock: socket.socket, user: str, password: str) -> int:
+    """SASL PLAIN on `sock`; the status of the answer."""
+    sock.sendall(sasl_plain(user, password))
+    return read_response(sock)["status"]
