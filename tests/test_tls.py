@@ -22,15 +22,12 @@ from pathlib import Path
 
 import bmemcached
 import pytest
-from helpers import Node, run_cli
-from test_replication import NUM_VBUCKETS, config_file
-from test_server_auth import auth, write_config
-from test_server_protocol import GET, NOOP, SET, read_response, request, set_extras
-
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from helpers import NUM_VBUCKETS, Node, node_config, run_cli, write_users_config
+from mcbp_wire import GET, NOOP, SET, login, read_response, request, set_extras
 
 
 class Pki:
@@ -137,15 +134,15 @@ def serial_of(s: ssl.SSLSocket) -> int:
 def test_sasl_set_and_get_over_tls_and_a_plain_client_on_the_tls_port(tmp_path, pki):
     cert, key = pki.issue("server", 1001)
     cfg = tmp_path / "sluice.toml"
-    write_config(cfg, '["read"]')
+    write_users_config(cfg, '["read"]')
     cfg.write_text(tls_config(cert, key, "admin = false\n") + "\n" + cfg.read_text())
     node = Node(tmp_path / "d", "--config", str(cfg))
     try:
         with tls_connect(node, pki.ca_file) as s:
             assert s.version() in ("TLSv1.2", "TLSv1.3")
             assert serial_of(s) == 1001
-            assert auth(s, "ada", "wrong") == 0x0020
-            assert auth(s, "ada", "ada-secret") == 0
+            assert login(s, "ada", "wrong") == 0x0020
+            assert login(s, "ada", "ada-secret") == 0
             # Pipelined: both requests in one TLS write, both answers in order.
             s.sendall(request(SET, b"k", b"over tls", set_extras(flags=7)) + request(GET, b"k"))
             assert read_response(s)["status"] == 0
@@ -161,12 +158,12 @@ def test_sasl_set_and_get_over_tls_and_a_plain_client_on_the_tls_port(tmp_path, 
             assert answer == b"" or answer[0] == 0x15, f"a TLS alert or nothing, got {answer[:8]!r}"
         node.wait_for("TLS handshake failed")
         with tls_connect(node, pki.ca_file) as s:
-            assert auth(s, "ada", "ada-secret") == 0
+            assert login(s, "ada", "ada-secret") == 0
             s.sendall(request(GET, b"k"))
             assert read_response(s)["value"] == b"over tls"
         # The plain listener is untouched: the same item, in plain text.
         with socket.create_connection((node.host, node.port), timeout=10) as s:
-            assert auth(s, "ada", "ada-secret") == 0
+            assert login(s, "ada", "ada-secret") == 0
             s.sendall(request(GET, b"k"))
             assert read_response(s)["value"] == b"over tls"
         with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=10) as r:
@@ -233,7 +230,7 @@ def test_a_replica_follows_its_active_over_tls_and_refuses_an_untrusted_one(tmp_
     client_cert, client_key = pki.issue("replica", 12)
     rogue = Pki(tmp_path, "rogue")
     # The active asks every TLS client for a certificate signed by the test CA.
-    active_config = config_file(tmp_path, "a")
+    active_config = node_config(tmp_path, "a")
     active_config.write_text(
         tls_config(server_cert, server_key, f'client_ca = "{pki.ca_file}"\n') + active_config.read_text()
     )
@@ -247,14 +244,14 @@ def test_a_replica_follows_its_active_over_tls_and_refuses_an_untrusted_one(tmp_
     replica = Node(
         tmp_path / "b",
         "--config",
-        str(config_file(tmp_path, "b", extra=replication)),
+        str(node_config(tmp_path, "b", extra=replication)),
         "--replica-of",
         tls_port,
     )
     untrusting = Node(
         tmp_path / "c",
         "--config",
-        str(config_file(tmp_path, "c", extra=f'[replication]\ntls = true\nca = "{rogue.ca_file}"\n')),
+        str(node_config(tmp_path, "c", extra=f'[replication]\ntls = true\nca = "{rogue.ca_file}"\n')),
         "--replica-of",
         tls_port,
     )
