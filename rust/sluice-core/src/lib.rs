@@ -1,6 +1,9 @@
 //! sluice-core: the storage engine. Items in vbuckets, seqnos and failover logs, the WAL,
 //! snapshots and recovery, the checkpoint manager with cursors, dedup and backfill.
 //! No sockets and no Python here.
+//!
+//! May depend on sluice-proto only; no two of its modules import each other, directly or
+//! around a loop (tests/test_layering.py).
 
 #[cfg(feature = "mimalloc")]
 pub mod alloc;

@@ -3,6 +3,8 @@
 //! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and, later, iproto;
 //! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
 //! stream messages carried in it.
+//!
+//! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
 
 pub mod dcp;
 pub mod mcbp;

@@ -1,5 +1,7 @@
 //! PyO3 glue only: the embedded engine handle, its configuration objects, exceptions, and the
 //! WAL dump. Every call that can block (disk, durability waits) releases the GIL.
+//!
+//! May depend on every other crate of the workspace; none depends on it.
 
 mod dcp;
 mod policy;

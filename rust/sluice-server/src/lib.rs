@@ -1,6 +1,9 @@
 //! sluice's network side: a tokio runtime of its own, listeners, connections, and the
-//! memcached binary protocol over the engine, with its DCP and TAP change streams. `Server` owns the runtime; `connection` runs one
-//! client; `kv` turns one request into its response.
+//! memcached binary protocol over the engine, with its DCP and TAP change streams. `Server` owns
+//! the runtime; `connection` runs one client; `kv` turns one request into its response;
+//! `stream` is the protocol-neutral change stream that `dcp` and `tap` encode.
+//!
+//! May depend on sluice-proto and sluice-core, never on sluice-py.
 
 pub mod admin;
 pub mod auth;
