@@ -13,6 +13,7 @@ pub mod dcp;
 pub mod kv;
 pub mod limits;
 pub mod login;
+pub mod metrics;
 pub mod policy;
 pub mod replica;
 pub mod server;

@@ -14,8 +14,11 @@ use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryS
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::metrics::metric;
 use parking_lot::{Condvar, Mutex, RwLock};
 use sluice_core::checkpoint::{CursorDropPolicy, CursorId, CursorInfo, DropSlowest};
+use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
@@ -488,6 +491,77 @@ impl CursorDropPolicy for PluginDropPolicy {
             }
         }
         DropSlowest.choose(over_by, candidates)
+    }
+}
+
+impl PolicyHost {
+    /// The Prometheus lines of the plugins: which are installed, their calls and answers.
+    pub fn metrics(&self, o: &mut String) {
+        let p = self;
+        let kinds = crate::policy::PolicyKind::ALL;
+        metric(
+            o,
+            "sluice_policy_installed",
+            "gauge",
+            "1 when a Python plugin decides this policy.",
+        );
+        for k in kinds {
+            let _ = writeln!(
+                o,
+                "sluice_policy_installed{{policy=\"{}\"}} {}",
+                k.name(),
+                p.installed(k) as u8
+            );
+        }
+        type Pick = fn(&crate::policy::PolicyStats) -> &std::sync::atomic::AtomicU64;
+        let series: [(&str, &str, Pick); 4] = [
+            (
+                "sluice_policy_calls_total",
+                "Questions put to a policy plugin.",
+                |s| &s.calls,
+            ),
+            (
+                "sluice_policy_timeouts_total",
+                "Plugin answers that did not come in time (the default was used).",
+                |s| &s.timeouts,
+            ),
+            (
+                "sluice_policy_errors_total",
+                "Plugin calls that raised or answered something unusable.",
+                |s| &s.errors,
+            ),
+            (
+                "sluice_policy_skipped_total",
+                "Questions not asked because the plugin's queue was full.",
+                |s| &s.skipped,
+            ),
+        ];
+        for (name, help, pick) in series {
+            metric(o, name, "counter", help);
+            for k in kinds {
+                let _ = writeln!(
+                    o,
+                    "{name}{{policy=\"{}\"}} {}",
+                    k.name(),
+                    pick(p.stats(k)).load(Relaxed)
+                );
+            }
+        }
+        metric(
+            o,
+            "sluice_policy_answer_seconds_total",
+            "counter",
+            "Time from question to answer, summed.",
+        );
+        for k in kinds {
+            let micros = p.stats(k).answer_micros.load(Relaxed);
+            let _ = writeln!(
+                o,
+                "sluice_policy_answer_seconds_total{{policy=\"{}\"}} {:.6}",
+                k.name(),
+                micros as f64 / 1e6
+            );
+        }
     }
 }
 

@@ -12,6 +12,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::connection;
+use crate::metrics::metric;
+use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -421,6 +424,74 @@ async fn accept_loop(
     drop(listener);
     // Graceful: connections see the stop signal after the requests they hold.
     while tasks.join_next().await.is_some() {}
+}
+
+impl ServerStats {
+    /// The Prometheus lines of the connection counters.
+    pub fn metrics(&self, o: &mut String) {
+        let s = self;
+        metric(
+            o,
+            "sluice_connections",
+            "gauge",
+            "Client connections open now.",
+        );
+        let _ = writeln!(o, "sluice_connections {}", s.curr_connections.load(Relaxed));
+        metric(
+            o,
+            "sluice_connections_total",
+            "counter",
+            "Client connections accepted, and refused over max_connections.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_connections_total{{result=\"accepted\"}} {}",
+            s.connections_total.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "sluice_connections_total{{result=\"refused\"}} {}",
+            s.connections_rejected.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_tls_handshake_failures_total",
+            "counter",
+            "Connections to the TLS KV listener that failed their handshake (plain-text clients too).",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_tls_handshake_failures_total {}",
+            s.tls_handshake_failures.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_network_bytes_total",
+            "counter",
+            "Bytes read from and written to clients.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_network_bytes_total{{direction=\"in\"}} {}",
+            s.bytes_in.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "sluice_network_bytes_total{{direction=\"out\"}} {}",
+            s.bytes_out.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_protocol_errors_total",
+            "counter",
+            "Connections closed for malformed input.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_protocol_errors_total {}",
+            s.protocol_errors.load(Relaxed)
+        );
+    }
 }
 
 #[cfg(test)]

@@ -28,9 +28,12 @@ use tokio::sync::watch;
 use super::filter;
 use super::sink::DcpSink;
 use crate::kv::{Flow, Session};
+use crate::metrics::metric;
 use crate::policy::{Answer, PolicyKind, Question};
 use crate::server::Shared;
 use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
+use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// Replies and stream messages are written once this much is pending.
 const FLUSH_AT: usize = 256 << 10;
@@ -898,4 +901,62 @@ async fn write_out(
         out.shrink_to(FLUSH_AT);
     }
     r
+}
+
+impl DcpStats {
+    /// The Prometheus lines of the DCP producers' counters.
+    pub fn metrics(&self, o: &mut String) {
+        let d = self;
+        metric(
+            o,
+            "sluice_dcp_connections",
+            "gauge",
+            "Open DCP producer connections.",
+        );
+        let _ = writeln!(o, "sluice_dcp_connections {}", d.connections.load(Relaxed));
+        metric(o, "sluice_dcp_streams", "gauge", "Open DCP streams.");
+        let _ = writeln!(o, "sluice_dcp_streams {}", d.streams.load(Relaxed));
+        metric(
+            o,
+            "sluice_dcp_items_total",
+            "counter",
+            "Documents sent by DCP streams, by source.",
+        );
+        for (src, v) in [("backfill", &d.items_backfill), ("memory", &d.items_memory)] {
+            let _ = writeln!(
+                o,
+                "sluice_dcp_items_total{{source=\"{src}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        metric(
+            o,
+            "sluice_dcp_streams_too_slow_total",
+            "counter",
+            "DCP streams ended because their cursor was dropped (the consumer declared cursor dropping).",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_dcp_streams_too_slow_total {}",
+            d.streams_too_slow.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_dcp_filtered_total",
+            "counter",
+            "Documents a StreamFilter plugin kept off DCP streams.",
+        );
+        let _ = writeln!(o, "sluice_dcp_filtered_total {}", d.filtered.load(Relaxed));
+        metric(
+            o,
+            "sluice_dcp_dead_connections_total",
+            "counter",
+            "DCP connections closed because a NOOP went unanswered.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_dcp_dead_connections_total {}",
+            d.dead_connections.load(Relaxed)
+        );
+    }
 }

@@ -9,7 +9,9 @@ pub mod producer;
 pub mod session;
 pub mod staged;
 
+use crate::metrics::single;
 use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// Counters the admin endpoint exports.
 #[derive(Debug, Default)]
@@ -27,4 +29,81 @@ pub struct TapStats {
     pub filtered: AtomicU64,
     pub loop_stopped: AtomicU64,
     pub applied: AtomicU64,
+}
+
+impl TapStats {
+    /// The Prometheus lines of the TAP producers' counters (`parked_sessions`: named sessions
+    /// kept for a reconnect).
+    pub fn metrics(&self, o: &mut String, parked_sessions: u64) {
+        let t = self;
+        single(
+            o,
+            "sluice_tap_connections",
+            "gauge",
+            "TAP producer connections open now.",
+            t.connections.load(Relaxed),
+        );
+        single(
+            o,
+            "sluice_tap_sessions_parked",
+            "gauge",
+            "Named TAP sessions kept for a reconnect.",
+            parked_sessions,
+        );
+        for (name, help, v) in [
+            (
+                "sluice_tap_messages_total",
+                "TAP messages sent (re-sent ones included).",
+                &t.messages,
+            ),
+            ("sluice_tap_acks_total", "TAP ACKs received.", &t.acks),
+            (
+                "sluice_tap_resent_total",
+                "TAP messages sent again (reconnect or temporary failure).",
+                &t.resent,
+            ),
+            (
+                "sluice_tap_temp_failures_total",
+                "TMPFAIL or BUSY answers from TAP clients.",
+                &t.temp_failures,
+            ),
+            (
+                "sluice_tap_sessions_parked_total",
+                "Named TAP sessions kept after their connection dropped.",
+                &t.parked_sessions,
+            ),
+            (
+                "sluice_tap_sessions_resumed_total",
+                "TAP reconnects that resumed their session.",
+                &t.resumed_sessions,
+            ),
+            (
+                "sluice_tap_sessions_refused_total",
+                "TAP_CONNECTs refused because tap.max_sessions named sessions exist.",
+                &t.refused_sessions,
+            ),
+            (
+                "sluice_tap_sessions_expired_total",
+                "Parked TAP sessions whose grace period ran out.",
+                &t.expired_sessions,
+            ),
+            (
+                "sluice_tap_filtered_total",
+                "Changes a StreamFilter kept off TAP streams.",
+                &t.filtered,
+            ),
+            (
+                "sluice_tap_out_of_hops_total",
+                "Changes not sent on because their TAP hops ran out.",
+                &t.loop_stopped,
+            ),
+            (
+                "sluice_tap_applied_total",
+                "TAP messages this node applied from a feed.",
+                &t.applied,
+            ),
+        ] {
+            single(o, name, "counter", help, v.load(Relaxed));
+        }
+    }
 }
