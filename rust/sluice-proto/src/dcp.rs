@@ -570,12 +570,12 @@ impl DcpRequest for StreamRequest {
 
 /// One failover-log entry: the vbucket uuid of a history branch and the seqno it began at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FailoverEntry {
+pub struct FailoverLogEntry {
     pub vbucket_uuid: u64,
     pub seqno: u64,
 }
 
-fn encode_failover_log(entries: &[FailoverEntry]) -> Vec<u8> {
+fn encode_failover_log(entries: &[FailoverLogEntry]) -> Vec<u8> {
     let mut v = Vec::with_capacity(entries.len() * 16);
     for e in entries {
         v.extend_from_slice(&e.vbucket_uuid.to_be_bytes());
@@ -585,7 +585,7 @@ fn encode_failover_log(entries: &[FailoverEntry]) -> Vec<u8> {
 }
 
 /// A failover log is a whole number of 16-byte (uuid, seqno) entries, newest first.
-pub fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverEntry>, DcpError> {
+pub fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverLogEntry>, DcpError> {
     // `chunks_exact` rather than `len() % 16`: the workspace's rust-version (1.80) predates
     // `is_multiple_of`, which clippy asks for.
     let chunks = value.chunks_exact(16);
@@ -597,7 +597,7 @@ pub fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverEntry>, DcpError>
     chunks
         .map(|c| {
             let mut r = Reader(c);
-            Ok(FailoverEntry {
+            Ok(FailoverLogEntry {
                 vbucket_uuid: r.u64()?,
                 seqno: r.u64()?,
             })
@@ -615,7 +615,7 @@ pub fn decode_failover_log(value: &[u8]) -> Result<Vec<FailoverEntry>, DcpError>
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamRequestResponse {
     /// Newest entry first.
-    Ok(Vec<FailoverEntry>),
+    Ok(Vec<FailoverLogEntry>),
     Rollback(u64),
 }
 
@@ -701,7 +701,7 @@ impl DcpRequest for GetFailoverLog {
 /// The success answer to GET_FAILOVER_LOG: the log, newest entry first (failover-log.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailoverLogResponse {
-    pub entries: Vec<FailoverEntry>,
+    pub entries: Vec<FailoverLogEntry>,
 }
 
 impl DcpResponse for FailoverLogResponse {
@@ -1530,7 +1530,7 @@ mod tests {
                                     00 00 00 00  fe ed fa ce  00 00 00 00  00 00 00 04
                                     00 00 00 00  de ad be ef  00 00 00 00  00 00 65 24";
 
-    fn doc_failover_entries() -> Vec<FailoverEntry> {
+    fn doc_failover_entries() -> Vec<FailoverLogEntry> {
         [
             (0xfeed_deca, 0x5432),
             (0x00de_cafe, 0x0134_3214),
@@ -1538,7 +1538,7 @@ mod tests {
             (0xdead_beef, 0x6524),
         ]
         .into_iter()
-        .map(|(vbucket_uuid, seqno)| FailoverEntry {
+        .map(|(vbucket_uuid, seqno)| FailoverLogEntry {
             vbucket_uuid,
             seqno,
         })
@@ -1995,9 +1995,9 @@ mod tests {
         proptest::collection::vec(any::<u8>(), 1..40)
     }
 
-    fn failover_log() -> impl Strategy<Value = Vec<FailoverEntry>> {
+    fn failover_log() -> impl Strategy<Value = Vec<FailoverLogEntry>> {
         proptest::collection::vec(
-            (any::<u64>(), any::<u64>()).prop_map(|(vbucket_uuid, seqno)| FailoverEntry {
+            (any::<u64>(), any::<u64>()).prop_map(|(vbucket_uuid, seqno)| FailoverLogEntry {
                 vbucket_uuid,
                 seqno,
             }),

@@ -19,7 +19,7 @@ use sluice_proto::mcbp::{self, FrameError};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
-use crate::kv::{Flow, HeldReply, Session};
+use crate::kv::{Flow, HeldReply, KvSession};
 use crate::limits::PRELOGIN_MAX_BODY;
 use crate::server::Shared;
 use crate::tls::MaybeTls;
@@ -57,7 +57,7 @@ impl Replies {
 
     /// Before a producer takes over the connection and its output: every held reply is ready
     /// and the WAL holds what the replies acknowledge. False if it never will (the WAL stopped).
-    async fn hand_over(&mut self, session: &Session, shared: &Shared) -> bool {
+    async fn hand_over(&mut self, session: &KvSession, shared: &Shared) -> bool {
         self.settle_all().await;
         match shared.engine.wal().written(session.owed_lsn()).await {
             Ok(()) => true,
@@ -90,7 +90,7 @@ pub async fn run(
         Err(_) => return,
     };
     let login_deadline = Instant::now() + shared.config.login.login_timeout;
-    let mut session = Session::new(shared.clone());
+    let mut session = KvSession::new(shared.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
     let idle = shared.config.idle_timeout;
@@ -252,7 +252,7 @@ pub async fn run(
 async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
-    session: &Session,
+    session: &KvSession,
     shared: &Shared,
 ) -> std::io::Result<()> {
     if out.is_empty() {

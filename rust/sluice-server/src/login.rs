@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use sluice_proto::mcbp::{self, magic, status, HeaderFields};
 use tokio::sync::watch;
 
-use crate::kv::{Flow, Session};
+use crate::kv::{Flow, KvSession};
 use crate::limits::RateLimitedLog;
 use crate::server::Shared;
 
@@ -172,7 +172,7 @@ fn refuse(frame: &[u8], st: u16, why: &str, out: &mut Vec<u8>) {
 /// Close when the wait would outlast `deadline` (the connection's login deadline) or the
 /// server stops meanwhile.
 pub async fn sasl_auth(
-    session: &mut Session,
+    session: &mut KvSession,
     frame: &[u8],
     ip: IpAddr,
     shared: &Shared,

@@ -276,7 +276,7 @@ fn follow(
             ..ConsumerConfig::default()
         });
         stats.connects.fetch_add(1, Ordering::Relaxed);
-        let mut session = Session {
+        let mut session = ReplicaSession {
             engine: &engine,
             bucket: &bucket,
             consumer: &consumer,
@@ -306,7 +306,7 @@ fn follow(
     }
 }
 
-struct Session<'a> {
+struct ReplicaSession<'a> {
     engine: &'a Engine,
     bucket: &'a Arc<Bucket>,
     consumer: &'a Consumer,
@@ -336,7 +336,7 @@ impl Snap {
     }
 }
 
-impl Session<'_> {
+impl ReplicaSession<'_> {
     /// Follows until stopped (None) or the connection fails (Some(reason)).
     fn run(&mut self, stop: &AtomicBool) -> Option<String> {
         while !stop.load(Ordering::Acquire) {
@@ -599,7 +599,7 @@ pub fn take_over(
         ..ConsumerConfig::default()
     });
     let stats = ReplicaStats::default();
-    let mut session = Session {
+    let mut session = ReplicaSession {
         engine,
         bucket,
         consumer: &consumer,

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sluice_proto::dcp::{
     self, opcode, open_flag, snapshot_flag, stream_end_reason, stream_flag, DcpRequest,
-    DcpResponse, DocumentRef, FailoverEntry, SeqnoAcknowledged, SetVbucketState, SnapshotMarker,
+    DcpResponse, DocumentRef, FailoverLogEntry, SeqnoAcknowledged, SetVbucketState, SnapshotMarker,
     StreamEnd, StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
@@ -350,8 +350,8 @@ impl Consumer {
         let thread = std::thread::Builder::new()
             .name("sluice-dcp-consumer".into())
             .spawn(move || {
-                let session = Session::connect(&config, tx.clone(), crx, &shared_socket)
-                    .and_then(Session::open_streams);
+                let session = ConsumerSession::connect(&config, tx.clone(), crx, &shared_socket)
+                    .and_then(ConsumerSession::open_streams);
                 let ev = match session {
                     Ok(mut s) => match s.run() {
                         Ok(()) => Event::Finished,
@@ -443,7 +443,7 @@ pub fn vbucket_positions(
     let (tx, _rx) = mpsc::sync_channel(1);
     let (_ctx, crx) = mpsc::channel();
     let socket = Arc::new(Mutex::new(None));
-    let mut s = Session::connect(config, tx, crx, &socket)?;
+    let mut s = ConsumerSession::connect(config, tx, crx, &socket)?;
     let r = s.vbucket_positions(state);
     let _ = s.sock.shutdown(std::net::Shutdown::Both);
     r
@@ -454,7 +454,7 @@ pub fn vbucket_positions(
 /// while the stream connection is backlogged, which is when the lag matters.
 pub struct SeqnoProbe {
     config: ConsumerConfig,
-    session: Option<Session>,
+    session: Option<ConsumerSession>,
     socket: Arc<Mutex<Option<SyncWriter>>>,
 }
 
@@ -477,7 +477,7 @@ impl SeqnoProbe {
             None => {
                 let (tx, _rx) = mpsc::sync_channel(1);
                 let (_ctx, crx) = mpsc::channel();
-                Session::connect(&self.config, tx, crx, &self.socket)?
+                ConsumerSession::connect(&self.config, tx, crx, &self.socket)?
             }
         };
         let mut out = BTreeMap::new();
@@ -519,7 +519,7 @@ struct VbStream {
     ended: bool,
 }
 
-struct Session {
+struct ConsumerSession {
     sock: SyncReader,
     writer: Arc<Mutex<Option<SyncWriter>>>,
     config: ConsumerConfig,
@@ -583,13 +583,13 @@ fn opaque_of(vb: u16) -> u32 {
     0x5000_0000 | vb as u32
 }
 
-impl Session {
+impl ConsumerSession {
     fn connect(
         config: &ConsumerConfig,
         events: SyncSender<Event>,
         commands: Receiver<Command>,
         shared_socket: &Arc<Mutex<Option<SyncWriter>>>,
-    ) -> Result<Session, String> {
+    ) -> Result<ConsumerSession, String> {
         let addr = std::net::ToSocketAddrs::to_socket_addrs(&config.address)
             .ok()
             .and_then(|mut a| a.next())
@@ -606,7 +606,7 @@ impl Session {
         let (sock, writer) =
             crate::tls::connect_client(sock, &config.address, config.tls.as_ref())?;
         *shared_socket.lock() = Some(writer);
-        let mut s = Session {
+        let mut s = ConsumerSession {
             sock,
             writer: shared_socket.clone(),
             config: config.clone(),
@@ -675,7 +675,7 @@ impl Session {
     }
 
     /// Requests every stream of the configuration and switches to the streaming read timeout.
-    fn open_streams(mut self) -> Result<Session, String> {
+    fn open_streams(mut self) -> Result<ConsumerSession, String> {
         let config = self.config.clone();
         let s = &mut self;
         let vbuckets = match &config.vbuckets {
@@ -1118,7 +1118,7 @@ impl Session {
                 let s = self.streams.get_mut(&vb).expect("checked");
                 s.pos.failover = log
                     .iter()
-                    .map(|e: &FailoverEntry| (e.vbucket_uuid, e.seqno))
+                    .map(|e: &FailoverLogEntry| (e.vbucket_uuid, e.seqno))
                     .collect();
                 self.touched.insert(vb);
                 Ok(())

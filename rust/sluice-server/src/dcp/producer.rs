@@ -18,7 +18,7 @@ use sluice_core::failover::{rollback_point, ResumePoint};
 use sluice_core::vbucket::VbState;
 use sluice_proto::dcp::{
     self, opcode, open_flag, stream_end_reason, stream_flag, BufferAcknowledgement, CloseStream,
-    Control, DcpRequest, DcpResponse, FailoverEntry, FailoverLogResponse, GetFailoverLog, Noop,
+    Control, DcpRequest, DcpResponse, FailoverLogEntry, FailoverLogResponse, GetFailoverLog, Noop,
     SeqnoAcknowledged, StreamRequest, StreamRequestResponse,
 };
 use sluice_proto::mcbp::{self, magic, status, Request};
@@ -27,7 +27,7 @@ use tokio::sync::watch;
 
 use super::filter;
 use super::sink::DcpSink;
-use crate::kv::{Flow, Session};
+use crate::kv::{Flow, KvSession};
 use crate::metrics::metric;
 use crate::policy::{Answer, PolicyKind, Question};
 use crate::server::Shared;
@@ -200,7 +200,7 @@ impl Producer {
         }
     }
 
-    fn control(&mut self, req: &Request<'_>, session: &Session, out: &mut Vec<u8>) {
+    fn control(&mut self, req: &Request<'_>, session: &KvSession, out: &mut Vec<u8>) {
         let c = match Control::decode(req) {
             Ok(c) => c,
             Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
@@ -278,7 +278,7 @@ impl Producer {
         }
     }
 
-    fn stream_request(&mut self, req: &Request<'_>, session: &Session, out: &mut Vec<u8>) {
+    fn stream_request(&mut self, req: &Request<'_>, session: &KvSession, out: &mut Vec<u8>) {
         let sr = match StreamRequest::decode(req) {
             Ok(s) => s,
             Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
@@ -398,10 +398,10 @@ impl Producer {
             }
             Err(e) => return respond(out, req, crate::kv::status_of(&e), e.to_string().as_bytes()),
         };
-        let log: Vec<FailoverEntry> = pos
+        let log: Vec<FailoverLogEntry> = pos
             .failover
             .iter()
-            .map(|e| FailoverEntry {
+            .map(|e| FailoverLogEntry {
                 vbucket_uuid: e.uuid,
                 seqno: e.seqno,
             })
@@ -537,7 +537,7 @@ impl Producer {
             Some(entries) if !entries.is_empty() => {
                 let entries = entries
                     .iter()
-                    .map(|e| FailoverEntry {
+                    .map(|e| FailoverLogEntry {
                         vbucket_uuid: e.uuid,
                         seqno: e.seqno,
                     })
@@ -560,7 +560,7 @@ impl Producer {
 
     /// One frame from the consumer. Frames that are not DCP go to the kv session (STAT,
     /// NOOP...).
-    fn handle(&mut self, frame: &[u8], session: &mut Session, out: &mut Vec<u8>) -> Flow {
+    fn handle(&mut self, frame: &[u8], session: &mut KvSession, out: &mut Vec<u8>) -> Flow {
         if frame.first() == Some(&magic::RESPONSE) {
             if frame.get(1) == Some(&opcode::NOOP) {
                 self.noop_outstanding = None;
@@ -732,7 +732,7 @@ pub async fn run(
     mut socket: MaybeTls,
     mut inbuf: BytesMut,
     mut out: Vec<u8>,
-    mut session: Session,
+    mut session: KvSession,
     open: OpenProducer,
     peer: SocketAddr,
     shared: Arc<Shared>,
@@ -794,7 +794,7 @@ async fn serve(
     socket: &mut MaybeTls,
     inbuf: &mut BytesMut,
     out: &mut Vec<u8>,
-    session: &mut Session,
+    session: &mut KvSession,
     p: &mut Producer,
     shared: &Shared,
     stop: &mut watch::Receiver<bool>,

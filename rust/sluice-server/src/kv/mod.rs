@@ -68,7 +68,7 @@ struct Features {
 }
 
 /// One connection's protocol state.
-pub struct Session {
+pub struct KvSession {
     shared: Arc<Shared>,
     bucket: Arc<Bucket>,
     features: Features,
@@ -122,13 +122,13 @@ fn durability_of(level: u8) -> Option<Durability> {
     }
 }
 
-impl Session {
-    pub fn new(shared: Arc<Shared>) -> Session {
+impl KvSession {
+    pub fn new(shared: Arc<Shared>) -> KvSession {
         let bucket = shared
             .engine
             .bucket("default")
             .expect("the default bucket always exists");
-        Session {
+        KvSession {
             shared,
             bucket,
             features: Features::default(),

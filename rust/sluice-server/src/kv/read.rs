@@ -1,7 +1,7 @@
 //! The read commands: GET and its forms, and GET_ALL_VB_SEQNOS (shared with DCP connections).
 
 use super::reply::Reply;
-use super::{wrong_vbucket, Flow, Session};
+use super::{wrong_vbucket, Flow, KvSession};
 use sluice_core::bucket::Bucket;
 use sluice_core::Error;
 use sluice_proto::mcbp::{opcode as op, status, Request};
@@ -31,7 +31,7 @@ pub fn all_vb_seqnos(
     Ok(value)
 }
 
-impl Session {
+impl KvSession {
     /// Reads: GET, GETK, their quiet forms and GET_REPLICA.
     pub(super) fn get(&mut self, req: &Request<'_>, reply: &mut Reply<'_>) -> Flow {
         let quiet = op::is_quiet(req.opcode);

@@ -1,10 +1,10 @@
 //! STAT: the default group (memcached's names) and vbucket-seqno (Couchbase's).
 
 use super::reply::Reply;
-use super::Session;
+use super::KvSession;
 use sluice_proto::mcbp::status;
 
-impl Session {
+impl KvSession {
     /// STAT vbucket-seqno (Couchbase's names): per vbucket its uuid, high seqno and purge seqno.
     pub(super) fn stat_vbucket_seqno(&self, reply: &mut Reply<'_>) {
         let b = &self.bucket;

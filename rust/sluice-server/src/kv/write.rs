@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use super::reply::{error_frame, status_of, HeldReply, Reply};
-use super::{wrong_vbucket, Flow, Session};
+use super::{wrong_vbucket, Flow, KvSession};
 use sluice_core::bucket::Bucket;
 use sluice_core::{Error, MutationResult, Requirement, StoreMode, StoreRequest, Written};
 use sluice_proto::mcbp::{self, opcode as op, status, Request};
 
-impl Session {
+impl KvSession {
     /// Answers a write: at once when the WAL writing it is all its level asks (the connection
     /// waits for that before it sends), held until it settles otherwise. `ok` writes the
     /// success reply; a quiet command's success has none.

@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 use super::session::{restamp, Claim, Found, Full, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
-use crate::kv::{Flow, Session};
+use crate::kv::{Flow, KvSession};
 use crate::policy::{
     AckStats, Answer, FilterBatch, FilterDecision, Pending, PolicyKind, Question, RetransmitEvent,
 };
@@ -540,7 +540,7 @@ pub async fn run(
     mut socket: MaybeTls,
     mut inbuf: BytesMut,
     mut out: Vec<u8>,
-    mut kv: Session,
+    mut kv: KvSession,
     connect: TapConnect,
     opaque: u32,
     peer: SocketAddr,
@@ -716,7 +716,7 @@ async fn serve(
     socket: &mut MaybeTls,
     inbuf: &mut BytesMut,
     out: &mut Vec<u8>,
-    kv: &mut Session,
+    kv: &mut KvSession,
     s: &mut TapSession,
     shared: &Arc<Shared>,
     stop: &mut watch::Receiver<bool>,
