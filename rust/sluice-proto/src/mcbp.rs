@@ -471,6 +471,28 @@ fn next_frame_info<'a>(b: &mut &'a [u8]) -> Result<FrameInfo<'a>, FrameError> {
     })
 }
 
+/// Appends a response of a status and a value only (no extras, key or CAS): the shape of every
+/// error reply and of most acknowledgements. Values come from the server itself (messages,
+/// small bodies), so they always fit the header.
+pub fn write_response(
+    out: &mut Vec<u8>,
+    opcode: u8,
+    opaque: u32,
+    status: u16,
+    datatype: u8,
+    value: &[u8],
+) {
+    let h = HeaderFields {
+        magic: magic::RESPONSE,
+        opcode,
+        datatype,
+        word: status,
+        opaque,
+        cas: 0,
+    };
+    let _ = write_frame(out, &h, &[], &[], &[], value);
+}
+
 /// Appends one frame info (the encoder for clients and tests).
 pub fn write_frame_info(out: &mut Vec<u8>, id: u16, data: &[u8]) {
     let id_nib = if id < 15 { id as u8 } else { 15 };

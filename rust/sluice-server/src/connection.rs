@@ -263,13 +263,16 @@ async fn send(
         out.clear();
         return Err(std::io::Error::other(e.to_string()));
     }
-    write_out(socket, out, shared).await
+    write_out(socket, out, shared, FLUSH_AT).await
 }
 
-async fn write_out(
+/// Writes `out` whole, counts it, and empties it; a buffer grown past four times `keep` by a
+/// burst is given back down to `keep`.
+pub(crate) async fn write_out(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     shared: &Shared,
+    keep: usize,
 ) -> std::io::Result<()> {
     if out.is_empty() {
         return Ok(());
@@ -280,8 +283,8 @@ async fn write_out(
         .bytes_out
         .fetch_add(out.len() as u64, Ordering::Relaxed);
     out.clear();
-    if out.capacity() > 4 * FLUSH_AT {
-        out.shrink_to(FLUSH_AT);
+    if out.capacity() > 4 * keep {
+        out.shrink_to(keep);
     }
     r
 }

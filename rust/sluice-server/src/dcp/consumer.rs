@@ -579,6 +579,13 @@ fn frame(
     out
 }
 
+/// A typed DCP request as its frame.
+fn encoded(r: &impl dcp::DcpRequest, opaque: u32) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    r.encode(&mut out, opaque).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
 fn opaque_of(vb: u16) -> u32 {
     0x5000_0000 | vb as u32
 }
@@ -642,16 +649,13 @@ impl ConsumerSession {
         if !config.include_values {
             flags |= open_flag::NO_VALUE;
         }
-        let mut extras = [0u8; 8];
-        extras[4..].copy_from_slice(&flags.to_be_bytes());
-        s.call(
-            dcp::opcode::OPEN,
-            &extras,
-            config.name.as_bytes(),
-            &[],
-            0,
-            "DCP_OPEN",
-        )?;
+        let open = dcp::OpenConnection {
+            name: config.name.as_bytes().to_vec(),
+            flags,
+            reserved: 0,
+            value: Vec::new(),
+        };
+        s.call_frame(dcp::opcode::OPEN, &encoded(&open, 0xfeed)?, "DCP_OPEN")?;
         let mut controls = vec![
             ("connection_buffer_size", config.buffer_size.to_string()),
             ("enable_expiry_opcode", "true".into()),
@@ -669,7 +673,11 @@ impl ConsumerSession {
             controls.push(("persisted_seqno_acks", "true".into()));
         }
         for (k, v) in controls {
-            s.call(dcp::opcode::CONTROL, &[], k.as_bytes(), v.as_bytes(), 0, k)?;
+            let control = dcp::Control {
+                key: k.as_bytes().to_vec(),
+                value: v.into_bytes(),
+            };
+            s.call_frame(dcp::opcode::CONTROL, &encoded(&control, 0xfeed)?, k)?;
         }
         Ok(s)
     }
@@ -750,8 +758,16 @@ impl ConsumerSession {
         vbucket: u16,
         what: &str,
     ) -> Result<Vec<u8>, String> {
-        let req = frame(opcode, 0xfeed, vbucket, extras, key, value);
-        self.send(&req).map_err(|e| format!("{what}: {e}"))?;
+        self.call_frame(
+            opcode,
+            &frame(opcode, 0xfeed, vbucket, extras, key, value),
+            what,
+        )
+    }
+
+    /// Sends one encoded request and waits for its answer (by opcode): its value on success.
+    fn call_frame(&mut self, opcode: u8, req: &[u8], what: &str) -> Result<Vec<u8>, String> {
+        self.send(req).map_err(|e| format!("{what}: {e}"))?;
         loop {
             let f = self
                 .next_frame_blocking()
@@ -950,16 +966,11 @@ impl ConsumerSession {
                 self.flow.ack_bytes
             );
             self.flow.buffer_size = window;
-            let key = b"connection_buffer_size";
-            let f = frame(
-                dcp::opcode::CONTROL,
-                0,
-                0,
-                &[],
-                key,
-                window.to_string().as_bytes(),
-            );
-            self.send(&f)?;
+            let control = dcp::Control {
+                key: b"connection_buffer_size".to_vec(),
+                value: window.to_string().into_bytes(),
+            };
+            self.send(&encoded(&control, 0)?)?;
         }
         Ok(())
     }

@@ -173,14 +173,7 @@ struct Producer {
 }
 
 fn respond(out: &mut Vec<u8>, req: &Request<'_>, st: u16, value: &[u8]) {
-    let h = mcbp::HeaderFields {
-        magic: magic::RESPONSE,
-        opcode: req.opcode,
-        word: st,
-        opaque: req.opaque,
-        ..Default::default()
-    };
-    let _ = mcbp::write_frame(out, &h, &[], &[], &[], value);
+    mcbp::write_response(out, req.opcode, req.opaque, st, 0, value);
 }
 
 fn parse_bool(v: &str) -> Option<bool> {
@@ -809,7 +802,7 @@ async fn serve(
                     let frame = inbuf.split_to(n);
                     let flow = p.handle(&frame, session, out);
                     if matches!(session.settle(flow, out).await, Flow::Close) {
-                        let _ = write_out(socket, out, shared).await;
+                        let _ = crate::connection::write_out(socket, out, shared, FLUSH_AT).await;
                         return "the consumer quit";
                     }
                 }
@@ -834,7 +827,10 @@ async fn serve(
             return "no NOOP reply within the noop interval (dead connection)";
         }
         if !out.is_empty() {
-            if write_out(socket, out, shared).await.is_err() {
+            if crate::connection::write_out(socket, out, shared, FLUSH_AT)
+                .await
+                .is_err()
+            {
                 return "write failed";
             }
             p.last_sent = Instant::now();
@@ -884,23 +880,6 @@ async fn serve(
             _ = claim.replaced.changed() => return "its name was opened by another connection",
         }
     }
-}
-
-async fn write_out(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    shared: &Shared,
-) -> std::io::Result<()> {
-    let r = crate::tls::send_all(socket, out).await;
-    shared
-        .stats
-        .bytes_out
-        .fetch_add(out.len() as u64, Ordering::Relaxed);
-    out.clear();
-    if out.capacity() > 4 * FLUSH_AT {
-        out.shrink_to(FLUSH_AT);
-    }
-    r
 }
 
 impl DcpStats {

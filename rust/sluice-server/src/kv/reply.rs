@@ -44,14 +44,7 @@ pub fn status_of(e: &Error) -> u16 {
 pub(super) fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut Vec<u8>) {
     if header.len() >= mcbp::HEADER_LEN {
         let opaque = u32::from_be_bytes(header[12..16].try_into().expect("4 bytes"));
-        let h = HeaderFields {
-            magic: magic::RESPONSE,
-            opcode: header[1],
-            word: st,
-            opaque,
-            ..Default::default()
-        };
-        let _ = mcbp::write_frame(out, &h, &[], &[], &[], message);
+        mcbp::write_response(out, header[1], opaque, st, 0, message);
     }
 }
 
@@ -107,20 +100,12 @@ pub(super) fn error_frame(
     message: &str,
     xerror: bool,
 ) {
-    let h = HeaderFields {
-        magic: magic::RESPONSE,
-        opcode,
-        datatype: if xerror { 0x01 } else { 0 },
-        word: st,
-        opaque,
-        cas: 0,
-    };
-    let _ = if xerror {
+    if xerror {
         let body = format!("{{\"error\":{{\"context\":{}}}}}", json_string(message));
-        mcbp::write_frame(out, &h, &[], &[], &[], body.as_bytes())
+        mcbp::write_response(out, opcode, opaque, st, 0x01, body.as_bytes());
     } else {
-        mcbp::write_frame(out, &h, &[], &[], &[], message.as_bytes())
-    };
+        mcbp::write_response(out, opcode, opaque, st, 0, message.as_bytes());
+    }
 }
 
 pub(super) fn json_string(s: &str) -> String {

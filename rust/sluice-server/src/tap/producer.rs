@@ -126,14 +126,7 @@ struct Judged {
 }
 
 fn error_reply(out: &mut Vec<u8>, opaque: u32, st: u16, why: &str) {
-    let h = mcbp::HeaderFields {
-        magic: magic::RESPONSE,
-        opcode: opcode::CONNECT,
-        word: st,
-        opaque,
-        ..Default::default()
-    };
-    let _ = mcbp::write_frame(out, &h, &[], &[], &[], why.as_bytes());
+    mcbp::write_response(out, opcode::CONNECT, opaque, st, 0, why.as_bytes());
 }
 
 impl TapSession {
