@@ -1,6 +1,8 @@
-"""The code stays formatted and lint-clean (ruff, rustfmt, clippy), and the typed stub of the
-native module matches the module as built (mypy's stubtest)."""
+"""The code stays formatted and lint-clean (ruff, rustfmt, clippy), the typed stub of the
+native module matches the module as built (mypy's stubtest), and no crate version in Cargo.lock
+is under a RustSec advisory (cargo audit)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -37,4 +39,18 @@ def test_clean(cmd: list[str]) -> None:
     if shutil.which(cmd[0]) is None:
         pytest.fail(f"{cmd[0]} is not installed; `pip install '.[test]'` brings ruff, rustup brings cargo")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_no_advisories() -> None:
+    """cargo audit fetches the RustSec advisory database from GitHub; where GitHub cannot be
+    reached, SLUICE_ADVISORY_DB names a checkout of github.com/rustsec/advisory-db to read
+    instead. Warnings (unmaintained, unsound, yanked) fail too."""
+    if subprocess.run(["cargo", "audit", "--version"], capture_output=True).returncode != 0:
+        pytest.fail("cargo audit is not installed; `cargo install cargo-audit --locked` brings it")
+    cmd = ["cargo", "audit", "--deny", "warnings"]
+    db = os.environ.get("SLUICE_ADVISORY_DB")
+    if db:
+        cmd += ["--db", db, "--no-fetch"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
