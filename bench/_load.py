@@ -274,7 +274,7 @@ def run_load(
                 units = max(0, min(depth * len(conns), max_ops - sent)) // unit
                 shares = [min(depth // unit, units - i * (depth // unit)) for i in range(len(conns))]
             busy = []
-            for c, share in zip(conns, shares):
+            for c, share in zip(conns, shares, strict=True):
                 if share > 0:
                     c.send(batch(share * unit))
                     busy.append((c, share * unit))

@@ -127,7 +127,7 @@ class TapClient:
         self.sock.settimeout(seconds)
         try:
             self.sock.recv(1, socket.MSG_PEEK)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return True
         return False  # a message arrived, or the connection closed
 
@@ -137,7 +137,7 @@ class TapClient:
         while True:
             try:
                 out.append(self.next(timeout=quiet))
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 return out
 
     def close(self) -> None:

@@ -261,7 +261,7 @@ def test_wal_dump_prints_what_was_written(data_dir):
             return rec[field].encode()
         return base64.b64decode(rec[field + "_base64"])
 
-    for rec, (op, key, value, m) in zip(changes, written):
+    for rec, (op, key, value, m) in zip(changes, written, strict=True):
         assert rec["op"] == op
         assert key_of(rec, "key") == key and key_of(rec, "value") == value
         assert (rec["seqno"], rec["vbucket"], rec["cas"]) == (m.seqno, m.vbucket, m.cas)

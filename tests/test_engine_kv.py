@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import random
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_seqnos_and_cas_strictly_increase_per_vbucket(engine):
         assert seqnos == list(range(1, len(seqnos) + 1)), f"vbucket {vb}"
         assert high[vb] == seqnos[-1]
         cas = cas_seen[vb]
-        assert all(a < b for a, b in zip(cas, cas[1:])), f"CAS of vbucket {vb} is not monotonic"
+        assert all(a < b for a, b in pairwise(cas)), f"CAS of vbucket {vb} is not monotonic"
     for vb in set(range(64)) - set(seen):
         assert high[vb] == 0
 

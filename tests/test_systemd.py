@@ -23,7 +23,7 @@ def receive(sock: socket.socket, until: str, timeout: float = 30) -> list[str]:
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             got.append(sock.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             break
         if until in got[-1]:
             return got

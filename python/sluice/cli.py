@@ -420,7 +420,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in rows:
             print(
                 "  ".join(
-                    c.rjust(w) if i not in (1, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+                    c.rjust(w) if i not in (1, 6) else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
                 ).rstrip()
             )
         hidden = len(b["vbuckets"]) - (len(rows) - 1)

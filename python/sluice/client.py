@@ -13,15 +13,15 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, NamedTuple
 
 from sluice._native import DcpConsumer, RawBatch, SluiceError
 
 OPS = ("mutation", "deletion", "expiration")
 
-RollbackPolicy = Union[str, Callable[[int, int], object]]
+RollbackPolicy = str | Callable[[int, int], object]
 
 
 class Change(NamedTuple):

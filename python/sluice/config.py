@@ -11,9 +11,9 @@ import dataclasses
 import ipaddress
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sluice._native import BucketSettings, ConfigError, EngineSettings
 

@@ -7,9 +7,9 @@ Spark hands options over as strings in a case-insensitive map; every option is p
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from sluice._native import ConfigError
 

@@ -16,7 +16,7 @@ pub struct FailoverLog {
 pub fn random_uuid() -> u64 {
     let mut b = [0u8; 8];
     // getrandom only fails if the OS has no entropy source at all; fall back to the clock.
-    if getrandom::getrandom(&mut b).is_err() {
+    if getrandom::fill(&mut b).is_err() {
         return crate::hlc::now_nanos() | 1;
     }
     u64::from_le_bytes(b).max(1)

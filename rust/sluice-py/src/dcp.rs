@@ -24,11 +24,10 @@ pub struct RawBatch {
     batch: Batch,
 }
 
-fn bytes_of<'py, T: Copy>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
-    // SAFETY: T is a plain integer type; its bytes are initialised and the length is exact.
-    let raw =
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
-    PyBytes::new(py, raw)
+/// A column's values in native byte order; `Pod` limits it to types whose every byte is
+/// initialised (no padding), so viewing them as bytes is sound.
+fn bytes_of<'py, T: bytemuck::Pod>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, bytemuck::cast_slice(v))
 }
 
 const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
@@ -235,7 +234,7 @@ pub fn vbucket_positions(
         setup_timeout: Some(setup_timeout_of(timeout)),
         ..ConsumerConfig::default()
     };
-    let r = py.allow_threads(|| consumer::vbucket_positions(&config, code));
+    let r = py.detach(|| consumer::vbucket_positions(&config, code));
     r.map(|v| {
         v.into_iter()
             .map(|p| (p.vbucket, p.high_seqno, p.failover))
@@ -343,9 +342,9 @@ impl DcpConsumer {
     /// The next event, waiting up to `timeout` seconds (None on timeout):
     /// ("batch", RawBatch), ("rollback", vbucket, seqno) or ("finished",).
     /// Raises SluiceError when the connection fails.
-    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<PyObject>> {
+    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<PyAny>>> {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
-        let event = py.allow_threads(|| {
+        let event = py.detach(|| {
             let guard = self.consumer.lock();
             guard.as_ref().map(|c| c.next_event(timeout))
         });
@@ -420,6 +419,6 @@ impl DcpConsumer {
     /// Closes the connection and stops the thread.
     fn close(&self, py: Python<'_>) {
         let c = self.consumer.lock().take();
-        py.allow_threads(move || drop(c));
+        py.detach(move || drop(c));
     }
 }

@@ -156,7 +156,7 @@ fn secs(key: &str, v: f64) -> PyResult<Duration> {
 }
 
 /// One bucket's settings.
-#[pyclass(module = "sluice._native", frozen)]
+#[pyclass(module = "sluice._native", frozen, from_py_object)]
 #[derive(Clone)]
 struct BucketSettings {
     inner: BucketConfig,
@@ -371,7 +371,7 @@ impl EmbeddedEngine {
     ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
-        py.allow_threads(|| self.engine.concat(&b, key, data, at_end, cas, durability))
+        py.detach(|| self.engine.concat(&b, key, data, at_end, cas, durability))
             .map(mutation)
             .map_err(to_py)
     }
@@ -392,7 +392,7 @@ impl EmbeddedEngine {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
         let (r, n) = py
-            .allow_threads(|| {
+            .detach(|| {
                 self.engine
                     .arithmetic(&b, key, delta, initial, expiry, increment, cas, durability)
             })
@@ -422,7 +422,7 @@ impl EmbeddedEngine {
     #[new]
     fn new(py: Python<'_>, settings: &EngineSettings) -> PyResult<Self> {
         let cfg = settings.inner.clone();
-        let engine = py.allow_threads(|| Engine::open(cfg)).map_err(to_py)?;
+        let engine = py.detach(|| Engine::open(cfg)).map_err(to_py)?;
         Ok(EmbeddedEngine {
             engine: Arc::new(engine),
         })
@@ -465,7 +465,7 @@ impl EmbeddedEngine {
             mode,
             durability,
         };
-        py.allow_threads(|| self.engine.store(&b, &req))
+        py.detach(|| self.engine.store(&b, &req))
             .map(mutation)
             .map_err(to_py)
     }
@@ -492,7 +492,7 @@ impl EmbeddedEngine {
             pairs.push((k.as_bytes(), v.as_bytes()));
         }
         // The PyBytes stay alive in `owned` for the call; their buffers are immutable.
-        py.allow_threads(|| self.engine.set_many(&b, &pairs, flags, expiry, durability))
+        py.detach(|| self.engine.set_many(&b, &pairs, flags, expiry, durability))
             .map_err(to_py)
     }
 
@@ -507,7 +507,7 @@ impl EmbeddedEngine {
     ) -> PyResult<Mutation> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
-        py.allow_threads(|| self.engine.delete(&b, key, cas, durability))
+        py.detach(|| self.engine.delete(&b, key, cas, durability))
             .map(mutation)
             .map_err(to_py)
     }
@@ -596,7 +596,7 @@ impl EmbeddedEngine {
     ) -> PyResult<(Mutation, ItemView)> {
         let b = self.bucket(bucket)?;
         let (r, it) = py
-            .allow_threads(|| self.engine.touch(&b, key, expiry, None))
+            .detach(|| self.engine.touch(&b, key, expiry, None))
             .map_err(to_py)?;
         Ok((mutation(r), ItemView::from_item(py, &it)))
     }
@@ -605,16 +605,14 @@ impl EmbeddedEngine {
     #[pyo3(signature = (*, bucket="default"))]
     fn flush(&self, py: Python<'_>, bucket: &str) -> PyResult<usize> {
         let b = self.bucket(bucket)?;
-        py.allow_threads(|| self.engine.flush(&b)).map_err(to_py)
+        py.detach(|| self.engine.flush(&b)).map_err(to_py)
     }
 
     /// The live item, or None.
     #[pyo3(signature = (key, *, bucket="default"))]
     fn get(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
         let b = self.bucket(bucket)?;
-        let it = py
-            .allow_threads(|| self.engine.get(&b, key))
-            .map_err(to_py)?;
+        let it = py.detach(|| self.engine.get(&b, key)).map_err(to_py)?;
         Ok(it.map(|i| ItemView::from_item(py, &i)))
     }
 
@@ -622,7 +620,7 @@ impl EmbeddedEngine {
     #[pyo3(signature = (key, *, bucket="default"))]
     fn get_meta(&self, py: Python<'_>, key: &[u8], bucket: &str) -> PyResult<Option<ItemView>> {
         let b = self.bucket(bucket)?;
-        let it = py.allow_threads(|| self.engine.get_meta(&b, key));
+        let it = py.detach(|| self.engine.get_meta(&b, key));
         Ok(it.map(|i| ItemView::from_item(py, &i)))
     }
 
@@ -634,13 +632,13 @@ impl EmbeddedEngine {
     #[pyo3(signature = (*, bucket="default"))]
     fn high_seqnos(&self, py: Python<'_>, bucket: &str) -> PyResult<Vec<u64>> {
         let b = self.bucket(bucket)?;
-        Ok(py.allow_threads(|| self.engine.high_seqnos(&b)))
+        Ok(py.detach(|| self.engine.high_seqnos(&b)))
     }
 
     #[pyo3(signature = (*, bucket="default"))]
     fn persisted_seqnos(&self, py: Python<'_>, bucket: &str) -> PyResult<Vec<u64>> {
         let b = self.bucket(bucket)?;
-        Ok(py.allow_threads(|| self.engine.persisted_seqnos(&b)))
+        Ok(py.detach(|| self.engine.persisted_seqnos(&b)))
     }
 
     /// Newest first: [(uuid, seqno), ...].
@@ -653,7 +651,7 @@ impl EmbeddedEngine {
     ) -> PyResult<Vec<(u64, u64)>> {
         let b = self.bucket(bucket)?;
         let log = py
-            .allow_threads(|| self.engine.failover_log(&b, vbucket))
+            .detach(|| self.engine.failover_log(&b, vbucket))
             .ok_or_else(|| {
                 pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}"))
             })?;
@@ -663,7 +661,7 @@ impl EmbeddedEngine {
     #[pyo3(signature = (vbucket, *, bucket="default"))]
     fn vbucket_state(&self, py: Python<'_>, vbucket: u16, bucket: &str) -> PyResult<&'static str> {
         let b = self.bucket(bucket)?;
-        py.allow_threads(|| self.engine.vbucket_state(&b, vbucket))
+        py.detach(|| self.engine.vbucket_state(&b, vbucket))
             .map(|s| s.as_str())
             .ok_or_else(|| pyo3::exceptions::PyIndexError::new_err(format!("no vbucket {vbucket}")))
     }
@@ -683,19 +681,18 @@ impl EmbeddedEngine {
             )));
         }
         let state = vb_state(state)?;
-        py.allow_threads(|| self.engine.set_vbucket_state(&b, vbucket, state))
+        py.detach(|| self.engine.set_vbucket_state(&b, vbucket, state))
             .map_err(to_py)
     }
 
     /// Writes a snapshot now; returns its path.
     fn snapshot(&self, py: Python<'_>) -> PyResult<PathBuf> {
-        py.allow_threads(|| self.engine.snapshot_now())
-            .map_err(to_py)
+        py.detach(|| self.engine.snapshot_now()).map_err(to_py)
     }
 
     /// Runs the expiry pager and tombstone purger now; returns how many items expired.
     fn run_expiry_pager(&self, py: Python<'_>) -> usize {
-        py.allow_threads(|| self.engine.run_expiry_pager())
+        py.detach(|| self.engine.run_expiry_pager())
     }
 
     /// Makes WAL writes fail as a full disk ("enospc") or a broken device ("eio") would, or not ("off").
@@ -726,7 +723,7 @@ impl EmbeddedEngine {
         d.set_item("memory_quota", b.config.memory_quota)?;
         d.set_item("high_watermark", b.config.high_watermark_bytes())?;
         d.set_item("checkpoint_quota", b.config.checkpoint_quota_bytes())?;
-        let (items, tombstones) = py.allow_threads(|| {
+        let (items, tombstones) = py.detach(|| {
             let (mut items, mut tombstones) = (0usize, 0usize);
             for v in 0..b.num_vbuckets() {
                 let vb = b.lock_vbucket(v).expect("in range");
@@ -803,14 +800,14 @@ impl EmbeddedEngine {
 
     /// Flushes and closes the WAL cleanly. Further calls fail with ClosedError.
     fn close(&self, py: Python<'_>) {
-        py.allow_threads(|| self.engine.close())
+        py.detach(|| self.engine.close())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, py: Python<'_>, _t: PyObject, _v: PyObject, _tb: PyObject) -> bool {
+    fn __exit__(&self, py: Python<'_>, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
         self.close(py);
         false
     }
@@ -822,7 +819,7 @@ impl Drop for EmbeddedEngine {
     fn drop(&mut self) {
         // SAFETY: a read-only query of the interpreter's state.
         if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
-            Python::with_gil(|py| py.allow_threads(|| self.engine.close()));
+            Python::attach(|py| py.detach(|| self.engine.close()));
         } else {
             self.engine.close();
         }
@@ -1098,7 +1095,7 @@ impl Server {
         let e = engine.engine.clone();
         let host = policies.clone();
         let server = py
-            .allow_threads(|| sluice_server::Server::start_with(e, config, host))
+            .detach(|| sluice_server::Server::start_with(e, config, host))
             .map_err(|err| {
                 if err.kind() == std::io::ErrorKind::InvalidInput {
                     ConfigError::new_err(format!("invalid config: {err}"))
@@ -1178,7 +1175,7 @@ impl Server {
         let Some(s) = guard.as_ref() else {
             return Err(ClosedError::new_err("the server is stopped"));
         };
-        py.allow_threads(|| s.reload_tls())
+        py.detach(|| s.reload_tls())
             .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))
     }
 
@@ -1195,7 +1192,7 @@ impl Server {
             Some(s) => s.shared().clone(),
             None => return Err(ClosedError::new_err("the server is stopped")),
         };
-        let done = py.allow_threads(|| shared.promote()).map_err(to_py)?;
+        let done = py.detach(|| shared.promote()).map_err(to_py)?;
         Ok(done.into_iter().collect())
     }
 
@@ -1205,7 +1202,7 @@ impl Server {
         let grace = secs("grace", grace)?;
         let server = self.inner.lock().take();
         if let Some(mut s) = server {
-            py.allow_threads(move || s.shutdown(grace));
+            py.detach(move || s.shutdown(grace));
         }
         Ok(())
     }
@@ -1216,8 +1213,8 @@ impl Drop for Server {
         if let Some(mut s) = self.inner.lock().take() {
             // SAFETY: a read-only query of the interpreter's state.
             if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
-                Python::with_gil(|py| {
-                    py.allow_threads(move || s.shutdown(std::time::Duration::from_secs(5)))
+                Python::attach(|py| {
+                    py.detach(move || s.shutdown(std::time::Duration::from_secs(5)))
                 });
             } else {
                 s.shutdown(std::time::Duration::from_secs(5));
@@ -1231,7 +1228,7 @@ impl Drop for Server {
 #[pyfunction]
 fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
     use std::os::fd::FromRawFd;
-    py.allow_threads(|| {
+    py.detach(|| {
         // SAFETY: dup gives us our own descriptor to own and close.
         let own = unsafe { libc::dup(fd) };
         if own < 0 {
@@ -1283,7 +1280,7 @@ fn tap_drain<'py>(
     let addr = socket_addr("target", target)?;
     let timeout = secs("timeout", timeout)?;
     let r = py
-        .allow_threads(|| sluice_server::tap::client::drain(addr, &connect, count, timeout))
+        .detach(|| sluice_server::tap::client::drain(addr, &connect, count, timeout))
         .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("messages", r.messages)?;
@@ -1351,7 +1348,7 @@ fn run_bench<'py>(
         tls,
     };
     let r = py
-        .allow_threads(|| sluice_server::bench::run(cfg))
+        .detach(|| sluice_server::bench::run(cfg))
         .map_err(|e| SluiceError::new_err(format!("bench against {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("ops", r.ops)?;
@@ -1390,7 +1387,9 @@ fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
 #[global_allocator]
 static GLOBAL: sluice_core::alloc::Allocator = sluice_core::alloc::ALLOCATOR;
 
-#[pymodule]
+// Declares that the module relies on the GIL, as every PyO3 module did before 0.28 made
+// free-threaded use the default: a free-threaded interpreter keeps its GIL on to import it.
+#[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sluice_core::alloc::tune();
     let _ = pyo3_log::try_init();

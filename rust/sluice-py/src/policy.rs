@@ -188,7 +188,7 @@ fn filter_decision(value: &Bound<'_, PyAny>) -> PyResult<FilterDecision> {
     if let Ok(a) = value.extract::<u8>() {
         return check_action(a).map(FilterDecision::All);
     }
-    if let Ok(b) = value.downcast::<PyBytes>() {
+    if let Ok(b) = value.cast::<PyBytes>() {
         let v = b.as_bytes().to_vec();
         for a in &v {
             check_action(*a)?;
@@ -225,7 +225,7 @@ pub fn next_call(
 ) -> Option<PolicyCall> {
     let wait = Duration::from_secs_f64(wait.clamp(0.0, 60.0));
     let h = host.clone();
-    py.allow_threads(move || h.next_call(kind, wait))
+    py.detach(move || h.next_call(kind, wait))
         .map(|call| PolicyCall {
             question: Mutex::new(Some(call.question)),
             reply: call.reply,

@@ -62,7 +62,7 @@ impl Token {
     pub fn create(data_dir: &Path) -> std::io::Result<Token> {
         use std::os::unix::fs::OpenOptionsExt;
         let mut raw = [0u8; 32];
-        getrandom::getrandom(&mut raw).map_err(|e| std::io::Error::other(e.to_string()))?;
+        getrandom::fill(&mut raw).map_err(|e| std::io::Error::other(e.to_string()))?;
         let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
         let path = data_dir.join(TOKEN_FILE);
         let tmp = data_dir.join(format!("{TOKEN_FILE}.tmp"));
