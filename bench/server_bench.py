@@ -150,12 +150,13 @@ def write(results: dict) -> None:
             f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "
             f"{ml[0]:,.0f} / {ml[1]:,.0f} |"
         )
+        b = 0.0
         if with_baseline:
             b = statistics.median(r["ops_per_s"] for r in per["baseline"])
             row += f" {b:,.0f} | {s / b:.3f} |"
         rows.append(row)
         names.append(name)
-        ratios.append((s, m))
+        ratios.append((s, m, b))
     flags = f"--duration {results['duration']} --runs {results['runs']}"
     flags += " --baseline PYTHON" if with_baseline else ""
     md = (
@@ -172,8 +173,12 @@ def write(results: dict) -> None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [r[0] / 1e3 for r in ratios], 0.4, label="sluice", color="#4C72B0")
-    ax.bar([i + 0.2 for i in x], [r[1] / 1e3 for r in ratios], 0.4, label="memcached", color="#DD8452")
+    bars = [("sluice", 0, "#4C72B0"), ("memcached", 1, "#DD8452")]
+    bars += [("sluice (baseline build)", 2, "#8C8C8C")] if with_baseline else []
+    width = 0.8 / len(bars)
+    for n, (label, col, color) in enumerate(bars):
+        offset = (n - (len(bars) - 1) / 2) * width
+        ax.bar([i + offset for i in x], [r[col] / 1e3 for r in ratios], width, label=label, color=color)
     ax.set_xticks(list(x), names, fontsize=8)
     ax.set_ylabel("thousand ops/s (median)")
     ax.set_title("memcached binary protocol: sluice against memcached, same load")
