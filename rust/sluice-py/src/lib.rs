@@ -285,9 +285,9 @@ impl EngineSettings {
     }
 }
 
-/// The result of a mutation.
-#[pyclass(module = "sluice._native", frozen, get_all)]
-struct Mutation {
+/// The result of a mutation (`sluice.Mutation` in Python; named apart from DCP's MUTATION).
+#[pyclass(name = "Mutation", module = "sluice._native", frozen, get_all)]
+struct MutationInfo {
     cas: u64,
     vbucket: u16,
     seqno: u64,
@@ -295,7 +295,7 @@ struct Mutation {
 }
 
 #[pymethods]
-impl Mutation {
+impl MutationInfo {
     fn __repr__(&self) -> String {
         format!(
             "Mutation(cas={}, vbucket={}, seqno={}, lsn={})",
@@ -368,7 +368,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<Mutation> {
+    ) -> PyResult<MutationInfo> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
         py.detach(|| self.engine.concat(&b, key, data, at_end, cas, durability))
@@ -388,7 +388,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<(Mutation, u64)> {
+    ) -> PyResult<(MutationInfo, u64)> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
         let (r, n) = py
@@ -401,8 +401,8 @@ impl EmbeddedEngine {
     }
 }
 
-fn mutation(r: sluice_core::MutationResult) -> Mutation {
-    Mutation {
+fn mutation(r: sluice_core::MutationResult) -> MutationInfo {
+    MutationInfo {
         cas: r.cas,
         vbucket: r.vbucket,
         seqno: r.seqno,
@@ -442,7 +442,7 @@ impl EmbeddedEngine {
         cas: u64,
         mode: &str,
         durability: Option<&str>,
-    ) -> PyResult<Mutation> {
+    ) -> PyResult<MutationInfo> {
         let b = self.bucket(bucket)?;
         let mode = match mode {
             "set" => StoreMode::Set,
@@ -504,7 +504,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<Mutation> {
+    ) -> PyResult<MutationInfo> {
         let b = self.bucket(bucket)?;
         let durability = parse_durability("durability", durability)?.map(Requirement::from);
         py.detach(|| self.engine.delete(&b, key, cas, durability))
@@ -522,7 +522,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<Mutation> {
+    ) -> PyResult<MutationInfo> {
         self.concat(py, key, data, true, bucket, cas, durability)
     }
 
@@ -536,7 +536,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<Mutation> {
+    ) -> PyResult<MutationInfo> {
         self.concat(py, key, data, false, bucket, cas, durability)
     }
 
@@ -554,7 +554,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<(Mutation, u64)> {
+    ) -> PyResult<(MutationInfo, u64)> {
         self.arithmetic(
             py, key, delta, initial, expiry, true, bucket, cas, durability,
         )
@@ -573,7 +573,7 @@ impl EmbeddedEngine {
         bucket: &str,
         cas: u64,
         durability: Option<&str>,
-    ) -> PyResult<(Mutation, u64)> {
+    ) -> PyResult<(MutationInfo, u64)> {
         self.arithmetic(
             py, key, delta, initial, expiry, false, bucket, cas, durability,
         )
@@ -581,7 +581,13 @@ impl EmbeddedEngine {
 
     /// TOUCH: a new expiry (memcached rules) for a live key.
     #[pyo3(signature = (key, expiry, *, bucket="default"))]
-    fn touch(&self, py: Python<'_>, key: &[u8], expiry: u32, bucket: &str) -> PyResult<Mutation> {
+    fn touch(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        expiry: u32,
+        bucket: &str,
+    ) -> PyResult<MutationInfo> {
         Ok(self.gat(py, key, expiry, bucket)?.0)
     }
 
@@ -593,7 +599,7 @@ impl EmbeddedEngine {
         key: &[u8],
         expiry: u32,
         bucket: &str,
-    ) -> PyResult<(Mutation, ItemView)> {
+    ) -> PyResult<(MutationInfo, ItemView)> {
         let b = self.bucket(bucket)?;
         let (r, it) = py
             .detach(|| self.engine.touch(&b, key, expiry, None))
@@ -1398,7 +1404,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BucketSettings>()?;
     m.add_class::<EmbeddedEngine>()?;
     m.add_class::<Server>()?;
-    m.add_class::<Mutation>()?;
+    m.add_class::<MutationInfo>()?;
     m.add_class::<ItemView>()?;
     m.add_class::<dcp::DcpConsumer>()?;
     m.add_class::<dcp::RawBatch>()?;
