@@ -1286,7 +1286,7 @@ fn tap_drain<'py>(
     let addr = socket_addr("target", target)?;
     let timeout = secs("timeout", timeout)?;
     let r = py
-        .detach(|| sluice_server::tap::client::drain(addr, &connect, count, timeout))
+        .detach(|| sluice_tools::tap_reader::drain(addr, &connect, count, timeout))
         .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("messages", r.messages)?;
@@ -1338,7 +1338,7 @@ fn run_bench<'py>(
              get_ratio in 0..=1",
         ));
     }
-    let cfg = sluice_server::bench::BenchConfig {
+    let cfg = sluice_tools::bench::BenchConfig {
         target: socket_addr("target", target)?,
         connections,
         pipeline,
@@ -1354,7 +1354,7 @@ fn run_bench<'py>(
         tls,
     };
     let r = py
-        .detach(|| sluice_server::bench::run(cfg))
+        .detach(|| sluice_tools::bench::run(cfg))
         .map_err(|e| SluiceError::new_err(format!("bench against {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("ops", r.ops)?;

@@ -7,7 +7,6 @@
 
 pub mod admin;
 pub mod auth;
-pub mod bench;
 pub mod connection;
 pub mod dcp;
 pub mod kv;

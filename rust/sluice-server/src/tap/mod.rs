@@ -1,10 +1,9 @@
 //! TAP over mcbp (seed 000): the producer a connection becomes after TAP_CONNECT (`producer`),
 //! the named sessions that outlive a dropped connection (`session`), the messages staged from
 //! the vbucket streams and encoded as TAP (`staged`), a node applying a TAP feed it is sent
-//! (`apply`), and a native reader for benchmarks (`client`).
+//! (`apply`). The native reader the TAP benchmark uses lives in sluice-tools.
 
 pub mod apply;
-pub mod client;
 pub mod producer;
 pub mod session;
 pub mod staged;

@@ -32,7 +32,7 @@ pub struct BenchConfig {
     /// SASL PLAIN credentials, when the target wants them.
     pub user: Option<(String, String)>,
     /// Connect over TLS (the target's certificate must carry its IP address).
-    pub tls: Option<crate::tls::ClientTls>,
+    pub tls: Option<sluice_server::tls::ClientTls>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -160,7 +160,7 @@ macro_rules! with_stream {
                 $body
             }
             Some(tls) => {
-                let name = crate::tls::server_name(&$cfg.target.to_string())
+                let name = sluice_server::tls::server_name(&$cfg.target.to_string())
                     .map_err(std::io::Error::other)?;
                 let mut $sock = tokio_rustls::TlsConnector::from(tls.config.clone())
                     .connect(name, tcp)
