@@ -263,28 +263,5 @@ async fn send(
         out.clear();
         return Err(std::io::Error::other(e.to_string()));
     }
-    write_out(socket, out, shared, FLUSH_AT).await
-}
-
-/// Writes `out` whole, counts it, and empties it; a buffer grown past four times `keep` by a
-/// burst is given back down to `keep`.
-pub(crate) async fn write_out(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    shared: &Shared,
-    keep: usize,
-) -> std::io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
-    }
-    let r = crate::tls::send_all(socket, out).await;
-    shared
-        .stats
-        .bytes_out
-        .fetch_add(out.len() as u64, Ordering::Relaxed);
-    out.clear();
-    if out.capacity() > 4 * keep {
-        out.shrink_to(keep);
-    }
-    r
+    crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT).await
 }

@@ -290,6 +290,26 @@ impl AsyncWrite for MaybeTls {
     }
 }
 
+/// Writes `out` whole, counts it in `bytes_out`, and empties it; a buffer grown past four
+/// times `keep` by a burst is given back down to `keep`.
+pub async fn write_out<S: AsyncWrite + Unpin>(
+    socket: &mut S,
+    out: &mut Vec<u8>,
+    bytes_out: &std::sync::atomic::AtomicU64,
+    keep: usize,
+) -> io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let r = send_all(socket, out).await;
+    bytes_out.fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    out.clear();
+    if out.capacity() > 4 * keep {
+        out.shrink_to(keep);
+    }
+    r
+}
+
 /// Writes all of `buf` and flushes: a TLS stream may keep encrypted records buffered after
 /// `write_all` returns (plain TCP's flush does nothing).
 pub async fn send_all<S: AsyncWrite + Unpin>(socket: &mut S, buf: &[u8]) -> io::Result<()> {

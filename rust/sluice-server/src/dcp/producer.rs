@@ -802,7 +802,9 @@ async fn serve(
                     let frame = inbuf.split_to(n);
                     let flow = p.handle(&frame, session, out);
                     if matches!(session.settle(flow, out).await, Flow::Close) {
-                        let _ = crate::connection::write_out(socket, out, shared, FLUSH_AT).await;
+                        let _ =
+                            crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT)
+                                .await;
                         return "the consumer quit";
                     }
                 }
@@ -827,7 +829,7 @@ async fn serve(
             return "no NOOP reply within the noop interval (dead connection)";
         }
         if !out.is_empty() {
-            if crate::connection::write_out(socket, out, shared, FLUSH_AT)
+            if crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT)
                 .await
                 .is_err()
             {
