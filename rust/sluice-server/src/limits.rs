@@ -158,6 +158,7 @@ impl PreLogin {
 
 /// A log line that an attacker can trigger (a refused connection, a failed login): written at
 /// most once per interval, with how many occurrences it stands for.
+#[derive(Debug)]
 pub struct RateLimitedLog {
     interval: Duration,
     state: Mutex<(Option<Instant>, u64)>,
@@ -180,9 +181,13 @@ impl RateLimitedLog {
     /// Counts one occurrence; returns how many (this one included) the caller's line stands for
     /// when a line is due, None when it is not.
     pub fn due(&self) -> Option<u64> {
+        self.due_at(Instant::now())
+    }
+
+    /// `due` at a given moment (tests pass their own clock).
+    pub fn due_at(&self, now: Instant) -> Option<u64> {
         let mut st = self.state.lock();
         st.1 += 1;
-        let now = Instant::now();
         match st.0 {
             Some(last) if now.duration_since(last) < self.interval => None,
             _ => {

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use sluice_proto::mcbp::{self, magic, status, HeaderFields};
+use sluice_proto::mcbp::{self, status};
 use tokio::sync::watch;
 
 use crate::kv::{Flow, KvSession};
@@ -154,19 +154,6 @@ fn plain_user(frame: &[u8]) -> Vec<u8> {
     }
 }
 
-fn refuse(frame: &[u8], st: u16, why: &str, out: &mut Vec<u8>) {
-    if frame.len() >= mcbp::HEADER_LEN {
-        let h = HeaderFields {
-            magic: magic::RESPONSE,
-            opcode: frame[1],
-            word: st,
-            opaque: u32::from_be_bytes(frame[12..16].try_into().expect("4 bytes")),
-            ..Default::default()
-        };
-        let _ = mcbp::write_frame(out, &h, &[], &[], &[], why.as_bytes());
-    }
-}
-
 /// Runs a SASL_AUTH request: waits its turn (an async sleep; the connection reads nothing
 /// meanwhile), checks the password off the async workers, and counts the outcome. Returns
 /// Close when the wait would outlast `deadline` (the connection's login deadline) or the
@@ -190,10 +177,10 @@ pub async fn sasl_auth(
                 String::from_utf8_lossy(&user)
             )
         });
-        refuse(
+        crate::kv::reply_to_header(
             frame,
             status::ETMPFAIL,
-            "too many failed logins for this user or address; retry later",
+            b"too many failed logins for this user or address; retry later",
             out,
         );
         return Flow::Continue;

@@ -67,30 +67,21 @@ pub struct ServerStats {
 /// still count every one).
 pub const WARNING_EVERY: Duration = Duration::from_secs(10);
 
-/// Per kind of warning: when one was last logged and how many were held back since.
+/// One `RateLimitedLog` per kind of warning.
 #[derive(Debug, Default)]
 pub struct WarningLimiter {
-    kinds: parking_lot::Mutex<std::collections::HashMap<&'static str, (Instant, u64)>>,
+    kinds:
+        parking_lot::Mutex<std::collections::HashMap<&'static str, crate::limits::RateLimitedLog>>,
 }
 
 impl WarningLimiter {
     /// Some(held back since the last one logged) when a warning of `kind` may be logged now.
     pub fn admit(&self, kind: &'static str, now: Instant) -> Option<u64> {
         let mut kinds = self.kinds.lock();
-        match kinds.get_mut(kind) {
-            Some((last, held)) if now.duration_since(*last) < WARNING_EVERY => {
-                *held += 1;
-                None
-            }
-            Some((last, held)) => {
-                *last = now;
-                Some(std::mem::take(held))
-            }
-            None => {
-                kinds.insert(kind, (now, 0));
-                Some(0)
-            }
-        }
+        let log = kinds
+            .entry(kind)
+            .or_insert_with(|| crate::limits::RateLimitedLog::new(WARNING_EVERY));
+        log.due_at(now).map(|n| n - 1)
     }
 }
 

@@ -36,7 +36,8 @@ mod stat;
 mod write;
 
 pub use read::all_vb_seqnos;
-use reply::{reply_to_header, Reply};
+pub(crate) use reply::reply_to_header;
+use reply::Reply;
 pub use reply::{status_of, HeldReply};
 
 /// Whether a vbucket-aware client's vbucket differs from the key's (0 means "route it for me").

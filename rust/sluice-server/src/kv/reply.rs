@@ -41,7 +41,7 @@ pub fn status_of(e: &Error) -> u16 {
 
 /// An error reply built from a raw header alone (its opcode and opaque), for frames that do not
 /// parse or are not read at all.
-pub(super) fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut Vec<u8>) {
+pub(crate) fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut Vec<u8>) {
     if header.len() >= mcbp::HEADER_LEN {
         let opaque = u32::from_be_bytes(header[12..16].try_into().expect("4 bytes"));
         mcbp::write_response(out, header[1], opaque, st, 0, message);
