@@ -1,5 +1,7 @@
-"""The crates depend one way (proto <- core <- server <- tools <- py), and within the crates reshaped so
-far no two modules import each other, directly or around a loop (tests/import_graph.py)."""
+"""The crates depend one way (proto <- core <- server <- tools <- py); within each crate no two
+modules import each other, directly or around a loop (tests/import_graph.py); and the server's
+modules sit in layers, each importing only from the layers below: the protocol-neutral streams
+know no front, the KV front no stream front, and no front the server that starts them."""
 
 from __future__ import annotations
 
@@ -33,6 +35,29 @@ def test_crates_depend_one_way(crate: str) -> None:
     assert ours <= ALLOWED[crate], f"{crate} depends on {sorted(ours - ALLOWED[crate])}"
 
 
-@pytest.mark.parametrize("crate", ["sluice-proto", "sluice-core"])
+@pytest.mark.parametrize("crate", ["sluice-proto", "sluice-core", "sluice-server"])
 def test_no_module_cycles(crate: str) -> None:
     assert cycles(graph(ROOT / "rust" / crate)) == []
+
+
+# sluice-server's modules, lowest layer first.
+SERVER_LAYERS = [
+    {"auth", "metrics", "ratelimit", "tls", "stream"},  # leaves: no other module of the crate
+    {"stats", "policy", "limits"},  # counters, plugins, pre-login bounds
+    {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
+    {"login", "dcp", "tap"},  # fronts a KV connection is handed to (SASL, change streams)
+    {"replica"},  # following another node through the DCP consumer
+    {"config", "connection"},  # the server's settings; one connection and its handoffs
+    {"admin"},  # the HTTP endpoint that reports on all of the above
+    {"server"},  # builds every front's context and runs the listeners
+]
+
+
+def test_server_modules_import_only_from_lower_layers() -> None:
+    edges = graph(ROOT / "rust" / "sluice-server")
+    layer = {m: i for i, mods in enumerate(SERVER_LAYERS) for m in mods}
+    assert set(edges) == set(layer), "a module of sluice-server is missing from SERVER_LAYERS"
+    upward = sorted(
+        f"{m} -> {d}" for m, deps in edges.items() for d in deps if layer[d] >= layer[m]
+    )
+    assert upward == []

@@ -1194,11 +1194,11 @@ impl Server {
     /// Failover: stops following the active and makes every replica vbucket active. Returns
     /// {bucket: [vbuckets promoted]}.
     fn promote(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<String, Vec<u16>>> {
-        let shared = match self.inner.lock().as_ref() {
-            Some(s) => s.shared().clone(),
+        let followers = match self.inner.lock().as_ref() {
+            Some(s) => s.followers(),
             None => return Err(ClosedError::new_err("the server is stopped")),
         };
-        let done = py.detach(|| shared.promote()).map_err(to_py)?;
+        let done = py.detach(|| followers.promote()).map_err(to_py)?;
         Ok(done.into_iter().collect())
     }
 

@@ -35,8 +35,10 @@ use crate::tls::{MaybeTls, ReloadableTls};
 use tokio::sync::{watch, Semaphore};
 
 use crate::auth::{Users, ADMIN};
+use crate::config::ServerConfig;
+use crate::connection::Fronts;
 use crate::metrics::metric;
-use crate::server::Shared;
+use crate::replica::Followers;
 
 /// The token file's name in the data directory.
 pub const TOKEN_FILE: &str = "admin.token";
@@ -160,6 +162,22 @@ impl Refusal {
     }
 }
 
+/// What the admin endpoint reports on and acts on, handed over by the server: the fronts (their
+/// counters, the engine, the users), the replicators, the settings and the certificate in use.
+pub struct NodeView {
+    pub fronts: Arc<Fronts>,
+    pub followers: Arc<Followers>,
+    /// As started: the addresses are the ones bound.
+    pub config: ServerConfig,
+    pub tls: Option<Arc<ReloadableTls>>,
+}
+
+impl NodeView {
+    fn engine(&self) -> &Arc<sluice_core::Engine> {
+        &self.fronts.kv.engine
+    }
+}
+
 /// The admin endpoint's own state: where it listens, the token, counters of refusals.
 pub struct Admin {
     addr: SocketAddr,
@@ -167,7 +185,7 @@ pub struct Admin {
     token: Token,
     refused: [AtomicU64; Refusal::ALL.len()],
     /// At most one warning about refused requests per interval (the rest are counted).
-    warnings: crate::server::WarningLimiter,
+    warnings: crate::ratelimit::WarningLimiter,
 }
 
 enum Caller {
@@ -192,20 +210,19 @@ impl Admin {
         &self,
         req: &Request,
         peer: SocketAddr,
-        shared: &Shared,
+        node: &NodeView,
         change: bool,
     ) -> Result<(), Refusal> {
         if change {
             self.same_site(req)?;
         }
-        let users = shared.users.read().clone();
+        let users = node.fronts.kv.users.current();
         match self.caller(req, &users)? {
             Caller::Token => Ok(()),
             Caller::User(name) => {
                 let user = users.get(&name).ok_or(Refusal::BadCredentials)?;
                 let buckets = if req.path == "/promote" {
-                    shared
-                        .engine
+                    node.engine()
                         .buckets()
                         .iter()
                         .map(|b| b.name().to_string())
@@ -499,7 +516,7 @@ impl Answer {
 
 pub async fn serve(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    node: Arc<NodeView>,
     admin: Arc<Admin>,
     mut stop: watch::Receiver<bool>,
     https: Option<Arc<ReloadableTls>>,
@@ -514,7 +531,7 @@ pub async fn serve(
                         log::debug!("admin: {MAX_CONNECTIONS} connections open, closing the one from {peer}");
                         continue;
                     };
-                    let (sh, ad) = (shared.clone(), admin.clone());
+                    let (nv, ad) = (node.clone(), admin.clone());
                     let acceptor = https.as_ref().map(|t| t.admin_acceptor());
                     tokio::spawn(async move {
                         let socket = match acceptor {
@@ -528,7 +545,7 @@ pub async fn serve(
                                 }
                             },
                         };
-                        handle(socket, peer, sh, ad).await;
+                        handle(socket, peer, nv, ad).await;
                         drop(slot);
                     });
                 }
@@ -541,12 +558,12 @@ pub async fn serve(
     }
 }
 
-async fn handle(mut socket: MaybeTls, peer: SocketAddr, shared: Arc<Shared>, admin: Arc<Admin>) {
+async fn handle(mut socket: MaybeTls, peer: SocketAddr, node: Arc<NodeView>, admin: Arc<Admin>) {
     let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut socket)).await {
         // Too slow, closed early, or unreadable: nothing worth answering.
         Err(_) | Ok(Err(None)) => return,
         Ok(Err(Some(refused))) => refused,
-        Ok(Ok(req)) => answer(&req, peer, &shared, &admin).await,
+        Ok(Ok(req)) => answer(&req, peer, &node, &admin).await,
     };
     let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut socket)).await;
 }
@@ -634,7 +651,7 @@ fn parse_head(head: &[u8]) -> Result<Request, &'static str> {
     })
 }
 
-async fn answer(req: &Request, peer: SocketAddr, shared: &Arc<Shared>, admin: &Admin) -> Answer {
+async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &Admin) -> Answer {
     let change = match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/metrics" | "/status") => false,
         ("POST", "/promote" | "/takeover") => true,
@@ -647,20 +664,20 @@ async fn answer(req: &Request, peer: SocketAddr, shared: &Arc<Shared>, admin: &A
         _ => return Answer::text(404, "try /metrics or /status\n"),
     };
     // A password check is a deliberate ~0.1 s of CPU: off the I/O threads' queue.
-    if let Err(why) = tokio::task::block_in_place(|| admin.admit(req, peer, shared, change)) {
+    if let Err(why) = tokio::task::block_in_place(|| admin.admit(req, peer, node, change)) {
         return admin.refuse(why, req, peer);
     }
-    let sh = shared.clone();
+    let nv = node.clone();
     match req.path.as_str() {
         "/metrics" => {
-            let mut body = tokio::task::block_in_place(|| metrics(shared));
+            let mut body = tokio::task::block_in_place(|| metrics(node));
             admin.metrics(&mut body);
             let mut a = Answer::text(200, body);
             a.content_type = "text/plain; version=0.0.4; charset=utf-8";
             a
         }
-        "/status" => Answer::json(tokio::task::block_in_place(|| status(shared))),
-        "/promote" => match tokio::task::spawn_blocking(move || sh.promote()).await {
+        "/status" => Answer::json(tokio::task::block_in_place(|| status(node))),
+        "/promote" => match tokio::task::spawn_blocking(move || nv.followers.promote()).await {
             Ok(Ok(done)) => Answer::json(serde_json::json!({
                 "promoted": done.iter().map(|(b, v)| serde_json::json!({"bucket": b, "vbuckets": v})).collect::<Vec<_>>()
             })),
@@ -669,7 +686,7 @@ async fn answer(req: &Request, peer: SocketAddr, shared: &Arc<Shared>, admin: &A
         },
         _ => {
             let query = req.query.clone();
-            match tokio::task::spawn_blocking(move || takeover(&sh, &query)).await {
+            match tokio::task::spawn_blocking(move || takeover(&nv, &query)).await {
                 Ok(Ok(body)) => Answer::json(body),
                 Ok(Err(e)) => Answer::text(409, format!("{e}\n")),
                 Err(e) => Answer::text(500, format!("{e}\n")),
@@ -679,25 +696,28 @@ async fn answer(req: &Request, peer: SocketAddr, shared: &Arc<Shared>, admin: &A
 }
 
 /// Prometheus text exposition of the node: each component's own metrics, in one page.
-pub fn metrics(shared: &Shared) -> String {
+pub fn metrics(node: &NodeView) -> String {
     let mut o = String::with_capacity(16 << 10);
-    shared.stats.metrics(&mut o);
-    shared.prelogin.metrics(&mut o);
-    shared.dcp.metrics(&mut o);
-    shared
-        .tap
-        .metrics(&mut o, shared.tap_sessions.parked() as u64);
-    shared.policies.metrics(&mut o);
-    crate::metrics::engine(&shared.engine, &mut o);
-    crate::replica::metrics(&shared.replicators.lock(), &mut o);
-    crate::replica::follower_metrics(&shared.engine, &mut o);
+    let f = &node.fronts;
+    f.kv.stats.metrics(&mut o);
+    f.prelogin.metrics(&mut o);
+    f.dcp.stats.metrics(&mut o);
+    f.tap.stats.metrics(
+        &mut o,
+        f.tap.sessions.parked() as u64,
+        f.kv.tap_applied.load(Relaxed),
+    );
+    f.dcp.policies.metrics(&mut o);
+    crate::metrics::engine(node.engine(), &mut o);
+    crate::replica::metrics(&node.followers.running(), &mut o);
+    crate::replica::follower_metrics(node.engine(), &mut o);
     o
 }
 
 /// The node as JSON: what `sluice status` shows.
-pub fn status(shared: &Shared) -> serde_json::Value {
+pub fn status(node: &NodeView) -> serde_json::Value {
     use serde_json::json;
-    let e = &shared.engine;
+    let e = node.engine();
     let buckets: Vec<_> = e
         .buckets()
         .iter()
@@ -722,21 +742,21 @@ pub fn status(shared: &Shared) -> serde_json::Value {
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "instance": e.instance(),
-        "uptime_s": shared.started.elapsed().as_secs(),
-        "listen": shared.config.listen.to_string(),
-        "tls_listen": shared.config.tls_listen.map(|a| a.to_string()),
-        "admin_https": shared.tls.as_ref().is_some_and(|t| t.settings().admin),
-        "connections": shared.stats.curr_connections.load(Relaxed),
+        "uptime_s": node.fronts.kv.started.elapsed().as_secs(),
+        "listen": node.config.listen.to_string(),
+        "tls_listen": node.config.tls_listen.map(|a| a.to_string()),
+        "admin_https": node.tls.as_ref().is_some_and(|t| t.settings().admin),
+        "connections": node.fronts.kv.stats.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
-        "replication": replication_status(shared),
+        "replication": replication_status(&node.followers),
     })
 }
 
 /// Who this node follows and how far behind each replica vbucket is (null on an active node).
-fn replication_status(shared: &Shared) -> serde_json::Value {
+fn replication_status(followers: &Followers) -> serde_json::Value {
     use serde_json::json;
-    let reps = shared.replicators.lock();
+    let reps = followers.running();
     if reps.is_empty() {
         return serde_json::Value::Null;
     }
@@ -767,7 +787,7 @@ fn replication_status(shared: &Shared) -> serde_json::Value {
 /// POST /takeover?bucket=B&vbucket=N&source=HOST:PORT[&timeout=SECONDS]: moves the vbucket
 /// from the source node to this one (see `replica::take_over`); answers when it is active here,
 /// or gives up after `timeout` seconds (default 600; the caller's own wait, so both agree).
-fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
+fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
     let arg = |name: &str| query_arg(query, name);
     let vb: u16 = arg("vbucket")
         .and_then(|v| v.parse().ok())
@@ -782,27 +802,27 @@ fn takeover(shared: &Shared, query: &str) -> Result<serde_json::Value, String> {
             .filter(|t| (1.0..=86_400.0).contains(t))
             .ok_or("timeout=SECONDS must be 1 to 86400")?,
     };
-    let bucket = shared
-        .engine
+    let bucket = node
+        .engine()
         .bucket(&bucket_name)
         .map_err(|e| e.to_string())?;
-    if let Some(r) = shared.replicators.lock().first() {
+    if let Some(r) = node.followers.running().first() {
         return Err(format!(
             "this node follows {} and replicates every vbucket; a vbucket moves only to a node \
              that does not (promote it first)",
             r.config.active
         ));
     }
-    let (username, password) = shared.config.replication_login.clone();
+    let (username, password) = node.config.replication_login.clone();
     let config = crate::replica::ReplicaConfig {
         active: source,
         username,
         password,
-        noop_interval: shared.config.replication_noop_interval,
-        tls: shared.config.replication_tls.clone(),
+        noop_interval: node.config.replication_noop_interval,
+        tls: node.config.replication_tls.clone(),
     };
     let r = crate::replica::take_over(
-        &shared.engine,
+        node.engine(),
         &bucket,
         vb,
         &config,

@@ -174,6 +174,25 @@ impl Users {
     }
 }
 
+/// The users in force: replaced whole on reload (SIGHUP); sessions read them per request.
+#[derive(Debug, Default)]
+pub struct UserTable(parking_lot::RwLock<std::sync::Arc<Users>>);
+
+impl UserTable {
+    pub fn new(users: Users) -> UserTable {
+        UserTable(parking_lot::RwLock::new(std::sync::Arc::new(users)))
+    }
+
+    /// The users now; a reload after this call does not change what it returned.
+    pub fn current(&self) -> std::sync::Arc<Users> {
+        self.0.read().clone()
+    }
+
+    pub fn replace(&self, users: Users) {
+        *self.0.write() = std::sync::Arc::new(users);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

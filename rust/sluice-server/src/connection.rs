@@ -12,17 +12,36 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use sluice_proto::mcbp::{self, FrameError};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
-use crate::kv::{Flow, HeldReply, KvSession};
-use crate::limits::PRELOGIN_MAX_BODY;
-use crate::server::Shared;
+use crate::dcp::producer::DcpContext;
+use crate::kv::{Flow, Handoff, HeldReply, KvContext, KvSession};
+use crate::limits::{PreLogin, PRELOGIN_MAX_BODY};
+use crate::login::LoginThrottle;
+use crate::stats::ConnectionStats;
+use crate::tap::TapContext;
 use crate::tls::MaybeTls;
+use sluice_proto::dcp::opcode as dcp_op;
+
+/// What a client connection works with, built once by the server: the KV front every
+/// connection starts in, the stream fronts it may be handed to, and the bounds before login.
+pub struct Fronts {
+    pub kv: Arc<KvContext>,
+    pub dcp: Arc<DcpContext>,
+    pub tap: Arc<TapContext>,
+    pub prelogin: Arc<PreLogin>,
+    /// Failed SASL attempts, which slow the next ones down.
+    pub throttle: LoginThrottle,
+    /// Largest request body accepted; larger frames get E2BIG and the connection closes.
+    pub max_body: usize,
+    /// A connection silent for this long is closed; zero means never.
+    pub idle_timeout: Duration,
+}
 
 /// Replies are written once this much is pending, even mid-batch.
 const FLUSH_AT: usize = 1 << 20;
@@ -57,9 +76,9 @@ impl Replies {
 
     /// Before a producer takes over the connection and its output: every held reply is ready
     /// and the WAL holds what the replies acknowledge. False if it never will (the WAL stopped).
-    async fn hand_over(&mut self, session: &KvSession, shared: &Shared) -> bool {
+    async fn hand_over(&mut self, session: &KvSession) -> bool {
         self.settle_all().await;
-        match shared.engine.wal().written(session.owed_lsn()).await {
+        match session.engine().wal().written(session.owed_lsn()).await {
             Ok(()) => true,
             Err(e) => {
                 log::warn!("closing a connection with unsent replies: {e}");
@@ -77,28 +96,34 @@ impl Replies {
     }
 }
 
+/// The stream a request opened, with what its front needs to start.
+enum Stream {
+    Dcp(crate::dcp::producer::OpenProducer),
+    Tap(sluice_proto::tap::TapConnect, u32),
+}
+
 pub async fn run(
     mut socket: MaybeTls,
     peer: SocketAddr,
-    shared: Arc<Shared>,
+    fronts: Arc<Fronts>,
     mut stop: watch::Receiver<bool>,
 ) {
     // Until it logs in (when users are configured), a connection holds a pre-login slot and
     // gets the small frame limit and the login deadline (see `limits`).
-    let mut prelogin = match crate::limits::admit(&shared, peer) {
+    let mut prelogin = match crate::limits::admit(&fronts.prelogin, &fronts.kv.users, peer) {
         Ok(slot) => slot,
         Err(_) => return,
     };
-    let login_deadline = Instant::now() + shared.config.login.login_timeout;
-    let mut session = KvSession::new(shared.clone());
+    let login_deadline = Instant::now() + fronts.prelogin.limits.login_timeout;
+    let mut session = KvSession::new(fronts.kv.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
-    let idle = shared.config.idle_timeout;
+    let idle = fronts.idle_timeout;
     loop {
         while replies.held.len() < MAX_HELD {
             let max_body = match prelogin {
-                Some(_) => shared.config.max_body.min(PRELOGIN_MAX_BODY),
-                None => shared.config.max_body,
+                Some(_) => fronts.max_body.min(PRELOGIN_MAX_BODY),
+                None => fronts.max_body,
             };
             match mcbp::frame_len(&inbuf, max_body) {
                 Ok(Some(n)) => {
@@ -111,7 +136,8 @@ pub async fn run(
                             &mut session,
                             &frame,
                             ip,
-                            &shared,
+                            &fronts.prelogin,
+                            &fronts.throttle,
                             deadline,
                             &mut stop,
                             out,
@@ -129,32 +155,49 @@ pub async fn run(
                         Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
                         Flow::Close => {
                             replies.settle_all().await;
-                            let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+                            let _ =
+                                send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
+                                    .await;
                             return;
                         }
-                        Flow::DcpProducer(open) => {
-                            if !replies.hand_over(&session, &shared).await {
-                                return;
+                        Flow::OpenStream => {
+                            let req = mcbp::parse_request(&frame).expect("the KV front parsed it");
+                            let out = replies.tail();
+                            let stream = if req.opcode == dcp_op::OPEN {
+                                crate::dcp::producer::open(&session, &req, out).map(Stream::Dcp)
+                            } else {
+                                crate::tap::producer::open(&session, &req, out)
+                                    .map(|c| Stream::Tap(c, req.opaque))
+                            };
+                            if let Some(stream) = stream {
+                                if !replies.hand_over(&session).await {
+                                    return;
+                                }
+                                let conn = Handoff {
+                                    out: std::mem::take(&mut replies.ready),
+                                    socket,
+                                    inbuf,
+                                    session,
+                                    peer,
+                                    stop,
+                                };
+                                return match stream {
+                                    Stream::Dcp(open) => {
+                                        let dcp = fronts.dcp.clone();
+                                        Box::pin(crate::dcp::producer::run(conn, open, dcp)).await
+                                    }
+                                    Stream::Tap(connect, opaque) => {
+                                        let tap = fronts.tap.clone();
+                                        let p =
+                                            crate::tap::producer::run(conn, connect, opaque, tap);
+                                        Box::pin(p).await
+                                    }
+                                };
                             }
-                            let out = std::mem::take(&mut replies.ready);
-                            let p = crate::dcp::producer::run(
-                                socket, inbuf, out, session, open, peer, shared, stop,
-                            );
-                            return Box::pin(p).await;
-                        }
-                        Flow::TapProducer(connect, opaque) => {
-                            if !replies.hand_over(&session, &shared).await {
-                                return;
-                            }
-                            let out = std::mem::take(&mut replies.ready);
-                            let p = crate::tap::producer::run(
-                                socket, inbuf, out, session, connect, opaque, peer, shared, stop,
-                            );
-                            return Box::pin(p).await;
                         }
                     }
                     if replies.ready.len() >= FLUSH_AT
-                        && send(&mut socket, &mut replies.ready, &session, &shared)
+                        && send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
                             .await
                             .is_err()
                     {
@@ -164,10 +207,14 @@ pub async fn run(
                 Ok(None) => break,
                 Err(e) => {
                     if prelogin.is_some() {
-                        shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                        crate::limits::closing_before_login(&shared, peer, &e);
+                        fronts
+                            .kv
+                            .stats
+                            .protocol_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                        crate::limits::closing_before_login(&fronts.prelogin, peer, &e);
                     } else {
-                        shared.stats.protocol_error(
+                        fronts.kv.stats.protocol_error(
                             "KV",
                             format_args!("closing connection from {peer}: {e}"),
                         );
@@ -176,12 +223,12 @@ pub async fn run(
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);
                     }
-                    let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
                     return;
                 }
             }
         }
-        if send(&mut socket, &mut replies.ready, &session, &shared)
+        if send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
             .await
             .is_err()
         {
@@ -190,7 +237,7 @@ pub async fn run(
         if *stop.borrow() {
             // Shutting down: requests already read are answered, held ones too.
             replies.settle_all().await;
-            let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+            let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
             return;
         }
         let reading = replies.held.len() < MAX_HELD;
@@ -220,16 +267,16 @@ pub async fn run(
                 Ok(Ok(0)) => {
                     // The client closed its side: what it sent is still answered.
                     replies.settle_all().await;
-                    let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
                     return;
                 }
-                Ok(Ok(n)) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
+                Ok(Ok(n)) => { fronts.kv.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
                 Ok(Err(e)) => {
                     log::debug!("connection from {peer}: {e}");
                     return;
                 }
                 Err(_) if deadline.is_some() => {
-                    crate::limits::login_timed_out(&shared, peer);
+                    crate::limits::login_timed_out(&fronts.prelogin, peer);
                     return;
                 }
                 Err(_) => {
@@ -239,7 +286,7 @@ pub async fn run(
             },
             _ = stop.changed() => {
                 replies.settle_all().await;
-                let _ = send(&mut socket, &mut replies.ready, &session, &shared).await;
+                let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
                 return;
             }
         }
@@ -253,15 +300,15 @@ async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     session: &KvSession,
-    shared: &Shared,
+    stats: &ConnectionStats,
 ) -> std::io::Result<()> {
     if out.is_empty() {
         return Ok(());
     }
-    if let Err(e) = shared.engine.wal().written(session.owed_lsn()).await {
+    if let Err(e) = session.engine().wal().written(session.owed_lsn()).await {
         log::warn!("closing a connection with unsent replies: {e}");
         out.clear();
         return Err(std::io::Error::other(e.to_string()));
     }
-    crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT).await
+    crate::tls::write_out(socket, out, &stats.bytes_out, FLUSH_AT).await
 }

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod config;
 pub mod connection;
 pub mod dcp;
 pub mod kv;
@@ -14,10 +15,13 @@ pub mod limits;
 pub mod login;
 pub mod metrics;
 pub mod policy;
+pub mod ratelimit;
 pub mod replica;
 pub mod server;
+pub mod stats;
 pub mod stream;
 pub mod tap;
 pub mod tls;
 
-pub use server::{Server, ServerConfig};
+pub use config::ServerConfig;
+pub use server::Server;

@@ -9,12 +9,13 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use sluice_proto::mcbp::FrameError;
 
-use crate::server::Shared;
+use crate::auth::UserTable;
+use crate::ratelimit::RateLimitedLog;
 
 /// Largest request body a connection that has not logged in may send: room for HELLO, SASL
 /// PLAIN with a long name and password, NOOP, VERSION. Larger gets E2BIG and the connection
@@ -58,15 +59,14 @@ pub struct LoginStats {
     pub unauthenticated: AtomicU64,
 }
 
-/// The unauthenticated connections open now, counted per address.
+/// The unauthenticated connections open now, counted per address, within `limits`.
 #[derive(Default)]
 pub struct PreLogin {
+    pub limits: LoginLimits,
     per_ip: Mutex<HashMap<IpAddr, usize>>,
     pub stats: LoginStats,
     /// Closing lines for pre-login limits, at most one per interval.
     pub log: RateLimitedLog,
-    /// Failed SASL attempts, which slow the next ones down.
-    pub throttle: crate::login::LoginThrottle,
 }
 
 /// Why a connection was refused at accept.
@@ -78,21 +78,28 @@ pub enum Refused {
 
 /// A slot among the unauthenticated connections, given back on drop (login, or close).
 pub struct PreLoginSlot {
-    owner: Arc<Shared>,
+    owner: Arc<PreLogin>,
     ip: IpAddr,
 }
 
 impl Drop for PreLoginSlot {
     fn drop(&mut self) {
-        self.owner.prelogin.release(self.ip);
+        self.owner.release(self.ip);
     }
 }
 
 impl PreLogin {
+    pub fn new(limits: LoginLimits) -> PreLogin {
+        PreLogin {
+            limits,
+            ..Default::default()
+        }
+    }
+
     /// Takes a slot for a new unauthenticated connection from `ip`, or says which cap is full.
-    pub fn admit(shared: &Arc<Shared>, ip: IpAddr) -> Result<PreLoginSlot, Refused> {
-        let limits = &shared.config.login;
-        let this = &shared.prelogin;
+    fn take_slot(self: &Arc<Self>, ip: IpAddr) -> Result<PreLoginSlot, Refused> {
+        let limits = &self.limits;
+        let this = self;
         let mut per_ip = this.per_ip.lock();
         let total = this.stats.unauthenticated.load(Relaxed) as usize;
         if total >= limits.max_unauthenticated {
@@ -107,7 +114,7 @@ impl PreLogin {
         *mine += 1;
         this.stats.unauthenticated.fetch_add(1, Relaxed);
         Ok(PreLoginSlot {
-            owner: shared.clone(),
+            owner: self.clone(),
             ip,
         })
     }
@@ -156,92 +163,20 @@ impl PreLogin {
     }
 }
 
-/// A log line that an attacker can trigger (a refused connection, a failed login): written at
-/// most once per interval, with how many occurrences it stands for.
-#[derive(Debug)]
-pub struct RateLimitedLog {
-    interval: Duration,
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl Default for RateLimitedLog {
-    fn default() -> Self {
-        RateLimitedLog::new(Duration::from_secs(10))
-    }
-}
-
-impl RateLimitedLog {
-    pub fn new(interval: Duration) -> RateLimitedLog {
-        RateLimitedLog {
-            interval,
-            state: Mutex::new((None, 0)),
-        }
-    }
-
-    /// Counts one occurrence; returns how many (this one included) the caller's line stands for
-    /// when a line is due, None when it is not.
-    pub fn due(&self) -> Option<u64> {
-        self.due_at(Instant::now())
-    }
-
-    /// `due` at a given moment (tests pass their own clock).
-    pub fn due_at(&self, now: Instant) -> Option<u64> {
-        let mut st = self.state.lock();
-        st.1 += 1;
-        match st.0 {
-            Some(last) if now.duration_since(last) < self.interval => None,
-            _ => {
-                st.0 = Some(now);
-                Some(std::mem::take(&mut st.1))
-            }
-        }
-    }
-
-    /// Logs `what` at info level when a line is due, naming how many it stands for.
-    pub fn info(&self, what: impl FnOnce() -> String) {
-        if let Some(n) = self.due() {
-            if n > 1 {
-                log::info!(
-                    "{} (and {} more like it since the last such line)",
-                    what(),
-                    n - 1
-                );
-            } else {
-                log::info!("{}", what());
-            }
-        } else {
-            log::debug!("{}", what());
-        }
-    }
-
-    /// The same at warning level.
-    pub fn warn(&self, what: impl FnOnce() -> String) {
-        if let Some(n) = self.due() {
-            if n > 1 {
-                log::warn!(
-                    "{} (and {} more like it since the last such line)",
-                    what(),
-                    n - 1
-                );
-            } else {
-                log::warn!("{}", what());
-            }
-        } else {
-            log::debug!("{}", what());
-        }
-    }
-}
-
 /// A new connection's pre-login slot: None when no user is configured (nothing to log in to),
 /// Err when a cap is full (the caller closes the connection; it is counted and logged here).
-pub fn admit(shared: &Arc<Shared>, peer: SocketAddr) -> Result<Option<PreLoginSlot>, Refused> {
-    if !shared.users.read().required() {
+pub fn admit(
+    prelogin: &Arc<PreLogin>,
+    users: &UserTable,
+    peer: SocketAddr,
+) -> Result<Option<PreLoginSlot>, Refused> {
+    if !users.current().required() {
         return Ok(None);
     }
-    match PreLogin::admit(shared, peer.ip().to_canonical()) {
+    match prelogin.take_slot(peer.ip().to_canonical()) {
         Ok(slot) => Ok(Some(slot)),
         Err(why) => {
-            shared.prelogin.log.warn(|| {
+            prelogin.log.warn(|| {
                 let cap = match &why {
                     Refused::Total(n) => format!("max_unauthenticated ({n})"),
                     Refused::PerIp(n) => format!("max_unauthenticated_per_ip ({n})"),
@@ -254,39 +189,22 @@ pub fn admit(shared: &Arc<Shared>, peer: SocketAddr) -> Result<Option<PreLoginSl
 }
 
 /// Logs (rate-limited) and counts a connection closed before login for a bad frame.
-pub fn closing_before_login(shared: &Shared, peer: SocketAddr, e: &FrameError) {
+pub fn closing_before_login(prelogin: &PreLogin, peer: SocketAddr, e: &FrameError) {
     if let FrameError::TooBig { .. } = e {
-        shared.prelogin.stats.too_big.fetch_add(1, Relaxed);
+        prelogin.stats.too_big.fetch_add(1, Relaxed);
     }
-    shared
-        .prelogin
+    prelogin
         .log
         .info(|| format!("closing connection from {peer} before login: {e}"));
 }
 
 /// Logs (rate-limited) and counts a connection closed at its login deadline.
-pub fn login_timed_out(shared: &Shared, peer: SocketAddr) {
-    shared.prelogin.stats.timed_out.fetch_add(1, Relaxed);
-    shared.prelogin.log.info(|| {
+pub fn login_timed_out(prelogin: &PreLogin, peer: SocketAddr) {
+    prelogin.stats.timed_out.fetch_add(1, Relaxed);
+    prelogin.log.info(|| {
         format!(
             "closing connection from {peer}: not logged in within {:?}",
-            shared.config.login.login_timeout
+            prelogin.limits.login_timeout
         )
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_rate_limited_line_counts_what_it_skipped() {
-        let log = RateLimitedLog::new(Duration::from_secs(3600));
-        assert_eq!(log.due(), Some(1));
-        assert_eq!(log.due(), None);
-        assert_eq!(log.due(), None);
-        let log = RateLimitedLog::new(Duration::ZERO);
-        assert_eq!(log.due(), Some(1));
-        assert_eq!(log.due(), Some(1));
-    }
 }

@@ -19,8 +19,8 @@ use sluice_proto::mcbp::{self, status};
 use tokio::sync::watch;
 
 use crate::kv::{Flow, KvSession};
-use crate::limits::RateLimitedLog;
-use crate::server::Shared;
+use crate::limits::PreLogin;
+use crate::ratelimit::RateLimitedLog;
 
 /// The wait after one failure; it doubles with each further one.
 const FIRST_DELAY: Duration = Duration::from_millis(100);
@@ -158,19 +158,20 @@ fn plain_user(frame: &[u8]) -> Vec<u8> {
 /// meanwhile), checks the password off the async workers, and counts the outcome. Returns
 /// Close when the wait would outlast `deadline` (the connection's login deadline) or the
 /// server stops meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub async fn sasl_auth(
     session: &mut KvSession,
     frame: &[u8],
     ip: IpAddr,
-    shared: &Shared,
+    prelogin: &PreLogin,
+    throttle: &LoginThrottle,
     deadline: Option<Instant>,
     stop: &mut watch::Receiver<bool>,
     out: &mut Vec<u8>,
 ) -> Flow {
-    let throttle = &shared.prelogin.throttle;
     let user = plain_user(frame);
     let Some(wait) = throttle.turn(&user, ip) else {
-        shared.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+        prelogin.stats.auth_failures.fetch_add(1, Relaxed);
         throttle.log.warn(|| {
             format!(
                 "SASL login for user {:?} from {ip} refused unchecked: too many recent failures",
@@ -187,8 +188,8 @@ pub async fn sasl_auth(
     };
     if deadline.is_some_and(|d| Instant::now() + wait >= d) {
         // Its turn comes after the login deadline: closed now rather than then.
-        shared.prelogin.stats.timed_out.fetch_add(1, Relaxed);
-        shared.prelogin.log.info(|| {
+        prelogin.stats.timed_out.fetch_add(1, Relaxed);
+        prelogin.log.info(|| {
             format!("closing connection from {ip}: its SASL attempt waits past the login deadline")
         });
         return Flow::Close;
@@ -205,7 +206,7 @@ pub async fn sasl_auth(
         throttle.succeeded(&user);
     } else {
         throttle.failed(&user, ip);
-        shared.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+        prelogin.stats.auth_failures.fetch_add(1, Relaxed);
         throttle.log.warn(|| {
             format!(
                 "failed SASL login for user {:?} from {ip}",

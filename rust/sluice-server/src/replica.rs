@@ -543,6 +543,66 @@ impl ReplicaSession<'_> {
     }
 }
 
+/// The replicators of a node that follows an active, one per bucket. A promotion stops them
+/// for good.
+pub struct Followers {
+    engine: Arc<Engine>,
+    replicators: Mutex<Vec<Replicator>>,
+}
+
+impl Followers {
+    /// Starts following `active` for every bucket (None: this node is active; nothing runs).
+    pub fn start(
+        engine: Arc<Engine>,
+        active: Option<&ReplicaConfig>,
+        policies: &Arc<PolicyHost>,
+    ) -> Followers {
+        let replicators = match active {
+            Some(rc) => engine
+                .buckets()
+                .into_iter()
+                .map(|b| Replicator::start(engine.clone(), b, rc.clone(), policies.clone()))
+                .collect(),
+            None => Vec::new(),
+        };
+        Followers {
+            engine,
+            replicators: Mutex::new(replicators),
+        }
+    }
+
+    /// The replicators running now (none on an active node or after a promotion).
+    pub fn running(&self) -> parking_lot::MutexGuard<'_, Vec<Replicator>> {
+        self.replicators.lock()
+    }
+
+    /// Stops every replicator (the server is stopping, or the node is promoted).
+    pub fn stop(&self) {
+        for mut r in std::mem::take(&mut *self.replicators.lock()) {
+            r.stop();
+        }
+    }
+
+    /// Failover: stops following the active, then makes every replica vbucket active (each
+    /// with a new failover entry). Returns (bucket, vbuckets promoted) per bucket.
+    pub fn promote(&self) -> sluice_core::Result<Vec<(String, Vec<u16>)>> {
+        self.stop();
+        let mut out = Vec::new();
+        for b in self.engine.buckets() {
+            let promoted = self.engine.promote(&b)?;
+            if !promoted.is_empty() {
+                log::warn!(
+                    "promoted {} vbucket(s) of bucket {:?} to active",
+                    promoted.len(),
+                    b.name()
+                );
+            }
+            out.push((b.name().to_string(), promoted));
+        }
+        Ok(out)
+    }
+}
+
 /// What a vbucket move reports.
 #[derive(Debug, Clone)]
 pub struct TakeoverReport {

@@ -3,148 +3,24 @@
 //! then return.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_core::Engine;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use crate::connection;
-use crate::metrics::metric;
-use std::fmt::Write;
-use std::sync::atomic::Ordering::Relaxed;
-
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    pub listen: SocketAddr,
-    /// The admin HTTP endpoint (/metrics, /status, /promote, /takeover), if any.
-    pub admin_listen: Option<SocketAddr>,
-    pub max_connections: usize,
-    /// Largest request body accepted; larger frames get E2BIG and the connection closes.
-    pub max_body: usize,
-    /// A connection silent for this long is closed; zero means never.
-    pub idle_timeout: Duration,
-    pub worker_threads: usize,
-    /// Users allowed in; none configured means no authentication.
-    pub users: crate::auth::Users,
-    /// Follow this active node: every bucket's replica vbuckets stream from it.
-    pub replica_of: Option<crate::replica::ReplicaConfig>,
-    /// The user and password this node logs in with on other nodes (replication, takeover).
-    pub replication_login: (Option<String>, Option<String>),
-    /// Seconds between NOOPs on this node's replication and takeover streams.
-    pub replication_noop_interval: u32,
-    /// TLS for the connections this node opens to others (replication, takeover): whom it
-    /// trusts and its own certificate.
-    pub replication_tls: Option<crate::tls::ClientTls>,
-    pub tap: crate::tap::producer::TapConfig,
-    /// Bounds on connections that have not logged in (when users are configured).
-    pub login: crate::limits::LoginLimits,
-    /// The TLS KV listener (next to `listen`); needs `tls`.
-    pub tls_listen: Option<SocketAddr>,
-    /// The certificate and key of the TLS listener (and of the admin endpoint when
-    /// `tls.admin`).
-    pub tls: Option<crate::tls::TlsSettings>,
-}
-
-/// Counters the metrics endpoint and STAT read.
-#[derive(Debug, Default)]
-pub struct ServerStats {
-    pub connections_total: AtomicU64,
-    pub connections_rejected: AtomicU64,
-    pub curr_connections: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub protocol_errors: AtomicU64,
-    pub protocol_warnings: WarningLimiter,
-    /// Connections to the TLS listener that failed their handshake (plain-text clients too).
-    pub tls_handshake_failures: AtomicU64,
-}
-
-/// At most one warning per kind in this long about what peers do wrong (protocol errors,
-/// refused admin requests): a flood of bad connections must not flood the log (the metrics
-/// still count every one).
-pub const WARNING_EVERY: Duration = Duration::from_secs(10);
-
-/// One `RateLimitedLog` per kind of warning.
-#[derive(Debug, Default)]
-pub struct WarningLimiter {
-    kinds:
-        parking_lot::Mutex<std::collections::HashMap<&'static str, crate::limits::RateLimitedLog>>,
-}
-
-impl WarningLimiter {
-    /// Some(held back since the last one logged) when a warning of `kind` may be logged now.
-    pub fn admit(&self, kind: &'static str, now: Instant) -> Option<u64> {
-        let mut kinds = self.kinds.lock();
-        let log = kinds
-            .entry(kind)
-            .or_insert_with(|| crate::limits::RateLimitedLog::new(WARNING_EVERY));
-        log.due_at(now).map(|n| n - 1)
-    }
-}
-
-impl ServerStats {
-    /// A peer's bad input: counted, and logged as a warning unless one of its kind was logged
-    /// in the last `WARNING_EVERY` (then at debug level), the next warning saying how
-    /// many were held back.
-    pub fn protocol_error(&self, kind: &'static str, message: std::fmt::Arguments<'_>) {
-        self.protocol_errors.fetch_add(1, Ordering::Relaxed);
-        match self.protocol_warnings.admit(kind, Instant::now()) {
-            Some(0) => log::warn!("{message}"),
-            Some(held) => log::warn!(
-                "{message} (and {held} more {kind} errors since the last such warning, not logged)"
-            ),
-            None => log::debug!("{message}"),
-        }
-    }
-}
-
-pub struct Shared {
-    pub engine: Arc<Engine>,
-    pub config: ServerConfig,
-    /// Replaced whole on reload; sessions read it per request.
-    pub users: parking_lot::RwLock<Arc<crate::auth::Users>>,
-    pub stats: ServerStats,
-    pub started: std::time::Instant,
-    pub dcp_names: crate::dcp::producer::Names,
-    pub dcp: crate::dcp::producer::DcpStats,
-    /// Running while this node follows an active; emptied by a promotion.
-    pub replicators: parking_lot::Mutex<Vec<crate::replica::Replicator>>,
-    pub tap_sessions: Arc<crate::tap::session::Sessions<crate::tap::producer::TapSession>>,
-    pub tap: crate::tap::TapStats,
-    /// Policy plugins (Python) and their questions.
-    pub policies: Arc<crate::policy::PolicyHost>,
-    /// Connections not yet logged in, and failed logins.
-    pub prelogin: crate::limits::PreLogin,
-    /// The certificate in use, replaced by a reload (SIGHUP).
-    pub tls: Option<Arc<crate::tls::ReloadableTls>>,
-}
-
-impl Shared {
-    /// Failover: stops following the active, then makes every replica vbucket active (each
-    /// with a new failover entry). Returns (bucket, vbuckets promoted) per bucket.
-    pub fn promote(&self) -> sluice_core::Result<Vec<(String, Vec<u16>)>> {
-        let stopped: Vec<_> = std::mem::take(&mut *self.replicators.lock());
-        for mut r in stopped {
-            r.stop();
-        }
-        let mut out = Vec::new();
-        for b in self.engine.buckets() {
-            let promoted = self.engine.promote(&b)?;
-            if !promoted.is_empty() {
-                log::warn!(
-                    "promoted {} vbucket(s) of bucket {:?} to active",
-                    promoted.len(),
-                    b.name()
-                );
-            }
-            out.push((b.name().to_string(), promoted));
-        }
-        Ok(out)
-    }
-}
+use crate::admin::NodeView;
+use crate::auth::UserTable;
+use crate::config::ServerConfig;
+use crate::connection::{self, Fronts};
+use crate::dcp::producer::DcpContext;
+use crate::kv::KvContext;
+use crate::limits::PreLogin;
+use crate::replica::Followers;
+use crate::stats::ConnectionStats;
+use crate::tap::TapContext;
 
 pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
@@ -153,7 +29,9 @@ pub struct Server {
     tls_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
-    shared: Arc<Shared>,
+    fronts: Arc<Fronts>,
+    followers: Arc<Followers>,
+    tls: Option<Arc<crate::tls::ReloadableTls>>,
 }
 
 impl Server {
@@ -214,36 +92,47 @@ impl Server {
         config.tls_listen = tls_addr;
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        let tap_sessions = Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions));
-        let shared = Arc::new(Shared {
-            engine,
-            users: parking_lot::RwLock::new(Arc::new(config.users.clone())),
-            config,
-            stats: ServerStats::default(),
+        // Each front gets what it works with; none sees the others' state.
+        let stats = Arc::new(ConnectionStats::default());
+        let kv = Arc::new(KvContext {
+            engine: engine.clone(),
+            users: Arc::new(UserTable::new(config.users.clone())),
+            stats: stats.clone(),
             started: std::time::Instant::now(),
-            dcp_names: Default::default(),
-            dcp: Default::default(),
-            replicators: Default::default(),
-            tap_sessions,
-            tap: Default::default(),
-            policies: policies.clone(),
-            prelogin: Default::default(),
-            tls,
+            tap_applied: Default::default(),
         });
-        shared
-            .engine
-            .set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies)));
-        if let Some(rc) = &shared.config.replica_of {
-            let mut reps = shared.replicators.lock();
-            for b in shared.engine.buckets() {
-                reps.push(crate::replica::Replicator::start(
-                    shared.engine.clone(),
-                    b,
-                    rc.clone(),
-                    shared.policies.clone(),
-                ));
-            }
-        }
+        let dcp = Arc::new(DcpContext {
+            engine: engine.clone(),
+            io: stats.clone(),
+            names: Default::default(),
+            stats: Default::default(),
+            policies: policies.clone(),
+            max_body: config.max_body,
+        });
+        let tap = Arc::new(TapContext {
+            engine: engine.clone(),
+            io: stats,
+            config: config.tap.clone(),
+            sessions: Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions)),
+            stats: Default::default(),
+            policies: policies.clone(),
+            max_body: config.max_body,
+        });
+        let fronts = Arc::new(Fronts {
+            kv,
+            dcp,
+            tap,
+            prelogin: Arc::new(PreLogin::new(config.login.clone())),
+            throttle: Default::default(),
+            max_body: config.max_body,
+            idle_timeout: config.idle_timeout,
+        });
+        engine.set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies.clone())));
+        let followers = Arc::new(Followers::start(
+            engine.clone(),
+            config.replica_of.as_ref(),
+            &policies,
+        ));
         let listener = {
             let _enter = runtime.enter();
             TcpListener::from_std(std_listener)?
@@ -253,17 +142,23 @@ impl Server {
                 let _enter = runtime.enter();
                 TcpListener::from_std(l)?
             };
-            let token = crate::admin::Token::create(&shared.engine.config().data_dir)?;
-            let https = shared.tls.clone().filter(|t| t.settings().admin);
-            if !addr.ip().is_loopback() && shared.config.users.required() && https.is_none() {
+            let token = crate::admin::Token::create(&engine.config().data_dir)?;
+            let https = tls.clone().filter(|t| t.settings().admin);
+            if !addr.ip().is_loopback() && config.users.required() && https.is_none() {
                 log::warn!(
                     "the admin endpoint {addr} is beyond loopback: HTTP Basic passwords sent to it \
                      cross the network unencrypted"
                 );
             }
+            let view = Arc::new(NodeView {
+                fronts: fronts.clone(),
+                followers: followers.clone(),
+                config: config.clone(),
+                tls: tls.clone(),
+            });
             runtime.spawn(crate::admin::serve(
                 listener,
-                shared.clone(),
+                view,
                 Arc::new(crate::admin::Admin::new(addr, token)),
                 stop_rx.clone(),
                 https,
@@ -276,14 +171,14 @@ impl Server {
             }
             None => None,
         };
-        let sh = shared.clone();
+        let (fr, tls_) = (fronts.clone(), tls.clone());
+        // One limit for both listeners: max_connections counts every client connection.
+        let limit = Arc::new(Semaphore::new(config.max_connections));
         runtime.spawn(async move {
-            // One limit for both listeners: max_connections counts every client connection.
-            let limit = Arc::new(Semaphore::new(sh.config.max_connections));
-            let plain = accept_loop(listener, sh.clone(), stop_rx.clone(), limit.clone(), None);
+            let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
-                if let (Some(l), Some(t)) = (tls_listener, sh.tls.clone()) {
-                    accept_loop(l, sh.clone(), stop_rx, limit, Some(t)).await;
+                if let (Some(l), Some(t)) = (tls_listener, tls_) {
+                    accept_loop(l, fr.clone(), stop_rx, limit, Some(t)).await;
                 }
             };
             tokio::join!(plain, tls);
@@ -296,7 +191,9 @@ impl Server {
             tls_addr,
             stop: stop_tx,
             done: Some(done_rx),
-            shared,
+            fronts,
+            followers,
+            tls,
         })
     }
 
@@ -307,7 +204,7 @@ impl Server {
     /// Replaces the users and their permissions (SIGHUP); sessions see them on their next
     /// request.
     pub fn set_users(&self, users: crate::auth::Users) {
-        *self.shared.users.write() = Arc::new(users);
+        self.fronts.kv.users.replace(users);
     }
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
@@ -322,28 +219,27 @@ impl Server {
     /// Reads the TLS certificate and key again (SIGHUP): connections accepted afterwards get
     /// them. On an error the ones in use stay. Ok(false): no TLS is configured.
     pub fn reload_tls(&self) -> Result<bool, String> {
-        match &self.shared.tls {
+        match &self.tls {
             Some(t) => t.reload().map(|()| true),
             None => Ok(false),
         }
     }
 
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    /// The replicators of a node that follows an active (promote through them).
+    pub fn followers(&self) -> Arc<Followers> {
+        self.followers.clone()
     }
 
     /// Stops accepting, waits (up to `grace`) for connections to finish what they hold, then
     /// drops the runtime. Blocking; call it from a plain thread.
     pub fn shutdown(&mut self, grace: Duration) {
-        for mut r in std::mem::take(&mut *self.shared.replicators.lock()) {
-            r.stop();
-        }
+        self.followers.stop();
         let _ = self.stop.send(true);
         if let (Some(rt), Some(done)) = (self.runtime.take(), self.done.take()) {
             rt.block_on(async {
                 let _ = tokio::time::timeout(grace, done).await;
             });
-            crate::tap::session::close_parked(&self.shared);
+            crate::tap::session::close_parked(&self.fronts.tap);
             rt.shutdown_timeout(Duration::from_millis(100));
         }
     }
@@ -359,12 +255,14 @@ impl Drop for Server {
 /// in their own task before the first request.
 async fn accept_loop(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    fronts: Arc<Fronts>,
     mut stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
+    let stats = fronts.kv.stats.clone();
+    let max = limit.available_permits();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
@@ -379,33 +277,33 @@ async fn accept_loop(
                 };
                 let Ok(permit) = limit.clone().try_acquire_owned() else {
                     // Over the limit: close at once rather than queue without bound.
-                    shared.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("refusing connection from {peer}: max_connections ({}) reached", shared.config.max_connections);
+                    stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("refusing connection from {peer}: max_connections ({max}) reached");
                     drop(socket);
                     continue;
                 };
                 let _ = socket.set_nodelay(true);
-                shared.stats.connections_total.fetch_add(1, Ordering::Relaxed);
-                let sh = shared.clone();
+                stats.connections_total.fetch_add(1, Ordering::Relaxed);
+                let (fr, stats) = (fronts.clone(), stats.clone());
                 let stop = stop.clone();
                 let acceptor = tls.as_ref().map(|t| t.kv_acceptor());
                 tasks.spawn(async move {
-                    sh.stats.curr_connections.fetch_add(1, Ordering::Relaxed);
+                    stats.curr_connections.fetch_add(1, Ordering::Relaxed);
                     let socket = match acceptor {
                         None => Some(socket.into()),
                         Some(a) => match crate::tls::accept(a, socket).await {
                             Ok(s) => Some(s),
                             Err(e) => {
-                                sh.stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                                stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
                                 log::info!("closing connection from {peer}: {e}");
                                 None
                             }
                         },
                     };
                     if let Some(socket) = socket {
-                        connection::run(socket, peer, sh.clone(), stop).await;
+                        connection::run(socket, peer, fr, stop).await;
                     }
-                    sh.stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
+                    stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
                     drop(permit);
                 });
             }
@@ -415,91 +313,4 @@ async fn accept_loop(
     drop(listener);
     // Graceful: connections see the stop signal after the requests they hold.
     while tasks.join_next().await.is_some() {}
-}
-
-impl ServerStats {
-    /// The Prometheus lines of the connection counters.
-    pub fn metrics(&self, o: &mut String) {
-        let s = self;
-        metric(
-            o,
-            "sluice_connections",
-            "gauge",
-            "Client connections open now.",
-        );
-        let _ = writeln!(o, "sluice_connections {}", s.curr_connections.load(Relaxed));
-        metric(
-            o,
-            "sluice_connections_total",
-            "counter",
-            "Client connections accepted, and refused over max_connections.",
-        );
-        let _ = writeln!(
-            o,
-            "sluice_connections_total{{result=\"accepted\"}} {}",
-            s.connections_total.load(Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "sluice_connections_total{{result=\"refused\"}} {}",
-            s.connections_rejected.load(Relaxed)
-        );
-        metric(
-            o,
-            "sluice_tls_handshake_failures_total",
-            "counter",
-            "Connections to the TLS KV listener that failed their handshake (plain-text clients too).",
-        );
-        let _ = writeln!(
-            o,
-            "sluice_tls_handshake_failures_total {}",
-            s.tls_handshake_failures.load(Relaxed)
-        );
-        metric(
-            o,
-            "sluice_network_bytes_total",
-            "counter",
-            "Bytes read from and written to clients.",
-        );
-        let _ = writeln!(
-            o,
-            "sluice_network_bytes_total{{direction=\"in\"}} {}",
-            s.bytes_in.load(Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "sluice_network_bytes_total{{direction=\"out\"}} {}",
-            s.bytes_out.load(Relaxed)
-        );
-        metric(
-            o,
-            "sluice_protocol_errors_total",
-            "counter",
-            "Connections closed for malformed input.",
-        );
-        let _ = writeln!(
-            o,
-            "sluice_protocol_errors_total {}",
-            s.protocol_errors.load(Relaxed)
-        );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn protocol_warnings_are_limited_per_kind_and_count_what_they_held_back() {
-        let w = WarningLimiter::default();
-        let t0 = Instant::now();
-        assert_eq!(w.admit("kv", t0), Some(0));
-        assert_eq!(w.admit("dcp", t0), Some(0), "kinds are limited apart");
-        for _ in 0..5 {
-            assert_eq!(w.admit("kv", t0 + Duration::from_secs(1)), None);
-        }
-        assert_eq!(w.admit("kv", t0 + WARNING_EVERY), Some(5));
-        assert_eq!(w.admit("kv", t0 + WARNING_EVERY), None);
-        assert_eq!(w.admit("kv", t0 + 2 * WARNING_EVERY), Some(1));
-    }
 }

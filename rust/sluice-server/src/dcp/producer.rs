@@ -5,7 +5,6 @@
 //! bucket's change signal when every stream is caught up.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,10 +26,10 @@ use tokio::sync::watch;
 
 use super::filter;
 use super::sink::DcpSink;
-use crate::kv::{Flow, KvSession};
+use crate::kv::{Flow, Handoff, KvSession};
 use crate::metrics::metric;
-use crate::policy::{Answer, PolicyKind, Question};
-use crate::server::Shared;
+use crate::policy::{Answer, PolicyHost, PolicyKind, Question};
+use crate::stats::ConnectionStats;
 use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
@@ -59,27 +58,22 @@ pub struct Names {
 }
 
 pub struct NameClaim {
-    shared: Arc<Shared>,
+    ctx: Arc<DcpContext>,
     key: NameKey,
     token: u64,
     pub replaced: watch::Receiver<bool>,
 }
 
 impl Names {
-    fn claim(shared: &Arc<Shared>, bucket: u16, name: &[u8]) -> NameClaim {
-        let token = shared.dcp_names.next.fetch_add(1, Ordering::Relaxed);
+    fn claim(ctx: &Arc<DcpContext>, bucket: u16, name: &[u8]) -> NameClaim {
+        let token = ctx.names.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = watch::channel(false);
         let key = (bucket, name.to_vec());
-        if let Some((_, old)) = shared
-            .dcp_names
-            .held
-            .lock()
-            .insert(key.clone(), (token, tx))
-        {
+        if let Some((_, old)) = ctx.names.held.lock().insert(key.clone(), (token, tx)) {
             let _ = old.send(true);
         }
         NameClaim {
-            shared: shared.clone(),
+            ctx: ctx.clone(),
             key,
             token,
             replaced: rx,
@@ -89,11 +83,24 @@ impl Names {
 
 impl Drop for NameClaim {
     fn drop(&mut self) {
-        let mut held = self.shared.dcp_names.held.lock();
+        let mut held = self.ctx.names.held.lock();
         if held.get(&self.key).is_some_and(|(t, _)| *t == self.token) {
             held.remove(&self.key);
         }
     }
+}
+
+/// What the DCP front works with, shared by every producer connection: handed over by the
+/// server.
+pub struct DcpContext {
+    pub engine: Arc<sluice_core::Engine>,
+    /// The connections' counters (bytes, protocol errors), shared with the other fronts.
+    pub io: Arc<ConnectionStats>,
+    pub names: Names,
+    pub stats: DcpStats,
+    pub policies: Arc<PolicyHost>,
+    /// Largest request body accepted (`max_body`).
+    pub max_body: usize,
 }
 
 /// Counters the admin endpoint exports.
@@ -109,15 +116,30 @@ pub struct DcpStats {
     pub filtered: AtomicU64,
 }
 
-/// A checked DCP_OPEN for a producer: the kv session hands it over with the connection.
+/// A checked DCP_OPEN for a producer: the connection is handed over with it.
 #[derive(Debug, Clone)]
 pub struct OpenProducer {
     pub name: Vec<u8>,
     pub flags: u32,
 }
 
+/// Answers a DCP_OPEN the KV front let through (`Flow::OpenStream`): success and what the
+/// producer opens with, or the error answered.
+pub fn open(session: &KvSession, req: &Request<'_>, out: &mut Vec<u8>) -> Option<OpenProducer> {
+    match check_open(req) {
+        Ok(open) => {
+            session.reply_ok(req, out);
+            Some(open)
+        }
+        Err((st, why)) => {
+            session.reply_error(req, st, &why, out);
+            None
+        }
+    }
+}
+
 /// Checks a DCP_OPEN request; Err is the status and message to answer with.
-pub fn check_open(req: &Request<'_>) -> Result<OpenProducer, (u16, String)> {
+fn check_open(req: &Request<'_>) -> Result<OpenProducer, (u16, String)> {
     // The decoder checks the name: present and at most 200 bytes.
     let open = dcp::OpenConnection::decode(req).map_err(|e| (status::EINVAL, e.to_string()))?;
     if open.flags & open_flag::INVALID != 0 {
@@ -143,7 +165,7 @@ fn count_items(d: &DcpStats, s: &mut Stream) {
 }
 
 struct Producer {
-    shared: Arc<Shared>,
+    ctx: Arc<DcpContext>,
     bucket: Arc<Bucket>,
     name: String,
     encoding: Encoding,
@@ -296,7 +318,7 @@ impl Producer {
                 b"a stream for this vbucket exists",
             );
         }
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let Some(pos) = engine.stream_position(&self.bucket, vb) else {
             return respond(out, req, status::NOT_MY_VBUCKET, b"no such vbucket");
         };
@@ -408,7 +430,7 @@ impl Producer {
         }
         self.streams.insert(vb, stream);
         self.streamed = true;
-        self.shared.dcp.streams.fetch_add(1, Ordering::Relaxed);
+        self.ctx.stats.streams.fetch_add(1, Ordering::Relaxed);
     }
 
     fn close_stream(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
@@ -444,7 +466,7 @@ impl Producer {
             );
             return;
         }
-        if let Some(paused) = s.takeover_acknowledged(&self.shared.engine) {
+        if let Some(paused) = s.takeover_acknowledged(&self.ctx.engine) {
             log::info!(
                 "vbucket {} handed over to {}; writes to it were refused here for {:.1} ms",
                 s.vbucket,
@@ -516,9 +538,9 @@ impl Producer {
         if let Some(name) = s.acks_as.take() {
             self.bucket.acks.detach(s.vbucket, &name);
         }
-        s.close(&self.shared.engine);
-        self.shared.dcp.streams.fetch_sub(1, Ordering::Relaxed);
-        count_items(&self.shared.dcp, s);
+        s.close(&self.ctx.engine);
+        self.ctx.stats.streams.fetch_sub(1, Ordering::Relaxed);
+        count_items(&self.ctx.stats, s);
     }
 
     fn failover_log(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
@@ -526,7 +548,7 @@ impl Producer {
             Ok(g) => g,
             Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
         };
-        match self.shared.engine.failover_log(&self.bucket, g.vbucket) {
+        match self.ctx.engine.failover_log(&self.bucket, g.vbucket) {
             Some(entries) if !entries.is_empty() => {
                 let entries = entries
                     .iter()
@@ -545,7 +567,7 @@ impl Producer {
     /// the connection's `stream` permission covers it (its streams carry the same seqnos), so
     /// a replica logged in with only that permission can measure how far behind it is.
     fn all_vb_seqnos(&self, req: &Request<'_>, out: &mut Vec<u8>) {
-        match crate::kv::all_vb_seqnos(&self.shared.engine, &self.bucket, req.extras) {
+        match crate::kv::all_vb_seqnos(&self.ctx.engine, &self.bucket, req.extras) {
             Ok(value) => respond(out, req, status::SUCCESS, &value),
             Err(why) => respond(out, req, status::EINVAL, why.as_bytes()),
         }
@@ -596,7 +618,7 @@ impl Producer {
     /// Writes stream messages in turns until the window closes, the output is large enough, or
     /// every stream is caught up. Returns whether anything was written.
     fn fill(&mut self, out: &mut Vec<u8>) -> bool {
-        let engine = self.shared.engine.clone();
+        let engine = self.ctx.engine.clone();
         let mut wrote = false;
         let mut idle_round = false;
         while !idle_round && out.len() < FLUSH_AT && self.window() > 0 && !self.streams.is_empty() {
@@ -610,7 +632,7 @@ impl Producer {
                 }
                 let s = self.streams.get_mut(&vb).expect("listed above");
                 let (n, progress) = s.fill(&engine, &mut DcpSink(out), window.min(TURN_BYTES));
-                count_items(&self.shared.dcp, s);
+                count_items(&self.ctx.stats, s);
                 if self.buffer_size > 0 {
                     self.unacked += n;
                 }
@@ -619,8 +641,8 @@ impl Producer {
                     Progress::Idle => {}
                     Progress::Ended(reason) => {
                         if reason == stream_end_reason::TOO_SLOW {
-                            self.shared
-                                .dcp
+                            self.ctx
+                                .stats
                                 .streams_too_slow
                                 .fetch_add(1, Ordering::Relaxed);
                         }
@@ -653,7 +675,7 @@ impl Producer {
         let answer = if batch.docs == 0 {
             Answer::Default
         } else {
-            let policies = &self.shared.policies;
+            let policies = &self.ctx.policies;
             policies
                 .ask(PolicyKind::Filter, Question::Filter(batch))
                 .await
@@ -664,8 +686,8 @@ impl Producer {
                 if self.buffer_size > 0 {
                     self.unacked = self.unacked.saturating_sub(r.bytes_removed);
                 }
-                self.shared
-                    .dcp
+                self.ctx
+                    .stats
                     .filtered
                     .fetch_add(r.dropped, Ordering::Relaxed);
             }
@@ -721,26 +743,25 @@ impl Producer {
 /// Serves a connection that DCP_OPEN turned into a producer, until the consumer goes away,
 /// fails its NOOPs, the name is reopened elsewhere, or the server stops.
 #[allow(clippy::too_many_arguments)]
-pub async fn run(
-    mut socket: MaybeTls,
-    mut inbuf: BytesMut,
-    mut out: Vec<u8>,
-    mut session: KvSession,
-    open: OpenProducer,
-    peer: SocketAddr,
-    shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
-) {
+pub async fn run(conn: Handoff, open: OpenProducer, ctx: Arc<DcpContext>) {
+    let Handoff {
+        mut socket,
+        mut inbuf,
+        mut out,
+        mut session,
+        peer,
+        mut stop,
+    } = conn;
     let bucket = session.bucket();
-    let mut claim = Names::claim(&shared, bucket.id, &open.name);
+    let mut claim = Names::claim(&ctx, bucket.id, &open.name);
     let name = String::from_utf8_lossy(&open.name).into_owned();
     log::info!(
         "DCP producer '{name}' for {peer} on bucket {}",
         bucket.name()
     );
-    shared.dcp.connections.fetch_add(1, Ordering::Relaxed);
+    ctx.stats.connections.fetch_add(1, Ordering::Relaxed);
     let mut p = Producer {
-        shared: shared.clone(),
+        ctx: ctx.clone(),
         bucket: bucket.clone(),
         name,
         encoding: Encoding {
@@ -772,14 +793,14 @@ pub async fn run(
         &mut out,
         &mut session,
         &mut p,
-        &shared,
+        &ctx,
         &mut stop,
         &mut claim,
     )
     .await;
     log::info!("DCP producer '{}' for {peer} closed: {why}", p.name);
     p.shutdown();
-    shared.dcp.connections.fetch_sub(1, Ordering::Relaxed);
+    ctx.stats.connections.fetch_sub(1, Ordering::Relaxed);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -789,11 +810,11 @@ async fn serve(
     out: &mut Vec<u8>,
     session: &mut KvSession,
     p: &mut Producer,
-    shared: &Shared,
+    ctx: &DcpContext,
     stop: &mut watch::Receiver<bool>,
     claim: &mut NameClaim,
 ) -> &'static str {
-    let max_body = shared.config.max_body;
+    let max_body = ctx.max_body;
     let bucket = p.bucket.clone();
     loop {
         loop {
@@ -803,33 +824,31 @@ async fn serve(
                     let flow = p.handle(&frame, session, out);
                     if matches!(session.settle(flow, out).await, Flow::Close) {
                         let _ =
-                            crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT)
-                                .await;
+                            crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await;
                         return "the consumer quit";
                     }
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared
-                        .stats
+                    ctx.io
                         .protocol_error("DCP", format_args!("DCP producer '{}': {e}", p.name));
                     return "malformed input";
                 }
             }
         }
         let generation = bucket.changes.generation();
-        let wrote = if p.filterable() && shared.policies.installed(PolicyKind::Filter) {
+        let wrote = if p.filterable() && ctx.policies.installed(PolicyKind::Filter) {
             p.fill_filtered(out).await
         } else {
             p.fill(out)
         };
         let now = Instant::now();
         if p.noop_due(now, out).is_err() {
-            shared.dcp.dead_connections.fetch_add(1, Ordering::Relaxed);
+            ctx.stats.dead_connections.fetch_add(1, Ordering::Relaxed);
             return "no NOOP reply within the noop interval (dead connection)";
         }
         if !out.is_empty() {
-            if crate::tls::write_out(socket, out, &shared.stats.bytes_out, FLUSH_AT)
+            if crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT)
                 .await
                 .is_err()
             {
@@ -848,7 +867,7 @@ async fn serve(
             match socket.try_read_buf(inbuf) {
                 Ok(0) => return "the consumer closed the connection",
                 Ok(n) => {
-                    shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    ctx.io.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(_) => return "read failed",
@@ -873,7 +892,7 @@ async fn serve(
         tokio::select! {
             r = socket.read_buf(inbuf) => match r {
                 Ok(0) => return "the consumer closed the connection",
-                Ok(n) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
+                Ok(n) => { ctx.io.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
                 Err(_) => return "read failed",
             },
             _ = changes => {}

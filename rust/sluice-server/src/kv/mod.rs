@@ -9,7 +9,9 @@ use sluice_core::bucket::Bucket;
 use sluice_core::{Durability, Requirement};
 use sluice_proto::mcbp::{self, feature, magic, opcode as op, status, FrameInfo, Request};
 
-use crate::server::Shared;
+use crate::auth::UserTable;
+use crate::stats::ConnectionStats;
+use sluice_core::Engine;
 use sluice_proto::dcp::opcode as dcp_op;
 use sluice_proto::tap::opcode as tap_op;
 
@@ -33,6 +35,7 @@ macro_rules! einval {
 mod read;
 mod reply;
 mod stat;
+mod tap_in;
 mod write;
 
 pub use read::all_vb_seqnos;
@@ -51,10 +54,33 @@ pub enum Flow {
     /// after it, once it is ready, and goes on reading meanwhile.
     Hold(HeldReply),
     Close,
-    /// DCP_OPEN succeeded (its reply is written): the connection becomes a DCP producer.
-    DcpProducer(crate::dcp::producer::OpenProducer),
-    /// A valid TAP_CONNECT (and its opaque): the connection becomes a TAP producer.
-    TapProducer(sluice_proto::tap::TapConnect, u32),
+    /// A request that opens a change stream (DCP_OPEN, TAP_CONNECT), allowed to this user
+    /// and not answered yet: the connection hands it to the stream's front, which checks it,
+    /// answers it and takes the connection over.
+    OpenStream,
+}
+
+/// A client connection handed from the KV front to a stream front (DCP, TAP) once a request
+/// opened a stream: the socket, what was read and not yet handled, the replies not yet sent
+/// (the WAL holds what they acknowledge), the session (user, bucket, features), the peer and
+/// the server's stop signal.
+pub struct Handoff {
+    pub socket: crate::tls::MaybeTls,
+    pub inbuf: bytes::BytesMut,
+    pub out: Vec<u8>,
+    pub session: KvSession,
+    pub peer: std::net::SocketAddr,
+    pub stop: tokio::sync::watch::Receiver<bool>,
+}
+
+/// What the KV front works with, shared by every connection: handed over by the server.
+pub struct KvContext {
+    pub engine: Arc<Engine>,
+    pub users: Arc<UserTable>,
+    pub stats: Arc<ConnectionStats>,
+    pub started: std::time::Instant,
+    /// TAP messages applied from a feed (`tap_in`).
+    pub tap_applied: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -70,7 +96,7 @@ struct Features {
 
 /// One connection's protocol state.
 pub struct KvSession {
-    shared: Arc<Shared>,
+    ctx: Arc<KvContext>,
     bucket: Arc<Bucket>,
     features: Features,
     /// The authenticated user, if any.
@@ -124,13 +150,13 @@ fn durability_of(level: u8) -> Option<Durability> {
 }
 
 impl KvSession {
-    pub fn new(shared: Arc<Shared>) -> KvSession {
-        let bucket = shared
+    pub fn new(ctx: Arc<KvContext>) -> KvSession {
+        let bucket = ctx
             .engine
             .bucket("default")
             .expect("the default bucket always exists");
         KvSession {
-            shared,
+            ctx,
             bucket,
             features: Features::default(),
             user: None,
@@ -159,7 +185,7 @@ impl KvSession {
             }
             other => other,
         };
-        if let Err(e) = self.shared.engine.wal().written(self.owed_lsn).await {
+        if let Err(e) = self.ctx.engine.wal().written(self.owed_lsn).await {
             log::warn!("closing a connection with unsent replies: {e}");
             out.clear();
             return Flow::Close;
@@ -170,7 +196,7 @@ impl KvSession {
     /// The permission bits of the logged-in user on the selected bucket; all of them when the
     /// node has no users, none before login when it has.
     pub fn permissions(&self) -> u8 {
-        let users = self.shared.users.read();
+        let users = self.ctx.users.current();
         if !users.required() {
             return u8::MAX;
         }
@@ -188,6 +214,22 @@ impl KvSession {
             self.user.as_deref().unwrap_or("(none)"),
             self.bucket.name()
         )
+    }
+
+    /// Answers a request with success and no body.
+    pub fn reply_ok(&self, req: &Request<'_>, out: &mut Vec<u8>) {
+        Reply { out, req }.ok();
+    }
+
+    /// Answers a request with an error: its message as text, or as Couchbase's JSON error
+    /// context when the client asked for XERROR.
+    pub fn reply_error(&self, req: &Request<'_>, st: u16, message: &str, out: &mut Vec<u8>) {
+        Reply { out, req }.error(st, message, self.features.xerror);
+    }
+
+    /// The engine this session works on.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.ctx.engine
     }
 
     /// The selected bucket.
@@ -276,9 +318,9 @@ impl KvSession {
     ) -> Flow {
         let xerror = self.features.xerror;
         let mut reply = Reply { out, req };
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
-        let users = self.shared.users.read().clone();
+        let users = self.ctx.users.current();
         if users.required()
             && !matches!(
                 req.opcode,
@@ -371,26 +413,8 @@ impl KvSession {
                 Err(e) => fail!(reply, xerror, e),
             },
             op::STAT => self.stat(&mut reply),
-            dcp_op::OPEN => match crate::dcp::producer::check_open(req) {
-                Ok(open) => {
-                    reply.ok();
-                    return Flow::DcpProducer(open);
-                }
-                Err((st, why)) => reply.error(st, &why, xerror),
-            },
-            tap_op::CONNECT => match crate::tap::producer::check_connect(req) {
-                Ok(c)
-                    if c.flags & sluice_proto::tap::connect_flag::TAKEOVER_VBUCKETS != 0
-                        && !crate::auth::may_replicate(self.permissions()) =>
-                {
-                    reply.error(status::EACCESS, &self.lacks_replication(), xerror)
-                }
-                Ok(c) => return Flow::TapProducer(c, req.opaque),
-                Err((st, why)) => reply.error(st, &why, xerror),
-            },
-            tap_op::MUTATION..=tap_op::CHECKPOINT_END => {
-                return self.tap_apply(req, frame, &mut reply)
-            }
+            dcp_op::OPEN | tap_op::CONNECT => return Flow::OpenStream,
+            tap_op::MUTATION..=tap_op::CHECKPOINT_END => return self.tap_apply(frame, &mut reply),
             dcp_op::ADD_STREAM..=dcp_op::CACHE_TRANSFER_END => reply.error(
                 status::EINVAL,
                 "open a DCP connection first (DCP_OPEN)",

@@ -36,7 +36,7 @@ impl KvSession {
     pub(super) fn get(&mut self, req: &Request<'_>, reply: &mut Reply<'_>) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         if !req.extras.is_empty() || !req.value.is_empty() {
             einval!(reply, xerror, "GET takes a key only");

@@ -46,8 +46,8 @@ impl KvSession {
                 return;
             }
         }
-        let e = &self.shared.engine;
-        let s = &self.shared.stats;
+        let e = &self.ctx.engine;
+        let s = &self.ctx.stats;
         let b = &self.bucket;
         let items: usize = (0..b.num_vbuckets())
             .map(|v| {
@@ -58,10 +58,7 @@ impl KvSession {
             .sum();
         let pairs: Vec<(&str, String)> = vec![
             ("pid", std::process::id().to_string()),
-            (
-                "uptime",
-                self.shared.started.elapsed().as_secs().to_string(),
-            ),
+            ("uptime", self.ctx.started.elapsed().as_secs().to_string()),
             ("time", sluice_core::hlc::now_secs().to_string()),
             ("version", env!("CARGO_PKG_VERSION").to_string()),
             (

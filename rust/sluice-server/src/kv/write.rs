@@ -41,12 +41,12 @@ impl KvSession {
             );
         }
         let (opcode, opaque, xerror) = (reply.req.opcode, reply.req.opaque, self.features.xerror);
-        let shared = self.shared.clone();
+        let engine = self.ctx.engine.clone();
         let bucket = bucket.clone();
         Flow::Hold(HeldReply(Box::pin(async move {
-            let timeout = shared.engine.settle_timeout(&bucket, &w);
+            let timeout = engine.settle_timeout(&bucket, &w);
             let timer = tokio::time::sleep(timeout);
-            match shared.engine.settled(&bucket, w, timer).await {
+            match engine.settled(&bucket, w, timer).await {
                 Ok(_) => done,
                 Err(e) => {
                     let mut out = Vec::new();
@@ -69,7 +69,7 @@ impl KvSession {
             return Vec::new();
         }
         let uuid = self
-            .shared
+            .ctx
             .engine
             .failover_log(bucket, m.vbucket)
             .and_then(|l| l.first().map(|e| e.uuid))
@@ -99,7 +99,7 @@ impl KvSession {
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         let Some((flags, expiry)) = mcbp::store_extras(req.extras) else {
             einval!(reply, xerror, "SET, ADD and REPLACE take 8 bytes of extras")
@@ -144,7 +144,7 @@ impl KvSession {
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         if !req.extras.is_empty() || !req.value.is_empty() {
             einval!(reply, xerror, "DELETE takes a key only");
@@ -178,7 +178,7 @@ impl KvSession {
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         let Some((delta, initial, expiry)) = mcbp::arithmetic_extras(req.extras) else {
             einval!(reply, xerror, "INCR and DECR take 20 bytes of extras")
@@ -210,7 +210,7 @@ impl KvSession {
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         if !req.extras.is_empty() {
             einval!(reply, xerror, "APPEND and PREPEND take no extras");
@@ -235,7 +235,7 @@ impl KvSession {
         reply: &mut Reply<'_>,
     ) -> Flow {
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         let Some(expiry) = mcbp::expiry_extras(req.extras) else {
             einval!(reply, xerror, "TOUCH and GAT take 4 bytes of extras")
@@ -270,7 +270,7 @@ impl KvSession {
     pub(super) fn flush(&mut self, req: &Request<'_>, reply: &mut Reply<'_>) -> Flow {
         let quiet = op::is_quiet(req.opcode);
         let xerror = self.features.xerror;
-        let engine = &self.shared.engine;
+        let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         match req.extras.len() {
             0 => {}
@@ -289,30 +289,5 @@ impl KvSession {
             Ok(w) => self.answer_write(&bucket, w, reply, quiet, |_, r, _| r.ok()),
             Err(e) => fail!(reply, xerror, e),
         }
-    }
-
-    /// A TAP message sent as a command (a TAP feed): applied, answered when it asks for an ACK or fails.
-    pub(super) fn tap_apply(
-        &mut self,
-        req: &Request<'_>,
-        frame: &[u8],
-        reply: &mut Reply<'_>,
-    ) -> Flow {
-        let _quiet = op::is_quiet(req.opcode);
-        let xerror = self.features.xerror;
-        let bucket = self.bucket.clone();
-        match crate::tap::apply::apply(&self.shared, &bucket, frame) {
-            // A TAP message is answered when it asks for an ACK, or failed.
-            Ok(applied) => match applied.written {
-                Some(w) => {
-                    let quiet = !applied.ack;
-                    return self.answer_write(&bucket, w, reply, quiet, |_, r, _| r.ok());
-                }
-                None if applied.ack => reply.ok(),
-                None => {}
-            },
-            Err(e) => fail!(reply, xerror, e),
-        }
-        Flow::Continue
     }
 }

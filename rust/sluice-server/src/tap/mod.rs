@@ -1,16 +1,33 @@
 //! TAP over mcbp (seed 000): the producer a connection becomes after TAP_CONNECT (`producer`),
 //! the named sessions that outlive a dropped connection (`session`), the messages staged from
-//! the vbucket streams and encoded as TAP (`staged`), a node applying a TAP feed it is sent
-//! (`apply`). The native reader the TAP benchmark uses lives in sluice-tools.
+//! the vbucket streams and encoded as TAP (`staged`). A node applying a TAP feed it is sent
+//! does so on its KV connections (`kv::tap_in`). The native reader the TAP benchmark uses lives in sluice-tools.
 
-pub mod apply;
 pub mod producer;
 pub mod session;
 pub mod staged;
 
 use crate::metrics::single;
+use crate::policy::PolicyHost;
+use crate::stats::ConnectionStats;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+/// What the TAP front works with, shared by every producer connection: handed over by the
+/// server.
+pub struct TapContext {
+    pub engine: Arc<sluice_core::Engine>,
+    /// The connections' counters (bytes, protocol errors), shared with the other fronts.
+    pub io: Arc<ConnectionStats>,
+    pub config: producer::TapConfig,
+    /// Named sessions, live or parked for a reconnect.
+    pub sessions: Arc<session::Sessions<producer::TapSession>>,
+    pub stats: TapStats,
+    pub policies: Arc<PolicyHost>,
+    /// Largest request body accepted (`max_body`).
+    pub max_body: usize,
+}
 
 /// Counters the admin endpoint exports.
 #[derive(Debug, Default)]
@@ -27,13 +44,13 @@ pub struct TapStats {
     pub temp_failures: AtomicU64,
     pub filtered: AtomicU64,
     pub loop_stopped: AtomicU64,
-    pub applied: AtomicU64,
 }
 
 impl TapStats {
     /// The Prometheus lines of the TAP producers' counters (`parked_sessions`: named sessions
-    /// kept for a reconnect).
-    pub fn metrics(&self, o: &mut String, parked_sessions: u64) {
+    /// kept for a reconnect; `applied`: TAP messages applied from a feed, counted by the KV
+    /// front).
+    pub fn metrics(&self, o: &mut String, parked_sessions: u64, applied: u64) {
         let t = self;
         single(
             o,
@@ -96,13 +113,15 @@ impl TapStats {
                 "Changes not sent on because their TAP hops ran out.",
                 &t.loop_stopped,
             ),
-            (
-                "sluice_tap_applied_total",
-                "TAP messages this node applied from a feed.",
-                &t.applied,
-            ),
         ] {
             single(o, name, "counter", help, v.load(Relaxed));
         }
+        single(
+            o,
+            "sluice_tap_applied_total",
+            "counter",
+            "TAP messages this node applied from a feed.",
+            applied,
+        );
     }
 }

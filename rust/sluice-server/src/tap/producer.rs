@@ -29,11 +29,11 @@ use tokio::sync::watch;
 
 use super::session::{restamp, Claim, Found, Full, Unacked};
 use super::staged::{encode, Encoded, Skip, Staged, TapEncoding};
-use crate::kv::{Flow, KvSession};
+use super::TapContext;
+use crate::kv::{Flow, Handoff, KvSession};
 use crate::policy::{
     AckStats, Answer, FilterBatch, FilterDecision, Pending, PolicyKind, Question, RetransmitEvent,
 };
-use crate::server::Shared;
 use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
 
 /// What a round encodes before its output is written, and what it stages without a
@@ -131,14 +131,14 @@ fn error_reply(out: &mut Vec<u8>, opaque: u32, st: u16, why: &str) {
 
 impl TapSession {
     fn open(
-        shared: &Shared,
+        ctx: &TapContext,
         bucket: Arc<Bucket>,
         connect: TapConnect,
         name: String,
     ) -> Result<TapSession, (u16, String)> {
-        let engine = &shared.engine;
+        let engine = &ctx.engine;
         let flags = connect.flags;
-        let cfg = &shared.config.tap;
+        let cfg = &ctx.config;
         let now_ns = hlc::now_nanos();
         // BACKFILL in the future means new changes only; in the past, items changed since.
         let cutoff_ns = connect
@@ -273,7 +273,7 @@ impl TapSession {
         from: usize,
         force_ack: bool,
         sent_at: Instant,
-        shared: &Shared,
+        ctx: &TapContext,
     ) -> (usize, usize) {
         let mut at = from;
         let mut last = (from, from);
@@ -299,7 +299,7 @@ impl TapSession {
                     .push((seq, u16::from_be_bytes([out[at + 6], out[at + 7]])));
             }
             self.sent_total += 1;
-            shared.tap.messages.fetch_add(1, Ordering::Relaxed);
+            ctx.stats.messages.fetch_add(1, Ordering::Relaxed);
             last = (at, end);
             at = end;
         }
@@ -307,7 +307,7 @@ impl TapSession {
     }
 
     /// Sends queued messages again under new sequence numbers, as far as the window allows.
-    fn send_again(&mut self, out: &mut Vec<u8>, sent_at: Instant, shared: &Shared) -> bool {
+    fn send_again(&mut self, out: &mut Vec<u8>, sent_at: Instant, ctx: &TapContext) -> bool {
         let mut wrote = false;
         while self.window_open() {
             let Some(m) = self.resend.pop_front() else {
@@ -320,8 +320,8 @@ impl TapSession {
             let last = self.resend.is_empty()
                 || self.unacked.len() + 1 >= self.window as usize
                 || self.unacked.held_bytes() + m.len() >= self.window_bytes;
-            self.stamp(out, from, last, sent_at, shared);
-            shared.tap.resent.fetch_add(1, Ordering::Relaxed);
+            self.stamp(out, from, last, sent_at, ctx);
+            ctx.stats.resent.fetch_add(1, Ordering::Relaxed);
             wrote = true;
         }
         wrote
@@ -363,8 +363,8 @@ impl TapSession {
 
     /// Stages a batch into a spare buffer and, with a StreamFilter installed, puts its
     /// documents to the plugin without waiting for the answer.
-    fn stage_judged(&mut self, shared: &Shared) -> Judged {
-        let policies = &shared.policies;
+    fn stage_judged(&mut self, ctx: &TapContext) -> Judged {
+        let policies = &ctx.policies;
         let filtered = policies.installed(PolicyKind::Filter);
         let budget = if filtered {
             FILTER_BATCH_BYTES
@@ -373,7 +373,7 @@ impl TapSession {
         };
         let mut staged = self.spare.pop().unwrap_or_default();
         staged.clear();
-        self.stage(&shared.engine, &mut staged, budget);
+        self.stage(&ctx.engine, &mut staged, budget);
         let staged = Arc::new(staged);
         let verdict = (filtered && staged.docs > 0).then(|| {
             let batch = FilterBatch {
@@ -405,16 +405,16 @@ impl TapSession {
     /// The batch to send from: the one under way, else the next (staged ahead, or now). With
     /// a filter, the batch after it is staged and put to the plugin before this one's answer
     /// is awaited, so the plugin thinks while the connection works.
-    async fn batch(&mut self, shared: &Shared) -> Judged {
+    async fn batch(&mut self, ctx: &TapContext) -> Judged {
         if let Some(b) = self.current.take() {
             return b;
         }
         let mut b = match self.ahead.take() {
             Some(b) => b,
-            None => self.stage_judged(shared),
+            None => self.stage_judged(ctx),
         };
         if b.verdict.is_some() {
-            let next = self.stage_judged(shared);
+            let next = self.stage_judged(ctx);
             if next.staged.events.is_empty() {
                 self.keep_spare(next.staged);
             } else {
@@ -422,7 +422,7 @@ impl TapSession {
             }
         }
         if let Some(v) = b.verdict.take() {
-            if let Answer::Filter(d) = v.answer(&shared.policies).await {
+            if let Answer::Filter(d) = v.answer(&ctx.policies).await {
                 b.decision = Some(d);
             }
         }
@@ -432,15 +432,15 @@ impl TapSession {
     /// One round: messages to send again, then the streams' changes (judged by the
     /// StreamFilter, if one is installed), encoded into `out` up to a round's bytes or the
     /// ACK window. Returns whether it wrote or has staged changes waiting.
-    async fn round(&mut self, shared: &Shared, out: &mut Vec<u8>) -> bool {
+    async fn round(&mut self, ctx: &TapContext, out: &mut Vec<u8>) -> bool {
         // A round's output goes out in one write: one send time serves for all its messages'
         // round trips (the clock is not read per message).
         let sent_at = Instant::now();
-        let mut wrote = self.send_again(out, sent_at, shared);
+        let mut wrote = self.send_again(out, sent_at, ctx);
         if !self.resend.is_empty() || !self.window_open() {
             return wrote;
         }
-        let mut batch = self.batch(shared).await;
+        let mut batch = self.batch(ctx).await;
         // After waiting for the filter, so that its time is not counted as the client's.
         let sent_at = Instant::now();
         let mut last_message = None;
@@ -463,13 +463,13 @@ impl TapSession {
             batch.next_event += 1;
             match r {
                 Encoded::Message => {
-                    last_message = Some(self.stamp(out, from, false, sent_at, shared));
+                    last_message = Some(self.stamp(out, from, false, sent_at, ctx));
                 }
                 Encoded::Skipped(Skip::Filtered) => {
-                    shared.tap.filtered.fetch_add(1, Ordering::Relaxed);
+                    ctx.stats.filtered.fetch_add(1, Ordering::Relaxed);
                 }
                 Encoded::Skipped(Skip::OutOfHops) => {
-                    shared.tap.loop_stopped.fetch_add(1, Ordering::Relaxed);
+                    ctx.stats.loop_stopped.fetch_add(1, Ordering::Relaxed);
                 }
                 Encoded::Skipped(Skip::BeforeBackfillTime) | Encoded::Nothing => {}
             }
@@ -500,7 +500,7 @@ impl TapSession {
             }
             .encode(out);
             let ack = self.supports_ack();
-            self.stamp(out, from, ack, sent_at, shared);
+            self.stamp(out, from, ack, sent_at, ctx);
             self.close_sent = true;
             return true;
         }
@@ -529,26 +529,24 @@ enum Ended {
 
 /// Serves a connection that TAP_CONNECT turned into a producer.
 #[allow(clippy::too_many_arguments)]
-pub async fn run(
-    mut socket: MaybeTls,
-    mut inbuf: BytesMut,
-    mut out: Vec<u8>,
-    mut kv: KvSession,
-    connect: TapConnect,
-    opaque: u32,
-    peer: SocketAddr,
-    shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
-) {
+pub async fn run(conn: Handoff, connect: TapConnect, opaque: u32, ctx: Arc<TapContext>) {
+    let Handoff {
+        mut socket,
+        mut inbuf,
+        mut out,
+        session: mut kv,
+        peer,
+        mut stop,
+    } = conn;
     let bucket = kv.bucket();
     let name = String::from_utf8_lossy(&connect.name).into_owned();
     let named = !connect.name.is_empty();
     let claim = if named {
         let key = (bucket.id, connect.name.clone());
-        match shared.tap_sessions.claim(key, TAKE_NAME_WAIT).await {
+        match ctx.sessions.claim(key, TAKE_NAME_WAIT).await {
             Ok(claimed) => Some(claimed),
             Err(Full(n)) => {
-                shared.tap.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                ctx.stats.refused_sessions.fetch_add(1, Ordering::Relaxed);
                 let why = format!(
                     "too many named TAP sessions ({n}, tap.max_sessions); retry once one \
                      expires, or connect without a name"
@@ -575,7 +573,7 @@ pub async fn run(
             s.since_ack = 0;
             s.temp_failures_in_a_row = 0;
             s.takeover_acks.clear();
-            shared.tap.resumed_sessions.fetch_add(1, Ordering::Relaxed);
+            ctx.stats.resumed_sessions.fetch_add(1, Ordering::Relaxed);
             log::info!(
                 "TAP '{name}' for {peer} resumes its session: {} message(s) to send again",
                 s.resend.len()
@@ -585,16 +583,16 @@ pub async fn run(
         found => {
             if let Found::Parked(mut old) = found {
                 log::info!("TAP '{name}' reconnects with other flags: its old session is closed");
-                old.close(&shared.engine);
+                old.close(&ctx.engine);
             }
-            match TapSession::open(&shared, bucket.clone(), connect, name.clone()) {
+            match TapSession::open(&ctx, bucket.clone(), connect, name.clone()) {
                 Ok(s) => Box::new(s),
                 Err((st, why)) => {
                     log::warn!("TAP '{name}' from {peer} refused: {why}");
                     error_reply(&mut out, opaque, st, &why);
                     let _ = crate::tls::send_all(&mut socket, &out).await;
                     if let Some(c) = &claim {
-                        shared.tap_sessions.release(c);
+                        ctx.sessions.release(c);
                     }
                     return;
                 }
@@ -607,7 +605,7 @@ pub async fn run(
         session.connect.flags,
         session.streams.len()
     );
-    shared.tap.connections.fetch_add(1, Ordering::Relaxed);
+    ctx.stats.connections.fetch_add(1, Ordering::Relaxed);
     let mut replaced = claim.as_ref().map(|c| c.replaced.clone());
     let ended = serve(
         &mut socket,
@@ -615,19 +613,19 @@ pub async fn run(
         &mut out,
         &mut kv,
         &mut session,
-        &shared,
+        &ctx,
         &mut stop,
         replaced.as_mut(),
     )
     .await;
-    shared.tap.connections.fetch_sub(1, Ordering::Relaxed);
-    finish(&shared, session, claim.as_ref(), ended, peer).await;
+    ctx.stats.connections.fetch_sub(1, Ordering::Relaxed);
+    finish(&ctx, session, claim.as_ref(), ended, peer).await;
 }
 
 /// Parks a named session that lost its connection (for the RetransmitPolicy's grace period),
 /// or closes it.
 async fn finish(
-    shared: &Arc<Shared>,
+    ctx: &Arc<TapContext>,
     mut session: Box<TapSession>,
     claim: Option<&Claim>,
     ended: Ended,
@@ -640,24 +638,24 @@ async fn finish(
     };
     log::info!("TAP producer '{name}' for {peer} closed: {why}");
     let (Some(claim), Ended::Disconnected(_)) = (claim, &ended) else {
-        session.close(&shared.engine);
+        session.close(&ctx.engine);
         if let Some(c) = claim {
-            shared.tap_sessions.release(c);
+            ctx.sessions.release(c);
         }
         return;
     };
     if !session.supports_ack() {
-        session.close(&shared.engine);
-        shared.tap_sessions.release(claim);
+        session.close(&ctx.engine);
+        ctx.sessions.release(claim);
         return;
     }
     let registered = session.connect.flags & connect_flag::REGISTERED_CLIENT != 0;
-    let mut grace = shared.config.tap.grace_period;
+    let mut grace = ctx.config.grace_period;
     let event = RetransmitEvent::Disconnected {
         connection: name.clone(),
         unacked: session.unacked.len() as u64,
     };
-    let answer = shared
+    let answer = ctx
         .policies
         .ask(PolicyKind::Retransmit, Question::Retransmit(event))
         .await;
@@ -668,22 +666,22 @@ async fn finish(
             session.resend.clear();
         }
     }
-    let sh = shared.clone();
+    let sh = ctx.clone();
     let unacked = session.unacked.len() + session.resend.len();
-    let back = shared
-        .tap_sessions
+    let back = ctx
+        .sessions
         .park(claim, session, grace, move |mut s: Box<TapSession>| {
             log::info!(
                 "TAP session '{}' expired after its grace period; its cursors are released",
                 s.name
             );
             s.close(&sh.engine);
-            sh.tap.expired_sessions.fetch_add(1, Ordering::Relaxed);
+            sh.stats.expired_sessions.fetch_add(1, Ordering::Relaxed);
         });
     match back {
-        Some(mut s) => s.close(&shared.engine),
+        Some(mut s) => s.close(&ctx.engine),
         None => {
-            shared.tap.parked_sessions.fetch_add(1, Ordering::Relaxed);
+            ctx.stats.parked_sessions.fetch_add(1, Ordering::Relaxed);
             log::info!(
                 "TAP session '{name}'{} kept for {grace:?} with {unacked} unacknowledged \
                  message(s)",
@@ -711,11 +709,11 @@ async fn serve(
     out: &mut Vec<u8>,
     kv: &mut KvSession,
     s: &mut TapSession,
-    shared: &Arc<Shared>,
+    ctx: &Arc<TapContext>,
     stop: &mut watch::Receiver<bool>,
     mut replaced: Option<&mut watch::Receiver<bool>>,
 ) -> Ended {
-    let max_body = shared.config.max_body;
+    let max_body = ctx.max_body;
     let bucket = s.bucket.clone();
     let mut suspended_until: Option<Instant> = None;
     let advice = Arc::new(AckAdvice::default());
@@ -726,7 +724,7 @@ async fn serve(
                 Ok(Some(n)) => {
                     let frame = inbuf.split_to(n);
                     if frame[0] == magic::RESPONSE {
-                        match answered(s, &frame, shared, &advice).await {
+                        match answered(s, &frame, ctx, &advice).await {
                             Ok(Some(backoff)) => suspended_until = Some(Instant::now() + backoff),
                             Ok(None) => {}
                             Err(why) => return Ended::Disconnected(why),
@@ -741,8 +739,7 @@ async fn serve(
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    shared
-                        .stats
+                    ctx.io
                         .protocol_error("TAP", format_args!("TAP producer '{}': {e}", s.name));
                     return Ended::Disconnected("malformed input");
                 }
@@ -757,14 +754,13 @@ async fn serve(
         }
         let generation = bucket.changes.generation();
         let wrote = if suspended_until.is_none() {
-            s.round(shared, out).await
+            s.round(ctx, out).await
         } else {
             false
         };
         if !out.is_empty() {
             let r = crate::tls::send_all(socket, out).await;
-            shared
-                .stats
+            ctx.io
                 .bytes_out
                 .fetch_add(out.len() as u64, Ordering::Relaxed);
             out.clear();
@@ -785,7 +781,7 @@ async fn serve(
             match socket.try_read_buf(inbuf) {
                 Ok(0) => return Ended::Disconnected("the client closed the connection"),
                 Ok(n) => {
-                    shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    ctx.io.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(_) => return Ended::Disconnected("read failed"),
@@ -825,7 +821,7 @@ async fn serve(
         tokio::select! {
             r = socket.read_buf(inbuf) => match r {
                 Ok(0) => return Ended::Disconnected("the client closed the connection"),
-                Ok(n) => { shared.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
+                Ok(n) => { ctx.io.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
                 Err(_) => return Ended::Disconnected("read failed"),
             },
             _ = changes => {}
@@ -841,7 +837,7 @@ async fn serve(
 async fn answered(
     s: &mut TapSession,
     frame: &[u8],
-    shared: &Arc<Shared>,
+    ctx: &Arc<TapContext>,
     advice: &Arc<AckAdvice>,
 ) -> Result<Option<Duration>, &'static str> {
     let Ok(r) = mcbp::parse_response(frame) else {
@@ -858,8 +854,8 @@ async fn answered(
             };
             s.acked_total += 1;
             s.temp_failures_in_a_row = 0;
-            shared.tap.acks.fetch_add(1, Ordering::Relaxed);
-            let engine = &shared.engine;
+            ctx.stats.acks.fetch_add(1, Ordering::Relaxed);
+            let engine = &ctx.engine;
             let done: Vec<u16> = s
                 .takeover_acks
                 .iter()
@@ -882,7 +878,7 @@ async fn answered(
                     }
                 }
             }
-            if shared.policies.installed(PolicyKind::Ack)
+            if ctx.policies.installed(PolicyKind::Ack)
                 && !advice.asking.swap(true, Ordering::AcqRel)
             {
                 let stats = AckStats {
@@ -895,7 +891,7 @@ async fn answered(
                     interval: s.ack_interval,
                     window: s.window,
                 };
-                let (sh, advice) = (shared.clone(), advice.clone());
+                let (sh, advice) = (ctx.clone(), advice.clone());
                 tokio::spawn(async move {
                     if let Answer::Ack { interval, window } =
                         sh.policies.ask(PolicyKind::Ack, Question::Ack(stats)).await
@@ -908,7 +904,7 @@ async fn answered(
             Ok(None)
         }
         status::ETMPFAIL | status::EBUSY => {
-            shared.tap.temp_failures.fetch_add(1, Ordering::Relaxed);
+            ctx.stats.temp_failures.fetch_add(1, Ordering::Relaxed);
             s.temp_failures_in_a_row += 1;
             if let Some(m) = s.unacked.take(r.opaque) {
                 s.resend.push_front(m);
@@ -918,7 +914,7 @@ async fn answered(
                 status: r.status,
                 attempt: s.temp_failures_in_a_row,
             };
-            let backoff = match shared
+            let backoff = match ctx
                 .policies
                 .ask(PolicyKind::Retransmit, Question::Retransmit(event))
                 .await
@@ -926,7 +922,7 @@ async fn answered(
                 Answer::Retransmit { seconds, .. } => {
                     Duration::from_secs_f64(seconds.clamp(0.0, 3600.0))
                 }
-                _ => shared.config.tap.backoff,
+                _ => ctx.config.backoff,
             };
             Ok(Some(backoff))
         }
@@ -946,7 +942,21 @@ fn seq_covered(seq: u32, acked: u32) -> bool {
     acked.wrapping_sub(seq) < (1 << 31)
 }
 
-/// Checks a TAP_CONNECT for the kv session; Err is the status and message to answer with.
-pub fn check_connect(req: &mcbp::Request<'_>) -> Result<TapConnect, (u16, String)> {
-    TapConnect::decode(req).map_err(|e| (status::EINVAL, e.to_string()))
+/// Checks a TAP_CONNECT the KV front let through (`Flow::OpenStream`): what the producer opens
+/// with, or None with the error answered. Success is answered by the stream itself.
+pub fn open(session: &KvSession, req: &mcbp::Request<'_>, out: &mut Vec<u8>) -> Option<TapConnect> {
+    match TapConnect::decode(req) {
+        Ok(c)
+            if c.flags & connect_flag::TAKEOVER_VBUCKETS != 0
+                && !crate::auth::may_replicate(session.permissions()) =>
+        {
+            session.reply_error(req, status::EACCESS, &session.lacks_replication(), out);
+            None
+        }
+        Ok(c) => Some(c),
+        Err(e) => {
+            session.reply_error(req, status::EINVAL, &e.to_string(), out);
+            None
+        }
+    }
 }

@@ -15,7 +15,7 @@ use sluice_proto::mcbp::HEADER_LEN;
 use sluice_proto::tap::{message_flag, OPAQUE_AT, TAP_FLAGS_AT};
 use tokio::sync::watch;
 
-use crate::server::Shared;
+use super::TapContext;
 
 /// (bucket id, client name)
 pub type SessionKey = (u16, Vec<u8>);
@@ -294,9 +294,9 @@ impl<S: Send + 'static> Sessions<S> {
 }
 
 /// Used by the server to close what parked sessions hold when it stops.
-pub fn close_parked(shared: &Shared) {
-    for mut s in shared.tap_sessions.take_parked() {
-        s.close(&shared.engine);
+pub fn close_parked(ctx: &TapContext) {
+    for mut s in ctx.sessions.take_parked() {
+        s.close(&ctx.engine);
     }
 }
 

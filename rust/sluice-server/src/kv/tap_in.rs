@@ -10,20 +10,21 @@ use sluice_core::vbucket::VbState;
 use sluice_core::{Error, StoreMode, StoreRequest, Written};
 use sluice_proto::tap::{message_flag, opcode, TapMessage};
 
-use crate::server::Shared;
+use super::reply::Reply;
+use super::{Flow, KvSession};
+use sluice_core::Engine;
 
 /// A TAP message applied: the write it made, if any (its ACK waits for the WAL like any
 /// write's reply), and whether the sender asked for an ACK.
-pub struct Applied {
-    pub written: Option<Written<()>>,
-    pub ack: bool,
+struct Applied {
+    written: Option<Written<()>>,
+    ack: bool,
 }
 
 /// Applies one TAP message. Failures are answered whether or not an ACK was asked for, so
 /// that a producer tracking its messages can send a temporarily failed one again.
-pub fn apply(shared: &Shared, bucket: &Bucket, frame: &[u8]) -> Result<Applied, Error> {
+fn apply(engine: &Engine, bucket: &Bucket, frame: &[u8]) -> Result<Applied, Error> {
     let m = TapMessage::decode(frame).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-    let engine = &shared.engine;
     let written =
         match m.opcode {
             // A keys-only feed cannot be applied; it is accepted and left alone.
@@ -60,12 +61,34 @@ pub fn apply(shared: &Shared, bucket: &Bucket, frame: &[u8]) -> Result<Applied, 
             },
             _ => None,
         };
-    shared
-        .tap
-        .applied
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(Applied {
         written,
         ack: m.tap_flags & message_flag::ACK != 0,
     })
+}
+
+impl KvSession {
+    /// A TAP message sent as a command (a TAP feed): applied, answered when it asks for an ACK or fails.
+    pub(super) fn tap_apply(&mut self, frame: &[u8], reply: &mut Reply<'_>) -> Flow {
+        let xerror = self.features.xerror;
+        let bucket = self.bucket.clone();
+        match apply(&self.ctx.engine, &bucket, frame) {
+            // A TAP message is answered when it asks for an ACK, or failed.
+            Ok(applied) => {
+                self.ctx
+                    .tap_applied
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                match applied.written {
+                    Some(w) => {
+                        let quiet = !applied.ack;
+                        return self.answer_write(&bucket, w, reply, quiet, |_, r, _| r.ok());
+                    }
+                    None if applied.ack => reply.ok(),
+                    None => {}
+                }
+            }
+            Err(e) => fail!(reply, xerror, e),
+        }
+        Flow::Continue
+    }
 }

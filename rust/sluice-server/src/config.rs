@@ -1,0 +1,37 @@
+//! The server's settings, as the Python side builds them from the configuration file: the
+//! listeners, limits, users, TLS, replication and TAP.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// The admin HTTP endpoint (/metrics, /status, /promote, /takeover), if any.
+    pub admin_listen: Option<SocketAddr>,
+    pub max_connections: usize,
+    /// Largest request body accepted; larger frames get E2BIG and the connection closes.
+    pub max_body: usize,
+    /// A connection silent for this long is closed; zero means never.
+    pub idle_timeout: Duration,
+    pub worker_threads: usize,
+    /// Users allowed in; none configured means no authentication.
+    pub users: crate::auth::Users,
+    /// Follow this active node: every bucket's replica vbuckets stream from it.
+    pub replica_of: Option<crate::replica::ReplicaConfig>,
+    /// The user and password this node logs in with on other nodes (replication, takeover).
+    pub replication_login: (Option<String>, Option<String>),
+    /// Seconds between NOOPs on this node's replication and takeover streams.
+    pub replication_noop_interval: u32,
+    /// TLS for the connections this node opens to others (replication, takeover): whom it
+    /// trusts and its own certificate.
+    pub replication_tls: Option<crate::tls::ClientTls>,
+    pub tap: crate::tap::producer::TapConfig,
+    /// Bounds on connections that have not logged in (when users are configured).
+    pub login: crate::limits::LoginLimits,
+    /// The TLS KV listener (next to `listen`); needs `tls`.
+    pub tls_listen: Option<SocketAddr>,
+    /// The certificate and key of the TLS listener (and of the admin endpoint when
+    /// `tls.admin`).
+    pub tls: Option<crate::tls::TlsSettings>,
+}
