@@ -7,3 +7,6 @@ pub mod consumer;
 pub mod filter;
 pub mod producer;
 pub mod sink;
+
+#[cfg(test)]
+mod tests;

@@ -467,3 +467,6 @@ impl KvSession {
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
 }
+
+#[cfg(test)]
+mod tests;
