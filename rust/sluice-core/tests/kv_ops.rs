@@ -112,3 +112,31 @@ fn touch_sets_a_new_expiry_and_flush_deletes_everything() {
         "every flushed item left a deletion for streams"
     );
 }
+
+#[test]
+fn a_vbucket_state_change_is_in_the_wal_once_it_settles_and_survives_a_reopen() {
+    use sluice_core::vbucket::VbState;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(common::config(dir.path(), WalMode::Write, 4)).unwrap();
+    let b = engine.bucket("default").unwrap();
+    let w = engine.write_vbucket_state(&b, 2, VbState::Replica).unwrap();
+    let lsn = w.lsn();
+    assert!(lsn > 0, "the change has a WAL record to wait for");
+    assert_eq!(
+        engine.vbucket_state(&b, 2),
+        Some(VbState::Replica),
+        "applied at once"
+    );
+    engine.settle(&b, w).unwrap();
+    assert!(
+        engine.wal().written_lsn() >= lsn,
+        "settled: the WAL file holds it"
+    );
+    // The same state again writes nothing and waits for nothing new.
+    let again = engine.write_vbucket_state(&b, 2, VbState::Replica).unwrap();
+    assert!(again.lsn() <= engine.wal().written_lsn());
+    drop(engine);
+    let engine = Engine::open(common::config(dir.path(), WalMode::Write, 4)).unwrap();
+    let b = engine.bucket("default").unwrap();
+    assert_eq!(engine.vbucket_state(&b, 2), Some(VbState::Replica));
+}

@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
-use super::Engine;
+use super::{Engine, Written};
 use crate::bucket::Bucket;
 use crate::checkpoint::PERSISTENCE_CURSOR;
+use crate::config::Durability;
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::item::{ChangeOp, ItemMeta};
@@ -14,14 +15,28 @@ use crate::wal::writer::{MetaRecord, WalPayload};
 use crate::wal::WalMode;
 
 impl Engine {
-    /// Changes a vbucket's state; becoming active adds a failover entry.
+    /// Changes a vbucket's state and returns once the WAL holds the change (see
+    /// `write_vbucket_state`); becoming active adds a failover entry.
     pub fn set_vbucket_state(&self, bucket: &Bucket, vbid: u16, state: VbState) -> Result<()> {
+        let w = self.write_vbucket_state(bucket, vbid, state)?;
+        self.settle(bucket, w)
+    }
+
+    /// Changes a vbucket's state now and queues its WAL record: like a write, whoever
+    /// acknowledges the change (a TAP ACK, an answer to SET_VBUCKET_STATE) waits for the
+    /// `Written` first (`settle` or `settled`), so that a crash cannot undo an acknowledged state.
+    pub fn write_vbucket_state(
+        &self,
+        bucket: &Bucket,
+        vbid: u16,
+        state: VbState,
+    ) -> Result<Written<()>> {
         self.check_open()?;
         let mut vb = bucket
             .lock_vbucket(vbid)
             .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
         if vb.state == state {
-            return Ok(());
+            return Ok(Written::new((), Durability::None.into(), vb.last_lsn, &[]));
         }
         let high = vb.high_seqno;
         vb.state = state;
@@ -44,7 +59,7 @@ impl Engine {
         }
         // Streams of the vbucket look at its state when woken.
         bucket.changes.notify();
-        Ok(())
+        Ok(Written::new((), Durability::None.into(), vb.last_lsn, &[]))
     }
 
     /// Promotion after a failover: every replica or pending vbucket of the bucket becomes

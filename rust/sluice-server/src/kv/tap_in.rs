@@ -50,10 +50,8 @@ fn apply(engine: &Engine, bucket: &Bucket, frame: &[u8]) -> Result<Applied, Erro
             },
             opcode::FLUSH => Some(engine.write_flush(bucket)?.map(|_| ())),
             opcode::VBUCKET_SET => match m.engine_code().and_then(VbState::from_code) {
-                Some(state) => {
-                    engine.set_vbucket_state(bucket, m.vbucket, state)?;
-                    None
-                }
+                // Its ACK, like a write's, waits for the WAL to hold the new state.
+                Some(state) => Some(engine.write_vbucket_state(bucket, m.vbucket, state)?),
                 None => return Err(Error::InvalidArgument(
                     "TAP_VBUCKET_SET needs a 4-byte state (1 active, 2 replica, 3 pending, 4 dead)"
                         .into(),

@@ -190,7 +190,9 @@ impl Stream {
         let Takeover::AwaitingActive(since) = self.takeover else {
             return None;
         };
-        if let Err(e) = engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Dead) {
+        // Queued, not waited for: this task must not block on the WAL, and nothing is
+        // acknowledged on it (a restart before the record is written finds the state before).
+        if let Err(e) = engine.write_vbucket_state(&self.bucket, self.vbucket, VbState::Dead) {
             log::error!("takeover of vbucket {}: {e}", self.vbucket);
         }
         self.takeover = Takeover::HandedOver;
@@ -207,7 +209,7 @@ impl Stream {
                     "takeover of vbucket {} cut short while draining; it is active here again",
                     self.vbucket
                 );
-                let _ = engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Active);
+                let _ = engine.write_vbucket_state(&self.bucket, self.vbucket, VbState::Active);
                 self.takeover = Takeover::Off;
             }
             Takeover::AwaitingActive(_) => {
@@ -354,8 +356,10 @@ impl Stream {
         }
         let (next, state) = match self.takeover {
             Takeover::CatchingUp => {
+                // Queued (the consumer is told next; a restart before the record is written
+                // finds the vbucket active, with every write it acknowledged).
                 if let Err(e) =
-                    engine.set_vbucket_state(&self.bucket, self.vbucket, VbState::Pending)
+                    engine.write_vbucket_state(&self.bucket, self.vbucket, VbState::Pending)
                 {
                     log::error!("takeover of vbucket {}: {e}", self.vbucket);
                     return None;
