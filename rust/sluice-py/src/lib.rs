@@ -1,13 +1,14 @@
 //! PyO3 glue only: `sluice._native`, the Python face of the workspace. One concept per module:
-//! `errors` (the exception hierarchy), `settings` (the configuration objects), `items` (what
-//! engine calls return), `engine` (the embedded engine), `server` (the network server),
-//! `dcp` (the DCP consumer), `policy` (the policy plugins' questions), `tools` (WAL dump,
-//! benchmark drivers). Every call that can block (disk, network, durability waits) releases the
-//! GIL.
+//! `errors` (the exception hierarchy), `settings` (the configuration objects), `defaults` (the
+//! Rust defaults of the configuration keys, which config.py reads), `items` (what engine calls
+//! return), `engine` (the embedded engine), `server` (the network server), `dcp` (the DCP
+//! consumer), `policy` (the policy plugins' questions), `tools` (WAL dump, benchmark drivers).
+//! Every call that can block (disk, network, durability waits) releases the GIL.
 //!
 //! May depend on every other crate of the workspace; none depends on it.
 
 mod dcp;
+mod defaults;
 mod engine;
 mod errors;
 mod items;
@@ -42,6 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
     errors::register(m)?;
+    m.add("DEFAULTS", defaults::defaults(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

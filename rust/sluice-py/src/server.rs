@@ -2,14 +2,35 @@
 //! engine, with its users and the policy plugins' side of the host.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use pyo3::prelude::*;
+use sluice_server::limits::LoginLimits;
+use sluice_server::policy::PolicyHost;
+use sluice_server::tap::producer::TapConfig;
 
 use crate::engine::EmbeddedEngine;
 use crate::errors::{config_err, to_py, ClosedError, ConfigError, SluiceError};
 use crate::policy;
-use crate::settings::{secs, socket_addr};
+use crate::settings::{secs, socket_addr, BUCKET_DEFAULTS};
+
+/// sluice-server's defaults, the one definition of each: the keyword defaults of `Server` and
+/// `DEFAULTS`, which config.py reads, both come from here.
+pub(crate) static TAP_DEFAULTS: LazyLock<TapConfig> = LazyLock::new(TapConfig::default);
+pub(crate) static LOGIN_DEFAULTS: LazyLock<LoginLimits> = LazyLock::new(LoginLimits::default);
+pub(crate) static POLICY_TIMEOUT: LazyLock<Duration> =
+    LazyLock::new(|| PolicyHost::default().timeout());
+
+/// The defaults of the server's settings that `sluice_server::ServerConfig` has no `Default`
+/// for (every caller sets them); this is their one definition.
+pub(crate) const MAX_CONNECTIONS: usize = 10_000;
+/// Zero: a silent connection is never closed.
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::ZERO;
+pub(crate) const IO_THREADS: usize = 2;
+pub(crate) const REPLICATION_NOOP_INTERVAL: u32 = 1;
+pub(crate) const TLS_ADMIN: bool = true;
+pub(crate) const REPLICATION_TLS: bool = false;
 
 /// The network server (memcached binary protocol) over an open engine.
 #[pyclass(module = "sluice._native", frozen)]
@@ -18,7 +39,7 @@ pub(crate) struct Server {
     address: String,
     admin_address: Option<String>,
     tls_address: Option<String>,
-    policies: Arc<sluice_server::policy::PolicyHost>,
+    policies: Arc<PolicyHost>,
 }
 
 type UserSpec = (
@@ -59,7 +80,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=10_000, idle_timeout=0.0, io_threads=2, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=1, tap_ack_interval=1000, tap_ack_window=10_000, tap_grace_period=300.0, tap_backoff=1.0, tap_ttl=1, tap_max_sessions=64, tap_max_unacked_bytes=16_777_216, max_unauthenticated=256, max_unauthenticated_per_ip=64, login_timeout=10.0, policy_timeout=0.05, tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=true, replication_tls=false, replication_ca=None, replication_certificate=None, replication_key=None))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -172,7 +193,7 @@ impl Server {
         if !(1..=sluice_core::item::MAX_TAP_HOPS).contains(&tap_ttl) {
             return Err(config_err("tap.ttl", "must be 1 to 31 hops"));
         }
-        let tap = sluice_server::tap::producer::TapConfig {
+        let tap = TapConfig {
             ack_interval: tap_ack_interval,
             ack_window: tap_ack_window,
             grace_period: secs("tap.grace_period", tap_grace_period)?,
@@ -199,7 +220,7 @@ impl Server {
                 "must be at least 1",
             ));
         }
-        let login = sluice_server::limits::LoginLimits {
+        let login = LoginLimits {
             max_unauthenticated,
             max_unauthenticated_per_ip,
             login_timeout: secs("login_timeout", login_timeout)?,
@@ -207,7 +228,7 @@ impl Server {
         if login.login_timeout.is_zero() {
             return Err(config_err("login_timeout", "must be more than 0"));
         }
-        let policies = Arc::new(sluice_server::policy::PolicyHost::default());
+        let policies = Arc::new(PolicyHost::default());
         policies.set_timeout(secs("policy.timeout", policy_timeout)?);
         if !(1..=10800).contains(&replication_noop_interval) {
             return Err(config_err(
@@ -248,7 +269,7 @@ impl Server {
             .iter()
             .map(|b| b.config.max_item_size)
             .max()
-            .unwrap_or(20 << 20);
+            .unwrap_or(BUCKET_DEFAULTS.max_item_size);
         let config = sluice_server::ServerConfig {
             listen: addr,
             admin_listen,

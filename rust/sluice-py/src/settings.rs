@@ -3,6 +3,7 @@
 //! levels, socket addresses), each naming the configuration key in its error.
 
 use std::path::PathBuf;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -12,6 +13,12 @@ use sluice_core::wal::WalMode;
 use sluice_core::{BucketConfig, Durability, EngineConfig};
 
 use crate::errors::{config_err, to_py};
+
+/// sluice-core's defaults, the one definition of each: the keyword defaults of the settings
+/// objects below and `DEFAULTS`, which config.py reads, both come from here.
+pub(crate) static BUCKET_DEFAULTS: LazyLock<BucketConfig> =
+    LazyLock::new(|| BucketConfig::named("default"));
+pub(crate) static ENGINE_DEFAULTS: LazyLock<EngineConfig> = LazyLock::new(EngineConfig::default);
 
 pub(crate) fn parse_durability(key: &str, s: Option<&str>) -> PyResult<Option<Durability>> {
     s.map(|s| {
@@ -36,7 +43,7 @@ pub(crate) struct BucketSettings {
 #[pymethods]
 impl BucketSettings {
     #[new]
-    #[pyo3(signature = (name, *, num_vbuckets=64, memory_quota=1<<30, high_watermark=0.85, max_item_size=20<<20, checkpoint_memory_ratio=0.3, durability="none", replicas=1, durability_timeout=10.0))]
+    #[pyo3(signature = (name, *, num_vbuckets=BUCKET_DEFAULTS.num_vbuckets, memory_quota=BUCKET_DEFAULTS.memory_quota, high_watermark=BUCKET_DEFAULTS.high_watermark, max_item_size=BUCKET_DEFAULTS.max_item_size, checkpoint_memory_ratio=BUCKET_DEFAULTS.checkpoint_memory_ratio, durability=BUCKET_DEFAULTS.durability.as_str(), replicas=BUCKET_DEFAULTS.replicas, durability_timeout=BUCKET_DEFAULTS.durability_timeout.as_secs_f64()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
@@ -94,7 +101,7 @@ pub(crate) struct EngineSettings {
 #[pymethods]
 impl EngineSettings {
     #[new]
-    #[pyo3(signature = (data_dir, *, wal_mode="write", wal_segment_size=64<<20, snapshot_count=2, snapshot_interval=3600.0, checkpoint_max_items=10_000, checkpoint_period=5.0, tombstone_purge_age=259_200.0, expiry_pager_interval=60.0, force_recovery=false, replica=false, buckets=None))]
+    #[pyo3(signature = (data_dir, *, wal_mode=ENGINE_DEFAULTS.wal_mode.as_str(), wal_segment_size=ENGINE_DEFAULTS.wal_segment_size, snapshot_count=ENGINE_DEFAULTS.snapshot_count, snapshot_interval=ENGINE_DEFAULTS.snapshot_interval.as_secs_f64(), checkpoint_max_items=ENGINE_DEFAULTS.checkpoint.max_items, checkpoint_period=ENGINE_DEFAULTS.checkpoint.period.as_secs_f64(), tombstone_purge_age=ENGINE_DEFAULTS.tombstone_purge_age.as_secs_f64(), expiry_pager_interval=ENGINE_DEFAULTS.expiry_pager_interval.as_secs_f64(), force_recovery=ENGINE_DEFAULTS.force_recovery, replica=ENGINE_DEFAULTS.replica, buckets=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         data_dir: PathBuf,
@@ -118,7 +125,7 @@ impl EngineSettings {
         })?;
         let buckets = match buckets {
             Some(b) => b.into_iter().map(|b| b.inner).collect(),
-            None => vec![BucketConfig::named("default")],
+            None => ENGINE_DEFAULTS.buckets.clone(),
         };
         let inner = EngineConfig {
             data_dir,
