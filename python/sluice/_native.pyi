@@ -2,6 +2,7 @@
 tests/test_lint.py (mypy's stubtest)."""
 
 import os
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, final
 
@@ -10,6 +11,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CorruptionError",
+    "DEFAULTS",
     "DcpConsumer",
     "DurabilityImpossibleError",
     "SyncWriteAmbiguousError",
@@ -41,6 +43,10 @@ __all__ = [
 
 __version__: str
 
+# The default of every configuration key with a Rust counterpart, by config.py's dotted key
+# name (bucket keys as "buckets.KEY"); read-only. The keyword defaults below are these values.
+DEFAULTS: Mapping[str, Any]
+
 class SluiceError(Exception): ...
 class InvalidKeyError(SluiceError): ...
 class TooBigError(SluiceError): ...
@@ -66,14 +72,14 @@ class BucketSettings:
         cls,
         name: str,
         *,
-        num_vbuckets: int = 64,
+        num_vbuckets: int = ...,
         memory_quota: int = ...,
-        high_watermark: float = 0.85,
+        high_watermark: float = ...,
         max_item_size: int = ...,
-        checkpoint_memory_ratio: float = 0.3,
-        durability: str = "none",
-        replicas: int = 1,
-        durability_timeout: float = 10.0,
+        checkpoint_memory_ratio: float = ...,
+        durability: str = ...,
+        replicas: int = ...,
+        durability_timeout: float = ...,
     ) -> BucketSettings: ...
     @property
     def name(self) -> str: ...
@@ -88,16 +94,16 @@ class EngineSettings:
         cls,
         data_dir: str | os.PathLike[str],
         *,
-        wal_mode: str = "write",
+        wal_mode: str = ...,
         wal_segment_size: int = ...,
-        snapshot_count: int = 2,
-        snapshot_interval: float = 3600.0,
-        checkpoint_max_items: int = 10000,
-        checkpoint_period: float = 5.0,
-        tombstone_purge_age: float = 259200.0,
-        expiry_pager_interval: float = 60.0,
-        force_recovery: bool = False,
-        replica: bool = False,
+        snapshot_count: int = ...,
+        snapshot_interval: float = ...,
+        checkpoint_max_items: int = ...,
+        checkpoint_period: float = ...,
+        tombstone_purge_age: float = ...,
+        expiry_pager_interval: float = ...,
+        force_recovery: bool = ...,
+        replica: bool = ...,
         buckets: list[BucketSettings] | None = None,
     ) -> EngineSettings: ...
     @property
@@ -239,30 +245,30 @@ class Server:
         *,
         admin_listen: str | None = None,
         users: list[tuple[str, str, dict[str, list[str]]]] = ...,
-        max_connections: int = 10000,
-        idle_timeout: float = 0.0,
-        io_threads: int = 2,
+        max_connections: int = ...,
+        idle_timeout: float = ...,
+        io_threads: int = ...,
         replica_of: str | None = None,
         replication_user: str | None = None,
         replication_password: str | None = None,
-        replication_noop_interval: int = 1,
-        tap_ack_interval: int = 1000,
-        tap_ack_window: int = 10000,
-        tap_grace_period: float = 300.0,
-        tap_backoff: float = 1.0,
-        tap_ttl: int = 1,
-        tap_max_sessions: int = 64,
-        tap_max_unacked_bytes: int = 16777216,
-        max_unauthenticated: int = 256,
-        max_unauthenticated_per_ip: int = 64,
-        login_timeout: float = 10.0,
-        policy_timeout: float = 0.05,
+        replication_noop_interval: int = ...,
+        tap_ack_interval: int = ...,
+        tap_ack_window: int = ...,
+        tap_grace_period: float = ...,
+        tap_backoff: float = ...,
+        tap_ttl: int = ...,
+        tap_max_sessions: int = ...,
+        tap_max_unacked_bytes: int = ...,
+        max_unauthenticated: int = ...,
+        max_unauthenticated_per_ip: int = ...,
+        login_timeout: float = ...,
+        policy_timeout: float = ...,
         tls_listen: str | None = None,
         tls_certificate: str | None = None,
         tls_key: str | None = None,
         tls_client_ca: str | None = None,
-        tls_admin: bool = True,
-        replication_tls: bool = False,
+        tls_admin: bool = ...,
+        replication_tls: bool = ...,
         replication_ca: str | None = None,
         replication_certificate: str | None = None,
         replication_key: str | None = None,

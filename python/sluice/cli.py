@@ -630,6 +630,11 @@ def cmd_config_reference(_args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _default(key: str) -> object:
+    """The default of a top-level configuration key, as help texts show it."""
+    return next(k.default for k in ENGINE_KEYS if k.name == key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="A replication daemon for key-value changes.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -641,12 +646,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="open the data directory and serve it over the network",
         description="Recover the data directory, serve the memcached binary protocol, and run "
         "until SIGTERM or Ctrl-C; then finish in-flight requests, flush the WAL and exit 0. "
-        "Without --config, embedded defaults: 127.0.0.1:11210, data in ./sluice-data, one "
-        "bucket 'default' of 64 vbuckets.",
+        f"Without --config, embedded defaults: {_default('listen')}, data in "
+        f"./{_default('data_dir')}, one bucket 'default' of "
+        f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets.",
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
     s.add_argument("--data-dir", metavar="DIR", help="overrides data_dir")
-    s.add_argument("--listen", metavar="HOST:PORT", help="overrides listen (default 127.0.0.1:11210)")
+    s.add_argument("--listen", metavar="HOST:PORT", help=f"overrides listen (default {_default('listen')})")
     s.add_argument("--admin-listen", metavar="HOST:PORT", help='overrides admin_listen ("" turns it off)')
     s.add_argument(
         "--replica-of",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sluice._native import BucketSettings, ConfigError, EngineSettings
+from sluice._native import DEFAULTS, BucketSettings, ConfigError, EngineSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,7 +116,11 @@ def parse_duration(path: str, v: Any) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One configuration key: where it lives, how it parses, its default, what it does."""
+    """One configuration key: where it lives, how it parses, its default, what it does.
+
+    A key with a Rust counterpart takes its default from ``DEFAULTS`` (sluice-py reads it from
+    the Rust ``Default`` the native settings start from), so there is one definition of it;
+    only keys that exist on the Python side alone spell their default here."""
 
     name: str
     parse: Callable[[str, Any], Any]
@@ -159,18 +163,18 @@ DURABILITY_LEVELS = ("none", "persist", "majority", "majority_and_persist_active
 
 # Top-level and section keys, by dotted path.
 ENGINE_KEYS: list[Key] = [
-    Key("data_dir", _path, Path("sluice-data"), "Directory holding wal/ and snap/.", "path"),
+    Key("data_dir", _path, Path(DEFAULTS["data_dir"]), "Directory holding wal/ and snap/.", "path"),
     Key(
         "force_recovery",
         _bool,
-        False,
+        DEFAULTS["force_recovery"],
         "Start even if WAL or snapshot files are damaged beyond a torn tail, skipping the damage.",
         "bool",
     ),
     Key(
         "expiry_pager_interval",
         parse_duration,
-        60.0,
+        DEFAULTS["expiry_pager_interval"],
         "How often expired items are turned into EXPIRATION changes and old tombstones purged.",
         "duration",
         _between(0.001, 86400 * 365),
@@ -178,14 +182,14 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "tombstone_purge_age",
         parse_duration,
-        3 * 86400.0,
+        DEFAULTS["tombstone_purge_age"],
         "Tombstones older than this may be purged; streams starting below the purge seqno roll back to 0.",
         "duration",
     ),
     Key(
         "wal.mode",
         _str,
-        "write",
+        DEFAULTS["wal.mode"],
         "none: nothing on disk (a pure cache); write: write() per batch (survives a process crash; "
         "`persist` writes are synced); fsync: write() and fdatasync() per batch (survives power loss).",
         "string",
@@ -195,7 +199,7 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "wal.segment_size",
         parse_size,
-        64 * 1024**2,
+        DEFAULTS["wal.segment_size"],
         "A WAL segment is closed and a new one started past this size.",
         "size",
         _at_least(4096),
@@ -204,7 +208,7 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "snapshot.count",
         _int,
-        2,
+        DEFAULTS["snapshot.count"],
         "How many snapshots to keep (with the WAL segments the oldest needs).",
         "integer",
         _at_least(1),
@@ -213,7 +217,7 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "snapshot.interval",
         parse_duration,
-        3600.0,
+        DEFAULTS["snapshot.interval"],
         "Seconds between automatic snapshots; 0 turns them off.",
         "duration",
         native="snapshot_interval",
@@ -221,7 +225,7 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "checkpoint.max_items",
         _int,
-        10_000,
+        DEFAULTS["checkpoint.max_items"],
         "A checkpoint closes after this many changes.",
         "integer",
         _at_least(1),
@@ -230,7 +234,7 @@ ENGINE_KEYS: list[Key] = [
     Key(
         "checkpoint.period",
         parse_duration,
-        5.0,
+        DEFAULTS["checkpoint.period"],
         "A checkpoint closes after this long.",
         "duration",
         _between(0.001, 86400.0),
@@ -285,7 +289,7 @@ ENGINE_KEYS += [
     Key(
         "max_connections",
         _int,
-        10_000,
+        DEFAULTS["max_connections"],
         "Connections served at once; more are closed at accept.",
         "integer",
         _at_least(1),
@@ -294,7 +298,7 @@ ENGINE_KEYS += [
     Key(
         "idle_timeout",
         parse_duration,
-        0.0,
+        DEFAULTS["idle_timeout"],
         "A connection silent this long is closed; 0 never.",
         "duration",
         server=True,
@@ -302,7 +306,7 @@ ENGINE_KEYS += [
     Key(
         "max_unauthenticated",
         _int,
-        256,
+        DEFAULTS["max_unauthenticated"],
         "With users configured: connections not yet logged in, at most; more are closed at accept "
         "(counted in /metrics) so that logged-in clients still get in.",
         "integer",
@@ -312,7 +316,7 @@ ENGINE_KEYS += [
     Key(
         "max_unauthenticated_per_ip",
         _int,
-        64,
+        DEFAULTS["max_unauthenticated_per_ip"],
         "The same, per client address.",
         "integer",
         _at_least(1),
@@ -321,14 +325,22 @@ ENGINE_KEYS += [
     Key(
         "login_timeout",
         parse_duration,
-        10.0,
+        DEFAULTS["login_timeout"],
         "With users configured: a connection not logged in this long after accept is closed, "
         "whatever it sends meanwhile. Until it logs in, a request body over 4 KiB gets E2BIG.",
         "duration",
         _between(0, 3600, lo_open=True),
         server=True,
     ),
-    Key("io_threads", _int, 2, "Threads running the network I/O.", "integer", _between(1, 256), server=True),
+    Key(
+        "io_threads",
+        _int,
+        DEFAULTS["io_threads"],
+        "Threads running the network I/O.",
+        "integer",
+        _between(1, 256),
+        server=True,
+    ),
     Key(
         "tls_listen",
         lambda p, v: parse_listen(p, v) if v not in ("", "auto") else v,
@@ -372,7 +384,7 @@ ENGINE_KEYS += [
     Key(
         "tls.admin",
         _bool,
-        True,
+        DEFAULTS["tls.admin"],
         "Serve admin_listen over HTTPS (same certificate) when tls.certificate is set, so HTTP Basic "
         "passwords never cross the network in clear text. `sluice status --admin https://HOST:PORT "
         "--cacert CA.pem` talks to it.",
@@ -412,7 +424,7 @@ ENGINE_KEYS += [
     Key(
         "replication.noop_interval",
         _int,
-        1,
+        DEFAULTS["replication.noop_interval"],
         "Seconds between NOOPs on the replication connection and on takeover streams this node "
         "runs; twice this long silent, it is dead (a replica reconnects, a takeover fails). A "
         "slow link needs it longer than the time to drain the 16 MiB flow-control window.",
@@ -424,7 +436,7 @@ ENGINE_KEYS += [
     Key(
         "replication.tls",
         _bool,
-        False,
+        DEFAULTS["replication.tls"],
         "Connect to the active (and to a takeover's source) over TLS: replication.replica_of is then "
         "its TLS port (11207), and its certificate must chain to replication.ca and name the host "
         "of replica_of (an IP address must be in its IP SANs).",
@@ -481,7 +493,7 @@ ENGINE_KEYS += [
     Key(
         "tap.ack_interval",
         _int,
-        1000,
+        DEFAULTS["tap.ack_interval"],
         "A TAP connection with SUPPORT_ACK asks for an ACK every this many messages (and on the "
         "last one before it goes idle); an AckPolicy plugin may change it per connection.",
         "integer",
@@ -492,7 +504,7 @@ ENGINE_KEYS += [
     Key(
         "tap.ack_window",
         _int,
-        10_000,
+        DEFAULTS["tap.ack_window"],
         "A TAP connection pauses while this many messages are unacknowledged.",
         "integer",
         _between(1, 10_000_000),
@@ -502,7 +514,7 @@ ENGINE_KEYS += [
     Key(
         "tap.grace_period",
         parse_duration,
-        300.0,
+        DEFAULTS["tap.grace_period"],
         "How long a named TAP session with SUPPORT_ACK (REGISTERED_CLIENT ones too) outlives its "
         "connection: a reconnect under the same name (and flags) within it gets every "
         "unacknowledged message again; later, it starts over. A RetransmitPolicy plugin may "
@@ -515,7 +527,7 @@ ENGINE_KEYS += [
     Key(
         "tap.backoff",
         parse_duration,
-        1.0,
+        DEFAULTS["tap.backoff"],
         "How long a TAP connection waits before sending again after a TMPFAIL or BUSY answer.",
         "duration",
         _between(0, 3600),
@@ -525,7 +537,7 @@ ENGINE_KEYS += [
     Key(
         "tap.ttl",
         _int,
-        1,
+        DEFAULTS["tap.ttl"],
         "Hops a change written on this node is sent with over TAP. A node applying a TAP feed "
         "sends each change on with one hop less, and not at all at 0: this stops loops between "
         "nodes that tap each other.",
@@ -537,7 +549,7 @@ ENGINE_KEYS += [
     Key(
         "tap.max_sessions",
         _int,
-        64,
+        DEFAULTS["tap.max_sessions"],
         "Named TAP sessions (connected or within their grace period) at most; a TAP_CONNECT "
         "under a new name past it gets ETMPFAIL.",
         "integer",
@@ -548,7 +560,7 @@ ENGINE_KEYS += [
     Key(
         "tap.max_unacked_bytes",
         parse_size,
-        16 * 1024**2,
+        DEFAULTS["tap.max_unacked_bytes"],
         "A TAP connection with SUPPORT_ACK pauses while it holds this many bytes unacknowledged "
         "(with tap.ack_window, this bounds what a parked session keeps).",
         "size",
@@ -559,7 +571,7 @@ ENGINE_KEYS += [
     Key(
         "policy.timeout",
         parse_duration,
-        0.05,
+        DEFAULTS["policy.timeout"],
         "How long the server waits for a policy plugin's answer before it uses the native default.",
         "duration",
         _between(0.001, 10),
@@ -610,7 +622,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "num_vbuckets",
         _int,
-        64,
+        DEFAULTS["buckets.num_vbuckets"],
         "Number of vbuckets; fixed once the bucket has data.",
         "integer",
         _between(1, 1024),
@@ -618,7 +630,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "memory_quota",
         parse_size,
-        1024**3,
+        DEFAULTS["buckets.memory_quota"],
         "Bytes of items and checkpoints the bucket may hold.",
         "size",
         _at_least(1024**2),
@@ -626,7 +638,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "high_watermark",
         _float,
-        0.85,
+        DEFAULTS["buckets.high_watermark"],
         "Fraction of the quota above which writes get a temporary failure.",
         "number",
         _between(0, 1, lo_open=True),
@@ -634,7 +646,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "max_item_size",
         parse_size,
-        20 * 1024**2,
+        DEFAULTS["buckets.max_item_size"],
         "Largest value accepted, in bytes.",
         "size",
         _between(1, 64 * 1024**2),
@@ -642,7 +654,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "checkpoint_memory_ratio",
         _float,
-        0.3,
+        DEFAULTS["buckets.checkpoint_memory_ratio"],
         "Fraction of the quota checkpoints may use before the slowest cursors are dropped.",
         "number",
         _between(0, 1, lo_open=True),
@@ -650,7 +662,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "durability",
         _str,
-        "none",
+        DEFAULTS["buckets.durability"],
         "Default durability level of writes: " + ", ".join(DURABILITY_LEVELS) + ".",
         "string",
         _choice(*DURABILITY_LEVELS),
@@ -658,7 +670,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "replicas",
         _int,
-        1,
+        DEFAULTS["buckets.replicas"],
         "Replicas each vbucket is meant to have: majority durability needs a majority of "
         "1 + replicas nodes, and fails with durability-impossible when fewer follow.",
         "integer",
@@ -667,7 +679,7 @@ BUCKET_KEYS: list[Key] = [
     Key(
         "durability_timeout",
         parse_duration,
-        10.0,
+        DEFAULTS["buckets.durability_timeout"],
         "How long a durable write waits for its level when the request names no timeout; then "
         "it gets sync-write-ambiguous.",
         "duration",

@@ -16,7 +16,7 @@ use sluice_server::dcp::consumer::{
     self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
 };
 
-use crate::SluiceError;
+use crate::errors::SluiceError;
 
 /// One batch of documents in columns, with the streams that ended and the rollbacks followed.
 #[pyclass(module = "sluice._native", frozen)]

@@ -4,6 +4,22 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// The defaults of the settings below that every caller sets (the Python side's keyword
+/// defaults and config.py's `DEFAULTS` read them from here): their one definition.
+pub mod defaults {
+    use std::time::Duration;
+
+    pub const MAX_CONNECTIONS: usize = 10_000;
+    /// Zero: a silent connection is never closed.
+    pub const IDLE_TIMEOUT: Duration = Duration::ZERO;
+    pub const IO_THREADS: usize = 2;
+    pub const REPLICATION_NOOP_INTERVAL: u32 = 1;
+    /// Whether the admin endpoint serves HTTPS when a certificate is configured.
+    pub const TLS_ADMIN: bool = true;
+    /// Whether replication connections use TLS.
+    pub const REPLICATION_TLS: bool = false;
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,

@@ -1,0 +1,415 @@
+//! `Server`: the network server (memcached binary protocol, DCP, TAP, admin HTTP) over an open
+//! engine, with its users and the policy plugins' side of the host.
+
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use sluice_server::limits::LoginLimits;
+use sluice_server::policy::PolicyHost;
+use sluice_server::tap::producer::TapConfig;
+
+use crate::engine::EmbeddedEngine;
+use crate::errors::{config_err, to_py, ClosedError, ConfigError, SluiceError};
+use crate::policy;
+use crate::settings::{secs, socket_addr, BUCKET_DEFAULTS};
+
+/// sluice-server's defaults, the one definition of each: the keyword defaults of `Server` and
+/// `DEFAULTS`, which config.py reads, both come from here.
+pub(crate) static TAP_DEFAULTS: LazyLock<TapConfig> = LazyLock::new(TapConfig::default);
+pub(crate) static LOGIN_DEFAULTS: LazyLock<LoginLimits> = LazyLock::new(LoginLimits::default);
+pub(crate) static POLICY_TIMEOUT: LazyLock<Duration> =
+    LazyLock::new(|| PolicyHost::default().timeout());
+
+pub(crate) use sluice_server::config::defaults::{
+    IDLE_TIMEOUT, IO_THREADS, MAX_CONNECTIONS, REPLICATION_NOOP_INTERVAL, REPLICATION_TLS,
+    TLS_ADMIN,
+};
+
+/// The network server (memcached binary protocol) over an open engine.
+#[pyclass(module = "sluice._native", frozen)]
+pub(crate) struct Server {
+    inner: parking_lot::Mutex<Option<sluice_server::Server>>,
+    address: String,
+    admin_address: Option<String>,
+    tls_address: Option<String>,
+    policies: Arc<PolicyHost>,
+}
+
+type UserSpec = (
+    String,
+    String,
+    std::collections::HashMap<String, Vec<String>>,
+);
+
+/// (name, password hash, {bucket: [permission, ...]}) from the validated configuration.
+fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
+    let mut users = Vec::with_capacity(specs.len());
+    for (name, hash, buckets) in specs {
+        let hash = sluice_server::auth::PasswordHash::parse(&hash)
+            .map_err(|e| config_err(&format!("users.{name}.password_hash"), e))?;
+        let mut perms = std::collections::HashMap::new();
+        for (bucket, names) in buckets {
+            let mut bits = 0;
+            for p in names {
+                bits |= sluice_server::auth::permission(&p).ok_or_else(|| {
+                    config_err(
+                        &format!("users.{name}.buckets.{bucket}"),
+                        format!("unknown permission {p:?}"),
+                    )
+                })?;
+            }
+            perms.insert(bucket, bits);
+        }
+        users.push(sluice_server::auth::User {
+            name,
+            hash,
+            buckets: perms,
+        });
+    }
+    Ok(sluice_server::auth::Users::new(users))
+}
+
+#[pymethods]
+impl Server {
+    /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
+    #[new]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        engine: &EmbeddedEngine,
+        listen: &str,
+        admin_listen: Option<&str>,
+        users: Vec<UserSpec>,
+        max_connections: usize,
+        idle_timeout: f64,
+        io_threads: usize,
+        replica_of: Option<&str>,
+        replication_user: Option<String>,
+        replication_password: Option<String>,
+        replication_noop_interval: u32,
+        tap_ack_interval: u32,
+        tap_ack_window: u32,
+        tap_grace_period: f64,
+        tap_backoff: f64,
+        tap_ttl: u8,
+        tap_max_sessions: usize,
+        tap_max_unacked_bytes: usize,
+        max_unauthenticated: usize,
+        max_unauthenticated_per_ip: usize,
+        login_timeout: f64,
+        policy_timeout: f64,
+        tls_listen: Option<&str>,
+        tls_certificate: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_client_ca: Option<PathBuf>,
+        tls_admin: bool,
+        replication_tls: bool,
+        replication_ca: Option<PathBuf>,
+        replication_certificate: Option<PathBuf>,
+        replication_key: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let tls = match (tls_certificate, tls_key) {
+            (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
+                certificate,
+                key,
+                client_ca: tls_client_ca,
+                admin: tls_admin,
+            }),
+            (None, None) => {
+                if tls_client_ca.is_some() {
+                    return Err(config_err(
+                        "tls.client_ca",
+                        "needs tls.certificate and tls.key (the TLS listener's own certificate)",
+                    ));
+                }
+                None
+            }
+            (Some(_), None) => return Err(config_err("tls.key", "required with tls.certificate")),
+            (None, Some(_)) => return Err(config_err("tls.certificate", "required with tls.key")),
+        };
+        let tls_listen = tls_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("tls_listen", a))
+            .transpose()?;
+        if tls_listen.is_some() && tls.is_none() {
+            return Err(config_err(
+                "tls_listen",
+                "set, but no certificate is configured (tls.certificate, tls.key)",
+            ));
+        }
+        let replication_tls = if replication_tls {
+            let ca = replication_ca.ok_or_else(|| {
+                config_err(
+                    "replication.ca",
+                    "required with replication.tls: the CA the active's certificate must chain to",
+                )
+            })?;
+            let identity = match (&replication_certificate, &replication_key) {
+                (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+                (None, None) => None,
+                (Some(_), None) => {
+                    return Err(config_err(
+                        "replication.key",
+                        "required with replication.certificate",
+                    ))
+                }
+                (None, Some(_)) => {
+                    return Err(config_err(
+                        "replication.certificate",
+                        "required with replication.key",
+                    ))
+                }
+            };
+            Some(
+                sluice_server::tls::ClientTls::load("replication", &ca, identity)
+                    .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))?,
+            )
+        } else {
+            for (key, v) in [
+                ("replication.ca", &replication_ca),
+                ("replication.certificate", &replication_certificate),
+                ("replication.key", &replication_key),
+            ] {
+                if v.is_some() {
+                    return Err(config_err(key, "set, but replication.tls is false"));
+                }
+            }
+            None
+        };
+        if tap_ack_interval == 0 {
+            return Err(config_err("tap.ack_interval", "must be at least 1"));
+        }
+        if tap_ack_window == 0 {
+            return Err(config_err("tap.ack_window", "must be at least 1"));
+        }
+        if !(1..=sluice_core::item::MAX_TAP_HOPS).contains(&tap_ttl) {
+            return Err(config_err("tap.ttl", "must be 1 to 31 hops"));
+        }
+        let tap = TapConfig {
+            ack_interval: tap_ack_interval,
+            ack_window: tap_ack_window,
+            grace_period: secs("tap.grace_period", tap_grace_period)?,
+            backoff: secs("tap.backoff", tap_backoff)?,
+            ttl: tap_ttl,
+            max_sessions: tap_max_sessions,
+            max_unacked_bytes: tap_max_unacked_bytes,
+        };
+        if tap_max_sessions == 0 {
+            return Err(config_err("tap.max_sessions", "must be at least 1"));
+        }
+        if tap_max_unacked_bytes < 64 << 10 {
+            return Err(config_err(
+                "tap.max_unacked_bytes",
+                "must be at least 64 KiB",
+            ));
+        }
+        if max_unauthenticated == 0 {
+            return Err(config_err("max_unauthenticated", "must be at least 1"));
+        }
+        if max_unauthenticated_per_ip == 0 {
+            return Err(config_err(
+                "max_unauthenticated_per_ip",
+                "must be at least 1",
+            ));
+        }
+        let login = LoginLimits {
+            max_unauthenticated,
+            max_unauthenticated_per_ip,
+            login_timeout: secs("login_timeout", login_timeout)?,
+        };
+        if login.login_timeout.is_zero() {
+            return Err(config_err("login_timeout", "must be more than 0"));
+        }
+        let policies = Arc::new(PolicyHost::default());
+        policies.set_timeout(secs("policy.timeout", policy_timeout)?);
+        if !(1..=10800).contains(&replication_noop_interval) {
+            return Err(config_err(
+                "replication.noop_interval",
+                "must be 1 to 10800 seconds",
+            ));
+        }
+        let replica_of = match replica_of.filter(|a| !a.is_empty()) {
+            None => None,
+            Some(a) => {
+                socket_addr("replication.replica_of", a)?;
+                if !engine.engine.config().replica {
+                    return Err(config_err(
+                        "replication.replica_of",
+                        "the engine was not opened as a replica (EngineSettings replica=True)",
+                    ));
+                }
+                Some(sluice_server::replica::ReplicaConfig {
+                    active: a.to_string(),
+                    username: replication_user.clone(),
+                    password: replication_password.clone(),
+                    noop_interval: replication_noop_interval,
+                    tls: replication_tls.clone(),
+                })
+            }
+        };
+        let addr = socket_addr("listen", listen)?;
+        let admin_listen = admin_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("admin_listen", a))
+            .transpose()?;
+        if max_connections == 0 {
+            return Err(config_err("max_connections", "must be at least 1"));
+        }
+        let max_item = engine
+            .engine
+            .buckets()
+            .iter()
+            .map(|b| b.config.max_item_size)
+            .max()
+            .unwrap_or(BUCKET_DEFAULTS.max_item_size);
+        let config = sluice_server::ServerConfig {
+            listen: addr,
+            admin_listen,
+            max_connections,
+            // The largest value plus room for key, extras and framing extras.
+            max_body: max_item + 1024,
+            idle_timeout: secs("idle_timeout", idle_timeout)?,
+            worker_threads: io_threads.max(1),
+            users: users_of(users)?,
+            replica_of,
+            replication_login: (replication_user, replication_password),
+            replication_noop_interval,
+            replication_tls,
+            tap,
+            login,
+            tls_listen,
+            tls,
+        };
+        let e = engine.engine.clone();
+        let host = policies.clone();
+        let server = py
+            .detach(|| sluice_server::Server::start_with(e, config, host))
+            .map_err(|err| {
+                if err.kind() == std::io::ErrorKind::InvalidInput {
+                    ConfigError::new_err(format!("invalid config: {err}"))
+                } else {
+                    SluiceError::new_err(format!("cannot listen on {listen}: {err}"))
+                }
+            })?;
+        let address = server.local_addr().to_string();
+        let admin_address = server.admin_addr().map(|a| a.to_string());
+        let tls_address = server.tls_addr().map(|a| a.to_string());
+        Ok(Server {
+            inner: parking_lot::Mutex::new(Some(server)),
+            address,
+            admin_address,
+            tls_address,
+            policies,
+        })
+    }
+
+    /// Installs (True) or removes (False) the plugin for a policy kind ("ack", "retransmit",
+    /// "slow_consumer", "filter"). Without one the native default decides, with no Python call.
+    fn policy_install(&self, kind: &str, installed: bool) -> PyResult<()> {
+        self.policies
+            .set_installed(policy::kind_of(kind)?, installed);
+        Ok(())
+    }
+
+    /// How long the server waits for a plugin's answer before using the default.
+    fn policy_set_timeout(&self, seconds: f64) -> PyResult<()> {
+        self.policies.set_timeout(secs("policy.timeout", seconds)?);
+        Ok(())
+    }
+
+    /// The next question for a plugin, waiting up to `wait` seconds (GIL released); None if
+    /// none came.
+    #[pyo3(signature = (kind, wait=0.5))]
+    fn policy_next(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        wait: f64,
+    ) -> PyResult<Option<policy::PolicyCall>> {
+        Ok(policy::next_call(
+            py,
+            &self.policies,
+            policy::kind_of(kind)?,
+            wait,
+        ))
+    }
+
+    /// "HOST:PORT" actually bound.
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Replaces the users and permissions (SIGHUP); connections see them on their next request.
+    fn set_users(&self, users: Vec<UserSpec>) -> PyResult<()> {
+        let users = users_of(users)?;
+        if let Some(s) = self.inner.lock().as_ref() {
+            s.set_users(users);
+        }
+        Ok(())
+    }
+
+    /// "HOST:PORT" of the TLS KV listener, if it runs.
+    #[getter]
+    fn tls_address(&self) -> Option<&str> {
+        self.tls_address.as_deref()
+    }
+
+    /// Reads the TLS certificate and key again (SIGHUP): connections accepted afterwards get
+    /// them. Returns False when no TLS is configured; raises ConfigError (the old certificate
+    /// stays in use) when the files cannot be used.
+    fn reload_tls(&self, py: Python<'_>) -> PyResult<bool> {
+        let guard = self.inner.lock();
+        let Some(s) = guard.as_ref() else {
+            return Err(ClosedError::new_err("the server is stopped"));
+        };
+        py.detach(|| s.reload_tls())
+            .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))
+    }
+
+    /// "HOST:PORT" of the admin endpoint (/metrics, /status), if it runs.
+    #[getter]
+    fn admin_address(&self) -> Option<&str> {
+        self.admin_address.as_deref()
+    }
+
+    /// Failover: stops following the active and makes every replica vbucket active. Returns
+    /// {bucket: [vbuckets promoted]}.
+    fn promote(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<String, Vec<u16>>> {
+        let followers = match self.inner.lock().as_ref() {
+            Some(s) => s.followers(),
+            None => return Err(ClosedError::new_err("the server is stopped")),
+        };
+        let done = py.detach(|| followers.promote()).map_err(to_py)?;
+        Ok(done.into_iter().collect())
+    }
+
+    /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.
+    #[pyo3(signature = (grace=5.0))]
+    fn stop(&self, py: Python<'_>, grace: f64) -> PyResult<()> {
+        let grace = secs("grace", grace)?;
+        let server = self.inner.lock().take();
+        if let Some(mut s) = server {
+            py.detach(move || s.shutdown(grace));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.inner.lock().take() {
+            // SAFETY: a read-only query of the interpreter's state.
+            if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
+                Python::attach(|py| {
+                    py.detach(move || s.shutdown(std::time::Duration::from_secs(5)))
+                });
+            } else {
+                s.shutdown(std::time::Duration::from_secs(5));
+            }
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Standalone functions behind the command-line tools: the WAL dump (`sluice wal dump`), the
+//! native load generator (`sluice bench`) and TAP reader of the benchmarks, and the key to
+//! vbucket mapping.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use sluice_core::Error;
+
+use crate::errors::{to_py, SluiceError};
+use crate::settings::{secs, socket_addr};
+
+/// Prints the records of a WAL segment or snapshot as JSON lines to the file descriptor `fd`.
+/// Returns how many records were printed.
+#[pyfunction]
+pub(crate) fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
+    use std::os::fd::FromRawFd;
+    py.detach(|| {
+        // SAFETY: dup gives us our own descriptor to own and close.
+        let own = unsafe { libc::dup(fd) };
+        if own < 0 {
+            return Err(Error::Io(format!("bad file descriptor {fd}")));
+        }
+        let file = unsafe { std::fs::File::from_raw_fd(own) };
+        let mut out = std::io::BufWriter::new(file);
+        let n = sluice_core::dump::dump(&path, &mut out)?;
+        match std::io::Write::flush(&mut out) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                Err(Error::io("writing output", e))
+            }
+            _ => Ok(n),
+        }
+    })
+    .map_err(to_py)
+}
+
+/// Reads a TAP stream natively (acknowledging what asks) until `count` changes arrived (0: until
+/// the server closes it) or `timeout` passes; for benchmarks. Returns counts and seconds.
+#[pyfunction]
+#[pyo3(signature = (target, *, name=None, flags=0, backfill_since=None, vbuckets=None, count=0, timeout=60.0))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tap_drain<'py>(
+    py: Python<'py>,
+    target: &str,
+    name: Option<Vec<u8>>,
+    flags: u32,
+    backfill_since: Option<u64>,
+    vbuckets: Option<Vec<u16>>,
+    count: u64,
+    timeout: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    use sluice_proto::tap::{connect_flag, TapConnect};
+    let mut flags = flags;
+    if backfill_since.is_some() {
+        flags |= connect_flag::BACKFILL;
+    }
+    if vbuckets.is_some() {
+        flags |= connect_flag::LIST_VBUCKETS;
+    }
+    let connect = TapConnect {
+        name: name.unwrap_or_default(),
+        flags,
+        backfill_since,
+        vbuckets,
+        checkpoints: Vec::new(),
+    };
+    let addr = socket_addr("target", target)?;
+    let timeout = secs("timeout", timeout)?;
+    let r = py
+        .detach(|| sluice_tools::tap_reader::drain(addr, &connect, count, timeout))
+        .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
+    let d = PyDict::new(py);
+    d.set_item("messages", r.messages)?;
+    d.set_item("mutations", r.mutations)?;
+    d.set_item("deletions", r.deletions)?;
+    d.set_item("acks_sent", r.acks_sent)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("closed", r.closed)?;
+    Ok(d)
+}
+
+/// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
+/// outcome counts and latency percentiles.
+#[pyfunction]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_bench<'py>(
+    py: Python<'py>,
+    target: &str,
+    connections: usize,
+    pipeline: usize,
+    duration: f64,
+    count: u64,
+    keys: u64,
+    key_size: usize,
+    value_size: usize,
+    get_ratio: f64,
+    prefill: bool,
+    threads: usize,
+    user: Option<String>,
+    password: Option<String>,
+    cacert: Option<PathBuf>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let tls = cacert
+        .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
+        .transpose()
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
+    // Values up to sluice's own item size limit, so every request can be framed.
+    if connections == 0
+        || pipeline == 0
+        || keys == 0
+        || !(1..=250).contains(&key_size)
+        || value_size > 64 << 20
+        || !(0.0..=1.0).contains(&get_ratio)
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "connections, pipeline and keys must be positive, key_size in 1..=250, value_size at most 64 MiB, \
+             get_ratio in 0..=1",
+        ));
+    }
+    let cfg = sluice_tools::bench::BenchConfig {
+        target: socket_addr("target", target)?,
+        connections,
+        pipeline,
+        duration: secs("duration", duration)?,
+        count,
+        keys,
+        key_size,
+        value_size,
+        get_ratio,
+        prefill,
+        threads,
+        user: user.zip(password),
+        tls,
+    };
+    let r = py
+        .detach(|| sluice_tools::bench::run(cfg))
+        .map_err(|e| SluiceError::new_err(format!("bench against {target}: {e}")))?;
+    let d = PyDict::new(py);
+    d.set_item("ops", r.ops)?;
+    d.set_item("gets", r.gets)?;
+    d.set_item("sets", r.sets)?;
+    d.set_item("misses", r.misses)?;
+    d.set_item("errors", r.errors)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("ops_per_s", r.ops_per_s)?;
+    let lat = PyDict::new(py);
+    for (p, us) in r.latency_us {
+        lat.set_item(
+            if p >= 100.0 {
+                "max".to_string()
+            } else {
+                format!("p{p}")
+            },
+            us,
+        )?;
+    }
+    d.set_item("latency_us", lat)?;
+    Ok(d)
+}
+
+/// The vbucket of a key for a bucket of `num_vbuckets` (Couchbase's mapping).
+#[pyfunction]
+pub(crate) fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
+    if num_vbuckets == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "num_vbuckets must be positive",
+        ));
+    }
+    Ok(sluice_core::hash::vbucket_of(key, num_vbuckets))
+}
