@@ -57,7 +57,5 @@ def test_server_modules_import_only_from_lower_layers() -> None:
     edges = graph(ROOT / "rust" / "sluice-server")
     layer = {m: i for i, mods in enumerate(SERVER_LAYERS) for m in mods}
     assert set(edges) == set(layer), "a module of sluice-server is missing from SERVER_LAYERS"
-    upward = sorted(
-        f"{m} -> {d}" for m, deps in edges.items() for d in deps if layer[d] >= layer[m]
-    )
+    upward = sorted(f"{m} -> {d}" for m, deps in edges.items() for d in deps if layer[d] >= layer[m])
     assert upward == []
