@@ -3,6 +3,13 @@
 //! the runtime; `connection` runs one client; `kv` turns one request into its response;
 //! `stream` is the protocol-neutral change stream that `dcp` and `tap` encode.
 //!
+//! No hub: `server` builds one context per front (`kv::KvContext`, `dcp::producer::DcpContext`,
+//! `tap::TapContext`) holding only what that front works with, and a connection that opens a
+//! stream hands itself over (`kv::Handoff`). A new front (Greenstack, TANK, iproto) gets its own
+//! context the same way and sits beside `dcp` and `tap`. Modules import only from the layers
+//! below them (see `tests/test_layering.py`): leaves, then counters and limits, the KV front,
+//! the stream fronts, replication, the connection, the admin endpoint, the server.
+//!
 //! May depend on sluice-proto and sluice-core, never on sluice-py.
 
 pub mod admin;
