@@ -2,6 +2,9 @@
 //! writes it with one write and (in fsync mode) syncs once per batch: group commit. LSNs are
 //! handed out under the queue lock, so the file order is the LSN order.
 //!
+//! In write mode a reply waiting for a small batch may write it itself when the thread is idle
+//! (`WalWriter::written`): the same batch, the same order, under the same lock.
+//!
 //! When a write or sync fails (disk full, I/O error) the batch stays with the writer, which
 //! retries it with back-off; meanwhile `is_failing()` tells the engine to refuse new writes,
 //! waiters of the failed and later LSNs get `Error::WalFailed`, and nothing written before is
@@ -163,6 +166,9 @@ struct Shared {
     queued_bytes: AtomicUsize,
     /// Moves whenever `durable` changes (written, synced, an error, the stop), for async waits.
     progress: ChangeSignal,
+    /// The writer thread's, lent to a waiter that finds it idle; None in mode `none` and once
+    /// the thread stopped.
+    writer: Mutex<Option<Writer>>,
 }
 
 impl Shared {
@@ -411,6 +417,7 @@ impl WalWriter {
             sync_latency: SyncLatency::default(),
             queued_bytes: AtomicUsize::new(0),
             progress: ChangeSignal::default(),
+            writer: Mutex::new(None),
         });
         let thread = if cfg.mode == WalMode::None {
             None
@@ -418,11 +425,22 @@ impl WalWriter {
             std::fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(cfg.dir.display(), e))?;
             let segment =
                 Segment::create(&cfg, next_lsn).map_err(|e| Error::io(cfg.dir.display(), e))?;
+            *shared.writer.lock() = Some(Writer {
+                cfg,
+                segment,
+                buf: Vec::with_capacity(4 << 20),
+                batch: Vec::new(),
+                per_vb: HashMap::default(),
+                persisted: Vec::new(),
+                on_persisted,
+                written: next_lsn - 1,
+                synced: next_lsn - 1,
+            });
             let sh = shared.clone();
             Some(
                 std::thread::Builder::new()
                     .name("sluice-wal".into())
-                    .spawn(move || writer_loop(sh, cfg, segment, on_persisted))
+                    .spawn(move || writer_loop(sh))
                     .map_err(|e| Error::io("spawning the WAL writer", e))?,
             )
         };
@@ -494,6 +512,7 @@ impl WalWriter {
         if self.shared.mode == WalMode::None {
             return Ok(());
         }
+        self.lead(lsn);
         loop {
             let seen = self.shared.progress.generation();
             {
@@ -506,6 +525,47 @@ impl WalWriter {
                 }
             }
             self.shared.progress.changed(seen).await;
+        }
+    }
+
+    /// In write mode, writes what is queued from the caller's thread when the writer is idle and
+    /// the batch small: the reply then waits for one write(2), not for the writer thread to be
+    /// scheduled (on a busy machine that wake-up is most of a small write's latency). Waiters
+    /// that find it busy wait for it as before; failures, syncs, rotation and fsync mode stay
+    /// with the thread (a failed batch goes back to the head of the queue for it to retry).
+    fn lead(&self, lsn: u64) {
+        let shared = &*self.shared;
+        if shared.mode != WalMode::Write
+            || shared.failing.load(Ordering::Acquire)
+            || shared.queued_bytes.load(Ordering::Relaxed) > LEAD_MAX_BYTES
+            || shared.durable.lock().written >= lsn
+        {
+            return;
+        }
+        let Some(mut guard) = shared.writer.try_lock() else {
+            return;
+        };
+        let Some(w) = guard.as_mut() else {
+            return;
+        };
+        if !w.batch.is_empty() {
+            return; // a failed batch the thread is retrying
+        }
+        w.take_queued(shared);
+        if w.batch.is_empty() {
+            return;
+        }
+        if w.write_batch(shared).is_err() {
+            let mut q = shared.queue.lock();
+            let newer = std::mem::take(&mut q.pending);
+            q.pending = std::mem::take(&mut w.batch);
+            q.pending.extend(newer);
+            shared.queue_cv.notify_one();
+            return;
+        }
+        if w.segment.size >= w.cfg.segment_size {
+            shared.queue.lock().rotate = true;
+            shared.queue_cv.notify_one();
         }
     }
 
@@ -658,137 +718,179 @@ fn sync_due(shared: &Shared, synced: u64) -> bool {
     shared.sync_wanted.load(Ordering::Acquire) > synced
 }
 
-fn writer_loop(
-    shared: Arc<Shared>,
+/// The one that writes batches to the current segment: the writer thread's, lent to a waiter
+/// that finds it idle (see `WalWriter::written`). Taken by the thread when it stops.
+struct Writer {
     cfg: WalConfig,
-    mut segment: Segment,
+    segment: Segment,
+    buf: Vec<u8>,
+    /// Double buffering: the writer hands its drained batch vector back to the queue, so
+    /// neither side regrows a vector per batch.
+    batch: Vec<Queued>,
+    per_vb: HashMap<(u16, u16), u64, foldhash::fast::FixedState>,
+    persisted: Vec<(u16, u16, u64)>,
     on_persisted: PersistedCallback,
-) {
-    let mut buf: Vec<u8> = Vec::with_capacity(4 << 20);
-    // Double buffering: the writer hands its drained batch vector back to the queue, so
-    // neither side regrows a vector per batch.
-    let mut batch: Vec<Queued> = Vec::new();
-    let mut per_vb: HashMap<(u16, u16), u64, foldhash::fast::FixedState> = HashMap::default();
-    let mut persisted: Vec<(u16, u16, u64)> = Vec::new();
-    let (mut written, mut synced) = {
-        let d = shared.durable.lock();
-        (d.written, d.synced)
-    };
+    written: u64,
+    synced: u64,
+}
+
+impl Writer {
+    /// Takes what is queued as the batch to write (unless a failed batch is still here).
+    fn take_queued(&mut self, shared: &Shared) {
+        if self.batch.is_empty() {
+            std::mem::swap(&mut shared.queue.lock().pending, &mut self.batch);
+        }
+    }
+
+    /// Writes the batch (once; the caller decides about retries), then publishes it.
+    fn write_batch(&mut self, shared: &Shared) -> io::Result<()> {
+        let fp = match shared.failpoint.load(Ordering::Acquire) {
+            1 => Failpoint::NoSpace,
+            2 => Failpoint::IoError,
+            _ => Failpoint::Off,
+        };
+        self.segment.append_batch(
+            &self.batch,
+            &mut self.buf,
+            &self.cfg,
+            fp,
+            &shared.sync_latency,
+        )?;
+        self.publish(shared);
+        Ok(())
+    }
+
+    /// The batch is in the file: the vbuckets' persisted seqnos move, then `written` (and in
+    /// fsync mode `synced`), and waiters are woken.
+    fn publish(&mut self, shared: &Shared) {
+        let last = self.batch.last().expect("non-empty").lsn;
+        self.segment.records += self.batch.len() as u64;
+        // Persisted seqnos first, then durability: whoever a durable LSN wakes must already
+        // see the vbuckets' persisted seqnos cover it.
+        // Seqnos rise with LSNs within a vbucket, and changes of one vbucket come in runs:
+        // note each run's last seqno.
+        self.per_vb.clear();
+        let mut run: Option<((u16, u16), u64)> = None;
+        for q in &self.batch {
+            if let WalPayload::Change(c) = &q.payload {
+                let vb = (c.bucket(), c.vbucket());
+                match &mut run {
+                    Some((k, s)) if *k == vb => *s = c.seqno(),
+                    _ => {
+                        if let Some((k, s)) = run.replace((vb, c.seqno())) {
+                            self.per_vb.insert(k, s);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((k, s)) = run {
+            self.per_vb.insert(k, s);
+        }
+        self.persisted.clear();
+        self.persisted
+            .extend(self.per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
+        let charged: usize = self.batch.iter().map(Queued::charge).sum();
+        shared.queued_bytes.fetch_sub(charged, Ordering::Relaxed);
+        self.batch.clear();
+        // After a surge, give back what a normal batch does not need.
+        self.batch.shrink_to(MAX_KEPT_ENTRIES);
+        self.buf.shrink_to(WRITE_CHUNK + self.cfg.block_size);
+        (self.on_persisted)(&self.persisted);
+        self.written = last;
+        if self.cfg.mode == WalMode::Fsync {
+            self.synced = last;
+        }
+        let recovered = {
+            let mut d = shared.durable.lock();
+            d.written = self.written;
+            d.synced = self.synced;
+            d.error = None;
+            let was = shared.failing.swap(false, Ordering::AcqRel);
+            shared.announce();
+            was
+        };
+        if recovered {
+            log::warn!("WAL writes succeed again; accepting writes");
+        }
+    }
+
+    /// Writes the batch, retrying with back-off while it fails (the engine refuses new writes
+    /// meanwhile). False when the server stops with the batch still unwritten.
+    fn write_until_done(&mut self, shared: &Shared) -> bool {
+        let mut backoff = Duration::from_millis(20);
+        let failing_since = Instant::now();
+        loop {
+            let Err(e) = self.write_batch(shared) else {
+                return true;
+            };
+            let msg = format!("writing {}: {e}", self.segment.path.display());
+            // The reason first, then the flag, under the lock `failure` reads them with:
+            // whoever sees the writer failing sees why.
+            let began_failing = {
+                let mut d = shared.durable.lock();
+                d.error = Some(msg.clone());
+                let was = shared.failing.swap(true, Ordering::AcqRel);
+                shared.announce();
+                !was
+            };
+            if began_failing {
+                log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
+            }
+            if shared.queue.lock().shutdown && failing_since.elapsed() > Duration::from_secs(3) {
+                log::error!(
+                    "WAL writer stopping with LSNs {}..={} unwritten",
+                    self.batch[0].lsn,
+                    self.batch.last().expect("non-empty").lsn
+                );
+                return false;
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+/// Past this many bytes queued, a waiter leaves the writing to the writer thread: a reply
+/// task writes a small batch itself rather than wait for the thread to wake, never a backlog.
+const LEAD_MAX_BYTES: usize = 256 << 10;
+
+fn writer_loop(shared: Arc<Shared>) {
     loop {
         let (shutdown, rotate) = {
             let mut q = shared.queue.lock();
-            let has_work = |q: &QueueState| {
-                !q.pending.is_empty()
+            loop {
+                let (written, synced) = {
+                    let d = shared.durable.lock();
+                    (d.written, d.synced)
+                };
+                let has_work = !q.pending.is_empty()
                     || q.shutdown
                     || q.rotate
-                    || (sync_due(&shared, synced) && written > synced)
-            };
-            while !has_work(&q) {
+                    || (sync_due(&shared, synced) && written > synced);
+                if has_work {
+                    break;
+                }
                 shared.queue_cv.wait(&mut q);
             }
-            let rotate = std::mem::take(&mut q.rotate);
-            std::mem::swap(&mut q.pending, &mut batch);
-            (q.shutdown, rotate)
+            (q.shutdown, std::mem::take(&mut q.rotate))
         };
-        if !batch.is_empty() {
-            let last = batch.last().expect("non-empty").lsn;
-            let mut backoff = Duration::from_millis(20);
-            let failing_since = Instant::now();
-            loop {
-                let fp = match shared.failpoint.load(Ordering::Acquire) {
-                    1 => Failpoint::NoSpace,
-                    2 => Failpoint::IoError,
-                    _ => Failpoint::Off,
-                };
-                match segment.append_batch(&batch, &mut buf, &cfg, fp, &shared.sync_latency) {
-                    Ok(()) => break,
-                    Err(e) => {
-                        let msg = format!("writing {}: {e}", segment.path.display());
-                        // The reason first, then the flag, under the lock `failure` reads
-                        // them with: whoever sees the writer failing sees why.
-                        let began_failing = {
-                            let mut d = shared.durable.lock();
-                            d.error = Some(msg.clone());
-                            let was = shared.failing.swap(true, Ordering::AcqRel);
-                            shared.announce();
-                            !was
-                        };
-                        if began_failing {
-                            log::error!(
-                                "WAL write failed, refusing new writes until it succeeds: {msg}"
-                            );
-                        }
-                        if shared.queue.lock().shutdown
-                            && failing_since.elapsed() > Duration::from_secs(3)
-                        {
-                            log::error!(
-                                "WAL writer stopping with LSNs {}..={last} unwritten",
-                                batch[0].lsn
-                            );
-                            return;
-                        }
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
-                    }
-                }
-            }
-            let recovered = {
-                let mut d = shared.durable.lock();
-                d.error = None;
-                shared.failing.swap(false, Ordering::AcqRel)
-            };
-            if recovered {
-                log::warn!("WAL writes succeed again; accepting writes");
-            }
-            segment.records += batch.len() as u64;
-            // Persisted seqnos first, then durability: whoever a durable LSN wakes must already
-            // see the vbuckets' persisted seqnos cover it.
-            // Seqnos rise with LSNs within a vbucket, and changes of one vbucket come in runs:
-            // note each run's last seqno.
-            per_vb.clear();
-            let mut run: Option<((u16, u16), u64)> = None;
-            for q in &batch {
-                if let WalPayload::Change(c) = &q.payload {
-                    let vb = (c.bucket(), c.vbucket());
-                    match &mut run {
-                        Some((k, s)) if *k == vb => *s = c.seqno(),
-                        _ => {
-                            if let Some((k, s)) = run.replace((vb, c.seqno())) {
-                                per_vb.insert(k, s);
-                            }
-                        }
-                    }
-                }
-            }
-            if let Some((k, s)) = run {
-                per_vb.insert(k, s);
-            }
-            persisted.clear();
-            persisted.extend(per_vb.iter().map(|(&(b, v), &s)| (b, v, s)));
-            let charged: usize = batch.iter().map(Queued::charge).sum();
-            shared.queued_bytes.fetch_sub(charged, Ordering::Relaxed);
-            batch.clear();
-            // After a surge, give back what a normal batch does not need.
-            batch.shrink_to(MAX_KEPT_ENTRIES);
-            buf.shrink_to(WRITE_CHUNK + cfg.block_size);
-            on_persisted(&persisted);
-            written = last;
-            if cfg.mode == WalMode::Fsync {
-                synced = last;
-            }
-            let mut d = shared.durable.lock();
-            d.written = written;
-            d.synced = synced;
-            d.error = None;
-            shared.announce();
+        // A waiter may be writing (see `WalWriter::written`): this waits for it.
+        let mut guard = shared.writer.lock();
+        let w = guard
+            .as_mut()
+            .expect("the thread alone takes the writer away");
+        w.take_queued(&shared);
+        if !w.batch.is_empty() && !w.write_until_done(&shared) {
+            return;
         }
-        if sync_due(&shared, synced) && written > synced {
+        if sync_due(&shared, w.synced) && w.written > w.synced {
             // One sync serves every persist waiter of write mode that asked so far.
-            match timed_sync(&segment.file, &shared.sync_latency) {
+            match timed_sync(&w.segment.file, &shared.sync_latency) {
                 Ok(()) => {
-                    synced = written;
+                    w.synced = w.written;
                     let mut d = shared.durable.lock();
-                    d.synced = synced;
+                    d.synced = w.synced;
                     shared.announce();
                 }
                 Err(e) => {
@@ -797,17 +899,17 @@ fn writer_loop(
                 }
             }
         }
-        let next_lsn = written + 1;
-        if (rotate && segment.records > 0) || segment.size >= cfg.segment_size {
-            match Segment::create(&cfg, next_lsn) {
+        let next_lsn = w.written + 1;
+        if (rotate && w.segment.records > 0) || w.segment.size >= w.cfg.segment_size {
+            match Segment::create(&w.cfg, next_lsn) {
                 Ok(new) => {
-                    let old = std::mem::replace(&mut segment, new);
-                    match old.close(&cfg.dir) {
+                    let old = std::mem::replace(&mut w.segment, new);
+                    match old.close(&w.cfg.dir) {
                         // Closing syncs the old segment: all it holds is synced now.
                         Ok(()) => {
-                            synced = written;
+                            w.synced = w.written;
                             let mut d = shared.durable.lock();
-                            d.synced = synced;
+                            d.synced = w.synced;
                             shared.announce();
                         }
                         Err(e) => log::error!("closing WAL segment: {e}"),
@@ -819,10 +921,11 @@ fn writer_loop(
             }
         }
         if shutdown && shared.queue.lock().pending.is_empty() {
+            let w = guard.take().expect("present");
             if shared.queue.lock().crash {
                 return;
             }
-            if let Err(e) = segment.close(&cfg.dir) {
+            if let Err(e) = w.segment.close(&w.cfg.dir) {
                 log::error!("closing WAL segment at shutdown: {e}");
             }
             return;
