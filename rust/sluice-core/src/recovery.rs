@@ -897,3 +897,45 @@ fn seal_segment(path: &Path, has_eof: bool, records: u64) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(lsn: u64, name: &[u8], num_vbuckets: u16) -> Record<'_> {
+        Record {
+            lsn,
+            bucket: 2,
+            vbucket: 0,
+            body: RecordBody::Bucket { name, num_vbuckets },
+        }
+    }
+
+    #[test]
+    fn records_that_do_not_fit_the_state_are_named() {
+        let mut state = State::default();
+        state.apply(&bucket(1, b"default", 4), true).unwrap();
+        // The same declaration again (a snapshot and the WAL both hold it) is fine.
+        state.apply(&bucket(2, b"default", 4), true).unwrap();
+        let err = |state: &mut State, rec: &Record<'_>| state.apply(rec, true).unwrap_err();
+        assert_eq!(
+            err(&mut state, &bucket(3, b"default", 8)).to_string(),
+            "bucket id 2 declared twice differently"
+        );
+        assert_eq!(
+            err(&mut state, &bucket(3, b"\xff", 4)),
+            ApplyError::BucketName
+        );
+        let purge = |vbucket| Record {
+            lsn: 4,
+            bucket: 2,
+            vbucket,
+            body: RecordBody::PurgeSeqno(1),
+        };
+        state.apply(&purge(3), true).unwrap();
+        assert_eq!(
+            err(&mut state, &purge(4)).to_string(),
+            "record for unknown bucket 2 vbucket 4"
+        );
+    }
+}

@@ -654,3 +654,59 @@ impl SyncWriter {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_key_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.pem");
+        let err = load_certificates("tls.certificate", &missing).unwrap_err();
+        assert!(matches!(err, TlsError::Read { .. }));
+        assert!(
+            err.to_string().starts_with(&format!(
+                "tls.certificate: cannot read {}: ",
+                missing.display()
+            )),
+            "{err}"
+        );
+
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "no PEM here\n").unwrap();
+        let err = load_certificates("replication.ca", &empty).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "replication.ca: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                empty.display()
+            )
+        );
+        let err = ClientTls::trusting("--cacert", &empty).unwrap_err();
+        assert!(err.starts_with("--cacert: "), "{err}");
+        let err = load_key("tls.key", &empty).unwrap_err();
+        assert!(
+            err.to_string().starts_with(&format!(
+                "tls.key: {} holds no usable PEM private key: ",
+                empty.display()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn server_names_come_from_the_address() {
+        assert_eq!(
+            server_name("node-1.example:11207").unwrap(),
+            ServerName::try_from("node-1.example").unwrap()
+        );
+        assert!(server_name("[::1]:11207").is_ok());
+        let err = server_name("bad_host!:11207").unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("\"bad_host!\" is not a TLS server name: "),
+            "{err}"
+        );
+    }
+}

@@ -71,3 +71,41 @@ impl Batch {
         self.value_offsets.push(self.values.len() as i64);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_go_into_columns() {
+        let doc = |opcode, key: &'static [u8], value: &'static [u8], by_seqno| DocumentRef {
+            opcode,
+            vbucket: 5,
+            key,
+            value,
+            by_seqno,
+            rev_seqno: 1,
+            cas: 9,
+            datatype: 0,
+            flags: 3,
+            expiration: 100,
+            delete_time: 200,
+        };
+        let mut b = Batch::new();
+        assert!(b.is_empty());
+        b.push(&doc(opcode::MUTATION, b"ab", b"xyz", 1));
+        b.push(&doc(opcode::DELETION, b"c", b"", 2));
+        b.push(&doc(opcode::EXPIRATION, b"de", b"", 3));
+        assert_eq!(b.len(), 3);
+        assert_eq!(b.op, [0, 1, 2]);
+        assert_eq!(b.seqno, [1, 2, 3]);
+        // A mutation's expiry is its TTL; a deletion's or expiration's, when it happened.
+        assert_eq!(b.expiry, [100, 200, 200]);
+        assert_eq!(
+            (b.key_offsets.as_slice(), b.keys.as_slice()),
+            (&[0, 2, 3, 5][..], &b"abcde"[..])
+        );
+        assert_eq!(b.value_offsets, [0, 3, 3, 3]);
+        assert_eq!(b.values, b"xyz");
+    }
+}
