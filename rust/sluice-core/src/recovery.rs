@@ -88,22 +88,47 @@ pub struct Recovered {
     pub report: Report,
 }
 
+/// Why a record cannot be applied to the recovered state: the file holding it is corrupt
+/// (the text becomes the corruption's reason in the recovery report and errors).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ApplyError {
+    #[error("bucket name is not UTF-8")]
+    BucketName,
+    #[error("bucket id {0} declared twice differently")]
+    BucketRedeclared(u16),
+    #[error("record for unknown bucket {bucket} vbucket {vbucket}")]
+    UnknownVbucket { bucket: u16, vbucket: u16 },
+    /// A WAL change at or below what the vbucket already holds.
+    #[error("seqno {seqno} of vbucket {vbucket} is not above its high seqno {high_seqno}")]
+    NotAbove {
+        seqno: u64,
+        vbucket: u16,
+        high_seqno: u64,
+    },
+    /// A snapshot's item not in ascending order up to the vbucket's high seqno.
+    #[error(
+        "seqno {seqno} of vbucket {vbucket} is out of order (after {last}, high seqno {high_seqno})"
+    )]
+    OutOfOrder {
+        seqno: u64,
+        vbucket: u16,
+        last: u64,
+        high_seqno: u64,
+    },
+}
+
 #[derive(Default)]
 struct State {
     buckets: BTreeMap<u16, RecoveredBucket>,
 }
 
 impl State {
-    fn apply(&mut self, rec: &Record<'_>, from_wal: bool) -> std::result::Result<(), String> {
+    fn apply(&mut self, rec: &Record<'_>, from_wal: bool) -> std::result::Result<(), ApplyError> {
         if let RecordBody::Bucket { name, num_vbuckets } = rec.body {
-            let name = String::from_utf8(name.to_vec())
-                .map_err(|_| "bucket name is not UTF-8".to_string())?;
+            let name = String::from_utf8(name.to_vec()).map_err(|_| ApplyError::BucketName)?;
             match self.buckets.get(&rec.bucket) {
                 Some(b) if b.name != name || b.vbuckets.len() != num_vbuckets as usize => {
-                    return Err(format!(
-                        "bucket id {} declared twice differently",
-                        rec.bucket
-                    ))
+                    return Err(ApplyError::BucketRedeclared(rec.bucket))
                 }
                 Some(_) => {}
                 None => {
@@ -127,11 +152,9 @@ impl State {
             .buckets
             .get_mut(&rec.bucket)
             .and_then(|b| b.vbuckets.get_mut(rec.vbucket as usize))
-            .ok_or_else(|| {
-                format!(
-                    "record for unknown bucket {} vbucket {}",
-                    rec.bucket, rec.vbucket
-                )
+            .ok_or(ApplyError::UnknownVbucket {
+                bucket: rec.bucket,
+                vbucket: rec.vbucket,
             })?;
         if from_wal && rec.lsn <= vb.last_lsn {
             return Ok(());
@@ -141,22 +164,22 @@ impl State {
                 key, value, meta, ..
             } => {
                 if meta.by_seqno <= vb.high_seqno && from_wal {
-                    return Err(format!(
-                        "seqno {} of vbucket {} is not above its high seqno {}",
-                        meta.by_seqno, rec.vbucket, vb.high_seqno
-                    ));
+                    return Err(ApplyError::NotAbove {
+                        seqno: meta.by_seqno,
+                        vbucket: rec.vbucket,
+                        high_seqno: vb.high_seqno,
+                    });
                 }
                 // A snapshot lists each vbucket's items in ascending seqnos up to its high seqno.
                 if !from_wal
                     && (meta.by_seqno <= vb.store.last_seqno() || meta.by_seqno > vb.high_seqno)
                 {
-                    return Err(format!(
-                        "seqno {} of vbucket {} is out of order (after {}, high seqno {})",
-                        meta.by_seqno,
-                        rec.vbucket,
-                        vb.store.last_seqno(),
-                        vb.high_seqno
-                    ));
+                    return Err(ApplyError::OutOfOrder {
+                        seqno: meta.by_seqno,
+                        vbucket: rec.vbucket,
+                        last: vb.store.last_seqno(),
+                        high_seqno: vb.high_seqno,
+                    });
                 }
                 vb.recover_item(key, value, meta);
             }
@@ -329,7 +352,7 @@ enum Target {
 }
 
 impl Target {
-    fn apply(&mut self, rec: &Record<'_>) -> std::result::Result<(), String> {
+    fn apply(&mut self, rec: &Record<'_>) -> std::result::Result<(), ApplyError> {
         match self {
             Target::Replay(s) => s.apply(rec, true),
             Target::Salvage(s) => {
@@ -443,7 +466,7 @@ fn load_snapshot(path: &Path, instance: &mut Option<String>) -> Result<(State, u
                         .map_err(|e| corrupt(path, offset, e.to_string()))?;
                     state
                         .apply(&rec, false)
-                        .map_err(|e| corrupt(path, offset, e))?;
+                        .map_err(|e| corrupt(path, offset, e.to_string()))?;
                     n += 1;
                 }
             }
@@ -725,7 +748,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                             expected = rec.lsn;
                         }
                         if let Err(e) = target.apply(&rec) {
-                            bad = Some(corrupt(path, offset, e));
+                            bad = Some(corrupt(path, offset, e.to_string()));
                             break;
                         }
                         expected += 1;
@@ -873,4 +896,46 @@ fn seal_segment(path: &Path, has_eof: bool, records: u64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(lsn: u64, name: &[u8], num_vbuckets: u16) -> Record<'_> {
+        Record {
+            lsn,
+            bucket: 2,
+            vbucket: 0,
+            body: RecordBody::Bucket { name, num_vbuckets },
+        }
+    }
+
+    #[test]
+    fn records_that_do_not_fit_the_state_are_named() {
+        let mut state = State::default();
+        state.apply(&bucket(1, b"default", 4), true).unwrap();
+        // The same declaration again (a snapshot and the WAL both hold it) is fine.
+        state.apply(&bucket(2, b"default", 4), true).unwrap();
+        let err = |state: &mut State, rec: &Record<'_>| state.apply(rec, true).unwrap_err();
+        assert_eq!(
+            err(&mut state, &bucket(3, b"default", 8)).to_string(),
+            "bucket id 2 declared twice differently"
+        );
+        assert_eq!(
+            err(&mut state, &bucket(3, b"\xff", 4)),
+            ApplyError::BucketName
+        );
+        let purge = |vbucket| Record {
+            lsn: 4,
+            bucket: 2,
+            vbucket,
+            body: RecordBody::PurgeSeqno(1),
+        };
+        state.apply(&purge(3), true).unwrap();
+        assert_eq!(
+            err(&mut state, &purge(4)).to_string(),
+            "record for unknown bucket 2 vbucket 4"
+        );
+    }
 }

@@ -240,7 +240,7 @@ pub fn vbucket_positions(
             .map(|p| (p.vbucket, p.high_seqno, p.failover))
             .collect()
     })
-    .map_err(SluiceError::new_err)
+    .map_err(|e| SluiceError::new_err(e.to_string()))
 }
 
 /// A DCP consumer connection on its own thread.
@@ -291,7 +291,7 @@ impl DcpConsumer {
                 let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
                     PyValueError::new_err(format!("session state is not JSON: {e}"))
                 })?;
-                SessionState::from_json(&v).map_err(PyValueError::new_err)?
+                SessionState::from_json(&v).map_err(|e| PyValueError::new_err(e.to_string()))?
             }
         };
         let rollback = match rollback {

@@ -54,31 +54,45 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// Why a configured password hash is unusable; the texts follow `users.NAME.password_hash:`
+/// in the configuration check's message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PasswordHashError {
+    #[error("expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX")]
+    Form,
+    #[error("unknown scheme {0:?}; sluice user hash makes pbkdf2-sha256")]
+    Scheme(String),
+    #[error("bad iteration count {0:?}")]
+    Iterations(String),
+    #[error("iteration count {0} is not in 1000..=10000000")]
+    IterationsOutOfRange(u32),
+    #[error("salt must be at least 8 bytes of hex")]
+    Salt,
+    #[error("hash must be 32 bytes of hex")]
+    Hash,
+}
+
 impl PasswordHash {
-    pub fn parse(s: &str) -> Result<PasswordHash, String> {
+    pub fn parse(s: &str) -> Result<PasswordHash, PasswordHashError> {
         let parts: Vec<&str> = s.split(':').collect();
         let [scheme, iterations, salt, hash] = parts[..] else {
-            return Err("expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX".into());
+            return Err(PasswordHashError::Form);
         };
         if scheme != "pbkdf2-sha256" {
-            return Err(format!(
-                "unknown scheme {scheme:?}; sluice user hash makes pbkdf2-sha256"
-            ));
+            return Err(PasswordHashError::Scheme(scheme.to_string()));
         }
         let iterations: u32 = iterations
             .parse()
-            .map_err(|_| format!("bad iteration count {iterations:?}"))?;
+            .map_err(|_| PasswordHashError::Iterations(iterations.to_string()))?;
         if !(1_000..=10_000_000).contains(&iterations) {
-            return Err(format!(
-                "iteration count {iterations} is not in 1000..=10000000"
-            ));
+            return Err(PasswordHashError::IterationsOutOfRange(iterations));
         }
         let salt = unhex(salt)
             .filter(|s| s.len() >= 8)
-            .ok_or("salt must be at least 8 bytes of hex")?;
+            .ok_or(PasswordHashError::Salt)?;
         let hash = unhex(hash)
             .filter(|h| h.len() == 32)
-            .ok_or("hash must be 32 bytes of hex")?;
+            .ok_or(PasswordHashError::Hash)?;
         Ok(PasswordHash {
             iterations,
             salt,
@@ -241,8 +255,33 @@ mod tests {
 
     #[test]
     fn hash_strings_are_checked() {
-        assert!(PasswordHash::parse("plain:secret").is_err());
-        assert!(PasswordHash::parse("md5:1000:00:00").is_err());
-        assert!(PasswordHash::parse("pbkdf2-sha256:10:3031323334353637:00").is_err());
+        let err = |s: &str| PasswordHash::parse(s).unwrap_err();
+        let salt = "3031323334353637";
+        let hash = "00".repeat(32);
+        assert_eq!(err("plain:secret"), PasswordHashError::Form);
+        assert_eq!(
+            err("md5:1000:00:00").to_string(),
+            "unknown scheme \"md5\"; sluice user hash makes pbkdf2-sha256"
+        );
+        assert_eq!(
+            err(&format!("pbkdf2-sha256:many:{salt}:{hash}")).to_string(),
+            "bad iteration count \"many\""
+        );
+        assert_eq!(
+            err(&format!("pbkdf2-sha256:10:{salt}:{hash}")).to_string(),
+            "iteration count 10 is not in 1000..=10000000"
+        );
+        assert_eq!(
+            err(&format!("pbkdf2-sha256:1000:3031:{hash}")).to_string(),
+            "salt must be at least 8 bytes of hex"
+        );
+        assert_eq!(
+            err(&format!("pbkdf2-sha256:1000:{salt}:00")).to_string(),
+            "hash must be 32 bytes of hex"
+        );
+        assert_eq!(
+            PasswordHashError::Form.to_string(),
+            "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX"
+        );
     }
 }

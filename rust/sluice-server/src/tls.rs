@@ -38,45 +38,132 @@ pub struct TlsSettings {
     pub admin: bool,
 }
 
+/// Why certificates could not be loaded or a TLS connection made. `key` is the configuration
+/// key (or command-line option) that named the file; the texts are what the configuration
+/// check, the logs and `sluice` commands report.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{key}: cannot read {}: {source}", path.display())]
+    Read {
+        key: String,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("{key}: {} is not valid PEM: {source}", path.display())]
+    NotPem {
+        key: String,
+        path: PathBuf,
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("{key}: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)", path.display())]
+    NoCertificate { key: String, path: PathBuf },
+    #[error("{key}: {} holds no usable PEM private key: {source}", path.display())]
+    NoKey {
+        key: String,
+        path: PathBuf,
+        source: rustls::pki_types::pem::Error,
+    },
+    #[error("{key}: a certificate in {} is not a usable CA: {source}", path.display())]
+    NotCa {
+        key: String,
+        path: PathBuf,
+        source: rustls::Error,
+    },
+    /// The private key in `key_path` (configured as `key`) is not the certificate's.
+    #[error(
+        "{key}: {} does not go with the certificate in {}: {source}",
+        key_path.display(),
+        certificate.display()
+    )]
+    KeyMismatch {
+        key: String,
+        key_path: PathBuf,
+        certificate: PathBuf,
+        /// Boxed to keep the error small (the other variants are).
+        source: Box<rustls::Error>,
+    },
+    /// rustls refused the protocol versions (`prefix`: `tls` or the client's key prefix).
+    #[error("{prefix}: {source}")]
+    Protocols {
+        prefix: String,
+        source: rustls::Error,
+    },
+    #[error("tls.client_ca: {0}")]
+    ClientCa(rustls::server::VerifierBuilderError),
+    #[error("TLS handshake failed: {0}")]
+    Handshake(io::Error),
+    #[error("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")]
+    HandshakeTimeout,
+    #[error("{host:?} is not a TLS server name: {source}")]
+    ServerName {
+        host: String,
+        source: rustls::pki_types::InvalidDnsNameError,
+    },
+    #[error("{0}")]
+    Socket(io::Error),
+    #[error("TLS to {address}: {source}")]
+    Client {
+        address: String,
+        source: rustls::Error,
+    },
+    #[error("TLS handshake with {address} failed: {source}")]
+    ClientHandshake { address: String, source: io::Error },
+}
+
+/// The text earlier releases returned, for callers that report errors as strings.
+impl From<TlsError> for String {
+    fn from(e: TlsError) -> String {
+        e.to_string()
+    }
+}
+
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// The certificates of a PEM file; `key` names the configuration key in errors.
-pub fn load_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let read =
-        std::fs::read(path).map_err(|e| format!("{key}: cannot read {}: {e}", path.display()))?;
+pub fn load_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let read = read_file(key, path)?;
     let certs = CertificateDer::pem_slice_iter(&read)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{key}: {} is not valid PEM: {e}", path.display()))?;
+        .map_err(|source| TlsError::NotPem {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+            source,
+        })?;
     if certs.is_empty() {
-        return Err(format!(
-            "{key}: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-            path.display()
-        ));
+        return Err(TlsError::NoCertificate {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+        });
     }
     Ok(certs)
 }
 
-fn load_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, String> {
-    let read =
-        std::fs::read(path).map_err(|e| format!("{key}: cannot read {}: {e}", path.display()))?;
-    PrivateKeyDer::from_pem_slice(&read).map_err(|e| {
-        format!(
-            "{key}: {} holds no usable PEM private key: {e}",
-            path.display()
-        )
+fn read_file(key: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        key: key.to_string(),
+        path: path.to_path_buf(),
+        source,
     })
 }
 
-fn load_roots(key: &str, path: &Path) -> Result<rustls::RootCertStore, String> {
+fn load_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let read = read_file(key, path)?;
+    PrivateKeyDer::from_pem_slice(&read).map_err(|source| TlsError::NoKey {
+        key: key.to_string(),
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn load_roots(key: &str, path: &Path) -> Result<rustls::RootCertStore, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     for c in load_certificates(key, path)? {
-        roots.add(c).map_err(|e| {
-            format!(
-                "{key}: a certificate in {} is not a usable CA: {e}",
-                path.display()
-            )
+        roots.add(c).map_err(|source| TlsError::NotCa {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+            source,
         })?;
     }
     Ok(roots)
@@ -89,20 +176,22 @@ struct ServerConfigs {
     admin: Arc<rustls::ServerConfig>,
 }
 
-fn server_configs(s: &TlsSettings) -> Result<ServerConfigs, String> {
+fn server_configs(s: &TlsSettings) -> Result<ServerConfigs, TlsError> {
     let chain = load_certificates("tls.certificate", &s.certificate)?;
     let key = load_key("tls.key", &s.key)?;
     let builder = || {
         rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))
+            .map_err(|source| TlsError::Protocols {
+                prefix: "tls".into(),
+                source,
+            })
     };
-    let mismatch = |e: rustls::Error| {
-        format!(
-            "tls.key: {} does not go with the certificate in {}: {e}",
-            s.key.display(),
-            s.certificate.display()
-        )
+    let mismatch = |source| TlsError::KeyMismatch {
+        key: "tls.key".into(),
+        key_path: s.key.clone(),
+        certificate: s.certificate.clone(),
+        source: Box::new(source),
     };
     let kv = match &s.client_ca {
         None => builder()?.with_no_client_auth(),
@@ -113,7 +202,7 @@ fn server_configs(s: &TlsSettings) -> Result<ServerConfigs, String> {
                 provider(),
             )
             .build()
-            .map_err(|e| format!("tls.client_ca: {e}"))?;
+            .map_err(TlsError::ClientCa)?;
             builder()?.with_client_cert_verifier(verifier)
         }
     }
@@ -145,14 +234,20 @@ impl std::fmt::Debug for ReloadableTls {
 
 impl ReloadableTls {
     /// Reads the files; an error names the key and the file.
-    pub fn load(settings: TlsSettings) -> Result<ReloadableTls, String> {
+    pub fn load(settings: TlsSettings) -> Result<ReloadableTls, TlsError> {
         let current = RwLock::new(server_configs(&settings)?);
         Ok(ReloadableTls { settings, current })
     }
 
     /// Reads the files again: connections accepted afterwards get the new certificate. On an
-    /// error the configuration in use stays.
+    /// error the configuration in use stays. (The error as text: what the server's
+    /// `reload_tls` passes on; `try_reload` has it typed.)
     pub fn reload(&self) -> Result<(), String> {
+        Ok(self.try_reload()?)
+    }
+
+    /// `reload`, with the reason a reload failed as a `TlsError`.
+    pub fn try_reload(&self) -> Result<(), TlsError> {
         let fresh = server_configs(&self.settings)?;
         *self.current.write() = fresh;
         Ok(())
@@ -179,11 +274,11 @@ pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 pub async fn accept(
     acceptor: tokio_rustls::TlsAcceptor,
     socket: TcpStream,
-) -> Result<MaybeTls, String> {
+) -> Result<MaybeTls, TlsError> {
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {
         Ok(Ok(s)) => Ok(MaybeTls::Tls(Box::new(s))),
-        Ok(Err(e)) => Err(format!("TLS handshake failed: {e}")),
-        Err(_) => Err(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
+        Ok(Err(e)) => Err(TlsError::Handshake(e)),
+        Err(_) => Err(TlsError::HandshakeTimeout),
     }
 }
 
@@ -337,14 +432,14 @@ impl ClientTls {
         prefix: &str,
         ca: &Path,
         identity: Option<(&Path, &Path)>,
-    ) -> Result<ClientTls, String> {
+    ) -> Result<ClientTls, TlsError> {
         Self::build(prefix, &format!("{prefix}.ca"), ca, identity)
     }
 
     /// A client with no certificate of its own that trusts the CAs in `ca` (named `ca_key` in
-    /// errors).
+    /// errors). The error as text, as the command-line tools that call it report it.
     pub fn trusting(ca_key: &str, ca: &Path) -> Result<ClientTls, String> {
-        Self::build(ca_key, ca_key, ca, None)
+        Ok(Self::build(ca_key, ca_key, ca, None)?)
     }
 
     fn build(
@@ -352,24 +447,28 @@ impl ClientTls {
         ca_key: &str,
         ca: &Path,
         identity: Option<(&Path, &Path)>,
-    ) -> Result<ClientTls, String> {
+    ) -> Result<ClientTls, TlsError> {
         let roots = load_roots(ca_key, ca)?;
         let builder = rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("{prefix}: {e}"))?
+            .map_err(|source| TlsError::Protocols {
+                prefix: prefix.to_string(),
+                source,
+            })?
             .with_root_certificates(roots);
         let config = match identity {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => {
                 let chain = load_certificates(&format!("{prefix}.certificate"), cert)?;
                 let k = load_key(&format!("{prefix}.key"), key)?;
-                builder.with_client_auth_cert(chain, k).map_err(|e| {
-                    format!(
-                        "{prefix}.key: {} does not go with the certificate in {}: {e}",
-                        key.display(),
-                        cert.display()
-                    )
-                })?
+                builder
+                    .with_client_auth_cert(chain, k)
+                    .map_err(|source| TlsError::KeyMismatch {
+                        key: format!("{prefix}.key"),
+                        key_path: key.to_path_buf(),
+                        certificate: cert.to_path_buf(),
+                        source: Box::new(source),
+                    })?
             }
         };
         Ok(ClientTls {
@@ -380,14 +479,16 @@ impl ClientTls {
 
 /// The name a peer's certificate must carry: the host of HOST:PORT (an IP address must be in
 /// the certificate's IP SANs).
-pub fn server_name(address: &str) -> Result<ServerName<'static>, String> {
+pub fn server_name(address: &str) -> Result<ServerName<'static>, TlsError> {
     let host = match address.rsplit_once(':') {
         Some((h, _)) => h,
         None => address,
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    ServerName::try_from(host.to_string())
-        .map_err(|e| format!("{host:?} is not a TLS server name: {e}"))
+    ServerName::try_from(host.to_string()).map_err(|source| TlsError::ServerName {
+        host: host.to_string(),
+        source,
+    })
 }
 
 /// The TLS state both halves of a blocking client connection share.
@@ -431,18 +532,25 @@ pub fn connect_client(
     tcp: std::net::TcpStream,
     address: &str,
     tls: Option<&ClientTls>,
-) -> Result<(SyncReader, SyncWriter), String> {
-    let writer_tcp = tcp.try_clone().map_err(|e| e.to_string())?;
+) -> Result<(SyncReader, SyncWriter), TlsError> {
+    let writer_tcp = tcp.try_clone().map_err(TlsError::Socket)?;
     let Some(tls) = tls else {
         return Ok((SyncReader::Plain(tcp), SyncWriter::Plain(writer_tcp)));
     };
     let name = server_name(address)?;
-    let mut conn = rustls::ClientConnection::new(tls.config.clone(), name)
-        .map_err(|e| format!("TLS to {address}: {e}"))?;
+    let mut conn = rustls::ClientConnection::new(tls.config.clone(), name).map_err(|source| {
+        TlsError::Client {
+            address: address.to_string(),
+            source,
+        }
+    })?;
     let mut io = &tcp;
     while conn.is_handshaking() {
         conn.complete_io(&mut io)
-            .map_err(|e| format!("TLS handshake with {address} failed: {e}"))?;
+            .map_err(|source| TlsError::ClientHandshake {
+                address: address.to_string(),
+                source,
+            })?;
     }
     let shared = Arc::new(SharedClient {
         conn: Mutex::new(conn),
@@ -544,5 +652,61 @@ impl SyncWriter {
             SyncWriter::Plain(s) => s.shutdown(how),
             SyncWriter::Tls(shared) => shared.tcp.shutdown(how),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_key_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.pem");
+        let err = load_certificates("tls.certificate", &missing).unwrap_err();
+        assert!(matches!(err, TlsError::Read { .. }));
+        assert!(
+            err.to_string().starts_with(&format!(
+                "tls.certificate: cannot read {}: ",
+                missing.display()
+            )),
+            "{err}"
+        );
+
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "no PEM here\n").unwrap();
+        let err = load_certificates("replication.ca", &empty).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "replication.ca: {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                empty.display()
+            )
+        );
+        let err = ClientTls::trusting("--cacert", &empty).unwrap_err();
+        assert!(err.starts_with("--cacert: "), "{err}");
+        let err = load_key("tls.key", &empty).unwrap_err();
+        assert!(
+            err.to_string().starts_with(&format!(
+                "tls.key: {} holds no usable PEM private key: ",
+                empty.display()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn server_names_come_from_the_address() {
+        assert_eq!(
+            server_name("node-1.example:11207").unwrap(),
+            ServerName::try_from("node-1.example").unwrap()
+        );
+        assert!(server_name("[::1]:11207").is_ok());
+        let err = server_name("bad_host!:11207").unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("\"bad_host!\" is not a TLS server name: "),
+            "{err}"
+        );
     }
 }

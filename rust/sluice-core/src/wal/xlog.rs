@@ -162,7 +162,7 @@ impl XlogReader {
                 return Err(corrupt(path, 0, "header longer than 4096 bytes"));
             }
         }
-        let header = parse_header(&head).map_err(|why| corrupt(path, 0, why))?;
+        let header = parse_header(&head).map_err(|why| corrupt(path, 0, why.to_string()))?;
         let offset = head.len() as u64;
         Ok(XlogReader {
             path: path.to_path_buf(),
@@ -440,17 +440,39 @@ impl XlogReader {
     }
 }
 
-fn parse_header(head: &[u8]) -> Result<FileHeader, String> {
-    let text = std::str::from_utf8(head).map_err(|_| "header is not UTF-8".to_string())?;
+/// Why a file's header is unusable: the reason of the `Corrupt` error that names the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum HeaderError {
+    #[error("header is not UTF-8")]
+    NotUtf8,
+    /// The first line, if any.
+    #[error("unknown file type {0:?}")]
+    FileType(Option<String>),
+    /// The second line, if any.
+    #[error("unsupported format version {0:?}")]
+    Version(Option<String>),
+    #[error("bad LSN {0:?}")]
+    Lsn(String),
+    #[error("bad header checksum {0:?}")]
+    Checksum(String),
+    /// `field`: "CRC32C", "Instance" or "LSN".
+    #[error("header has no {0} line")]
+    Missing(&'static str),
+    #[error("header checksum mismatch")]
+    ChecksumMismatch,
+}
+
+fn parse_header(head: &[u8]) -> Result<FileHeader, HeaderError> {
+    let text = std::str::from_utf8(head).map_err(|_| HeaderError::NotUtf8)?;
     let mut lines = text.lines();
     let kind = match lines.next() {
         Some("SLUICE-XLOG") => FileKind::Xlog,
         Some("SLUICE-SNAP") => FileKind::Snap,
-        other => return Err(format!("unknown file type {other:?}")),
+        other => return Err(HeaderError::FileType(other.map(str::to_string))),
     };
     match lines.next() {
         Some(FORMAT_VERSION) => {}
-        other => return Err(format!("unsupported format version {other:?}")),
+        other => return Err(HeaderError::Version(other.map(str::to_string))),
     }
     let mut instance = None;
     let mut lsn = None;
@@ -459,20 +481,25 @@ fn parse_header(head: &[u8]) -> Result<FileHeader, String> {
         if let Some(v) = line.strip_prefix("Instance: ") {
             instance = Some(v.to_string());
         } else if let Some(v) = line.strip_prefix("LSN: ") {
-            lsn = Some(v.parse::<u64>().map_err(|_| format!("bad LSN {v:?}"))?);
+            lsn = Some(
+                v.parse::<u64>()
+                    .map_err(|_| HeaderError::Lsn(v.to_string()))?,
+            );
         } else if let Some(v) = line.strip_prefix("CRC32C: ") {
             crc =
-                Some(u32::from_str_radix(v, 16).map_err(|_| format!("bad header checksum {v:?}"))?);
+                Some(u32::from_str_radix(v, 16).map_err(|_| HeaderError::Checksum(v.to_string()))?);
         }
     }
-    let covered = text.find("CRC32C: ").ok_or("header has no CRC32C line")?;
-    if crc32c::crc32c(&head[..covered]) != crc.ok_or("header has no CRC32C line")? {
-        return Err("header checksum mismatch".into());
+    let covered = text
+        .find("CRC32C: ")
+        .ok_or(HeaderError::Missing("CRC32C"))?;
+    if crc32c::crc32c(&head[..covered]) != crc.ok_or(HeaderError::Missing("CRC32C"))? {
+        return Err(HeaderError::ChecksumMismatch);
     }
     Ok(FileHeader {
         kind,
-        instance: instance.ok_or("header has no Instance line")?,
-        lsn: lsn.ok_or("header has no LSN line")?,
+        instance: instance.ok_or(HeaderError::Missing("Instance"))?,
+        lsn: lsn.ok_or(HeaderError::Missing("LSN"))?,
     })
 }
 
@@ -541,6 +568,45 @@ mod tests {
         }
         File::create(path).unwrap().write_all(&out).unwrap();
         offsets
+    }
+
+    #[test]
+    fn header_errors_say_what_is_wrong() {
+        let header = |instance: &str, lsn: &str| {
+            let lines = format!("SLUICE-XLOG\n1\nInstance: {instance}\nLSN: {lsn}\n");
+            let crc = crc32c::crc32c(lines.as_bytes());
+            format!("{lines}CRC32C: {crc:08x}\n\n").into_bytes()
+        };
+        let why = |head: &[u8]| parse_header(head).unwrap_err().to_string();
+        assert_eq!(parse_header(&header("abc", "7")).unwrap().lsn, 7);
+        assert_eq!(why(b"\xff\n\n"), "header is not UTF-8");
+        assert_eq!(
+            why(b"SLUICE-LOG\n\n"),
+            "unknown file type Some(\"SLUICE-LOG\")"
+        );
+        assert_eq!(why(b""), "unknown file type None");
+        assert_eq!(
+            why(b"SLUICE-SNAP\n2\n\n"),
+            "unsupported format version Some(\"2\")"
+        );
+        assert_eq!(why(b"SLUICE-SNAP\n"), "unsupported format version None");
+        assert_eq!(why(&header("abc", "x1")), "bad LSN \"x1\"");
+        assert_eq!(
+            why(b"SLUICE-XLOG\n1\nCRC32C: zz\n\n"),
+            "bad header checksum \"zz\""
+        );
+        assert_eq!(
+            why(b"SLUICE-XLOG\n1\nLSN: 1\n\n"),
+            "header has no CRC32C line"
+        );
+        let mut tampered = header("abc", "7");
+        tampered[20] = b'x';
+        assert_eq!(why(&tampered), "header checksum mismatch");
+        let no_instance = b"SLUICE-XLOG\n1\nLSN: 1\n";
+        let crc = crc32c::crc32c(no_instance);
+        let mut head = no_instance.to_vec();
+        head.extend_from_slice(format!("CRC32C: {crc:08x}\n\n").as_bytes());
+        assert_eq!(why(&head), "header has no Instance line");
     }
 
     fn collect(path: &Path) -> (Vec<Vec<u8>>, String) {

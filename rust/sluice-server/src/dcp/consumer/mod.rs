@@ -1,0 +1,331 @@
+//! A native DCP consumer: one connection to a producer (sluice or Couchbase), streams for
+//! chosen vbucket, on a thread of its own that answers NOOPs, acknowledges the flow-control
+//! window, follows rollbacks, and hands columnar batches to the reader through a bounded
+//! channel (a slow reader stops the acknowledgements, and so the producer). Each batch carries
+//! the session state after it, so that what the reader has seen is what it resumes from.
+//!
+//! Here: the reader's end (`Consumer`, its configuration and events) and the one-off
+//! connections (`vbucket_positions`, `SeqnoProbe`). The consumer's thread runs a
+//! `session::ConsumerSession`, set up by `handshake`, with its `stream`s and `flow_control`;
+//! `saved_state` is what a reader resumes from, `batch` what it is handed.
+
+mod batch;
+mod error;
+mod flow_control;
+mod handshake;
+mod saved_state;
+mod session;
+mod stream;
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use sluice_proto::dcp::{DcpRequest, SeqnoAcknowledged};
+use sluice_proto::mcbp::{self, magic, HeaderFields};
+
+pub use batch::Batch;
+pub use error::ConsumerError;
+pub use saved_state::{Position, SessionState, SessionStateError};
+
+use crate::policy::PolicyHost;
+use crate::tls::SyncWriter;
+use session::ConsumerSession;
+
+/// How often the thread looks at its commands while the socket is quiet.
+const POLL: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollbackMode {
+    /// Hand the rollback to the reader and stop the vbucket until it says resume.
+    Ask,
+    /// Roll back and request again at once (the batch reports it).
+    Resume,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    pub address: String,
+    pub bucket: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub name: String,
+    /// None: every active vbucket.
+    pub vbuckets: Option<Vec<u16>>,
+    /// Where vbuckets without a saved position start: the beginning or now.
+    pub from_now: bool,
+    /// End each stream at the high seqno it had when requested.
+    pub to_latest: bool,
+    /// Streams that end at a given seqno (a range read), whatever `to_latest` says; documents
+    /// past it (the rest of its snapshot) are not handed over.
+    pub end_seqnos: BTreeMap<u16, u64>,
+    /// How long connecting and each setup answer may take; None: twice the NOOP interval,
+    /// 5 to 30 s.
+    pub setup_timeout: Option<Duration>,
+    pub state: SessionState,
+    pub rollback: RollbackMode,
+    pub batch_size: usize,
+    pub buffer_size: u32,
+    pub noop_interval: u32,
+    pub include_values: bool,
+    /// Ask the producer to end a stream that falls too far behind instead of backfilling it.
+    pub cursor_dropping: bool,
+    /// A replica's name: the connection does sync replication (controls consumer_name,
+    /// enable_sync_writes, persisted_seqno_acks), and the reader sends SEQNO_ACKNOWLEDGED.
+    pub replica_name: Option<String>,
+    /// Request takeover streams: the producer hands the vbuckets over once caught up.
+    pub takeover: bool,
+    /// A stream request refused with NOT_MY_VBUCKET (the vbucket is dead there or not there)
+    /// ends that vbucket's stream, reported in `Batch::refused`, and the other streams go on;
+    /// otherwise any refusal fails the connection.
+    pub end_refused_streams: bool,
+    /// Where an AckPolicy plugin may resize the flow control (buffer size, acknowledgement
+    /// interval) after each buffer acknowledgement.
+    pub flow_control: Option<Arc<PolicyHost>>,
+    /// Connect over TLS (the producer's certificate is verified; the host of `address` is the
+    /// name it must carry).
+    pub tls: Option<crate::tls::ClientTls>,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            address: "127.0.0.1:11210".into(),
+            bucket: "default".into(),
+            username: None,
+            password: None,
+            name: "sluice:consumer".into(),
+            vbuckets: None,
+            from_now: false,
+            to_latest: false,
+            end_seqnos: BTreeMap::new(),
+            setup_timeout: None,
+            state: SessionState::default(),
+            rollback: RollbackMode::Ask,
+            batch_size: 8192,
+            buffer_size: 16 << 20,
+            noop_interval: 20,
+            include_values: true,
+            cursor_dropping: false,
+            replica_name: None,
+            takeover: false,
+            end_refused_streams: false,
+            flow_control: None,
+            tls: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Batch(Box<Batch>),
+    /// The producer asked for a rollback (RollbackMode::Ask): the position to continue from
+    /// once the reader has rolled its data back; the vbucket waits for `Command::Resume`.
+    Rollback {
+        vbucket: u16,
+        seqno: u64,
+        position: Position,
+    },
+    /// The producer hands the vbucket over (a takeover stream): the reader sets the state and
+    /// answers with `Consumer::respond` (SET_VBUCKET_STATE, this opaque).
+    VbucketState {
+        vbucket: u16,
+        state: u8,
+        opaque: u32,
+    },
+    /// Every stream ended.
+    Finished,
+    Failed(String),
+}
+
+pub enum Command {
+    Resume(u16),
+    /// Request the vbucket again from this position (the reader rolled back to it).
+    ResumeAt(u16, Position),
+    Close,
+}
+
+/// The reader's end: events in, commands out. Dropping it stops the thread.
+pub struct Consumer {
+    events: Option<Receiver<Event>>,
+    commands: mpsc::Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    /// The thread's socket, shut down on drop so that a read or write blocked on a silent
+    /// producer returns at once.
+    socket: Arc<Mutex<Option<SyncWriter>>>,
+}
+
+impl Consumer {
+    pub fn start(config: ConsumerConfig) -> Consumer {
+        let (tx, rx) = mpsc::sync_channel(4);
+        let (ctx, crx) = mpsc::channel();
+        let socket = Arc::new(Mutex::new(None));
+        let shared_socket = socket.clone();
+        let thread = std::thread::Builder::new()
+            .name("sluice-dcp-consumer".into())
+            .spawn(move || {
+                let session = ConsumerSession::connect(&config, tx.clone(), crx, &shared_socket)
+                    .and_then(ConsumerSession::open_streams);
+                let ev = match session {
+                    Ok(mut s) => match s.run() {
+                        Ok(()) => Event::Finished,
+                        Err(e) => Event::Failed(e.to_string()),
+                    },
+                    Err(e) => Event::Failed(e.to_string()),
+                };
+                let _ = tx.send(ev);
+            })
+            .expect("spawn a thread");
+        Consumer {
+            events: Some(rx),
+            commands: ctx,
+            thread: Some(thread),
+            socket,
+        }
+    }
+
+    /// Waits for the next event, up to `timeout`; None on timeout.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        match self.events.as_ref()?.recv_timeout(timeout) {
+            Ok(e) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Event::Finished),
+        }
+    }
+
+    pub fn resume(&self, vbucket: u16) {
+        let _ = self.commands.send(Command::Resume(vbucket));
+    }
+
+    pub fn resume_at(&self, vbucket: u16, position: Position) {
+        let _ = self.commands.send(Command::ResumeAt(vbucket, position));
+    }
+
+    /// Writes a whole frame from the reader's thread, under the lock the consumer thread's
+    /// own writes take; false once the connection is closing.
+    fn write_now(&self, frame: &[u8]) -> bool {
+        match self.socket.lock().as_mut() {
+            Some(w) => w.write_all(frame).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Answers a request of the producer (SET_VBUCKET_STATE) from the reader's thread.
+    pub fn respond(&self, opcode: u8, opaque: u32, st: u16) -> bool {
+        let mut out = Vec::new();
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode,
+            word: st,
+            opaque,
+            ..Default::default()
+        };
+        let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
+        self.write_now(&out)
+    }
+
+    /// SEQNO_ACKNOWLEDGED, written at once from the reader's thread (durable writes wait on
+    /// it), under the same lock as the consumer thread's own writes.
+    pub fn acknowledge(&self, vbucket: u16, seqno: u64, persisted: u64) -> bool {
+        let mut out = Vec::new();
+        let _ = SeqnoAcknowledged {
+            vbucket,
+            prepared_seqno: seqno,
+            persisted_seqno: Some(persisted),
+        }
+        .encode(&mut out, 0);
+        self.write_now(&out)
+    }
+}
+
+/// Where a vbucket of the producer stands: what a reader plans its ranges from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VbucketPosition {
+    pub vbucket: u16,
+    pub high_seqno: u64,
+    /// Newest entry first: (uuid, seqno).
+    pub failover: Vec<(u64, u64)>,
+}
+
+/// Asks the producer of `config` (address, bucket, credentials) for the high seqno and the
+/// failover log of every vbucket in `state` (1 active, 2 replica, 3 pending, 4 dead), on a
+/// connection of its own that is closed afterwards.
+pub fn vbucket_positions(
+    config: &ConsumerConfig,
+    state: u32,
+) -> Result<Vec<VbucketPosition>, ConsumerError> {
+    let (tx, _rx) = mpsc::sync_channel(1);
+    let (_ctx, crx) = mpsc::channel();
+    let socket = Arc::new(Mutex::new(None));
+    let mut s = ConsumerSession::connect(config, tx, crx, &socket)?;
+    let r = s.vbucket_positions(state);
+    let _ = s.sock.shutdown(std::net::Shutdown::Both);
+    r
+}
+
+/// A connection of its own to the producer that asks for the high seqnos of its vbuckets
+/// (GET_ALL_VB_SEQNOS): what a replica measures its lag against. Its answers come at once even
+/// while the stream connection is backlogged, which is when the lag matters.
+pub struct SeqnoProbe {
+    config: ConsumerConfig,
+    session: Option<ConsumerSession>,
+    socket: Arc<Mutex<Option<SyncWriter>>>,
+}
+
+impl SeqnoProbe {
+    /// `config`: address, bucket, credentials, name and setup timeout of the probe connection.
+    pub fn new(config: ConsumerConfig) -> SeqnoProbe {
+        SeqnoProbe {
+            config,
+            session: None,
+            socket: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The high seqno of every vbucket the producer streams (active, replica or pending
+    /// there), connecting first if need be. An error drops the connection; the next call
+    /// connects again.
+    pub fn high_seqnos(&mut self) -> Result<BTreeMap<u16, u64>, ConsumerError> {
+        let mut session = match self.session.take() {
+            Some(s) => s,
+            None => {
+                let (tx, _rx) = mpsc::sync_channel(1);
+                let (_ctx, crx) = mpsc::channel();
+                ConsumerSession::connect(&self.config, tx, crx, &self.socket)?
+            }
+        };
+        let mut out = BTreeMap::new();
+        for state in [1, 2, 3] {
+            out.extend(session.high_seqnos(state)?);
+        }
+        self.session = Some(session);
+        Ok(out)
+    }
+
+    /// Shuts the connection down from another thread: a call waiting on it returns at once.
+    pub fn interrupter(&self) -> impl Fn() + Send + Sync + 'static {
+        let socket = self.socket.clone();
+        move || {
+            if let Some(s) = socket.lock().as_ref() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Close);
+        if let Some(s) = self.socket.lock().take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        // A thread waiting for room in the channel sees the reader gone and stops.
+        self.events.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

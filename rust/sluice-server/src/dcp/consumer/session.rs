@@ -1,0 +1,239 @@
+//! One connection's life on the consumer's thread: read frames, answer NOOPs, hand documents
+//! to the batch, flush batches to the reader, and end when every stream has.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Read;
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use sluice_proto::dcp::{
+    self, snapshot_flag, stream_end_reason, DcpRequest, DocumentRef, SetVbucketState,
+    SnapshotMarker, StreamEnd,
+};
+use sluice_proto::mcbp::{self, magic, HeaderFields};
+
+use super::flow_control::FlowControl;
+use super::stream::VbStream;
+use super::{Batch, Command, ConsumerConfig, ConsumerError, Event};
+use crate::tls::{SyncReader, SyncWriter};
+
+/// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
+pub(super) const MAX_FRAME_BODY: usize = 21 << 20;
+pub(super) const READ_CHUNK: usize = 256 << 10;
+
+/// The consumer thread's side of one connection: fields are shared with the `handshake`,
+/// `stream` and `flow_control` modules, which add its methods.
+pub(super) struct ConsumerSession {
+    pub(super) sock: SyncReader,
+    pub(super) writer: Arc<Mutex<Option<SyncWriter>>>,
+    pub(super) config: ConsumerConfig,
+    pub(super) events: SyncSender<Event>,
+    pub(super) commands: Receiver<Command>,
+    pub(super) inbuf: Vec<u8>,
+    pub(super) streams: HashMap<u16, VbStream>,
+    pub(super) batch: Batch,
+    pub(super) touched: BTreeSet<u16>,
+    pub(super) last_message: Instant,
+    pub(super) flow: FlowControl,
+}
+
+impl ConsumerSession {
+    /// Reads what the socket has; Ok(0) is a timeout (nothing arrived), an error a closed or
+    /// broken connection.
+    pub(super) fn read_more(&mut self) -> std::io::Result<usize> {
+        let len = self.inbuf.len();
+        self.inbuf.resize(len + READ_CHUNK, 0);
+        let r = self.sock.read(&mut self.inbuf[len..]);
+        match r {
+            Ok(0) => {
+                self.inbuf.truncate(len);
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the producer closed the connection",
+                ))
+            }
+            Ok(n) => {
+                self.inbuf.truncate(len + n);
+                Ok(n)
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                self.inbuf.truncate(len);
+                Ok(0)
+            }
+            Err(e) => {
+                self.inbuf.truncate(len);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes whole frames under the writer's lock: the reader may write too (acknowledgements).
+    pub(super) fn send(&mut self, bytes: &[u8]) -> Result<(), ConsumerError> {
+        match self.writer.lock().as_mut() {
+            Some(w) => w.write_all(bytes).map_err(ConsumerError::Write),
+            None => Err(ConsumerError::Closing),
+        }
+    }
+
+    /// Hands the batch (with the positions it moved) to the reader; false when the reader is gone.
+    pub(super) fn flush(&mut self) -> bool {
+        if self.batch.is_empty()
+            && self.touched.is_empty()
+            && self.batch.ended.is_empty()
+            && self.batch.refused.is_empty()
+            && self.batch.rollbacks.is_empty()
+        {
+            return true;
+        }
+        let mut b = std::mem::replace(&mut self.batch, Batch::new());
+        b.positions = std::mem::take(&mut self.touched)
+            .into_iter()
+            .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
+            .collect();
+        self.events.send(Event::Batch(Box::new(b))).is_ok()
+    }
+
+    pub(super) fn run(&mut self) -> Result<(), ConsumerError> {
+        let dead_after = Duration::from_secs(2 * self.config.noop_interval as u64);
+        loop {
+            loop {
+                match self.commands.try_recv() {
+                    Ok(Command::Resume(vb)) => {
+                        if self.streams.contains_key(&vb) {
+                            self.request(vb)?;
+                        }
+                    }
+                    Ok(Command::ResumeAt(vb, pos)) => {
+                        if let Some(s) = self.streams.get_mut(&vb) {
+                            s.pos = pos;
+                            self.request(vb)?;
+                        }
+                    }
+                    Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            if self.streams.values().all(|s| s.ended) {
+                self.flush();
+                return Ok(());
+            }
+            let n = self.read_more().map_err(ConsumerError::ConnectionLost)?;
+            if n > 0 {
+                self.last_message = Instant::now();
+            } else if self.config.noop_interval > 0 && self.last_message.elapsed() > dead_after {
+                return Err(ConsumerError::Silent(dead_after));
+            }
+            let mut consumed = 0;
+            while let Some(len) = mcbp::frame_len(&self.inbuf[consumed..], MAX_FRAME_BODY)
+                .map_err(ConsumerError::BadFrame)?
+            {
+                let range = consumed..consumed + len;
+                consumed += len;
+                let frame = std::mem::take(&mut self.inbuf);
+                let r = self.handle(&frame[range]);
+                self.inbuf = frame;
+                r?;
+                if self.batch.len() >= self.config.batch_size && !self.flush() {
+                    return Ok(());
+                }
+            }
+            self.inbuf.drain(..consumed);
+            // A short read means the producer has nothing more queued right now.
+            if n < READ_CHUNK && !self.flush() {
+                return Ok(());
+            }
+            self.acknowledge(n == 0)?;
+        }
+    }
+
+    fn handle(&mut self, f: &[u8]) -> Result<(), ConsumerError> {
+        if f[0] == magic::RESPONSE {
+            let r = mcbp::parse_response(f).map_err(ConsumerError::Frame)?;
+            if r.opcode == dcp::opcode::STREAM_REQ {
+                return self.stream_answer(&r);
+            }
+            return Ok(());
+        }
+        let req = mcbp::parse_request(f).map_err(ConsumerError::BadMessage)?;
+        if req.opcode == dcp::opcode::NOOP {
+            let mut out = Vec::new();
+            let h = HeaderFields {
+                magic: magic::RESPONSE,
+                opcode: dcp::opcode::NOOP,
+                opaque: req.opaque,
+                ..Default::default()
+            };
+            let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
+            return self.send(&out);
+        }
+        self.flow.received(f.len());
+        let vb = req.vbucket;
+        match req.opcode {
+            dcp::opcode::MUTATION | dcp::opcode::DELETION | dcp::opcode::EXPIRATION => {
+                let d = DocumentRef::decode(&req).map_err(ConsumerError::BadDocument)?;
+                let Some(s) = self.streams.get_mut(&vb).filter(|s| !s.ended) else {
+                    return Ok(());
+                };
+                if d.by_seqno <= s.pos.seqno || d.by_seqno > s.pos.snap_end {
+                    return Err(ConsumerError::OutOfOrder {
+                        vbucket: vb,
+                        seqno: d.by_seqno,
+                        last: s.pos.seqno,
+                        snap_end: s.pos.snap_end,
+                    });
+                }
+                s.pos.seqno = d.by_seqno;
+                self.touched.insert(vb);
+                // The producer ends a stream at the end of the snapshot holding its end seqno;
+                // a range read keeps only what lies in the range.
+                if self
+                    .config
+                    .end_seqnos
+                    .get(&vb)
+                    .is_some_and(|&end| d.by_seqno > end)
+                {
+                    return Ok(());
+                }
+                self.batch.push(&d);
+            }
+            dcp::opcode::SNAPSHOT_MARKER => {
+                let m = SnapshotMarker::decode(&req).map_err(ConsumerError::BadMarker)?;
+                if let Some(s) = self.streams.get_mut(&vb) {
+                    s.pos.snap_start = m.start_seqno;
+                    s.pos.snap_end = m.end_seqno;
+                    s.pos.disk = m.flags & snapshot_flag::DISK != 0;
+                    self.touched.insert(vb);
+                }
+            }
+            dcp::opcode::SET_VBUCKET_STATE => {
+                let m = SetVbucketState::decode(&req).map_err(ConsumerError::BadSetVbucketState)?;
+                // The reader applies everything before the hand-over first.
+                if !self.flush() {
+                    return Ok(());
+                }
+                let _ = self.events.send(Event::VbucketState {
+                    vbucket: vb,
+                    state: m.state,
+                    opaque: req.opaque,
+                });
+            }
+            dcp::opcode::STREAM_END => {
+                let e = StreamEnd::decode(&req).map_err(ConsumerError::BadStreamEnd)?;
+                if let Some(s) = self.streams.get_mut(&vb).filter(|s| !s.ended) {
+                    s.ended = true;
+                    if e.reason != stream_end_reason::OK && e.reason != stream_end_reason::CLOSED {
+                        log::warn!("DCP stream of vbucket {vb} ended with reason {}", e.reason);
+                    }
+                    self.batch.ended.push((vb, e.reason));
+                }
+            }
+            _ => {} // other producer messages carry nothing a reader keeps
+        }
+        Ok(())
+    }
+}
