@@ -107,7 +107,7 @@ pub(crate) fn run_bench<'py>(
     let tls = cacert
         .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
         .transpose()
-        .map_err(pyo3::exceptions::PyValueError::new_err)?;
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     // Values up to sluice's own item size limit, so every request can be framed.
     if connections == 0
         || pipeline == 0

@@ -827,7 +827,8 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         vb,
         &config,
         Duration::from_secs_f64(timeout),
-    )?;
+    )
+    .map_err(|e| e.to_string())?;
     Ok(serde_json::json!({
         "bucket": bucket_name,
         "vbucket": r.vbucket,

@@ -40,6 +40,50 @@ use crate::policy::PolicyHost;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 
+/// Why following the active, or a takeover, stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicationError {
+    /// The engine refused the changes the stream brought for a vbucket.
+    #[error("applying vbucket {vbucket}: {source}")]
+    Apply {
+        vbucket: u16,
+        source: sluice_core::Error,
+    },
+    /// The engine refused the vbucket's failover log or state.
+    #[error("vbucket {vbucket}: {source}")]
+    Vbucket {
+        vbucket: u16,
+        source: sluice_core::Error,
+    },
+    #[error("rolling back vbuckets {vbuckets:?}: {source}")]
+    Rollback {
+        vbuckets: Vec<(u16, u64)>,
+        source: sluice_core::Error,
+    },
+    #[error(transparent)]
+    Engine(#[from] sluice_core::Error),
+    /// The consumer's connection failed, with its reason.
+    #[error("{0}")]
+    Connection(String),
+    #[error("the active ended the stream of vbucket {vbucket} (reason {reason})")]
+    StreamEnded { vbucket: u16, reason: u32 },
+    #[error("the active ended every stream")]
+    EveryStreamEnded,
+    #[error("vbucket {0} vanished")]
+    Vanished(u16),
+    #[error("no vbucket {vbucket} in bucket {bucket:?}")]
+    NoVbucket { vbucket: u16, bucket: String },
+    #[error(
+        "vbucket {vbucket} is active here with data (high seqno {high_seqno}); it cannot be \
+         taken over onto it"
+    )]
+    ActiveWithData { vbucket: u16, high_seqno: u64 },
+    #[error("the source ended the takeover stream (reason {0}) before handing over")]
+    TakeoverEnded(u32),
+    #[error("vbucket {vbucket} was not handed over within {timeout:?}")]
+    NotHandedOver { vbucket: u16, timeout: Duration },
+}
+
 #[derive(Debug, Clone)]
 pub struct ReplicaConfig {
     /// The active node's memcached address.
@@ -297,7 +341,7 @@ fn follow(
             bucket.name(),
             config.active
         );
-        *stats.last_error.lock() = Some(why);
+        *stats.last_error.lock() = Some(why.to_string());
         let until = Instant::now() + backoff;
         while Instant::now() < until && !stop.load(Ordering::Acquire) {
             std::thread::sleep(Duration::from_millis(20));
@@ -338,7 +382,7 @@ impl Snap {
 
 impl ReplicaSession<'_> {
     /// Follows until stopped (None) or the connection fails (Some(reason)).
-    fn run(&mut self, stop: &AtomicBool) -> Option<String> {
+    fn run(&mut self, stop: &AtomicBool) -> Option<ReplicationError> {
         while !stop.load(Ordering::Acquire) {
             // Short waits while acknowledgements of persistence are still due.
             let pending = self.snapshots.values().any(|s| s.acked_persisted < s.acked);
@@ -366,8 +410,8 @@ impl ReplicaSession<'_> {
                         return Some(e);
                     }
                 }
-                Some(Event::Finished) => return Some("the active ended every stream".into()),
-                Some(Event::Failed(e)) => return Some(e),
+                Some(Event::Finished) => return Some(ReplicationError::EveryStreamEnded),
+                Some(Event::Failed(e)) => return Some(ReplicationError::Connection(e)),
             }
             self.acknowledge();
         }
@@ -376,16 +420,17 @@ impl ReplicaSession<'_> {
 
     /// Applies a batch of the replication stream and follows the streams it ended or that
     /// were refused; Err when the connection must start over.
-    fn follow_batch(&mut self, b: &Batch) -> Result<(), String> {
+    fn follow_batch(&mut self, b: &Batch) -> Result<(), ReplicationError> {
         self.apply(b)?;
         for &vb in &b.refused {
             self.given_away(vb)?;
         }
         for &(vb, reason) in &b.ended {
             if reason != stream_end_reason::STATE_CHANGED {
-                return Err(format!(
-                    "the active ended the stream of vbucket {vb} (reason {reason})"
-                ));
+                return Err(ReplicationError::StreamEnded {
+                    vbucket: vb,
+                    reason,
+                });
             }
             // The active's vbucket went pending (a takeover under way: the new stream follows
             // it through) or dead (given away: the new request is refused, see `given_away`).
@@ -399,7 +444,7 @@ impl ReplicaSession<'_> {
         Ok(())
     }
 
-    fn apply(&mut self, b: &Batch) -> Result<(), String> {
+    fn apply(&mut self, b: &Batch) -> Result<(), ReplicationError> {
         let now = now_nanos();
         let mut i = 0;
         while i < b.len() {
@@ -429,7 +474,10 @@ impl ReplicaSession<'_> {
             });
             self.engine
                 .apply_replicated(self.bucket, vb, rows)
-                .map_err(|e| format!("applying vbucket {vb}: {e}"))?;
+                .map_err(|source| ReplicationError::Apply {
+                    vbucket: vb,
+                    source,
+                })?;
             let newest_cas = b.cas[i..j].iter().copied().max().unwrap_or(0);
             let delay_ms = now.saturating_sub(newest_cas) as f64 / 1e6;
             self.stats.observe_delay(delay_ms);
@@ -448,7 +496,10 @@ impl ReplicaSession<'_> {
             if !log.is_empty() {
                 self.engine
                     .adopt_failover_log(self.bucket, *vb, &log)
-                    .map_err(|e| format!("vbucket {vb}: {e}"))?;
+                    .map_err(|source| ReplicationError::Vbucket {
+                        vbucket: *vb,
+                        source,
+                    })?;
             }
             let s = self.snapshots.entry(*vb).or_default();
             s.seqno = pos.seqno;
@@ -465,10 +516,13 @@ impl ReplicaSession<'_> {
     /// The active refused the stream of `vb` (NOT_MY_VBUCKET): it gave the vbucket away or
     /// never had it. The copy here goes dead (kept on disk, as the active's is, and refused to
     /// readers and writers) and is no longer followed, here or after a restart.
-    fn given_away(&mut self, vb: u16) -> Result<(), String> {
+    fn given_away(&mut self, vb: u16) -> Result<(), ReplicationError> {
         self.engine
             .set_vbucket_state(self.bucket, vb, VbState::Dead)
-            .map_err(|e| format!("vbucket {vb}: {e}"))?;
+            .map_err(|source| ReplicationError::Vbucket {
+                vbucket: vb,
+                source,
+            })?;
         self.snapshots.remove(&vb);
         self.stats.vbuckets.lock().remove(&vb);
         log::warn!(
@@ -482,7 +536,7 @@ impl ReplicaSession<'_> {
     /// Rolls back `vb` and the others asked for with it: the answers to a session's stream
     /// requests come together, and the rollbacks share one snapshot. Batches of other
     /// vbuckets arriving meanwhile are applied.
-    fn rollback(&mut self, vb: u16, seqno: u64) -> Result<(), String> {
+    fn rollback(&mut self, vb: u16, seqno: u64) -> Result<(), ReplicationError> {
         let mut asked = vec![(vb, seqno)];
         let until = Instant::now() + Duration::from_millis(100);
         while let Some(left) = until.checked_duration_since(Instant::now()) {
@@ -494,14 +548,17 @@ impl ReplicaSession<'_> {
                     self.consumer
                         .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
                 }
-                Some(Event::Finished) => return Err("the active ended every stream".into()),
-                Some(Event::Failed(e)) => return Err(e),
+                Some(Event::Finished) => return Err(ReplicationError::EveryStreamEnded),
+                Some(Event::Failed(e)) => return Err(ReplicationError::Connection(e)),
             }
         }
         let at = self
             .engine
             .rollback_vbuckets(self.bucket, &asked)
-            .map_err(|e| format!("rolling back vbuckets {asked:?}: {e}"))?;
+            .map_err(|source| ReplicationError::Rollback {
+                vbuckets: asked.clone(),
+                source,
+            })?;
         self.stats
             .rollbacks
             .fetch_add(asked.len() as u64, Ordering::Relaxed);
@@ -509,7 +566,7 @@ impl ReplicaSession<'_> {
             let p = self
                 .engine
                 .stream_position(self.bucket, vb)
-                .ok_or_else(|| format!("vbucket {vb} vanished"))?;
+                .ok_or(ReplicationError::Vanished(vb))?;
             self.snapshots.insert(
                 vb,
                 Snap {
@@ -625,20 +682,23 @@ pub fn take_over(
     vb: u16,
     source: &ReplicaConfig,
     timeout: Duration,
-) -> Result<TakeoverReport, String> {
+) -> Result<TakeoverReport, ReplicationError> {
     let pos = engine
         .stream_position(bucket, vb)
-        .ok_or_else(|| format!("no vbucket {vb} in bucket {:?}", bucket.name()))?;
+        .ok_or_else(|| ReplicationError::NoVbucket {
+            vbucket: vb,
+            bucket: bucket.name().to_string(),
+        })?;
     match pos.state {
         VbState::Active if pos.high_seqno > 0 => {
-            return Err(format!(
-                "vbucket {vb} is active here with data (high seqno {}); it cannot be taken over onto it",
-                pos.high_seqno
-            ))
+            return Err(ReplicationError::ActiveWithData {
+                vbucket: vb,
+                high_seqno: pos.high_seqno,
+            })
         }
-        VbState::Active | VbState::Dead => engine
-            .set_vbucket_state(bucket, vb, VbState::Replica)
-            .map_err(|e| e.to_string())?,
+        VbState::Active | VbState::Dead => {
+            engine.set_vbucket_state(bucket, vb, VbState::Replica)?
+        }
         VbState::Replica | VbState::Pending => {}
     }
     let (_, state) = own_state(engine, bucket);
@@ -678,9 +738,7 @@ pub fn take_over(
                     if active_after.is_some() {
                         break;
                     }
-                    return Err(format!(
-                        "the source ended the takeover stream (reason {reason}) before handing over"
-                    ));
+                    return Err(ReplicationError::TakeoverEnded(*reason));
                 }
             }
             Some(Event::Rollback { vbucket, seqno, .. }) => session.rollback(vbucket, seqno)?,
@@ -693,9 +751,7 @@ pub fn take_over(
                     _ => (VbState::Replica, status::EINVAL),
                 };
                 if answer == status::SUCCESS {
-                    engine
-                        .set_vbucket_state(bucket, vb, to)
-                        .map_err(|e| e.to_string())?;
+                    engine.set_vbucket_state(bucket, vb, to)?;
                     if to == VbState::Pending {
                         paused_at = Some(Instant::now());
                     } else {
@@ -707,14 +763,17 @@ pub fn take_over(
                 consumer.respond(dcp::opcode::SET_VBUCKET_STATE, opaque, answer);
             }
             Some(Event::Finished) => break,
-            Some(Event::Failed(e)) if active_after.is_none() => return Err(e),
+            Some(Event::Failed(e)) if active_after.is_none() => {
+                return Err(ReplicationError::Connection(e))
+            }
             Some(Event::Failed(_)) => break,
         }
     }
     let Some(writes_paused_ms) = active_after else {
-        return Err(format!(
-            "vbucket {vb} was not handed over within {timeout:?}"
-        ));
+        return Err(ReplicationError::NotHandedOver {
+            vbucket: vb,
+            timeout,
+        });
     };
     let high_seqno = engine
         .stream_position(bucket, vb)

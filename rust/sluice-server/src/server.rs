@@ -218,7 +218,7 @@ impl Server {
 
     /// Reads the TLS certificate and key again (SIGHUP): connections accepted afterwards get
     /// them. On an error the ones in use stay. Ok(false): no TLS is configured.
-    pub fn reload_tls(&self) -> Result<bool, String> {
+    pub fn reload_tls(&self) -> Result<bool, crate::tls::TlsError> {
         match &self.tls {
             Some(t) => t.reload().map(|()| true),
             None => Ok(false),

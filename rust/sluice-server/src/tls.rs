@@ -110,13 +110,6 @@ pub enum TlsError {
     ClientHandshake { address: String, source: io::Error },
 }
 
-/// The text earlier releases returned, for callers that report errors as strings.
-impl From<TlsError> for String {
-    fn from(e: TlsError) -> String {
-        e.to_string()
-    }
-}
-
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
@@ -240,14 +233,8 @@ impl ReloadableTls {
     }
 
     /// Reads the files again: connections accepted afterwards get the new certificate. On an
-    /// error the configuration in use stays. (The error as text: what the server's
-    /// `reload_tls` passes on; `try_reload` has it typed.)
-    pub fn reload(&self) -> Result<(), String> {
-        Ok(self.try_reload()?)
-    }
-
-    /// `reload`, with the reason a reload failed as a `TlsError`.
-    pub fn try_reload(&self) -> Result<(), TlsError> {
+    /// error the configuration in use stays.
+    pub fn reload(&self) -> Result<(), TlsError> {
         let fresh = server_configs(&self.settings)?;
         *self.current.write() = fresh;
         Ok(())
@@ -437,9 +424,9 @@ impl ClientTls {
     }
 
     /// A client with no certificate of its own that trusts the CAs in `ca` (named `ca_key` in
-    /// errors). The error as text, as the command-line tools that call it report it.
-    pub fn trusting(ca_key: &str, ca: &Path) -> Result<ClientTls, String> {
-        Ok(Self::build(ca_key, ca_key, ca, None)?)
+    /// errors).
+    pub fn trusting(ca_key: &str, ca: &Path) -> Result<ClientTls, TlsError> {
+        Self::build(ca_key, ca_key, ca, None)
     }
 
     fn build(
@@ -683,7 +670,9 @@ mod tests {
                 empty.display()
             )
         );
-        let err = ClientTls::trusting("--cacert", &empty).unwrap_err();
+        let err = ClientTls::trusting("--cacert", &empty)
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("--cacert: "), "{err}");
         let err = load_key("tls.key", &empty).unwrap_err();
         assert!(
