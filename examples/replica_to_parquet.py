@@ -32,8 +32,8 @@ class SinkLog:
         self.dir = Path(out) / "_spark_metadata"
         self.counted: set[str] = set()
         self.last = -1
-        for batch, _ in self._batches():
-            self._new_files(batch)
+        for batch, log in self._batches():
+            self._new_files(log)
             self.last = batch
 
     def _batches(self) -> list[tuple[int, Path]]:
