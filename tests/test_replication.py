@@ -384,6 +384,9 @@ def test_takeover_of_one_vbucket_under_a_steady_write_load(tmp_path):
         time.sleep(1.0)
         out = run_cli("move-vbucket", "--vb", str(vb), "--from", a.admin, "--to", b.admin, timeout=120)
         assert out.returncode == 0, out.stderr
+        # Both nodes named the same way: KV address, then admin endpoint.
+        source, target = f"{a.address} (admin {a.admin})", f"{b.address} (admin {b.admin})"
+        assert f"moved from the node at {source} to the node at {target}:" in out.stdout, out.stdout
         paused = float(re.search(r"writes to it paused ([\d.]+) ms", out.stdout).group(1))
         time.sleep(1.0)
         stop.set()

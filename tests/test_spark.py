@@ -5,6 +5,7 @@ running stream, and a daemon that is down or silent."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -290,6 +291,28 @@ def test_offsets_are_canonical():
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "replica_to_parquet.py"
 
 
+def batch_counts(output: str) -> dict[int, int]:
+    """The example's "batch N: M changes written" lines as {N: M}."""
+    found = re.findall(r"^batch (\d+): (\d+) changes written$", output, re.M)
+    return {int(b): int(n) for b, n in found}
+
+
+def test_workers_that_cannot_import_sluice_are_named_with_pysparks_setting(tmp_path, monkeypatch):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    with pytest.raises(sluice.SluiceError) as e:
+        sluice.spark.check_worker_python(str(bare / "bin" / "python"))
+    assert "PYSPARK_PYTHON is not set" in str(e.value) and f"PYSPARK_PYTHON={sys.executable}" in str(e.value)
+    assert "No module named 'sluice'" in str(e.value)
+    sluice.spark.check_worker_python(sys.executable)
+    sluice.spark.use_this_python()
+    assert os.environ["PYSPARK_PYTHON"] == sys.executable
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/other/python3")
+    sluice.spark.use_this_python()
+    assert os.environ["PYSPARK_PYTHON"] == "/opt/other/python3", "a setting of the user's is kept"
+
+
 def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(spark, tmp_path):
     active = start_node(tmp_path, "a")
     replica = start_node(tmp_path, "r", "--replica-of", active.address)
@@ -311,6 +334,8 @@ def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
     try:
         write(active, {f"e{i}": f"one{i}" for i in range(1000)})
+        # Without PYSPARK_PYTHON: the example makes Spark's workers run this interpreter.
+        env.pop("PYSPARK_PYTHON", None)
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             wait_until("the job's first batches", lambda: len(changes_in(spark, out)) >= 200)
@@ -326,7 +351,15 @@ def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(
         wait_converged(active, replica)
         done = subprocess.run([*cmd, "--available-now"], capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert_each_change_once_and_none_missing(changes_in(spark, out), replica)
+        rows = changes_in(spark, out)
+        assert_each_change_once_and_none_missing(rows, replica)
+        # Each run printed the batches it committed with the rows the sink wrote: together,
+        # every row of the output once; the --available-now run wrote (and printed) the rest.
+        first, second = batch_counts(output), batch_counts(done.stdout)
+        assert first and any(n > 0 for n in first.values()), output
+        assert any(n > 0 for n in second.values()), done.stdout
+        assert not set(first) & set(second), (first, second)
+        assert sum(first.values()) + sum(second.values()) == len(rows), (first, second, len(rows))
     finally:
         replica.stop()
         active.stop()

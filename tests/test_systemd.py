@@ -88,10 +88,12 @@ def test_sighup_reports_what_changed(tmp_path):
 
 def test_deploy_files_match_the_configuration_definitions():
     example = subprocess.run(
-        [sys.executable, "-m", "sluice", "config", "example"], capture_output=True, text=True
+        [sys.executable, "-m", "sluice", "config", "example", "--data-dir", "/var/lib/sluice"],
+        capture_output=True,
+        text=True,
     )
     assert (REPO / "deploy" / "sluice.toml").read_text() == example.stdout, (
-        "regenerate: sluice config example"
+        "regenerate: sluice config example --data-dir /var/lib/sluice > deploy/sluice.toml"
     )
     check = subprocess.run(
         [sys.executable, "-m", "sluice", "config", "check", str(REPO / "deploy" / "sluice.toml")],

@@ -103,8 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s); %d items in %d bucket(s) %s, recovered in %.3f s "
-        "(snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
+        "sluice ready: listening on %s (admin %s) (TLS %s)%s; %d items in %d bucket(s) %s, "
+        "recovered in %.3f s (snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
         server.address,
         (
             f"https://{server.admin_address}"
@@ -114,6 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or server.admin_address
         or "off",
         server.tls_address or "off",
+        f", replica of {cfg.values['replication.replica_of']}"
+        if cfg.values["replication.replica_of"]
+        else "",
         items,
         len(settings.bucket_names),
         ",".join(settings.bucket_names),
@@ -287,7 +290,34 @@ def _refusal(e: Exception) -> str:
     return why
 
 
+def _answers_binary_protocol(address: str, timeout: float = 3.0) -> bool:
+    """Whether HOST:PORT answers a memcached binary NOOP: a KV port, not an admin endpoint."""
+    import socket
+    import struct
+
+    host, _, port = address.removeprefix("http://").removeprefix("https://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+            s.sendall(struct.pack(">BBHBBHIIQ", 0x80, 0x0A, 0, 0, 0, 0, 0, 0, 0))  # NOOP
+            reply = s.recv(24)
+    except (OSError, ValueError):
+        return False
+    return reply[:2] == b"\x81\x0a"
+
+
+def _unreachable(admin: str, e: Exception) -> str:
+    """Why the admin endpoint at `admin` gave no answer, with a hint when it is a KV port."""
+    why = getattr(e, "reason", e)
+    if _answers_binary_protocol(admin):
+        return (
+            f"{admin} is a KV port (it answers the memcached binary protocol), not an admin endpoint: "
+            f"pass the node's admin_listen address (default {_default('admin_listen')})"
+        )
+    return f"cannot reach the admin endpoint at {admin}: {why}"
+
+
 def cmd_promote(args: argparse.Namespace) -> int:
+    import http.client
     import urllib.error
 
     admin = _admin_address(args, "promote")
@@ -295,13 +325,24 @@ def cmd_promote(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     auth = _admin_auth(args)
     try:
+        st = _admin_call(admin, "/status", args.timeout, auth=auth, cacert=args.cacert)
+        # A node that follows no active and holds no replica vbucket has nothing to promote:
+        # most likely --admin (or admin_listen of the configuration) names the active.
+        replicas = [v for b in st["buckets"] for v in b["vbuckets"] if v["state"] == "replica"]
+        if not st.get("replication") and not replicas:
+            print(
+                f"sluice promote: the node at {admin} (listening on {st['listen']}) follows no node "
+                "and holds no replica vbucket: there is nothing to promote. Pass --admin with the "
+                "replica's admin endpoint.",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
         done = _admin_call(admin, "/promote", args.timeout, method="POST", auth=auth, cacert=args.cacert)
     except urllib.error.HTTPError as e:
         print(f"sluice promote: the node refused: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        print(f"sluice promote: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        print(f"sluice promote: {_unreachable(admin, e)}", file=sys.stderr)
         return EXIT_FAILURE
     for b in done["promoted"]:
         print(f"bucket {b['bucket']}: {len(b['vbuckets'])} vbucket(s) promoted to active")
@@ -311,23 +352,27 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_move_vbucket(args: argparse.Namespace) -> int:
     """Moves one vbucket between two running nodes with a takeover stream. The POST to the
     target waits as long as the move runs (up to --timeout, which the target applies too)."""
+    import http.client
     import urllib.error
     import urllib.parse
 
     basic = _basic_auth(args)
-    try:
-        source = _admin_call(args.source, "/status", args.timeout, auth=basic, cacert=args.cacert)
-    except urllib.error.HTTPError as e:
-        print(f"sluice move-vbucket: {args.source} refused: {_refusal(e)}", file=sys.stderr)
-        return EXIT_FAILURE
-    except (urllib.error.URLError, OSError) as e:
-        print(f"sluice move-vbucket: cannot reach {args.source}: {getattr(e, 'reason', e)}", file=sys.stderr)
-        return EXIT_FAILURE
-    source_kv = args.source_address or source["listen"]
+    auth = basic or _admin_auth(args)
+    status = {}
+    # Both nodes are asked first: a KV port given by mistake is found before anything moves.
+    for role, admin, login in (("source", args.source, basic), ("target", args.target, auth)):
+        try:
+            status[role] = _admin_call(admin, "/status", args.timeout, auth=login, cacert=args.cacert)
+        except urllib.error.HTTPError as e:
+            print(f"sluice move-vbucket: the {role} {admin} refused: {_refusal(e)}", file=sys.stderr)
+            return EXIT_FAILURE
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            print(f"sluice move-vbucket: the {role}: {_unreachable(admin, e)}", file=sys.stderr)
+            return EXIT_FAILURE
+    source_kv = args.source_address or status["source"]["listen"]
     query = urllib.parse.urlencode(
         {"bucket": args.bucket, "vbucket": args.vb, "source": source_kv, "timeout": args.timeout}
     )
-    auth = basic or _admin_auth(args)
     try:
         # The target gives up at --timeout; the socket waits a little longer to hear it say so.
         r = _admin_call(
@@ -336,12 +381,13 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as e:
         print(f"sluice move-vbucket: the takeover failed: {_refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
-    except (urllib.error.URLError, OSError) as e:
-        print(f"sluice move-vbucket: cannot reach {args.target}: {getattr(e, 'reason', e)}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        print(f"sluice move-vbucket: the target: {_unreachable(args.target, e)}", file=sys.stderr)
         return EXIT_FAILURE
     print(
-        f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from {source_kv} to the node at "
-        f"{args.target}: {r['items']:,} changes streamed in {r['seconds']:.2f} s, "
+        f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from the node at {source_kv} "
+        f"(admin {args.source}) to the node at {status['target']['listen']} (admin {args.target}): "
+        f"{r['items']:,} changes streamed in {r['seconds']:.2f} s, "
         f"high seqno {r['high_seqno']}; writes to it paused {r['writes_paused_ms']:.1f} ms"
     )
     return EXIT_OK
@@ -364,13 +410,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"sluice status: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
         return EXIT_FAILURE
     wal = st["wal"]
+    # What the LSNs mean depends on the mode: `write` syncs only for writes that ask for it
+    # (durability persist levels), `none` keeps nothing on disk; a synced LSN behind (or 0)
+    # there is the mode, not a node falling behind.
+    written, synced = wal["written_lsn"], wal["synced_lsn"]
+    if wal["mode"] == "none":
+        written, synced = "n/a", "n/a (wal.mode=none keeps nothing on disk)"
+    elif wal["mode"] == "write":
+        synced = f"{synced} (wal.mode=write syncs only writes asking to persist)"
     print(
         f"sluice {st['version']}  instance {st['instance']}  up {st['uptime_s']} s  "
         f"listening on {st['listen']}"
     )
     print(
         f"connections {st['connections']}  wal.mode {wal['mode']}  LSN last {wal['last_lsn']} "
-        f"written {wal['written_lsn']} synced {wal['synced_lsn']}{'  WAL FAILING' if wal['failing'] else ''}"
+        f"written {written} synced {synced}{'  WAL FAILING' if wal['failing'] else ''}"
     )
     rep = st.get("replication")
     lags: dict[tuple[str, int], dict] = {}
@@ -386,6 +440,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                 lags[(rb["bucket"], v["vbucket"])] = v
     else:
         print("role: active (follows no node)")
+    followed = any(v.get("followers") for b in st["buckets"] for v in b["vbuckets"])
+    if followed:
+        # The active knows a follower by the name its replica registered, which is the
+        # replica's instance id (`sluice status` on the replica prints it first), not an address.
+        print(
+            "followers are named by replica instance id (the first line of `sluice status` on each replica)"
+        )
     for b in st["buckets"]:
         print()
         print(f"bucket {b['name']}: {b['mem_used']:,} of {b['memory_quota']:,} bytes")
@@ -399,7 +460,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     repl = "not followed (dead on the active: moved away)"
                 elif v.get("followers"):
                     repl = ", ".join(
-                        f"{f['replica'][:12]} acked {f['acked_seqno']} "
+                        f"replica {f['replica'][:12]} acked {f['acked_seqno']} "
                         f"(lag {v['high_seqno'] - f['acked_seqno']})"
                         for f in v["followers"]
                     )
@@ -484,6 +545,26 @@ class _BackfillProgress:
         print(line, file=sys.stderr, flush=True)
 
 
+def _replica_vbuckets_if_no_active(
+    address: str, bucket: str, user: str | None, password: str | None
+) -> list[int] | None:
+    """None (every active vbucket) when the node has an active vbucket in `bucket`; else the
+    vbuckets it holds as a replica, announced on stderr."""
+    login = {"bucket": bucket, "username": user, "password": password}
+    if _native.vbucket_positions(address, state="active", **login):
+        return None
+    replicas = sorted(vb for vb, _, _ in _native.vbucket_positions(address, state="replica", **login))
+    if replicas:
+        print(
+            f"sluice tail: {address} has no active vbucket in bucket {bucket!r} (a replica node): "
+            f"streaming the {len(replicas)} vbucket(s) it replicates",
+            file=sys.stderr,
+            flush=True,
+        )
+        return replicas
+    return None
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     """Follows a bucket's DCP stream and prints its changes."""
     import json
@@ -498,6 +579,14 @@ def cmd_tail(args: argparse.Namespace) -> int:
     address = args.address or _load(args).values["listen"]
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
     client = Client(address, bucket=args.bucket, username=args.user, password=password)
+    if vbuckets is None:
+        # "Every active vbucket" of a replica node is none: there, tail follows the vbuckets it
+        # replicates instead (the copy it serves, as the Spark source reads replicas), and says so.
+        try:
+            vbuckets = _replica_vbuckets_if_no_active(address, args.bucket, args.user, password)
+        except _native.SluiceError as e:
+            print(f"sluice tail: {e}", file=sys.stderr)
+            return EXIT_FAILURE
     state = args.state if args.state and Path(args.state).exists() else None
     progress = _BackfillProgress()
     printed = 0
@@ -593,9 +682,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_user_hash(_args: argparse.Namespace) -> int:
-    """Reads a password (a prompt on a terminal, else the first line of stdin) and prints the
+    """Reads a password (a prompt on a terminal, twice, else the first line of stdin) and prints the
     password_hash for [users.NAME]; the password itself is never stored."""
-    password = getpass.getpass("password: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\n")
+    if sys.stdin.isatty():
+        password = getpass.getpass("password: ")
+        # A typo at a prompt that does not echo would be stored for good: ask twice.
+        if password and getpass.getpass("password again: ") != password:
+            print("sluice user hash: the passwords differ; nothing printed", file=sys.stderr)
+            return EXIT_USAGE
+    else:
+        password = sys.stdin.readline().rstrip("\n")
     if not password:
         print("sluice user hash: an empty password", file=sys.stderr)
         return EXIT_USAGE
@@ -609,7 +705,11 @@ def cmd_wal_dump(args: argparse.Namespace) -> int:
         print(f"sluice wal-dump: no such file: {path}", file=sys.stderr)
         return EXIT_FAILURE
     sys.stdout.flush()
-    _native.wal_dump(str(path), sys.stdout.fileno())
+    try:
+        _native.wal_dump(str(path), sys.stdout.fileno())
+    except _native.SluiceError as e:
+        print(f"sluice wal-dump: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -620,8 +720,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_config_example(_args: argparse.Namespace) -> int:
-    sys.stdout.write(example_toml())
+def cmd_config_example(args: argparse.Namespace) -> int:
+    sys.stdout.write(example_toml(data_dir=args.data_dir))
     return EXIT_OK
 
 
@@ -635,10 +735,23 @@ def _default(key: str) -> object:
     return next(k.default for k in ENGINE_KEYS if k.name == key)
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless it has none (None, a flag's False)
+    or its text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="A replication daemon for key-value changes.")
+    p.add_argument("--version", action="version", version=f"sluice {_native.__version__}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    formatter = {"formatter_class": _ShowDefaults}
     sub.required = True
 
     s = sub.add_parser(
@@ -646,19 +759,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="open the data directory and serve it over the network",
         description="Recover the data directory, serve the memcached binary protocol, and run "
         "until SIGTERM or Ctrl-C; then finish in-flight requests, flush the WAL and exit 0. "
-        f"Without --config, embedded defaults: {_default('listen')}, data in "
-        f"./{_default('data_dir')}, one bucket 'default' of "
-        f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets.",
+        f"Without --config, embedded defaults: {_default('listen')}, admin endpoint "
+        f"{_default('admin_listen')}, data in ./{_default('data_dir')}, no TLS listener (tls_listen "
+        f"serves one once tls.certificate is set), one bucket 'default' of "
+        f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets. Two nodes on one machine need "
+        "their own --listen, --admin-listen and --data-dir.",
+        **formatter,
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    s.add_argument("--data-dir", metavar="DIR", help="overrides data_dir")
-    s.add_argument("--listen", metavar="HOST:PORT", help=f"overrides listen (default {_default('listen')})")
-    s.add_argument("--admin-listen", metavar="HOST:PORT", help='overrides admin_listen ("" turns it off)')
+    s.add_argument(
+        "--data-dir", metavar="DIR", help=f"overrides data_dir (default: ./{_default('data_dir')})"
+    )
+    s.add_argument("--listen", metavar="HOST:PORT", help=f"overrides listen (default: {_default('listen')})")
+    s.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help=f'overrides admin_listen ("" turns it off; default: {_default("admin_listen")})',
+    )
     s.add_argument(
         "--replica-of",
         metavar="HOST:PORT",
         help="follow this active node: every vbucket is a replica fed over DCP "
-        "(overrides replication.replica_of)",
+        "(overrides replication.replica_of; default: none, the node is active)",
     )
     s.add_argument(
         "--insecure",
@@ -677,6 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a running node's vbuckets and WAL as tables",
         description="Reads the admin endpoint's /status (admin_listen from --config, or --admin) and "
         "prints, per bucket, each vbucket's state, items, high and persisted seqnos.",
+        **formatter,
     )
     st.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
     st.add_argument(
@@ -704,6 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tells a running replica node (through its admin endpoint) to stop following its "
         "active and make every replica vbucket active, each with a new failover entry. Restart the "
         "old active with --replica-of this node to rejoin it: it rolls back what it never replicated.",
+        **formatter,
     )
     pr.add_argument("--config", metavar="FILE", help="TOML configuration file (for admin_listen)")
     pr.add_argument(
@@ -730,16 +854,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Takeover of one vbucket (DCP takeover stream): the target catches up, the source "
         "goes pending (writes get a temporary failure), drains and hands over with SET_VBUCKET_STATE; "
         "the target goes active and the source dead (writes there get NOT_MY_VBUCKET). Prints how "
-        "long writes to the vbucket paused. --from and --to are the nodes' admin endpoints.",
+        "long writes to the vbucket paused. --from and --to are the nodes' admin endpoints "
+        f"(admin_listen, default {_default('admin_listen')}), not their KV ports.",
+        **formatter,
     )
-    mv.add_argument("--vb", type=int, required=True, metavar="N")
+    mv.add_argument("--vb", type=int, required=True, metavar="N", help="the vbucket to move")
     mv.add_argument(
         "--from", dest="source", required=True, metavar="HOST:PORT", help="the source's admin endpoint"
     )
     mv.add_argument(
         "--to", dest="target", required=True, metavar="HOST:PORT", help="the target's admin endpoint"
     )
-    mv.add_argument("--bucket", default="default")
+    mv.add_argument("--bucket", default="default", help="the bucket")
     mv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move")
     mv.add_argument(
         "--source-address",
@@ -778,18 +904,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Streams every active vbucket (or --vbuckets) of a bucket from the beginning or "
         "from now, printing each mutation, deletion and expiration. With --state FILE the position "
         "is saved after every batch printed and a restart continues from it: no duplicates, no "
-        "gaps. A progress line goes to stderr while a backfill runs.",
+        "gaps. A progress line goes to stderr while a backfill runs. On a replica node (no active "
+        "vbucket) it streams the vbuckets the node replicates.",
+        **formatter,
     )
     t.add_argument("--address", metavar="HOST:PORT", help="the server (default: listen of --config)")
     t.add_argument("--config", metavar="FILE", help="TOML configuration file (for listen)")
-    t.add_argument("--bucket", default="default")
-    t.add_argument("--vbuckets", metavar="LIST", help="e.g. 0,3,8-11 (default: every active vbucket)")
-    t.add_argument("--from", dest="start", choices=["beginning", "now"], default="now")
+    t.add_argument("--bucket", default="default", help="the bucket")
+    t.add_argument(
+        "--vbuckets",
+        metavar="LIST",
+        help="e.g. 0,3,8-11 (default: every active vbucket; on a replica node, every replica vbucket)",
+    )
+    t.add_argument(
+        "--from",
+        dest="start",
+        choices=["beginning", "now"],
+        default="now",
+        help="where vbuckets the --state file does not cover start: their first change, or only "
+        "changes made from now on",
+    )
     t.add_argument("--until-now", action="store_true", help="stop at the high seqnos of the moment")
     t.add_argument("--state", metavar="FILE", help="resume from and save the stream position to FILE")
-    t.add_argument("--format", choices=["json", "table"], default="json")
+    t.add_argument("--format", choices=["json", "table"], default="json", help="output lines")
     t.add_argument("--no-values", action="store_true", help="keys and metadata only")
-    t.add_argument("--max", type=int, default=0, help="stop after printing this many changes")
+    t.add_argument("--max", type=int, default=0, help="stop after printing this many changes (0: no limit)")
     t.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     t.add_argument("--password-stdin", action="store_true")
     t.set_defaults(func=cmd_tail)
@@ -800,18 +939,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipelined load from N connections: GETs and SETs by --get-ratio over --keys keys, "
         "for --duration seconds (or --count requests). Prints ops/s and latency percentiles "
         "(HdrHistogram; each request from the send of its batch to its reply).",
+        **formatter,
     )
     b.add_argument("--server", required=True, metavar="HOST:PORT")
-    b.add_argument("--connections", type=int, default=16)
+    b.add_argument("--connections", type=int, default=16, help="client connections")
     b.add_argument("--pipeline", type=int, default=32, help="requests in flight per connection")
     b.add_argument("--duration", type=float, default=10.0, help="seconds")
     b.add_argument("--count", type=int, default=0, help="stop after this many requests (0: duration only)")
-    b.add_argument("--keys", type=int, default=100_000)
-    b.add_argument("--key-size", type=int, default=16)
-    b.add_argument("--value-size", type=int, default=100)
-    b.add_argument("--get-ratio", type=float, default=0.9)
+    b.add_argument("--keys", type=int, default=100_000, help="distinct keys")
+    b.add_argument("--key-size", type=int, default=16, help="bytes per key")
+    b.add_argument("--value-size", type=int, default=100, help="bytes per value")
+    b.add_argument("--get-ratio", type=float, default=0.9, help="share of GETs among requests")
     b.add_argument("--no-prefill", action="store_true", help="do not SET every key before measuring")
-    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--threads", type=int, default=2, help="client threads")
     b.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     b.add_argument("--password-stdin", action="store_true")
     b.add_argument(
@@ -836,6 +976,12 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("file")
     cc.set_defaults(func=cmd_config_check)
     ce = csub.add_parser("example", help="print a TOML file of every key with its default, commented")
+    ce.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="set data_dir to DIR, uncommented (a packaged service's file: deploy/sluice.toml "
+        "sets /var/lib/sluice)",
+    )
     ce.set_defaults(func=cmd_config_example)
     cr = csub.add_parser("reference", help="print every key with its type, default and meaning (Markdown)")
     cr.set_defaults(func=cmd_config_reference)

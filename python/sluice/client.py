@@ -1,6 +1,7 @@
-"""A DCP client for Python: ``sluice.Client(...).stream(...)`` follows a bucket's change stream
+"""A client for Python: ``sluice.Client(...).stream(...)`` follows a bucket's change stream
 from a sluice (or Couchbase) server through the native consumer, and yields batches as pyarrow
-RecordBatches or as lists of :class:`Change`.
+RecordBatches or as lists of :class:`Change`; ``set``, ``add``, ``get`` and ``delete`` read and
+write items over the memcached binary protocol (:mod:`sluice.kv`), durable writes included.
 
 The session state (per vbucket: failover log, last seqno, snapshot range) is the state after
 the last batch yielded; save it with :meth:`Stream.save_state` and pass it back as ``state=`` to
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sluice._native import DcpConsumer, RawBatch, SluiceError
+from sluice._native import DcpConsumer, NotFoundError, RawBatch, SluiceError
+from sluice.kv import ADD, DELETE, GET, SET, Item, KvConnection, Stored, stored
 
 OPS = ("mutation", "deletion", "expiration")
 
@@ -205,7 +208,9 @@ class Stream:
 
 
 class Client:
-    """Where to stream from: a server's address, bucket and credentials."""
+    """A server's address, bucket and credentials: streams from it (:meth:`stream`, a
+    connection each) and reads and writes items (one connection, opened on first use; close it
+    with :meth:`close` or ``with``)."""
 
     def __init__(
         self,
@@ -215,12 +220,111 @@ class Client:
         username: str | None = None,
         password: str | None = None,
         name: str | None = None,
+        timeout: float = 10.0,
     ) -> None:
         self.address = address
         self.bucket = bucket
         self.username = username
         self.password = password
         self.name = name or f"sluice-client:{os.getpid()}:{time.time_ns()}"
+        self.timeout = timeout
+        self._kv: KvConnection | None = None
+
+    def _connection(self) -> KvConnection:
+        if self._kv is None:
+            self._kv = KvConnection(self.address, self.bucket, self.username, self.password, self.timeout)
+        return self._kv
+
+    def _store(
+        self,
+        opcode: int,
+        key: bytes,
+        value: bytes,
+        flags: int,
+        expiry: int,
+        cas: int,
+        durability: str | None,
+        durability_timeout: float | None,
+    ) -> Stored:
+        extras, _, new_cas = self._connection().request(
+            opcode,
+            key=key,
+            extras=struct.pack(">II", flags, expiry),
+            value=value,
+            cas=cas,
+            durability=durability,
+            durability_timeout=durability_timeout,
+        )
+        return stored(extras, new_cas)
+
+    def set(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        cas: int = 0,
+        durability: str | None = None,
+        durability_timeout: float | None = None,
+    ) -> Stored:
+        """Stores the item (only over CAS ``cas`` when it is not 0: else ExistsError).
+
+        durability: None (the bucket's `durability`), "majority", "majority_and_persist_active"
+            or "persist_to_majority": the reply waits until the level is met;
+            DurabilityImpossibleError when too few replicas follow the vbucket,
+            SyncWriteAmbiguousError when it is not met within ``durability_timeout`` seconds
+            (default: the bucket's `durability_timeout`).
+        """
+        return self._store(SET, key, value, flags, expiry, cas, durability, durability_timeout)
+
+    def add(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        durability: str | None = None,
+        durability_timeout: float | None = None,
+    ) -> Stored:
+        """Stores the item only if the key holds none (else ExistsError); durability as in set."""
+        return self._store(ADD, key, value, flags, expiry, 0, durability, durability_timeout)
+
+    def get(self, key: bytes) -> Item | None:
+        """The item's value, flags and CAS; None if the key holds none."""
+        try:
+            extras, value, cas = self._connection().request(GET, key=key)
+        except NotFoundError:
+            return None
+        (flags,) = struct.unpack(">I", extras) if len(extras) == 4 else (0,)
+        return Item(value, flags, cas)
+
+    def delete(
+        self,
+        key: bytes,
+        *,
+        cas: int = 0,
+        durability: str | None = None,
+        durability_timeout: float | None = None,
+    ) -> Stored:
+        """Deletes the item (NotFoundError if there is none); cas and durability as in set."""
+        extras, _, new_cas = self._connection().request(
+            DELETE, key=key, cas=cas, durability=durability, durability_timeout=durability_timeout
+        )
+        return stored(extras, new_cas)
+
+    def close(self) -> None:
+        """Closes the read/write connection (streams are closed on their own)."""
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def stream(
         self,
@@ -270,7 +374,7 @@ class Client:
             try:
                 import pyarrow  # noqa: F401
             except ImportError as e:
-                raise ImportError("format='arrow' needs pyarrow: pip install 'sluice[arrow]'") from e
+                raise ImportError("format='arrow' needs pyarrow: pip install 'sluice-kv[arrow]'") from e
         if not (rollback in ("raise", "resume") or callable(rollback)):
             raise ValueError("rollback must be 'raise', 'resume' or a callable (vbucket, seqno)")
         state_text = _state_text(state)

@@ -2,19 +2,26 @@
 changes, preferably from a replica.
 
     import sluice.spark
+    from pyspark.sql import SparkSession
+
+    sluice.spark.use_this_python()  # local sessions: workers run this interpreter
+    spark = SparkSession.builder.getOrCreate()
     sluice.spark.register(spark)
     df = spark.read.format("sluice").option("nodes", "10.0.0.2:11210").load()
 
 Rows have the fixed schema :data:`SCHEMA`. They reach Spark as Arrow record batches whose
 columns the native module builds; each Spark task opens its own DCP connection. The package and
-its native module must be installed (``pip install 'sluice[spark]'``) on the driver and on every
-executor. Options are documented in docs/spark.md.
+its native module must be installed (``pip install 'sluice-kv[spark]'``) on the driver and on
+every executor, for the interpreter Spark's Python workers run (``PYSPARK_PYTHON``). Options are
+documented in docs/spark.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +46,15 @@ from sluice.spark import planning
 from sluice.spark.options import OptionError, Options, parse
 from sluice.spark.planning import DataLossError, Position, VbucketRange
 
-__all__ = ["SCHEMA", "DataLossError", "OptionError", "SluiceDataSource", "register"]
+__all__ = [
+    "SCHEMA",
+    "DataLossError",
+    "OptionError",
+    "SluiceDataSource",
+    "check_worker_python",
+    "register",
+    "use_this_python",
+]
 
 log = logging.getLogger("sluice.spark")
 
@@ -332,6 +347,46 @@ def _check_schema(schema: StructType) -> None:
         raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
 
 
+def use_this_python() -> None:
+    """Makes Spark's Python workers run this interpreter, unless ``PYSPARK_PYTHON`` names one
+    already. Spark's default is ``python3`` from the PATH, which in a virtualenv that is not
+    activated (or a system Python) has no sluice: the worker fails with ``No module named
+    'sluice'``. Call it before the SparkSession starts: Spark reads the variable once, when it
+    launches its JVM. For local sessions; a cluster's executors need sluice-kv installed for
+    the interpreter they run."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+def check_worker_python(python: str) -> None:
+    """Raises SluiceError, naming PYSPARK_PYTHON, when ``python`` (the interpreter Spark starts
+    its Python workers with) cannot import sluice's native module."""
+    try:
+        r = subprocess.run(
+            [python, "-c", "import sluice._native"], capture_output=True, text=True, timeout=120
+        )
+        why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1] if r.returncode else None
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why is None:
+        return
+    setting = os.environ.get("PYSPARK_PYTHON")
+    source = f"PYSPARK_PYTHON={setting}" if setting else "PYSPARK_PYTHON is not set, so Spark's default"
+    raise SluiceError(
+        f"Spark's Python workers run {python} ({source}), which cannot import sluice: {why}. Set "
+        f"PYSPARK_PYTHON={sys.executable} (this interpreter) before the SparkSession starts "
+        "(sluice.spark.use_this_python() does), or install sluice-kv for that interpreter."
+    )
+
+
 def register(spark: Any) -> None:
-    """Registers the data source with a SparkSession under the name ``sluice``."""
+    """Registers the data source with a SparkSession under the name ``sluice``. On a local
+    master it first checks that Spark's Python workers can import sluice (see
+    :func:`use_this_python`): a worker that cannot fails later inside an error that does not
+    say why."""
+    try:
+        context = spark.sparkContext
+    except NotImplementedError:  # a Spark Connect session: its workers are the server's
+        context = None
+    if context is not None and context.master.startswith("local"):
+        check_worker_python(context.pythonExec)
     spark.dataSource.register(SluiceDataSource)

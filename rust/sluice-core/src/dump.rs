@@ -33,7 +33,46 @@ impl From<Error> for DumpError {
     }
 }
 
+/// The first line every sluice WAL segment or snapshot starts with.
+const SLUICE_FILE_TYPES: [&str; 2] = ["SLUICE-XLOG", "SLUICE-SNAP"];
+/// The first lines of Tarantool's files, whose layout sluice's follows but does not share.
+const TARANTOOL_FILE_TYPES: [&str; 5] = ["XLOG", "SNAP", "VYLOG", "RUN", "INDEX"];
+
+/// Refuses a file that is not a sluice WAL segment or snapshot by its first line, naming what
+/// it is instead of how its header fails to parse.
+fn check_file_type(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(64);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(64).read_to_end(&mut head))
+        .map_err(|e| Error::io(path.display(), e))?;
+    // A sluice first line, or the start of one (a file cut inside its header, which the
+    // reader reports as such).
+    let sluice = SLUICE_FILE_TYPES.iter().any(|t| {
+        let line = format!("{t}\n");
+        line.as_bytes()
+            .starts_with(&head[..head.len().min(line.len())])
+    });
+    if sluice {
+        return Ok(());
+    }
+    let first = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let first = String::from_utf8_lossy(first);
+    let why = if TARANTOOL_FILE_TYPES.contains(&first.as_ref()) {
+        format!("a Tarantool {first} file, not a sluice one (Tarantool's `tt cat` reads it)")
+    } else {
+        "not a sluice WAL segment or snapshot (their first line is SLUICE-XLOG or SLUICE-SNAP), \
+         nor a Tarantool file"
+            .to_string()
+    };
+    Err(Error::InvalidArgument(format!(
+        "{} is {why}",
+        path.display()
+    )))
+}
+
 fn dump_all(path: &Path, out: &mut impl Write) -> std::result::Result<u64, DumpError> {
+    check_file_type(path)?;
     let mut r = XlogReader::open(path)?;
     let io = DumpError::Output;
     let header = r.header().clone();

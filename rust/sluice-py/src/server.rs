@@ -291,7 +291,7 @@ impl Server {
                 if err.kind() == std::io::ErrorKind::InvalidInput {
                     ConfigError::new_err(format!("invalid config: {err}"))
                 } else {
-                    SluiceError::new_err(format!("cannot listen on {listen}: {err}"))
+                    SluiceError::new_err(format!("cannot listen: {err}"))
                 }
             })?;
         let address = server.local_addr().to_string();

@@ -52,12 +52,12 @@ impl Server {
             .thread_name("sluice-io")
             .enable_all()
             .build()?;
-        let std_listener = std::net::TcpListener::bind(config.listen)?;
+        let std_listener = bind("KV listener", "listen", config.listen)?;
         std_listener.set_nonblocking(true)?;
         let local_addr = std_listener.local_addr()?;
         let admin = match config.admin_listen {
             Some(a) => {
-                let l = std::net::TcpListener::bind(a)?;
+                let l = bind("admin listener", "admin_listen", a)?;
                 l.set_nonblocking(true)?;
                 Some(l)
             }
@@ -74,7 +74,7 @@ impl Server {
         let tls_listener =
             match (config.tls_listen, &tls) {
                 (Some(a), Some(_)) => {
-                    let l = std::net::TcpListener::bind(a)?;
+                    let l = bind("TLS listener", "tls_listen", a)?;
                     l.set_nonblocking(true)?;
                     Some(l)
                 }
@@ -313,4 +313,15 @@ async fn accept_loop(
     drop(listener);
     // Graceful: connections see the stop signal after the requests they hold.
     while tasks.join_next().await.is_some() {}
+}
+
+/// Binds one listener; a failure names the listener, its address and the key that sets it, so
+/// that a clash on one port of several (two nodes on one machine) shows which one.
+fn bind(
+    what: &str,
+    key: &str,
+    address: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind(address)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{what} {address} ({key}): {e}")))
 }

@@ -1,0 +1,202 @@
+"""What the `sluice` command says when it is used the wrong way or on the wrong node: each
+message names the culprit (the listener, the port, the file, the node's role) and every help
+text shows its defaults."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pty
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import bmemcached
+import pytest
+import sluice
+from helpers import Node, run_cli, start_node, wait_converged
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def flat(text: str) -> str:
+    """Help text with argparse's line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_serve_help_shows_every_default():
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0, r.stderr
+    out = flat(r.stdout)
+    defaults = sluice._native.DEFAULTS
+    assert "--listen HOST:PORT overrides listen (default: 127.0.0.1:11210)" in out
+    assert 'overrides admin_listen ("" turns it off; default: 127.0.0.1:11280)' in out
+    assert f"overrides data_dir (default: ./{defaults['data_dir']})" in out
+    assert "no TLS listener" in out and "tls.certificate" in out
+    assert "default: none, the node is active" in out
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        ("tail", ["--from {beginning,now}", "(default: now)", "(default: default)", "(default: json)"]),
+        (
+            "bench",
+            ["client connections (default: 16)", "(default: 32)", "(default: 10.0)", "(default: 0.9)"],
+        ),
+        ("status", ["seconds to wait for the node (default: 10.0)"]),
+    ],
+)
+def test_help_shows_the_defaults(command, shown):
+    r = run_cli(command, "--help")
+    assert r.returncode == 0, r.stderr
+    for text in shown:
+        assert text in flat(r.stdout), r.stdout
+    assert "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"sluice {sluice.__version__}"
+
+
+def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
+    # A second node whose only clash is the admin port (two nodes on one machine, defaults).
+    r = run_cli(
+        "serve",
+        "--data-dir",
+        str(tmp_path / "second"),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        server.admin,
+    )
+    assert r.returncode == 1
+    assert f"admin listener {server.admin} (admin_listen): Address already in use" in r.stderr, r.stderr
+    r = run_cli(
+        "serve", "--data-dir", str(tmp_path / "third"), "--listen", server.address, "--admin-listen", ""
+    )
+    assert r.returncode == 1
+    assert f"KV listener {server.address} (listen): Address already in use" in r.stderr, r.stderr
+
+
+def test_promote_on_a_node_that_follows_no_one_says_so(server):
+    r = run_cli("promote", "--admin", server.admin)
+    assert r.returncode == 1
+    assert "follows no node" in r.stderr and "nothing to promote" in r.stderr, r.stderr
+    assert "promoted" not in r.stdout
+    assert {v["state"] for v in server.status()["buckets"][0]["vbuckets"]} == {"active"}
+
+
+def test_move_vbucket_given_kv_ports_asks_for_admin_endpoints(server):
+    r = run_cli("move-vbucket", "--vb", "0", "--from", server.address, "--to", server.admin, timeout=60)
+    assert r.returncode == 1
+    assert f"the source: {server.address} is a KV port" in r.stderr, r.stderr
+    assert "admin_listen" in r.stderr
+    r = run_cli("move-vbucket", "--vb", "0", "--from", server.admin, "--to", server.address, timeout=60)
+    assert r.returncode == 1 and f"the target: {server.address} is a KV port" in r.stderr, r.stderr
+    assert {v["state"] for v in server.status()["buckets"][0]["vbuckets"]} == {"active"}
+
+
+def test_wal_dump_names_a_foreign_file(tmp_path):
+    r = run_cli("wal-dump", str(REPO / "README.md"))
+    assert r.returncode == 1
+    assert "README.md is not a sluice WAL segment or snapshot" in r.stderr, r.stderr
+    assert "Some(" not in r.stderr and "Traceback" not in r.stderr
+    tarantool = tmp_path / "00000000000000000000.xlog"
+    tarantool.write_bytes(b"XLOG\n0.13\nVersion: 2.11.0\nInstance: 1\nVClock: {}\n\n")
+    r = run_cli("wal-dump", str(tarantool))
+    assert r.returncode == 1 and "is a Tarantool XLOG file, not a sluice one" in r.stderr, r.stderr
+
+
+def test_config_example_shows_defaults_only():
+    r = run_cli("config", "example")
+    assert r.returncode == 0, r.stderr
+    assert f'# data_dir = "{sluice._native.DEFAULTS["data_dir"]}"' in r.stdout
+    set_keys = [line for line in r.stdout.splitlines() if line and not line.startswith(("#", "["))]
+    assert set_keys == [], "config example sets keys although it shows defaults only"
+    service = run_cli("config", "example", "--data-dir", "/var/lib/sluice")
+    assert 'data_dir = "/var/lib/sluice"' in service.stdout.splitlines()
+
+
+def _on_a_terminal(args: list[str], answers: list[str], timeout: float = 30) -> tuple[int, str]:
+    """Runs the command with a pseudo-terminal as its controlling terminal, typing each answer
+    after a prompt; returns the exit code and everything the terminal showed."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its stdin, stdout, stderr and /dev/tty
+        os.execv(sys.executable, [sys.executable, "-m", "sluice", *args])
+    shown = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+                # A prompt ends what the child wrote; typing earlier would be flushed away.
+                if answers and chunk.endswith(b": "):
+                    os.write(fd, answers.pop(0).encode() + b"\n")
+        else:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), shown.decode(errors="replace")
+
+
+def test_user_hash_asks_twice_on_a_terminal():
+    code, shown = _on_a_terminal(["user", "hash"], ["s3cret", "s3cert"])
+    assert code == 2 and "password again:" in shown and "the passwords differ" in shown, shown
+    assert "pbkdf2-sha256:" not in shown
+    code, shown = _on_a_terminal(["user", "hash"], ["s3cret", "s3cret"])
+    assert code == 0, shown
+    hashed = next(line for line in shown.splitlines() if line.startswith("pbkdf2-sha256:")).strip()
+    _, iterations, salt, digest = hashed.split(":")
+    again = hashlib.pbkdf2_hmac("sha256", b"s3cret", bytes.fromhex(salt), int(iterations))
+    assert again.hex() == digest, "the hash printed is of the password typed"
+
+
+def test_a_replica_node_explains_itself(tmp_path):
+    """The replica's ready line names its active; `tail` on the replica streams what it
+    replicates; `status` on the active names followers and explains `synced` in write mode."""
+    active = start_node(tmp_path, "a")
+    replica: Node | None = None
+    try:
+        replica = start_node(tmp_path, "r", "--replica-of", active.address)
+        assert f"replica of {active.address};" in "".join(replica.lines), replica.lines
+        keys = {f"k{i}": f"v{i}" for i in range(40)}
+        client = bmemcached.Client([active.address])
+        for k, v in keys.items():
+            assert client.set(k, v)
+        wait_converged(active, replica)
+        r = run_cli("tail", "--address", replica.address, "--from", "beginning", "--until-now")
+        assert r.returncode == 0, r.stderr
+        assert f"{replica.address} has no active vbucket" in r.stderr and "it replicates" in r.stderr
+        streamed = {json.loads(line)["key"] for line in r.stdout.splitlines()}
+        assert streamed == set(keys), r.stdout[-2000:]
+        r = run_cli("status", "--admin", active.admin)
+        assert r.returncode == 0, r.stderr
+        assert "synced 0" not in r.stdout
+        assert "(wal.mode=write syncs only writes asking to persist)" in r.stdout
+        instance = replica.status()["instance"]
+        assert f"replica {instance[:12]} acked" in r.stdout, r.stdout
+        assert "followers are named by replica instance id" in r.stdout
+    finally:
+        if replica is not None:
+            replica.stop()
+        active.stop()
+
+
+def test_tail_on_an_active_node_is_unchanged(server):
+    client = bmemcached.Client([server.address])
+    assert client.set("x", "1")
+    r = run_cli("tail", "--address", server.address, "--from", "beginning", "--until-now")
+    assert r.returncode == 0 and '"key": "x"' in r.stdout and "replicates" not in r.stderr, r
