@@ -67,7 +67,7 @@ def test_a_consumer_name_over_200_bytes_is_called_too_long(server):
 def test_bad_connections_are_counted_each_and_logged_once_in_a_while(server):
     for _ in range(30):
         with socket.create_connection((server.host, server.port), timeout=10) as s:
-            s.sendall(b"\x42" * 24)  # no magic a client sends
+            s.sendall(b"\x85" * 24)  # no magic a client sends (below 0x80 is the text protocol)
             assert s.recv(100) == b"", "closed"
     metrics = server.metrics()
     assert "sluice_protocol_errors_total 30" in metrics

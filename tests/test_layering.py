@@ -45,7 +45,8 @@ SERVER_LAYERS = [
     {"auth", "metrics", "ratelimit", "tls", "stream"},  # leaves: no other module of the crate
     {"stats", "policy", "limits"},  # counters, plugins, pre-login bounds
     {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
-    {"login", "dcp", "tap"},  # fronts a KV connection is handed to (SASL, change streams)
+    # fronts a connection is handed to (SASL, change streams, memcached's text protocol)
+    {"login", "dcp", "tap", "text"},
     {"replica"},  # following another node through the DCP consumer
     {"config", "connection"},  # the server's settings; one connection and its handoffs
     {"admin"},  # the HTTP endpoint that reports on all of the above

@@ -114,7 +114,7 @@ def test_a_body_over_the_limit_gets_e2big_and_the_connection_closes(server):
         assert (r["status"], r["opaque"]) == (0x0003, 42)
         assert s.recv(1) == b"", "closed, nothing of the body read"
     with connect(server) as s:
-        s.sendall(b"\x42" * 24)
+        s.sendall(b"\x85" * 24)  # below 0x80 would be the text protocol
         assert s.recv(1) == b"", "a bad magic closes the connection"
     server.wait_for("closing connection from")
 

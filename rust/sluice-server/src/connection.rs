@@ -119,7 +119,20 @@ pub async fn run(
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
     let idle = fronts.idle_timeout;
+    let mut sniffed = false;
     loop {
+        if !sniffed && !inbuf.is_empty() {
+            // memcached's sniff: a binary request starts with a magic (0x80, or 0x08 with
+            // frame infos; the other high bytes get the binary front's error), anything else
+            // is the text protocol.
+            sniffed = true;
+            if inbuf[0] < 0x80 && inbuf[0] != mcbp::magic::ALT_REQUEST {
+                let kv = fronts.kv.clone();
+                let (max_body, idle) = (fronts.max_body, fronts.idle_timeout);
+                drop(prelogin);
+                return crate::text::run(socket, peer, kv, inbuf, max_body, idle, stop).await;
+            }
+        }
         while replies.held.len() < MAX_HELD {
             let max_body = match prelogin {
                 Some(_) => fronts.max_body.min(PRELOGIN_MAX_BODY),
@@ -293,22 +306,13 @@ pub async fn run(
     }
 }
 
-/// Sends the ready replies once the WAL holds every change they acknowledge. If the WAL stopped
-/// without writing them, nothing is sent: the connection closes unanswered rather than
-/// acknowledge what a restart would not have.
+/// Sends the ready replies once the WAL holds every change they acknowledge.
 async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     session: &KvSession,
     stats: &ConnectionStats,
 ) -> std::io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
-    }
-    if let Err(e) = session.engine().wal().written(session.owed_lsn()).await {
-        log::warn!("closing a connection with unsent replies: {e}");
-        out.clear();
-        return Err(std::io::Error::other(e.to_string()));
-    }
-    crate::tls::write_out(socket, out, &stats.bytes_out, FLUSH_AT).await
+    let (engine, lsn) = (session.engine(), session.owed_lsn());
+    crate::kv::send_acknowledged(socket, out, engine, lsn, stats, FLUSH_AT).await
 }

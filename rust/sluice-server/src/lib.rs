@@ -28,6 +28,7 @@ pub mod server;
 pub mod stats;
 pub mod stream;
 pub mod tap;
+pub mod text;
 pub mod tls;
 
 pub use config::ServerConfig;

@@ -34,7 +34,7 @@ mod write;
 
 use crate::catalog::Catalog;
 pub use read::StreamPosition;
-pub use write::{MutationResult, StoreMode, StoreRequest, Update, Written};
+pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};
 
 struct Background {
     stop: Mutex<bool>,

@@ -713,11 +713,33 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<Written<(MutationResult, u64)>> {
+        let w = self.write_arithmetic_touching(
+            bucket, key, delta, initial, expiry, increment, cas, durability, None,
+        )?;
+        Ok(w.map(|(r, item)| (r, counter_value(&item))))
+    }
+
+    /// `write_arithmetic` that also gives the item a new expiry (`touch`, memcached's rules;
+    /// a created item gets it instead of `expiry`) in the same change, as the meta protocol's `ma ... T<ttl>` asks. Returns the item
+    /// as stored (its value is the new number, see `counter_value`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_arithmetic_touching(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        delta: u64,
+        initial: u64,
+        expiry: u32,
+        increment: bool,
+        cas: u64,
+        durability: Option<Requirement>,
+        touch: Option<u32>,
+    ) -> Result<Written<(MutationResult, Item)>> {
         let now = now_secs();
-        let w = self.write_update(bucket, key, cas, durability, |cur| {
+        self.write_update(bucket, key, cas, durability, |cur| {
             let (n, flags, exp) = match cur {
                 None if expiry == u32::MAX => return Err(Error::NotFound),
-                None => (initial, 0, absolute_expiry(expiry, now)),
+                None => (initial, 0, absolute_expiry(touch.unwrap_or(expiry), now)),
                 Some(i) => {
                     let text = std::str::from_utf8(i.value()).map_err(|_| Error::NotNumeric)?;
                     let n: u64 = text.trim().parse().map_err(|_| Error::NotNumeric)?;
@@ -726,7 +748,8 @@ impl Engine {
                     } else {
                         n.saturating_sub(delta)
                     };
-                    (n, i.meta.flags, i.meta.expiry)
+                    let exp = touch.map_or(i.meta.expiry, |t| absolute_expiry(t, now));
+                    (n, i.meta.flags, exp)
                 }
             };
             Ok(Update {
@@ -735,14 +758,7 @@ impl Engine {
                 expiry: exp,
                 datatype: 0,
             })
-        })?;
-        Ok(w.map(|(r, item)| {
-            let n = std::str::from_utf8(item.value())
-                .ok()
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0);
-            (r, n)
-        }))
+        })
     }
 
     /// TOUCH: a new expiry for a live key (a mutation with its own seqno, as Couchbase does).
@@ -844,4 +860,12 @@ impl Inner {
             lsn,
         })
     }
+}
+
+/// The number an INCR or DECR stored (its value is the decimal text of a u64).
+pub fn counter_value(item: &Item) -> u64 {
+    std::str::from_utf8(item.value())
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0)
 }

@@ -42,6 +42,7 @@ pub use read::all_vb_seqnos;
 pub(crate) use reply::reply_to_header;
 use reply::Reply;
 pub use reply::{status_of, HeldReply};
+pub use stat::general_stats;
 
 /// Whether a vbucket-aware client's vbucket differs from the key's (0 means "route it for me").
 fn wrong_vbucket(req: &Request<'_>, bucket: &Bucket) -> bool {
@@ -466,6 +467,29 @@ impl KvSession {
         self.features = f;
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
+}
+
+/// Sends the ready replies of a connection once the WAL holds every change they acknowledge
+/// (`owed_lsn`). If the WAL stopped without writing them, nothing is sent: the connection closes
+/// unanswered rather than acknowledge what a restart would not have. Binary and text
+/// connections alike.
+pub async fn send_acknowledged(
+    socket: &mut crate::tls::MaybeTls,
+    out: &mut Vec<u8>,
+    engine: &Engine,
+    owed_lsn: u64,
+    stats: &ConnectionStats,
+    keep: usize,
+) -> std::io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    if let Err(e) = engine.wal().written(owed_lsn).await {
+        log::warn!("closing a connection with unsent replies: {e}");
+        out.clear();
+        return Err(std::io::Error::other(e.to_string()));
+    }
+    crate::tls::write_out(socket, out, &stats.bytes_out, keep).await
 }
 
 #[cfg(test)]

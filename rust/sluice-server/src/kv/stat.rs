@@ -1,7 +1,8 @@
 //! STAT: the default group (memcached's names) and vbucket-seqno (Couchbase's).
 
 use super::reply::Reply;
-use super::KvSession;
+use super::{KvContext, KvSession};
+use sluice_core::bucket::Bucket;
 use sluice_proto::mcbp::status;
 
 impl KvSession {
@@ -33,7 +34,6 @@ impl KvSession {
 
     /// The default STAT group: one reply per statistic, then an empty one that ends the list.
     pub(super) fn stat(&self, reply: &mut Reply<'_>) {
-        use std::sync::atomic::Ordering::Relaxed;
         match reply.req.key {
             b"" => {}
             b"vbucket-seqno" => return self.stat_vbucket_seqno(reply),
@@ -46,65 +46,72 @@ impl KvSession {
                 return;
             }
         }
-        let e = &self.ctx.engine;
-        let s = &self.ctx.stats;
-        let b = &self.bucket;
-        let items: usize = (0..b.num_vbuckets())
-            .map(|v| {
-                b.lock_vbucket(v)
-                    .map(|vb| vb.store.live_items())
-                    .unwrap_or(0)
-            })
-            .sum();
-        let pairs: Vec<(&str, String)> = vec![
-            ("pid", std::process::id().to_string()),
-            ("uptime", self.ctx.started.elapsed().as_secs().to_string()),
-            ("time", sluice_core::hlc::now_secs().to_string()),
-            ("version", env!("CARGO_PKG_VERSION").to_string()),
-            (
-                "curr_connections",
-                s.curr_connections.load(Relaxed).to_string(),
-            ),
-            (
-                "total_connections",
-                s.connections_total.load(Relaxed).to_string(),
-            ),
-            (
-                "rejected_connections",
-                s.connections_rejected.load(Relaxed).to_string(),
-            ),
-            ("bytes_read", s.bytes_in.load(Relaxed).to_string()),
-            ("bytes_written", s.bytes_out.load(Relaxed).to_string()),
-            ("curr_items", items.to_string()),
-            ("bytes", b.mem_used().to_string()),
-            ("limit_maxbytes", b.config.memory_quota.to_string()),
-            ("cmd_get", b.stats.gets.load(Relaxed).to_string()),
-            ("get_misses", b.stats.get_misses.load(Relaxed).to_string()),
-            (
-                "get_hits",
-                (b.stats.gets.load(Relaxed)
-                    - b.stats
-                        .get_misses
-                        .load(Relaxed)
-                        .min(b.stats.gets.load(Relaxed)))
-                .to_string(),
-            ),
-            ("cmd_set", b.stats.sets.load(Relaxed).to_string()),
-            ("delete_hits", b.stats.deletes.load(Relaxed).to_string()),
-            (
-                "expired_unfetched",
-                b.stats.expired_by_pager.load(Relaxed).to_string(),
-            ),
-            (
-                "ep_tmp_failures",
-                b.stats.tmp_failures.load(Relaxed).to_string(),
-            ),
-            ("ep_wal_synced_lsn", e.wal().synced_lsn().to_string()),
-            ("ep_num_vbuckets", b.num_vbuckets().to_string()),
-        ];
+        let pairs = general_stats(&self.ctx, &self.bucket);
         for (k, v) in pairs {
             reply.send(status::SUCCESS, 0, &[], k.as_bytes(), v.as_bytes(), 0);
         }
         reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
     }
+}
+
+/// The default STAT group, memcached's names where they mean the same: the binary STAT and the
+/// text protocol's `stats` both answer with it.
+pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, String)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let e = &ctx.engine;
+    let s = &ctx.stats;
+    let b = bucket;
+    let items: usize = (0..b.num_vbuckets())
+        .map(|v| {
+            b.lock_vbucket(v)
+                .map(|vb| vb.store.live_items())
+                .unwrap_or(0)
+        })
+        .sum();
+    vec![
+        ("pid", std::process::id().to_string()),
+        ("uptime", ctx.started.elapsed().as_secs().to_string()),
+        ("time", sluice_core::hlc::now_secs().to_string()),
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        (
+            "curr_connections",
+            s.curr_connections.load(Relaxed).to_string(),
+        ),
+        (
+            "total_connections",
+            s.connections_total.load(Relaxed).to_string(),
+        ),
+        (
+            "rejected_connections",
+            s.connections_rejected.load(Relaxed).to_string(),
+        ),
+        ("bytes_read", s.bytes_in.load(Relaxed).to_string()),
+        ("bytes_written", s.bytes_out.load(Relaxed).to_string()),
+        ("curr_items", items.to_string()),
+        ("bytes", b.mem_used().to_string()),
+        ("limit_maxbytes", b.config.memory_quota.to_string()),
+        ("cmd_get", b.stats.gets.load(Relaxed).to_string()),
+        ("get_misses", b.stats.get_misses.load(Relaxed).to_string()),
+        (
+            "get_hits",
+            (b.stats.gets.load(Relaxed)
+                - b.stats
+                    .get_misses
+                    .load(Relaxed)
+                    .min(b.stats.gets.load(Relaxed)))
+            .to_string(),
+        ),
+        ("cmd_set", b.stats.sets.load(Relaxed).to_string()),
+        ("delete_hits", b.stats.deletes.load(Relaxed).to_string()),
+        (
+            "expired_unfetched",
+            b.stats.expired_by_pager.load(Relaxed).to_string(),
+        ),
+        (
+            "ep_tmp_failures",
+            b.stats.tmp_failures.load(Relaxed).to_string(),
+        ),
+        ("ep_wal_synced_lsn", e.wal().synced_lsn().to_string()),
+        ("ep_num_vbuckets", b.num_vbuckets().to_string()),
+    ]
 }

@@ -1,0 +1,626 @@
+//! memcached's text protocol and its meta commands on the KV port, for the clients that speak
+//! them (pymemcache, python-memcached, telnet, `stats` scripts, memcaslap). A connection whose
+//! first byte is not a binary magic is handed here (`connection`), as memcached sniffs it.
+//!
+//! The session reads command lines from its own buffer, answers every complete command in
+//! order (pipelining), and sends once per round, after the WAL holds every change the replies
+//! acknowledge, as the binary path does. Keys live in the bucket `default`: the text protocol
+//! has no bucket selection. When users are configured the text protocol is refused: it has no
+//! SASL (memcached refuses ASCII when SASL is on).
+//!
+//! `parse` reads lines and the classic commands' arguments, `meta` runs the meta commands.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use sluice_core::bucket::Bucket;
+use sluice_core::item::Item;
+use sluice_core::{Error, StoreMode, StoreRequest, Written};
+use tokio::io::AsyncReadExt;
+use tokio::sync::watch;
+
+use crate::kv::KvContext;
+use crate::tls::MaybeTls;
+use parse::{Line, StoreVerb, BAD_FORMAT};
+
+mod meta;
+pub mod parse;
+
+/// Replies are written once this much is pending, even mid-batch.
+const FLUSH_AT: usize = 1 << 20;
+
+/// A multi-get's line may be this long even when max_body is smaller (4,000 keys of 250 bytes).
+const MULTIGET_LINE: usize = 1 << 20;
+
+/// What the connection does after a command.
+enum Flow {
+    /// Not all of the command is in the buffer yet.
+    More,
+    Continue,
+    Close,
+}
+
+/// One text connection's state.
+pub struct TextSession {
+    ctx: Arc<KvContext>,
+    bucket: Arc<Bucket>,
+    /// The last WAL record a reply given so far acknowledges (see `kv::send_acknowledged`).
+    owed_lsn: u64,
+    /// Bytes of a refused value still to be skipped as they arrive.
+    swallow: usize,
+    /// Largest value accepted: the bucket's max_item_size within the server's max_body.
+    max_value: usize,
+    /// Longest retrieval line (many keys): the server's max_body, at least `MULTIGET_LINE`.
+    max_multiget: usize,
+    peer: SocketAddr,
+}
+
+/// The reply to a user with a key: what the text protocol says for an engine error.
+fn engine_error(e: &Error, out: &mut Vec<u8>) {
+    match e {
+        Error::InvalidKey(_) => line(out, BAD_FORMAT),
+        Error::NotNumeric => line(
+            out,
+            "CLIENT_ERROR cannot increment or decrement non-numeric value",
+        ),
+        Error::TooBig { .. } => line(out, "SERVER_ERROR object too large for cache"),
+        Error::NotMyVbucket(vb) => line(
+            out,
+            &format!("SERVER_ERROR vbucket {vb} is not active on this node"),
+        ),
+        e => {
+            let why: String = e
+                .to_string()
+                .chars()
+                .map(|c| if c.is_control() { ' ' } else { c })
+                .collect();
+            line(out, &format!("SERVER_ERROR {why}"))
+        }
+    }
+}
+
+/// Appends a reply line and its "\r\n".
+fn line(out: &mut Vec<u8>, text: &str) {
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends a decimal number.
+fn decimal(out: &mut Vec<u8>, n: impl std::fmt::Display) {
+    use std::io::Write;
+    let _ = write!(out, "{n}");
+}
+
+/// An item's remaining time to live in seconds, -1 for none (the meta protocol's `t`).
+fn ttl(it: &Item) -> i64 {
+    match it.meta.expiry {
+        0 => -1,
+        e => (e as i64 - sluice_core::hlc::now_secs() as i64).max(0),
+    }
+}
+
+impl TextSession {
+    pub fn new(ctx: Arc<KvContext>, max_body: usize, peer: SocketAddr) -> TextSession {
+        let bucket = ctx
+            .engine
+            .bucket("default")
+            .expect("the default bucket always exists");
+        let max_value = bucket.config.max_item_size.min(max_body);
+        TextSession {
+            ctx,
+            bucket,
+            owed_lsn: 0,
+            swallow: 0,
+            max_value,
+            max_multiget: max_body.max(MULTIGET_LINE),
+            peer,
+        }
+    }
+
+    /// Waits for a write to meet its level (at level `none`: nothing to wait for here, the
+    /// connection waits for the WAL before it sends the reply).
+    async fn settle<T>(&mut self, w: Written<T>) -> Result<T, Error> {
+        self.owed_lsn = self.owed_lsn.max(w.lsn());
+        if !w.needs_settling() {
+            return Ok(w.value);
+        }
+        let engine = &self.ctx.engine;
+        let timer = tokio::time::sleep(engine.settle_timeout(&self.bucket, &w));
+        engine.settled(&self.bucket, w, timer).await
+    }
+
+    /// Handles the command at the head of `buf`: how many bytes it took, and what next.
+    async fn step(&mut self, buf: &[u8], out: &mut Vec<u8>) -> (usize, Flow) {
+        if self.swallow > 0 {
+            let n = self.swallow.min(buf.len());
+            self.swallow -= n;
+            return (n, if n == 0 { Flow::More } else { Flow::Continue });
+        }
+        let (cmd, len) = match parse::next_line(buf, self.max_multiget) {
+            Line::Complete(l, n) => (l, n),
+            Line::Incomplete => return (0, Flow::More),
+            Line::TooLong => {
+                line(out, "CLIENT_ERROR line too long");
+                self.ctx.stats.protocol_error(
+                    "text",
+                    format_args!(
+                        "closing connection from {}: a command line over {} bytes",
+                        self.peer,
+                        parse::MAX_LINE
+                    ),
+                );
+                return (0, Flow::Close);
+            }
+        };
+        let mut words = parse::words(cmd);
+        let Some(verb) = words.next() else {
+            line(out, "ERROR");
+            return (len, Flow::Continue);
+        };
+        match verb {
+            b"get" => self.get(words, false, None, out).await,
+            b"gets" => self.get(words, true, None, out).await,
+            b"gat" | b"gats" => match words.next().map(parse::exptime) {
+                Some(Some(exp)) => self.get(words, verb == b"gats", Some(exp), out).await,
+                Some(None) => line(out, "CLIENT_ERROR invalid exptime argument"),
+                None => line(out, "ERROR"),
+            },
+            _ => {
+                // Every other command has a few words: more than memcached's 24 is not a command.
+                let mut args: [&[u8]; 24] = [&[]; 24];
+                let mut n = 0;
+                for w in words {
+                    if n == args.len() {
+                        line(out, "ERROR");
+                        return (len, Flow::Continue);
+                    }
+                    args[n] = w;
+                    n += 1;
+                }
+                return self.command(verb, &args[..n], buf, len, out).await;
+            }
+        }
+        (len, Flow::Continue)
+    }
+
+    async fn command(
+        &mut self,
+        verb: &[u8],
+        args: &[&[u8]],
+        buf: &[u8],
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> (usize, Flow) {
+        let store = match verb {
+            b"set" => Some(StoreVerb::Set),
+            b"add" => Some(StoreVerb::Add),
+            b"replace" => Some(StoreVerb::Replace),
+            b"append" => Some(StoreVerb::Append),
+            b"prepend" => Some(StoreVerb::Prepend),
+            b"cas" => Some(StoreVerb::Cas),
+            _ => None,
+        };
+        if let Some(v) = store {
+            return self.store(v, args, buf, len, out).await;
+        }
+        match verb {
+            b"ms" => return self.meta_set(args, buf, len, out).await,
+            b"mg" => self.meta_get(args, out).await,
+            b"md" => self.meta_delete(args, out).await,
+            b"ma" => self.meta_arithmetic(args, out).await,
+            b"me" => self.meta_debug(args, out),
+            b"mn" => line(out, "MN"),
+            b"delete" => self.delete(args, out).await,
+            b"incr" | b"decr" => self.arithmetic(verb == b"incr", args, out).await,
+            b"touch" => self.touch(args, out).await,
+            b"flush_all" => self.flush_all(args, out).await,
+            b"stats" => self.stats(args, out),
+            b"version" => line(out, &format!("VERSION {}", env!("CARGO_PKG_VERSION"))),
+            // sluice's log level is its configuration's (RUST_LOG, --log-level): the command
+            // is answered as memcached does for the clients that send it, and changes nothing.
+            b"verbosity" => match parse::noreply(args) {
+                ([level], noreply) if parse::number(level).is_some() => {
+                    if !noreply {
+                        line(out, "OK")
+                    }
+                }
+                ([], _) => line(out, "ERROR"),
+                _ => line(out, BAD_FORMAT),
+            },
+            b"quit" => return (len, Flow::Close),
+            _ => line(out, "ERROR"),
+        }
+        (len, Flow::Continue)
+    }
+
+    /// The data block after a command line of `len` bytes: Ok(Some(data, total bytes)) once it
+    /// is all in `buf`, Ok(None) until then; Err(bytes to take) when it was refused and the
+    /// refusal written.
+    fn data_block<'b>(
+        &mut self,
+        buf: &'b [u8],
+        len: usize,
+        bytes: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<Option<(&'b [u8], usize)>, usize> {
+        if bytes > self.max_value {
+            // memcached: the value is read and dropped, and the connection goes on.
+            line(out, "SERVER_ERROR object too large for cache");
+            self.swallow = bytes.saturating_add(2);
+            return Err(len);
+        }
+        let end = len + bytes + 2;
+        if buf.len() < end {
+            return Ok(None);
+        }
+        if &buf[len + bytes..end] != b"\r\n" {
+            line(out, "CLIENT_ERROR bad data chunk");
+            return Err(end);
+        }
+        Ok(Some((&buf[len..len + bytes], end)))
+    }
+
+    /// set, add, replace, append, prepend, cas.
+    async fn store(
+        &mut self,
+        verb: StoreVerb,
+        args: &[&[u8]],
+        buf: &[u8],
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> (usize, Flow) {
+        let s = match parse::store_line(verb, args) {
+            Ok(s) => s,
+            Err(None) => {
+                line(out, "ERROR");
+                return (len, Flow::Continue);
+            }
+            Err(Some(bad)) => {
+                line(out, bad.reply);
+                if let Some(n) = bad.skip {
+                    self.swallow = n.saturating_add(2);
+                }
+                return (len, Flow::Continue);
+            }
+        };
+        let (data, end) = match self.data_block(buf, len, s.bytes, out) {
+            Ok(Some(d)) => d,
+            Ok(None) => return (0, Flow::More),
+            Err(took) => return (took, Flow::Continue),
+        };
+        let engine = self.ctx.engine.clone();
+        let written = match verb {
+            StoreVerb::Append | StoreVerb::Prepend => {
+                let at_end = verb == StoreVerb::Append;
+                engine
+                    .write_concat(&self.bucket, s.key, data, at_end, 0, None)
+                    .map(|w| w.map(|_| ()))
+            }
+            _ => {
+                let mode = match verb {
+                    StoreVerb::Add => StoreMode::Add,
+                    StoreVerb::Replace => StoreMode::Replace,
+                    _ => StoreMode::Set,
+                };
+                let req = StoreRequest {
+                    key: s.key,
+                    value: data,
+                    flags: s.flags,
+                    expiry: s.exptime,
+                    datatype: 0,
+                    cas: s.cas,
+                    mode,
+                    durability: None,
+                };
+                engine
+                    .write_store(&self.bucket, &req)
+                    .map(|w| w.map(|_| ()))
+            }
+        };
+        let result = match written {
+            Ok(w) => self.settle(w).await,
+            Err(e) => Err(e),
+        };
+        let word = match (verb, result) {
+            (_, Ok(())) => "STORED",
+            (StoreVerb::Cas, Err(Error::Exists)) => "EXISTS",
+            (StoreVerb::Cas, Err(Error::NotFound)) => "NOT_FOUND",
+            (_, Err(Error::Exists | Error::NotFound | Error::NotStored)) => "NOT_STORED",
+            (_, Err(e)) => {
+                engine_error(&e, out);
+                return (end, Flow::Continue);
+            }
+        };
+        if !s.noreply {
+            line(out, word);
+        }
+        (end, Flow::Continue)
+    }
+
+    /// get, gets, gat, gats: a VALUE for each key found, then END. An error on any key answers
+    /// the whole command with it.
+    async fn get<'a>(
+        &mut self,
+        keys: impl Iterator<Item = &'a [u8]>,
+        with_cas: bool,
+        touch: Option<u32>,
+        out: &mut Vec<u8>,
+    ) {
+        let start = out.len();
+        let mut any = false;
+        for word in keys {
+            any = true;
+            let Some(key) = parse::key(word) else {
+                out.truncate(start);
+                return line(out, BAD_FORMAT);
+            };
+            let found = match touch {
+                None => self.ctx.engine.get(&self.bucket, key),
+                Some(exp) => match self.ctx.engine.write_touch(&self.bucket, key, exp, None) {
+                    Ok(w) => self.settle(w).await.map(|(_, it)| Some(it)),
+                    Err(e) => Err(e),
+                }
+                .or_else(|e| match e {
+                    Error::NotFound => Ok(None),
+                    e => Err(e),
+                }),
+            };
+            match found {
+                Ok(Some(it)) => {
+                    out.extend_from_slice(b"VALUE ");
+                    out.extend_from_slice(key);
+                    out.push(b' ');
+                    decimal(out, it.meta.flags);
+                    out.push(b' ');
+                    decimal(out, it.value().len());
+                    if with_cas {
+                        out.push(b' ');
+                        decimal(out, it.meta.cas);
+                    }
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(it.value());
+                    out.extend_from_slice(b"\r\n");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    out.truncate(start);
+                    return engine_error(&e, out);
+                }
+            }
+        }
+        if any {
+            line(out, "END");
+        } else {
+            line(out, "ERROR");
+        }
+    }
+
+    /// delete <key> [0] [noreply]
+    async fn delete(&mut self, args: &[&[u8]], out: &mut Vec<u8>) {
+        let (args, noreply) = parse::noreply(args);
+        let key = match args {
+            [key] | [key, b"0"] => *key,
+            [] => return line(out, "ERROR"),
+            _ => {
+                return line(
+                    out,
+                    "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]",
+                )
+            }
+        };
+        let Some(key) = parse::key(key) else {
+            return line(out, BAD_FORMAT);
+        };
+        let r = match self.ctx.engine.write_delete(&self.bucket, key, 0, None) {
+            Ok(w) => self.settle(w).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) if !noreply => line(out, "DELETED"),
+            Err(Error::NotFound) if !noreply => line(out, "NOT_FOUND"),
+            Ok(()) | Err(Error::NotFound) => {}
+            Err(e) => engine_error(&e, out),
+        }
+    }
+
+    /// incr|decr <key> <delta> [noreply]: a missing key is NOT_FOUND (no initial value here).
+    async fn arithmetic(&mut self, increment: bool, args: &[&[u8]], out: &mut Vec<u8>) {
+        let (args, noreply) = parse::noreply(args);
+        let [key, delta] = args else {
+            return line(out, "ERROR");
+        };
+        let Some(key) = parse::key(key) else {
+            return line(out, BAD_FORMAT);
+        };
+        let Some(delta) = parse::number(delta) else {
+            return line(out, "CLIENT_ERROR invalid numeric delta argument");
+        };
+        let engine = self.ctx.engine.clone();
+        let r = match engine.write_arithmetic(
+            &self.bucket,
+            key,
+            delta,
+            0,
+            u32::MAX,
+            increment,
+            0,
+            None,
+        ) {
+            Ok(w) => self.settle(w).await,
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok((_, n)) if !noreply => {
+                decimal(out, n);
+                out.extend_from_slice(b"\r\n");
+            }
+            Err(Error::NotFound) if !noreply => line(out, "NOT_FOUND"),
+            Ok(_) | Err(Error::NotFound) => {}
+            Err(e) => engine_error(&e, out),
+        }
+    }
+
+    /// touch <key> <exptime> [noreply]
+    async fn touch(&mut self, args: &[&[u8]], out: &mut Vec<u8>) {
+        let (args, noreply) = parse::noreply(args);
+        let [key, exp] = args else {
+            return line(out, "ERROR");
+        };
+        let Some(key) = parse::key(key) else {
+            return line(out, BAD_FORMAT);
+        };
+        let Some(exp) = parse::exptime(exp) else {
+            return line(out, "CLIENT_ERROR invalid exptime argument");
+        };
+        let r = match self.ctx.engine.write_touch(&self.bucket, key, exp, None) {
+            Ok(w) => self.settle(w).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) if !noreply => line(out, "TOUCHED"),
+            Err(Error::NotFound) if !noreply => line(out, "NOT_FOUND"),
+            Ok(()) | Err(Error::NotFound) => {}
+            Err(e) => engine_error(&e, out),
+        }
+    }
+
+    /// flush_all [0] [noreply]: a delayed flush is refused (sluice flushes at once or not at
+    /// all; memcached would flush later).
+    async fn flush_all(&mut self, args: &[&[u8]], out: &mut Vec<u8>) {
+        let (args, noreply) = parse::noreply(args);
+        match args {
+            [] => {}
+            [delay] => match parse::exptime(delay) {
+                Some(0) => {}
+                Some(_) => {
+                    return line(
+                        out,
+                        "CLIENT_ERROR flush_all with a delay is not supported: sluice flushes \
+                         at once (flush_all or flush_all 0)",
+                    )
+                }
+                None => return line(out, "CLIENT_ERROR invalid exptime argument"),
+            },
+            _ => return line(out, "ERROR"),
+        }
+        let r = match self.ctx.engine.write_flush(&self.bucket) {
+            Ok(w) => self.settle(w).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) if !noreply => line(out, "OK"),
+            Ok(()) => {}
+            Err(e) => engine_error(&e, out),
+        }
+    }
+
+    /// stats: the general group, as the binary STAT gives it.
+    fn stats(&self, args: &[&[u8]], out: &mut Vec<u8>) {
+        if !args.is_empty() {
+            return line(out, "ERROR");
+        }
+        for (k, v) in crate::kv::general_stats(&self.ctx, &self.bucket) {
+            out.extend_from_slice(b"STAT ");
+            out.extend_from_slice(k.as_bytes());
+            out.push(b' ');
+            out.extend_from_slice(v.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        line(out, "END");
+    }
+}
+
+/// Runs a text connection whose first bytes are in `inbuf`, until the client quits or closes,
+/// the server stops, or the connection is idle for `idle_timeout` (zero: never).
+pub async fn run(
+    mut socket: MaybeTls,
+    peer: SocketAddr,
+    ctx: Arc<KvContext>,
+    mut inbuf: BytesMut,
+    max_body: usize,
+    idle_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let stats = ctx.stats.clone();
+    let mut session = TextSession::new(ctx.clone(), max_body, peer);
+    let mut out: Vec<u8> = Vec::with_capacity(16 << 10);
+    loop {
+        if ctx.users.current().required() {
+            // No SASL in the text protocol: with users configured, it would bypass them.
+            log::info!(
+                "closing a text-protocol connection from {peer}: this node has users, and \
+                 memcached's text protocol cannot authenticate (use the binary protocol)"
+            );
+            line(
+                &mut out,
+                "CLIENT_ERROR authentication required: this node has users; use the binary \
+                 protocol with SASL PLAIN",
+            );
+            let _ = send(&mut socket, &mut out, &session).await;
+            return;
+        }
+        loop {
+            let (took, flow) = session.step(&inbuf, &mut out).await;
+            inbuf.advance(took);
+            match flow {
+                Flow::More => break,
+                Flow::Continue => {}
+                Flow::Close => {
+                    let _ = send(&mut socket, &mut out, &session).await;
+                    return;
+                }
+            }
+            if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &session).await.is_err() {
+                return;
+            }
+        }
+        if send(&mut socket, &mut out, &session).await.is_err() {
+            return;
+        }
+        if *stop.borrow() {
+            return;
+        }
+        let read = async {
+            if idle_timeout.is_zero() {
+                Ok(socket.read_buf(&mut inbuf).await)
+            } else {
+                tokio::time::timeout(idle_timeout, socket.read_buf(&mut inbuf)).await
+            }
+        };
+        tokio::select! {
+            r = read => match r {
+                Ok(Ok(0)) => return,
+                Ok(Ok(n)) => { stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
+                Ok(Err(e)) => {
+                    log::debug!("connection from {peer}: {e}");
+                    return;
+                }
+                Err(_) => {
+                    log::info!("closing connection from {peer}: idle for {idle_timeout:?}");
+                    return;
+                }
+            },
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn send(
+    socket: &mut MaybeTls,
+    out: &mut Vec<u8>,
+    session: &TextSession,
+) -> std::io::Result<()> {
+    let ctx = &session.ctx;
+    crate::kv::send_acknowledged(
+        socket,
+        out,
+        &ctx.engine,
+        session.owed_lsn,
+        &ctx.stats,
+        FLUSH_AT,
+    )
+    .await
+}
