@@ -95,6 +95,7 @@ impl KvSession {
                 "expired_unfetched",
                 b.stats.expired_by_pager.load(Relaxed).to_string(),
             ),
+            ("evictions", b.stats.evictions.load(Relaxed).to_string()),
             (
                 "ep_tmp_failures",
                 b.stats.tmp_failures.load(Relaxed).to_string(),
