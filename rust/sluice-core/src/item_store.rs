@@ -299,7 +299,7 @@ impl ItemStore {
         })
     }
 
-    /// Advances the eviction clock to its next victim, looking at `max_scan` slots at most.
+    /// Advances the eviction clock to its next victim.
     ///
     /// The log is in seqno order, that is in order of last write: the hand sweeps it from old
     /// to new and wraps around. A live item read since the hand last passed it (its referenced
@@ -307,18 +307,21 @@ impl ItemStore {
     /// item is the victim. This is CLOCK (second chance), an approximation of LRU: writes count
     /// as use by moving the item to the log's end, reads by the bit, and an item survives as
     /// long as it is read once per revolution of the hand. Tombstones are skipped unless
-    /// `tombstones` asks for them (to purge when they take too much memory).
-    pub fn next_victim(&mut self, max_scan: usize, tombstones: bool) -> Option<Victim> {
+    /// `tombstones` asks for them (to purge when they take too much memory). At most two
+    /// revolutions (one clearing bits, one finding a victim), so None means there is no live
+    /// item at all; amortised, each step clears a bit a read set or passes a slot eviction or
+    /// compaction will soon remove.
+    pub fn next_victim(&mut self, tombstones: bool) -> Option<Victim> {
         let mut pos = self.lower_bound(self.clock_hand);
-        let mut wrapped = false;
         let mut found = None;
-        for _ in 0..max_scan {
+        // Each wrap costs a step too: at most three of them in two revolutions.
+        for _ in 0..2 * self.len + 3 {
             if pos >= self.len {
-                if wrapped || self.len == 0 {
+                if self.len == 0 {
                     break;
                 }
                 pos = 0;
-                wrapped = true;
+                continue;
             }
             let slot = self.slot_mut(pos);
             pos += 1;
@@ -726,5 +729,41 @@ mod tests {
             true
         });
         assert_eq!(got, vec![1, 2, 6, 7, 8, 9, 10, 12, 13]);
+    }
+
+    #[test]
+    fn the_clock_evicts_oldest_first_and_spares_what_was_read() {
+        let mut s = ItemStore::new();
+        for k in 1..=6u64 {
+            s.upsert(&k.to_be_bytes(), b"v", &mut meta(k, false));
+        }
+        s.upsert(&7u64.to_be_bytes(), b"", &mut meta(7, true));
+        assert!(s.get_referenced(&2u64.to_be_bytes()).is_some());
+        let victim = |s: &mut ItemStore, tombstones| {
+            s.next_victim(tombstones)
+                .map(|v| u64::from_be_bytes(v.key.as_slice().try_into().unwrap()))
+        };
+        assert_eq!(victim(&mut s, false), Some(1));
+        // 2 was read: passed over once, its bit cleared.
+        assert_eq!(victim(&mut s, false), Some(3));
+        // Rewriting 4 moves it to the log's end; the hand's seqno survives the compaction.
+        s.upsert(&4u64.to_be_bytes(), b"w", &mut meta(8, false));
+        s.compact();
+        assert_eq!(victim(&mut s, false), Some(5));
+        assert_eq!(victim(&mut s, false), Some(6));
+        // The tombstone (7) is skipped unless asked for; the hand wraps to 1, 2 (bit now clear).
+        assert_eq!(victim(&mut s, false), Some(4));
+        assert_eq!(victim(&mut s, true), Some(1));
+        assert_eq!(victim(&mut s, true), Some(2));
+        assert_eq!(victim(&mut s, true), Some(3));
+        // Every item read since the last pass: two revolutions find one anyway.
+        for k in [1u64, 2, 3, 5, 6] {
+            s.purge(&k.to_be_bytes());
+        }
+        s.purge(&7u64.to_be_bytes());
+        s.get_referenced(&4u64.to_be_bytes());
+        assert_eq!(victim(&mut s, false), Some(4));
+        s.purge(&4u64.to_be_bytes());
+        assert!(s.next_victim(true).is_none());
     }
 }

@@ -14,23 +14,20 @@
 //! vbuckets. It goes through the checkpoint and the WAL like a client's delete, so DCP and TAP
 //! streams and replicas see a deletion and converge, and a restart does not bring the item back.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{self, Relaxed};
 
 use super::write::check_writable;
 use super::Inner;
 use crate::bucket::Bucket;
 use crate::error::Result;
-use crate::hlc::now_secs;
+use crate::hlc::{now_nanos, now_secs};
 use crate::item::{ChangeOp, ItemMeta};
 use crate::item_store::ITEM_OVERHEAD;
 use crate::vbucket::{VBucket, VbState};
+use crate::wal::writer::WalPayload;
 
 /// Evictions per visit to a vbucket before the next one's turn: spreads eviction evenly.
 const EVICTIONS_PER_VISIT: usize = 32;
-
-/// Slots the clock looks at for one victim before giving up on a vbucket for this round: two
-/// revolutions of a vbucket of 2048 items (one to clear referenced bits, one to find a victim).
-const SCAN_LIMIT: usize = 4096;
 
 impl Inner {
     /// Evicts until the bucket's memory is under its low mark or no vbucket has anything left
@@ -63,7 +60,7 @@ impl Inner {
         vb: &mut VBucket,
         target: usize,
     ) -> Result<(usize, usize)> {
-        if vb.state != VbState::Active || check_writable(vb, 1).is_err() {
+        if vb.state != VbState::Active || check_writable(vb, EVICTIONS_PER_VISIT as u64).is_err() {
             return Ok((0, 0));
         }
         // Tombstones (an eviction leaves one) are small, and the tombstone purger removes them
@@ -74,9 +71,12 @@ impl Inner {
         let purge_tombstones = !vb.store.has_range_reads()
             && vb.store.tombstones() * ITEM_OVERHEAD > vb.store.mem_bytes() / 4;
         let now = now_secs();
-        let (mut evicted, mut purged, mut purged_upto) = (0, 0, vb.purge_seqno);
-        while evicted + purged < EVICTIONS_PER_VISIT && bucket.mem_used() > target {
-            let Some(victim) = vb.store.next_victim(SCAN_LIMIT, purge_tombstones) else {
+        let now_ns = now_nanos();
+        let (mut purged, mut purged_upto) = (0, vb.purge_seqno);
+        // The visit's deletions go to the WAL together, under one lock of its queue.
+        let mut changes = Vec::with_capacity(EVICTIONS_PER_VISIT);
+        while changes.len() + purged < EVICTIONS_PER_VISIT && bucket.mem_used() > target {
+            let Some(victim) = vb.store.next_victim(purge_tombstones) else {
                 break;
             };
             if victim.meta.deleted {
@@ -86,25 +86,33 @@ impl Inner {
                 bucket.account(vb);
                 continue;
             }
+            if self.closed.load(Ordering::Acquire) {
+                break;
+            }
             let meta = ItemMeta {
                 expiry: now,
                 rev_seqno: victim.meta.rev_seqno + 1,
                 deleted: true,
                 ..Default::default()
             };
-            if let Err(e) = self.apply_locked(
-                bucket,
-                vb,
+            changes.push(vb.apply_local(
                 ChangeOp::Deletion,
                 victim.key.as_slice(),
                 b"",
                 meta,
-            ) {
-                self.note_purged(bucket, vb, purged_upto, purged);
-                return Err(e);
+                now_ns,
+            ));
+            bucket.account(vb);
+        }
+        let evicted = changes.len();
+        if evicted > 0 {
+            let mut wal = self.wal.appender()?;
+            for c in changes {
+                vb.last_lsn = wal.push(WalPayload::Change(c));
             }
-            bucket.stats.evictions.fetch_add(1, Relaxed);
-            evicted += 1;
+            drop(wal);
+            bucket.stats.evictions.fetch_add(evicted as u64, Relaxed);
+            bucket.changes.notify();
         }
         self.note_purged(bucket, vb, purged_upto, purged);
         // Dead slots keep their 40 bytes until compaction.
