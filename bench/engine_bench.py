@@ -6,6 +6,10 @@
   10,000, natively (rust/sluice-core/examples/ingest.rs) and from Python (EmbeddedEngine.set_many),
   per wal.mode; items/s until the last change is durable.
 - memory: resident bytes per item beyond key and value after the ingest (write mode, native).
+- eviction: the native write-mode ingest into a bucket with `eviction = "lru"` and a quota of
+  64 bytes per item (about a quarter of what the items take, so most are evicted), against the
+  write-mode ingest above into the default 1 GiB quota, where nothing is evicted.
+  `--eviction-only` runs just these two, alternating, and prints them.
 - recovery: `sluice serve` on a data directory of 1M items (a snapshot of 700k, then 300k in
   the WAL), from process start to its ready line.
 
@@ -51,10 +55,14 @@ def build_native() -> None:
     )
 
 
-def native_ingest(items: int, mode: str) -> dict:
+LRU_QUOTA_PER_ITEM = 64
+
+
+def native_ingest(items: int, mode: str, lru_quota: int | None = None) -> dict:
+    extra = [] if lru_quota is None else [str(lru_quota)]
     with tempfile.TemporaryDirectory(dir=ROOT / "target") as d:
         out = subprocess.run(
-            [str(INGEST), d, str(items), mode, "10000"],
+            [str(INGEST), d, str(items), mode, "10000", *extra],
             capture_output=True,
             text=True,
             check=True,
@@ -156,6 +164,26 @@ def recovery(items: int, runs: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def eviction_ingest(items: int, runs: int) -> dict:
+    quota = items * LRU_QUOTA_PER_ITEM
+    out = []
+    for i in range(runs):
+        out.append(native_ingest(items, "write", lru_quota=quota))
+        r = out[-1]
+        print(
+            f"native write, lru quota {quota:,} run {i + 1}: {r['items_per_s']:,.0f} items/s, "
+            f"{r['evictions']:,} evicted, mem_used {r['mem_used']:,}",
+            file=sys.stderr,
+        )
+    return {
+        "quota": quota,
+        "all": [r["items_per_s"] for r in out],
+        "median": median_of(out, "items_per_s"),
+        "evictions": median_of(out, "evictions"),
+        "runs": out,
+    }
+
+
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -190,6 +218,12 @@ def write_outputs(res: dict) -> None:
             f"| ingest {n_items}, wal.mode {mode}, from Python set_many (items/s) | {p['median']:,.0f} | "
             f"{', '.join(f'{x:,.0f}' for x in p['all'])} | – | – |"
         )
+    ev, base = res["eviction"], ing["native"]["write"]["median"]
+    rows.append(
+        f'| ingest {n_items}, wal.mode write, native, `eviction = "lru"` with a {ev["quota"] >> 20} MiB '
+        f"quota ({ev['evictions']:,.0f} evicted; {ev['median'] / base:.2f}x the ingest above) (items/s) | "
+        f"{ev['median']:,.0f} | {', '.join(f'{x:,.0f}' for x in ev['all'])} | – | – |"
+    )
     m = res["memory"]
     rows.append(
         f"| resident bytes per item beyond key and value | {m['median']:.1f} | "
@@ -256,8 +290,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--eviction-only",
+        action="store_true",
+        help="only the ingest with and without eviction, alternating; prints them, writes no results",
+    )
     args = ap.parse_args()
     build_native()
+    if args.eviction_only:
+        plain, lru = [], []
+        for _ in range(args.runs):
+            plain.append(native_ingest(args.items, "write")["items_per_s"])
+            lru.append(eviction_ingest(args.items, 1)["median"])
+        p, e = statistics.median(plain), statistics.median(lru)
+        print(json.dumps({"no_eviction": plain, "lru": lru, "median_ratio": e / p}))
+        return 0
     res: dict = {
         "items": args.items,
         "runs": args.runs,
@@ -285,6 +332,7 @@ def main() -> int:
             "all": [r["items_per_s"] for r in runs],
             "median": median_of(runs, "items_per_s"),
         }
+    res["eviction"] = eviction_ingest(args.items, args.runs)
     res["recovery"] = recovery(args.items, max(3, args.runs))
     write_outputs(res)
     return 0

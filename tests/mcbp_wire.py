@@ -119,3 +119,18 @@ def login(sock: socket.socket, user: str, password: str) -> int:
     """SASL PLAIN on `sock`; the status of the answer."""
     sock.sendall(sasl_plain(user, password))
     return read_response(sock)["status"]
+
+
+def get_many(host: str, port: int, keys: list[bytes]) -> dict[bytes, bytes]:
+    """GETK of every key, pipelined: key -> value for those found."""
+    found: dict[bytes, bytes] = {}
+    with socket.create_connection((host, port)) as s:
+        s.settimeout(60)
+        for at in range(0, len(keys), 500):
+            chunk = keys[at : at + 500]
+            s.sendall(b"".join(request(GETK, k, opaque=i) for i, k in enumerate(chunk)))
+            for _ in chunk:
+                r = read_response(s)
+                if r["status"] == 0:
+                    found[r["key"]] = r["value"]
+    return found

@@ -115,6 +115,8 @@ BAD_CONFIGS = [
     ({"buckets": {"default": {"high_watermark": 0}}}, "buckets.default.high_watermark"),
     ({"buckets": {"default": {"high_watermark": 1.5}}}, "buckets.default.high_watermark"),
     ({"buckets": {"default": {"durability": "always"}}}, "buckets.default.durability"),
+    ({"buckets": {"default": {"eviction": "lfu"}}}, "buckets.default.eviction"),
+    ({"buckets": {"default": {"eviction": True}}}, "buckets.default.eviction"),
     ({"buckets": {"bad name": {}}}, "buckets.bad name"),
     ({"buckets": {"default": 5}}, "buckets.default"),
     ({"buckets": []}, "buckets"),
@@ -169,7 +171,7 @@ def test_good_config_values(tmp_path):
             "checkpoint": {"max_items": 100, "period": 2},
             "buckets": {
                 "default": {"memory_quota": "2GB", "max_item_size": 1_000_000, "high_watermark": 1},
-                "b.2-x%": {"num_vbuckets": 1024, "durability": "persist"},
+                "b.2-x%": {"num_vbuckets": 1024, "durability": "persist", "eviction": "lru"},
             },
         }
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import Node
-from mcbp_wire import GETK, read_response, request
+from mcbp_wire import get_many
 
 WRITERS = 3  # processes
 CONNECTIONS = 2  # per process
@@ -60,21 +59,6 @@ except (ConnectionError, OSError):
 
 def _value_of(key: bytes, size: int) -> bytes:
     return (key * (size // len(key) + 1))[:size]
-
-
-def _read_back(host: str, port: int, keys: list[bytes]) -> dict[bytes, bytes]:
-    """GETK of every key, pipelined: key -> value for those found."""
-    found: dict[bytes, bytes] = {}
-    with socket.create_connection((host, port)) as s:
-        s.settimeout(60)
-        for at in range(0, len(keys), 500):
-            chunk = keys[at : at + 500]
-            s.sendall(b"".join(request(GETK, k, opaque=i) for i, k in enumerate(chunk)))
-            for _ in chunk:
-                r = read_response(s)
-                if r["status"] == 0:
-                    found[r["key"]] = r["value"]
-    return found
 
 
 def _round(node: Node, tag: str, value_size: int, rng: random.Random, tmp: Path) -> dict[bytes, bytes]:
@@ -128,7 +112,7 @@ def test_kill_9_under_pipelined_load_loses_no_acknowledged_write(tmp_path, mode,
     for round_no in range(5):
         node = Node(data_dir, "--config", str(config))
         # Everything acknowledged in earlier rounds came back.
-        found = _read_back(node.host, node.port, sorted(acked))
+        found = get_many(node.host, node.port, sorted(acked))
         lost = [k for k, v in acked.items() if found.get(k) != v]
         assert not lost, (
             f"round {round_no}: {len(lost)} of {len(acked)} acknowledged writes lost, e.g. {lost[:3]}"
@@ -136,7 +120,7 @@ def test_kill_9_under_pipelined_load_loses_no_acknowledged_write(tmp_path, mode,
         acked.update(_round(node, f"r{round_no}", value_size, rng, tmp_path))
     node = Node(data_dir, "--config", str(config))
     try:
-        found = _read_back(node.host, node.port, sorted(acked))
+        found = get_many(node.host, node.port, sorted(acked))
         lost = [k for k, v in acked.items() if found.get(k) != v]
         assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost, e.g. {lost[:3]}"
     finally:

@@ -80,6 +80,7 @@ class BucketSettings:
         durability: str = ...,
         replicas: int = ...,
         durability_timeout: float = ...,
+        eviction: str = ...,
     ) -> BucketSettings: ...
     @property
     def name(self) -> str: ...

@@ -449,7 +449,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     for b in st["buckets"]:
         print()
-        print(f"bucket {b['name']}: {b['mem_used']:,} of {b['memory_quota']:,} bytes")
+        evicting = f"; eviction lru, {b['evictions']:,} evicted" if b.get("eviction") == "lru" else ""
+        print(f"bucket {b['name']}: {b['mem_used']:,} of {b['memory_quota']:,} bytes{evicting}")
         rows = [("vbucket", "state", "items", "high seqno", "persisted", "unpersisted", "replication")]
         for v in b["vbuckets"]:
             if args.all or v["high_seqno"] or v["state"] != "active":

@@ -160,6 +160,7 @@ def _at_least(lo: float) -> Callable[[Any], str | None]:
 
 
 DURABILITY_LEVELS = ("none", "persist", "majority", "majority_and_persist_active", "persist_to_majority")
+EVICTION_POLICIES = ("none", "lru")
 
 # Top-level and section keys, by dotted path.
 ENGINE_KEYS: list[Key] = [
@@ -684,6 +685,16 @@ BUCKET_KEYS: list[Key] = [
         "it gets sync-write-ambiguous.",
         "duration",
         _between(0.001, 3600),
+    ),
+    Key(
+        "eviction",
+        _str,
+        DEFAULTS["buckets.eviction"],
+        "What a write finds when memory is above the high watermark: none (a temporary failure, "
+        "the bucket is a store) or lru (least recently used items are evicted first, each a "
+        "deletion that streams and replicas see; the bucket is a cache).",
+        "string",
+        _choice(*EVICTION_POLICIES),
     ),
 ]
 

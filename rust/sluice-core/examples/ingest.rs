@@ -1,6 +1,7 @@
 //! Ingest N items (16-byte keys, 100-byte values) through `Engine::set_many` in batches and
 //! print items/s as JSON. Used by bench/engine_bench.py; run it by hand with
-//! `cargo run --release --example ingest -- DIR [N] [write|fsync|none] [BATCH]`.
+//! `cargo run --release --example ingest -- DIR [N] [write|fsync|none] [BATCH] [LRU_QUOTA]`.
+//! With LRU_QUOTA (bytes) the default bucket has that memory quota and `eviction = "lru"`.
 
 use std::time::Instant;
 
@@ -19,12 +20,16 @@ fn main() {
         .get(4)
         .map(|s| s.parse().expect("BATCH"))
         .unwrap_or(10_000);
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         data_dir: dir.into(),
         wal_mode: sluice_core::wal::WalMode::parse(mode).expect("mode is none, write or fsync"),
         snapshot_interval: std::time::Duration::ZERO,
         ..Default::default()
     };
+    if let Some(quota) = args.get(5) {
+        cfg.buckets[0].memory_quota = quota.parse().expect("LRU_QUOTA");
+        cfg.buckets[0].eviction = sluice_core::config::Eviction::Lru;
+    }
     let engine = Engine::open(cfg).expect("open");
     let bucket = engine.bucket("default").expect("default bucket");
     let keys: Vec<[u8; 16]> = (0..n)
@@ -56,12 +61,16 @@ fn main() {
     let rss_after = rss_bytes();
     let stats = engine.bucket("default").expect("bucket");
     println!(
-        "{{\"items\": {n}, \"mode\": \"{mode}\", \"batch\": {batch}, \"applied_s\": {:.4}, \"durable_s\": {:.4}, \"items_per_s\": {:.0}, \"rss_before\": {rss_before}, \"rss_after\": {rss_after}, \"mem_used\": {}, \"checkpoint_mem\": {}}}",
+        "{{\"items\": {n}, \"mode\": \"{mode}\", \"batch\": {batch}, \"applied_s\": {:.4}, \"durable_s\": {:.4}, \"items_per_s\": {:.0}, \"rss_before\": {rss_before}, \"rss_after\": {rss_after}, \"mem_used\": {}, \"checkpoint_mem\": {}, \"evictions\": {}}}",
         applied.as_secs_f64(),
         durable.as_secs_f64(),
         n as f64 / durable.as_secs_f64(),
         stats.mem_used(),
         stats.checkpoint_mem(),
+        stats
+            .stats
+            .evictions
+            .load(std::sync::atomic::Ordering::Relaxed),
     );
     engine.close();
 }

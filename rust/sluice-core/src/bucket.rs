@@ -1,6 +1,6 @@
 //! A bucket: a named keyspace of vbuckets with a memory quota.
 
-use std::sync::atomic::{AtomicIsize, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -21,6 +21,8 @@ pub struct BucketStats {
     pub expired_by_pager: AtomicU64,
     pub tombstones_purged: AtomicU64,
     pub cursors_dropped: AtomicU64,
+    /// Items evicted to make room (`eviction = "lru"`).
+    pub evictions: AtomicU64,
 }
 
 pub struct Bucket {
@@ -35,6 +37,8 @@ pub struct Bucket {
     pub changes: ChangeSignal,
     /// Replicas following each vbucket and what they acknowledged (durable writes).
     pub acks: ReplicaAcks,
+    /// The vbucket eviction visits next (taken modulo the vbucket count).
+    eviction_cursor: AtomicUsize,
 }
 
 impl Bucket {
@@ -49,6 +53,7 @@ impl Bucket {
             stats: BucketStats::default(),
             changes: ChangeSignal::default(),
             acks: ReplicaAcks::new(vbuckets_len),
+            eviction_cursor: AtomicUsize::new(0),
         };
         for vb in &b.vbuckets {
             b.account(&mut vb.lock());
@@ -93,6 +98,11 @@ impl Bucket {
 
     pub fn above_high_watermark(&self) -> bool {
         self.mem_used() > self.config.high_watermark_bytes()
+    }
+
+    /// The next vbucket in eviction's round over the bucket.
+    pub fn next_eviction_vbucket(&self) -> u16 {
+        (self.eviction_cursor.fetch_add(1, Ordering::Relaxed) % self.vbuckets.len()) as u16
     }
 
     pub fn over_checkpoint_quota(&self) -> bool {

@@ -74,6 +74,40 @@ impl Durability {
     }
 }
 
+/// What a bucket does when a write would take it past its high watermark (`eviction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eviction {
+    /// The write gets a temporary failure: the bucket is a store, nothing is dropped.
+    None,
+    /// The write first evicts least recently used items (approximately: a clock per vbucket,
+    /// see `ItemStore::next_victim`), each a deletion streamed and logged like any other: the
+    /// bucket is a cache, as memcached and Couchbase ephemeral buckets with `nruEviction` are.
+    Lru,
+}
+
+impl Eviction {
+    pub const NAMES: [&'static str; 2] = ["none", "lru"];
+
+    pub fn parse(s: &str) -> Option<Eviction> {
+        match s {
+            "none" => Some(Eviction::None),
+            "lru" => Some(Eviction::Lru),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Eviction::None => "none",
+            Eviction::Lru => "lru",
+        }
+    }
+}
+
+/// Eviction takes memory this far below the high watermark (at most 1% of the quota and
+/// 1 MiB), so that one write pays for a batch of evictions rather than every write for one
+/// (lock and counter round trips amortised), while the pause of a batch stays short.
+const EVICTION_HEADROOM_MAX: usize = 1 << 20;
+
 #[derive(Debug, Clone)]
 pub struct BucketConfig {
     pub name: String,
@@ -90,6 +124,7 @@ pub struct BucketConfig {
     pub replicas: u8,
     /// How long a durable write waits for its level when the request names no timeout.
     pub durability_timeout: Duration,
+    pub eviction: Eviction,
 }
 
 impl BucketConfig {
@@ -104,11 +139,18 @@ impl BucketConfig {
             durability: Durability::None,
             replicas: 1,
             durability_timeout: Duration::from_secs(10),
+            eviction: Eviction::None,
         }
     }
 
     pub fn high_watermark_bytes(&self) -> usize {
         (self.memory_quota as f64 * self.high_watermark) as usize
+    }
+
+    /// Where eviction stops: a little below the high watermark (see EVICTION_HEADROOM_MAX).
+    pub fn eviction_low_mark_bytes(&self) -> usize {
+        let headroom = (self.memory_quota / 100).min(EVICTION_HEADROOM_MAX);
+        self.high_watermark_bytes().saturating_sub(headroom)
     }
 
     pub fn checkpoint_quota_bytes(&self) -> usize {

@@ -29,10 +29,13 @@ const DEAD: u8 = 2;
 pub const MAX_SEQNO: u64 = (1 << 48) - 1;
 const LOW48: u64 = MAX_SEQNO;
 
+/// `rev_word` bit: read since the eviction clock last passed the slot.
+const REFERENCED: u64 = 1 << 57;
+
 /// 40 bytes. The key and value live in one allocation prefixed by the value length (4 bytes,
 /// little endian), so that the pointer is thin and the lengths cost the slot nothing:
 /// `seqno_word` packs by_seqno (48 bits), key length and datatype; `rev_word` packs rev_seqno
-/// (48 bits), state and the deleted flag.
+/// (48 bits), state, the deleted flag and the referenced bit of the eviction clock.
 struct Slot {
     data: NonNull<u8>,
     cas: u64,
@@ -95,6 +98,18 @@ impl Slot {
 
     fn set_state(&mut self, state: u8, deleted: bool) {
         self.rev_word = (self.rev_word & LOW48) | (state as u64) << 48 | (deleted as u64) << 56;
+    }
+
+    fn referenced(&self) -> bool {
+        self.rev_word & REFERENCED != 0
+    }
+
+    fn set_referenced(&mut self, on: bool) {
+        if on {
+            self.rev_word |= REFERENCED;
+        } else {
+            self.rev_word &= !REFERENCED;
+        }
     }
 
     fn set_rev(&mut self, rev: u64) {
@@ -190,6 +205,33 @@ impl<'a> ItemRef<'a> {
     }
 }
 
+/// A key copied out of the store without allocating (keys are at most 250 bytes).
+pub struct KeyBuf {
+    len: u8,
+    bytes: [u8; crate::item::MAX_KEY_LEN],
+}
+
+impl KeyBuf {
+    fn new(key: &[u8]) -> KeyBuf {
+        let mut bytes = [0u8; crate::item::MAX_KEY_LEN];
+        bytes[..key.len()].copy_from_slice(key);
+        KeyBuf {
+            len: key.len() as u8,
+            bytes,
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+/// What the eviction clock picked: a live item to evict or a tombstone to purge.
+pub struct Victim {
+    pub key: KeyBuf,
+    pub meta: ItemMeta,
+}
+
 /// Approximate bytes a stored item costs beyond its key and value (slot, index, allocator).
 pub const ITEM_OVERHEAD: usize = std::mem::size_of::<Slot>() + PREFIX + 16;
 
@@ -210,6 +252,9 @@ pub struct ItemStore {
     range_reads: u32,
     /// seqno of a stale version -> seqno of the version that replaced it.
     stale_successor: HashMap<u64, u64>,
+    /// The eviction clock's hand: the seqno it looks at next (a seqno rather than a position,
+    /// so that compaction moving slots does not move it).
+    clock_hand: u64,
 }
 
 impl ItemStore {
@@ -242,6 +287,63 @@ impl ItemStore {
     /// The current version of `key` (possibly a tombstone).
     pub fn get(&self, key: &[u8]) -> Option<ItemRef<'_>> {
         self.find_pos(key).map(|p| ItemRef { slot: self.slot(p) })
+    }
+
+    /// `get` for a client's read: also marks the item referenced, which spares it from the
+    /// eviction clock's next pass. A bit set under the vbucket lock the read holds anyway.
+    pub fn get_referenced(&mut self, key: &[u8]) -> Option<ItemRef<'_>> {
+        let pos = self.find_pos(key)?;
+        self.slot_mut(pos).set_referenced(true);
+        Some(ItemRef {
+            slot: self.slot(pos),
+        })
+    }
+
+    /// Advances the eviction clock to its next victim.
+    ///
+    /// The log is in seqno order, that is in order of last write: the hand sweeps it from old
+    /// to new and wraps around. A live item read since the hand last passed it (its referenced
+    /// bit set) gets a second chance: the bit is cleared and the hand moves on. Any other live
+    /// item is the victim. This is CLOCK (second chance), an approximation of LRU: writes count
+    /// as use by moving the item to the log's end, reads by the bit, and an item survives as
+    /// long as it is read once per revolution of the hand. Tombstones are skipped unless
+    /// `tombstones` asks for them (to purge when they take too much memory). At most two
+    /// revolutions (one clearing bits, one finding a victim), so None means there is no live
+    /// item at all; amortised, each step clears a bit a read set or passes a slot eviction or
+    /// compaction will soon remove.
+    pub fn next_victim(&mut self, tombstones: bool) -> Option<Victim> {
+        let mut pos = self.lower_bound(self.clock_hand);
+        let mut found = None;
+        // Each wrap costs a step too: at most three of them in two revolutions.
+        for _ in 0..2 * self.len + 3 {
+            if pos >= self.len {
+                if self.len == 0 {
+                    break;
+                }
+                pos = 0;
+                continue;
+            }
+            let slot = self.slot_mut(pos);
+            pos += 1;
+            if slot.state() != LIVE || (slot.deleted() && !tombstones) {
+                continue;
+            }
+            if slot.referenced() {
+                slot.set_referenced(false);
+                continue;
+            }
+            found = Some(Victim {
+                key: KeyBuf::new(slot.key()),
+                meta: slot.meta(),
+            });
+            break;
+        }
+        self.clock_hand = if pos < self.len {
+            self.slot(pos).by_seqno()
+        } else {
+            u64::MAX
+        };
+        found
     }
 
     fn push_slot(&mut self, slot: Slot) -> usize {
@@ -346,6 +448,17 @@ impl ItemStore {
         if self.range_reads == 0 && self.dead >= CHUNK && self.dead >= self.current {
             self.compact();
         }
+    }
+
+    /// Compacts when dead slots hold a quarter of the log or more: eviction calls it, since
+    /// dead slots keep their 40 bytes until compaction and a full bucket wants them back
+    /// sooner than `maybe_compact`'s half.
+    pub fn compact_under_pressure(&mut self) -> bool {
+        if self.range_reads == 0 && self.dead >= CHUNK && self.dead * 4 >= self.len {
+            self.compact();
+            return true;
+        }
+        false
     }
 
     /// Squeezes dead slots out of the log and re-points the index. Never runs during a range
@@ -616,5 +729,41 @@ mod tests {
             true
         });
         assert_eq!(got, vec![1, 2, 6, 7, 8, 9, 10, 12, 13]);
+    }
+
+    #[test]
+    fn the_clock_evicts_oldest_first_and_spares_what_was_read() {
+        let mut s = ItemStore::new();
+        for k in 1..=6u64 {
+            s.upsert(&k.to_be_bytes(), b"v", &mut meta(k, false));
+        }
+        s.upsert(&7u64.to_be_bytes(), b"", &mut meta(7, true));
+        assert!(s.get_referenced(&2u64.to_be_bytes()).is_some());
+        let victim = |s: &mut ItemStore, tombstones| {
+            s.next_victim(tombstones)
+                .map(|v| u64::from_be_bytes(v.key.as_slice().try_into().unwrap()))
+        };
+        assert_eq!(victim(&mut s, false), Some(1));
+        // 2 was read: passed over once, its bit cleared.
+        assert_eq!(victim(&mut s, false), Some(3));
+        // Rewriting 4 moves it to the log's end; the hand's seqno survives the compaction.
+        s.upsert(&4u64.to_be_bytes(), b"w", &mut meta(8, false));
+        s.compact();
+        assert_eq!(victim(&mut s, false), Some(5));
+        assert_eq!(victim(&mut s, false), Some(6));
+        // The tombstone (7) is skipped unless asked for; the hand wraps to 1, 2 (bit now clear).
+        assert_eq!(victim(&mut s, false), Some(4));
+        assert_eq!(victim(&mut s, true), Some(1));
+        assert_eq!(victim(&mut s, true), Some(2));
+        assert_eq!(victim(&mut s, true), Some(3));
+        // Every item read since the last pass: two revolutions find one anyway.
+        for k in [1u64, 2, 3, 5, 6] {
+            s.purge(&k.to_be_bytes());
+        }
+        s.purge(&7u64.to_be_bytes());
+        s.get_referenced(&4u64.to_be_bytes());
+        assert_eq!(victim(&mut s, false), Some(4));
+        s.purge(&4u64.to_be_bytes());
+        assert!(s.next_victim(true).is_none());
     }
 }

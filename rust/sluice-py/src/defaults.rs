@@ -76,5 +76,6 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
         "buckets.durability_timeout",
         bucket.durability_timeout.as_secs_f64(),
     )?;
+    d.set_item("buckets.eviction", bucket.eviction.as_str())?;
     Ok(PyMappingProxy::new(py, d.as_mapping()))
 }

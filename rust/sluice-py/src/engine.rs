@@ -410,6 +410,7 @@ impl EmbeddedEngine {
             ("expired_by_pager", &s.expired_by_pager),
             ("tombstones_purged", &s.tombstones_purged),
             ("cursors_dropped", &s.cursors_dropped),
+            ("evictions", &s.evictions),
         ] {
             d.set_item(k, v.load(Relaxed))?;
         }

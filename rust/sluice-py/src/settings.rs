@@ -9,6 +9,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use sluice_core::checkpoint::CheckpointConfig;
+use sluice_core::config::Eviction;
 use sluice_core::wal::WalMode;
 use sluice_core::{BucketConfig, Durability, EngineConfig};
 
@@ -43,7 +44,7 @@ pub(crate) struct BucketSettings {
 #[pymethods]
 impl BucketSettings {
     #[new]
-    #[pyo3(signature = (name, *, num_vbuckets=BUCKET_DEFAULTS.num_vbuckets, memory_quota=BUCKET_DEFAULTS.memory_quota, high_watermark=BUCKET_DEFAULTS.high_watermark, max_item_size=BUCKET_DEFAULTS.max_item_size, checkpoint_memory_ratio=BUCKET_DEFAULTS.checkpoint_memory_ratio, durability=BUCKET_DEFAULTS.durability.as_str(), replicas=BUCKET_DEFAULTS.replicas, durability_timeout=BUCKET_DEFAULTS.durability_timeout.as_secs_f64()))]
+    #[pyo3(signature = (name, *, num_vbuckets=BUCKET_DEFAULTS.num_vbuckets, memory_quota=BUCKET_DEFAULTS.memory_quota, high_watermark=BUCKET_DEFAULTS.high_watermark, max_item_size=BUCKET_DEFAULTS.max_item_size, checkpoint_memory_ratio=BUCKET_DEFAULTS.checkpoint_memory_ratio, durability=BUCKET_DEFAULTS.durability.as_str(), replicas=BUCKET_DEFAULTS.replicas, durability_timeout=BUCKET_DEFAULTS.durability_timeout.as_secs_f64(), eviction=BUCKET_DEFAULTS.eviction.as_str()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
@@ -55,9 +56,16 @@ impl BucketSettings {
         durability: &str,
         replicas: u8,
         durability_timeout: f64,
+        eviction: &str,
     ) -> PyResult<Self> {
         let durability =
             parse_durability("durability", Some(durability))?.expect("Some in, Some out");
+        let eviction = Eviction::parse(eviction).ok_or_else(|| {
+            config_err(
+                "eviction",
+                format!("{eviction:?} is not one of {}", Eviction::NAMES.join(", ")),
+            )
+        })?;
         Ok(BucketSettings {
             inner: BucketConfig {
                 name,
@@ -69,6 +77,7 @@ impl BucketSettings {
                 durability,
                 replicas,
                 durability_timeout: secs("durability_timeout", durability_timeout)?,
+                eviction,
             },
         })
     }

@@ -736,7 +736,7 @@ pub fn status(node: &NodeView) -> serde_json::Value {
                     })
                 })
                 .collect();
-            json!({"name": b.name(), "mem_used": b.mem_used(), "memory_quota": b.config.memory_quota, "vbuckets": vbuckets})
+            json!({"name": b.name(), "mem_used": b.mem_used(), "memory_quota": b.config.memory_quota, "eviction": b.config.eviction.as_str(), "evictions": b.stats.evictions.load(Relaxed), "vbuckets": vbuckets})
         })
         .collect();
     json!({

@@ -53,6 +53,20 @@ pub fn engine(e: &Engine, o: &mut String) {
     }
     metric(
         o,
+        "sluice_evictions_total",
+        "counter",
+        "Items evicted to make room in buckets with eviction = \"lru\".",
+    );
+    for b in &buckets {
+        let _ = writeln!(
+            o,
+            "sluice_evictions_total{{bucket=\"{}\"}} {}",
+            b.name(),
+            b.stats.evictions.load(Relaxed)
+        );
+    }
+    metric(
+        o,
         "sluice_memory_bytes",
         "gauge",
         "Bytes held by items and checkpoints, and the quota.",

@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use super::cursors::{enforce_checkpoint_quota, release_checkpoints};
 use super::{Engine, Inner};
+use crate::bucket::Bucket;
 use crate::error::{Error, Result};
 use crate::hlc::now_secs;
 use crate::item::is_expired;
 use crate::snapshot;
-use crate::vbucket::VbState;
+use crate::vbucket::{VBucket, VbState};
 use crate::wal::writer::{MetaRecord, WalPayload};
 
 pub(super) fn run_pager(inner: &Inner) -> usize {
@@ -54,25 +55,41 @@ pub(super) fn run_pager(inner: &Inner) -> usize {
                         purged_upto = purged_upto.max(m.by_seqno);
                     }
                 }
-                if purged_upto > vb.purge_seqno {
-                    vb.purge_seqno = purged_upto;
-                    if let Ok(mut a) = inner.wal.appender() {
-                        vb.last_lsn = a.push(WalPayload::meta(
-                            bucket.id,
-                            v,
-                            MetaRecord::PurgeSeqno(purged_upto),
-                        ));
-                    }
-                    bucket
-                        .stats
-                        .tombstones_purged
-                        .fetch_add(old.len() as u64, Ordering::Relaxed);
-                }
+                inner.note_purged(&bucket, &mut vb, purged_upto, old.len());
             }
             bucket.account(&mut vb);
         }
     }
     n
+}
+
+impl Inner {
+    /// After `count` tombstones of a vbucket were purged, the highest at `purged_upto`: the
+    /// vbucket's purge seqno moves up, in memory and in the WAL (streams from before it must
+    /// roll back, after a restart too).
+    pub(super) fn note_purged(
+        &self,
+        bucket: &Bucket,
+        vb: &mut VBucket,
+        purged_upto: u64,
+        count: usize,
+    ) {
+        if purged_upto <= vb.purge_seqno {
+            return;
+        }
+        vb.purge_seqno = purged_upto;
+        if let Ok(mut a) = self.wal.appender() {
+            vb.last_lsn = a.push(WalPayload::meta(
+                bucket.id,
+                vb.id,
+                MetaRecord::PurgeSeqno(purged_upto),
+            ));
+        }
+        bucket
+            .stats
+            .tombstones_purged
+            .fetch_add(count as u64, Ordering::Relaxed);
+    }
 }
 
 pub(super) fn maintenance_loop(inner: Arc<Inner>) {

@@ -1,8 +1,8 @@
 //! The engine: buckets of vbuckets over one WAL. This file opens and closes it; the rest of the
 //! engine is split by concept: `write` (the write path and durability), `read` (lookups and
 //! vbucket positions), `state` (vbucket states, failover, rollback, replicated changes),
-//! `cursors` (checkpoint cursors and backfill for streams), `background` (expiry pager,
-//! tombstone purger, checkpoint quota, periodic snapshots).
+//! `cursors` (checkpoint cursors and backfill for streams), `evict` (making room in a cache
+//! bucket), `background` (expiry pager, tombstone purger, checkpoint quota, periodic snapshots).
 //!
 //! Lock order: a vbucket's lock, then the WAL queue lock. The WAL writer takes vbucket locks
 //! only after releasing its queue lock, and the snapshot writer holds one vbucket lock at a time.
@@ -28,6 +28,7 @@ use crate::wal::{WalMode, WalWriter};
 
 mod background;
 mod cursors;
+mod evict;
 mod read;
 mod state;
 mod write;

@@ -35,7 +35,7 @@ impl Engine {
         }
         bucket.stats.gets.fetch_add(1, Ordering::Relaxed);
         let now = now_secs();
-        let found = match vb.store.get(key) {
+        let found = match vb.store.get_referenced(key) {
             Some(i) if i.meta().deleted => None,
             Some(i) if is_expired(&i.meta(), now) => {
                 let meta = i.meta();

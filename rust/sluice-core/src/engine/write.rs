@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::cursors::{enforce_checkpoint_quota, release_checkpoints};
 use super::{Engine, Inner};
 use crate::bucket::Bucket;
-use crate::config::Durability;
+use crate::config::{Durability, Eviction};
 use crate::durability::{replicas_for_majority, Requirement, WaitError};
 use crate::error::{Error, Result};
 use crate::hlc::{now_nanos, now_secs};
@@ -155,8 +155,9 @@ pub(super) fn check_writable(vb: &VBucket, n: u64) -> Result<()> {
 
 impl Engine {
     /// Refuses a write early: closed engine, failing WAL, memory over the high watermark (unless
-    /// the write is a deletion, which frees memory: a full bucket can always be emptied), or a
-    /// durability level this node cannot provide.
+    /// the write is a deletion, which frees memory: a full bucket can always be emptied; or the
+    /// bucket evicts, and eviction made room), or a durability level this node cannot provide.
+    /// Called before the write takes any vbucket lock, since eviction takes them in turn.
     pub(super) fn admit_write(
         &self,
         bucket: &Bucket,
@@ -186,13 +187,24 @@ impl Engine {
             )));
         }
         if op == ChangeOp::Mutation && bucket.above_high_watermark() {
-            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::TempFail(format!(
-                "bucket {:?} memory {} bytes is above its high watermark {}",
-                bucket.name(),
-                bucket.mem_used(),
-                bucket.config.high_watermark_bytes()
-            )));
+            let lru = bucket.config.eviction == Eviction::Lru;
+            if lru {
+                self.inner.make_room(bucket)?;
+            }
+            if bucket.above_high_watermark() {
+                bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::TempFail(format!(
+                    "bucket {:?} memory {} bytes is above its high watermark {}{}",
+                    bucket.name(),
+                    bucket.mem_used(),
+                    bucket.config.high_watermark_bytes(),
+                    if lru {
+                        " with nothing left to evict"
+                    } else {
+                        ""
+                    }
+                )));
+            }
         }
         if durability.persist_active() && self.inner.wal.mode() == WalMode::None {
             return Err(Error::DurabilityImpossible(format!(

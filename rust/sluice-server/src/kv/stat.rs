@@ -107,6 +107,7 @@ pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, Str
             "expired_unfetched",
             b.stats.expired_by_pager.load(Relaxed).to_string(),
         ),
+        ("evictions", b.stats.evictions.load(Relaxed).to_string()),
         (
             "ep_tmp_failures",
             b.stats.tmp_failures.load(Relaxed).to_string(),
