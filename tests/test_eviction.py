@@ -107,3 +107,35 @@ def test_an_lru_bucket_evicts_under_a_load_past_its_quota_and_evictions_stay(tmp
         assert set(get_many(node.host, node.port, keys + more)) == readable
     finally:
         assert node.stop() == 0
+
+
+def test_a_replica_follows_the_evictions_of_its_active(tmp_path):
+    """Evictions stream as deletions: a replica of an lru bucket (same quota) ends with the
+    active's keys exactly, and evicts nothing of its own."""
+    from helpers import contents, start_node, wait_converged
+
+    active = start_node(tmp_path, "active", memory_quota=QUOTA, eviction="lru")
+    replica = None
+    try:
+        replica = start_node(
+            tmp_path, "replica", "--replica-of", active.address, memory_quota=QUOTA, eviction="lru"
+        )
+        keys = [b"key-%06d" % i for i in range(WRITES)]
+        write_load(active, keys)
+        assert active.metric("sluice_evictions_total", bucket="default") > WRITES / 2
+        wait_converged(active, replica)
+        # Live items match exactly. Tombstones need not: each node purges its own when they
+        # crowd its memory, so the replica may keep some the active already dropped.
+        ours, theirs = contents(active), contents(replica)
+        live = {key: v for key, v in ours.items() if v[1] == "mutation"}
+        assert live == {key: v for key, v in theirs.items() if v[1] == "mutation"}
+        assert {k for (_, k) in live} == set(get_many(active.host, active.port, keys))
+        for key, v in ours.items():
+            if v[1] == "deletion":
+                assert theirs.get(key) == v, f"{key} is deleted on the active, not on the replica"
+        assert replica.metric("sluice_evictions_total", bucket="default") == 0
+        assert replica.metric("sluice_memory_bytes", bucket="default", kind="used") <= QUOTA
+    finally:
+        if replica is not None:
+            replica.stop()
+        active.stop()
