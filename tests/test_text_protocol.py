@@ -132,6 +132,19 @@ def test_errors_are_memcached_s_bytes(tmp_path):
         assert node.stop() == 0
 
 
+def test_cas_0_matches_no_item_and_a_huge_get_reply_is_refused(server):
+    # No item has CAS 0: memcached answers EXISTS for a present key and NOT_FOUND otherwise.
+    assert ask(server, b"set c0 0 0 1\r\nx\r\n") == b"STORED\r\n"
+    assert ask(server, b"cas c0 0 0 1 0\r\ny\r\n") == b"EXISTS\r\n"
+    assert ask(server, b"cas none 0 0 1 0\r\ny\r\n") == b"NOT_FOUND\r\n"
+    assert ask(server, b"get c0\r\n", b"END\r\n") == b"VALUE c0 0 1\r\nx\r\nEND\r\n"
+    # One key asked 70 times over, 1 MiB each: past the 64 MiB a reply may hold.
+    big = b"b" * (1 << 20)
+    assert ask(server, b"set big 0 0 %d\r\n%s\r\n" % (len(big), big)) == b"STORED\r\n"
+    reply = ask(server, b"get" + b" big" * 70 + b"\r\n", b"\r\n", timeout=30)
+    assert reply.startswith(b"SERVER_ERROR out of memory writing get response\r\n"), reply[:100]
+
+
 def test_pipelined_commands_are_answered_in_order(server):
     sets = b"".join(b"set p%d 0 0 1 noreply\r\n%d\r\n" % (i, i % 10) for i in range(500))
     gets = b"".join(b"get p%d\r\n" % i for i in range(500))

@@ -39,8 +39,9 @@ impl Engine {
             return Ok(Written::new((), Durability::None.into(), vb.last_lsn, &[]));
         }
         let high = vb.high_seqno;
-        vb.state = state;
+        // The WAL first: a writer that refuses (closed, failing) leaves the state as it was.
         let mut a = self.inner.wal.appender()?;
+        vb.state = state;
         vb.last_lsn = a.push(WalPayload::meta(
             bucket.id,
             vbid,
@@ -66,12 +67,17 @@ impl Engine {
     /// active, each with a new failover entry. Returns the vbuckets promoted.
     pub fn promote(&self, bucket: &Bucket) -> Result<Vec<u16>> {
         let mut promoted = Vec::new();
+        let mut last = None;
         for v in 0..bucket.num_vbuckets() {
             let state = self.vbucket_state(bucket, v);
             if matches!(state, Some(VbState::Replica | VbState::Pending)) {
-                self.set_vbucket_state(bucket, v, VbState::Active)?;
+                last = Some(self.write_vbucket_state(bucket, v, VbState::Active)?);
                 promoted.push(v);
             }
+        }
+        // One wait for all of them: the last record written means every earlier one is.
+        if let Some(w) = last {
+            self.settle(bucket, w)?;
         }
         Ok(promoted)
     }
@@ -98,6 +104,8 @@ impl Engine {
         let mut a = self.inner.wal.appender()?;
         let mut last = vb.last_lsn;
         for (op, key, value, mut meta) in changes {
+            // An active that is not sluice may send keys sluice would refuse from a client.
+            crate::item::validate_key(key)?;
             if meta.by_seqno <= vb.high_seqno {
                 return Err(Error::InvalidArgument(format!(
                     "vbucket {vbid}: replicated seqno {} is not above {}",

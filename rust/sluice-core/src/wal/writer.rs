@@ -555,7 +555,21 @@ impl WalWriter {
         if w.batch.is_empty() {
             return;
         }
-        if w.write_batch(shared).is_err() {
+        if let Err(e) = w.write_batch(shared) {
+            // Failing from here on, as the thread would say (new writes refused, waiters
+            // told, no other leader tries), and the batch back at the head of the queue for
+            // the thread to retry with back-off.
+            let msg = format!("writing {}: {e}", w.segment.path.display());
+            let began_failing = {
+                let mut d = shared.durable.lock();
+                d.error = Some(msg.clone());
+                let was = shared.failing.swap(true, Ordering::AcqRel);
+                shared.announce();
+                !was
+            };
+            if began_failing {
+                log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
+            }
             let mut q = shared.queue.lock();
             let newer = std::mem::take(&mut q.pending);
             q.pending = std::mem::take(&mut w.batch);
@@ -563,8 +577,13 @@ impl WalWriter {
             shared.queue_cv.notify_one();
             return;
         }
-        if w.segment.size >= w.cfg.segment_size {
-            shared.queue.lock().rotate = true;
+        // The thread decides what to do from `written` and `synced` when woken: a persist
+        // waiter that asked for a sync while this batch was being written must not find it
+        // asleep, and a full segment is its to rotate.
+        let rotate = w.segment.size >= w.cfg.segment_size;
+        if rotate || sync_due(shared, w.synced) {
+            let mut q = shared.queue.lock();
+            q.rotate |= rotate;
             shared.queue_cv.notify_one();
         }
     }

@@ -587,7 +587,7 @@ impl Producer {
             return Flow::Continue;
         }
         let Ok(req) = mcbp::parse_request(frame) else {
-            return session.handle(frame, out);
+            return session.handle_streaming(frame, out);
         };
         match req.opcode {
             opcode::CONTROL => self.control(&req, session, out),
@@ -610,7 +610,7 @@ impl Producer {
             opcode::ADD_STREAM | opcode::SET_VBUCKET_STATE | opcode::SNAPSHOT_MARKER => {
                 respond(out, &req, status::NOT_SUPPORTED, b"not sent to a producer")
             }
-            _ => return session.handle(frame, out),
+            _ => return session.handle_streaming(frame, out),
         }
         Flow::Continue
     }

@@ -250,6 +250,20 @@ impl KvSession {
         reply_to_header(header, status::E2BIG, b"request body too large", out);
     }
 
+    /// `handle` on a connection that streams already (a DCP or TAP producer): a second
+    /// DCP_OPEN or TAP_CONNECT is refused with EINVAL rather than handed anywhere.
+    pub fn handle_streaming(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
+        match self.handle(frame, out) {
+            Flow::OpenStream => {
+                if let Ok(req) = mcbp::parse_request(frame) {
+                    self.reply_error(&req, status::EINVAL, "this connection is open already", out);
+                }
+                Flow::Continue
+            }
+            other => other,
+        }
+    }
+
     pub fn handle(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Flow {
         let req = match mcbp::parse_request(frame) {
             // A server's request (0x82) goes from server to client: from a client it is never a

@@ -117,6 +117,16 @@ fn stream_requests_are_handed_on_unanswered() {
             out.is_empty(),
             "the stream front answers it, not the KV front"
         );
+        // On a connection that streams already, the same request is refused.
+        let flow = s.handle_streaming(&request(opcode, 6, &[0; 8], b"name", &[]), &mut out);
+        assert!(matches!(flow, Flow::Continue));
+        let refused = (
+            opcode,
+            status::EINVAL,
+            6,
+            b"this connection is open already".to_vec(),
+        );
+        assert_eq!(responses(&out), vec![refused]);
     }
 }
 

@@ -190,8 +190,8 @@ impl Stream {
         let Takeover::AwaitingActive(since) = self.takeover else {
             return None;
         };
-        // Queued, not waited for: this task must not block on the WAL, and nothing is
-        // acknowledged on it (a restart before the record is written finds the state before).
+        // Queued, not waited for: this task must not block on the WAL (a restart before the
+        // record is written finds the vbucket pending, refusing writes).
         if let Err(e) = engine.write_vbucket_state(&self.bucket, self.vbucket, VbState::Dead) {
             log::error!("takeover of vbucket {}: {e}", self.vbucket);
         }
@@ -356,8 +356,10 @@ impl Stream {
         }
         let (next, state) = match self.takeover {
             Takeover::CatchingUp => {
-                // Queued (the consumer is told next; a restart before the record is written
-                // finds the vbucket active, with every write it acknowledged).
+                // Queued, not waited for (this task must not block on the WAL). The consumer is
+                // told PENDING now and ACTIVE on a later turn; the record is normally written
+                // by then, but nothing here checks it: a crash in between can restart this
+                // node with the vbucket active while the consumer takes it over.
                 if let Err(e) =
                     engine.write_vbucket_state(&self.bucket, self.vbucket, VbState::Pending)
                 {

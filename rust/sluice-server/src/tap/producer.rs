@@ -730,7 +730,7 @@ async fn serve(
                             Err(why) => return Ended::Disconnected(why),
                         }
                     } else {
-                        let flow = kv.handle(&frame, out);
+                        let flow = kv.handle_streaming(&frame, out);
                         if matches!(kv.settle(flow, out).await, Flow::Close) {
                             let _ = crate::tls::send_all(socket, out).await;
                             return Ended::Done("the client quit");

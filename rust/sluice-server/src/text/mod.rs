@@ -292,6 +292,21 @@ impl TextSession {
             Err(took) => return (took, Flow::Continue),
         };
         let engine = self.ctx.engine.clone();
+        if verb == StoreVerb::Cas && s.cas == 0 {
+            // No item has CAS 0 (the engine would take 0 as "no CAS check" and store).
+            let word = match engine.get(&self.bucket, s.key) {
+                Ok(Some(_)) => "EXISTS",
+                Ok(None) => "NOT_FOUND",
+                Err(e) => {
+                    engine_error(&e, out);
+                    return (end, Flow::Continue);
+                }
+            };
+            if !s.noreply {
+                line(out, word);
+            }
+            return (end, Flow::Continue);
+        }
         let written = match verb {
             StoreVerb::Append | StoreVerb::Prepend => {
                 let at_end = verb == StoreVerb::Append;
@@ -341,7 +356,7 @@ impl TextSession {
     }
 
     /// get, gets, gat, gats: a VALUE for each key found, then END. An error on any key answers
-    /// the whole command with it.
+    /// the whole command with it, and so does a reply past `MAX_GET_REPLY`.
     async fn get<'a>(
         &mut self,
         keys: impl Iterator<Item = &'a [u8]>,
@@ -369,6 +384,12 @@ impl TextSession {
                 }),
             };
             match found {
+                Ok(Some(_)) if out.len() - start > MAX_GET_REPLY => {
+                    // Repeated keys could make one reply any size: memcached's answer when it
+                    // cannot hold one.
+                    out.truncate(start);
+                    return line(out, "SERVER_ERROR out of memory writing get response");
+                }
                 Ok(Some(it)) => {
                     out.extend_from_slice(b"VALUE ");
                     out.extend_from_slice(key);
@@ -532,6 +553,10 @@ impl TextSession {
         line(out, "END");
     }
 }
+
+/// The largest reply to one retrieval command (a line of repeated keys could ask for any
+/// size): room for a few items of the largest size.
+const MAX_GET_REPLY: usize = 64 << 20;
 
 /// Runs a text connection whose first bytes are in `inbuf`, until the client quits or closes,
 /// the server stops, or the connection is idle for `idle_timeout` (zero: never).
