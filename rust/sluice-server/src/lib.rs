@@ -14,6 +14,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod base64;
 pub mod config;
 pub mod connection;
 pub mod dcp;

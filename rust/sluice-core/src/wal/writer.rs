@@ -559,17 +559,7 @@ impl WalWriter {
             // Failing from here on, as the thread would say (new writes refused, waiters
             // told, no other leader tries), and the batch back at the head of the queue for
             // the thread to retry with back-off.
-            let msg = format!("writing {}: {e}", w.segment.path.display());
-            let began_failing = {
-                let mut d = shared.durable.lock();
-                d.error = Some(msg.clone());
-                let was = shared.failing.swap(true, Ordering::AcqRel);
-                shared.announce();
-                !was
-            };
-            if began_failing {
-                log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
-            }
+            report_failure(shared, format!("writing {}: {e}", w.segment.path.display()));
             let mut q = shared.queue.lock();
             let newer = std::mem::take(&mut q.pending);
             q.pending = std::mem::take(&mut w.batch);
@@ -843,19 +833,10 @@ impl Writer {
             let Err(e) = self.write_batch(shared) else {
                 return true;
             };
-            let msg = format!("writing {}: {e}", self.segment.path.display());
-            // The reason first, then the flag, under the lock `failure` reads them with:
-            // whoever sees the writer failing sees why.
-            let began_failing = {
-                let mut d = shared.durable.lock();
-                d.error = Some(msg.clone());
-                let was = shared.failing.swap(true, Ordering::AcqRel);
-                shared.announce();
-                !was
-            };
-            if began_failing {
-                log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
-            }
+            report_failure(
+                shared,
+                format!("writing {}: {e}", self.segment.path.display()),
+            );
             if shared.queue.lock().shutdown && failing_since.elapsed() > Duration::from_secs(3) {
                 log::error!(
                     "WAL writer stopping with LSNs {}..={} unwritten",
@@ -867,6 +848,22 @@ impl Writer {
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
+    }
+}
+
+/// A write failed: new writes are refused and waiters told why until one succeeds. The reason
+/// first, then the flag, under the lock `failure` reads them with: whoever sees the writer
+/// failing sees why. Logged once per failing spell.
+fn report_failure(shared: &Shared, msg: String) {
+    let began_failing = {
+        let mut d = shared.durable.lock();
+        d.error = Some(msg.clone());
+        let was = shared.failing.swap(true, Ordering::AcqRel);
+        shared.announce();
+        !was
+    };
+    if began_failing {
+        log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
     }
 }
 

@@ -137,37 +137,10 @@ fn meta_key<'a>(word: &'a [u8], flags: &Flags<'_>) -> Result<Cow<'a, [u8]>, &'st
     Ok(key)
 }
 
-/// Standard base64 with padding, as memcached's `b` flag: None for anything else.
+/// Standard base64 with padding, as memcached's `b` flag: None for anything else (an empty
+/// key too).
 fn base64_decode(s: &[u8]) -> Option<Vec<u8>> {
-    fn sextet(c: u8) -> Option<u32> {
-        Some(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        } as u32)
-    }
-    if s.is_empty() || !s.len().is_multiple_of(4) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    let quads = s.len() / 4;
-    for (i, q) in s.chunks_exact(4).enumerate() {
-        let pad = q.iter().rev().take_while(|&&c| c == b'=').count();
-        if pad > 2 || (pad > 0 && i + 1 != quads) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in &q[..4 - pad] {
-            n = n << 6 | sextet(c)?;
-        }
-        n <<= 6 * pad as u32;
-        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        out.extend_from_slice(&bytes[..3 - pad]);
-    }
-    Some(out)
+    crate::base64::decode(s).filter(|k| !k.is_empty())
 }
 
 /// A key and flags, or the error line that refuses them.
