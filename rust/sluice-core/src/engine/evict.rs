@@ -28,40 +28,24 @@ use crate::wal::writer::WalPayload;
 
 /// Evictions per visit to a vbucket before the next one's turn: spreads eviction evenly.
 const EVICTIONS_PER_VISIT: usize = 32;
-/// Visits in a row that evicted but freed nothing (memory held by tombstones and checkpoint
-/// entries, which the background work reclaims) before a write gives up and gets TMPFAIL.
-const MAX_COSTLY_VISITS: usize = 4;
 
 impl Inner {
-    /// Evicts until the bucket's memory is under its low mark, no vbucket has anything left
-    /// to give, or evicting stops freeing memory (every item a tombstone, or memory held by
-    /// checkpoints). Call with no vbucket lock held. Returns how many items were evicted.
+    /// Evicts until the bucket's memory is under its low mark or no vbucket has anything left
+    /// to give (every item a tombstone, or memory held by checkpoints). Call with no vbucket
+    /// lock held. Returns how many items were evicted.
     pub(super) fn make_room(&self, bucket: &Bucket) -> Result<usize> {
         let target = bucket.config.eviction_low_mark_bytes();
         let n = bucket.num_vbuckets() as usize;
         let mut evicted = 0;
         let mut fruitless_visits = 0;
-        let mut costly_visits = 0;
-        while bucket.mem_used() > target
-            && fruitless_visits < n
-            && costly_visits < MAX_COSTLY_VISITS
-        {
+        while bucket.mem_used() > target && fruitless_visits < n {
             let v = bucket.next_eviction_vbucket();
-            let before = bucket.mem_used();
             let mut vb = bucket.lock_vbucket(v).expect("in range");
             let (items, purged) = self.evict_from(bucket, &mut vb, target)?;
-            drop(vb);
             if items + purged == 0 {
                 fruitless_visits += 1;
             } else {
                 fruitless_visits = 0;
-                // With small values, an eviction's tombstone and checkpoint entry can cost as
-                // much as the value it frees: evicting on would empty the bucket for nothing.
-                if bucket.mem_used() >= before {
-                    costly_visits += 1;
-                } else {
-                    costly_visits = 0;
-                }
             }
             evicted += items;
         }
