@@ -1,5 +1,6 @@
-"""libmemcached's own tools against a real `sluice serve`: memccapable's binary protocol
-conformance checks, and memcaslap (memaslap) load in binary mode with zero errors."""
+"""libmemcached's own tools against a real `sluice serve`: memccapable's conformance checks of
+the binary and the text protocol (27 each), and memcaslap (memaslap) load in binary mode with
+zero errors."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_memccapable_binary_protocol_passes(server):
+@pytest.mark.parametrize("protocol", ["-b", "-a"], ids=["binary", "text"])
+def test_memccapable_passes(server, protocol):
     r = subprocess.run(
-        ["memccapable", "-h", server.host, "-p", str(server.port), "-b", "-t", "10"],
+        ["memccapable", "-h", server.host, "-p", str(server.port), protocol, "-t", "10"],
         capture_output=True,
         text=True,
         timeout=120,

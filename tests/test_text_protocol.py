@@ -120,12 +120,14 @@ def test_errors_are_memcached_s_bytes(tmp_path):
         assert ask(node, b"touch a x\r\n") == b"CLIENT_ERROR invalid exptime argument\r\n"
         delayed = ask(node, b"flush_all 10\r\n")
         assert delayed.startswith(b"CLIENT_ERROR flush_all with a delay is not supported")
-        assert ask(node, b"verbosity 1\r\nmn\r\n") == b"OK\r\nMN\r\n"
+        assert ask(node, b"verbosity 1\r\nverbosity noreply\r\nmn\r\n") == b"OK\r\nMN\r\n"
         # A line past 2048 bytes with no end (not a multi-get) cannot be followed: closed.
         assert ask(node, b"x" * 3000) == b"CLIENT_ERROR line too long\r\n"
         # A multi-get may be longer.
         many = b"get " + b" ".join(b"a" for _ in range(1500)) + b"\r\n"
         assert ask(node, many, b"END\r\n").count(b"VALUE a 0 1\r\n") == 1500
+        # version and quit take no arguments, not even noreply; quit with one keeps the connection.
+        assert ask(node, b"version foo\r\nquit noreply\r\nmn\r\n") == b"ERROR\r\nERROR\r\nMN\r\n"
         assert ask(node, b"quit\r\nget a\r\n") == b""
         node.wait_for("a command line over 2048 bytes", timeout=10)
     finally:

@@ -218,6 +218,9 @@ impl TextSession {
             b"touch" => self.touch(args, out).await,
             b"flush_all" => self.flush_all(args, out).await,
             b"stats" => self.stats(args, out),
+            // Neither takes arguments, noreply included: memcached answers ERROR and, for
+            // quit, keeps the connection.
+            b"version" | b"quit" if !args.is_empty() => line(out, "ERROR"),
             b"version" => line(out, &format!("VERSION {}", env!("CARGO_PKG_VERSION"))),
             // sluice's log level is its configuration's (RUST_LOG, --log-level): the command
             // is answered as memcached does for the clients that send it, and changes nothing.
@@ -227,7 +230,9 @@ impl TextSession {
                         line(out, "OK")
                     }
                 }
-                ([], _) => line(out, "ERROR"),
+                // memcached suppresses even the refusal of `verbosity noreply`.
+                ([], true) => {}
+                ([], false) => line(out, "ERROR"),
                 _ => line(out, BAD_FORMAT),
             },
             b"quit" => return (len, Flow::Close),
