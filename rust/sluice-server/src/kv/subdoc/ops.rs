@@ -249,7 +249,8 @@ pub fn mutate(
                     // Couchbase compares the JSON text: "1" is not 1, 1.0 is not 1.
                     let new = vs.into_iter().next().expect("one value");
                     let text = new.to_string();
-                    if array.iter().any(|e| e.to_string() == text) {
+                    let same_text = |e: &Value| serde_json::to_string(e).is_ok_and(|t| t == text);
+                    if array.iter().any(same_text) {
                         return Err(SubdocError::PathEexists);
                     }
                     array.push(new);
