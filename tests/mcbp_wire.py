@@ -25,6 +25,27 @@ GET, SET, ADD, DELETE, INCR, FLUSH, NOOP, VERSION, GETK, GETKQ, SETQ, STAT, HELL
     0x1F,
 )
 SASL_LIST_MECHS, SASL_AUTH, GET_ALL_VB_SEQNOS, GET_REPLICA = 0x20, 0x21, 0x48, 0x83
+GET_LOCKED, UNLOCK_KEY, GET_META = 0x94, 0x95, 0xA0
+# Sub-document commands (kv_engine docs/SubDocument.md).
+(
+    SUBDOC_GET,
+    SUBDOC_EXISTS,
+    SUBDOC_DICT_ADD,
+    SUBDOC_DICT_UPSERT,
+    SUBDOC_DELETE,
+    SUBDOC_REPLACE,
+    SUBDOC_ARRAY_PUSH_LAST,
+    SUBDOC_ARRAY_PUSH_FIRST,
+    SUBDOC_ARRAY_INSERT,
+    SUBDOC_ARRAY_ADD_UNIQUE,
+    SUBDOC_COUNTER,
+    SUBDOC_MULTI_LOOKUP,
+    SUBDOC_MULTI_MUTATION,
+    SUBDOC_GET_COUNT,
+    SUBDOC_REPLACE_BODY_WITH_XATTR,
+) = range(0xC5, 0xD4)
+PATH_MKDIR_P, PATH_XATTR = 0x01, 0x04
+DOC_MKDOC, DOC_ADD, DOC_ACCESS_DELETED = 0x01, 0x02, 0x04
 
 
 def request(
@@ -104,6 +125,47 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def connect(node) -> socket.socket:
     """A client socket to a node's memcached port (anything with `host` and `port`)."""
     return socket.create_connection((node.host, node.port), timeout=10)
+
+
+def subdoc(
+    opcode: int,
+    key: bytes,
+    path: bytes,
+    value: bytes = b"",
+    flags: int = 0,
+    expiry: int | None = None,
+    doc_flags: int | None = None,
+    cas: int = 0,
+) -> bytes:
+    """A single-path sub-document request: extras are the path length, the path flags, then
+    the expiry and the doc flags when given; the body is key, path, value."""
+    extras = struct.pack(">HB", len(path), flags)
+    if expiry is not None:
+        extras += struct.pack(">I", expiry)
+    if doc_flags is not None:
+        extras += bytes([doc_flags])
+    return request(opcode, key, path + value, extras, cas=cas)
+
+
+def lookup_spec(opcode: int, path: bytes, flags: int = 0) -> bytes:
+    """One MULTI_LOOKUP spec: opcode, flags, path length (u16), path."""
+    return struct.pack(">BBH", opcode, flags, len(path)) + path
+
+
+def mutation_spec(opcode: int, path: bytes, value: bytes = b"", flags: int = 0) -> bytes:
+    """One MULTI_MUTATION spec: opcode, flags, path length (u16), value length (u32), path,
+    value."""
+    return struct.pack(">BBHI", opcode, flags, len(path), len(value)) + path + value
+
+
+def lookup_results(body: bytes) -> list[tuple[int, bytes]]:
+    """A MULTI_LOOKUP reply's results: (status, value) for each spec."""
+    out, at = [], 0
+    while at < len(body):
+        st, n = struct.unpack_from(">HI", body, at)
+        out.append((st, body[at + 6 : at + 6 + n]))
+        at += 6 + n
+    return out
 
 
 def set_extras(flags: int = 0, expiry: int = 0) -> bytes:

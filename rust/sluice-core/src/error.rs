@@ -19,6 +19,13 @@ pub enum Error {
     NotStored,
     /// INCR / DECR of a value that is not a decimal number.
     NotNumeric,
+    /// A write without the CAS of the lock GET_LOCKED put on the key (Couchbase's `locked`).
+    Locked,
+    /// GET_LOCKED of a key locked already, or UNLOCK_KEY with another CAS than the lock's
+    /// (Couchbase's `locked_tmpfail`): retry once the lock is released.
+    LockedTmpFail,
+    /// UNLOCK_KEY of a key that is not locked.
+    NotLocked,
     /// The vbucket is not active on this node (replica, pending or dead).
     NotMyVbucket(u16),
     /// Memory above the high watermark, or the WAL is refusing writes for now; retry later.
@@ -58,6 +65,9 @@ impl fmt::Display for Error {
             Error::Exists => write!(f, "key exists (or CAS mismatch)"),
             Error::NotStored => write!(f, "not stored: the key does not exist"),
             Error::NotNumeric => write!(f, "the value is not a decimal number"),
+            Error::Locked => write!(f, "the key is locked (write with the lock's CAS)"),
+            Error::LockedTmpFail => write!(f, "the key is locked by another holder"),
+            Error::NotLocked => write!(f, "the key is not locked"),
             Error::NotMyVbucket(vb) => write!(f, "vbucket {vb} is not active on this node"),
             Error::TempFail(why) => write!(f, "temporary failure: {why}"),
             Error::WalFailed(why) => write!(f, "WAL write failed: {why}"),

@@ -22,6 +22,7 @@ pub mod history;
 pub mod hlc;
 pub mod item;
 pub mod item_store;
+pub mod locks;
 pub mod recovery;
 pub mod signal;
 pub mod snapshot;

@@ -5,6 +5,7 @@ use crate::failover::FailoverLog;
 use crate::hlc::HybridClock;
 use crate::item::{Change, ChangeOp, ItemMeta};
 use crate::item_store::ItemStore;
+use crate::locks::LockTable;
 
 /// The memcached protocol's vbucket state codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,6 +64,8 @@ pub struct VBucket {
     pub persistence_cursor: Option<CursorId>,
     /// (total, checkpoint) bytes last reported to the bucket's counters.
     pub accounted: (usize, usize),
+    /// Keys locked by GET_LOCKED; consulted by local writes only.
+    pub locks: LockTable,
 }
 
 impl VBucket {
@@ -81,6 +84,7 @@ impl VBucket {
             last_lsn: 0,
             persistence_cursor: None,
             accounted: (0, 0),
+            locks: LockTable::default(),
         }
     }
 

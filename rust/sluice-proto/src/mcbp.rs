@@ -63,7 +63,27 @@ pub mod opcode {
     pub const GET_ALL_VB_SEQNOS: u8 = 0x48;
     pub const GET_REPLICA: u8 = 0x83;
     pub const SELECT_BUCKET: u8 = 0x89;
+    pub const GET_LOCKED: u8 = 0x94;
+    pub const UNLOCK_KEY: u8 = 0x95;
     pub const GET_FAILOVER_LOG: u8 = 0x96;
+    pub const GET_META: u8 = 0xa0;
+    pub const GETQ_META: u8 = 0xa1;
+    // Sub-document commands (kv_engine `docs/SubDocument.md`).
+    pub const SUBDOC_GET: u8 = 0xc5;
+    pub const SUBDOC_EXISTS: u8 = 0xc6;
+    pub const SUBDOC_DICT_ADD: u8 = 0xc7;
+    pub const SUBDOC_DICT_UPSERT: u8 = 0xc8;
+    pub const SUBDOC_DELETE: u8 = 0xc9;
+    pub const SUBDOC_REPLACE: u8 = 0xca;
+    pub const SUBDOC_ARRAY_PUSH_LAST: u8 = 0xcb;
+    pub const SUBDOC_ARRAY_PUSH_FIRST: u8 = 0xcc;
+    pub const SUBDOC_ARRAY_INSERT: u8 = 0xcd;
+    pub const SUBDOC_ARRAY_ADD_UNIQUE: u8 = 0xce;
+    pub const SUBDOC_COUNTER: u8 = 0xcf;
+    pub const SUBDOC_MULTI_LOOKUP: u8 = 0xd0;
+    pub const SUBDOC_MULTI_MUTATION: u8 = 0xd1;
+    pub const SUBDOC_GET_COUNT: u8 = 0xd2;
+    pub const SUBDOC_REPLACE_BODY_WITH_XATTR: u8 = 0xd3;
 
     /// The quiet variants: silent on success (mutations) or on a miss (gets).
     pub fn is_quiet(op: u8) -> bool {
@@ -95,6 +115,8 @@ pub mod status {
     pub const DELTA_BADVAL: u16 = 0x0006;
     pub const NOT_MY_VBUCKET: u16 = 0x0007;
     pub const NO_BUCKET: u16 = 0x0008;
+    pub const LOCKED: u16 = 0x0009;
+    pub const NOT_LOCKED: u16 = 0x000e;
     pub const AUTH_STALE: u16 = 0x001f;
     pub const AUTH_ERROR: u16 = 0x0020;
     pub const AUTH_CONTINUE: u16 = 0x0021;
@@ -112,6 +134,45 @@ pub mod status {
     pub const DURABILITY_IMPOSSIBLE: u16 = 0x00a1;
     pub const SYNC_WRITE_IN_PROGRESS: u16 = 0x00a2;
     pub const SYNC_WRITE_AMBIGUOUS: u16 = 0x00a3;
+    pub const XATTR_EINVAL: u16 = 0x0087;
+    // Sub-document statuses (kv_engine `include/mcbp/protocol/status.h`).
+    pub const SUBDOC_PATH_ENOENT: u16 = 0x00c0;
+    pub const SUBDOC_PATH_MISMATCH: u16 = 0x00c1;
+    pub const SUBDOC_PATH_EINVAL: u16 = 0x00c2;
+    pub const SUBDOC_PATH_E2BIG: u16 = 0x00c3;
+    pub const SUBDOC_DOC_E2DEEP: u16 = 0x00c4;
+    pub const SUBDOC_VALUE_CANTINSERT: u16 = 0x00c5;
+    pub const SUBDOC_DOC_NOTJSON: u16 = 0x00c6;
+    pub const SUBDOC_NUM_ERANGE: u16 = 0x00c7;
+    pub const SUBDOC_DELTA_EINVAL: u16 = 0x00c8;
+    pub const SUBDOC_PATH_EEXISTS: u16 = 0x00c9;
+    pub const SUBDOC_VALUE_ETOODEEP: u16 = 0x00ca;
+    pub const SUBDOC_INVALID_COMBO: u16 = 0x00cb;
+    pub const SUBDOC_MULTI_PATH_FAILURE: u16 = 0x00cc;
+    pub const SUBDOC_SUCCESS_DELETED: u16 = 0x00cd;
+    pub const SUBDOC_XATTR_INVALID_FLAG_COMBO: u16 = 0x00ce;
+    pub const SUBDOC_XATTR_INVALID_KEY_COMBO: u16 = 0x00cf;
+    pub const SUBDOC_XATTR_UNKNOWN_MACRO: u16 = 0x00d0;
+    pub const SUBDOC_XATTR_UNKNOWN_VATTR: u16 = 0x00d1;
+    pub const SUBDOC_XATTR_CANT_MODIFY_VATTR: u16 = 0x00d2;
+    pub const SUBDOC_MULTI_PATH_FAILURE_DELETED: u16 = 0x00d3;
+    pub const SUBDOC_INVALID_XATTR_ORDER: u16 = 0x00d4;
+}
+
+/// Sub-document flags: per path (a spec's or a single command's) and per document.
+pub mod subdoc {
+    pub const PATH_MKDIR_P: u8 = 0x01;
+    pub const PATH_XATTR: u8 = 0x04;
+    pub const PATH_EXPAND_MACROS: u8 = 0x10;
+    pub const DOC_MKDOC: u8 = 0x01;
+    pub const DOC_ADD: u8 = 0x02;
+    pub const DOC_ACCESS_DELETED: u8 = 0x04;
+    pub const DOC_CREATE_AS_DELETED: u8 = 0x08;
+    pub const DOC_REVIVE_DOCUMENT: u8 = 0x10;
+    /// Couchbase's limits: path bytes, path components, specs of one multi command.
+    pub const MAX_PATH_LEN: usize = 1024;
+    pub const MAX_PATH_DEPTH: usize = 32;
+    pub const MAX_SPECS: usize = 16;
 }
 
 /// HELLO feature codes (kv_engine `feature.h`).

@@ -2,6 +2,7 @@
 //! vbucket stands (state, seqnos, failover log) for streams and statistics.
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use super::write::MutationResult;
 use super::{Engine, Inner};
@@ -10,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::hlc::now_secs;
 use crate::item::{is_expired, validate_key, ChangeOp, Item, ItemMeta};
+use crate::locks::lock_time;
 use crate::vbucket::{VBucket, VbState};
 
 /// What a stream request is decided on: one vbucket's state, seqnos and failover log.
@@ -49,6 +51,13 @@ impl Engine {
             Some(i) => Some(i.to_item()),
             None => None,
         };
+        // A locked item reads with CAS -1, as Couchbase's: only the lock's holder can write it.
+        let found = found.map(|mut it| {
+            if vb.locks.holder(key, Instant::now()).is_some() {
+                it.meta.cas = u64::MAX;
+            }
+            it
+        });
         if found.is_none() {
             bucket.stats.get_misses.fetch_add(1, Ordering::Relaxed);
         }
@@ -72,6 +81,84 @@ impl Engine {
             .get(key)
             .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now_secs()))
             .map(|i| i.to_item()))
+    }
+
+    /// GET_LOCKED: the live item, locked for `lock_secs` seconds (Couchbase's rules, see
+    /// `locks::lock_time`) with a new CAS, which the item carries as returned. A key locked
+    /// already is LockedTmpFail.
+    pub fn get_locked(&self, bucket: &Bucket, key: &[u8], lock_secs: u32) -> Result<Item> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        bucket.stats.gets.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let live = vb
+            .store
+            .get_referenced(key)
+            .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now_secs()))
+            .map(|i| i.to_item());
+        let Some(mut item) = live else {
+            vb.locks.unlock(key);
+            bucket.stats.get_misses.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::NotFound);
+        };
+        if vb.locks.holder(key, now).is_some() {
+            return Err(Error::LockedTmpFail);
+        }
+        // A CAS of the vbucket's clock no change carries: unique, and never the item's own.
+        let cas = vb.clock.tick();
+        vb.locks.lock(key, cas, now + lock_time(lock_secs), now);
+        item.meta.cas = cas;
+        Ok(item)
+    }
+
+    /// UNLOCK_KEY: releases the lock `cas` holds on a live key. NotLocked when the key is not
+    /// locked, LockedTmpFail when another CAS holds it.
+    pub fn unlock(&self, bucket: &Bucket, key: &[u8], cas: u64) -> Result<()> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let mut vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        let live = vb
+            .store
+            .get(key)
+            .is_some_and(|i| !i.meta().deleted && !is_expired(&i.meta(), now_secs()));
+        if !live {
+            vb.locks.unlock(key);
+            return Err(Error::NotFound);
+        }
+        match vb.locks.holder(key, Instant::now()) {
+            None => Err(Error::NotLocked),
+            Some(held) if held == cas => {
+                vb.locks.unlock(key);
+                Ok(())
+            }
+            Some(_) => Err(Error::LockedTmpFail),
+        }
+    }
+
+    /// GET_META: a key's metadata on an active vbucket, tombstones included (an item past its
+    /// expiry reads as deleted); None when the key is unknown here (or its tombstone purged).
+    pub fn metadata(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<ItemMeta>> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        Ok(vb.store.get(key).map(|i| {
+            let mut m = i.meta();
+            m.deleted |= is_expired(&m, now_secs());
+            m
+        }))
     }
 
     /// The current version of a key including tombstones, regardless of vbucket state.

@@ -42,6 +42,9 @@ impl Engine {
         // The WAL first: a writer that refuses (closed, failing) leaves the state as it was.
         let mut a = self.inner.wal.appender()?;
         vb.state = state;
+        // Locks belong to the vbucket's active: a state change ends them, as a failover or a
+        // move does in Couchbase.
+        vb.locks.clear();
         vb.last_lsn = a.push(WalPayload::meta(
             bucket.id,
             vbid,

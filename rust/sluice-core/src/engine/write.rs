@@ -132,6 +132,32 @@ impl<T> Written<T> {
     }
 }
 
+/// The CAS check of a local write, locks included. `live`: the key's item when it is live.
+/// A locked key takes only its lock's CAS (the write then releases the lock: callers unlock
+/// after applying); otherwise a non-zero CAS must be the item's. A lock left on a key that is
+/// no longer live (deleted, expired, evicted) is dropped.
+pub(super) fn check_cas(
+    vb: &mut VBucket,
+    key: &[u8],
+    live: Option<&ItemMeta>,
+    cas: u64,
+) -> Result<()> {
+    let Some(m) = live else {
+        vb.locks.unlock(key);
+        return if cas != 0 {
+            Err(Error::NotFound)
+        } else {
+            Ok(())
+        };
+    };
+    match vb.locks.holder(key, Instant::now()) {
+        Some(lock_cas) if cas == lock_cas => Ok(()),
+        Some(_) => Err(Error::Locked),
+        None if cas != 0 && m.cas != cas => Err(Error::Exists),
+        None => Ok(()),
+    }
+}
+
 /// An active vbucket with room for `n` more seqnos.
 pub(super) fn check_writable(vb: &VBucket, n: u64) -> Result<()> {
     if vb.state == VbState::Pending {
@@ -425,13 +451,7 @@ impl Engine {
             (StoreMode::Replace, None) => return Err(Error::NotFound),
             _ => {}
         }
-        if req.cas != 0 {
-            match live {
-                None => return Err(Error::NotFound),
-                Some(m) if m.cas != req.cas => return Err(Error::Exists),
-                _ => {}
-            }
-        }
+        check_cas(&mut vb, req.key, live.as_ref(), req.cas)?;
         let meta = ItemMeta {
             flags: req.flags,
             expiry: absolute_expiry(req.expiry, now),
@@ -447,6 +467,7 @@ impl Engine {
             req.value,
             meta,
         )?;
+        vb.locks.unlock(req.key);
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
         Ok(self.written(bucket, durability, r))
@@ -505,6 +526,14 @@ impl Engine {
             return Err(Error::Closed);
         }
         let now = now_secs();
+        for (vbid, vb) in locked.iter_mut() {
+            for &i in &order[starts[*vbid] as usize..starts[*vbid + 1] as usize] {
+                let k = items[i as usize].0;
+                let live = vb.store.get(k).map(|i| i.meta());
+                let live = live.filter(|m| !m.deleted && !is_expired(m, now));
+                check_cas(vb, k, live.as_ref(), 0)?;
+            }
+        }
         let now_ns = now_nanos();
         let mut last_lsn = 0;
         let mut written = Vec::with_capacity(locked.len());
@@ -573,11 +602,10 @@ impl Engine {
         let now = now_secs();
         let existing = vb.store.get(key).map(|i| i.meta());
         let Some(old) = existing.filter(|m| !m.deleted && !is_expired(m, now)) else {
+            vb.locks.unlock(key);
             return Err(Error::NotFound);
         };
-        if cas != 0 && old.cas != cas {
-            return Err(Error::Exists);
-        }
+        check_cas(&mut vb, key, Some(&old), cas)?;
         let meta = ItemMeta {
             expiry: now,
             rev_seqno: old.rev_seqno + 1,
@@ -587,6 +615,7 @@ impl Engine {
         let r = self
             .inner
             .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta)?;
+        vb.locks.unlock(key);
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
         Ok(self.written(bucket, durability, r))
@@ -616,13 +645,7 @@ impl Engine {
         let existing = vb.store.get(key).map(|i| i.to_item());
         let rev = existing.as_ref().map(|i| i.meta.rev_seqno + 1).unwrap_or(1);
         let live = existing.filter(|i| !i.meta.deleted && !is_expired(&i.meta, now));
-        if cas != 0 {
-            match &live {
-                None => return Err(Error::NotFound),
-                Some(i) if i.meta.cas != cas => return Err(Error::Exists),
-                _ => {}
-            }
-        }
+        check_cas(&mut vb, key, live.as_ref().map(|i| &i.meta), cas)?;
         let u = f(live.as_ref())?;
         if u.value.len() > bucket.config.max_item_size {
             return Err(Error::TooBig {
@@ -640,6 +663,7 @@ impl Engine {
         let r =
             self.inner
                 .apply_locked(bucket, &mut vb, ChangeOp::Mutation, key, &u.value, meta)?;
+        vb.locks.unlock(key);
         let item = vb.store.get(key).expect("just stored").to_item();
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
@@ -824,6 +848,7 @@ impl Engine {
             if vb.state != VbState::Active {
                 continue;
             }
+            vb.locks.clear();
             for key in vb.store.keys_where(|m| !m.deleted) {
                 let old = vb.store.get(&key).expect("listed above").meta();
                 let meta = ItemMeta {

@@ -19,7 +19,7 @@ use sluice_proto::tap::opcode as tap_op;
 macro_rules! fail {
     ($reply:expr, $xerror:expr, $e:expr) => {{
         let e: sluice_core::Error = $e;
-        $reply.error($crate::kv::status_of(&e), &e.to_string(), $xerror);
+        $reply.error($crate::kv::status_for(&e, $xerror), &e.to_string(), $xerror);
         return $crate::kv::Flow::Continue;
     }};
 }
@@ -32,16 +32,18 @@ macro_rules! einval {
     }};
 }
 
+mod meta;
 mod read;
 mod reply;
 mod stat;
+mod subdoc;
 mod tap_in;
 mod write;
 
 pub use read::all_vb_seqnos;
 pub(crate) use reply::reply_to_header;
 use reply::Reply;
-pub use reply::{status_of, HeldReply};
+pub use reply::{status_for, status_of, HeldReply};
 pub use stat::general_stats;
 
 /// Whether a vbucket-aware client's vbucket differs from the key's (0 means "route it for me").
@@ -119,6 +121,15 @@ fn required_permission(opcode: u8) -> u8 {
         | op::STAT
         | op::GET_ALL_VB_SEQNOS => READ,
         op::GAT | op::GATQ => READ | WRITE,
+        op::GET_META | op::GETQ_META => READ,
+        // A lock keeps writers out, and only its holder's writes get in.
+        op::GET_LOCKED | op::UNLOCK_KEY => READ | WRITE,
+        op::SUBDOC_GET | op::SUBDOC_EXISTS | op::SUBDOC_GET_COUNT | op::SUBDOC_MULTI_LOOKUP => READ,
+        // A sub-document mutation reads the document it changes, and answers with parts of it
+        // (a counter's value).
+        op::SUBDOC_DICT_ADD..=op::SUBDOC_COUNTER
+        | op::SUBDOC_MULTI_MUTATION
+        | op::SUBDOC_REPLACE_BODY_WITH_XATTR => READ | WRITE,
         op::SET
         | op::SETQ
         | op::ADD
@@ -405,6 +416,12 @@ impl KvSession {
             }
             op::TOUCH | op::GAT | op::GATQ => return self.touch(req, durability, &mut reply),
             op::FLUSH | op::FLUSHQ => return self.flush(req, &mut reply),
+            op::GET_META | op::GETQ_META => return self.get_meta(req, &mut reply),
+            op::GET_LOCKED => return self.get_locked(req, &mut reply),
+            op::UNLOCK_KEY => return self.unlock(req, &mut reply),
+            op::SUBDOC_GET..=op::SUBDOC_REPLACE_BODY_WITH_XATTR => {
+                return self.subdoc(req, durability, &mut reply)
+            }
             op::NOOP => reply.ok(),
             op::VERSION => reply.send(
                 status::SUCCESS,

@@ -21,7 +21,9 @@ impl Future for HeldReply {
 pub fn status_of(e: &Error) -> u16 {
     match e {
         Error::NotFound => status::KEY_ENOENT,
-        Error::Exists => status::KEY_EEXISTS,
+        // Without XERROR, as Couchbase answers clients that cannot know LOCKED (`status_for`).
+        Error::Exists | Error::Locked => status::KEY_EEXISTS,
+        Error::LockedTmpFail | Error::NotLocked => status::ETMPFAIL,
         Error::NotStored => status::NOT_STORED,
         Error::NotNumeric => status::DELTA_BADVAL,
         Error::TooBig { .. } => status::E2BIG,
@@ -36,6 +38,16 @@ pub fn status_of(e: &Error) -> u16 {
         Error::SyncWriteAmbiguous(_) => status::SYNC_WRITE_AMBIGUOUS,
         Error::NoSuchBucket(_) => status::NO_BUCKET,
         Error::Corrupt { .. } | Error::Io(_) => status::EINTERNAL,
+    }
+}
+
+/// The engine's errors as the statuses a client that negotiated XERROR (or not) is told:
+/// Couchbase keeps LOCKED and NOT_LOCKED for clients that know every status.
+pub fn status_for(e: &Error, xerror: bool) -> u16 {
+    match e {
+        Error::Locked | Error::LockedTmpFail if xerror => status::LOCKED,
+        Error::NotLocked if xerror => status::NOT_LOCKED,
+        other => status_of(other),
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::reply::{error_frame, status_of, HeldReply, Reply};
+use super::reply::{error_frame, status_for, HeldReply, Reply};
 use super::{wrong_vbucket, Flow, KvSession};
 use sluice_core::bucket::Bucket;
 use sluice_core::{Error, MutationResult, Requirement, StoreMode, StoreRequest, Written};
@@ -54,7 +54,7 @@ impl KvSession {
                         &mut out,
                         opcode,
                         opaque,
-                        status_of(&e),
+                        status_for(&e, xerror),
                         &e.to_string(),
                         xerror,
                     );

@@ -1,0 +1,351 @@
+"""Couchbase's document commands on the wire against a real `sluice serve`: GET_META, item
+locks (GET_LOCKED / UNLOCK_KEY), sub-document lookups and mutations single and multi-path,
+and GET_REPLICA on a replica node against an active one. Layouts from kv_engine's
+BinaryProtocol.md and SubDocument.md."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+from helpers import Node, start_node, wait_converged, write_users_config
+from mcbp_wire import (
+    DELETE,
+    DOC_ADD,
+    DOC_MKDOC,
+    GET,
+    GET_LOCKED,
+    GET_META,
+    GET_REPLICA,
+    HELLO,
+    PATH_MKDIR_P,
+    PATH_XATTR,
+    SET,
+    SUBDOC_ARRAY_ADD_UNIQUE,
+    SUBDOC_ARRAY_PUSH_LAST,
+    SUBDOC_COUNTER,
+    SUBDOC_DELETE,
+    SUBDOC_DICT_ADD,
+    SUBDOC_DICT_UPSERT,
+    SUBDOC_EXISTS,
+    SUBDOC_GET,
+    SUBDOC_GET_COUNT,
+    SUBDOC_MULTI_LOOKUP,
+    SUBDOC_MULTI_MUTATION,
+    SUBDOC_REPLACE,
+    SUBDOC_REPLACE_BODY_WITH_XATTR,
+    UNLOCK_KEY,
+    connect,
+    login,
+    lookup_results,
+    lookup_spec,
+    mutation_spec,
+    read_response,
+    request,
+    set_extras,
+    subdoc,
+)
+
+MUTATION_SEQNO, XERROR, JSON = 0x04, 0x07, 0x0B
+KEY_ENOENT, KEY_EEXISTS, EINVAL, NOT_MY_VBUCKET, LOCKED, NOT_LOCKED = 0x01, 0x02, 0x04, 0x07, 0x09, 0x0E
+EACCESS, NOT_SUPPORTED, ETMPFAIL = 0x24, 0x83, 0x86
+PATH_ENOENT, PATH_MISMATCH, PATH_EINVAL, DOC_NOTJSON, PATH_EEXISTS = 0xC0, 0xC1, 0xC2, 0xC6, 0xC9
+INVALID_COMBO, MULTI_PATH_FAILURE, UNKNOWN_VATTR, CANT_MODIFY_VATTR, XATTR_ORDER = (
+    0xCB,
+    0xCC,
+    0xD1,
+    0xD2,
+    0xD4,
+)
+
+
+def call(s: socket.socket, frame: bytes) -> dict:
+    s.sendall(frame)
+    return read_response(s)
+
+
+def hello(s: socket.socket, *features: int) -> None:
+    r = call(s, request(HELLO, b"documents-test", b"".join(struct.pack(">H", f) for f in features)))
+    assert r["status"] == 0 and len(r["value"]) == 2 * len(features), r
+
+
+def store(s: socket.socket, key: bytes, value: bytes, flags: int = 0, expiry: int = 0, cas: int = 0) -> dict:
+    return call(s, request(SET, key, value, set_extras(flags, expiry), cas=cas))
+
+
+def get_meta(s: socket.socket, key: bytes) -> dict:
+    """GET_META version 2; the reply with its extras unpacked as `meta`."""
+    r = call(s, request(GET_META, key, extras=b"\x02"))
+    if r["status"] == 0:
+        deleted, flags, expiry, rev, datatype = struct.unpack(">IIIQB", r["extras"])
+        r["meta"] = {"deleted": deleted, "flags": flags, "expiry": expiry, "rev": rev, "datatype": datatype}
+    return r
+
+
+def test_get_meta_answers_live_items_tombstones_and_missing_keys(server):
+    with connect(server) as s:
+        w = store(s, b"m", b"v", flags=0xDEADBEEF, expiry=1000)
+        r = get_meta(s, b"m")
+        assert r["status"] == 0 and r["cas"] == w["cas"] and r["key"] == b"" and r["value"] == b""
+        m = r["meta"]
+        assert (m["deleted"], m["flags"], m["rev"]) == (0, 0xDEADBEEF, 1)
+        assert abs(m["expiry"] - (time.time() + 1000)) < 60, "the expiry is absolute"
+        # Version 1 (or no version byte) leaves the datatype out.
+        for extras in (b"", b"\x01"):
+            r = call(s, request(GET_META, b"m", extras=extras))
+            assert r["status"] == 0 and len(r["extras"]) == 20
+        d = call(s, request(DELETE, b"m"))
+        assert d["status"] == 0
+        r = get_meta(s, b"m")
+        assert r["status"] == 0 and r["meta"]["deleted"] == 1 and r["meta"]["rev"] == 2
+        assert call(s, request(GET_META, b"never"))["status"] == KEY_ENOENT
+        assert call(s, request(GET_META, b"m", extras=b"\x02\x00"))["status"] == EINVAL
+
+
+def test_a_locked_item_takes_only_its_lock_cas_until_unlocked(server):
+    with connect(server) as s:
+        hello(s, XERROR)
+        first = store(s, b"lk", b"v0")
+        r = call(s, request(GET_LOCKED, b"lk", extras=struct.pack(">I", 30)))
+        lock_cas = r["cas"]
+        assert r["status"] == 0 and r["value"] == b"v0" and lock_cas not in (0, first["cas"])
+        assert call(s, request(GET, b"lk"))["cas"] == 0xFFFFFFFFFFFFFFFF, "a locked item reads with CAS -1"
+        assert store(s, b"lk", b"x")["status"] == LOCKED
+        assert store(s, b"lk", b"x", cas=first["cas"])["status"] == LOCKED
+        assert call(s, request(DELETE, b"lk"))["status"] == LOCKED
+        assert call(s, request(GET_LOCKED, b"lk"))["status"] == LOCKED, "locked already"
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas + 1))["status"] == LOCKED
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas))["status"] == 0
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas))["status"] == NOT_LOCKED
+        assert store(s, b"lk", b"v1")["status"] == 0, "unlocked: anyone writes"
+        # A write with the lock's CAS gets in and releases the lock.
+        lock_cas = call(s, request(GET_LOCKED, b"lk"))["cas"]
+        w = store(s, b"lk", b"v2", cas=lock_cas)
+        assert w["status"] == 0 and w["cas"] != lock_cas
+        assert store(s, b"lk", b"v3")["status"] == 0
+        assert call(s, request(GET_LOCKED, b"missing"))["status"] == KEY_ENOENT
+        assert call(s, request(UNLOCK_KEY, b"missing", cas=1))["status"] == KEY_ENOENT
+    # Without XERROR a client gets the statuses it knows, as from Couchbase.
+    with connect(server) as s:
+        lock_cas = call(s, request(GET_LOCKED, b"lk"))["cas"]
+        assert store(s, b"lk", b"x")["status"] == KEY_EEXISTS
+        assert call(s, request(GET_LOCKED, b"lk"))["status"] == ETMPFAIL
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas))["status"] == 0
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas))["status"] == ETMPFAIL
+
+
+def test_a_lock_runs_out_after_its_time(server):
+    with connect(server) as s:
+        hello(s, XERROR)
+        store(s, b"short", b"v")
+        assert call(s, request(GET_LOCKED, b"short", extras=struct.pack(">I", 1)))["status"] == 0
+        assert store(s, b"short", b"x")["status"] == LOCKED
+        deadline = time.monotonic() + 10
+        while store(s, b"short", b"x")["status"] == LOCKED:
+            assert time.monotonic() < deadline, "a 1 s lock still held after 10 s"
+            time.sleep(0.1)
+        assert call(s, request(GET, b"short"))["value"] == b"x"
+
+
+DOC = b'{"a":1,"b":[1,2],"c":{"d":"x"}}'
+
+
+def test_single_path_lookups_and_mutations(server):
+    with connect(server) as s:
+        hello(s, MUTATION_SEQNO, XERROR, JSON)
+        w = store(s, b"doc", DOC, flags=7, expiry=1000)
+        expiry = get_meta(s, b"doc")["meta"]["expiry"]
+        r = call(s, subdoc(SUBDOC_GET, b"doc", b"c.d"))
+        assert (r["status"], r["value"], r["cas"], r["datatype"]) == (0, b'"x"', w["cas"], 0x01)
+        assert call(s, subdoc(SUBDOC_EXISTS, b"doc", b"b[-1]"))["status"] == 0
+        assert call(s, subdoc(SUBDOC_GET_COUNT, b"doc", b"b"))["value"] == b"2"
+        assert call(s, subdoc(SUBDOC_GET, b"doc", b"zz"))["status"] == PATH_ENOENT
+        assert call(s, subdoc(SUBDOC_GET, b"doc", b"a.x"))["status"] == PATH_MISMATCH
+        r = call(s, subdoc(SUBDOC_GET, b"doc", b"a..b"))
+        assert r["status"] == PATH_EINVAL and json.loads(r["value"])["error"]["context"]
+        assert call(s, subdoc(SUBDOC_GET, b"nodoc", b"a"))["status"] == KEY_ENOENT
+
+        r = call(s, subdoc(SUBDOC_DICT_ADD, b"doc", b"e", b"5"))
+        assert r["status"] == 0 and r["cas"] != w["cas"] and len(r["extras"]) == 16, "a mutation token"
+        assert call(s, subdoc(SUBDOC_DICT_ADD, b"doc", b"e", b"6"))["status"] == PATH_EEXISTS
+        r = call(s, subdoc(SUBDOC_COUNTER, b"doc", b"a", b"10"))
+        assert (r["status"], r["value"]) == (0, b"11")
+        assert call(s, subdoc(SUBDOC_ARRAY_PUSH_LAST, b"doc", b"b", b"3"))["status"] == 0
+        assert call(s, subdoc(SUBDOC_ARRAY_ADD_UNIQUE, b"doc", b"b", b"3"))["status"] == PATH_EEXISTS
+        assert call(s, subdoc(SUBDOC_DELETE, b"doc", b"c"))["status"] == 0
+        assert call(s, subdoc(SUBDOC_REPLACE, b"doc", b"a", b'"s"'))["status"] == 0
+        assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"x.y", b"1"))["status"] == PATH_ENOENT
+        assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"x.y", b"1", flags=PATH_MKDIR_P))["status"] == 0
+        r = call(s, request(GET, b"doc"))
+        # Fields keep their order; the flags and the expiry stay what they were.
+        assert r["value"] == b'{"a":"s","b":[1,2,3],"e":5,"x":{"y":1}}'
+        assert r["extras"] == struct.pack(">I", 7)
+        assert get_meta(s, b"doc")["meta"]["expiry"] == expiry
+        # A CAS that is not the document's.
+        assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"z", b"1", cas=1))["status"] == KEY_EEXISTS
+        # MKDOC creates the document; a document that is not JSON is refused.
+        r = call(s, subdoc(SUBDOC_DICT_UPSERT, b"new", b"p.q", b"true", doc_flags=DOC_MKDOC))
+        assert r["status"] == 0
+        assert call(s, request(GET, b"new"))["value"] == b'{"p":{"q":true}}'
+        store(s, b"text", b"plain text")
+        assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"text", b"a", b"1"))["status"] == DOC_NOTJSON
+        r = call(s, subdoc(SUBDOC_REPLACE_BODY_WITH_XATTR, b"doc", b"x"))
+        assert (
+            r["status"] == NOT_SUPPORTED
+            and "extended attributes" in json.loads(r["value"])["error"]["context"]
+        )
+
+
+def multi_lookup(s: socket.socket, key: bytes, *specs: bytes, doc_flags: int | None = None) -> dict:
+    extras = b"" if doc_flags is None else bytes([doc_flags])
+    return call(s, request(SUBDOC_MULTI_LOOKUP, key, b"".join(specs), extras))
+
+
+def multi_mutation(s: socket.socket, key: bytes, *specs: bytes, extras: bytes = b"", cas: int = 0) -> dict:
+    return call(s, request(SUBDOC_MULTI_MUTATION, key, b"".join(specs), extras, cas=cas))
+
+
+def test_multi_lookup_answers_every_spec_and_document_virtual_xattrs(server):
+    with connect(server) as s:
+        w = store(s, b"doc", DOC, flags=9, expiry=1000)
+        r = multi_lookup(
+            s,
+            b"doc",
+            lookup_spec(SUBDOC_GET, b"$document.exptime", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"$document", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"meta.user", PATH_XATTR),
+            lookup_spec(GET, b""),
+            lookup_spec(SUBDOC_GET, b"c"),
+            lookup_spec(SUBDOC_EXISTS, b"nope"),
+            lookup_spec(SUBDOC_GET_COUNT, b"b"),
+        )
+        assert r["status"] == MULTI_PATH_FAILURE and r["cas"] == w["cas"]
+        results = lookup_results(r["value"])
+        assert [st for st, _ in results] == [0, 0, PATH_ENOENT, 0, 0, PATH_ENOENT, 0]
+        assert abs(int(results[0][1]) - (time.time() + 1000)) < 60
+        vattr = json.loads(results[1][1])
+        assert vattr["CAS"] == f"0x{w['cas']:016x}" and vattr["flags"] == 9
+        assert vattr["value_bytes"] == len(DOC) and vattr["deleted"] is False
+        assert results[3][1] == DOC, "GET with an empty path is the whole document"
+        assert json.loads(results[4][1]) == {"d": "x"} and results[6][1] == b"2"
+        r = multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"a"))
+        assert r["status"] == 0 and lookup_results(r["value"]) == [(0, b"1")]
+        r = multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"$nope", PATH_XATTR))
+        assert lookup_results(r["value"]) == [(UNKNOWN_VATTR, b"")]
+        # Whole-request errors: xattrs after the body, too many specs, a spec cut short,
+        # a command that is not a lookup, a missing document.
+        r = multi_lookup(
+            s, b"doc", lookup_spec(SUBDOC_GET, b"a"), lookup_spec(SUBDOC_GET, b"$document", PATH_XATTR)
+        )
+        assert r["status"] == XATTR_ORDER
+        assert multi_lookup(s, b"doc", *[lookup_spec(SUBDOC_GET, b"a")] * 17)["status"] == INVALID_COMBO
+        assert multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"abc")[:-1])["status"] == EINVAL
+        assert multi_lookup(s, b"doc", lookup_spec(SUBDOC_DICT_ADD, b"a"))["status"] == INVALID_COMBO
+        assert multi_lookup(s, b"nodoc", lookup_spec(SUBDOC_GET, b"a"))["status"] == KEY_ENOENT
+
+
+def test_multi_mutation_is_all_or_nothing(server):
+    with connect(server) as s:
+        hello(s, MUTATION_SEQNO)
+        w = store(s, b"doc", b'{"a":1}')
+        r = multi_mutation(
+            s,
+            b"doc",
+            mutation_spec(SUBDOC_DICT_UPSERT, b"b", b"2"),
+            mutation_spec(SUBDOC_COUNTER, b"a", b"5"),
+            mutation_spec(SUBDOC_DICT_ADD, b"a", b"3"),
+        )
+        assert r["status"] == MULTI_PATH_FAILURE and r["value"] == bytes([2]) + struct.pack(
+            ">H", PATH_EEXISTS
+        )
+        after = call(s, request(GET, b"doc"))
+        assert (after["value"], after["cas"]) == (b'{"a":1}', w["cas"]), "a failing spec changes nothing"
+        r = multi_mutation(
+            s,
+            b"doc",
+            mutation_spec(SUBDOC_DICT_UPSERT, b"b", b"2"),
+            mutation_spec(SUBDOC_COUNTER, b"a", b"5"),
+            extras=struct.pack(">I", 1000),
+        )
+        assert r["status"] == 0 and len(r["extras"]) == 16
+        assert r["value"] == bytes([1]) + struct.pack(">HI", 0, 1) + b"6", "the counter's result, by index"
+        assert call(s, request(GET, b"doc"))["value"] == b'{"a":6,"b":2}'
+        assert get_meta(s, b"doc")["meta"]["expiry"] > time.time() + 900
+        # Virtual xattrs are read-only; user xattrs are not supported.
+        r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"$document.x", b"1", PATH_XATTR))
+        assert r["status"] == MULTI_PATH_FAILURE and r["value"] == b"\x00" + struct.pack(
+            ">H", CANT_MODIFY_VATTR
+        )
+        r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"meta.x", b"1", PATH_XATTR))
+        assert r["status"] == NOT_SUPPORTED
+        # Doc flags: ADD creates only; a whole-document SET; a whole-document delete.
+        add = bytes([DOC_ADD])
+        assert (
+            multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"c", b"1"), extras=add)["status"]
+            == KEY_EEXISTS
+        )
+        assert (
+            multi_mutation(s, b"fresh", mutation_spec(SUBDOC_ARRAY_PUSH_LAST, b"l", b"1"), extras=add)[
+                "status"
+            ]
+            == 0
+        )
+        assert call(s, request(GET, b"fresh"))["value"] == b'{"l":[1]}'
+        r = multi_mutation(
+            s, b"fresh", mutation_spec(SET, b"", b'{"z":0}'), mutation_spec(SUBDOC_COUNTER, b"z", b"2")
+        )
+        assert r["status"] == 0
+        assert call(s, request(GET, b"fresh"))["value"] == b'{"z":2}'
+        assert multi_mutation(s, b"fresh", mutation_spec(DELETE, b""))["status"] == 0
+        assert call(s, request(GET, b"fresh"))["status"] == KEY_ENOENT
+        assert (
+            multi_mutation(s, b"gone", mutation_spec(SUBDOC_DICT_UPSERT, b"a", b"1"))["status"] == KEY_ENOENT
+        )
+        # A lock covers sub-document mutations too.
+        lock_cas = call(s, request(GET_LOCKED, b"doc"))["cas"]
+        assert (
+            multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"c", b"1"))["status"] == KEY_EEXISTS
+        )
+        r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"c", b"1"), cas=lock_cas)
+        assert r["status"] == 0
+
+
+def test_lookups_need_read_and_mutations_write(tmp_path):
+    users = tmp_path / "users.toml"
+    write_users_config(users, '["read"]')
+    node = Node(tmp_path / "n", "--config", str(users))
+    try:
+        with connect(node) as s:
+            assert login(s, "ada", "ada-secret") == 0
+            store(s, b"doc", DOC)
+        with connect(node) as s:
+            assert login(s, "bob", "bob-secret") == 0
+            assert multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"a"))["status"] == 0
+            assert get_meta(s, b"doc")["status"] == 0
+            assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"z", b"1"))["status"] == EACCESS
+            assert (
+                multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"z", b"1"))["status"] == EACCESS
+            )
+            assert call(s, request(GET_LOCKED, b"doc"))["status"] == EACCESS
+    finally:
+        assert node.stop() == 0
+
+
+def test_get_replica_is_served_by_a_replica_node_only(tmp_path):
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
+    try:
+        with connect(active) as s:
+            store(s, b"rk", b"rv", flags=3)
+            assert call(s, request(GET_REPLICA, b"rk"))["status"] == NOT_MY_VBUCKET
+        wait_converged(active, replica)
+        with connect(replica) as s:
+            r = call(s, request(GET_REPLICA, b"rk"))
+            assert (r["status"], r["value"], r["key"], r["extras"]) == (0, b"rv", b"rk", struct.pack(">I", 3))
+            assert call(s, request(GET_REPLICA, b"nothing"))["status"] == KEY_ENOENT
+            assert call(s, request(GET, b"rk"))["status"] == NOT_MY_VBUCKET
+    finally:
+        assert replica.stop() == 0
+        assert active.stop() == 0
