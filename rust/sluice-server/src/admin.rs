@@ -795,6 +795,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         vb,
         &config,
         Duration::from_secs_f64(timeout),
+        &node.fronts.kv.clustermap,
     )
     .map_err(|e| e.to_string())?;
     Ok(serde_json::json!({
