@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sluice
 from helpers import NUM_VBUCKETS, run_cli, start_node
-from mcbp_wire import GET, HELLO, SET, connect, read_frame, read_response, request, set_extras
+from mcbp_wire import GET, HELLO, SET, connect, login, read_frame, read_response, request, set_extras
 
 GET_ERROR_MAP, GET_CLUSTER_CONFIG, SELECT_BUCKET = 0xFE, 0xB5, 0x89
 GET_COLLECTIONS_MANIFEST, GET_COLLECTION_ID = 0xBA, 0xBB
@@ -41,10 +41,13 @@ def hello(s, *features: int) -> list[int]:
     return [struct.unpack(">H", r["value"][i : i + 2])[0] for i in range(0, len(r["value"]), 2)]
 
 
-def bucket_connection(node, *features: int):
-    """A connection as an SDK's bucket connection is: HELLO, then SELECT_BUCKET default."""
+def bucket_connection(node, *features: int, user: tuple[str, str] | None = None):
+    """A connection as an SDK's bucket connection is: HELLO, login (SASL PLAIN as `user`, a
+    name and password) on a node with users, then SELECT_BUCKET default."""
     s = connect(node)
     hello(s, XERROR, SELECT_BUCKET_FEATURE, JSON_FEATURE, *features)
+    if user is not None:
+        assert login(s, *user) == 0
     assert call(s, request(SELECT_BUCKET, b"default"))["status"] == 0
     return s
 
@@ -56,10 +59,10 @@ def config(s, datatype: int = 0x01) -> dict:
     return json.loads(r["value"])
 
 
-def wait_for_map(node, check, timeout: float = 30) -> dict:
+def wait_for_map(node, check, timeout: float = 30, user: tuple[str, str] | None = None) -> dict:
     """The node's bucket map once `check(map)` holds."""
     deadline = time.monotonic() + timeout
-    with bucket_connection(node) as s:
+    with bucket_connection(node, user=user) as s:
         while True:
             m = config(s)
             if check(m):

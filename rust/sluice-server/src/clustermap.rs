@@ -160,6 +160,11 @@ impl ClusterMap {
             .insert(name.to_string(), reported.clone());
     }
 
+    /// The KV address a replica told (`host:port`), for /status.
+    pub fn replica_address(&self, name: &str) -> Option<String> {
+        self.replicas.lock().get(name).map(Endpoint::server)
+    }
+
     /// Vbucket `vb` of `bucket` was handed over to the node at `to`.
     pub fn moved(&self, bucket: &str, vb: u16, to: &Endpoint) {
         self.moved
