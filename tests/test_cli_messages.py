@@ -191,7 +191,7 @@ def test_a_replica_node_explains_itself(tmp_path):
             r.stdout
         )
         instance = replica.status()["instance"]
-        assert f"replica {instance[:12]} acked" in r.stdout, r.stdout
+        assert f"replica {instance[:12]} at {replica.address} acked" in r.stdout, r.stdout
         assert "followers are named by replica instance id" in r.stdout
     finally:
         if replica is not None:

@@ -443,9 +443,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     followed = any(v.get("followers") for b in st["buckets"] for v in b["vbuckets"])
     if followed:
         # The active knows a follower by the name its replica registered, which is the
-        # replica's instance id (`sluice status` on the replica prints it first), not an address.
+        # replica's instance id (`sluice status` on the replica prints it first), and by the KV
+        # address it told (which the cluster map gives clients).
         print(
             "followers are named by replica instance id (the first line of `sluice status` on each replica)"
+            " and KV address"
         )
     for b in st["buckets"]:
         print()
@@ -461,7 +463,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                     repl = "not followed (dead on the active: moved away)"
                 elif v.get("followers"):
                     repl = ", ".join(
-                        f"replica {f['replica'][:12]} acked {f['acked_seqno']} "
+                        f"replica {f['replica'][:12]}"
+                        + (f" at {f['kv_address']}" if f.get("kv_address") else "")
+                        + f" acked {f['acked_seqno']} "
                         f"(lag {v['high_seqno'] - f['acked_seqno']})"
                         for f in v["followers"]
                     )

@@ -84,6 +84,11 @@ pub mod opcode {
     pub const SUBDOC_MULTI_MUTATION: u8 = 0xd1;
     pub const SUBDOC_GET_COUNT: u8 = 0xd2;
     pub const SUBDOC_REPLACE_BODY_WITH_XATTR: u8 = 0xd3;
+    /// Cluster map and collections (Couchbase's bootstrap over the KV port).
+    pub const GET_CLUSTER_CONFIG: u8 = 0xb5;
+    pub const GET_COLLECTIONS_MANIFEST: u8 = 0xba;
+    pub const GET_COLLECTION_ID: u8 = 0xbb;
+    pub const GET_ERROR_MAP: u8 = 0xfe;
 
     /// The quiet variants: silent on success (mutations) or on a miss (gets).
     pub fn is_quiet(op: u8) -> bool {
@@ -130,6 +135,8 @@ pub mod status {
     pub const EINTERNAL: u16 = 0x0084;
     pub const EBUSY: u16 = 0x0085;
     pub const ETMPFAIL: u16 = 0x0086;
+    pub const UNKNOWN_COLLECTION: u16 = 0x0088;
+    pub const UNKNOWN_SCOPE: u16 = 0x008c;
     pub const DURABILITY_INVALID_LEVEL: u16 = 0x00a0;
     pub const DURABILITY_IMPOSSIBLE: u16 = 0x00a1;
     pub const SYNC_WRITE_IN_PROGRESS: u16 = 0x00a2;
@@ -184,8 +191,90 @@ pub mod feature {
     pub const SNAPPY: u16 = 0x0a;
     pub const JSON: u16 = 0x0b;
     pub const DUPLEX: u16 = 0x0c;
+    /// With DUPLEX: the server pushes a new cluster map (server request 0x01) when it changes.
+    pub const CLUSTERMAP_CHANGE_NOTIFICATION: u16 = 0x0d;
     pub const ALT_REQUEST_SUPPORT: u16 = 0x10;
     pub const SYNC_REPLICATION: u16 = 0x11;
+    /// Keys carry an unsigned LEB128 collection id before the document key.
+    pub const COLLECTIONS: u16 = 0x12;
+}
+
+/// Opcodes of the server's requests (magic 0x82), a separate space from the client's.
+pub mod server_opcode {
+    pub const CLUSTERMAP_CHANGE_NOTIFICATION: u8 = 0x01;
+}
+
+/// Whether the key of a request is a document's (and, with Collections, carries the collection
+/// id before it): the KV reads and writes, and Couchbase's locking (0x94, 0x95), GET_META
+/// (0xa0) and sub-document (0xc5..=0xd2) commands. Other keys are names (HELLO's agent, a SASL
+/// mechanism, a bucket, a stat group) and stay as they are.
+pub fn carries_document_key(op: u8) -> bool {
+    use opcode::*;
+    matches!(
+        op,
+        GET | SET
+            | ADD
+            | REPLACE
+            | DELETE
+            | INCREMENT
+            | DECREMENT
+            | GETQ
+            | GETK
+            | GETKQ
+            | APPEND
+            | PREPEND
+            | SETQ
+            | ADDQ
+            | REPLACEQ
+            | DELETEQ
+            | INCREMENTQ
+            | DECREMENTQ
+            | APPENDQ
+            | PREPENDQ
+            | TOUCH
+            | GAT
+            | GATQ
+            | GET_REPLICA
+            | 0x94 // GET_LOCKED
+            | 0x95 // UNLOCK_KEY
+            | 0xa0 // GET_META
+            | 0xc5..=0xd2 // sub-document, single path and multi path
+    )
+}
+
+/// The longest unsigned LEB128 encoding of a 32-bit collection id.
+const MAX_LEB128_U32: usize = 5;
+
+/// Splits a collection-aware key into its collection id (unsigned LEB128, at most 5 bytes,
+/// at most 32 bits) and the document key after it.
+pub fn split_collection_id(key: &[u8]) -> Result<(u32, &[u8]), FrameError> {
+    let mut id: u64 = 0;
+    for (i, &b) in key.iter().take(MAX_LEB128_U32).enumerate() {
+        id |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return u32::try_from(id)
+                .map(|id| (id, &key[i + 1..]))
+                .map_err(|_| FrameError::Malformed("collection id over 32 bits"));
+        }
+    }
+    Err(FrameError::Malformed(if key.len() < MAX_LEB128_U32 {
+        "key ends inside its collection id (LEB128)"
+    } else {
+        "collection id (LEB128) longer than 5 bytes"
+    }))
+}
+
+/// Appends `id` as unsigned LEB128 (a collection-aware key's prefix).
+pub fn write_collection_id(out: &mut Vec<u8>, mut id: u32) {
+    loop {
+        let b = (id & 0x7f) as u8;
+        id >>= 7;
+        if id == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -604,6 +693,37 @@ pub fn expiry_extras(extras: &[u8]) -> Option<u32> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn collection_ids_decode_from_leb128() {
+        assert_eq!(split_collection_id(b"\x00doc").unwrap(), (0, &b"doc"[..]));
+        assert_eq!(split_collection_id(b"\x08k").unwrap(), (8, &b"k"[..]));
+        // Couchbase's example: 0x80 0x01 is 128.
+        assert_eq!(split_collection_id(b"\x80\x01k").unwrap(), (128, &b"k"[..]));
+        assert_eq!(
+            split_collection_id(b"\xff\xff\xff\xff\x0f").unwrap(),
+            (u32::MAX, &b""[..])
+        );
+        assert!(split_collection_id(b"").is_err());
+        assert!(split_collection_id(b"\x80").is_err());
+        assert!(split_collection_id(b"\xff\xff\xff\xff\x1f").is_err()); // 33 bits
+        assert!(split_collection_id(b"\x80\x80\x80\x80\x80\x00").is_err()); // 6 bytes
+    }
+
+    proptest! {
+        #[test]
+        fn collection_ids_round_trip(id: u32, key in proptest::collection::vec(any::<u8>(), 0..20)) {
+            let mut k = Vec::new();
+            write_collection_id(&mut k, id);
+            k.extend_from_slice(&key);
+            prop_assert_eq!(split_collection_id(&k).unwrap(), (id, &key[..]));
+        }
+
+        #[test]
+        fn collection_id_decoding_never_panics(k in proptest::collection::vec(any::<u8>(), 0..8)) {
+            let _ = split_collection_id(&k);
+        }
+    }
 
     /// BinaryProtocol.md, "0x00 Get" example: the request for "Hello".
     const GET_HELLO: [u8; 29] = [

@@ -329,6 +329,7 @@ impl DcpConsumer {
             cursor_dropping,
             replica_name: None,
             takeover: false,
+            kv_address: None,
             end_refused_streams: false,
             flow_control: None,
             tls: None,

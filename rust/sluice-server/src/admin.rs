@@ -686,6 +686,7 @@ pub fn metrics(node: &NodeView) -> String {
 pub fn status(node: &NodeView) -> serde_json::Value {
     use serde_json::json;
     let e = node.engine();
+    let map = &node.fronts.kv.clustermap;
     let buckets: Vec<_> = e
         .buckets()
         .iter()
@@ -700,7 +701,7 @@ pub fn status(node: &NodeView) -> serde_json::Value {
                         "persisted_seqno": vb.persisted_seqno,
                         "items": vb.store.live_items(),
                         "failover_uuid": vb.failover.latest().map(|f| f.uuid),
-                        "followers": b.acks.following(v).iter().map(|f| json!({"replica": f.name, "acked_seqno": f.seqno, "persisted_seqno": f.persisted})).collect::<Vec<_>>(),
+                        "followers": b.acks.following(v).iter().map(|f| json!({"replica": f.name, "kv_address": map.replica_address(&f.name), "acked_seqno": f.seqno, "persisted_seqno": f.persisted})).collect::<Vec<_>>(),
                     })
                 })
                 .collect();
@@ -795,6 +796,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         vb,
         &config,
         Duration::from_secs_f64(timeout),
+        &node.fronts.kv.clustermap,
     )
     .map_err(|e| e.to_string())?;
     Ok(serde_json::json!({

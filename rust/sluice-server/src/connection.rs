@@ -120,6 +120,9 @@ pub async fn run(
     let mut replies = Replies::default();
     let idle = fronts.idle_timeout;
     let mut sniffed = false;
+    // Map changes, pushed to a client that asked for them (HELLO: Duplex and
+    // ClustermapChangeNotification) as Couchbase does.
+    let mut map_changes = session.map_changes();
     loop {
         if !sniffed && !inbuf.is_empty() {
             // memcached's sniff: a binary request starts with a magic (0x80, or 0x08 with
@@ -274,8 +277,10 @@ pub async fn run(
                 None => std::future::pending().await,
             }
         };
+        let pushes = session.wants_map_pushes();
         tokio::select! {
             reply = head => replies.release_head(reply),
+            Ok(()) = map_changes.changed(), if pushes => session.push_map(&mut replies.ready),
             r = read => match r {
                 Ok(Ok(0)) => {
                     // The client closed its side: what it sent is still answered.

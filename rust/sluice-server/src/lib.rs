@@ -15,6 +15,7 @@
 pub mod admin;
 pub mod auth;
 pub mod base64;
+pub mod clustermap;
 pub mod config;
 pub mod connection;
 pub mod dcp;

@@ -32,6 +32,7 @@ use sluice_core::Engine;
 use sluice_proto::dcp::{self, stream_end_reason, vbucket_state};
 use sluice_proto::mcbp::status;
 
+use crate::clustermap::ClusterMap;
 use crate::dcp::consumer::{
     Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SeqnoProbe, SessionState,
 };
@@ -154,11 +155,13 @@ pub struct Replicator {
 
 impl Replicator {
     /// `policies`: an AckPolicy plugin there sizes the connection's flow control.
+    /// `kv_address`: this node's KV address, told to the active for its cluster map.
     pub fn start(
         engine: Arc<Engine>,
         bucket: Arc<Bucket>,
         config: ReplicaConfig,
         policies: Arc<PolicyHost>,
+        kv_address: Option<String>,
     ) -> Replicator {
         let stats = Arc::new(ReplicaStats::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -168,7 +171,17 @@ impl Replicator {
             let (stats, stop, config) = (stats.clone(), stop.clone(), config.clone());
             std::thread::Builder::new()
                 .name(format!("sluice-replica-{name}"))
-                .spawn(move || follow(engine.clone(), bucket, config, stats, stop, policies))
+                .spawn(move || {
+                    follow(
+                        engine.clone(),
+                        bucket,
+                        config,
+                        stats,
+                        stop,
+                        policies,
+                        kv_address,
+                    )
+                })
                 .expect("spawn a thread")
         };
         let probe = SeqnoProbe::new(ConsumerConfig {
@@ -279,6 +292,7 @@ fn follow(
     stats: Arc<ReplicaStats>,
     stop: Arc<AtomicBool>,
     policies: Arc<PolicyHost>,
+    kv_address: Option<String>,
 ) {
     let mut backoff = Duration::from_millis(50);
     let node = engine.instance().to_string();
@@ -315,6 +329,7 @@ fn follow(
             buffer_size: 32 << 20,
             noop_interval: config.noop_interval,
             replica_name: Some(node.clone()),
+            kv_address: kv_address.clone(),
             flow_control: Some(policies.clone()),
             end_refused_streams: true,
             ..ConsumerConfig::default()
@@ -605,6 +620,8 @@ impl ReplicaSession<'_> {
 pub struct Followers {
     engine: Arc<Engine>,
     replicators: Mutex<Vec<Replicator>>,
+    /// Names the active while this node follows it, and shows the promotion.
+    clustermap: Arc<ClusterMap>,
 }
 
 impl Followers {
@@ -613,18 +630,24 @@ impl Followers {
         engine: Arc<Engine>,
         active: Option<&ReplicaConfig>,
         policies: &Arc<PolicyHost>,
+        clustermap: Arc<ClusterMap>,
     ) -> Followers {
+        clustermap.set_active(active.map(|rc| rc.active.as_str()));
         let replicators = match active {
             Some(rc) => engine
                 .buckets()
                 .into_iter()
-                .map(|b| Replicator::start(engine.clone(), b, rc.clone(), policies.clone()))
+                .map(|b| {
+                    let address = Some(clustermap.kv_address());
+                    Replicator::start(engine.clone(), b, rc.clone(), policies.clone(), address)
+                })
                 .collect(),
             None => Vec::new(),
         };
         Followers {
             engine,
             replicators: Mutex::new(replicators),
+            clustermap,
         }
     }
 
@@ -656,6 +679,8 @@ impl Followers {
             }
             out.push((b.name().to_string(), promoted));
         }
+        self.clustermap.set_active(None);
+        self.clustermap.refresh(&self.engine);
         Ok(out)
     }
 }
@@ -682,6 +707,7 @@ pub fn take_over(
     vb: u16,
     source: &ReplicaConfig,
     timeout: Duration,
+    clustermap: &ClusterMap,
 ) -> Result<TakeoverReport, ReplicationError> {
     let pos = engine
         .stream_position(bucket, vb)
@@ -716,6 +742,7 @@ pub fn take_over(
         batch_size: 4096,
         noop_interval: source.noop_interval,
         takeover: true,
+        kv_address: Some(clustermap.kv_address()),
         ..ConsumerConfig::default()
     });
     let stats = ReplicaStats::default();
@@ -778,6 +805,8 @@ pub fn take_over(
     let high_seqno = engine
         .stream_position(bucket, vb)
         .map_or(0, |p| p.high_seqno);
+    clustermap.arrived(bucket.name(), vb);
+    clustermap.refresh(engine);
     log::info!(
         "vbucket {vb} of bucket {:?} taken over from {}: {} changes in {:.2} s, writes paused {writes_paused_ms:.1} ms",
         bucket.name(),

@@ -13,6 +13,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::admin::NodeView;
 use crate::auth::UserTable;
+use crate::clustermap::ClusterMap;
 use crate::config::ServerConfig;
 use crate::connection::{self, Fronts};
 use crate::dcp::producer::DcpContext;
@@ -94,12 +95,14 @@ impl Server {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         // Each front gets what it works with; none sees the others' state.
         let stats = Arc::new(ConnectionStats::default());
+        let clustermap = Arc::new(ClusterMap::new(local_addr, tls_addr));
         let kv = Arc::new(KvContext {
             engine: engine.clone(),
             users: Arc::new(UserTable::new(config.users.clone())),
             stats: stats.clone(),
             started: std::time::Instant::now(),
             tap_applied: Default::default(),
+            clustermap: clustermap.clone(),
         });
         let dcp = Arc::new(DcpContext {
             engine: engine.clone(),
@@ -108,6 +111,7 @@ impl Server {
             stats: Default::default(),
             policies: policies.clone(),
             max_body: config.max_body,
+            clustermap: clustermap.clone(),
         });
         let tap = Arc::new(TapContext {
             engine: engine.clone(),
@@ -132,7 +136,9 @@ impl Server {
             engine.clone(),
             config.replica_of.as_ref(),
             &policies,
+            clustermap.clone(),
         ));
+        runtime.spawn(watch_layout(engine.clone(), clustermap, stop_rx.clone()));
         let listener = {
             let _enter = runtime.enter();
             TcpListener::from_std(std_listener)?
@@ -248,6 +254,25 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.shutdown(Duration::from_secs(5));
+    }
+}
+
+/// How often the cluster map is checked for changes nothing announced (a replica's stream
+/// starting or ending, a vbucket given away under a replica).
+const LAYOUT_CHECK: Duration = Duration::from_secs(1);
+
+/// Keeps the cluster map's revs current, so that connections that asked for change
+/// notifications get the new map within `LAYOUT_CHECK` of a change.
+async fn watch_layout(engine: Arc<Engine>, map: Arc<ClusterMap>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let e = engine.clone();
+        let m = map.clone();
+        // The map reads every vbucket's state under its lock: off the async workers.
+        let _ = tokio::task::spawn_blocking(move || m.refresh(&e)).await;
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(LAYOUT_CHECK) => {}
+        }
     }
 }
 

@@ -101,6 +101,8 @@ pub struct DcpContext {
     pub policies: Arc<PolicyHost>,
     /// Largest request body accepted (`max_body`).
     pub max_body: usize,
+    /// Learns the KV addresses of the replicas and takeover consumers streaming from here.
+    pub clustermap: Arc<crate::clustermap::ClusterMap>,
 }
 
 /// Counters the admin endpoint exports.
@@ -187,6 +189,10 @@ struct Producer {
     consumer_name: Option<String>,
     sync_writes: bool,
     persisted_acks: bool,
+    /// The consumer's own KV address (control `sluice_kv_address`, a sluice node's replica or
+    /// takeover), for the cluster map; a wildcard host is the address it connected from.
+    kv_address: Option<crate::clustermap::Endpoint>,
+    peer: std::net::IpAddr,
     /// The vbucket whose stream goes first in the next fill (round robin).
     turn: u16,
     streamed: bool,
@@ -272,7 +278,18 @@ impl Producer {
             }
             "consumer_name" if !value.is_empty() => {
                 self.consumer_name = Some(value.clone());
+                self.learn_replica();
                 true
+            }
+            "sluice_kv_address" => {
+                match crate::clustermap::Endpoint::parse(&value, Some(self.peer)) {
+                    Some(e) => {
+                        self.kv_address = Some(e);
+                        self.learn_replica();
+                        true
+                    }
+                    None => false,
+                }
             }
             "enable_sync_writes" => parse_bool(&value).map(|b| self.sync_writes = b).is_some(),
             "persisted_seqno_acks" => parse_bool(&value)
@@ -467,12 +484,24 @@ impl Producer {
             return;
         }
         if let Some(paused) = s.takeover_acknowledged(&self.ctx.engine) {
+            if let Some(to) = &self.kv_address {
+                self.ctx.clustermap.moved(self.bucket.name(), s.vbucket, to);
+            }
+            self.ctx.clustermap.refresh(&self.ctx.engine);
             log::info!(
                 "vbucket {} handed over to {}; writes to it were refused here for {:.1} ms",
                 s.vbucket,
                 self.name,
                 paused.as_secs_f64() * 1000.0
             );
+        }
+    }
+
+    /// A replica that told both its name and its KV address appears in the cluster map's
+    /// chains of the vbuckets it follows.
+    fn learn_replica(&self) {
+        if let (Some(name), Some(addr)) = (&self.consumer_name, &self.kv_address) {
+            self.ctx.clustermap.learn_replica(name, addr);
         }
     }
 
@@ -783,6 +812,8 @@ pub async fn run(conn: Handoff, open: OpenProducer, ctx: Arc<DcpContext>) {
         consumer_name: None,
         sync_writes: false,
         persisted_acks: false,
+        kv_address: None,
+        peer: peer.ip(),
         turn: 0,
         streamed: false,
         staged: Vec::new(),

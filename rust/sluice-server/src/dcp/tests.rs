@@ -63,6 +63,10 @@ fn a_handed_over_connection_streams_a_vbucket_from_seqno_zero() {
         stats: Default::default(),
         started: std::time::Instant::now(),
         tap_applied: Default::default(),
+        clustermap: Arc::new(crate::clustermap::ClusterMap::new(
+            "127.0.0.1:11210".parse().unwrap(),
+            None,
+        )),
     });
     let dcp = Arc::new(DcpContext {
         engine: engine.clone(),
@@ -71,6 +75,7 @@ fn a_handed_over_connection_streams_a_vbucket_from_seqno_zero() {
         stats: Default::default(),
         policies: Default::default(),
         max_body: 1 << 20,
+        clustermap: kv.clustermap.clone(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -10,9 +10,11 @@ use sluice_core::{Durability, Requirement};
 use sluice_proto::mcbp::{self, feature, magic, opcode as op, status, FrameInfo, Request};
 
 use crate::auth::UserTable;
+use crate::clustermap::ClusterMap;
 use crate::stats::ConnectionStats;
 use sluice_core::Engine;
 use sluice_proto::dcp::opcode as dcp_op;
+use sluice_proto::errormap;
 use sluice_proto::tap::opcode as tap_op;
 
 /// Answers an engine error and ends the command.
@@ -84,6 +86,8 @@ pub struct KvContext {
     pub started: std::time::Instant,
     /// TAP messages applied from a feed (`tap_in`).
     pub tap_applied: std::sync::atomic::AtomicU64,
+    /// The cluster map clients bootstrap from (GET_CLUSTER_CONFIG, NOT_MY_VBUCKET bodies).
+    pub clustermap: Arc<ClusterMap>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -95,6 +99,8 @@ struct Features {
     alt_request: bool,
     duplex: bool,
     tcp_nodelay: bool,
+    clustermap_notifications: bool,
+    collections: bool,
 }
 
 /// One connection's protocol state.
@@ -107,6 +113,11 @@ pub struct KvSession {
     /// The last WAL record a reply given so far acknowledges: the connection sends no reply
     /// before the WAL has written this far.
     owed_lsn: u64,
+    /// Whether the client chose its bucket (SELECT_BUCKET): a client that can and has not gets
+    /// the cluster-level map from GET_CLUSTER_CONFIG, as from Couchbase.
+    selected: bool,
+    /// The newest map rev this client has been sent (pushed or asked for).
+    map_rev: i64,
 }
 
 /// The permission a command needs on the selected bucket (0: none, anyone may).
@@ -173,7 +184,65 @@ impl KvSession {
             features: Features::default(),
             user: None,
             owed_lsn: 0,
+            selected: false,
+            map_rev: 0,
         }
+    }
+
+    /// What a NOT_MY_VBUCKET reply of this session carries: its bucket's cluster map.
+    fn map_source(&self) -> impl Fn() -> (String, u8) + Send + Sync + 'static {
+        let (ctx, bucket, json) = (self.ctx.clone(), self.bucket.clone(), self.features.json);
+        move || {
+            let (_, config) = ctx.clustermap.bucket_config(&ctx.engine, &bucket);
+            (config, if json { DATATYPE_JSON } else { 0 })
+        }
+    }
+
+    /// Whether the client asked to be sent the new cluster map when it changes (HELLO's
+    /// Duplex and ClustermapChangeNotification).
+    pub fn wants_map_pushes(&self) -> bool {
+        self.features.duplex && self.features.clustermap_notifications
+    }
+
+    /// The change notification (server request 0x01) for the session's bucket, if its map is
+    /// newer than the last one this client was sent: the bucket's name as key, the map as
+    /// value, and the epoch and rev (two signed 64-bit integers) as extras.
+    pub fn push_map(&mut self, out: &mut Vec<u8>) {
+        let engine = &self.ctx.engine;
+        let (rev, config, name) = if self.cluster_level() {
+            let (rev, config) = self.ctx.clustermap.cluster_config(engine);
+            (rev, config, String::new())
+        } else {
+            let (rev, config) = self.ctx.clustermap.bucket_config(engine, &self.bucket);
+            (rev, config, self.bucket.name().to_string())
+        };
+        if rev <= self.map_rev {
+            return;
+        }
+        self.map_rev = rev;
+        let mut extras = [0u8; 16];
+        extras[..8].copy_from_slice(&MAP_EPOCH.to_be_bytes());
+        extras[8..].copy_from_slice(&rev.to_be_bytes());
+        let h = mcbp::HeaderFields {
+            magic: magic::SERVER_REQUEST,
+            opcode: mcbp::server_opcode::CLUSTERMAP_CHANGE_NOTIFICATION,
+            datatype: DATATYPE_JSON,
+            word: 0,
+            opaque: 0,
+            cas: 0,
+        };
+        let _ = mcbp::write_frame(out, &h, &[], &extras, name.as_bytes(), config.as_bytes());
+    }
+
+    /// Whether GET_CLUSTER_CONFIG answers the cluster-level map: the client can select a
+    /// bucket (HELLO) and has not.
+    fn cluster_level(&self) -> bool {
+        self.features.select_bucket && !self.selected
+    }
+
+    /// The cluster map's changes, for a connection that pushes them.
+    pub fn map_changes(&self) -> tokio::sync::watch::Receiver<i64> {
+        self.ctx.clustermap.subscribe()
     }
 
     /// Whether a user has logged in (SASL) on this connection.
@@ -230,13 +299,25 @@ impl KvSession {
 
     /// Answers a request with success and no body.
     pub fn reply_ok(&self, req: &Request<'_>, out: &mut Vec<u8>) {
-        Reply { out, req }.ok();
+        let map = self.map_source();
+        Reply {
+            out,
+            req,
+            map: &map,
+        }
+        .ok();
     }
 
     /// Answers a request with an error: its message as text, or as Couchbase's JSON error
     /// context when the client asked for XERROR.
     pub fn reply_error(&self, req: &Request<'_>, st: u16, message: &str, out: &mut Vec<u8>) {
-        Reply { out, req }.error(st, message, self.features.xerror);
+        let map = self.map_source();
+        Reply {
+            out,
+            req,
+            map: &map,
+        }
+        .error(st, message, self.features.xerror);
     }
 
     /// The engine this session works on.
@@ -279,6 +360,8 @@ impl KvSession {
         let req = match mcbp::parse_request(frame) {
             // A server's request (0x82) goes from server to client: from a client it is never a
             // command (kv_engine takes requests 0x80 and 0x08 only, besides responses).
+            // A client's answer to a server request (a map change notification): nothing to do.
+            Err(_) if frame.first() == Some(&magic::SERVER_RESPONSE) => return Flow::Continue,
             Ok(r) if r.magic == magic::SERVER_REQUEST => {
                 let why = "magic 0x82 is a server's request; a client sends 0x80 or 0x08";
                 reply_to_header(frame, status::EINVAL, why.as_bytes(), out);
@@ -292,6 +375,7 @@ impl KvSession {
                 return Flow::Continue;
             }
         };
+        let map = self.map_source();
         let mut durability = None;
         for info in mcbp::frame_infos(req.framing) {
             match info {
@@ -304,7 +388,12 @@ impl KvSession {
                         })
                     }
                     None => {
-                        Reply { out, req: &req }.error(
+                        Reply {
+                            out,
+                            req: &req,
+                            map: &map,
+                        }
+                        .error(
                             status::DURABILITY_INVALID_LEVEL,
                             "unknown durability level",
                             self.features.xerror,
@@ -315,7 +404,12 @@ impl KvSession {
                 Ok(FrameInfo::Barrier) => {} // requests already run one after another
                 Ok(other) => {
                     let why = format!("frame info {other:?} is not supported");
-                    Reply { out, req: &req }.error(
+                    Reply {
+                        out,
+                        req: &req,
+                        map: &map,
+                    }
+                    .error(
                         status::UNKNOWN_FRAME_INFO,
                         &why,
                         self.features.xerror,
@@ -323,7 +417,12 @@ impl KvSession {
                     return Flow::Continue;
                 }
                 Err(e) => {
-                    Reply { out, req: &req }.error(
+                    Reply {
+                        out,
+                        req: &req,
+                        map: &map,
+                    }
+                    .error(
                         status::EINVAL,
                         &e.to_string(),
                         self.features.xerror,
@@ -332,6 +431,36 @@ impl KvSession {
                 }
             }
         }
+        // With Collections, a document key starts with its collection id: checked once here,
+        // and the commands (and the vbucket hash) see the key without it.
+        let mut req = req;
+        if self.features.collections && mcbp::carries_document_key(req.opcode) {
+            match mcbp::split_collection_id(req.key) {
+                Ok((DEFAULT_COLLECTION, key)) => req.key = key,
+                Ok((id, _)) => {
+                    let body = unknown_collection(&format!("unknown collection id {id:#x}"));
+                    mcbp::write_response(
+                        out,
+                        req.opcode,
+                        req.opaque,
+                        status::UNKNOWN_COLLECTION,
+                        DATATYPE_JSON,
+                        body.as_bytes(),
+                    );
+                    return Flow::Continue;
+                }
+                Err(e) => {
+                    let mut reply = Reply {
+                        out,
+                        req: &req,
+                        map: &map,
+                    };
+                    reply.error(status::EINVAL, &e.to_string(), self.features.xerror);
+                    return Flow::Continue;
+                }
+            }
+        }
+        drop(map);
         self.dispatch(frame, &req, durability, out)
     }
 
@@ -343,7 +472,12 @@ impl KvSession {
         out: &mut Vec<u8>,
     ) -> Flow {
         let xerror = self.features.xerror;
-        let mut reply = Reply { out, req };
+        let map = self.map_source();
+        let mut reply = Reply {
+            out,
+            req,
+            map: &map,
+        };
         let engine = &self.ctx.engine;
         let bucket = self.bucket.clone();
         let users = self.ctx.users.current();
@@ -440,6 +574,8 @@ impl KvSession {
             op::SELECT_BUCKET => match engine.bucket(&String::from_utf8_lossy(req.key)) {
                 Ok(b) => {
                     self.bucket = b;
+                    self.selected = true;
+                    self.map_rev = 0;
                     reply.ok();
                 }
                 Err(e) => fail!(reply, xerror, e),
@@ -452,6 +588,58 @@ impl KvSession {
                 "open a DCP connection first (DCP_OPEN)",
                 xerror,
             ),
+            op::GET_ERROR_MAP => match req.value {
+                [a, b] => match errormap::json(u16::from_be_bytes([*a, *b])) {
+                    Some(map) => reply.send(status::SUCCESS, 0, &[], &[], map.as_bytes(), 0),
+                    None => einval!(reply, xerror, "error map version 0 does not exist"),
+                },
+                _ => einval!(
+                    reply,
+                    xerror,
+                    "GET_ERROR_MAP takes a 2-byte version as value"
+                ),
+            },
+            op::GET_CLUSTER_CONFIG => {
+                if !req.key.is_empty() || !req.value.is_empty() {
+                    einval!(
+                        reply,
+                        xerror,
+                        "GET_CLUSTER_CONFIG takes no key and no value"
+                    );
+                }
+                let map = &self.ctx.clustermap;
+                let (rev, config) = if self.cluster_level() {
+                    map.cluster_config(engine)
+                } else {
+                    map.bucket_config(engine, &bucket)
+                };
+                self.map_rev = self.map_rev.max(rev);
+                let datatype = self.datatype(DATATYPE_JSON);
+                reply.send(status::SUCCESS, 0, &[], &[], config.as_bytes(), datatype);
+            }
+            op::GET_COLLECTIONS_MANIFEST => {
+                let datatype = self.datatype(DATATYPE_JSON);
+                reply.send(status::SUCCESS, 0, &[], &[], MANIFEST.as_bytes(), datatype);
+            }
+            op::GET_COLLECTION_ID => {
+                // The path is the key (Couchbase 7.0) or the value (later clients).
+                let path = if req.key.is_empty() {
+                    req.value
+                } else {
+                    req.key
+                };
+                match collection_id(path) {
+                    Ok(id) => {
+                        let mut extras = [0u8; 12];
+                        extras[8..].copy_from_slice(&id.to_be_bytes());
+                        reply.send(status::SUCCESS, 0, &extras, &[], &[], 0);
+                    }
+                    Err((st, why)) => {
+                        let body = unknown_collection(&why);
+                        reply.send(st, 0, &[], &[], body.as_bytes(), DATATYPE_JSON);
+                    }
+                }
+            }
             op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &bucket, req.extras) {
                 Ok(value) => reply.send(status::SUCCESS, 0, &[], &[], &value, 0),
                 Err(why) => einval!(reply, xerror, why),
@@ -489,6 +677,10 @@ impl KvSession {
                 feature::JSON => !std::mem::replace(&mut f.json, true),
                 feature::DUPLEX => !std::mem::replace(&mut f.duplex, true),
                 feature::ALT_REQUEST_SUPPORT => !std::mem::replace(&mut f.alt_request, true),
+                feature::CLUSTERMAP_CHANGE_NOTIFICATION => {
+                    !std::mem::replace(&mut f.clustermap_notifications, true)
+                }
+                feature::COLLECTIONS => !std::mem::replace(&mut f.collections, true),
                 _ => false,
             };
             if known {
@@ -498,6 +690,47 @@ impl KvSession {
         self.features = f;
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
+}
+
+/// The datatype bit of a JSON body.
+const DATATYPE_JSON: u8 = 0x01;
+/// The epoch of every map: sluice's revs rise with time alone (see `clustermap`).
+const MAP_EPOCH: i64 = 1;
+/// The one collection: `_default` in scope `_default`.
+const DEFAULT_COLLECTION: u32 = 0;
+/// The collections manifest: the default scope with the default collection, uid 0.
+const MANIFEST: &str = "{\"uid\":\"0\",\"scopes\":[{\"name\":\"_default\",\"uid\":\"0\",                        \"collections\":[{\"name\":\"_default\",\"uid\":\"0\"}]}]}";
+
+/// The collection id of a `scope.collection` path (an empty part is `_default`), or the status
+/// and message of the error.
+fn collection_id(path: &[u8]) -> Result<u32, (u16, String)> {
+    let path = String::from_utf8_lossy(path);
+    let Some((scope, collection)) = path.split_once('.') else {
+        return Err((
+            status::EINVAL,
+            format!("collection path {path:?} is not scope.collection"),
+        ));
+    };
+    let default = |s: &str| s.is_empty() || s == "_default";
+    if !default(scope) {
+        return Err((status::UNKNOWN_SCOPE, format!("unknown scope {scope:?}")));
+    }
+    if !default(collection) {
+        return Err((
+            status::UNKNOWN_COLLECTION,
+            format!("unknown collection {collection:?} in scope _default"),
+        ));
+    }
+    Ok(DEFAULT_COLLECTION)
+}
+
+/// The body of UNKNOWN_COLLECTION and UNKNOWN_SCOPE: an error context and, as Couchbase
+/// gives, the manifest uid the server judged by.
+fn unknown_collection(why: &str) -> String {
+    format!(
+        "{{\"manifest_uid\":\"0\",\"error\":{{\"context\":{}}}}}",
+        reply::json_string(why)
+    )
 }
 
 /// Sends the ready replies of a connection once the WAL holds every change they acknowledge

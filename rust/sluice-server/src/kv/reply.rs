@@ -60,9 +60,14 @@ pub(crate) fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut 
     }
 }
 
+/// The cluster map a NOT_MY_VBUCKET reply carries, as Couchbase's does: its JSON and the
+/// datatype to send it with. Clients parse any JSON body of that status as a map.
+pub(super) type MapSource<'a> = &'a (dyn Fn() -> (String, u8) + Send + Sync);
+
 pub(super) struct Reply<'a> {
     pub(super) out: &'a mut Vec<u8>,
     pub(super) req: &'a Request<'a>,
+    pub(super) map: MapSource<'a>,
 }
 
 impl Reply<'_> {
@@ -99,11 +104,13 @@ impl Reply<'_> {
             st,
             message,
             xerror,
+            self.map,
         );
     }
 }
 
-/// An error reply: the message as text, or as Couchbase's JSON error context with XERROR.
+/// An error reply: the message as text, or as Couchbase's JSON error context with XERROR;
+/// NOT_MY_VBUCKET carries the cluster map instead.
 pub(super) fn error_frame(
     out: &mut Vec<u8>,
     opcode: u8,
@@ -111,8 +118,12 @@ pub(super) fn error_frame(
     st: u16,
     message: &str,
     xerror: bool,
+    map: MapSource<'_>,
 ) {
-    if xerror {
+    if st == status::NOT_MY_VBUCKET {
+        let (config, datatype) = map();
+        mcbp::write_response(out, opcode, opaque, st, datatype, config.as_bytes());
+    } else if xerror {
         let body = format!("{{\"error\":{{\"context\":{}}}}}", json_string(message));
         mcbp::write_response(out, opcode, opaque, st, 0x01, body.as_bytes());
     } else {

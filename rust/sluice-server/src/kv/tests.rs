@@ -32,6 +32,10 @@ fn context(dir: &std::path::Path, users: Users) -> Arc<KvContext> {
         stats: Default::default(),
         started: std::time::Instant::now(),
         tap_applied: Default::default(),
+        clustermap: Arc::new(crate::clustermap::ClusterMap::new(
+            "127.0.0.1:11210".parse().unwrap(),
+            None,
+        )),
     })
 }
 

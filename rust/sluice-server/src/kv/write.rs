@@ -36,6 +36,7 @@ impl KvSession {
                 &mut Reply {
                     out: &mut done,
                     req: reply.req,
+                    map: reply.map,
                 },
                 &w.value,
             );
@@ -43,6 +44,7 @@ impl KvSession {
         let (opcode, opaque, xerror) = (reply.req.opcode, reply.req.opaque, self.features.xerror);
         let engine = self.ctx.engine.clone();
         let bucket = bucket.clone();
+        let map = self.map_source();
         Flow::Hold(HeldReply(Box::pin(async move {
             let timeout = engine.settle_timeout(&bucket, &w);
             let timer = tokio::time::sleep(timeout);
@@ -57,6 +59,7 @@ impl KvSession {
                         status_for(&e, xerror),
                         &e.to_string(),
                         xerror,
+                        &map,
                     );
                     out
                 }

@@ -138,6 +138,18 @@ impl ConsumerSession {
             };
             s.call_frame(dcp::opcode::CONTROL, &encoded(&control, SETUP_OPAQUE)?, k)?;
         }
+        if let Some(address) = &config.kv_address {
+            // Only a sluice producer knows this control; another refuses it, and streams the
+            // same (its cluster map, if any, does not come from here).
+            let control = dcp::Control {
+                key: b"sluice_kv_address".to_vec(),
+                value: address.clone().into_bytes(),
+            };
+            let frame = encoded(&control, SETUP_OPAQUE)?;
+            if let Err(e) = s.call_frame(dcp::opcode::CONTROL, &frame, "sluice_kv_address") {
+                log::debug!("the producer does not take this node's KV address: {e}");
+            }
+        }
         Ok(s)
     }
 

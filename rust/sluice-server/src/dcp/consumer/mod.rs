@@ -78,6 +78,9 @@ pub struct ConsumerConfig {
     pub replica_name: Option<String>,
     /// Request takeover streams: the producer hands the vbuckets over once caught up.
     pub takeover: bool,
+    /// This node's KV address, told to a sluice producer (control `sluice_kv_address`) so
+    /// that its cluster map names this node in the chains it follows or took over.
+    pub kv_address: Option<String>,
     /// A stream request refused with NOT_MY_VBUCKET (the vbucket is dead there or not there)
     /// ends that vbucket's stream, reported in `Batch::refused`, and the other streams go on;
     /// otherwise any refusal fails the connection.
@@ -112,6 +115,7 @@ impl Default for ConsumerConfig {
             cursor_dropping: false,
             replica_name: None,
             takeover: false,
+            kv_address: None,
             end_refused_streams: false,
             flow_control: None,
             tls: None,

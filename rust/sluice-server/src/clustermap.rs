@@ -1,0 +1,363 @@
+//! The cluster map Couchbase's clients bootstrap from (CCCP: GET_CLUSTER_CONFIG, the body of a
+//! NOT_MY_VBUCKET reply, and the config pushed to clients that asked for change notifications):
+//! per bucket, the nodes serving it and, for every vbucket, the server-list index of its active
+//! node, then its replicas (-1 for none).
+//!
+//! A node knows its part of the layout and builds its map from that: its own vbuckets' states;
+//! the replicas that follow its active vbuckets (their DCP streams, each replica having told its
+//! KV address in the DCP control `sluice_kv_address`); the active it follows itself
+//! (`replica_of`); and where the vbuckets it gave away went (the takeover consumer's address).
+//! There is no cluster manager to number the maps, so a map's `rev` is the time in milliseconds
+//! at which this node saw its layout change (always rising here): maps from different nodes
+//! compare without coordination, the newest change winning, as long as the nodes' clocks agree
+//! (NTP) to within the time between two changes.
+//!
+//! A node bound to a wildcard or loopback address does not know the name clients reach it by,
+//! so its map names it `$HOST`, which clients replace with the address they connected to, as
+//! Couchbase does.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+
+use parking_lot::Mutex;
+use sluice_core::bucket::Bucket;
+use sluice_core::vbucket::VbState;
+use sluice_core::Engine;
+use tokio::sync::watch;
+
+/// What clients write for the address they connected to.
+pub const THIS_HOST: &str = "$HOST";
+
+/// A node's KV address as the map names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// `host:port` (IPv6 hosts in brackets), as in `serverList`.
+    pub fn server(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    /// Parses `host:port` (`[v6]:port` too); a wildcard host becomes `peer`, the address the
+    /// node was reached from.
+    pub fn parse(text: &str, peer: Option<IpAddr>) -> Option<Endpoint> {
+        let (host, port) = text.rsplit_once(':')?;
+        let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.len() > 255 || host.contains(['"', '\\', '/', ' ']) {
+            return None;
+        }
+        let host = match (host.parse::<IpAddr>(), peer) {
+            (Ok(ip), Some(p)) if ip.is_unspecified() => p.to_string(),
+            _ => host.to_string(),
+        };
+        Some(Endpoint { host, port })
+    }
+}
+
+/// The part of the layout a map shows: the servers and each vbucket's chain of server indexes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Layout {
+    pub servers: Vec<Endpoint>,
+    pub chains: Vec<Vec<i32>>,
+}
+
+impl Layout {
+    fn index_of(&mut self, e: &Endpoint) -> i32 {
+        match self.servers.iter().position(|s| s == e) {
+            Some(i) => i as i32,
+            None => {
+                self.servers.push(e.clone());
+                (self.servers.len() - 1) as i32
+            }
+        }
+    }
+
+    pub fn num_replicas(&self) -> usize {
+        self.chains
+            .iter()
+            .map(|c| c.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+struct Served {
+    layout: Layout,
+    rev: i64,
+}
+
+pub struct ClusterMap {
+    /// The KV listener as bound.
+    listen: SocketAddr,
+    this_node: Endpoint,
+    /// The TLS KV port, when that listener runs.
+    tls_port: Option<u16>,
+    /// The active this node follows (`replica_of`), until a promotion.
+    active: Mutex<Option<Endpoint>>,
+    /// Replicas by the name their DCP streams carry (`consumer_name`), with their KV address.
+    replicas: Mutex<HashMap<String, Endpoint>>,
+    /// Vbuckets handed over to another node, by bucket and vbucket.
+    moved: Mutex<HashMap<(String, u16), Endpoint>>,
+    served: Mutex<HashMap<String, Served>>,
+    /// The newest rev of any bucket: connections that asked for pushes watch it.
+    changed: watch::Sender<i64>,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+impl ClusterMap {
+    /// `listen`: the KV listener as bound; `tls`: the TLS KV listener's, if any.
+    pub fn new(listen: SocketAddr, tls: Option<SocketAddr>) -> ClusterMap {
+        let ip = listen.ip();
+        let host = if ip.is_unspecified() || ip.is_loopback() {
+            THIS_HOST.to_string()
+        } else {
+            ip.to_string()
+        };
+        ClusterMap {
+            listen,
+            this_node: Endpoint {
+                host,
+                port: listen.port(),
+            },
+            tls_port: tls.map(|a| a.port()),
+            active: Mutex::new(None),
+            replicas: Mutex::new(HashMap::new()),
+            moved: Mutex::new(HashMap::new()),
+            served: Mutex::new(HashMap::new()),
+            changed: watch::channel(0).0,
+        }
+    }
+
+    /// This node's KV address as bound (a wildcard host stands for the address it is reached
+    /// at), told to the nodes it streams from.
+    pub fn kv_address(&self) -> String {
+        self.listen.to_string()
+    }
+
+    /// Sets (or, on promotion, clears) the active this node follows.
+    pub fn set_active(&self, active: Option<&str>) {
+        *self.active.lock() = active.and_then(|a| Endpoint::parse(a, None));
+    }
+
+    /// A replica named `name` told its KV address (`reported`, a wildcard host standing for
+    /// `peer`, the address its stream comes from).
+    pub fn learn_replica(&self, name: &str, reported: &Endpoint) {
+        self.replicas
+            .lock()
+            .insert(name.to_string(), reported.clone());
+    }
+
+    /// The KV address a replica told (`host:port`), for /status.
+    pub fn replica_address(&self, name: &str) -> Option<String> {
+        self.replicas.lock().get(name).map(Endpoint::server)
+    }
+
+    /// Vbucket `vb` of `bucket` was handed over to the node at `to`.
+    pub fn moved(&self, bucket: &str, vb: u16, to: &Endpoint) {
+        self.moved
+            .lock()
+            .insert((bucket.to_string(), vb), to.clone());
+    }
+
+    /// A vbucket taken over onto this node is no longer elsewhere.
+    pub fn arrived(&self, bucket: &str, vb: u16) {
+        self.moved.lock().remove(&(bucket.to_string(), vb));
+    }
+
+    /// Connections that asked for change notifications watch this (the newest rev).
+    pub fn subscribe(&self) -> watch::Receiver<i64> {
+        self.changed.subscribe()
+    }
+
+    /// The layout this node sees for `bucket` now.
+    pub fn layout(&self, engine: &Engine, bucket: &Bucket) -> Layout {
+        let mut l = Layout {
+            servers: vec![self.this_node.clone()],
+            chains: Vec::with_capacity(bucket.num_vbuckets() as usize),
+        };
+        let active = self.active.lock().clone();
+        let replicas = self.replicas.lock().clone();
+        let moved = self.moved.lock().clone();
+        for vb in 0..bucket.num_vbuckets() {
+            let chain = match engine.vbucket_state(bucket, vb) {
+                Some(VbState::Active | VbState::Pending) => {
+                    let mut c = vec![0];
+                    for f in bucket.acks.following(vb) {
+                        if let Some(e) = replicas.get(&f.name) {
+                            let i = l.index_of(e);
+                            if !c.contains(&i) {
+                                c.push(i);
+                            }
+                        }
+                    }
+                    c
+                }
+                Some(VbState::Replica) => match &active {
+                    Some(a) => vec![l.index_of(a), 0],
+                    None => vec![-1, 0],
+                },
+                Some(VbState::Dead) | None => match moved.get(&(bucket.name().to_string(), vb)) {
+                    Some(to) => vec![l.index_of(to)],
+                    None => vec![-1],
+                },
+            };
+            l.chains.push(chain);
+        }
+        let width = l.num_replicas() + 1;
+        for c in &mut l.chains {
+            c.resize(width, -1);
+        }
+        l
+    }
+
+    /// Brings every bucket's rev up to date; tells the watchers when one changed.
+    pub fn refresh(&self, engine: &Engine) {
+        for b in engine.buckets() {
+            self.current(engine, &b);
+        }
+    }
+
+    /// The layout of `bucket` and its rev, raised when the layout differs from the last one.
+    fn current(&self, engine: &Engine, bucket: &Bucket) -> (Layout, i64) {
+        let layout = self.layout(engine, bucket);
+        let mut served = self.served.lock();
+        let newest = served.values().map(|s| s.rev).max().unwrap_or(0);
+        let s = served
+            .entry(bucket.name().to_string())
+            .or_insert_with(|| Served {
+                layout: Layout::default(),
+                rev: 0,
+            });
+        if s.layout != layout {
+            // Rising on this node whatever the clock does.
+            s.rev = now_ms().max(newest + 1).max(s.rev + 1);
+            s.layout = layout.clone();
+            let rev = s.rev;
+            drop(served);
+            self.changed.send_replace(rev);
+            return (layout, rev);
+        }
+        (layout, s.rev)
+    }
+
+    fn nodes_ext(&self, servers: &[Endpoint]) -> Vec<serde_json::Value> {
+        servers
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mut services = serde_json::json!({"kv": s.port});
+                let mut node = serde_json::json!({"hostname": s.host});
+                if i == 0 {
+                    if let Some(p) = self.tls_port {
+                        services["kvSSL"] = p.into();
+                    }
+                    node["thisNode"] = true.into();
+                }
+                node["services"] = services;
+                node
+            })
+            .collect()
+    }
+
+    /// The bucket config Couchbase serves for `bucket`, with its rev.
+    pub fn bucket_config(&self, engine: &Engine, bucket: &Bucket) -> (i64, String) {
+        let (layout, rev) = self.current(engine, bucket);
+        let config = serde_json::json!({
+            "rev": rev,
+            "revEpoch": 1,
+            "name": bucket.name(),
+            "uuid": bucket_uuid(engine, bucket),
+            "nodeLocator": "vbucket",
+            "collectionsManifestUid": "0",
+            "nodesExt": self.nodes_ext(&layout.servers),
+            "vBucketServerMap": {
+                "hashAlgorithm": "CRC",
+                "numReplicas": layout.num_replicas(),
+                "serverList": layout.servers.iter().map(Endpoint::server).collect::<Vec<_>>(),
+                "vBucketMap": layout.chains,
+            },
+            "bucketCapabilitiesVer": "",
+            "bucketCapabilities": ["cccp", "nodesExt", "touch", "dcp", "durableWrite", "collections"],
+            "clusterCapabilitiesVer": [1, 0],
+            "clusterCapabilities": {},
+        });
+        (rev, config.to_string())
+    }
+
+    /// The cluster-level config (no bucket selected): the nodes this node knows, no vbuckets.
+    pub fn cluster_config(&self, engine: &Engine) -> (i64, String) {
+        let mut servers = vec![self.this_node.clone()];
+        let mut rev = 0;
+        for b in engine.buckets() {
+            let (layout, r) = self.current(engine, &b);
+            rev = rev.max(r);
+            for s in layout.servers {
+                if !servers.contains(&s) {
+                    servers.push(s);
+                }
+            }
+        }
+        let config = serde_json::json!({
+            "rev": rev,
+            "revEpoch": 1,
+            "nodesExt": self.nodes_ext(&servers),
+            "clusterCapabilitiesVer": [1, 0],
+            "clusterCapabilities": {},
+        });
+        (rev, config.to_string())
+    }
+}
+
+/// A bucket's uuid as clients see it: stable for the node's instance and the bucket's name.
+fn bucket_uuid(engine: &Engine, bucket: &Bucket) -> String {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(format!("{}/{}", engine.instance(), bucket.name()).as_bytes());
+    d[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_and_print() {
+        let peer: IpAddr = "10.0.0.7".parse().unwrap();
+        let e = Endpoint::parse("0.0.0.0:11210", Some(peer)).unwrap();
+        assert_eq!(e.server(), "10.0.0.7:11210");
+        let e = Endpoint::parse("[::1]:11211", Some(peer)).unwrap();
+        assert_eq!(
+            (e.host.as_str(), e.server()),
+            ("::1", "[::1]:11211".to_string())
+        );
+        let e = Endpoint::parse("db1.example:11210", None).unwrap();
+        assert_eq!(e.server(), "db1.example:11210");
+        for bad in [
+            "", "host", "host:0", "host:x", ":11210", "a\"b:1", "h:70000",
+        ] {
+            assert!(Endpoint::parse(bad, None).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn loopback_and_wildcard_listeners_are_named_host() {
+        let m = ClusterMap::new("127.0.0.1:11210".parse().unwrap(), None);
+        assert_eq!(m.this_node.host, THIS_HOST);
+        let m = ClusterMap::new("0.0.0.0:11210".parse().unwrap(), None);
+        assert_eq!(m.this_node.host, THIS_HOST);
+        let m = ClusterMap::new("10.1.2.3:11210".parse().unwrap(), None);
+        assert_eq!(m.this_node.server(), "10.1.2.3:11210");
+    }
+}
