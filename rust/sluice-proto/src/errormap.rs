@@ -230,6 +230,12 @@ pub const ERRORS: &[ErrorInfo] = &[
         TEMPORARY,
     ),
     e(
+        0x87,
+        "XATTR_EINVAL",
+        "Invalid extended attribute request (sluice keeps no user extended attributes)",
+        &["invalid-input", "item-only"],
+    ),
+    e(
         0x88,
         "UNKNOWN_COLLECTION",
         "Unknown collection",
@@ -496,6 +502,7 @@ mod tests {
             EINTERNAL,
             EBUSY,
             ETMPFAIL,
+            XATTR_EINVAL,
             UNKNOWN_COLLECTION,
             UNKNOWN_SCOPE,
             DURABILITY_INVALID_LEVEL,
