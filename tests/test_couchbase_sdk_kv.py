@@ -1,0 +1,249 @@
+"""The Couchbase Python SDK's whole KV API against `sluice serve`: every operation an application
+calls on a collection and its binary view, mutation tokens that name sluice's vbucket uuid and
+seqno, durable writes at each level on an active with a replica, replica reads, and a steady
+writer that keeps going, unchanged, while the replica is promoted after its active dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import sluice
+from helpers import NUM_VBUCKETS, run_cli, start_node, wait_converged
+from test_couchbase_bootstrap import wait_for_map
+from test_couchbase_sdk import sdk_cluster
+from test_permissions import PASSWORD, users_config
+
+couchbase = pytest.importorskip("couchbase")
+
+from couchbase.durability import DurabilityLevel, ServerDurability  # noqa: E402
+from couchbase.exceptions import (  # noqa: E402
+    CasMismatchException,
+    DocumentExistsException,
+    DocumentNotFoundException,
+    DurabilityImpossibleException,
+    DurabilitySyncWriteAmbiguousException,
+)
+from couchbase.options import (  # noqa: E402
+    DecrementOptions,
+    DeltaValue,
+    GetOptions,
+    IncrementOptions,
+    ReplaceOptions,
+    SignedInt64,
+    UpsertOptions,
+)
+from couchbase.transcoder import RawBinaryTranscoder  # noqa: E402
+
+USERS = users_config({"app": ["read", "write"], "repl": ["replication"], "ops": ["admin"]})
+
+
+def replica_login(tmp_path) -> str:
+    """The [replication] section a replica logs in to its active with."""
+    (tmp_path / "repl.pw").write_text(PASSWORD + "\n")
+    return f'[replication]\nuser = "repl"\npassword_file = "{tmp_path / "repl.pw"}"\n'
+
+
+def vbucket_status(node, vb: int) -> dict:
+    return next(v for v in node.status()["buckets"][0]["vbuckets"] if v["vbucket"] == vb)
+
+
+def test_every_collection_operation(tmp_path):
+    node = start_node(tmp_path, "n", extra=USERS)
+    try:
+        cluster = sdk_cluster(node, "app")
+        try:
+            coll = cluster.bucket("default").default_collection()
+            first = coll.insert("doc", {"v": 1})
+            with pytest.raises(DocumentExistsException):
+                coll.insert("doc", {"v": 2})
+            got = coll.get("doc")
+            assert got.content_as[dict] == {"v": 1} and got.cas == first.cas
+            replaced = coll.replace("doc", {"v": 3}, ReplaceOptions(cas=first.cas))
+            with pytest.raises(CasMismatchException):
+                coll.replace("doc", {"v": 4}, ReplaceOptions(cas=first.cas))
+            with pytest.raises(DocumentNotFoundException):
+                coll.replace("absent", {"v": 1})
+            assert coll.get("doc").cas == replaced.cas
+
+            coll.touch("doc", timedelta(seconds=300))
+            expiry = coll.get("doc", GetOptions(with_expiry=True)).expiry_time
+            assert expiry is not None and 250 < expiry.timestamp() - time.time() <= 301
+            touched = coll.get_and_touch("doc", timedelta(seconds=600))
+            assert touched.content_as[dict] == {"v": 3}
+            expiry = coll.get("doc", GetOptions(with_expiry=True)).expiry_time
+            assert 550 < expiry.timestamp() - time.time() <= 601
+
+            assert coll.exists("doc").exists and not coll.exists("absent").exists
+            coll.remove("doc")
+            assert not coll.exists("doc").exists
+            with pytest.raises(DocumentNotFoundException):
+                coll.remove("doc")
+
+            counters = coll.binary()
+            made = counters.increment("hits", IncrementOptions(initial=SignedInt64(10), delta=DeltaValue(5)))
+            assert made.content == 10  # created with the initial value
+            assert counters.increment("hits", IncrementOptions(delta=DeltaValue(5))).content == 15
+            assert counters.decrement("hits", DecrementOptions(delta=DeltaValue(20))).content == 0
+
+            raw = RawBinaryTranscoder()
+            coll.upsert("log", b"middle", UpsertOptions(transcoder=raw))
+            counters.append("log", b">end")
+            counters.prepend("log", b"start<")
+            assert coll.get("log", GetOptions(transcoder=raw)).value == b"start<middle>end"
+
+            # A mutation token names the vbucket, sluice's vbucket uuid and the write's seqno.
+            token = coll.upsert("tok", {"t": 1}).mutation_token()
+            vb = sluice.vbucket_of(b"tok", NUM_VBUCKETS)
+            status = vbucket_status(node, vb)
+            assert token.partition_id == vb
+            assert token.partition_uuid == status["failover_uuid"]
+            assert token.sequence_number == status["high_seqno"]
+            assert token.bucket_name == "default"
+
+            # Durability a single node cannot give is refused as Couchbase refuses it.
+            with pytest.raises(DurabilityImpossibleException):
+                coll.upsert("d", {}, UpsertOptions(durability=ServerDurability(DurabilityLevel.MAJORITY)))
+        finally:
+            cluster.close()
+    finally:
+        assert node.stop() == 0
+
+
+def test_durable_writes_and_replica_reads(tmp_path):
+    active = start_node(tmp_path, "a", extra=USERS)
+    replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
+    try:
+        wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        cluster = sdk_cluster(active, "app")
+        try:
+            coll = cluster.bucket("default").default_collection()
+            levels = [
+                DurabilityLevel.MAJORITY,
+                DurabilityLevel.MAJORITY_AND_PERSIST_TO_ACTIVE,
+                DurabilityLevel.PERSIST_TO_MAJORITY,
+            ]
+            for n, level in enumerate(levels):
+                key = f"durable:{n}"
+                r = coll.upsert(key, {"level": n}, UpsertOptions(durability=ServerDurability(level)))
+                # Acknowledged at a majority level: the replica holds it already.
+                got = coll.get_any_replica(key)
+                assert got.content_as[dict] == {"level": n}
+                copies = coll.get_all_replicas(key)
+                assert sorted(c.is_replica for c in copies) == [False, True]
+                assert all(c.content_as[dict] == {"level": n} and c.cas == r.cas for c in copies)
+        finally:
+            cluster.close()
+    finally:
+        replica.stop()
+        active.stop()
+
+
+class SteadyWriter:
+    """One thread upserting keys across every vbucket through the SDK, remembering what each
+    acknowledged write left. The errors it may meet are those Couchbase documents as ambiguous
+    (the write may or may not have happened: the key is then not checked until a later write
+    is acknowledged) and, while a dead active is not yet failed over, timeouts and requests
+    cancelled by its closed connection."""
+
+    def __init__(self, coll, level: DurabilityLevel | None = None) -> None:
+        self.coll = coll
+        self.level = level
+        self.acked: dict[str, int] = {}
+        self.ambiguous: set[str] = set()
+        self.errors: list[str] = []
+        # Set by the test: from `outage_from` until `outage_until`, timeouts are expected.
+        self.outage_from: float | None = None
+        self.outage_until: float | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+        self.thread.start()
+
+    def in_outage(self, started: float) -> bool:
+        return self.outage_from is not None and (self.outage_until is None or started < self.outage_until)
+
+    def run(self) -> None:
+        from couchbase.exceptions import (
+            AmbiguousTimeoutException,
+            RequestCanceledException,
+            UnAmbiguousTimeoutException,
+        )
+
+        # What an operation in flight to a node that dies, or sent while it is dead, raises.
+        outage = (AmbiguousTimeoutException, RequestCanceledException, UnAmbiguousTimeoutException)
+
+        i = 0
+        while not self.stop.is_set() and i < 200_000:
+            key = f"steady:{i % 2000}"
+            started = time.monotonic()
+            level = self.level
+            options = (
+                UpsertOptions(durability=ServerDurability(level)) if level is not None else UpsertOptions()
+            )
+            try:
+                self.coll.upsert(key, {"i": i}, options)
+                self.acked[key] = i
+                self.ambiguous.discard(key)
+            except DurabilitySyncWriteAmbiguousException:
+                self.ambiguous.add(key)
+            except outage as e:
+                self.ambiguous.add(key)
+                if not self.in_outage(started):
+                    self.errors.append(f"{key}: {type(e).__name__} outside an outage: {e}")
+            except Exception as e:  # anything else is an error an application would see
+                self.errors.append(f"{key}: {type(e).__name__}: {e}")
+            i += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+
+    def check(self, coll) -> None:
+        """Every acknowledged write reads back (a key written ambiguously since may hold either)."""
+        assert self.errors == []
+        assert len(self.acked) > 100
+        wrong = []
+        for key, i in self.acked.items():
+            if key in self.ambiguous:
+                continue
+            got = coll.get(key).content_as[dict]
+            if got != {"i": i}:
+                wrong.append((key, i, got))
+        assert wrong == []
+
+
+def test_a_steady_sdk_writer_rides_a_failover(tmp_path, monkeypatch):
+    active = start_node(tmp_path, "a", extra=USERS)
+    replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
+    try:
+        wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        cluster = sdk_cluster(active, "app")
+        try:
+            coll = cluster.bucket("default").default_collection()
+            monkeypatch.setenv("SLUICE_PASSWORD", PASSWORD)  # the operator's, for the CLI
+            # Failover: writes acknowledged at majority survive the active's death; once the
+            # replica is promoted (it has no replica of its own), writes go on at level none.
+            wait_converged(active, replica)
+            writer = SteadyWriter(coll, DurabilityLevel.MAJORITY)
+            time.sleep(1.0)
+            writer.outage_from = time.monotonic()
+            active.stop(sig=9)
+            writer.level = None
+            promoted = run_cli("promote", "--admin", replica.admin, "--user", "ops")
+            assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+            writer.outage_until = time.monotonic()
+            before = sum(v["high_seqno"] for v in replica.status()["buckets"][0]["vbuckets"])
+            deadline = time.monotonic() + 30
+            while sum(v["high_seqno"] for v in replica.status()["buckets"][0]["vbuckets"]) < before + 200:
+                assert time.monotonic() < deadline, "the writer never reached the promoted replica"
+                time.sleep(0.2)
+            writer.finish()
+            writer.check(coll)
+        finally:
+            cluster.close()
+    finally:
+        replica.stop()
+        active.stop()
