@@ -5,40 +5,19 @@ collection, and follows the map to a promoted replica."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
+from couchbase.exceptions import DocumentNotFoundException
+from couchbase_sdk import sdk_cluster
 from helpers import run_cli, start_node, wait_converged
 from test_couchbase_bootstrap import wait_for_map
 from test_permissions import PASSWORD, users_config
-
-couchbase = pytest.importorskip("couchbase")
-
-from couchbase.auth import PasswordAuthenticator  # noqa: E402
-from couchbase.cluster import Cluster  # noqa: E402
-from couchbase.exceptions import DocumentNotFoundException  # noqa: E402
-from couchbase.options import ClusterOptions, ClusterTimeoutOptions  # noqa: E402
-
-
-def sdk_cluster(node, user: str) -> Cluster:
-    """Cluster.connect as an application does, authenticating with PLAIN; every wait bounded."""
-    auth = PasswordAuthenticator(user, PASSWORD, allowed_sasl_mechanisms=["PLAIN"])
-    timeouts = ClusterTimeoutOptions(
-        bootstrap_timeout=timedelta(seconds=10),
-        kv_timeout=timedelta(seconds=5),
-        connect_timeout=timedelta(seconds=10),
-    )
-    cluster = Cluster.connect(
-        f"couchbase://{node.host}:{node.port}", ClusterOptions(auth, timeout_options=timeouts)
-    )
-    cluster.wait_until_ready(timedelta(seconds=15))
-    return cluster
 
 
 def test_the_sdk_bootstraps_and_round_trips_documents(tmp_path):
     node = start_node(tmp_path, "n", extra=users_config({"app": ["read", "write"]}))
     try:
-        cluster = sdk_cluster(node, "app")
+        cluster = sdk_cluster(node, "app", PASSWORD, ["PLAIN"])
         try:
             coll = cluster.bucket("default").default_collection()
             docs = {f"user::{i}": {"name": f"user {i}", "n": i} for i in range(50)}
@@ -66,7 +45,7 @@ def test_the_sdk_follows_the_map_to_a_promoted_replica(tmp_path):
         # A client finds the replica in the active's map once the replica streams from it; one
         # that only ever knew the active has nowhere to go when it dies.
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app")
+        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
         try:
             coll = cluster.bucket("default").default_collection()
             for i in range(20):

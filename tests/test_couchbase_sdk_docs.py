@@ -1,9 +1,6 @@
 """The official Couchbase Python SDK's document operations against `sluice serve`: exists
 (GET_META), get with expiry (a sub-document lookup of `$document.exptime`), lookup_in,
-mutate_in, get_and_lock / unlock, get_any_replica.
-
-The SDK bootstraps only from a node that answers GET_CLUSTER_CONFIG (0xb5); until sluice does,
-these tests skip, asking the node itself rather than assuming."""
+mutate_in, get_and_lock / unlock, get_any_replica."""
 
 from __future__ import annotations
 
@@ -11,38 +8,18 @@ import time
 from datetime import timedelta
 
 import pytest
+from couchbase_sdk import sdk_cluster
 from helpers import Node, write_users_config
-from mcbp_wire import connect, login, read_response, request
-
-couchbase = pytest.importorskip("couchbase")
-
-GET_CLUSTER_CONFIG = 0xB5
 
 
 @pytest.fixture
 def collection(tmp_path):
-    """The default collection of a node with users, through the SDK (PLAIN login), or a skip
-    when the node does not serve the cluster config the SDK bootstraps from."""
-    from couchbase.auth import PasswordAuthenticator
-    from couchbase.cluster import Cluster
-    from couchbase.options import ClusterOptions, ClusterTimeoutOptions
-
+    """The default collection of a node with users, through the SDK (user ada, read and write)."""
     users = tmp_path / "users.toml"
     write_users_config(users, '["read"]')
     node = Node(tmp_path / "n", "--config", str(users))
     try:
-        with connect(node) as s:
-            assert login(s, "ada", "ada-secret") == 0
-            s.sendall(request(GET_CLUSTER_CONFIG))
-            if read_response(s)["status"] != 0:
-                pytest.skip("this sluice does not answer GET_CLUSTER_CONFIG, which the SDK bootstraps from")
-        auth = PasswordAuthenticator("ada", "ada-secret", allowed_sasl_mechanisms=["PLAIN"])
-        timeouts = ClusterTimeoutOptions(
-            kv_timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=10)
-        )
-        cluster = Cluster.connect(
-            f"couchbase://{node.host}:{node.port}", ClusterOptions(auth, timeout_options=timeouts)
-        )
+        cluster = sdk_cluster(node, "ada", "ada-secret", ["PLAIN"])
         try:
             yield cluster.bucket("default").default_collection()
         finally:

@@ -11,22 +11,15 @@ from datetime import timedelta
 
 import pytest
 import sluice
-from helpers import NUM_VBUCKETS, run_cli, start_node, wait_converged
-from test_couchbase_bootstrap import wait_for_map
-from test_couchbase_sdk import sdk_cluster
-from test_permissions import PASSWORD, users_config
-
-couchbase = pytest.importorskip("couchbase")
-
-from couchbase.durability import DurabilityLevel, ServerDurability  # noqa: E402
-from couchbase.exceptions import (  # noqa: E402
+from couchbase.durability import DurabilityLevel, ServerDurability
+from couchbase.exceptions import (
     CasMismatchException,
     DocumentExistsException,
     DocumentNotFoundException,
     DurabilityImpossibleException,
     DurabilitySyncWriteAmbiguousException,
 )
-from couchbase.options import (  # noqa: E402
+from couchbase.options import (
     DecrementOptions,
     DeltaValue,
     GetOptions,
@@ -35,7 +28,11 @@ from couchbase.options import (  # noqa: E402
     SignedInt64,
     UpsertOptions,
 )
-from couchbase.transcoder import RawBinaryTranscoder  # noqa: E402
+from couchbase.transcoder import RawBinaryTranscoder
+from couchbase_sdk import sdk_cluster
+from helpers import NUM_VBUCKETS, run_cli, start_node, wait_converged
+from test_couchbase_bootstrap import wait_for_map
+from test_permissions import PASSWORD, users_config
 
 USERS = users_config({"app": ["read", "write"], "repl": ["replication"], "ops": ["admin"]})
 
@@ -53,7 +50,7 @@ def vbucket_status(node, vb: int) -> dict:
 def test_every_collection_operation(tmp_path):
     node = start_node(tmp_path, "n", extra=USERS)
     try:
-        cluster = sdk_cluster(node, "app")
+        cluster = sdk_cluster(node, "app", PASSWORD, ["PLAIN"])
         try:
             coll = cluster.bucket("default").default_collection()
             first = coll.insert("doc", {"v": 1})
@@ -117,7 +114,7 @@ def test_durable_writes_and_replica_reads(tmp_path):
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app")
+        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
         try:
             coll = cluster.bucket("default").default_collection()
             levels = [
@@ -220,7 +217,7 @@ def test_a_steady_sdk_writer_rides_a_failover(tmp_path, monkeypatch):
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app")
+        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
         try:
             coll = cluster.bucket("default").default_collection()
             monkeypatch.setenv("SLUICE_PASSWORD", PASSWORD)  # the operator's, for the CLI

@@ -1,0 +1,29 @@
+"""Couchbase's Python SDK as an application uses it, for the tests that run it against
+`sluice serve`: a connected cluster with every wait bounded."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from couchbase.auth import PasswordAuthenticator
+from couchbase.cluster import Cluster
+from couchbase.options import ClusterOptions, ClusterTimeoutOptions
+
+
+def sdk_cluster(node, user: str, password: str, mechanisms: list[str] | None = None) -> Cluster:
+    """Cluster.connect to `node`'s KV port as `user`; `mechanisms` limits the SASL mechanisms
+    the SDK may use (None: its default, SCRAM-SHA512 on plain TCP)."""
+    if mechanisms is None:
+        auth = PasswordAuthenticator(user, password)
+    else:
+        auth = PasswordAuthenticator(user, password, allowed_sasl_mechanisms=mechanisms)
+    timeouts = ClusterTimeoutOptions(
+        bootstrap_timeout=timedelta(seconds=10),
+        kv_timeout=timedelta(seconds=5),
+        connect_timeout=timedelta(seconds=10),
+    )
+    cluster = Cluster.connect(
+        f"couchbase://{node.host}:{node.port}", ClusterOptions(auth, timeout_options=timeouts)
+    )
+    cluster.wait_until_ready(timedelta(seconds=15))
+    return cluster
