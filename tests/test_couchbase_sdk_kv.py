@@ -244,3 +244,50 @@ def test_a_steady_sdk_writer_rides_a_failover(tmp_path, monkeypatch):
     finally:
         replica.stop()
         active.stop()
+
+
+def test_a_steady_sdk_writer_rides_a_vbucket_move(tmp_path, monkeypatch):
+    """X with its replica Y; vbucket 5 moves from X to Z, a node of its own, under an SDK writer
+    that bootstrapped from X alone: the writer follows X's new map to Z for vbucket 5, and only
+    for it (Z's own view, every vbucket active there, never wins over the newer map)."""
+    login_as = replica_login(tmp_path)
+    x = start_node(tmp_path, "x", extra=USERS)
+    y = start_node(tmp_path, "y", "--replica-of", x.address, extra=USERS + login_as)
+    z = start_node(tmp_path, "z", extra=USERS + login_as)
+    vb = 5
+    try:
+        wait_for_map(x, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        cluster = sdk_cluster(x, "app", PASSWORD, ["PLAIN"])
+        try:
+            coll = cluster.bucket("default").default_collection()
+            writer = SteadyWriter(coll)
+            time.sleep(1.0)
+            monkeypatch.setenv("SLUICE_PASSWORD", PASSWORD)  # the operator's, for both nodes
+            moved = run_cli(
+                "move-vbucket",
+                "--vb",
+                str(vb),
+                "--from",
+                x.admin,
+                "--to",
+                z.admin,
+                "--user",
+                "ops",
+                timeout=120,
+            )
+            assert moved.returncode == 0, moved.stdout + moved.stderr
+            on_z = vbucket_status(z, vb)["high_seqno"]
+            deadline = time.monotonic() + 30
+            while vbucket_status(z, vb)["high_seqno"] < on_z + 20:
+                assert time.monotonic() < deadline, "the writer never reached vbucket 5 on Z"
+                time.sleep(0.2)
+            time.sleep(3.0)  # past the SDK's 2.5 s map polls of both nodes
+            writer.finish()
+            writer.check(coll)
+            written_on_z = {v["vbucket"] for v in z.status()["buckets"][0]["vbuckets"] if v["high_seqno"]}
+            assert written_on_z == {vb}
+        finally:
+            cluster.close()
+    finally:
+        for node in (z, y, x):
+            node.stop()

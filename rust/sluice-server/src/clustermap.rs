@@ -106,6 +106,11 @@ pub struct ClusterMap {
     replicas: Mutex<HashMap<String, Endpoint>>,
     /// Vbuckets handed over to another node, by bucket and vbucket.
     moved: Mutex<HashMap<(String, u16), Endpoint>>,
+    /// Vbuckets being taken over onto this node. Their passing states (replica, pending) are
+    /// not published: the source's map, whose rev rises when it hands them over, is the one
+    /// that tells clients they moved, and a destination that published its passing states
+    /// would end with a newer rev than the source's and have clients follow its own view.
+    arriving: Mutex<std::collections::HashSet<(String, u16)>>,
     served: Mutex<HashMap<String, Served>>,
     /// The newest rev of any bucket: connections that asked for pushes watch it.
     changed: watch::Sender<i64>,
@@ -136,6 +141,7 @@ impl ClusterMap {
             active: Mutex::new(None),
             replicas: Mutex::new(HashMap::new()),
             moved: Mutex::new(HashMap::new()),
+            arriving: Mutex::new(std::collections::HashSet::new()),
             served: Mutex::new(HashMap::new()),
             changed: watch::channel(0).0,
         }
@@ -172,9 +178,21 @@ impl ClusterMap {
             .insert((bucket.to_string(), vb), to.clone());
     }
 
+    /// Vbucket `vb` of `bucket` is being taken over onto this node: until `arrived` (or
+    /// `not_arriving` when the takeover fails), the map shows it here, as it will be.
+    pub fn arriving(&self, bucket: &str, vb: u16) {
+        self.arriving.lock().insert((bucket.to_string(), vb));
+    }
+
+    /// The takeover onto this node failed: the vbucket shows its real state again.
+    pub fn not_arriving(&self, bucket: &str, vb: u16) {
+        self.arriving.lock().remove(&(bucket.to_string(), vb));
+    }
+
     /// A vbucket taken over onto this node is no longer elsewhere.
     pub fn arrived(&self, bucket: &str, vb: u16) {
         self.moved.lock().remove(&(bucket.to_string(), vb));
+        self.arriving.lock().remove(&(bucket.to_string(), vb));
     }
 
     /// Connections that asked for change notifications watch this (the newest rev).
@@ -191,8 +209,14 @@ impl ClusterMap {
         let active = self.active.lock().clone();
         let replicas = self.replicas.lock().clone();
         let moved = self.moved.lock().clone();
+        let arriving = self.arriving.lock().clone();
         for vb in 0..bucket.num_vbuckets() {
-            let chain = match engine.vbucket_state(bucket, vb) {
+            let state = if arriving.contains(&(bucket.name().to_string(), vb)) {
+                Some(VbState::Active)
+            } else {
+                engine.vbucket_state(bucket, vb)
+            };
+            let chain = match state {
                 Some(VbState::Active | VbState::Pending) => {
                     let mut c = vec![0];
                     for f in bucket.acks.following(vb) {
@@ -241,6 +265,13 @@ impl ClusterMap {
                 layout: Layout::default(),
                 rev: 0,
             });
+        if s.layout != layout && s.rev != 0 && self.active.lock().is_some() {
+            // A replica's view changes when its active's does (a vbucket the active gave away
+            // goes dead here too): the active's map, raised when it made the change, is the
+            // one clients follow, so the replica serves its view without outbidding it.
+            s.layout = layout.clone();
+            return (layout, s.rev);
+        }
         if s.layout != layout {
             // Rising on this node whatever the clock does.
             s.rev = now_ms().max(newest + 1).max(s.rev + 1);

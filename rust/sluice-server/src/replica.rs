@@ -715,18 +715,36 @@ pub fn take_over(
             vbucket: vb,
             bucket: bucket.name().to_string(),
         })?;
-    match pos.state {
-        VbState::Active if pos.high_seqno > 0 => {
-            return Err(ReplicationError::ActiveWithData {
-                vbucket: vb,
-                high_seqno: pos.high_seqno,
-            })
-        }
-        VbState::Active | VbState::Dead => {
-            engine.set_vbucket_state(bucket, vb, VbState::Replica)?
-        }
-        VbState::Replica | VbState::Pending => {}
+    if pos.state == VbState::Active && pos.high_seqno > 0 {
+        return Err(ReplicationError::ActiveWithData {
+            vbucket: vb,
+            high_seqno: pos.high_seqno,
+        });
     }
+    clustermap.arriving(bucket.name(), vb);
+    let result = match pos.state {
+        VbState::Active | VbState::Dead => engine
+            .set_vbucket_state(bucket, vb, VbState::Replica)
+            .map_err(ReplicationError::from),
+        VbState::Replica | VbState::Pending => Ok(()),
+    }
+    .and_then(|()| take_over_stream(engine, bucket, vb, source, timeout, clustermap));
+    if result.is_err() {
+        clustermap.not_arriving(bucket.name(), vb);
+        clustermap.refresh(engine);
+    }
+    result
+}
+
+/// The takeover stream of `take_over`, once this node's copy is a replica.
+fn take_over_stream(
+    engine: &Engine,
+    bucket: &Arc<Bucket>,
+    vb: u16,
+    source: &ReplicaConfig,
+    timeout: Duration,
+    clustermap: &ClusterMap,
+) -> Result<TakeoverReport, ReplicationError> {
     let (_, state) = own_state(engine, bucket);
     let started = Instant::now();
     let consumer = Consumer::start(ConsumerConfig {
