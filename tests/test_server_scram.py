@@ -113,6 +113,8 @@ def test_wrong_password_unknown_user_and_missing_keys_fail_alike(node):
             answers[user] = (r["opcode"], r["status"], r["value"])
     assert answers["ada"] == (SASL_STEP, AUTH_ERROR, b"Auth failure")
     assert answers["nobody"] == answers["ada"] == answers["old"]
+    warning = "config: users.old: no SCRAM-SHA512, SCRAM-SHA256, SCRAM-SHA1 credentials; SDK logins"
+    assert any(warning in line for line in node.lines), "sluice serve logs it at start"
     # An unknown user's salt and iteration count are as stable as a real one's.
     with fresh(node) as s:
         one = start(s, "SCRAM-SHA256", "nobody")["value"]
