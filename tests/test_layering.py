@@ -43,7 +43,9 @@ def test_no_module_cycles(crate: str) -> None:
 # sluice-server's modules, lowest layer first.
 SERVER_LAYERS = [
     # leaves: no other module of the crate
-    {"auth", "base64", "clustermap", "metrics", "ratelimit", "tls", "stream"},
+    {"base64", "clustermap", "metrics", "ratelimit", "tls", "stream"},
+    {"scram"},  # SCRAM's messages and keys (base64 on the wire)
+    {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
     {"stats", "policy", "limits"},  # counters, plugins, pre-login bounds
     {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
     # fronts a connection is handed to (SASL, change streams, memcached's text protocol)

@@ -22,10 +22,10 @@ from sluice.config import (
     ENGINE_KEYS,
     Config,
     example_toml,
-    hash_password,
     is_loopback,
     load_config,
     reference,
+    user_credentials,
 )
 from sluice.policy import PluginError, PluginRunner
 
@@ -65,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
     listen = cfg.values["listen"]
     settings = cfg.to_native()
+    for warning in cfg.warnings():
+        log.warning("config: %s", warning)
     started = time.monotonic()
     # A fatal signal (SIGABRT from a supervisor or a test whose stop timed out, a crash) prints
     # every thread's Python stack to stderr: where a stop hangs shows in the log.
@@ -168,6 +170,8 @@ def _reload(
     current = dataclasses.replace(current, values={**current.values, **{k: new.values[k] for k in live}})
     if new.users != current.users:
         server.set_users(new.user_list())
+        for warning in new.warnings():
+            log.warning("reload: %s", warning)
         added, removed = (
             sorted(set(new.users) - set(current.users)),
             sorted(set(current.users) - set(new.users)),
@@ -688,7 +692,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_user_hash(_args: argparse.Namespace) -> int:
     """Reads a password (a prompt on a terminal, twice, else the first line of stdin) and prints the
-    password_hash for [users.NAME]; the password itself is never stored."""
+    credentials for [users.NAME], one TOML line per SCRAM mechanism (PLAIN checks against them
+    too); the password itself is never stored."""
     if sys.stdin.isatty():
         password = getpass.getpass("password: ")
         # A typo at a prompt that does not echo would be stored for good: ask twice.
@@ -700,7 +705,8 @@ def cmd_user_hash(_args: argparse.Namespace) -> int:
     if not password:
         print("sluice user hash: an empty password", file=sys.stderr)
         return EXIT_USAGE
-    print(hash_password(password))
+    for key, value in user_credentials(password).items():
+        print(f'{key} = "{value}"')
     return EXIT_OK
 
 
@@ -721,6 +727,8 @@ def cmd_wal_dump(args: argparse.Namespace) -> int:
 def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     cfg.to_native()
+    for warning in cfg.warnings():
+        print(f"{args.file}: warning: {warning}", file=sys.stderr)
     print(f"{args.file}: ok ({len(cfg.buckets)} bucket(s): {', '.join(cfg.buckets)})")
     return EXIT_OK
 
@@ -968,10 +976,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
     b.set_defaults(func=cmd_bench)
 
-    u = sub.add_parser("user", help="manage users: print the password hash for [users.NAME]")
+    u = sub.add_parser("user", help="manage users: print the credentials for [users.NAME]")
     usub = u.add_subparsers(dest="user_command", metavar="ACTION")
     usub.required = True
-    uh = usub.add_parser("hash", help="read a password (prompt or stdin) and print its password_hash")
+    uh = usub.add_parser(
+        "hash",
+        help="read a password (prompt or stdin) and print the lines to put under [users.NAME]: "
+        "scram_sha512, scram_sha256, scram_sha1 (salted and iterated keys, never the password)",
+    )
     uh.set_defaults(func=cmd_user_hash)
 
     c = sub.add_parser("config", help="check a configuration file or print the reference of every key")

@@ -759,9 +759,15 @@ class Config:
             values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
         return dataclasses.replace(self, values=values)
 
-    def user_list(self) -> list[tuple[str, str, dict[str, list[str]]]]:
+    def user_list(self) -> list[tuple[str, dict[str, str], dict[str, list[str]]]]:
         """The users as `sluice._native.Server` takes them."""
-        return [(n, u["password_hash"], dict(u["buckets"])) for n, u in self.users.items()]
+        return [(n, dict(u["credentials"]), dict(u["buckets"])) for n, u in self.users.items()]
+
+    def warnings(self) -> list[str]:
+        """What the configuration allows but will likely not do what its users want, "key: reason"
+        each: users without credentials for a SCRAM mechanism (a warning, not an error, so that
+        configurations from before SCRAM keep serving PLAIN)."""
+        return [w for name, u in self.users.items() for w in _user_warnings(name, u)]
 
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
@@ -822,10 +828,24 @@ class Config:
 
 PERMISSIONS = ("read", "write", "stream", "admin", "replication")
 _HASH = re.compile(r"pbkdf2-sha256:\d+:[0-9a-f]{16,}:[0-9a-f]{64}")
+# SCRAM credentials per mechanism: [users.NAME] key -> (hashlib name, SASL name, key length).
+SCRAM_MECHANISMS = {
+    "scram_sha512": ("sha512", "SCRAM-SHA512", 64),
+    "scram_sha256": ("sha256", "SCRAM-SHA256", 32),
+    "scram_sha1": ("sha1", "SCRAM-SHA1", 20),
+}
+CREDENTIAL_KEYS = ("password_hash", *SCRAM_MECHANISMS)
+DEFAULT_ITERATIONS = 100_000
+
+
+def _scram_form(key: str) -> re.Pattern[str]:
+    n = SCRAM_MECHANISMS[key][2] * 2
+    return re.compile(rf"{key.replace('_', '-')}:\d+:[0-9a-f]{{16,}}:[0-9a-f]{{{n}}}:[0-9a-f]{{{n}}}")
 
 
 def _user(name: str, table: Any) -> dict[str, Any]:
-    """[users.NAME]: password_hash (from `sluice user hash`; never a password) and buckets, a table of
+    """[users.NAME]: credentials (the output of `sluice user hash`: scram_sha512, scram_sha256,
+    scram_sha1; from older configurations password_hash; never a password) and buckets, a table of
     bucket name (or "*") to a list of permissions among read, write, stream, admin, replication."""
     path = f"users.{name}"
     if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,128}", name):
@@ -835,21 +855,29 @@ def _user(name: str, table: Any) -> dict[str, Any]:
     if "password" in table:
         raise _fail(
             f"{path}.password",
-            "passwords are never stored; put the output of `sluice user hash` in password_hash",
+            f"passwords are never stored; put the output of `sluice user hash` under [{path}]",
         )
     for key in table:
-        if key not in ("password_hash", "buckets"):
-            raise _fail(f"{path}.{key}", "unknown key (known: password_hash, buckets)")
-    if "password_hash" not in table:
-        raise _fail(
-            f"{path}.password_hash", "required: the output of `sluice user hash` (passwords are never stored)"
-        )
-    h = _str(f"{path}.password_hash", table["password_hash"])
-    if not _HASH.fullmatch(h):
-        raise _fail(
-            f"{path}.password_hash",
-            "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX from `sluice user hash`",
-        )
+        if key not in (*CREDENTIAL_KEYS, "buckets"):
+            raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(CREDENTIAL_KEYS)}, buckets)")
+    credentials = {}
+    for key in CREDENTIAL_KEYS:
+        if key not in table:
+            continue
+        value = _str(f"{path}.{key}", table[key])
+        if key == "password_hash" and not _HASH.fullmatch(value):
+            raise _fail(
+                f"{path}.{key}", "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX from `sluice user hash`"
+            )
+        if key != "password_hash" and not _scram_form(key).fullmatch(value):
+            raise _fail(
+                f"{path}.{key}",
+                f"expected {key.replace('_', '-')}:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX "
+                "from `sluice user hash`",
+            )
+        credentials[key] = value
+    if not credentials:
+        raise _fail(path, f"no credentials: put the output of `sluice user hash` under [{path}]")
     raw = table.get("buckets", {})
     if not isinstance(raw, dict):
         raise _fail(f"{path}.buckets", 'expected a table such as { default = ["read", "write"] }')
@@ -863,17 +891,50 @@ def _user(name: str, table: Any) -> dict[str, Any]:
                 f"{path}.buckets.{b}", f"unknown permission {bad[0]!r} (known: {', '.join(PERMISSIONS)})"
             )
         buckets[b] = list(perms)
-    return {"password_hash": h, "buckets": buckets}
+    return {"credentials": credentials, "buckets": buckets}
 
 
-def hash_password(password: str, iterations: int = 100_000) -> str:
-    """What `sluice user hash` prints: PBKDF2-HMAC-SHA256 with a random 16-byte salt."""
+def _user_warnings(name: str, user: Mapping[str, Any]) -> list[str]:
+    """What a user's credentials leave out: SCRAM mechanisms it cannot log in with."""
+    missing = [SCRAM_MECHANISMS[k][1] for k in SCRAM_MECHANISMS if k not in user["credentials"]]
+    if not missing:
+        return []
+    if "SCRAM-SHA512" in missing:
+        why = "SDK logins with the default authenticator will fail"
+    else:
+        why = "clients that ask for them will fail"
+    return [f"users.{name}: no {', '.join(missing)} credentials; {why}: run sluice user hash"]
+
+
+def hash_password(password: str, iterations: int = DEFAULT_ITERATIONS) -> str:
+    """A password_hash as configurations before SCRAM held it: PBKDF2-HMAC-SHA256 with a random
+    16-byte salt (SASL PLAIN and the admin endpoint only)."""
     import hashlib
     import os
 
     salt = os.urandom(16)
     digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
     return f"pbkdf2-sha256:{iterations}:{salt.hex()}:{digest.hex()}"
+
+
+def user_credentials(password: str, iterations: int = DEFAULT_ITERATIONS) -> dict[str, str]:
+    """What `sluice user hash` prints, [users.NAME] key -> value: per SCRAM mechanism
+    `scram-shaN:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX` (RFC 5802: StoredKey = H(ClientKey),
+    ServerKey = HMAC(SaltedPassword, "Server Key"); neither the password nor the salted password),
+    each with a random 16-byte salt of its own. PLAIN checks against the SCRAM-SHA512 keys."""
+    import hashlib
+    import hmac
+    import os
+
+    out = {}
+    for key, (hash_name, _, _) in SCRAM_MECHANISMS.items():
+        salt = os.urandom(16)
+        salted = hashlib.pbkdf2_hmac(hash_name, password.encode(), salt, iterations)
+        stored = hashlib.new(hash_name, hmac.digest(salted, b"Client Key", hash_name)).digest()
+        server = hmac.digest(salted, b"Server Key", hash_name)
+        scheme = key.replace("_", "-")
+        out[key] = f"{scheme}:{iterations}:{salt.hex()}:{stored.hex()}:{server.hex()}"
+    return out
 
 
 def _bucket(name: str, table: Any) -> dict[str, Any]:

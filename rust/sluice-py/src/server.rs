@@ -39,16 +39,28 @@ pub(crate) struct Server {
 
 type UserSpec = (
     String,
-    String,
+    std::collections::HashMap<String, String>,
     std::collections::HashMap<String, Vec<String>>,
 );
 
-/// (name, password hash, {bucket: [permission, ...]}) from the validated configuration.
+/// (name, {credential key: value}, {bucket: [permission, ...]}) from the validated
+/// configuration; the credential keys are those of [users.NAME] (password_hash, scram_sha512,
+/// scram_sha256, scram_sha1).
 fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
     let mut users = Vec::with_capacity(specs.len());
-    for (name, hash, buckets) in specs {
-        let hash = sluice_server::auth::PasswordHash::parse(&hash)
-            .map_err(|e| config_err(&format!("users.{name}.password_hash"), e))?;
+    for (name, given, buckets) in specs {
+        let mut credentials = sluice_server::auth::Credentials::default();
+        for (key, value) in given {
+            credentials
+                .add(&key, &value)
+                .map_err(|e| config_err(&format!("users.{name}.{key}"), e))?;
+        }
+        if credentials.is_empty() {
+            return Err(config_err(
+                &format!("users.{name}"),
+                "no credentials: put the output of `sluice user hash` under it",
+            ));
+        }
         let mut perms = std::collections::HashMap::new();
         for (bucket, names) in buckets {
             let mut bits = 0;
@@ -64,7 +76,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
         }
         users.push(sluice_server::auth::User {
             name,
-            hash,
+            credentials,
             buckets: perms,
         });
     }

@@ -1,11 +1,28 @@
-//! Users and permissions: SASL PLAIN against PBKDF2-SHA256 hashes from the configuration
-//! (never a password at rest), and per-bucket permissions. With no user configured the node
-//! serves anyone (loopback only, unless the operator says --insecure).
+//! Users and permissions: SASL logins against credentials from the configuration (never a
+//! password at rest), and per-bucket permissions.
+//!
+//! A user's credentials are SCRAM keys per mechanism (`scram_sha512`, `scram_sha256`,
+//! `scram_sha1`: salt, iterations, StoredKey, ServerKey; see `scram`) and, from configurations
+//! older than SCRAM, a PBKDF2-SHA256 `password_hash`. PLAIN checks the password against the
+//! `password_hash` when there is one, else against the strongest SCRAM keys.
+//!
+//! With no user configured the node serves anyone (loopback only, unless the operator says
+//! --insecure), and every SASL login with an offered mechanism succeeds at once, whatever the
+//! name and password (see `kv::sasl`).
 
 use std::collections::HashMap;
 
 use pbkdf2::pbkdf2_hmac;
 use sha2::Sha256;
+
+use crate::scram::{self, Mechanism, ScramError};
+
+/// What SASL_LIST_MECHS answers: SCRAM strongest first, then PLAIN.
+pub const MECHANISMS: &str = "SCRAM-SHA512 SCRAM-SHA256 SCRAM-SHA1 PLAIN";
+
+/// The iteration count `sluice user hash` uses, and that of the fake salt of a mechanism no
+/// user has keys for.
+pub const DEFAULT_ITERATIONS: u32 = 100_000;
 
 pub const READ: u8 = 1;
 pub const WRITE: u8 = 2;
@@ -103,18 +120,164 @@ impl PasswordHash {
     pub fn verify(&self, password: &[u8]) -> bool {
         let mut out = [0u8; 32];
         pbkdf2_hmac::<Sha256>(password, &self.salt, self.iterations, &mut out);
-        // Constant time: every byte is compared whatever the first difference.
-        out.iter()
-            .zip(&self.hash)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+        scram::constant_time_eq(&out, &self.hash)
     }
+}
+
+/// Why a configured SCRAM credential is unusable; the texts follow `users.NAME.scram_shaN:`
+/// in the configuration check's message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScramKeysError {
+    #[error("expected {0}:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX from sluice user hash")]
+    Form(&'static str),
+    #[error("bad iteration count {0:?}")]
+    Iterations(String),
+    #[error("iteration count {0} is not in 1000..=10000000")]
+    IterationsOutOfRange(u32),
+    #[error("salt must be at least 8 bytes of hex")]
+    Salt,
+    #[error("stored and server keys must be {0} bytes of hex each")]
+    Key(usize),
+}
+
+/// `scram-shaN:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX`, as `sluice user hash` prints
+/// it, for `mechanism`.
+pub fn parse_scram_keys(mechanism: Mechanism, s: &str) -> Result<scram::Keys, ScramKeysError> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [scheme, iterations, salt, stored_key, server_key] = parts[..] else {
+        return Err(ScramKeysError::Form(mechanism.scheme()));
+    };
+    if scheme != mechanism.scheme() {
+        return Err(ScramKeysError::Form(mechanism.scheme()));
+    }
+    let iterations: u32 = iterations
+        .parse()
+        .map_err(|_| ScramKeysError::Iterations(iterations.to_string()))?;
+    if !(1_000..=10_000_000).contains(&iterations) {
+        return Err(ScramKeysError::IterationsOutOfRange(iterations));
+    }
+    let salt = unhex(salt)
+        .filter(|s| s.len() >= 8)
+        .ok_or(ScramKeysError::Salt)?;
+    let key = |k: &str| {
+        unhex(k)
+            .filter(|k| k.len() == mechanism.key_len())
+            .ok_or(ScramKeysError::Key(mechanism.key_len()))
+    };
+    Ok(scram::Keys {
+        mechanism,
+        iterations,
+        salt,
+        stored_key: key(stored_key)?,
+        server_key: key(server_key)?,
+    })
+}
+
+/// A user's credentials as configured.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    /// `password_hash` (PLAIN only).
+    pub password_hash: Option<PasswordHash>,
+    /// SCRAM keys, one per mechanism at most.
+    pub scram: Vec<scram::Keys>,
+}
+
+impl Credentials {
+    /// Adds the credential configured under `key` (`password_hash`, `scram_sha512`,
+    /// `scram_sha256`, `scram_sha1`); the error is the text after `users.NAME.KEY: `.
+    pub fn add(&mut self, key: &str, value: &str) -> Result<(), String> {
+        if key == "password_hash" {
+            self.password_hash = Some(PasswordHash::parse(value).map_err(|e| e.to_string())?);
+            return Ok(());
+        }
+        let mechanism = Mechanism::ALL
+            .into_iter()
+            .find(|m| m.scheme().replace('-', "_") == key)
+            .ok_or_else(|| {
+                "unknown credential (known: password_hash, scram_sha512, scram_sha256, scram_sha1)"
+                    .to_string()
+            })?;
+        let keys = parse_scram_keys(mechanism, value).map_err(|e| e.to_string())?;
+        self.scram.retain(|k| k.mechanism != mechanism);
+        self.scram.push(keys);
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.password_hash.is_none() && self.scram.is_empty()
+    }
+
+    pub fn scram(&self, mechanism: Mechanism) -> Option<&scram::Keys> {
+        self.scram.iter().find(|k| k.mechanism == mechanism)
+    }
+
+    /// What PLAIN checks a password against: the `password_hash`, else the strongest keys.
+    fn plain_check(&self) -> Option<PlainCheck<'_>> {
+        match &self.password_hash {
+            Some(h) => Some(PlainCheck::Hash(h)),
+            None => Mechanism::ALL
+                .into_iter()
+                .find_map(|m| self.scram(m))
+                .map(PlainCheck::Scram),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum PlainCheck<'a> {
+    Hash(&'a PasswordHash),
+    Scram(&'a scram::Keys),
+}
+
+impl PlainCheck<'_> {
+    fn iterations(self) -> u32 {
+        match self {
+            PlainCheck::Hash(h) => h.iterations,
+            PlainCheck::Scram(k) => k.iterations,
+        }
+    }
+
+    fn verify(self, password: &[u8]) -> bool {
+        match self {
+            PlainCheck::Hash(h) => h.verify(password),
+            PlainCheck::Scram(k) => k.verify_password(password),
+        }
+    }
+
+    /// The same check with a salt of its own and a hash nothing matches: what a name no user
+    /// has costs.
+    fn dummy(self) -> Credentials {
+        let salt = b"sluice-unknown-user".to_vec();
+        match self {
+            PlainCheck::Hash(h) => Credentials {
+                password_hash: Some(PasswordHash {
+                    iterations: h.iterations,
+                    salt,
+                    hash: vec![0; 32],
+                }),
+                scram: Vec::new(),
+            },
+            PlainCheck::Scram(k) => Credentials {
+                password_hash: None,
+                scram: vec![scram::Keys {
+                    salt,
+                    stored_key: vec![0; k.stored_key.len()],
+                    ..k.clone()
+                }],
+            },
+        }
+    }
+}
+
+/// The authcid (user name) of a SASL PLAIN message `authzid NUL authcid NUL passwd`.
+pub fn plain_user(data: &[u8]) -> &[u8] {
+    data.split(|&b| b == 0).nth(1).unwrap_or_default()
 }
 
 #[derive(Debug, Clone)]
 pub struct User {
     pub name: String,
-    pub hash: PasswordHash,
+    pub credentials: Credentials,
     /// Bucket name (or "*" for every bucket) -> permission bits.
     pub buckets: HashMap<String, u8>,
 }
@@ -128,25 +291,30 @@ impl User {
 #[derive(Debug, Clone, Default)]
 pub struct Users {
     by_name: HashMap<String, User>,
-    /// Checked for a name no user has, so that an unknown user takes as long as a wrong
-    /// password: the largest iteration count configured, a salt of its own.
-    dummy: Option<PasswordHash>,
+    /// Checked by PLAIN for a name no user has, so that an unknown user takes as long as a
+    /// wrong password: the costliest check configured, with a salt of its own.
+    dummy: Option<Credentials>,
+    /// Per mechanism, the iteration count a SCRAM exchange for a user without keys announces:
+    /// the largest configured for that mechanism.
+    fake_iterations: HashMap<Mechanism, u32>,
 }
 
 impl Users {
     pub fn new(users: Vec<User>) -> Users {
         let dummy = users
             .iter()
-            .map(|u| u.hash.iterations)
-            .max()
-            .map(|iterations| PasswordHash {
-                iterations,
-                salt: b"sluice-unknown-user".to_vec(),
-                hash: vec![0; 32],
-            });
+            .filter_map(|u| u.credentials.plain_check())
+            .max_by_key(|c| c.iterations())
+            .map(PlainCheck::dummy);
+        let mut fake_iterations = HashMap::new();
+        for keys in users.iter().flat_map(|u| &u.credentials.scram) {
+            let most = fake_iterations.entry(keys.mechanism).or_insert(0);
+            *most = keys.iterations.max(*most);
+        }
         Users {
             by_name: users.into_iter().map(|u| (u.name.clone(), u)).collect(),
             dummy,
+            fake_iterations,
         }
     }
 
@@ -173,18 +341,53 @@ impl Users {
         if parts.next().is_some() || (!authz.is_empty() && authz != authc) {
             return None;
         }
-        let user = std::str::from_utf8(authc)
-            .ok()
-            .and_then(|name| self.by_name.get(name));
-        match (user, &self.dummy) {
-            (Some(user), _) => user.hash.verify(pass).then(|| user.name.clone()),
+        let name = std::str::from_utf8(authc).ok()?;
+        self.verify_password(name, pass).then(|| name.to_string())
+    }
+
+    /// Whether `password` is the user's (PLAIN, the admin endpoint's HTTP Basic). A name no
+    /// user has costs the same work as a wrong password.
+    pub fn verify_password(&self, name: &str, password: &[u8]) -> bool {
+        let check = self
+            .by_name
+            .get(name)
+            .and_then(|u| u.credentials.plain_check());
+        match (check, &self.dummy) {
+            (Some(check), _) => check.verify(password),
             (None, Some(dummy)) => {
                 // Same work as a wrong password; its result does not matter.
-                std::hint::black_box(dummy.verify(pass));
-                None
+                std::hint::black_box(dummy.plain_check().map(|c| c.verify(password)));
+                false
             }
-            (None, None) => None,
+            (None, None) => false,
         }
+    }
+
+    /// Starts a SCRAM exchange from a client-first message: the exchange and the server-first
+    /// message. A user without keys for `mechanism` (unknown, or configured without them) gets
+    /// an exchange that runs the same and fails at the end.
+    pub fn scram_start(
+        &self,
+        mechanism: Mechanism,
+        client_first: &[u8],
+    ) -> Result<(scram::Exchange, String), ScramError> {
+        let first = scram::parse_client_first(client_first)?;
+        let keys = self
+            .by_name
+            .get(&first.user)
+            .and_then(|u| u.credentials.scram(mechanism));
+        let (keys, known) = match keys {
+            Some(keys) => (keys.clone(), true),
+            None => {
+                let iterations = self
+                    .fake_iterations
+                    .get(&mechanism)
+                    .copied()
+                    .unwrap_or(DEFAULT_ITERATIONS);
+                (scram::fake_keys(mechanism, &first.user, iterations)?, false)
+            }
+        };
+        scram::Exchange::start(first, keys, known)
     }
 }
 
@@ -217,10 +420,11 @@ mod tests {
         "pbkdf2-sha256:1000:30313233343536373839616263646566:b622961f2e0500609613c827e86b4a85ac43d8e79e0145165c54ffa7569a365f";
 
     fn users() -> Users {
-        let hash = PasswordHash::parse(HASH).unwrap();
+        let mut credentials = Credentials::default();
+        credentials.add("password_hash", HASH).unwrap();
         Users::new(vec![User {
             name: "ada".into(),
-            hash,
+            credentials,
             buckets: HashMap::from([("default".into(), READ | WRITE)]),
         }])
     }
@@ -245,7 +449,10 @@ mod tests {
         assert_eq!(u.authenticate_plain(b"\0nobody\0secret"), None);
         assert_eq!(u.authenticate_plain(b"ada secret"), None);
         assert_eq!(
-            u.dummy.as_ref().map(|d| d.iterations),
+            u.dummy
+                .as_ref()
+                .and_then(|d| d.plain_check())
+                .map(|c| c.iterations()),
             Some(1000),
             "an unknown user costs a hash of the configured cost"
         );
@@ -283,5 +490,82 @@ mod tests {
             PasswordHashError::Form.to_string(),
             "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX"
         );
+    }
+
+    /// `scram-shaN:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX` of `password`.
+    fn scram_string(mechanism: Mechanism, password: &[u8], iterations: u32) -> String {
+        let k = scram::Keys::derive(mechanism, password, b"0123456789abcdef", iterations);
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        format!(
+            "{}:{iterations}:{}:{}:{}",
+            mechanism.scheme(),
+            hex(&k.salt),
+            hex(&k.stored_key),
+            hex(&k.server_key)
+        )
+    }
+
+    #[test]
+    fn scram_credentials_serve_plain_and_scram_and_are_checked() {
+        let mut credentials = Credentials::default();
+        for m in Mechanism::ALL {
+            let key = m.scheme().replace('-', "_");
+            credentials
+                .add(&key, &scram_string(m, b"pw", 1000))
+                .unwrap();
+        }
+        assert_eq!(credentials.scram.len(), 3);
+        let users = Users::new(vec![User {
+            name: "ada".into(),
+            credentials: credentials.clone(),
+            buckets: HashMap::new(),
+        }]);
+        assert_eq!(
+            users.authenticate_plain(b"\0ada\0pw").as_deref(),
+            Some("ada")
+        );
+        assert_eq!(users.authenticate_plain(b"\0ada\0nope"), None);
+        assert_eq!(users.authenticate_plain(b"\0bob\0pw"), None);
+        assert_eq!(users.fake_iterations[&Mechanism::Sha1], 1000);
+        let (_, known) = users
+            .scram_start(Mechanism::Sha256, b"n,,n=ada,r=x")
+            .unwrap();
+        let (_, unknown) = users
+            .scram_start(Mechanism::Sha256, b"n,,n=bob,r=x")
+            .unwrap();
+        let tail = |s: &str| s.split_once(",s=").unwrap().1.to_string();
+        assert_eq!(
+            tail(&known),
+            format!("{},i=1000", crate::base64::encode(b"0123456789abcdef"))
+        );
+        assert!(unknown.contains(",i=1000"), "{unknown}");
+        assert_eq!(
+            tail(&unknown),
+            tail(
+                &users
+                    .scram_start(Mechanism::Sha256, b"n,,n=bob,r=y")
+                    .unwrap()
+                    .1
+            ),
+            "an unknown user's salt is the same at every look"
+        );
+
+        let err = |key: &str, value: &str| Credentials::default().add(key, value).unwrap_err();
+        let sha1 = scram_string(Mechanism::Sha1, b"pw", 1000);
+        assert_eq!(
+            err("scram_sha256", &sha1),
+            "expected scram-sha256:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX from sluice \
+             user hash"
+        );
+        assert_eq!(
+            err("scram_sha1", &sha1.replace(":1000:", ":10:")),
+            "iteration count 10 is not in 1000..=10000000"
+        );
+        let short = sha1.rsplit_once(':').unwrap().0.to_string() + ":00";
+        assert_eq!(
+            err("scram_sha1", &short),
+            "stored and server keys must be 20 bytes of hex each"
+        );
+        assert!(err("password", "x").starts_with("unknown credential"));
     }
 }

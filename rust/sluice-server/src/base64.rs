@@ -1,5 +1,27 @@
-//! RFC 4648 base64 with padding, decoded without a dependency: HTTP Basic credentials on the
-//! admin endpoint and base64 keys of memcached's meta commands (`b`).
+//! RFC 4648 base64 with padding, without a dependency: HTTP Basic credentials on the admin
+//! endpoint, base64 keys of memcached's meta commands (`b`), and SCRAM's salts, proofs and
+//! signatures.
+
+const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// `bytes` as standard base64 with its padding.
+pub fn encode(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for group in bytes.chunks(3) {
+        let n = group
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= group.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
 
 /// The bytes `s` encodes; None unless it is standard base64 with its padding.
 pub fn decode(s: &[u8]) -> Option<Vec<u8>> {
@@ -45,6 +67,18 @@ mod tests {
         assert_eq!(decode(b"").unwrap(), b"");
         for bad in ["YWR", "YW=h", "Y===", "YWRh!A==", "YQ==YWRh"] {
             assert_eq!(decode(bad.as_bytes()), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn encodes_what_it_decodes() {
+        assert_eq!(encode(b"ada:secret"), "YWRhOnNlY3JldA==");
+        assert_eq!(encode(b"ada:s"), "YWRhOnM=");
+        assert_eq!(encode(b"n,,"), "biws");
+        assert_eq!(encode(b""), "");
+        for len in 0..40u8 {
+            let bytes: Vec<u8> = (0..len).map(|i| i.wrapping_mul(97) ^ 0xa5).collect();
+            assert_eq!(decode(encode(&bytes).as_bytes()).unwrap(), bytes);
         }
     }
 }

@@ -144,7 +144,7 @@ pub async fn run(
             match mcbp::frame_len(&inbuf, max_body) {
                 Ok(Some(n)) => {
                     let frame = inbuf.split_to(n);
-                    let flow = if session.may_block(&frame) {
+                    let flow = if session.is_sasl_attempt(&frame) {
                         let deadline = prelogin.as_ref().map(|_| login_deadline);
                         let out = replies.tail();
                         let ip = peer.ip();

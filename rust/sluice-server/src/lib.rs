@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod policy;
 pub mod ratelimit;
 pub mod replica;
+pub mod scram;
 pub mod server;
 pub mod stats;
 pub mod stream;

@@ -1,6 +1,8 @@
 //! SASL attempts that resist guessing: after a failure, the next attempt for the same user name
 //! or from the same address waits its turn (100 ms, doubling per failure up to 5 s) before the
-//! password is checked. The wait comes before the check, so a client cannot learn the outcome
+//! password is checked: PLAIN's SASL_AUTH, and SCRAM's SASL_STEP (the client's proof; the user
+//! name is the one its SASL_AUTH gave). SCRAM's SASL_AUTH checks nothing and does not wait; a
+//! malformed one counts as a failure. The wait comes before the check, so a client cannot learn the outcome
 //! sooner by dropping the connection; attempts made at once queue one delay apart, so parallel
 //! connections do not multiply the rate. The wait is an async sleep of the connection's task.
 //! Failures are counted (`sluice_auth_failures_total`) and logged at most once per 10 s.
@@ -143,19 +145,26 @@ impl LoginThrottle {
     }
 }
 
-/// The user name (authcid) of a SASL PLAIN request, empty when there is none.
-fn plain_user(frame: &[u8]) -> Vec<u8> {
+/// A SASL request's user name (empty when there is none), and whether it checks a secret
+/// (PLAIN's SASL_AUTH, SCRAM's SASL_STEP) and so waits its turn.
+fn attempt(session: &KvSession, frame: &[u8]) -> (Vec<u8>, bool) {
     match mcbp::parse_request(frame) {
-        Ok(req) if req.key == b"PLAIN" => {
-            let mut parts = req.value.split(|&b| b == 0);
-            parts.nth(1).unwrap_or_default().to_vec()
+        Ok(req) if req.opcode == mcbp::opcode::SASL_STEP => {
+            let user = session.scram_user().unwrap_or_default();
+            (user.as_bytes().to_vec(), true)
         }
-        _ => Vec::new(),
+        Ok(req) if req.key == b"PLAIN" => (crate::auth::plain_user(req.value).to_vec(), true),
+        Ok(req) => match crate::scram::parse_client_first(req.value) {
+            Ok(first) => (first.user.into_bytes(), false),
+            Err(_) => (Vec::new(), false),
+        },
+        Err(_) => (Vec::new(), true),
     }
 }
 
-/// Runs a SASL_AUTH request: waits its turn (an async sleep; the connection reads nothing
-/// meanwhile), checks the password off the async workers, and counts the outcome. Returns
+/// Runs a SASL_AUTH or SASL_STEP request: waits its turn when it checks a secret (an async
+/// sleep; the connection reads nothing meanwhile), checks it off the async workers, and counts
+/// the outcome (a SCRAM exchange that goes on is neither success nor failure). Returns
 /// Close when the wait would outlast `deadline` (the connection's login deadline) or the
 /// server stops meanwhile.
 #[allow(clippy::too_many_arguments)]
@@ -169,8 +178,13 @@ pub async fn sasl_auth(
     stop: &mut watch::Receiver<bool>,
     out: &mut Vec<u8>,
 ) -> Flow {
-    let user = plain_user(frame);
-    let Some(wait) = throttle.turn(&user, ip) else {
+    let (user, checks) = attempt(session, frame);
+    let wait = if checks {
+        throttle.turn(&user, ip)
+    } else {
+        Some(Duration::ZERO)
+    };
+    let Some(wait) = wait else {
         prelogin.stats.auth_failures.fetch_add(1, Relaxed);
         throttle.log.warn(|| {
             format!(
@@ -204,6 +218,8 @@ pub async fn sasl_auth(
     let flow = tokio::task::block_in_place(|| session.handle(frame, out));
     if session.authenticated() {
         throttle.succeeded(&user);
+    } else if session.scram_user().is_some() {
+        // SCRAM's first message answered: the proof comes with SASL_STEP.
     } else {
         throttle.failed(&user, ip);
         prelogin.stats.auth_failures.fetch_add(1, Relaxed);

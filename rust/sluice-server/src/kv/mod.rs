@@ -37,6 +37,7 @@ macro_rules! einval {
 mod meta;
 mod read;
 mod reply;
+mod sasl;
 mod stat;
 mod subdoc;
 mod tap_in;
@@ -110,6 +111,8 @@ pub struct KvSession {
     features: Features,
     /// The authenticated user, if any.
     user: Option<String>,
+    /// A SCRAM exchange between SASL_AUTH and SASL_STEP (`sasl`).
+    scram: Option<crate::scram::Exchange>,
     /// The last WAL record a reply given so far acknowledges: the connection sends no reply
     /// before the WAL has written this far.
     owed_lsn: u64,
@@ -183,6 +186,7 @@ impl KvSession {
             bucket,
             features: Features::default(),
             user: None,
+            scram: None,
             owed_lsn: 0,
             selected: false,
             map_rev: 0,
@@ -330,11 +334,11 @@ impl KvSession {
         self.bucket.clone()
     }
 
-    /// Whether handling this frame takes long on a CPU (the deliberately slow password hash of
-    /// SASL_AUTH), so the caller can move it off the async worker. Durable writes do not
-    /// block: their replies are held (`Flow::Hold`).
-    pub fn may_block(&self, frame: &[u8]) -> bool {
-        frame.get(1) == Some(&op::SASL_AUTH)
+    /// Whether this frame is a SASL attempt (SASL_AUTH, SASL_STEP): the caller runs it through
+    /// `login`, which throttles failures and moves PLAIN's deliberately slow password hash off
+    /// the async worker. Durable writes do not block: their replies are held (`Flow::Hold`).
+    pub fn is_sasl_attempt(&self, frame: &[u8]) -> bool {
+        matches!(frame.get(1), Some(&op::SASL_AUTH | &op::SASL_STEP))
     }
 
     /// The reply to a frame whose body is over the limit: E2BIG, with the header's opaque.
@@ -495,11 +499,7 @@ impl KvSession {
             )
         {
             let Some(user) = self.user.as_deref().and_then(|n| users.get(n)) else {
-                reply.error(
-                    status::AUTH_ERROR,
-                    "authenticate first (SASL PLAIN)",
-                    xerror,
-                );
+                reply.error(status::AUTH_ERROR, "authenticate first (SASL)", xerror);
                 return Flow::Continue;
             };
             let (target, need) = if req.opcode == op::SELECT_BUCKET {
@@ -521,20 +521,7 @@ impl KvSession {
             }
         }
         match req.opcode {
-            op::SASL_LIST_MECHS => reply.send(status::SUCCESS, 0, &[], &[], b"PLAIN", 0),
-            op::SASL_AUTH if req.key == b"PLAIN" => match users.authenticate_plain(req.value) {
-                Some(name) => {
-                    self.user = Some(name);
-                    reply.send(status::SUCCESS, 0, &[], &[], b"Authenticated", 0);
-                }
-                None => {
-                    self.user = None;
-                    reply.error(status::AUTH_ERROR, "Auth failure", xerror);
-                }
-            },
-            op::SASL_AUTH | op::SASL_STEP => {
-                reply.error(status::AUTH_ERROR, "only SASL PLAIN is offered", xerror)
-            }
+            op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => self.sasl(&users, &mut reply),
             op::GET | op::GETQ | op::GETK | op::GETKQ | op::GET_REPLICA => {
                 return self.get(req, &mut reply)
             }

@@ -10,7 +10,7 @@ use sluice_core::{BucketConfig, Engine, EngineConfig};
 use sluice_proto::mcbp::{self, feature, magic, opcode as op, status, HeaderFields};
 
 use super::{Flow, KvContext, KvSession};
-use crate::auth::{PasswordHash, User, UserTable, Users, READ};
+use crate::auth::{Credentials, User, UserTable, Users, READ};
 
 // pbkdf2-sha256 of "secret", 1000 rounds (the hash auth's tests check independently).
 const HASH: &str = "pbkdf2-sha256:1000:30313233343536373839616263646566:b622961f2e0500609613c827e86b4a85ac43d8e79e0145165c54ffa7569a365f";
@@ -137,9 +137,11 @@ fn stream_requests_are_handed_on_unanswered() {
 #[test]
 fn users_log_in_with_sasl_plain_and_get_only_their_permissions() {
     let dir = tempfile::tempdir().unwrap();
+    let mut credentials = Credentials::default();
+    credentials.add("password_hash", HASH).unwrap();
     let users = Users::new(vec![User {
         name: "reader".into(),
-        hash: PasswordHash::parse(HASH).unwrap(),
+        credentials,
         buckets: HashMap::from([("default".into(), READ)]),
     }]);
     let mut s = KvSession::new(context(dir.path(), users));
