@@ -17,7 +17,7 @@ from test_permissions import PASSWORD, users_config
 def test_the_sdk_bootstraps_and_round_trips_documents(tmp_path):
     node = start_node(tmp_path, "n", extra=users_config({"app": ["read", "write"]}))
     try:
-        cluster = sdk_cluster(node, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(node, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             docs = {f"user::{i}": {"name": f"user {i}", "n": i} for i in range(50)}
@@ -45,7 +45,7 @@ def test_the_sdk_follows_the_map_to_a_promoted_replica(tmp_path):
         # A client finds the replica in the active's map once the replica streams from it; one
         # that only ever knew the active has nowhere to go when it dies.
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             for i in range(20):

@@ -1,11 +1,7 @@
 """Logging in from the official Couchbase Python SDK (its C++ core underneath) on a real
 `sluice serve`: the default PasswordAuthenticator (SCRAM-SHA512), PLAIN when the application
 asks for it, any name on a node without users, and AuthenticationException for bad
-credentials.
-
-The SDK's bootstrap goes on after the login with GET_ERROR_MAP and GET_CLUSTER_CONFIG: the
-tests that need a whole bootstrap are skipped while the node does not answer GET_CLUSTER_CONFIG
-(0xb5) with success. A refused login fails before that, so those tests always run."""
+credentials."""
 
 from __future__ import annotations
 
@@ -13,16 +9,11 @@ from datetime import timedelta
 
 import pytest
 import sluice
+from couchbase.auth import PasswordAuthenticator
+from couchbase.cluster import Cluster
+from couchbase.exceptions import AuthenticationException
+from couchbase.options import ClusterOptions, ClusterTimeoutOptions
 from helpers import Node
-from mcbp_wire import connect, login, read_response, request
-
-couchbase = pytest.importorskip("couchbase")
-from couchbase.auth import PasswordAuthenticator  # noqa: E402
-from couchbase.cluster import Cluster  # noqa: E402
-from couchbase.exceptions import AuthenticationException  # noqa: E402
-from couchbase.options import ClusterOptions, ClusterTimeoutOptions  # noqa: E402
-
-GET_CLUSTER_CONFIG = 0xB5
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +38,6 @@ def open_node(tmp_path_factory):
     node = Node(tmp_path_factory.mktemp("sdk-open") / "d")
     yield node
     assert node.stop() == 0
-
-
-def serves_cluster_config(node: Node, user: str, password: str) -> bool:
-    with connect(node) as s:
-        assert login(s, user, password) == 0
-        s.sendall(request(GET_CLUSTER_CONFIG))
-        return read_response(s)["status"] == 0
-
-
-def needs_bootstrap(node: Node, user: str = "ada", password: str = "ada-secret") -> None:
-    if not serves_cluster_config(node, user, password):
-        pytest.skip("the node does not answer GET_CLUSTER_CONFIG yet: the SDK cannot bootstrap")
 
 
 def cluster(node: Node, user: str, password: str, **auth_options) -> Cluster:
@@ -91,7 +70,6 @@ def test_bad_credentials_raise_authentication_exception(secured, user, password,
     ids=["default-scram-sha512", "scram-sha256", "plain"],
 )
 def test_the_sdk_logs_in_and_works(secured, options):
-    needs_bootstrap(secured)
     c = cluster(secured, "ada", "ada-secret", **options)
     try:
         coll = c.bucket("default").default_collection()
@@ -103,7 +81,6 @@ def test_the_sdk_logs_in_and_works(secured, options):
 
 @pytest.mark.parametrize(("user", "password"), [("", ""), ("anyone", "anything")])
 def test_any_login_works_on_a_node_without_users(open_node, user, password):
-    needs_bootstrap(open_node, user, password)
     c = cluster(open_node, user, password)
     try:
         coll = c.bucket("default").default_collection()

@@ -50,7 +50,7 @@ def vbucket_status(node, vb: int) -> dict:
 def test_every_collection_operation(tmp_path):
     node = start_node(tmp_path, "n", extra=USERS)
     try:
-        cluster = sdk_cluster(node, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(node, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             first = coll.insert("doc", {"v": 1})
@@ -114,7 +114,7 @@ def test_durable_writes_and_replica_reads(tmp_path):
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             levels = [
@@ -217,7 +217,7 @@ def test_a_steady_sdk_writer_rides_a_failover(tmp_path, monkeypatch):
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
         wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(active, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             monkeypatch.setenv("SLUICE_PASSWORD", PASSWORD)  # the operator's, for the CLI
@@ -257,7 +257,7 @@ def test_a_steady_sdk_writer_rides_a_vbucket_move(tmp_path, monkeypatch):
     vb = 5
     try:
         wait_for_map(x, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
-        cluster = sdk_cluster(x, "app", PASSWORD, ["PLAIN"])
+        cluster = sdk_cluster(x, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
             writer = SteadyWriter(coll)

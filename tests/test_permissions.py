@@ -44,9 +44,13 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "permissions.md"
 
 
 def users_config(users: dict[str, list[str]]) -> str:
-    h = sluice.config.hash_password(PASSWORD, iterations=1000)
+    """[users.NAME] tables with the credentials `sluice user hash` prints (SCRAM keys, which PLAIN
+    checks too) for PASSWORD, and `perms` on the default bucket."""
+    creds = "".join(
+        f'{k} = "{v}"\n' for k, v in sluice.config.user_credentials(PASSWORD, iterations=1000).items()
+    )
     return "".join(
-        f'[users.{name}]\npassword_hash = "{h}"\nbuckets = {{ default = {perms!r} }}\n'.replace("'", '"')
+        f"[users.{name}]\n{creds}" + f"buckets = {{ default = {perms!r} }}\n".replace("'", '"')
         for name, perms in users.items()
     )
 
