@@ -44,18 +44,19 @@ Ops = tuple[Callable[[bytes], object], Callable[[bytes, bytes], object], Callabl
 CLIENTS = ["couchbase SDK", "memcached binary"]
 TICKS = os.sysconf("SC_CLK_TCK")
 # Every client logs in as this user (PLAIN for the memcached client and `sluice bench`, the SDK's
-# default mechanism for the SDK), as an application against a node with users does.
+# default mechanism, SCRAM-SHA512, for the SDK), as an application against a node with users does.
 USER, PASSWORD = "bench", "bench-secret"
-SDK_MECHANISMS = ["PLAIN"]
 
 
 def start(data: Path) -> tuple[subprocess.Popen, int]:
     """`sluice serve` on the embedded defaults plus one read-write user."""
     config = data / "bench.toml"
     data.mkdir(parents=True, exist_ok=True)
+    keys = sluice.config.user_credentials(PASSWORD, iterations=1000)
     config.write_text(
-        f'[users.{USER}]\npassword_hash = "{sluice.config.hash_password(PASSWORD, iterations=1000)}"\n'
-        'buckets = { default = ["read", "write"] }\n'
+        f"[users.{USER}]\n"
+        + "".join(f'{k} = "{v}"\n' for k, v in keys.items())
+        + 'buckets = { default = ["read", "write"] }\n'
     )
     port = free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--config", str(config), "--data-dir", str(data / "d")]
@@ -83,7 +84,7 @@ def sdk_ops(port: int) -> Ops:
     from couchbase.transcoder import RawBinaryTranscoder
 
     options = ClusterOptions(
-        PasswordAuthenticator(USER, PASSWORD, allowed_sasl_mechanisms=SDK_MECHANISMS),
+        PasswordAuthenticator(USER, PASSWORD),
         transcoder=RawBinaryTranscoder(),
     )
     cluster = Cluster(f"couchbase://127.0.0.1:{port}", options)
