@@ -5,6 +5,7 @@ text shows its defaults."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import pty
@@ -156,13 +157,15 @@ def _on_a_terminal(args: list[str], answers: list[str], timeout: float = 30) -> 
 def test_user_hash_asks_twice_on_a_terminal():
     code, shown = _on_a_terminal(["user", "hash"], ["s3cret", "s3cert"])
     assert code == 2 and "password again:" in shown and "the passwords differ" in shown, shown
-    assert "pbkdf2-sha256:" not in shown
+    assert "scram-sha" not in shown
     code, shown = _on_a_terminal(["user", "hash"], ["s3cret", "s3cret"])
     assert code == 0, shown
-    hashed = next(line for line in shown.splitlines() if line.startswith("pbkdf2-sha256:")).strip()
-    _, iterations, salt, digest = hashed.split(":")
-    again = hashlib.pbkdf2_hmac("sha256", b"s3cret", bytes.fromhex(salt), int(iterations))
-    assert again.hex() == digest, "the hash printed is of the password typed"
+    line = next(line for line in shown.splitlines() if line.startswith("scram_sha512 = "))
+    _, iterations, salt, stored, _server = line.split('"')[1].split(":")
+    # RFC 5802: StoredKey = H(HMAC(SaltedPassword, "Client Key")).
+    salted = hashlib.pbkdf2_hmac("sha512", b"s3cret", bytes.fromhex(salt), int(iterations))
+    client_key = hmac.new(salted, b"Client Key", "sha512").digest()
+    assert hashlib.sha512(client_key).hexdigest() == stored, "the keys printed are of the password typed"
 
 
 def test_a_replica_node_explains_itself(tmp_path):
