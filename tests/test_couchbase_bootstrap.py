@@ -17,6 +17,8 @@ from mcbp_wire import GET, HELLO, SET, connect, login, read_frame, read_response
 
 GET_ERROR_MAP, GET_CLUSTER_CONFIG, SELECT_BUCKET = 0xFE, 0xB5, 0x89
 GET_COLLECTIONS_MANIFEST, GET_COLLECTION_ID = 0xBA, 0xBB
+GET_META, GETQ_META, NOOP = 0xA0, 0xA1, 0x0A
+AUTH_ERROR = 0x20
 XERROR, SELECT_BUCKET_FEATURE, JSON_FEATURE, DUPLEX, CLUSTERMAP_CHANGE, COLLECTIONS = (
     0x07,
     0x08,
@@ -230,6 +232,11 @@ def test_collection_ids_prefix_keys_and_only_the_default_collection_exists(tmp_p
             assert call(s, request(SET, b"\x00doc", b"v1", set_extras(), vbucket=vb))["status"] == 0
             r = call(s, request(GET, b"\x00doc", vbucket=vb))
             assert (r["status"], r["value"]) == (0, b"v1")
+            # Every command on a document key takes the prefix, the meta gets among them.
+            r = call(s, request(GET_META, b"\x00doc", vbucket=vb))
+            assert r["status"] == 0 and r["cas"] != 0
+            s.sendall(request(GETQ_META, b"\x00doc", vbucket=vb, opaque=5) + request(NOOP, opaque=6))
+            assert (read_response(s)["opaque"], read_response(s)["opaque"]) == (5, 6), "GETQ_META hit"
             r = call(s, request(GET, b"\x08doc"))
             assert r["status"] == UNKNOWN_COLLECTION
             body = json.loads(r["value"])
@@ -256,5 +263,22 @@ def test_collection_ids_prefix_keys_and_only_the_default_collection_exists(tmp_p
         with connect(node) as s:
             r = call(s, request(GET, b"doc"))
             assert (r["status"], r["value"]) == (0, b"v1")
+    finally:
+        node.stop()
+
+
+def test_the_error_map_is_served_before_login(tmp_path):
+    """Some SDKs (Couchbase's Java SDK) fetch the error map before they log in; nothing else is
+    served then, not even the map pushes a client asked for in HELLO."""
+    from test_permissions import users_config
+
+    node = start_node(tmp_path, "n", extra=users_config({"app": ["read"]}))
+    try:
+        with connect(node) as s:
+            hello(s, XERROR, JSON_FEATURE, DUPLEX, CLUSTERMAP_CHANGE)
+            r = call(s, request(GET_ERROR_MAP, value=struct.pack(">H", 2)))
+            assert r["status"] == 0 and json.loads(r["value"])["version"] == 2
+            assert call(s, request(GET, b"k"))["status"] == AUTH_ERROR
+            assert call(s, request(GET_CLUSTER_CONFIG))["status"] == AUTH_ERROR
     finally:
         node.stop()

@@ -127,6 +127,16 @@ def test_a_locked_item_takes_only_its_lock_cas_until_unlocked(server):
         assert store(s, b"lk", b"v3")["status"] == 0
         assert call(s, request(GET_LOCKED, b"missing"))["status"] == KEY_ENOENT
         assert call(s, request(UNLOCK_KEY, b"missing", cas=1))["status"] == KEY_ENOENT
+    # A text-protocol client sees a locked key as memcached's refusals, not a server error.
+    with connect(server) as s:
+        lock_cas = call(s, request(GET_LOCKED, b"lk"))["cas"]
+        with socket.create_connection((server.host, server.port), timeout=10) as t:
+            t.sendall(b"set lk 0 0 1\r\nx\r\ncas lk 0 0 1 %d\r\nx\r\n" % (lock_cas + 1))
+            got = b""
+            while got.count(b"\r\n") < 2:
+                got += t.recv(4096)
+            assert got == b"NOT_STORED\r\nEXISTS\r\n"
+        assert call(s, request(UNLOCK_KEY, b"lk", cas=lock_cas))["status"] == 0
     # Without XERROR a client gets the statuses it knows, as from Couchbase.
     with connect(server) as s:
         lock_cas = call(s, request(GET_LOCKED, b"lk"))["cas"]
@@ -179,10 +189,11 @@ def test_single_path_lookups_and_mutations(server):
         assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"x.y", b"1"))["status"] == PATH_ENOENT
         assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"x.y", b"1", flags=PATH_MKDIR_P))["status"] == 0
         r = call(s, request(GET, b"doc"))
-        # Fields keep their order; the flags and the expiry stay what they were.
+        # Fields keep their order and the flags stay; as in Couchbase, a mutation that gives no
+        # expiry leaves the document none (one that gives it sets it).
         assert r["value"] == b'{"a":"s","b":[1,2,3],"e":5,"x":{"y":1}}'
         assert r["extras"] == struct.pack(">I", 7)
-        assert get_meta(s, b"doc")["meta"]["expiry"] == expiry
+        assert expiry != 0 and get_meta(s, b"doc")["meta"]["expiry"] == 0
         # A CAS that is not the document's.
         assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"doc", b"z", b"1", cas=1))["status"] == KEY_EEXISTS
         # MKDOC creates the document; a document that is not JSON is refused.
@@ -349,3 +360,16 @@ def test_get_replica_is_served_by_a_replica_node_only(tmp_path):
     finally:
         assert replica.stop() == 0
         assert active.stop() == 0
+
+
+def test_sub_document_commands_refuse_documents_over_2_mib(server):
+    """A parsed document costs several times its size: past 2 MiB, E2BIG, and the item is
+    still read and written whole."""
+    big = b'{"a":[' + b",".join([b"1"] * (1100 * 1024)) + b"]}"
+    assert len(big) > 2 << 20
+    with connect(server) as s:
+        assert store(s, b"big", big)["status"] == 0
+        r = call(s, subdoc(SUBDOC_GET, b"big", b"a[0]"))
+        assert r["status"] == 0x03 and b"2 MiB" in r["value"], r
+        assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"big", b"b", b"1"))["status"] == 0x03
+        assert call(s, request(GET, b"big"))["value"] == big

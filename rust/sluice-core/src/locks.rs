@@ -36,6 +36,9 @@ struct Lock {
 #[derive(Debug, Default)]
 pub struct LockTable {
     locks: HashMap<Box<[u8]>, Lock>,
+    /// The table's size when the next sweep is due: twice what the last one left (at least
+    /// SWEEP_ABOVE), so that many live locks cost each new one O(1) on average, not a sweep.
+    sweep_at: usize,
 }
 
 impl LockTable {
@@ -56,8 +59,9 @@ impl LockTable {
 
     /// Locks `key` with `cas` until `until`.
     pub fn lock(&mut self, key: &[u8], cas: u64, until: Instant, now: Instant) {
-        if self.locks.len() >= SWEEP_ABOVE {
+        if self.locks.len() >= self.sweep_at.max(SWEEP_ABOVE) {
             self.locks.retain(|_, l| l.until > now);
+            self.sweep_at = self.locks.len().saturating_mul(2);
         }
         self.locks.insert(key.into(), Lock { cas, until });
     }

@@ -206,7 +206,7 @@ pub mod server_opcode {
 
 /// Whether the key of a request is a document's (and, with Collections, carries the collection
 /// id before it): the KV reads and writes, and Couchbase's locking (0x94, 0x95), GET_META
-/// (0xa0) and sub-document (0xc5..=0xd2) commands. Other keys are names (HELLO's agent, a SASL
+/// (0xa0, 0xa1) and sub-document (0xc5..=0xd2) commands. Other keys are names (HELLO's agent, a SASL
 /// mechanism, a bucket, a stat group) and stay as they are.
 pub fn carries_document_key(op: u8) -> bool {
     use opcode::*;
@@ -235,10 +235,11 @@ pub fn carries_document_key(op: u8) -> bool {
             | GAT
             | GATQ
             | GET_REPLICA
-            | 0x94 // GET_LOCKED
-            | 0x95 // UNLOCK_KEY
-            | 0xa0 // GET_META
-            | 0xc5..=0xd2 // sub-document, single path and multi path
+            | GET_LOCKED
+            | UNLOCK_KEY
+            | GET_META
+            | GETQ_META
+            | SUBDOC_GET..=SUBDOC_GET_COUNT // single path and multi path
     )
 }
 

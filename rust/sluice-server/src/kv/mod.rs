@@ -204,8 +204,11 @@ impl KvSession {
 
     /// Whether the client asked to be sent the new cluster map when it changes (HELLO's
     /// Duplex and ClustermapChangeNotification).
+    /// Only after login on a node with users: the map names every node's address.
     pub fn wants_map_pushes(&self) -> bool {
-        self.features.duplex && self.features.clustermap_notifications
+        self.features.duplex
+            && self.features.clustermap_notifications
+            && (self.user.is_some() || !self.ctx.users.current().required())
     }
 
     /// The change notification (server request 0x01) for the session's bucket, if its map is
@@ -496,6 +499,8 @@ impl KvSession {
                     | op::SASL_LIST_MECHS
                     | op::SASL_AUTH
                     | op::SASL_STEP
+                    // What statuses mean: clients (Couchbase's Java SDK) ask before they log in.
+                    | op::GET_ERROR_MAP
             )
         {
             let Some(user) = self.user.as_deref().and_then(|n| users.get(n)) else {

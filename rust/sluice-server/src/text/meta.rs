@@ -294,8 +294,8 @@ impl TextSession {
         };
         let (code, new_cas) = match result {
             Ok(c) => ("HD", c),
-            Err(Error::Exists) if mode == b'E' => ("NS", 0),
-            Err(Error::Exists) => ("EX", 0),
+            Err(Error::Exists | Error::Locked) if mode == b'E' => ("NS", 0),
+            Err(Error::Exists | Error::Locked) => ("EX", 0),
             Err(Error::NotFound) if cas == 0 => ("NS", 0),
             Err(Error::NotFound) => ("NF", 0),
             Err(Error::NotStored) => ("NS", 0),
@@ -329,7 +329,7 @@ impl TextSession {
             Ok(()) if flags.has(b'q') => return,
             Ok(()) => "HD",
             Err(Error::NotFound) => "NF",
-            Err(Error::Exists) => "EX",
+            Err(Error::Exists | Error::Locked) => "EX",
             Err(e) => return engine_error(&e, out),
         };
         out.extend_from_slice(code.as_bytes());
@@ -371,7 +371,7 @@ impl TextSession {
             Err(e) => {
                 let code = match e {
                     Error::NotFound => "NF",
-                    Error::Exists => "EX",
+                    Error::Exists | Error::Locked => "EX",
                     e => return engine_error(&e, out),
                 };
                 out.extend_from_slice(code.as_bytes());

@@ -346,9 +346,13 @@ impl TextSession {
         };
         let word = match (verb, result) {
             (_, Ok(())) => "STORED",
-            (StoreVerb::Cas, Err(Error::Exists)) => "EXISTS",
+            // A key locked by a Couchbase client (GET_LOCKED) takes only writes with the lock's
+            // CAS: to a text client it is a CAS that does not match, or an item not stored.
+            (StoreVerb::Cas, Err(Error::Exists | Error::Locked)) => "EXISTS",
             (StoreVerb::Cas, Err(Error::NotFound)) => "NOT_FOUND",
-            (_, Err(Error::Exists | Error::NotFound | Error::NotStored)) => "NOT_STORED",
+            (_, Err(Error::Exists | Error::Locked | Error::NotFound | Error::NotStored)) => {
+                "NOT_STORED"
+            }
             (_, Err(e)) => {
                 engine_error(&e, out);
                 return (end, Flow::Continue);

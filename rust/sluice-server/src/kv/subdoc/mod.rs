@@ -489,10 +489,10 @@ impl KvSession {
         let mut values: Vec<(usize, Vec<u8>)> = Vec::new();
         let written = engine.write_update(&bucket, req.key, req.cas, durability, |cur| {
             let abort = || Err(Error::InvalidArgument("a sub-document spec failed".into()));
-            let (mut doc, flags, expiry) = match cur {
+            let (mut doc, flags) = match cur {
                 Some(_) if add => return Err(Error::Exists),
                 Some(it) => match ops::parse_doc(it.value()) {
-                    Ok(d) => (d, it.meta.flags, it.meta.expiry),
+                    Ok(d) => (d, it.meta.flags),
                     Err(e) => {
                         failed = Some((0, e));
                         return abort();
@@ -500,7 +500,7 @@ impl KvSession {
                 },
                 None if mkdoc || add => {
                     let first = mutation_of(c.specs[0].opcode).unwrap_or(Mutation::DictUpsert);
-                    (ops::empty_doc_for(first, &paths[0]), 0, 0)
+                    (ops::empty_doc_for(first, &paths[0]), 0)
                 }
                 None => return Err(Error::NotFound),
             };
@@ -539,7 +539,8 @@ impl KvSession {
             Ok(Update {
                 value: serde_json::to_vec(&doc).expect("a JSON value serializes"),
                 flags,
-                expiry: c.expiry.map_or(expiry, |e| absolute_expiry(e, now)),
+                // As Couchbase's: a mutation that gives no expiry leaves the document none.
+                expiry: c.expiry.map_or(0, |e| absolute_expiry(e, now)),
                 datatype: 0x01,
             })
         });

@@ -24,6 +24,8 @@ pub enum SubdocError {
     ValueEtoodeep,
     UnknownVattr,
     CantModifyVattr,
+    /// The document is over MAX_DOC_BYTES.
+    DocTooBig,
 }
 
 impl SubdocError {
@@ -42,6 +44,7 @@ impl SubdocError {
             SubdocError::ValueEtoodeep => status::SUBDOC_VALUE_ETOODEEP,
             SubdocError::UnknownVattr => status::SUBDOC_XATTR_UNKNOWN_VATTR,
             SubdocError::CantModifyVattr => status::SUBDOC_XATTR_CANT_MODIFY_VATTR,
+            SubdocError::DocTooBig => status::E2BIG,
         }
     }
 
@@ -60,6 +63,9 @@ impl SubdocError {
             SubdocError::ValueEtoodeep => "the value would nest the document too deeply",
             SubdocError::UnknownVattr => "no such virtual extended attribute",
             SubdocError::CantModifyVattr => "virtual extended attributes cannot be changed",
+            SubdocError::DocTooBig => {
+                "sub-document commands work on documents up to 2 MiB; read or write it whole"
+            }
         }
     }
 }
@@ -83,9 +89,18 @@ pub enum Mutation {
 /// How deep JSON may nest, path plus value, as Couchbase's parser allows.
 const MAX_DEPTH: usize = MAX_PATH_DEPTH;
 
+/// The largest document sub-document commands parse. A parsed document takes several times
+/// its size in memory (a tree of values, a string per number) and a mutation parses it under
+/// its vbucket's lock: bigger ones are refused (E2BIG) rather than let one request hold
+/// gigabytes and the vbucket for seconds.
+pub const MAX_DOC_BYTES: usize = 2 << 20;
+
 /// Parses a stored document; DOC_NOTJSON when it is not JSON, DOC_E2DEEP when it nests past
-/// what the parser allows.
+/// what the parser allows, E2BIG over MAX_DOC_BYTES.
 pub fn parse_doc(body: &[u8]) -> Result<Value> {
+    if body.len() > MAX_DOC_BYTES {
+        return Err(SubdocError::DocTooBig);
+    }
     serde_json::from_slice(body).map_err(|e| {
         if e.to_string().contains("recursion limit") {
             SubdocError::DocE2deep
