@@ -92,6 +92,11 @@ impl Layout {
 struct Served {
     layout: Layout,
     rev: i64,
+    /// The bucket config JSON of this layout and rev, built once: NOT_MY_VBUCKET replies, config
+    /// requests and pushes serve it as it is (a client sending to the wrong vbucket must not
+    /// cost a map build per request). A changed layout, seen by `refresh` (every second, and at
+    /// once after a promotion or a vbucket move), drops it.
+    config: Option<std::sync::Arc<str>>,
 }
 
 pub struct ClusterMap {
@@ -264,18 +269,21 @@ impl ClusterMap {
             .or_insert_with(|| Served {
                 layout: Layout::default(),
                 rev: 0,
+                config: None,
             });
         if s.layout != layout && s.rev != 0 && self.active.lock().is_some() {
             // A replica's view changes when its active's does (a vbucket the active gave away
             // goes dead here too): the active's map, raised when it made the change, is the
             // one clients follow, so the replica serves its view without outbidding it.
             s.layout = layout.clone();
+            s.config = None;
             return (layout, s.rev);
         }
         if s.layout != layout {
             // Rising on this node whatever the clock does.
             s.rev = now_ms().max(newest + 1).max(s.rev + 1);
             s.layout = layout.clone();
+            s.config = None;
             let rev = s.rev;
             drop(served);
             self.changed.send_replace(rev);
@@ -303,9 +311,33 @@ impl ClusterMap {
             .collect()
     }
 
-    /// The bucket config Couchbase serves for `bucket`, with its rev.
-    pub fn bucket_config(&self, engine: &Engine, bucket: &Bucket) -> (i64, String) {
+    /// The bucket config Couchbase serves for `bucket`, with its rev: the one built for the
+    /// layout `refresh` last saw (built now if there is none yet).
+    pub fn bucket_config(&self, engine: &Engine, bucket: &Bucket) -> (i64, std::sync::Arc<str>) {
+        if let Some(s) = self.served.lock().get(bucket.name()) {
+            if let Some(config) = &s.config {
+                return (s.rev, config.clone());
+            }
+        }
         let (layout, rev) = self.current(engine, bucket);
+        let config: std::sync::Arc<str> = self
+            .build_bucket_config(engine, bucket, &layout, rev)
+            .into();
+        if let Some(s) = self.served.lock().get_mut(bucket.name()) {
+            if s.rev == rev && s.layout == layout {
+                s.config = Some(config.clone());
+            }
+        }
+        (rev, config)
+    }
+
+    fn build_bucket_config(
+        &self,
+        engine: &Engine,
+        bucket: &Bucket,
+        layout: &Layout,
+        rev: i64,
+    ) -> String {
         let config = serde_json::json!({
             "rev": rev,
             "revEpoch": 1,
@@ -318,18 +350,18 @@ impl ClusterMap {
                 "hashAlgorithm": "CRC",
                 "numReplicas": layout.num_replicas(),
                 "serverList": layout.servers.iter().map(Endpoint::server).collect::<Vec<_>>(),
-                "vBucketMap": layout.chains,
+                "vBucketMap": &layout.chains,
             },
             "bucketCapabilitiesVer": "",
             "bucketCapabilities": ["cccp", "nodesExt", "touch", "dcp", "durableWrite", "collections"],
             "clusterCapabilitiesVer": [1, 0],
             "clusterCapabilities": {},
         });
-        (rev, config.to_string())
+        config.to_string()
     }
 
     /// The cluster-level config (no bucket selected): the nodes this node knows, no vbuckets.
-    pub fn cluster_config(&self, engine: &Engine) -> (i64, String) {
+    pub fn cluster_config(&self, engine: &Engine) -> (i64, std::sync::Arc<str>) {
         let mut servers = vec![self.this_node.clone()];
         let mut rev = 0;
         for b in engine.buckets() {
@@ -348,7 +380,7 @@ impl ClusterMap {
             "clusterCapabilitiesVer": [1, 0],
             "clusterCapabilities": {},
         });
-        (rev, config.to_string())
+        (rev, config.to_string().into())
     }
 }
 

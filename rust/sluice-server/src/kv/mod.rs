@@ -194,7 +194,7 @@ impl KvSession {
     }
 
     /// What a NOT_MY_VBUCKET reply of this session carries: its bucket's cluster map.
-    fn map_source(&self) -> impl Fn() -> (String, u8) + Send + Sync + 'static {
+    fn map_source(&self) -> impl Fn() -> (Arc<str>, u8) + Send + Sync + 'static {
         let (ctx, bucket, json) = (self.ctx.clone(), self.bucket.clone(), self.features.json);
         move || {
             let (_, config) = ctx.clustermap.bucket_config(&ctx.engine, &bucket);

@@ -62,7 +62,7 @@ pub(crate) fn reply_to_header(header: &[u8], st: u16, message: &[u8], out: &mut 
 
 /// The cluster map a NOT_MY_VBUCKET reply carries, as Couchbase's does: its JSON and the
 /// datatype to send it with. Clients parse any JSON body of that status as a map.
-pub(super) type MapSource<'a> = &'a (dyn Fn() -> (String, u8) + Send + Sync);
+pub(super) type MapSource<'a> = &'a (dyn Fn() -> (std::sync::Arc<str>, u8) + Send + Sync);
 
 pub(super) struct Reply<'a> {
     pub(super) out: &'a mut Vec<u8>,
