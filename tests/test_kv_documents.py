@@ -373,3 +373,22 @@ def test_sub_document_commands_refuse_documents_over_2_mib(server):
         assert r["status"] == 0x03 and b"2 MiB" in r["value"], r
         assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"big", b"b", b"1"))["status"] == 0x03
         assert call(s, request(GET, b"big"))["value"] == big
+
+
+def test_a_tap_feed_writes_over_a_lock_and_ends_it(server):
+    """Changes fed from another node (a TAP feed) are replicated changes: a client's lock does
+    not refuse them, and the item it locked is replaced."""
+    from test_permissions import kv_status, tap_command
+
+    with connect(server) as s:
+        hello(s, XERROR)
+        store(s, b"fed", b"mine")
+        assert call(s, request(GET_LOCKED, b"fed", extras=struct.pack(">I", 30)))["status"] == 0
+        assert store(s, b"fed", b"x")["status"] == LOCKED
+        assert kv_status(s, tap_command(0x41, b"fed", b"theirs")) == 0
+        r = call(s, request(GET, b"fed"))
+        assert r["value"] == b"theirs" and r["cas"] != 0xFFFFFFFFFFFFFFFF, "the lock ended"
+        assert store(s, b"fed", b"mine again")["status"] == 0
+        assert call(s, request(GET_LOCKED, b"fed"))["status"] == 0
+        assert kv_status(s, tap_command(0x42, b"fed")) == 0  # TAP_DELETE
+        assert call(s, request(GET, b"fed"))["status"] == KEY_ENOENT

@@ -132,6 +132,13 @@ impl<T> Written<T> {
     }
 }
 
+/// Who a write comes from: a client (locks apply) or another node's feed (they do not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    Client,
+    Feed,
+}
+
 /// The CAS check of a local write, locks included. `live`: the key's item when it is live.
 /// A locked key takes only its lock's CAS (the write then releases the lock: callers unlock
 /// after applying); otherwise a non-zero CAS must be the item's. A lock left on a key that is
@@ -428,6 +435,26 @@ impl Engine {
         bucket: &Bucket,
         req: &StoreRequest<'_>,
     ) -> Result<Written<MutationResult>> {
+        self.write_store_by(bucket, req, Writer::Client)
+    }
+
+    /// `write_store` of a change another node fed this one (a TAP feed): a lock on the key does
+    /// not hold it up (replicated changes never wait for locks), and it ends the lock, as the
+    /// item the lock was taken on is gone.
+    pub fn write_fed_store(
+        &self,
+        bucket: &Bucket,
+        req: &StoreRequest<'_>,
+    ) -> Result<Written<MutationResult>> {
+        self.write_store_by(bucket, req, Writer::Feed)
+    }
+
+    fn write_store_by(
+        &self,
+        bucket: &Bucket,
+        req: &StoreRequest<'_>,
+        writer: Writer,
+    ) -> Result<Written<MutationResult>> {
         validate_key(req.key)?;
         if req.value.len() > bucket.config.max_item_size {
             return Err(Error::TooBig {
@@ -450,6 +477,9 @@ impl Engine {
             (StoreMode::Add, Some(_)) => return Err(Error::Exists),
             (StoreMode::Replace, None) => return Err(Error::NotFound),
             _ => {}
+        }
+        if writer == Writer::Feed {
+            vb.locks.unlock(req.key);
         }
         check_cas(&mut vb, req.key, live.as_ref(), req.cas)?;
         let meta = ItemMeta {
@@ -592,6 +622,23 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<Written<MutationResult>> {
+        self.write_delete_by(bucket, key, cas, durability, Writer::Client)
+    }
+
+    /// `write_delete` of a deletion another node fed this one: over any lock, which it ends
+    /// (see `write_fed_store`).
+    pub fn write_fed_delete(&self, bucket: &Bucket, key: &[u8]) -> Result<Written<MutationResult>> {
+        self.write_delete_by(bucket, key, 0, None, Writer::Feed)
+    }
+
+    fn write_delete_by(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        cas: u64,
+        durability: Option<Requirement>,
+        writer: Writer,
+    ) -> Result<Written<MutationResult>> {
         validate_key(key)?;
         let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
         self.admit_write(bucket, durability.level, ChangeOp::Deletion)?;
@@ -605,6 +652,9 @@ impl Engine {
             vb.locks.unlock(key);
             return Err(Error::NotFound);
         };
+        if writer == Writer::Feed {
+            vb.locks.unlock(key);
+        }
         check_cas(&mut vb, key, Some(&old), cas)?;
         let meta = ItemMeta {
             expiry: now,

@@ -41,9 +41,9 @@ fn apply(engine: &Engine, bucket: &Bucket, frame: &[u8]) -> Result<Applied, Erro
                     mode: StoreMode::Set,
                     durability: None,
                 };
-                Some(engine.write_store(bucket, &req)?.map(|_| ()))
+                Some(engine.write_fed_store(bucket, &req)?.map(|_| ()))
             }
-            opcode::DELETE => match engine.write_delete(bucket, m.key, 0, None) {
+            opcode::DELETE => match engine.write_fed_delete(bucket, m.key) {
                 Ok(w) => Some(w.map(|_| ())),
                 Err(Error::NotFound) => None,
                 Err(e) => return Err(e),
