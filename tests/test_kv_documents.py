@@ -392,3 +392,22 @@ def test_a_tap_feed_writes_over_a_lock_and_ends_it(server):
         assert call(s, request(GET_LOCKED, b"fed"))["status"] == 0
         assert kv_status(s, tap_command(0x42, b"fed")) == 0  # TAP_DELETE
         assert call(s, request(GET, b"fed"))["status"] == KEY_ENOENT
+
+
+def test_document_level_errors_are_the_command_s_own(server):
+    """A stored body that is not JSON, or nests past Couchbase's 32 levels, fails a
+    multi-mutation as a whole (DOC_NOTJSON, DOC_E2DEEP), not as its first spec."""
+    doc_e2deep = 0xC4
+    with connect(server) as s:
+        hello(s, XERROR)
+        store(s, b"plain", b"not json")
+        r = multi_mutation(s, b"plain", mutation_spec(SUBDOC_DICT_UPSERT, b"a", b"1"))
+        assert r["status"] == DOC_NOTJSON, r
+        deep = b"[" * 33 + b"]" * 33
+        store(s, b"deep", deep)
+        assert call(s, subdoc(SUBDOC_GET, b"deep", b"[0]"))["status"] == doc_e2deep
+        r = multi_mutation(s, b"deep", mutation_spec(SUBDOC_ARRAY_PUSH_LAST, b"", b"1"))
+        assert r["status"] == doc_e2deep, r
+        assert call(s, request(GET, b"deep"))["value"] == deep
+        store(s, b"deep32", b"[" * 32 + b"]" * 32)
+        assert call(s, subdoc(SUBDOC_GET, b"deep32", b"[0]"))["status"] == 0

@@ -545,6 +545,10 @@ impl KvSession {
             })
         });
         if let Some((i, e)) = failed {
+            if e.is_document_level() {
+                reply.error(e.status(), e.message(), self.features.xerror);
+                return Flow::Continue;
+            }
             return self.spec_failed(reply, c.multi, i, e);
         }
         let multi = c.multi;

@@ -101,13 +101,29 @@ pub fn parse_doc(body: &[u8]) -> Result<Value> {
     if body.len() > MAX_DOC_BYTES {
         return Err(SubdocError::DocTooBig);
     }
-    serde_json::from_slice(body).map_err(|e| {
+    let doc: Value = serde_json::from_slice(body).map_err(|e| {
         if e.to_string().contains("recursion limit") {
             SubdocError::DocE2deep
         } else {
             SubdocError::DocNotJson
         }
-    })
+    })?;
+    // Couchbase's parser stops at 32 levels; serde_json's own limit (128) bounds `depth`.
+    if depth(&doc) > MAX_DEPTH {
+        return Err(SubdocError::DocE2deep);
+    }
+    Ok(doc)
+}
+
+impl SubdocError {
+    /// Whether the error is the document's (not JSON, too deep, too big) rather than one
+    /// spec's path: a mutation answers it as its own status, as kv_engine does.
+    pub fn is_document_level(self) -> bool {
+        matches!(
+            self,
+            SubdocError::DocNotJson | SubdocError::DocE2deep | SubdocError::DocTooBig
+        )
+    }
 }
 
 /// The value at `path`.
