@@ -73,6 +73,13 @@ def wait_for_map(node, check, timeout: float = 30, user: tuple[str, str] | None 
             time.sleep(0.1)
 
 
+def replicated_everywhere(m: dict) -> bool:
+    """Every vbucket's chain names the active, then one replica (the replica's streams come up
+    one by one: a map between lists it for some vbuckets only)."""
+    chains = m["vBucketServerMap"]["vBucketMap"]
+    return len(chains) == NUM_VBUCKETS and all(len(c) == 2 and -1 not in c for c in chains)
+
+
 def sluice_statuses() -> dict[str, int]:
     """Every status constant sluice-proto names (mcbp.rs's `pub mod status`)."""
     text = (ROOT / "rust/sluice-proto/src/mcbp.rs").read_text()
@@ -171,7 +178,7 @@ def test_replica_in_the_chains_and_promotion_pushed_to_clients(tmp_path):
     try:
         # The active lists the replica after itself once its streams are up, by the address
         # it told in the DCP control sluice_kv_address.
-        m = wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1)
+        m = wait_for_map(active, replicated_everywhere)
         assert m["vBucketServerMap"]["serverList"] == [f"$HOST:{active.port}", f"127.0.0.1:{replica.port}"]
         assert m["vBucketServerMap"]["vBucketMap"] == [[0, 1]] * NUM_VBUCKETS
         assert m["nodesExt"][1] == {"hostname": "127.0.0.1", "services": {"kv": replica.port}}

@@ -10,7 +10,7 @@ import pytest
 from couchbase.exceptions import DocumentNotFoundException
 from couchbase_sdk import sdk_cluster
 from helpers import run_cli, start_node, wait_converged
-from test_couchbase_bootstrap import wait_for_map
+from test_couchbase_bootstrap import replicated_everywhere, wait_for_map
 from test_permissions import PASSWORD, users_config
 
 
@@ -44,7 +44,7 @@ def test_the_sdk_follows_the_map_to_a_promoted_replica(tmp_path):
     try:
         # A client finds the replica in the active's map once the replica streams from it; one
         # that only ever knew the active has nowhere to go when it dies.
-        wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        wait_for_map(active, replicated_everywhere, user=("app", PASSWORD))
         cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()

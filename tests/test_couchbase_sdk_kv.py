@@ -31,7 +31,7 @@ from couchbase.options import (
 from couchbase.transcoder import RawBinaryTranscoder
 from couchbase_sdk import sdk_cluster
 from helpers import NUM_VBUCKETS, run_cli, start_node, wait_converged
-from test_couchbase_bootstrap import wait_for_map
+from test_couchbase_bootstrap import replicated_everywhere, wait_for_map
 from test_permissions import PASSWORD, users_config
 
 USERS = users_config({"app": ["read", "write"], "repl": ["replication"], "ops": ["admin"]})
@@ -113,7 +113,7 @@ def test_durable_writes_and_replica_reads(tmp_path):
     active = start_node(tmp_path, "a", extra=USERS)
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
-        wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        wait_for_map(active, replicated_everywhere, user=("app", PASSWORD))
         cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
@@ -216,7 +216,7 @@ def test_a_steady_sdk_writer_rides_a_failover(tmp_path, monkeypatch):
     active = start_node(tmp_path, "a", extra=USERS)
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
-        wait_for_map(active, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        wait_for_map(active, replicated_everywhere, user=("app", PASSWORD))
         cluster = sdk_cluster(active, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()
@@ -256,7 +256,7 @@ def test_a_steady_sdk_writer_rides_a_vbucket_move(tmp_path, monkeypatch):
     z = start_node(tmp_path, "z", extra=USERS + login_as)
     vb = 5
     try:
-        wait_for_map(x, lambda m: m["vBucketServerMap"]["numReplicas"] == 1, user=("app", PASSWORD))
+        wait_for_map(x, replicated_everywhere, user=("app", PASSWORD))
         cluster = sdk_cluster(x, "app", PASSWORD)
         try:
             coll = cluster.bucket("default").default_collection()

@@ -75,14 +75,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # (or during recovery) must still flush the WAL and exit 0, not kill the process.
     stop = threading.Event()
 
+    def set_from_a_thread(event: threading.Event) -> None:
+        # A handler runs on the main thread, which may be inside `stop.wait()` holding the
+        # event's lock (it is not reentrant): setting it there can deadlock, so a thread does.
+        threading.Thread(target=event.set, daemon=True).start()
+
     def on_signal(signum: int, _frame: object) -> None:
         log.info("received %s, flushing the WAL and stopping", signal.Signals(signum).name)
-        stop.set()
+        set_from_a_thread(stop)
 
     reload = threading.Event()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    signal.signal(signal.SIGHUP, lambda *_: set_from_a_thread(reload))
     systemd.notify(f"STATUS=recovering {cfg.data_dir}")
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
