@@ -1,7 +1,9 @@
-//! The subset of MessagePack sluice writes and reads: unsigned integers, nil, booleans, binary
-//! and string payloads, arrays and maps. The reader borrows from its input and checks every
-//! length against the bytes that remain before handing out a slice, so a hostile length can
-//! never cause an allocation or a read past the end.
+//! MessagePack primitives. The WAL row codec uses the typed subset (unsigned integers, nil,
+//! booleans, binary and string payloads, arrays and maps); iproto reads any value through
+//! [`Reader::read_value`] and steps over whole values with [`Reader::skip_value`]. The reader
+//! borrows from its input and checks every length against the bytes that remain before handing
+//! out a slice, so a hostile length can never cause an allocation or a read past the end, and
+//! nesting is bounded by the caller's depth limit, so a hostile nesting cannot exhaust a stack.
 
 use std::fmt;
 
@@ -15,6 +17,10 @@ pub enum DecodeError {
         marker: u8,
         expected: &'static str,
     },
+    /// Arrays and maps nested deeper than the caller allows.
+    TooDeep { offset: usize, limit: usize },
+    /// A marker byte that MessagePack leaves unused (0xc1).
+    Reserved { offset: usize },
 }
 
 impl fmt::Display for DecodeError {
@@ -35,6 +41,15 @@ impl fmt::Display for DecodeError {
                     f,
                     "msgpack marker 0x{marker:02x} at offset {offset}, expected {expected}"
                 )
+            }
+            DecodeError::TooDeep { offset, limit } => {
+                write!(
+                    f,
+                    "msgpack nesting deeper than {limit} levels at offset {offset}"
+                )
+            }
+            DecodeError::Reserved { offset } => {
+                write!(f, "msgpack reserved marker 0xc1 at offset {offset}")
             }
         }
     }
@@ -151,6 +166,75 @@ pub fn write_str(out: &mut Vec<u8>, s: &str) {
         out.extend_from_slice(&(n as u32).to_be_bytes());
     }
     out.extend_from_slice(s.as_bytes());
+}
+
+/// A signed integer in its shortest form; non-negative values are written as unsigned
+/// integers, as Tarantool and most MessagePack libraries do.
+pub fn write_int(out: &mut Vec<u8>, v: i64) {
+    if v >= 0 {
+        write_uint(out, v as u64);
+    } else if v >= -32 {
+        out.push(v as i8 as u8);
+    } else if v >= i8::MIN as i64 {
+        out.extend_from_slice(&[0xd0, v as i8 as u8]);
+    } else if v >= i16::MIN as i64 {
+        out.push(0xd1);
+        out.extend_from_slice(&(v as i16).to_be_bytes());
+    } else if v >= i32::MIN as i64 {
+        out.push(0xd2);
+        out.extend_from_slice(&(v as i32).to_be_bytes());
+    } else {
+        out.push(0xd3);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+pub fn write_f64(out: &mut Vec<u8>, v: f64) {
+    out.push(0xcb);
+    out.extend_from_slice(&v.to_bits().to_be_bytes());
+}
+
+/// A string payload given as bytes (iproto strings need not be UTF-8).
+pub fn write_str_bytes(out: &mut Vec<u8>, s: &[u8]) {
+    let n = s.len();
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else if n <= u8::MAX as usize {
+        out.extend_from_slice(&[0xd9, n as u8]);
+    } else if n <= u16::MAX as usize {
+        out.push(0xda);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdb);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+    out.extend_from_slice(s);
+}
+
+/// An array header always in its 32-bit form (`dd`), as Tarantool writes IPROTO_DATA, so that
+/// the count can be patched in place once the elements are written.
+pub fn write_array32_len(out: &mut Vec<u8>, n: u32) {
+    out.push(0xdd);
+    out.extend_from_slice(&n.to_be_bytes());
+}
+
+/// One MessagePack token: a scalar whole, or the header of an array or map whose elements
+/// follow in the input.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value<'a> {
+    Nil,
+    Bool(bool),
+    /// Any non-negative integer, whichever marker carried it.
+    UInt(u64),
+    /// A negative integer (a signed marker holding a non-negative value reads as `UInt`).
+    Int(i64),
+    F32(f32),
+    F64(f64),
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Array(u32),
+    Map(u32),
+    Ext(i8, &'a [u8]),
 }
 
 /// A forward-only reader over one buffer.
@@ -282,6 +366,123 @@ impl<'a> Reader<'a> {
         self.take(n as usize)
     }
 
+    /// The marker of the next value without consuming it.
+    pub fn peek_marker(&self) -> Option<u8> {
+        self.buf.get(self.pos).copied()
+    }
+
+    /// The input not read yet.
+    pub fn rest(&self) -> &'a [u8] {
+        &self.buf[self.pos..]
+    }
+
+    /// Reads one token of any type. Arrays and maps yield their header only.
+    pub fn read_value(&mut self) -> Result<Value<'a>, DecodeError> {
+        let (at, m) = self.marker()?;
+        Ok(match m {
+            0x00..=0x7f => Value::UInt(m as u64),
+            0x80..=0x8f => Value::Map((m & 0x0f) as u32),
+            0x90..=0x9f => Value::Array((m & 0x0f) as u32),
+            0xa0..=0xbf => Value::Str(self.take((m & 0x1f) as usize)?),
+            0xc0 => Value::Nil,
+            0xc1 => return Err(DecodeError::Reserved { offset: at }),
+            0xc2 => Value::Bool(false),
+            0xc3 => Value::Bool(true),
+            0xc4 | 0xc5 | 0xc6 => {
+                let n = self.be(1 << (m - 0xc4))?;
+                Value::Bin(self.take(n as usize)?)
+            }
+            0xc7 | 0xc8 | 0xc9 => {
+                let n = self.be(1 << (m - 0xc7))?;
+                let t = self.take(1)?[0] as i8;
+                Value::Ext(t, self.take(n as usize)?)
+            }
+            0xca => Value::F32(f32::from_bits(self.be(4)? as u32)),
+            0xcb => Value::F64(f64::from_bits(self.be(8)?)),
+            0xcc..=0xcf => Value::UInt(self.be(1 << (m - 0xcc))?),
+            0xd0..=0xd3 => {
+                let n = 1usize << (m - 0xd0);
+                let raw = self.be(n)?;
+                let shift = 64 - 8 * n as u32;
+                let v = ((raw << shift) as i64) >> shift;
+                if v >= 0 {
+                    Value::UInt(v as u64)
+                } else {
+                    Value::Int(v)
+                }
+            }
+            0xd4..=0xd8 => {
+                let t = self.take(1)?[0] as i8;
+                Value::Ext(t, self.take(1 << (m - 0xd4))?)
+            }
+            0xd9 | 0xda | 0xdb => {
+                let n = self.be(1 << (m - 0xd9))?;
+                Value::Str(self.take(n as usize)?)
+            }
+            0xdc | 0xdd => Value::Array(self.be(2 << (m - 0xdc))? as u32),
+            0xde | 0xdf => Value::Map(self.be(2 << (m - 0xde))? as u32),
+            0xe0..=0xff => Value::Int(m as i8 as i64),
+        })
+    }
+
+    /// Steps over one whole value (an array or map with everything in it), allowing at most
+    /// `max_depth` levels of nesting. Iterative, so hostile nesting costs no stack; every
+    /// element needs at least one byte, so it ends within the input's length.
+    pub fn skip_value(&mut self, max_depth: usize) -> Result<(), DecodeError> {
+        // Elements still to read at each open level.
+        let mut pending: Vec<u64> = Vec::new();
+        let mut left: u64 = 1;
+        loop {
+            while left == 0 {
+                match pending.pop() {
+                    Some(outer) => left = outer,
+                    None => return Ok(()),
+                }
+            }
+            left -= 1;
+            let at = self.pos;
+            let children = match self.read_value()? {
+                Value::Array(n) => n as u64,
+                Value::Map(n) => 2 * n as u64,
+                _ => 0,
+            };
+            if children > 0 {
+                if pending.len() >= max_depth {
+                    return Err(DecodeError::TooDeep {
+                        offset: at,
+                        limit: max_depth,
+                    });
+                }
+                pending.push(left);
+                left = children;
+            }
+        }
+    }
+
+    /// The bytes of the next whole value, stepped over (see [`Reader::skip_value`]).
+    pub fn read_raw_value(&mut self, max_depth: usize) -> Result<&'a [u8], DecodeError> {
+        let start = self.pos;
+        self.skip_value(max_depth)?;
+        Ok(&self.buf[start..self.pos])
+    }
+
+    /// Any integer that fits an i64 (unsigned ones above i64::MAX are refused).
+    pub fn read_int(&mut self) -> Result<i64, DecodeError> {
+        let at = self.pos;
+        match self.read_value()? {
+            Value::UInt(v) if v <= i64::MAX as u64 => Ok(v as i64),
+            Value::Int(v) => Ok(v),
+            _ => {
+                self.pos = at;
+                Err(DecodeError::UnexpectedMarker {
+                    offset: at,
+                    marker: self.buf[at],
+                    expected: "integer within i64",
+                })
+            }
+        }
+    }
+
     /// String payload as raw bytes (UTF-8 is the caller's concern).
     pub fn read_str(&mut self) -> Result<&'a [u8], DecodeError> {
         let (at, m) = self.marker()?;
@@ -325,6 +526,71 @@ mod tests {
             write_uint(&mut out, *v);
             assert_eq!(&out[..], *bytes, "encoding of {v}");
             assert_eq!(Reader::new(bytes).read_uint().unwrap(), *v);
+        }
+    }
+
+    #[test]
+    fn values_of_every_marker_family_read_back() {
+        let mut out = Vec::new();
+        write_int(&mut out, -1);
+        write_int(&mut out, -200);
+        write_int(&mut out, i64::MIN);
+        write_int(&mut out, 7);
+        write_f64(&mut out, 1.5);
+        write_str_bytes(&mut out, &[0xff; 40]);
+        write_array32_len(&mut out, 2);
+        write_nil(&mut out);
+        write_bool(&mut out, true);
+        out.extend_from_slice(&[0xd4, 0x01, 0x2a]); // fixext 1
+        out.extend_from_slice(&[0xd0, 0x05]); // int8 holding 5
+        let mut r = Reader::new(&out);
+        assert_eq!(r.read_value().unwrap(), Value::Int(-1));
+        assert_eq!(r.read_value().unwrap(), Value::Int(-200));
+        assert_eq!(r.read_value().unwrap(), Value::Int(i64::MIN));
+        assert_eq!(r.read_value().unwrap(), Value::UInt(7));
+        assert_eq!(r.read_value().unwrap(), Value::F64(1.5));
+        assert_eq!(r.read_value().unwrap(), Value::Str(&[0xff; 40][..]));
+        assert_eq!(r.read_value().unwrap(), Value::Array(2));
+        assert_eq!(r.read_value().unwrap(), Value::Nil);
+        assert_eq!(r.read_value().unwrap(), Value::Bool(true));
+        assert_eq!(r.read_value().unwrap(), Value::Ext(1, &[0x2a][..]));
+        assert_eq!(r.read_value().unwrap(), Value::UInt(5));
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn skip_value_steps_over_nested_containers_and_bounds_depth() {
+        // {"a": [1, [2, 3]], "b": nil} then a trailing 9
+        let v = [0x82, 0xa1, b'a', 0x92, 0x01, 0x92, 0x02, 0x03, 0xa1, b'b', 0xc0, 0x09];
+        let mut r = Reader::new(&v);
+        assert_eq!(r.read_raw_value(8).unwrap(), &v[..11]);
+        assert_eq!(r.read_uint().unwrap(), 9);
+        let mut r = Reader::new(&v);
+        assert!(matches!(r.skip_value(1), Err(DecodeError::TooDeep { .. })));
+        let deep = [0x91u8; 10_000];
+        let err = Reader::new(&deep).skip_value(64).unwrap_err();
+        assert!(matches!(err, DecodeError::TooDeep { limit: 64, .. }));
+        // A claimed 2^32-1 elements with nothing behind them: truncated, not a long loop.
+        let huge = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
+        assert!(matches!(Reader::new(&huge).skip_value(4), Err(DecodeError::Truncated { .. })));
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_skip_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut r = Reader::new(&bytes);
+            while !r.is_empty() {
+                if r.skip_value(16).is_err() {
+                    break;
+                }
+            }
+        }
+
+        #[test]
+        fn ints_round_trip(v in any::<i64>()) {
+            let mut out = Vec::new();
+            write_int(&mut out, v);
+            prop_assert_eq!(Reader::new(&out).read_int().unwrap(), v);
         }
     }
 
