@@ -205,6 +205,8 @@ class Node:
             cmd += ["--listen", "127.0.0.1:0"]
         if "--admin-listen" not in args:
             cmd += ["--admin-listen", "127.0.0.1:0"]
+        if "--iproto-listen" not in args:
+            cmd += ["--iproto-listen", "127.0.0.1:0"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -214,6 +216,8 @@ class Node:
         ready = self.wait_for("sluice ready")
         self.address = ready.split("listening on ")[1].split(" ")[0]
         self.admin = ready.split("(admin ")[1].split(")")[0]
+        # "off" when the node serves no iproto.
+        self.iproto = ready.split("(iproto ")[1].split(")")[0]
         host, _, port = self.address.rpartition(":")
         self.host, self.port = host, int(port)
 

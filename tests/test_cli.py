@@ -26,6 +26,8 @@ class Serve:
     def __init__(self, *args: str) -> None:
         if "--listen" not in args:
             args = (*args, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")  # free ports
+        if "--iproto-listen" not in args:
+            args = (*args, "--iproto-listen", "127.0.0.1:0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "serve", *args],
             stdout=subprocess.DEVNULL,
@@ -170,7 +172,16 @@ def test_second_serve_on_the_same_data_dir_exits_1(data_dir, serve):
     first = serve("--data-dir", str(data_dir))
     first.wait_for("sluice ready")
     r = run_cli(
-        "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--admin-listen", "", timeout=30
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "",
+        "--iproto-listen",
+        "",
+        timeout=30,
     )
     assert r.returncode == 1
     assert "in use" in r.stderr and str(data_dir) in r.stderr
@@ -203,7 +214,16 @@ def test_serve_refuses_damage_unless_forced(data_dir, serve):
     first = layout(seg).blocks[0]
     flip_byte(seg, first.payload_offset + 5)
     r = run_cli(
-        "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--admin-listen", "", timeout=30
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "",
+        "--iproto-listen",
+        "",
+        timeout=30,
     )
     assert r.returncode == 1
     assert str(seg) in r.stderr and f"byte offset {first.offset}" in r.stderr

@@ -79,7 +79,15 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
     assert r.returncode == 1
     assert f"admin listener {server.admin} (admin_listen): Address already in use" in r.stderr, r.stderr
     r = run_cli(
-        "serve", "--data-dir", str(tmp_path / "third"), "--listen", server.address, "--admin-listen", ""
+        "serve",
+        "--data-dir",
+        str(tmp_path / "third"),
+        "--listen",
+        server.address,
+        "--admin-listen",
+        "",
+        "--iproto-listen",
+        "",
     )
     assert r.returncode == 1
     assert f"KV listener {server.address} (listen): Address already in use" in r.stderr, r.stderr

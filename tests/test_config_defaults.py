@@ -15,6 +15,7 @@ from sluice.config import BUCKET_KEYS, ENGINE_KEYS, Key
 PYTHON_ONLY = {
     "listen",
     "admin_listen",
+    "iproto_listen",
     "tls_listen",
     "tls.certificate",
     "tls.key",

@@ -48,6 +48,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["listen"] = args.listen
     if getattr(args, "admin_listen", None) is not None:
         overrides["admin_listen"] = args.admin_listen
+    if getattr(args, "iproto_listen", None) is not None:
+        overrides["iproto_listen"] = args.iproto_listen
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
     return cfg.with_overrides(**overrides) if overrides else cfg
@@ -56,7 +58,7 @@ def _load(args: argparse.Namespace) -> Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
     tls_listen = cfg.server_settings()["tls_listen"]
-    for key in ("listen", "admin_listen", "tls_listen"):
+    for key in ("listen", "admin_listen", "tls_listen", "iproto_listen"):
         address = tls_listen if key == "tls_listen" else cfg.values[key]
         if address and not is_loopback(address) and not cfg.users and not args.insecure:
             raise _native.ConfigError(
@@ -110,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s)%s; %d items in %d bucket(s) %s, "
+        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s)%s; %d items in %d bucket(s) %s, "
         "recovered in %.3f s (snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
         server.address,
         (
@@ -121,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or server.admin_address
         or "off",
         server.tls_address or "off",
+        server.iproto_address or "off",
         f", replica of {cfg.values['replication.replica_of']}"
         if cfg.values["replication.replica_of"]
         else "",
@@ -793,6 +796,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-listen",
         metavar="HOST:PORT",
         help=f'overrides admin_listen ("" turns it off; default: {_default("admin_listen")})',
+    )
+    s.add_argument(
+        "--iproto-listen",
+        metavar="HOST:PORT",
+        help=f'overrides iproto_listen ("" turns it off; default: {_default("iproto_listen")})',
     )
     s.add_argument(
         "--replica-of",

@@ -288,6 +288,16 @@ ENGINE_KEYS += [
         server=True,
     ),
     Key(
+        "iproto_listen",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "127.0.0.1:3301",
+        'Address of the Tarantool iproto listener (README "Tarantool\'s iproto"): the spaces of '
+        '[spaces.NAME] for tarantool-python, net.box and other connectors. "" turns it off. Beyond '
+        "loopback it needs users (or --insecure).",
+        "HOST:PORT",
+        server=True,
+    ),
+    Key(
         "max_connections",
         _int,
         DEFAULTS["max_connections"],
@@ -709,6 +719,7 @@ class Config:
     buckets: Mapping[str, Mapping[str, Any]]
     source: str = "<defaults>"
     users: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    spaces: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> Config:
@@ -717,12 +728,18 @@ class Config:
         sections = {k.name.split(".")[0] for k in ENGINE_KEYS if "." in k.name}
         buckets: dict[str, dict[str, Any]] = {}
         users: dict[str, dict[str, Any]] = {}
+        spaces: dict[str, dict[str, Any]] = {}
         for top, raw in doc.items():
             if top == "users":
                 if not isinstance(raw, dict):
                     raise _fail("users", "expected a table of users, e.g. [users.ada]")
                 for name, table in raw.items():
                     users[name] = _user(name, table)
+            elif top == "spaces":
+                if not isinstance(raw, dict):
+                    raise _fail("spaces", "expected a table of spaces, e.g. [spaces.users]")
+                for name, table in raw.items():
+                    spaces[name] = _space(name, table)
             elif top == "buckets":
                 if not isinstance(raw, dict):
                     raise _fail("buckets", "expected a table of buckets, e.g. [buckets.default]")
@@ -742,11 +759,12 @@ class Config:
             else:
                 raise _fail(top, "unknown key")
         buckets.setdefault("default", _bucket("default", {}))
+        _check_spaces(spaces, buckets)
         for name, u in users.items():
             for b in u["buckets"]:
                 if b != "*" and b not in buckets:
                     raise _fail(f"users.{name}.buckets.{b}", f"no bucket {b!r} is configured")
-        return cls(values=values, buckets=buckets, source=source, users=users)
+        return cls(values=values, buckets=buckets, source=source, users=users, spaces=spaces)
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with top-level keys replaced (command-line flags), validated the same way."""
@@ -767,7 +785,7 @@ class Config:
         """What the configuration allows but will likely not do what its users want, "key: reason"
         each: users without credentials for a SCRAM mechanism (a warning, not an error, so that
         configurations from before SCRAM keep serving PLAIN)."""
-        return [w for name, u in self.users.items() for w in _user_warnings(name, u)]
+        return [w for name, u in self.users.items() if name != GUEST for w in _user_warnings(name, u)]
 
     def server_settings(self) -> dict[str, Any]:
         """Keyword arguments of `sluice._native.Server` besides the engine and address."""
@@ -777,6 +795,8 @@ class Config:
             if k.server and not k.plugin and k.name != "listen"
         }
         out["replica_of"] = out["replica_of"] or None
+        out["iproto_listen"] = out["iproto_listen"] or None
+        out["spaces"] = self.space_list()
         out["replication_user"] = out["replication_user"] or None
         for k in (
             "tls_certificate",
@@ -799,6 +819,20 @@ class Config:
                 raise _fail("replication.password_file", f"cannot read {pw_file}: {e.strerror}") from None
         return out
 
+    def space_list(self) -> list[tuple[str, int, str, list[tuple[str, str, bool]], list[int]]]:
+        """The spaces as `sluice._native.Server` takes them: (name, id, bucket, [(field name,
+        type, is_nullable)], [0-based field numbers of the primary key])."""
+        return [
+            (
+                name,
+                sp["id"],
+                sp["bucket"],
+                [(f["name"], f["type"], f["is_nullable"]) for f in sp["format"]],
+                list(sp["primary_key"]),
+            )
+            for name, sp in self.spaces.items()
+        ]
+
     def plugins(self) -> dict[str, str]:
         """The configured policy plugins: {kind: import path}."""
         return {
@@ -817,7 +851,11 @@ class Config:
             for k in ENGINE_KEYS
             if k.name != "data_dir" and not k.server
         }
-        buckets = [BucketSettings(name, **b) for name, b in self.buckets.items()]
+        # A bucket that holds a space keeps its keys in order, for SELECT's iterators.
+        ordered = {sp["bucket"] for sp in self.spaces.values()}
+        buckets = [
+            BucketSettings(name, **b, ordered_keys=name in ordered) for name, b in self.buckets.items()
+        ]
         return EngineSettings(
             str(self.values["data_dir"]),
             buckets=buckets,
@@ -834,7 +872,11 @@ SCRAM_MECHANISMS = {
     "scram_sha256": ("sha256", "SCRAM-SHA256", 32),
     "scram_sha1": ("sha1", "SCRAM-SHA1", 20),
 }
-CREDENTIAL_KEYS = ("password_hash", *SCRAM_MECHANISMS)
+CREDENTIAL_KEYS = ("password_hash", *SCRAM_MECHANISMS, "chap_sha1")
+# Tarantool's chap-sha1 (iproto AUTH) checks against sha1(sha1(password)), hex.
+_CHAP_SHA1 = re.compile(r"[0-9a-f]{40}")
+# The user an iproto session is before it authenticates: [users.guest] holds only its buckets.
+GUEST = "guest"
 DEFAULT_ITERATIONS = 100_000
 
 
@@ -857,6 +899,14 @@ def _user(name: str, table: Any) -> dict[str, Any]:
             f"{path}.password",
             f"passwords are never stored; put the output of `sluice user hash` under [{path}]",
         )
+    if name == GUEST:
+        for key in table:
+            if key != "buckets":
+                raise _fail(
+                    f"{path}.{key}",
+                    "guest has no credentials: it is who an iproto session is before AUTH; "
+                    "[users.guest] takes only buckets",
+                )
     for key in table:
         if key not in (*CREDENTIAL_KEYS, "buckets"):
             raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(CREDENTIAL_KEYS)}, buckets)")
@@ -869,14 +919,18 @@ def _user(name: str, table: Any) -> dict[str, Any]:
             raise _fail(
                 f"{path}.{key}", "expected pbkdf2-sha256:ITERATIONS:SALT_HEX:HASH_HEX from `sluice user hash`"
             )
-        if key != "password_hash" and not _scram_form(key).fullmatch(value):
+        if key == "chap_sha1" and not _CHAP_SHA1.fullmatch(value):
+            raise _fail(
+                f"{path}.{key}", "expected 40 hex digits, sha1(sha1(password)), from `sluice user hash`"
+            )
+        if key in SCRAM_MECHANISMS and not _scram_form(key).fullmatch(value):
             raise _fail(
                 f"{path}.{key}",
                 f"expected {key.replace('_', '-')}:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX "
                 "from `sluice user hash`",
             )
         credentials[key] = value
-    if not credentials:
+    if not credentials and name != GUEST:
         raise _fail(path, f"no credentials: put the output of `sluice user hash` under [{path}]")
     raw = table.get("buckets", {})
     if not isinstance(raw, dict):
@@ -921,7 +975,9 @@ def user_credentials(password: str, iterations: int = DEFAULT_ITERATIONS) -> dic
     """What `sluice user hash` prints, [users.NAME] key -> value: per SCRAM mechanism
     `scram-shaN:ITERATIONS:SALT_HEX:STOREDKEY_HEX:SERVERKEY_HEX` (RFC 5802: StoredKey = H(ClientKey),
     ServerKey = HMAC(SaltedPassword, "Server Key"); neither the password nor the salted password),
-    each with a random 16-byte salt of its own. PLAIN checks against the SCRAM-SHA512 keys."""
+    each with a random 16-byte salt of its own. PLAIN checks against the SCRAM-SHA512 keys. Then
+    `chap_sha1`, the hex of sha1(sha1(password)), which Tarantool's chap-sha1 AUTH checks against
+    (as Tarantool stores it: unsalted, so guessable offline by whoever reads the file)."""
     import hashlib
     import hmac
     import os
@@ -934,6 +990,7 @@ def user_credentials(password: str, iterations: int = DEFAULT_ITERATIONS) -> dic
         server = hmac.digest(salted, b"Server Key", hash_name)
         scheme = key.replace("_", "-")
         out[key] = f"{scheme}:{iterations}:{salt.hex()}:{stored.hex()}:{server.hex()}"
+    out["chap_sha1"] = hashlib.sha1(hashlib.sha1(password.encode()).digest()).hexdigest()
     return out
 
 
@@ -950,6 +1007,165 @@ def _bucket(name: str, table: Any) -> dict[str, Any]:
             raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(by_name)})")
         out[key] = by_name[key].value(f"{path}.{key}", raw)
     return out
+
+
+# Tarantool's field types (those sluice checks; README "Tarantool's iproto").
+FIELD_TYPES = (
+    "unsigned",
+    "integer",
+    "number",
+    "double",
+    "string",
+    "varbinary",
+    "boolean",
+    "scalar",
+    "any",
+    "array",
+    "map",
+    "uuid",
+)
+# Types a TREE index cannot order by (Tarantool refuses them in an index too).
+_UNINDEXABLE = ("any", "array", "map")
+MIN_SPACE_ID = 512  # below are Tarantool's system spaces
+MAX_SPACE_ID = 0x7FFFFFFF  # Tarantool's box.schema.SPACE_MAX
+_SPACE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+# [spaces.NAME]'s keys for the reference and the example: key, type, default, meaning.
+SPACE_KEYS = [
+    ("id", "integer", "(required)", f"The space's number, {MIN_SPACE_ID} or more, unique."),
+    (
+        "bucket",
+        "string",
+        "the space's name",
+        "The bucket holding its tuples (key: the MessagePack array of the primary key's parts; "
+        "value: the tuple). One space per bucket; a bucket not under [buckets] is created with "
+        "the bucket defaults.",
+    ),
+    (
+        "format",
+        "list of tables",
+        "(required)",
+        "The fields in order: { name, type, is_nullable = false }; type is one of "
+        + ", ".join(FIELD_TYPES)
+        + ".",
+    ),
+    (
+        "primary_key",
+        "list",
+        "the first field",
+        "The primary key's fields, by name or 1-based number; not nullable, not any/array/map.",
+    ),
+]
+SPACE_EXAMPLE = {
+    "id": "512",
+    "bucket": '"users"',
+    "format": '[{ name = "id", type = "unsigned" }, { name = "name", type = "string", is_nullable = true }]',
+    "primary_key": '["id"]',
+}
+
+
+def _space(name: str, table: Any) -> dict[str, Any]:
+    """[spaces.NAME]: id (512 or more), bucket (default: the space's name), format (a list of
+    { name, type, is_nullable }) and primary_key (field names or 1-based numbers; default the
+    first field). The primary key's fields in 0-based numbers."""
+    path = f"spaces.{name}"
+    if not _SPACE_NAME.fullmatch(name):
+        raise _fail(path, f"space name {name!r} must be a letter then up to 63 of A-Z a-z 0-9 _")
+    if not isinstance(table, dict):
+        raise _fail(path, f"expected a table, got {type(table).__name__}")
+    known = ("id", "bucket", "format", "primary_key")
+    for key in table:
+        if key not in known:
+            raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(known)})")
+    if "id" not in table:
+        raise _fail(f"{path}.id", f"missing: every space needs a number of its own, {MIN_SPACE_ID} or more")
+    space_id = _int(f"{path}.id", table["id"])
+    if not MIN_SPACE_ID <= space_id <= MAX_SPACE_ID:
+        raise _fail(
+            f"{path}.id", f"{space_id} is not in {MIN_SPACE_ID}..{MAX_SPACE_ID} (lower ids are system spaces)"
+        )
+    bucket = _str(f"{path}.bucket", table.get("bucket", name))
+    if not _BUCKET_NAME.fullmatch(bucket):
+        raise _fail(f"{path}.bucket", f"bucket name {bucket!r} must be 1 to 100 of A-Z a-z 0-9 _ . % -")
+    raw_format = table.get("format")
+    if not isinstance(raw_format, list) or not raw_format:
+        raise _fail(
+            f"{path}.format",
+            'expected a list of fields such as [{ name = "id", type = "unsigned" }, ...], at least one',
+        )
+    fields: list[dict[str, Any]] = []
+    for i, f in enumerate(raw_format, 1):
+        fpath = f"{path}.format[{i}]"
+        if not isinstance(f, dict):
+            raise _fail(fpath, 'expected a table such as { name = "id", type = "unsigned" }')
+        for key in f:
+            if key not in ("name", "type", "is_nullable"):
+                raise _fail(f"{fpath}.{key}", "unknown key (known: name, type, is_nullable)")
+        if "name" not in f:
+            raise _fail(f"{fpath}.name", "missing: every field has a name")
+        fname = _str(f"{fpath}.name", f["name"])
+        if not _FIELD_NAME.fullmatch(fname):
+            raise _fail(
+                f"{fpath}.name", f"field name {fname!r} must be up to 64 of A-Z a-z 0-9 _, not a digit first"
+            )
+        if any(g["name"] == fname for g in fields):
+            raise _fail(f"{fpath}.name", f"field {fname!r} is declared twice")
+        ftype = _str(f"{fpath}.type", f.get("type", "any"))
+        if ftype not in FIELD_TYPES:
+            raise _fail(f"{fpath}.type", f"{ftype!r} is not one of {', '.join(FIELD_TYPES)}")
+        nullable = _bool(f"{fpath}.is_nullable", f.get("is_nullable", False))
+        fields.append({"name": fname, "type": ftype, "is_nullable": nullable})
+    raw_key = table.get("primary_key", [fields[0]["name"]])
+    kpath = f"{path}.primary_key"
+    if not isinstance(raw_key, list) or not raw_key:
+        raise _fail(kpath, 'expected a list of field names or 1-based field numbers, e.g. ["id"]')
+    parts: list[int] = []
+    for part in raw_key:
+        if isinstance(part, str):
+            no = next((i for i, f in enumerate(fields) if f["name"] == part), None)
+            if no is None:
+                raise _fail(
+                    kpath, f"no field {part!r} in format (fields: {', '.join(f['name'] for f in fields)})"
+                )
+        elif isinstance(part, int) and not isinstance(part, bool):
+            if not 1 <= part <= len(fields):
+                raise _fail(kpath, f"field number {part} is not in 1..{len(fields)} (numbers are 1-based)")
+            no = part - 1
+        else:
+            raise _fail(kpath, f"expected a field name or a 1-based field number, got {part!r}")
+        if no in parts:
+            raise _fail(kpath, f"field {fields[no]['name']!r} is in the key twice")
+        field = fields[no]
+        if field["type"] in _UNINDEXABLE:
+            raise _fail(
+                kpath,
+                f"field {field['name']!r} has type {field['type']!r}, which a primary key cannot order by",
+            )
+        if field["is_nullable"]:
+            raise _fail(kpath, f"field {field['name']!r} is nullable; a primary key's fields cannot be")
+        parts.append(no)
+    return {"id": space_id, "bucket": bucket, "format": fields, "primary_key": parts}
+
+
+def _check_spaces(spaces: Mapping[str, dict[str, Any]], buckets: dict[str, dict[str, Any]]) -> None:
+    """Ids and buckets are each a space's own; a space's bucket that is not configured is
+    created with the bucket defaults."""
+    ids: dict[int, str] = {}
+    holders: dict[str, str] = {}
+    for name, sp in spaces.items():
+        if sp["id"] in ids:
+            raise _fail(f"spaces.{name}.id", f"{sp['id']} is the id of space {ids[sp['id']]!r} too")
+        ids[sp["id"]] = name
+        if sp["bucket"] in holders:
+            raise _fail(
+                f"spaces.{name}.bucket",
+                f"bucket {sp['bucket']!r} holds space {holders[sp['bucket']]!r} already "
+                "(one space per bucket)",
+            )
+        holders[sp["bucket"]] = name
+        buckets.setdefault(sp["bucket"], _bucket(sp["bucket"], {}))
 
 
 def load_config(path: str | Path) -> Config:
@@ -995,6 +1211,15 @@ def reference() -> str:
     ]
     for k in BUCKET_KEYS:
         lines.append(f"| `buckets.NAME.{k.name}` | {k.type_name} | `{_show(k.default)}` | {k.doc} |")
+    lines += [
+        "",
+        "Spaces (Tarantool's iproto, served on `iproto_listen`) are tables under `[spaces.NAME]`.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, type_name, default, doc in SPACE_KEYS:
+        lines.append(f"| `spaces.NAME.{name}` | {type_name} | {default} | {doc} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1027,6 +1252,12 @@ def example_toml(data_dir: str | None = None) -> str:
     for k in BUCKET_KEYS:
         out.append(f"# {k.doc}")
         out.append(f"# {k.name} = {_toml(k.default)}")
+        out.append("")
+    out.append("# Spaces of Tarantool tuples served on iproto_listen, one table each; none by default.")
+    out.append("# [spaces.users]")
+    for name, _, _, doc in SPACE_KEYS:
+        out.append(f"# {doc}")
+        out.append(f"# {name} = {SPACE_EXAMPLE[name]}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

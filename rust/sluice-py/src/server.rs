@@ -34,7 +34,36 @@ pub(crate) struct Server {
     address: String,
     admin_address: Option<String>,
     tls_address: Option<String>,
+    iproto_address: Option<String>,
     policies: Arc<PolicyHost>,
+}
+
+/// (name, id, bucket, [(field name, type, is_nullable)], [0-based key fields]) from the
+/// validated configuration (config.py's `Config.space_list`).
+type SpaceSpec = (String, u32, String, Vec<(String, String, bool)>, Vec<u32>);
+
+fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<sluice_server::config::SpaceConfig> {
+    specs
+        .into_iter()
+        .map(
+            |(name, id, bucket, format, primary_key)| sluice_server::config::SpaceConfig {
+                name,
+                id,
+                bucket,
+                format: format
+                    .into_iter()
+                    .map(
+                        |(name, field_type, is_nullable)| sluice_server::config::FieldConfig {
+                            name,
+                            field_type,
+                            is_nullable,
+                        },
+                    )
+                    .collect(),
+                primary_key,
+            },
+        )
+        .collect()
 }
 
 type UserSpec = (
@@ -55,7 +84,8 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
                 .add(&key, &value)
                 .map_err(|e| config_err(&format!("users.{name}.{key}"), e))?;
         }
-        if credentials.is_empty() {
+        // guest (iproto's unauthenticated sessions) has permissions only.
+        if credentials.is_empty() && name != sluice_server::auth::GUEST {
             return Err(config_err(
                 &format!("users.{name}"),
                 "no credentials: put the output of `sluice user hash` under it",
@@ -87,7 +117,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, spaces=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -122,6 +152,8 @@ impl Server {
         replication_ca: Option<PathBuf>,
         replication_certificate: Option<PathBuf>,
         replication_key: Option<PathBuf>,
+        iproto_listen: Option<&str>,
+        spaces: Vec<SpaceSpec>,
     ) -> PyResult<Self> {
         let tls = match (tls_certificate, tls_key) {
             (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
@@ -267,6 +299,10 @@ impl Server {
             .filter(|a| !a.is_empty())
             .map(|a| socket_addr("admin_listen", a))
             .transpose()?;
+        let iproto_listen = iproto_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("iproto_listen", a))
+            .transpose()?;
         if max_connections == 0 {
             return Err(config_err("max_connections", "must be at least 1"));
         }
@@ -294,6 +330,8 @@ impl Server {
             login,
             tls_listen,
             tls,
+            iproto_listen,
+            spaces: spaces_of(spaces),
         };
         let e = engine.engine.clone();
         let host = policies.clone();
@@ -309,7 +347,9 @@ impl Server {
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
         let tls_address = server.tls_addr().map(|a| a.to_string());
+        let iproto_address = server.iproto_addr().map(|a| a.to_string());
         Ok(Server {
+            iproto_address,
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
@@ -362,6 +402,12 @@ impl Server {
             s.set_users(users);
         }
         Ok(())
+    }
+
+    /// "HOST:PORT" of the iproto listener, if it runs.
+    #[getter]
+    fn iproto_address(&self) -> Option<&str> {
+        self.iproto_address.as_deref()
     }
 
     /// "HOST:PORT" of the TLS KV listener, if it runs.

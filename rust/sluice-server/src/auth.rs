@@ -180,12 +180,48 @@ pub struct Credentials {
     pub password_hash: Option<PasswordHash>,
     /// SCRAM keys, one per mechanism at most.
     pub scram: Vec<scram::Keys>,
+    /// `chap_sha1`: sha1(sha1(password)), what Tarantool's chap-sha1 AUTH (iproto) checks.
+    pub chap_sha1: Option<[u8; 20]>,
+}
+
+/// The name of the user an iproto session is before it authenticates; `[users.guest]` has no
+/// credentials, only permissions.
+pub const GUEST: &str = "guest";
+
+/// sha1(sha1("")): guest's password is empty, as in Tarantool.
+fn empty_chap_sha1() -> [u8; 20] {
+    sha1(&sha1(b""))
+}
+
+pub fn sha1(data: &[u8]) -> [u8; 20] {
+    let d = ring::digest::digest(&ring::digest::SHA1_FOR_LEGACY_USE_ONLY, data);
+    let mut out = [0u8; 20];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// The outcome of a chap-sha1 AUTH (iproto).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChapOutcome {
+    /// Logged in as this user.
+    Ok(String),
+    /// No user of that name (Tarantool's ER_NO_SUCH_USER).
+    NoSuchUser,
+    /// A wrong scramble, or a user without chap-sha1 credentials (ER_PASSWORD_MISMATCH).
+    Mismatch,
 }
 
 impl Credentials {
     /// Adds the credential configured under `key` (`password_hash`, `scram_sha512`,
     /// `scram_sha256`, `scram_sha1`); the error is the text after `users.NAME.KEY: `.
     pub fn add(&mut self, key: &str, value: &str) -> Result<(), String> {
+        if key == "chap_sha1" {
+            let bytes = unhex(value)
+                .and_then(|b| <[u8; 20]>::try_from(b).ok())
+                .ok_or("expected 40 hex digits, sha1(sha1(password)), from sluice user hash")?;
+            self.chap_sha1 = Some(bytes);
+            return Ok(());
+        }
         if key == "password_hash" {
             self.password_hash = Some(PasswordHash::parse(value).map_err(|e| e.to_string())?);
             return Ok(());
@@ -194,7 +230,8 @@ impl Credentials {
             .into_iter()
             .find(|m| m.scheme().replace('-', "_") == key)
             .ok_or_else(|| {
-                "unknown credential (known: password_hash, scram_sha512, scram_sha256, scram_sha1)"
+                "unknown credential (known: password_hash, scram_sha512, scram_sha256, scram_sha1, \
+                 chap_sha1)"
                     .to_string()
             })?;
         let keys = parse_scram_keys(mechanism, value).map_err(|e| e.to_string())?;
@@ -204,7 +241,7 @@ impl Credentials {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.password_hash.is_none() && self.scram.is_empty()
+        self.password_hash.is_none() && self.scram.is_empty() && self.chap_sha1.is_none()
     }
 
     pub fn scram(&self, mechanism: Mechanism) -> Option<&scram::Keys> {
@@ -256,6 +293,7 @@ impl PlainCheck<'_> {
                     hash: vec![0; 32],
                 }),
                 scram: Vec::new(),
+                chap_sha1: None,
             },
             PlainCheck::Scram(k) => Credentials {
                 password_hash: None,
@@ -264,6 +302,7 @@ impl PlainCheck<'_> {
                     stored_key: vec![0; k.stored_key.len()],
                     ..k.clone()
                 }],
+                chap_sha1: None,
             },
         }
     }
@@ -363,6 +402,52 @@ impl Users {
         }
     }
 
+    /// The permissions of an iproto session that has not authenticated: `[users.guest]`'s.
+    pub fn guest(&self) -> Option<&User> {
+        self.by_name.get(GUEST)
+    }
+
+    /// Tarantool's chap-sha1: `scramble = sha1(password) XOR sha1(salt[..20] + sha1(sha1(password)))`,
+    /// checked against the stored sha1(sha1(password)): XOR the scramble with sha1(salt + stored)
+    /// gives sha1(password), whose sha1 must be the stored value. `guest` has the empty password;
+    /// an empty `scramble` (an AUTH with no scramble) is guest's login only. With no user
+    /// configured, any login succeeds (the node serves anyone, as SASL does then).
+    pub fn authenticate_chap_sha1(&self, name: &str, salt: &[u8], scramble: &[u8]) -> ChapOutcome {
+        if !self.required() {
+            return ChapOutcome::Ok(name.to_string());
+        }
+        let stored = if name == GUEST {
+            Some(empty_chap_sha1())
+        } else {
+            match self.by_name.get(name) {
+                None => return ChapOutcome::NoSuchUser,
+                Some(u) => u.credentials.chap_sha1,
+            }
+        };
+        let Some(stored) = stored else {
+            return ChapOutcome::Mismatch;
+        };
+        if name == GUEST && scramble.is_empty() {
+            return ChapOutcome::Ok(name.to_string());
+        }
+        if scramble.len() != 20 || salt.len() < 20 {
+            return ChapOutcome::Mismatch;
+        }
+        let mut buf = Vec::with_capacity(40);
+        buf.extend_from_slice(&salt[..20]);
+        buf.extend_from_slice(&stored);
+        let mask = sha1(&buf);
+        let mut step1 = [0u8; 20];
+        for (i, b) in step1.iter_mut().enumerate() {
+            *b = scramble[i] ^ mask[i];
+        }
+        if scram::constant_time_eq(&sha1(&step1), &stored) {
+            ChapOutcome::Ok(name.to_string())
+        } else {
+            ChapOutcome::Mismatch
+        }
+    }
+
     /// Starts a SCRAM exchange from a client-first message: the exchange and the server-first
     /// message. A user without keys for `mechanism` (unknown, or configured without them) gets
     /// an exchange that runs the same and fails at the end.
@@ -458,6 +543,69 @@ mod tests {
         );
         assert_eq!(u.get("ada").unwrap().permissions("default"), READ | WRITE);
         assert_eq!(u.get("ada").unwrap().permissions("other"), 0);
+    }
+
+    /// A client's chap-sha1 scramble, as tarantool-python computes it.
+    fn chap_scramble(password: &[u8], salt: &[u8]) -> Vec<u8> {
+        let s1 = sha1(password);
+        let s2 = sha1(&s1);
+        let mask = sha1(&[&salt[..20], &s2[..]].concat());
+        s1.iter().zip(mask).map(|(a, b)| a ^ b).collect()
+    }
+
+    #[test]
+    fn chap_sha1_checks_the_scramble_and_guest_has_the_empty_password() {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let mut credentials = Credentials::default();
+        credentials
+            .add("chap_sha1", &hex(&sha1(&sha1(b"secret"))))
+            .unwrap();
+        let users = Users::new(vec![
+            User {
+                name: "app".into(),
+                credentials,
+                buckets: HashMap::new(),
+            },
+            User {
+                name: GUEST.into(),
+                credentials: Credentials::default(),
+                buckets: HashMap::from([("users".into(), READ)]),
+            },
+        ]);
+        let salt = [7u8; 32];
+        let ok = chap_scramble(b"secret", &salt);
+        assert_eq!(
+            users.authenticate_chap_sha1("app", &salt, &ok),
+            ChapOutcome::Ok("app".into())
+        );
+        let other_salt = [8u8; 32];
+        assert_eq!(
+            users.authenticate_chap_sha1("app", &other_salt, &ok),
+            ChapOutcome::Mismatch,
+            "a scramble is good for its salt only"
+        );
+        assert_eq!(
+            users.authenticate_chap_sha1("app", &salt, &chap_scramble(b"wrong", &salt)),
+            ChapOutcome::Mismatch
+        );
+        assert_eq!(
+            users.authenticate_chap_sha1("nobody", &salt, &ok),
+            ChapOutcome::NoSuchUser
+        );
+        assert_eq!(
+            users.authenticate_chap_sha1(GUEST, &salt, b""),
+            ChapOutcome::Ok(GUEST.into())
+        );
+        assert_eq!(
+            users.authenticate_chap_sha1(GUEST, &salt, &chap_scramble(b"", &salt)),
+            ChapOutcome::Ok(GUEST.into())
+        );
+        assert_eq!(
+            users.authenticate_chap_sha1(GUEST, &salt, &chap_scramble(b"x", &salt)),
+            ChapOutcome::Mismatch
+        );
+        assert_eq!(users.guest().unwrap().permissions("users"), READ);
+        assert!(Credentials::default().add("chap_sha1", "abc").is_err());
     }
 
     #[test]

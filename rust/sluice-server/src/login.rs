@@ -63,7 +63,8 @@ fn delay(failures: u32) -> Duration {
 /// Failed SASL attempts per user name and per source address.
 pub struct LoginThrottle {
     entries: Mutex<HashMap<Key, Backoff>>,
-    log: RateLimitedLog,
+    /// Failed logins' warnings (SASL's and iproto's), at most one per 10 s.
+    pub log: RateLimitedLog,
 }
 
 impl Default for LoginThrottle {

@@ -1,0 +1,82 @@
+//! AUTH: chap-sha1 against the users' `chap_sha1` (sha1(sha1(password))), with this
+//! connection's salt. A failure is counted and slows the next attempts for the same name and
+//! address (`login::LoginThrottle`, shared with SASL); the connection stays open and keeps
+//! the user it had (guest until an AUTH succeeds), as Tarantool's does.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use sluice_proto::iproto::{codes, response};
+
+use super::session::{Failure, Outcome, Session};
+use crate::auth::ChapOutcome;
+
+impl Session {
+    pub(super) async fn auth(
+        &mut self,
+        user: &[u8],
+        mechanism: &[u8],
+        scramble: &[u8],
+        sync: u64,
+        out: &mut Vec<u8>,
+    ) -> Outcome {
+        let name = String::from_utf8_lossy(user).into_owned();
+        let ip = self.peer.ip();
+        let Some(wait) = self.ctx.throttle.turn(user, ip) else {
+            self.ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+            return Err(Failure::new(
+                codes::ER_PASSWORD_MISMATCH,
+                format!("Incorrect password supplied for user '{name}'"),
+            ));
+        };
+        if !wait.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.stop.changed() => {}
+            }
+        }
+        // Tarantool: an AUTH as guest with no scramble (`TUPLE []`) logs in as guest.
+        let outcome = if mechanism.is_empty() && scramble.is_empty() {
+            self.ctx
+                .users
+                .current()
+                .authenticate_chap_sha1(&name, &self.salt, b"")
+        } else if mechanism != b"chap-sha1" {
+            ChapOutcome::Mismatch
+        } else if scramble.len() != 20 {
+            return Err(Failure::new(
+                codes::ER_INVALID_MSGPACK,
+                "Invalid MsgPack - invalid scramble size",
+            ));
+        } else {
+            self.ctx
+                .users
+                .current()
+                .authenticate_chap_sha1(&name, &self.salt, scramble)
+        };
+        match outcome {
+            ChapOutcome::Ok(who) => {
+                self.ctx.throttle.succeeded(user);
+                self.user = Some(who);
+                response::write_ok(out, sync, self.ctx.catalog.schema_version);
+                Ok(())
+            }
+            failed => {
+                self.ctx.throttle.failed(user, ip);
+                self.ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                self.ctx.throttle.log.warn(|| {
+                    format!("failed iproto login for user {name:?} from {ip}")
+                });
+                Err(match failed {
+                    ChapOutcome::NoSuchUser => Failure::new(
+                        codes::ER_NO_SUCH_USER,
+                        format!("User '{name}' is not found"),
+                    ),
+                    _ => Failure::new(
+                        codes::ER_PASSWORD_MISMATCH,
+                        format!("Incorrect password supplied for user '{name}'"),
+                    ),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Tarantool's iproto front: spaces of MessagePack tuples over sluice's buckets, for
+//! tarantool-python, net.box and the other connectors (README "Tarantool's iproto").
+//!
+//! A space (`[spaces.NAME]`) lives in a bucket of its own whose keys the engine keeps in order:
+//! a tuple is one item, key = the MessagePack array of its primary key's parts, value = the
+//! tuple. So the WAL, replicas, DCP and TAP see iproto writes as any other change.
+//!
+//! `session` runs one connection (greeting, framing, dispatch); one file per request family:
+//! `auth` (chap-sha1), `select`, `write` (INSERT, REPLACE, UPDATE, UPSERT, DELETE), `call`
+//! (the built-in CALL/EVAL set) and `schema` (the space catalog and the system views
+//! `_vspace`, `_vindex`, `_vcollation`). The wire codec is `sluice_proto::iproto`.
+
+mod auth;
+mod call;
+mod schema;
+mod select;
+mod session;
+mod write;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_core::Engine;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::auth::UserTable;
+use crate::limits::PreLogin;
+use crate::login::LoginThrottle;
+use crate::metrics::metric;
+use crate::stats::ConnectionStats;
+
+pub use schema::{Catalog, Space};
+
+/// The Tarantool version the greeting announces: the protocol the captures of Tarantool 2.6
+/// describe, which tarantool-python and net.box speak to it (no IPROTO_ID from them).
+pub const TARANTOOL_VERSION: &str = "2.6.0";
+
+/// The largest request accepted; a larger length prefix closes the connection.
+pub const MAX_PACKET: usize = 64 << 20;
+
+/// What the iproto front works with, shared by its connections: built by the server.
+pub struct IprotoContext {
+    pub engine: Arc<Engine>,
+    /// The same users as the memcached front's (SIGHUP replaces them for both).
+    pub users: Arc<UserTable>,
+    pub catalog: Arc<Catalog>,
+    /// The connection counters every front counts into (bytes, protocol errors).
+    pub io: Arc<ConnectionStats>,
+    pub stats: IprotoStats,
+    /// Failed logins slow the next ones, shared with SASL (`login`).
+    pub throttle: Arc<LoginThrottle>,
+    /// Its counters of failed logins (`sluice_auth_failures_total`).
+    pub prelogin: Arc<PreLogin>,
+    /// The engine's instance id as a UUID, in the greeting and `box.info`.
+    pub instance_uuid: String,
+    pub listen: SocketAddr,
+    pub max_packet: usize,
+    /// A connection silent this long is closed; zero never.
+    pub idle_timeout: Duration,
+    pub started: Instant,
+}
+
+/// The engine's instance id (32 hex digits) written as a UUID.
+pub fn instance_uuid(instance: &str) -> String {
+    let hex: String = instance
+        .chars()
+        .filter(|c| c.is_ascii_hexdigit())
+        .chain(std::iter::repeat('0'))
+        .take(32)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// The request types counted in `sluice_iproto_requests_total`, by label.
+const REQUEST_TYPES: [(u32, &str); 15] = [
+    (1, "select"),
+    (2, "insert"),
+    (3, "replace"),
+    (4, "update"),
+    (5, "delete"),
+    (6, "call_16"),
+    (7, "auth"),
+    (8, "eval"),
+    (9, "upsert"),
+    (10, "call"),
+    (11, "execute"),
+    (12, "nop"),
+    (13, "prepare"),
+    (64, "ping"),
+    (73, "id"),
+];
+
+/// The iproto front's counters (`/metrics`).
+#[derive(Default)]
+pub struct IprotoStats {
+    /// Per entry of `REQUEST_TYPES`, then one for any other type.
+    requests: [AtomicU64; REQUEST_TYPES.len() + 1],
+    /// Error replies by Tarantool error code.
+    errors: parking_lot::Mutex<BTreeMap<u32, u64>>,
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+}
+
+impl IprotoStats {
+    pub fn request(&self, code: u32) {
+        let i = REQUEST_TYPES
+            .iter()
+            .position(|(c, _)| *c == code)
+            .unwrap_or(REQUEST_TYPES.len());
+        self.requests[i].fetch_add(1, Relaxed);
+    }
+
+    pub fn error(&self, code: u32) {
+        *self.errors.lock().entry(code).or_insert(0) += 1;
+    }
+
+    /// The Prometheus lines of the iproto counters.
+    pub fn metrics(&self, o: &mut String) {
+        metric(
+            o,
+            "sluice_iproto_connections",
+            "gauge",
+            "iproto connections open now.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_iproto_connections {}",
+            self.connections.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_iproto_connections_total",
+            "counter",
+            "iproto connections accepted.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_iproto_connections_total {}",
+            self.connections_total.load(Relaxed)
+        );
+        metric(
+            o,
+            "sluice_iproto_requests_total",
+            "counter",
+            "iproto requests received, by type.",
+        );
+        let names = REQUEST_TYPES.iter().map(|(_, n)| *n).chain(["other"]);
+        for (name, n) in names.zip(&self.requests) {
+            let _ = writeln!(
+                o,
+                "sluice_iproto_requests_total{{type=\"{name}\"}} {}",
+                n.load(Relaxed)
+            );
+        }
+        metric(
+            o,
+            "sluice_iproto_errors_total",
+            "counter",
+            "iproto error replies, by Tarantool error code.",
+        );
+        for (code, n) in self.errors.lock().iter() {
+            let _ = writeln!(o, "sluice_iproto_errors_total{{code=\"{code}\"}} {n}");
+        }
+    }
+}
+
+/// Accepts iproto connections until the stop signal, under the server's connection limit
+/// (shared with the memcached listeners), then lets the open ones finish what they hold.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<IprotoContext>,
+    mut stop: watch::Receiver<bool>,
+    limit: Arc<Semaphore>,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => {
+                let (socket, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        log::warn!("iproto accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    ctx.io.connections_rejected.fetch_add(1, Relaxed);
+                    log::warn!("refusing iproto connection from {peer}: max_connections reached");
+                    continue;
+                };
+                let _ = socket.set_nodelay(true);
+                ctx.stats.connections_total.fetch_add(1, Relaxed);
+                let (ctx, stop) = (ctx.clone(), stop.clone());
+                tasks.spawn(async move {
+                    ctx.stats.connections.fetch_add(1, Relaxed);
+                    session::run(socket.into(), peer, ctx.clone(), stop).await;
+                    ctx.stats.connections.fetch_sub(1, Relaxed);
+                    drop(permit);
+                });
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    drop(listener);
+    while tasks.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_instance_id_reads_as_a_uuid() {
+        assert_eq!(
+            super::instance_uuid("eebdef33efcc4b01be611d02ed76c981"),
+            "eebdef33-efcc-4b01-be61-1d02ed76c981"
+        );
+    }
+}
