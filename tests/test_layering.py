@@ -50,6 +50,7 @@ SERVER_LAYERS = [
     {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
     # fronts a connection is handed to (SASL, change streams, memcached's text protocol)
     {"login", "dcp", "tap", "text"},
+    {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
     {"replica"},  # following another node through the DCP consumer
     {"config", "connection"},  # the server's settings; one connection and its handoffs
     {"admin"},  # the HTTP endpoint that reports on all of the above

@@ -671,6 +671,9 @@ pub fn metrics(node: &NodeView) -> String {
         f.kv.tap_applied.load(Relaxed),
     );
     f.dcp.policies.metrics(&mut o);
+    if let Some(iproto) = &f.iproto {
+        iproto.stats.metrics(&mut o);
+    }
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);

@@ -35,8 +35,10 @@ pub struct Fronts {
     pub dcp: Arc<DcpContext>,
     pub tap: Arc<TapContext>,
     pub prelogin: Arc<PreLogin>,
-    /// Failed SASL attempts, which slow the next ones down.
-    pub throttle: LoginThrottle,
+    /// Failed SASL (and iproto AUTH) attempts, which slow the next ones down.
+    pub throttle: Arc<LoginThrottle>,
+    /// The iproto front, when `iproto_listen` is set (its counters show in /metrics).
+    pub iproto: Option<Arc<crate::iproto::IprotoContext>>,
     /// Largest request body accepted; larger frames get E2BIG and the connection closes.
     pub max_body: usize,
     /// A connection silent for this long is closed; zero means never.

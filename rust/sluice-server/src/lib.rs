@@ -19,6 +19,7 @@ pub mod clustermap;
 pub mod config;
 pub mod connection;
 pub mod dcp;
+pub mod iproto;
 pub mod kv;
 pub mod limits;
 pub mod login;

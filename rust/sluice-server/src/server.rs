@@ -28,6 +28,7 @@ pub struct Server {
     local_addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
     tls_addr: Option<SocketAddr>,
+    iproto_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     fronts: Arc<Fronts>,
@@ -86,6 +87,21 @@ impl Server {
                 (None, _) => None,
             };
         let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let iproto_listener = match config.iproto_listen {
+            Some(a) => {
+                let l = bind("iproto listener", "iproto_listen", a)?;
+                l.set_nonblocking(true)?;
+                Some(l)
+            }
+            None => None,
+        };
+        let iproto_addr = iproto_listener
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()?;
+        // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
+        let catalog = crate::iproto::Catalog::build(&engine, &config.spaces)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         // What was bound (a port 0 becomes the real one), for STAT and /status.
         let mut config = config;
         config.listen = local_addr;
@@ -96,9 +112,28 @@ impl Server {
         // Each front gets what it works with; none sees the others' state.
         let stats = Arc::new(ConnectionStats::default());
         let clustermap = Arc::new(ClusterMap::new(local_addr, tls_addr));
+        let users = Arc::new(UserTable::new(config.users.clone()));
+        let prelogin = Arc::new(PreLogin::new(config.login.clone()));
+        let throttle = Arc::new(crate::login::LoginThrottle::default());
+        let iproto = iproto_addr.map(|listen| {
+            Arc::new(crate::iproto::IprotoContext {
+                engine: engine.clone(),
+                users: users.clone(),
+                catalog: Arc::new(catalog),
+                io: stats.clone(),
+                stats: Default::default(),
+                throttle: throttle.clone(),
+                prelogin: prelogin.clone(),
+                instance_uuid: crate::iproto::instance_uuid(engine.instance()),
+                listen,
+                max_packet: crate::iproto::MAX_PACKET.max(config.max_body),
+                idle_timeout: config.idle_timeout,
+                started: std::time::Instant::now(),
+            })
+        });
         let kv = Arc::new(KvContext {
             engine: engine.clone(),
-            users: Arc::new(UserTable::new(config.users.clone())),
+            users,
             stats: stats.clone(),
             started: std::time::Instant::now(),
             tap_applied: Default::default(),
@@ -126,8 +161,9 @@ impl Server {
             kv,
             dcp,
             tap,
-            prelogin: Arc::new(PreLogin::new(config.login.clone())),
-            throttle: Default::default(),
+            prelogin,
+            throttle,
+            iproto: iproto.clone(),
             max_body: config.max_body,
             idle_timeout: config.idle_timeout,
         });
@@ -177,6 +213,13 @@ impl Server {
             }
             None => None,
         };
+        let iproto_listener = match iproto_listener {
+            Some(l) => {
+                let _enter = runtime.enter();
+                Some(TcpListener::from_std(l)?)
+            }
+            None => None,
+        };
         let (fr, tls_) = (fronts.clone(), tls.clone());
         // One limit for both listeners: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
@@ -184,10 +227,15 @@ impl Server {
             let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
                 if let (Some(l), Some(t)) = (tls_listener, tls_) {
-                    accept_loop(l, fr.clone(), stop_rx, limit, Some(t)).await;
+                    accept_loop(l, fr.clone(), stop_rx.clone(), limit.clone(), Some(t)).await;
                 }
             };
-            tokio::join!(plain, tls);
+            let iproto = async {
+                if let (Some(l), Some(ctx)) = (iproto_listener, iproto) {
+                    crate::iproto::serve(l, ctx, stop_rx, limit).await;
+                }
+            };
+            tokio::join!(plain, tls, iproto);
             let _ = done_tx.send(());
         });
         Ok(Server {
@@ -195,6 +243,7 @@ impl Server {
             local_addr,
             admin_addr,
             tls_addr,
+            iproto_addr,
             stop: stop_tx,
             done: Some(done_rx),
             fronts,
@@ -215,6 +264,11 @@ impl Server {
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// The iproto listener's address, if it runs.
+    pub fn iproto_addr(&self) -> Option<SocketAddr> {
+        self.iproto_addr
     }
 
     /// The TLS KV listener's address, if it runs.

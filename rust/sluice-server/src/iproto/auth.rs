@@ -8,14 +8,16 @@ use std::sync::atomic::Ordering::Relaxed;
 use sluice_proto::iproto::{codes, response};
 
 use super::session::{Failure, Outcome, Session};
-use crate::auth::ChapOutcome;
+use crate::auth::{ChapOutcome, GUEST};
 
 impl Session {
+    /// `scramble`: None for `TUPLE []` (guest's return without a password), Err with
+    /// the ER_INVALID_MSGPACK text for a malformed one, judged after the user is known.
     pub(super) async fn auth(
         &mut self,
         user: &[u8],
-        mechanism: &[u8],
-        scramble: &[u8],
+        mechanism: Option<&[u8]>,
+        scramble: Result<Option<[u8; 20]>, &'static str>,
         sync: u64,
         out: &mut Vec<u8>,
     ) -> Outcome {
@@ -34,24 +36,20 @@ impl Session {
                 _ = self.stop.changed() => {}
             }
         }
-        // Tarantool: an AUTH as guest with no scramble (`TUPLE []`) logs in as guest.
-        let outcome = if mechanism.is_empty() && scramble.is_empty() {
-            self.ctx
-                .users
-                .current()
-                .authenticate_chap_sha1(&name, &self.salt, b"")
-        } else if mechanism != b"chap-sha1" {
-            ChapOutcome::Mismatch
-        } else if scramble.len() != 20 {
-            return Err(Failure::new(
-                codes::ER_INVALID_MSGPACK,
-                "Invalid MsgPack - invalid scramble size",
-            ));
-        } else {
-            self.ctx
-                .users
-                .current()
-                .authenticate_chap_sha1(&name, &self.salt, scramble)
+        let users = self.ctx.users.current();
+        let outcome = match (scramble, mechanism) {
+            // An unknown user first, as Tarantool checks.
+            _ if users.required() && name != GUEST && users.get(&name).is_none() => {
+                ChapOutcome::NoSuchUser
+            }
+            (Err(why), _) => {
+                return Err(Failure::new(codes::ER_INVALID_MSGPACK, why))
+            }
+            (Ok(None), _) => users.authenticate_chap_sha1(&name, &self.salt, b""),
+            (Ok(Some(s)), Some(b"chap-sha1")) => {
+                users.authenticate_chap_sha1(&name, &self.salt, &s)
+            }
+            (Ok(Some(_)), _) => ChapOutcome::Mismatch,
         };
         match outcome {
             ChapOutcome::Ok(who) => {

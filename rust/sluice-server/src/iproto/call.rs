@@ -151,7 +151,7 @@ impl Session {
         if let Some(index) = index {
             if index != "primary" && index != "0" {
                 return Err(Failure::new(
-                    codes::ER_NO_SUCH_INDEX_NAME,
+                    super::more_codes::ER_NO_SUCH_INDEX_NAME,
                     format!("No index '{index}' is defined in space '{space}'"),
                 ));
             }

@@ -37,6 +37,17 @@ use crate::stats::ConnectionStats;
 
 pub use schema::{Catalog, Space};
 
+/// Tarantool 2.6 error codes this front answers with beyond those of
+/// `sluice_proto::iproto::codes` (values from Tarantool's errcode.h).
+pub(crate) mod more_codes {
+    pub const ER_MEMORY_ISSUE: u32 = 2;
+    pub const ER_WAL_IO: u32 = 40;
+    pub const ER_MEMTX_MAX_TUPLE_SIZE: u32 = 110;
+    pub const ER_SYSTEM: u32 = 115;
+    pub const ER_NO_SUCH_INDEX_NAME: u32 = 148;
+    pub const ER_SYNC_QUORUM_TIMEOUT: u32 = 216;
+}
+
 /// The Tarantool version the greeting announces: the protocol the captures of Tarantool 2.6
 /// describe, which tarantool-python and net.box speak to it (no IPROTO_ID from them).
 pub const TARANTOOL_VERSION: &str = "2.6.0";

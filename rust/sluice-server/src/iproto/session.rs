@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use bytes::BytesMut;
 use sluice_proto::iproto::{codes, frame, greeting, request, response};
-use sluice_proto::iproto::request::Request;
+use sluice_proto::iproto::request::{Request, Scramble};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
@@ -21,13 +21,13 @@ use crate::tls::MaybeTls;
 /// Replies are written once this much is pending, even mid-batch.
 const FLUSH_AT: usize = 1 << 20;
 
-/// An error reply: Tarantool's code and message, and for ER_ACCESS_DENIED the FIELDS
-/// (object type, object name, access type) connectors show.
+/// An error reply: Tarantool's code and message, or ER_ACCESS_DENIED with the FIELDS
+/// (access type, object type, object name) connectors show and the user denied.
 #[derive(Debug)]
 pub(super) struct Failure {
     pub code: u32,
     pub message: String,
-    pub access: Option<[String; 3]>,
+    pub access: Option<[String; 4]>,
 }
 
 impl Failure {
@@ -43,13 +43,12 @@ impl Failure {
     pub fn access_denied(access: &str, object_type: &str, object_name: &str, user: &str) -> Failure {
         Failure {
             code: codes::ER_ACCESS_DENIED,
-            message: format!(
-                "{access} access to {object_type} '{object_name}' is denied for user '{user}'"
-            ),
+            message: String::new(),
             access: Some([
+                access.to_string(),
                 object_type.to_string(),
                 object_name.to_string(),
-                access.to_string(),
+                user.to_string(),
             ]),
         }
     }
@@ -162,9 +161,15 @@ impl Session {
                 mechanism,
                 scramble,
             } => {
-                let (user, mechanism, scramble) =
-                    (user.to_vec(), mechanism.to_vec(), scramble.to_vec());
-                self.auth(&user, &mechanism, &scramble, sync, out).await
+                let user = user.to_vec();
+                let mechanism = mechanism.map(<[u8]>::to_vec);
+                let scramble = match scramble {
+                    Scramble::Empty => Ok(None),
+                    Scramble::Chap(s) => Ok(Some(*s)),
+                    Scramble::Invalid(why) => Err(why),
+                };
+                self.auth(&user, mechanism.as_deref(), scramble, sync, out)
+                    .await
             }
             Request::Select {
                 space_id,
@@ -229,18 +234,14 @@ impl Session {
         self.ctx.stats.error(f.code);
         let version = self.schema_version();
         match &f.access {
-            Some([object_type, object_name, access_type]) => response::write_error_fields(
-                out,
-                sync,
-                version,
-                f.code,
-                &f.message,
-                &[
-                    ("object_type", object_type),
-                    ("object_name", object_name),
-                    ("access_type", access_type),
-                ],
-            ),
+            Some([access_type, object_type, object_name, user]) => {
+                let denied = response::AccessDenied {
+                    access_type,
+                    object_type,
+                    object_name,
+                };
+                response::write_access_denied(out, sync, version, denied, user)
+            }
             None => response::write_error(out, sync, version, f.code, &f.message),
         }
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use sluice_core::{Error, StoreMode, StoreRequest, Update, Written};
 use sluice_proto::iproto::{codes, response, tuple, update};
 
+use super::more_codes;
 use super::schema::Space;
 use super::select::{canonical_key, no_such_index};
 use super::session::{Failure, Outcome, Session};
@@ -29,18 +30,18 @@ pub(super) fn engine_failure(e: Error, space: &str) -> Failure {
             "Can't modify data because this instance is in read-only mode.",
         ),
         Error::TooBig { size, max } => Failure::new(
-            codes::ER_MEMTX_MAX_TUPLE_SIZE,
+            more_codes::ER_MEMTX_MAX_TUPLE_SIZE,
             format!(
                 "Failed to allocate {size} bytes for tuple: tuple is too large (the bucket's \
                  max_item_size is {max})"
             ),
         ),
-        Error::TempFail(why) => Failure::new(codes::ER_MEMORY_ISSUE, why),
-        Error::WalFailed(why) => Failure::new(codes::ER_WAL_IO, format!("Failed to write to disk: {why}")),
+        Error::TempFail(why) => Failure::new(more_codes::ER_MEMORY_ISSUE, why),
+        Error::WalFailed(why) => Failure::new(more_codes::ER_WAL_IO, format!("Failed to write to disk: {why}")),
         Error::SyncWriteAmbiguous(why) | Error::DurabilityImpossible(why) => {
-            Failure::new(codes::ER_SYNC_QUORUM_TIMEOUT, why)
+            Failure::new(more_codes::ER_SYNC_QUORUM_TIMEOUT, why)
         }
-        other => Failure::new(codes::ER_SYSTEM, other.to_string()),
+        other => Failure::new(more_codes::ER_SYSTEM, other.to_string()),
     }
 }
 

@@ -1,0 +1,143 @@
+"""iproto on the wire, with raw sockets: the greeting's bytes, pipelined packets answered in
+order with SYNC echoed, IPROTO_ID, SCHEMA_VERSION checks, and malformed packets (an error reply
+or a closed connection, the server serving others meanwhile)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import socket
+
+import msgpack
+import pytest
+from iproto_helpers import USERS_SPACE, chap_scramble, host_port, packet, start_iproto_node
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = start_iproto_node(tmp_path_factory.mktemp("wire"))
+    yield n
+    assert n.stop() == 0, n.log()[-3000:]
+
+
+def connect(node) -> tuple[socket.socket, bytes]:
+    s = socket.create_connection(host_port(node.iproto), timeout=10)
+    greeting = b""
+    while len(greeting) < 128:
+        chunk = s.recv(128 - len(greeting))
+        assert chunk, "closed before the greeting"
+        greeting += chunk
+    return s, greeting
+
+
+def read_reply(s: socket.socket) -> tuple[dict, dict, bytes]:
+    """One reply: header, body and the raw bytes after the length prefix."""
+    buf = b""
+    while len(buf) < 5:
+        chunk = s.recv(5 - len(buf))
+        assert chunk, "closed"
+        buf += chunk
+    assert buf[0] == 0xCE, "the server writes every length as ce + u32"
+    n = int.from_bytes(buf[1:5], "big")
+    payload = b""
+    while len(payload) < n:
+        chunk = s.recv(n - len(payload))
+        assert chunk, "closed mid-reply"
+        payload += chunk
+    u = msgpack.Unpacker(raw=False, strict_map_key=False)
+    u.feed(payload)
+    header = next(u)
+    body = next(u, {})
+    return header, body, payload
+
+
+def test_the_greeting(node):
+    s1, g1 = connect(node)
+    s2, g2 = connect(node)
+    s1.close()
+    s2.close()
+    line1, line2 = g1[:64], g1[64:]
+    assert line1.endswith(b"\n") and line2.endswith(b"\n")
+    m = re.fullmatch(rb"Tarantool 2\.6\.0 \(Binary\) ([0-9a-f-]{36}) *\n", line1)
+    assert m, line1
+    assert g2[:64] == line1, "the instance uuid is the same on every connection"
+    salt = base64.b64decode(line2.strip())
+    assert len(salt) == 32
+    assert base64.b64decode(g2[64:].strip()) != salt, "a fresh salt per connection"
+
+
+def test_pipelined_requests_are_answered_in_order_with_their_sync(node):
+    s, _ = connect(node)
+    syncs = [150, 151, 2**40]
+    s.sendall(b"".join(packet({0: 64, 1: sync}) for sync in syncs))
+    replies = [read_reply(s) for _ in syncs]
+    assert [h[1] for h, _, _ in replies] == syncs
+    assert all(h[0] == 0 for h, _, _ in replies)
+    header, _, raw = replies[0]
+    # Tarantool's fixed layout: 83 00 ce<code> 01 cf<sync> 05 ce<schema version>.
+    assert (
+        raw[:3] == bytes([0x83, 0x00, 0xCE])
+        and raw[7:9] == bytes([0x01, 0xCF])
+        and raw[17:19] == bytes([0x05, 0xCE])
+    )
+    s.close()
+
+
+def test_id_and_schema_version(node):
+    s, _ = connect(node)
+    s.sendall(packet({0: 73, 1: 1}, {0x54: 3, 0x55: [0, 1, 2]}))
+    header, body, _ = read_reply(s)
+    assert header[0] == 0 and body[0x54] == 3 and body[0x55] == []
+    version = header[5]
+    assert version > 0
+    s.sendall(packet({0: 64, 1: 2, 5: version}))
+    assert read_reply(s)[0][0] == 0, "the current version passes"
+    s.sendall(packet({0: 64, 1: 3, 5: version + 1}))
+    header, body, _ = read_reply(s)
+    assert header[0] == 0x8000 | 109 and header[5] == version
+    assert body[0x31] == f"Wrong schema version, current: {version + 1}, in request: {version}"
+    s.close()
+
+
+def test_auth_by_hand_and_bad_scramble(node):
+    s, greeting = connect(node)
+    salt = base64.b64decode(greeting[64:].strip())
+    s.sendall(packet({0: 7, 1: 1}, {0x23: "app", 0x21: ["chap-sha1", chap_scramble("secret", salt)]}))
+    assert read_reply(s)[0][0] == 0
+    s.sendall(packet({0: 7, 1: 2}, {0x23: "app", 0x21: ["chap-sha1", b"short"]}))
+    header, body, _ = read_reply(s)
+    assert header[0] == 0x8000 | 20 and body[0x31] == "Invalid MsgPack - invalid scramble size"
+    s.sendall(packet({0: 1, 1: 3}, {0x10: USERS_SPACE, 0x20: [], 0x12: 10}))
+    assert read_reply(s)[0][0] == 0, "still logged in as app"
+    s.close()
+
+
+def test_malformed_packets(node):
+    s, _ = connect(node)
+    # A header that is not a map: an error (sync 0), the connection stays.
+    s.sendall(b"\x01\x05")
+    header, body, _ = read_reply(s)
+    assert header[0] == 0x8000 | 20 and header[1] == 0
+    s.sendall(packet({0: 64, 1: 9}))
+    assert read_reply(s)[0][1] == 9
+    # A body that is not a map.
+    s.sendall(
+        msgpack.packb(len(msgpack.packb({0: 1, 1: 10}) + b"\x05")) + msgpack.packb({0: 1, 1: 10}) + b"\x05"
+    )
+    assert read_reply(s)[0][0] == 0x8000 | 20
+    # A SELECT without LIMIT.
+    s.sendall(packet({0: 1, 1: 11}, {0x10: USERS_SPACE, 0x20: []}))
+    header, body, _ = read_reply(s)
+    assert header[0] == 0x8000 | 69 and header[1] == 11, body
+    other, _ = connect(node)
+    # A length prefix that is no unsigned integer: an error, then the connection closes.
+    s.sendall(b"\xc1")
+    header, body, _ = read_reply(s)
+    assert body[0x31] == "Invalid MsgPack - packet length"
+    s.settimeout(10)
+    assert s.recv(1) == b"", "closed"
+    s.close()
+    other.sendall(packet({0: 64, 1: 1}))
+    assert read_reply(other)[0][0] == 0, "the server serves other connections meanwhile"
+    other.close()
+    assert node.metric_sum("sluice_iproto_errors_total") >= 4
