@@ -3,12 +3,13 @@
 //! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and, later, iproto;
 //! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
-//! (GET_ERROR_MAP).
+//! (GET_ERROR_MAP); `keyorder` the order of iproto primary keys (MessagePack arrays of parts).
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
 
 pub mod dcp;
 pub mod errormap;
+pub mod keyorder;
 pub mod mcbp;
 pub mod msgpack;
 pub mod tap;

@@ -561,7 +561,9 @@ mod tests {
     #[test]
     fn skip_value_steps_over_nested_containers_and_bounds_depth() {
         // {"a": [1, [2, 3]], "b": nil} then a trailing 9
-        let v = [0x82, 0xa1, b'a', 0x92, 0x01, 0x92, 0x02, 0x03, 0xa1, b'b', 0xc0, 0x09];
+        let v = [
+            0x82, 0xa1, b'a', 0x92, 0x01, 0x92, 0x02, 0x03, 0xa1, b'b', 0xc0, 0x09,
+        ];
         let mut r = Reader::new(&v);
         assert_eq!(r.read_raw_value(8).unwrap(), &v[..11]);
         assert_eq!(r.read_uint().unwrap(), 9);
@@ -572,7 +574,10 @@ mod tests {
         assert!(matches!(err, DecodeError::TooDeep { limit: 64, .. }));
         // A claimed 2^32-1 elements with nothing behind them: truncated, not a long loop.
         let huge = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
-        assert!(matches!(Reader::new(&huge).skip_value(4), Err(DecodeError::Truncated { .. })));
+        assert!(matches!(
+            Reader::new(&huge).skip_value(4),
+            Err(DecodeError::Truncated { .. })
+        ));
     }
 
     proptest! {
