@@ -4,13 +4,15 @@
 //! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
 //! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
-//! formats and UPDATE operations).
+//! formats and UPDATE operations); `keyorder` the order of iproto primary keys (MessagePack
+//! arrays of parts).
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
 
 pub mod dcp;
 pub mod errormap;
 pub mod iproto;
+pub mod keyorder;
 pub mod mcbp;
 pub mod msgpack;
 pub mod tap;
