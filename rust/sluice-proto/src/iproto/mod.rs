@@ -17,6 +17,8 @@ pub mod frame;
 pub mod greeting;
 pub mod request;
 pub mod response;
+pub mod tuple;
+pub mod update;
 
 /// The deepest nesting of arrays and maps accepted anywhere in a packet (a tuple, a key, an
 /// operation's argument). Tarantool itself has no limit; 128 levels is beyond any real tuple and
