@@ -44,7 +44,7 @@ pub(crate) struct BucketSettings {
 #[pymethods]
 impl BucketSettings {
     #[new]
-    #[pyo3(signature = (name, *, num_vbuckets=BUCKET_DEFAULTS.num_vbuckets, memory_quota=BUCKET_DEFAULTS.memory_quota, high_watermark=BUCKET_DEFAULTS.high_watermark, max_item_size=BUCKET_DEFAULTS.max_item_size, checkpoint_memory_ratio=BUCKET_DEFAULTS.checkpoint_memory_ratio, durability=BUCKET_DEFAULTS.durability.as_str(), replicas=BUCKET_DEFAULTS.replicas, durability_timeout=BUCKET_DEFAULTS.durability_timeout.as_secs_f64(), eviction=BUCKET_DEFAULTS.eviction.as_str()))]
+    #[pyo3(signature = (name, *, num_vbuckets=BUCKET_DEFAULTS.num_vbuckets, memory_quota=BUCKET_DEFAULTS.memory_quota, high_watermark=BUCKET_DEFAULTS.high_watermark, max_item_size=BUCKET_DEFAULTS.max_item_size, checkpoint_memory_ratio=BUCKET_DEFAULTS.checkpoint_memory_ratio, durability=BUCKET_DEFAULTS.durability.as_str(), replicas=BUCKET_DEFAULTS.replicas, durability_timeout=BUCKET_DEFAULTS.durability_timeout.as_secs_f64(), eviction=BUCKET_DEFAULTS.eviction.as_str(), ordered_keys=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
@@ -57,6 +57,7 @@ impl BucketSettings {
         replicas: u8,
         durability_timeout: f64,
         eviction: &str,
+        ordered_keys: bool,
     ) -> PyResult<Self> {
         let durability =
             parse_durability("durability", Some(durability))?.expect("Some in, Some out");
@@ -78,6 +79,8 @@ impl BucketSettings {
                 replicas,
                 durability_timeout: secs("durability_timeout", durability_timeout)?,
                 eviction,
+                // A bucket holding an iproto space keeps its keys in order (config.py sets it).
+                ordered_keys,
             },
         })
     }

@@ -223,6 +223,7 @@ impl Server {
         let (fr, tls_) = (fronts.clone(), tls.clone());
         // One limit for both listeners: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
+        let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
         runtime.spawn(async move {
             let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
@@ -232,7 +233,7 @@ impl Server {
             };
             let iproto = async {
                 if let (Some(l), Some(ctx)) = (iproto_listener, iproto) {
-                    crate::iproto::serve(l, ctx, stop_rx, limit).await;
+                    crate::iproto::serve(l, ctx, iproto_stop, iproto_limit).await;
                 }
             };
             tokio::join!(plain, tls, iproto);

@@ -42,9 +42,7 @@ impl Session {
             _ if users.required() && name != GUEST && users.get(&name).is_none() => {
                 ChapOutcome::NoSuchUser
             }
-            (Err(why), _) => {
-                return Err(Failure::new(codes::ER_INVALID_MSGPACK, why))
-            }
+            (Err(why), _) => return Err(Failure::new(codes::ER_INVALID_MSGPACK, why)),
             (Ok(None), _) => users.authenticate_chap_sha1(&name, &self.salt, b""),
             (Ok(Some(s)), Some(b"chap-sha1")) => {
                 users.authenticate_chap_sha1(&name, &self.salt, &s)
@@ -61,9 +59,10 @@ impl Session {
             failed => {
                 self.ctx.throttle.failed(user, ip);
                 self.ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
-                self.ctx.throttle.log.warn(|| {
-                    format!("failed iproto login for user {name:?} from {ip}")
-                });
+                self.ctx
+                    .throttle
+                    .log
+                    .warn(|| format!("failed iproto login for user {name:?} from {ip}"));
                 Err(match failed {
                     ChapOutcome::NoSuchUser => Failure::new(
                         codes::ER_NO_SUCH_USER,

@@ -14,9 +14,7 @@
 
 use sluice_core::SelectIterator;
 use sluice_proto::iproto::{codes, response};
-use sluice_proto::msgpack::{
-    write_bool, write_map_len, write_str, write_uint, Reader, Value,
-};
+use sluice_proto::msgpack::{write_bool, write_map_len, write_str, write_uint, Reader, Value};
 
 use super::select::{canonical_key, iterator_of};
 use super::session::{Failure, Outcome, Session};
@@ -29,7 +27,10 @@ enum Builtin<'a> {
     Info,
     User,
     /// A space's tuple count (`len`, `count`, `index.primary:count`), with the index named.
-    Count { space: &'a str, index: Option<&'a str> },
+    Count {
+        space: &'a str,
+        index: Option<&'a str>,
+    },
 }
 
 fn builtin(name: &str) -> Option<Builtin<'_>> {
@@ -45,13 +46,22 @@ fn builtin(name: &str) -> Option<Builtin<'_>> {
             space,
             index: Some(index),
         }),
-        None if method == "len" || method == "count" => Some(Builtin::Count { space: path, index: None }),
+        None if method == "len" || method == "count" => Some(Builtin::Count {
+            space: path,
+            index: None,
+        }),
         _ => None,
     }
 }
 
 impl Session {
-    pub(super) fn call(&mut self, name: &[u8], args: &[u8], sync: u64, out: &mut Vec<u8>) -> Outcome {
+    pub(super) fn call(
+        &mut self,
+        name: &[u8],
+        args: &[u8],
+        sync: u64,
+        out: &mut Vec<u8>,
+    ) -> Outcome {
         let text = String::from_utf8_lossy(name);
         let no_such = || {
             Failure::new(
@@ -63,7 +73,13 @@ impl Session {
         self.run_builtin(b, args, sync, out)
     }
 
-    pub(super) fn eval(&mut self, expr: &[u8], args: &[u8], sync: u64, out: &mut Vec<u8>) -> Outcome {
+    pub(super) fn eval(
+        &mut self,
+        expr: &[u8],
+        args: &[u8],
+        sync: u64,
+        out: &mut Vec<u8>,
+    ) -> Outcome {
         let text = String::from_utf8_lossy(expr);
         let unsupported = || {
             Failure::new(
@@ -75,7 +91,10 @@ impl Session {
             )
         };
         let body = text.trim().trim_end_matches(';').trim();
-        let call = body.strip_prefix("return ").map(str::trim).ok_or_else(unsupported)?;
+        let call = body
+            .strip_prefix("return ")
+            .map(str::trim)
+            .ok_or_else(unsupported)?;
         if call == "..." {
             let mut data = response::DataWriter::begin(out, sync, self.ctx.catalog.schema_version);
             let mut r = Reader::new(args);
@@ -99,7 +118,13 @@ impl Session {
         self.run_builtin(b, &[0x90], sync, out)
     }
 
-    fn run_builtin(&mut self, b: Builtin<'_>, args: &[u8], sync: u64, out: &mut Vec<u8>) -> Outcome {
+    fn run_builtin(
+        &mut self,
+        b: Builtin<'_>,
+        args: &[u8],
+        sync: u64,
+        out: &mut Vec<u8>,
+    ) -> Outcome {
         let mut value = Vec::new();
         match b {
             Builtin::Info => self.info(&mut value),
@@ -120,7 +145,14 @@ impl Session {
         let ro = ctx.engine.config().replica;
         write_map_len(o, 9);
         write_str(o, "version");
-        write_str(o, &format!("{} (sluice {})", super::TARANTOOL_VERSION, env!("CARGO_PKG_VERSION")));
+        write_str(
+            o,
+            &format!(
+                "{} (sluice {})",
+                super::TARANTOOL_VERSION,
+                env!("CARGO_PKG_VERSION")
+            ),
+        );
         write_str(o, "id");
         write_uint(o, 1);
         write_str(o, "ro");
@@ -147,7 +179,12 @@ impl Session {
                 format!("Procedure 'box.space.{space}' is not defined"),
             )
         };
-        let s = self.ctx.catalog.space_by_name(space).cloned().ok_or_else(procedure)?;
+        let s = self
+            .ctx
+            .catalog
+            .space_by_name(space)
+            .cloned()
+            .ok_or_else(procedure)?;
         if let Some(index) = index {
             if index != "primary" && index != "0" {
                 return Err(Failure::new(
@@ -157,11 +194,20 @@ impl Session {
             }
         }
         self.require(&s, READ)?;
-        let bad = || Failure::new(codes::ER_ILLEGAL_PARAMS, "Illegal parameters, usage: count([key], [{iterator = ...}])");
+        let bad = || {
+            Failure::new(
+                codes::ER_ILLEGAL_PARAMS,
+                "Illegal parameters, usage: count([key], [{iterator = ...}])",
+            )
+        };
         let mut r = Reader::new(args);
         let n = r.read_array_len().map_err(|_| bad())?;
         let mut key = vec![0x90];
-        let mut iterator = if n == 0 { SelectIterator::All } else { SelectIterator::Eq };
+        let mut iterator = if n == 0 {
+            SelectIterator::All
+        } else {
+            SelectIterator::Eq
+        };
         if n >= 1 {
             let raw = r.read_raw_value(MAX_DEPTH).map_err(|_| bad())?;
             // A scalar key is a one-part key, as in Lua.

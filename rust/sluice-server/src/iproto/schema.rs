@@ -155,7 +155,13 @@ fn format_field<'a>(fields: impl ExactSizeIterator<Item = (&'a str, &'a str, boo
     o
 }
 
-fn vspace_row(id: u32, name: &str, engine: &str, format: Vec<u8>, bucket: Option<String>) -> ViewRow {
+fn vspace_row(
+    id: u32,
+    name: &str,
+    engine: &str,
+    format: Vec<u8>,
+    bucket: Option<String>,
+) -> ViewRow {
     let mut flags = Vec::new();
     write_map_len(&mut flags, 0);
     ViewRow::new(
@@ -235,7 +241,11 @@ impl Catalog {
             let mut format = Vec::with_capacity(c.format.len());
             for (i, f) in c.format.iter().enumerate() {
                 let field_type = FieldType::parse(&f.field_type).ok_or_else(|| {
-                    format!("{key}.format[{}].type: unknown type {:?}", i + 1, f.field_type)
+                    format!(
+                        "{key}.format[{}].type: unknown type {:?}",
+                        i + 1,
+                        f.field_type
+                    )
                 })?;
                 format.push(FieldDef {
                     name: f.name.clone(),
@@ -294,8 +304,18 @@ impl Catalog {
 }
 
 fn system_views(spaces: &BTreeMap<u32, Arc<Space>>) -> Vec<View> {
-    let views: [(u32, &'static str, &'static [(&str, &str)], &'static [IndexDef]); 3] = [
-        (VCOLLATION, "_vcollation", VCOLLATION_FORMAT, VCOLLATION_INDEXES),
+    let views: [(
+        u32,
+        &'static str,
+        &'static [(&str, &str)],
+        &'static [IndexDef],
+    ); 3] = [
+        (
+            VCOLLATION,
+            "_vcollation",
+            VCOLLATION_FORMAT,
+            VCOLLATION_INDEXES,
+        ),
         (VSPACE, "_vspace", VSPACE_FORMAT, VSPACE_INDEXES),
         (VINDEX, "_vindex", VINDEX_FORMAT, VINDEX_INDEXES),
     ];
@@ -306,7 +326,11 @@ fn system_views(spaces: &BTreeMap<u32, Arc<Space>>) -> Vec<View> {
         vspace.push(vspace_row(id, name, "sysview", fmt, None));
         for (iid, (iname, unique, parts)) in indexes.iter().enumerate() {
             // _vindex has no index 1 in Tarantool: its second is `name`, iid 2.
-            let iid = if id == VINDEX && iid == 1 { 2 } else { iid as u32 };
+            let iid = if id == VINDEX && iid == 1 {
+                2
+            } else {
+                iid as u32
+            };
             vindex.push(vindex_row(id, iid, iname, *unique, parts, None));
         }
     }

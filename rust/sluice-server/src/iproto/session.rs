@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use bytes::BytesMut;
-use sluice_proto::iproto::{codes, frame, greeting, request, response};
 use sluice_proto::iproto::request::{Request, Scramble};
+use sluice_proto::iproto::{codes, frame, greeting, request, response};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
@@ -40,7 +40,12 @@ impl Failure {
     }
 
     /// `Read access to space 'users' is denied for user 'guest'`, as Tarantool words it.
-    pub fn access_denied(access: &str, object_type: &str, object_name: &str, user: &str) -> Failure {
+    pub fn access_denied(
+        access: &str,
+        object_type: &str,
+        object_name: &str,
+        user: &str,
+    ) -> Failure {
         Failure {
             code: codes::ER_ACCESS_DENIED,
             message: String::new(),
@@ -200,7 +205,10 @@ impl Session {
                 tuple,
                 ops,
                 index_base,
-            } => self.upsert(space_id, tuple, ops, index_base, sync, out).await,
+            } => {
+                self.upsert(space_id, tuple, ops, index_base, sync, out)
+                    .await
+            }
             Request::Delete {
                 space_id,
                 index_id,
@@ -296,7 +304,8 @@ pub(super) async fn run(
                         "iproto",
                         format_args!("closing iproto connection from {peer}: {e}"),
                     );
-                    let f = Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
+                    let f =
+                        Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
                     session.fail(&mut out, 0, f);
                     let _ = send(&mut socket, &mut out, &session).await;
                     return;
@@ -337,6 +346,13 @@ pub(super) async fn run(
 /// Sends the replies once the WAL holds every change they acknowledge.
 async fn send(socket: &mut MaybeTls, out: &mut Vec<u8>, session: &Session) -> std::io::Result<()> {
     let ctx = &session.ctx;
-    crate::kv::send_acknowledged(socket, out, &ctx.engine, session.owed_lsn, &ctx.io, FLUSH_AT)
-        .await
+    crate::kv::send_acknowledged(
+        socket,
+        out,
+        &ctx.engine,
+        session.owed_lsn,
+        &ctx.io,
+        FLUSH_AT,
+    )
+    .await
 }

@@ -37,7 +37,10 @@ pub(super) fn engine_failure(e: Error, space: &str) -> Failure {
             ),
         ),
         Error::TempFail(why) => Failure::new(more_codes::ER_MEMORY_ISSUE, why),
-        Error::WalFailed(why) => Failure::new(more_codes::ER_WAL_IO, format!("Failed to write to disk: {why}")),
+        Error::WalFailed(why) => Failure::new(
+            more_codes::ER_WAL_IO,
+            format!("Failed to write to disk: {why}"),
+        ),
         Error::SyncWriteAmbiguous(why) | Error::DurabilityImpossible(why) => {
             Failure::new(more_codes::ER_SYNC_QUORUM_TIMEOUT, why)
         }
@@ -157,41 +160,43 @@ impl Session {
         let key = self.exact_key(&space, index_id, key)?;
         let ops = update::parse_ops(ops, index_base)?;
         let mut refused = None;
-        let field_no = |name: &[u8]| space.field_no(name);
-        let written = self.ctx.engine.write_update(&space.bucket, &key, 0, None, |cur| {
-            let Some(cur) = cur else {
-                refused = Some(Refused::Missing);
-                return Err(Error::NotFound);
-            };
-            let checked = update::apply(cur.value(), &ops, &field_no)
-                .map_err(Failure::from)
-                .and_then(|new| {
-                    tuple::check_format(&new, &space.format)?;
-                    if key_of(&space, &new)? != key {
-                        return Err(Failure::new(
-                            codes::ER_CANT_UPDATE_PRIMARY_KEY,
-                            format!(
+        let written = self
+            .ctx
+            .engine
+            .write_update(&space.bucket, &key, 0, None, |cur| {
+                let Some(cur) = cur else {
+                    refused = Some(Refused::Missing);
+                    return Err(Error::NotFound);
+                };
+                let checked = update::apply_in_format(cur.value(), &ops, &space.format)
+                    .map_err(Failure::from)
+                    .and_then(|new| {
+                        tuple::check_format(&new, &space.format)?;
+                        if key_of(&space, &new)? != key {
+                            return Err(Failure::new(
+                                codes::ER_CANT_UPDATE_PRIMARY_KEY,
+                                format!(
                                 "Attempt to modify a tuple field which is part of index 'primary' \
                                  in space '{}'",
                                 space.name
                             ),
-                        ));
+                            ));
+                        }
+                        Ok(new)
+                    });
+                match checked {
+                    Ok(value) => Ok(Update {
+                        value,
+                        flags: 0,
+                        expiry: 0,
+                        datatype: 0,
+                    }),
+                    Err(f) => {
+                        refused = Some(Refused::Tuple(f));
+                        Err(Error::NotStored)
                     }
-                    Ok(new)
-                });
-            match checked {
-                Ok(value) => Ok(Update {
-                    value,
-                    flags: 0,
-                    expiry: 0,
-                    datatype: 0,
-                }),
-                Err(f) => {
-                    refused = Some(Refused::Tuple(f));
-                    Err(Error::NotStored)
                 }
-            }
-        });
+            });
         let w = match (written, refused) {
             (Ok(w), _) => w,
             (Err(_), Some(Refused::Missing)) => {
@@ -221,16 +226,24 @@ impl Session {
         tuple::check_format(tuple, &space.format)?;
         let key = key_of(&space, tuple)?;
         let ops = update::parse_ops(ops, index_base)?;
-        let field_no = |name: &[u8]| space.field_no(name);
         let peer = self.peer;
-        let w = self
+        let mut refused = None;
+        let written = self
             .ctx
             .engine
             .write_update(&space.bucket, &key, 0, None, |cur| {
                 let value = match cur {
                     None => tuple.to_vec(),
                     Some(cur) => {
-                        let (new, skipped) = update::apply_upsert(cur.value(), &ops, &field_no);
+                        let applied =
+                            update::apply_upsert_in_format(cur.value(), &ops, &space.format);
+                        let (new, skipped) = match applied {
+                            Ok(done) => done,
+                            Err(e) => {
+                                refused = Some(Failure::from(e));
+                                return Err(Error::NotStored);
+                            }
+                        };
                         for e in skipped {
                             log::info!(
                                 "UPSERT from {peer} in space {}: an operation skipped: {}",
@@ -260,8 +273,12 @@ impl Session {
                     expiry: 0,
                     datatype: 0,
                 })
-            })
-            .map_err(|e| engine_failure(e, &space.name))?;
+            });
+        let w = match (written, refused) {
+            (Ok(w), _) => w,
+            (Err(_), Some(f)) => return Err(f),
+            (Err(e), None) => return Err(engine_failure(e, &space.name)),
+        };
         self.settle(&space, w).await?;
         self.reply_tuples(out, sync, &[]);
         Ok(())
