@@ -78,6 +78,7 @@ impl BucketSettings {
                 replicas,
                 durability_timeout: secs("durability_timeout", durability_timeout)?,
                 eviction,
+                ordered_keys: false,
             },
         })
     }
