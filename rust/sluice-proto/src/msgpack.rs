@@ -388,11 +388,11 @@ impl<'a> Reader<'a> {
             0xc1 => return Err(DecodeError::Reserved { offset: at }),
             0xc2 => Value::Bool(false),
             0xc3 => Value::Bool(true),
-            0xc4 | 0xc5 | 0xc6 => {
+            0xc4..=0xc6 => {
                 let n = self.be(1 << (m - 0xc4))?;
                 Value::Bin(self.take(n as usize)?)
             }
-            0xc7 | 0xc8 | 0xc9 => {
+            0xc7..=0xc9 => {
                 let n = self.be(1 << (m - 0xc7))?;
                 let t = self.take(1)?[0] as i8;
                 Value::Ext(t, self.take(n as usize)?)
@@ -415,7 +415,7 @@ impl<'a> Reader<'a> {
                 let t = self.take(1)?[0] as i8;
                 Value::Ext(t, self.take(1 << (m - 0xd4))?)
             }
-            0xd9 | 0xda | 0xdb => {
+            0xd9..=0xdb => {
                 let n = self.be(1 << (m - 0xd9))?;
                 Value::Str(self.take(n as usize)?)
             }
@@ -561,7 +561,9 @@ mod tests {
     #[test]
     fn skip_value_steps_over_nested_containers_and_bounds_depth() {
         // {"a": [1, [2, 3]], "b": nil} then a trailing 9
-        let v = [0x82, 0xa1, b'a', 0x92, 0x01, 0x92, 0x02, 0x03, 0xa1, b'b', 0xc0, 0x09];
+        let v = [
+            0x82, 0xa1, b'a', 0x92, 0x01, 0x92, 0x02, 0x03, 0xa1, b'b', 0xc0, 0x09,
+        ];
         let mut r = Reader::new(&v);
         assert_eq!(r.read_raw_value(8).unwrap(), &v[..11]);
         assert_eq!(r.read_uint().unwrap(), 9);
@@ -572,7 +574,10 @@ mod tests {
         assert!(matches!(err, DecodeError::TooDeep { limit: 64, .. }));
         // A claimed 2^32-1 elements with nothing behind them: truncated, not a long loop.
         let huge = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
-        assert!(matches!(Reader::new(&huge).skip_value(4), Err(DecodeError::Truncated { .. })));
+        assert!(matches!(
+            Reader::new(&huge).skip_value(4),
+            Err(DecodeError::Truncated { .. })
+        ));
     }
 
     proptest! {
