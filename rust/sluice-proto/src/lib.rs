@@ -1,14 +1,17 @@
 //! Wire codecs for sluice: pure functions over bytes, no I/O, so every decoder can be fuzzed.
 //!
-//! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and, later, iproto;
+//! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and iproto;
 //! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
-//! (GET_ERROR_MAP); `keyorder` the order of iproto primary keys (MessagePack arrays of parts).
+//! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
+//! formats and UPDATE operations); `keyorder` the order of iproto primary keys (MessagePack
+//! arrays of parts).
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
 
 pub mod dcp;
 pub mod errormap;
+pub mod iproto;
 pub mod keyorder;
 pub mod mcbp;
 pub mod msgpack;

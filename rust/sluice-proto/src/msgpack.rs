@@ -388,11 +388,11 @@ impl<'a> Reader<'a> {
             0xc1 => return Err(DecodeError::Reserved { offset: at }),
             0xc2 => Value::Bool(false),
             0xc3 => Value::Bool(true),
-            0xc4 | 0xc5 | 0xc6 => {
+            0xc4..=0xc6 => {
                 let n = self.be(1 << (m - 0xc4))?;
                 Value::Bin(self.take(n as usize)?)
             }
-            0xc7 | 0xc8 | 0xc9 => {
+            0xc7..=0xc9 => {
                 let n = self.be(1 << (m - 0xc7))?;
                 let t = self.take(1)?[0] as i8;
                 Value::Ext(t, self.take(n as usize)?)
@@ -415,7 +415,7 @@ impl<'a> Reader<'a> {
                 let t = self.take(1)?[0] as i8;
                 Value::Ext(t, self.take(1 << (m - 0xd4))?)
             }
-            0xd9 | 0xda | 0xdb => {
+            0xd9..=0xdb => {
                 let n = self.be(1 << (m - 0xd9))?;
                 Value::Str(self.take(n as usize)?)
             }
