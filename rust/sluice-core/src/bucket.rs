@@ -1,12 +1,14 @@
 //! A bucket: a named keyspace of vbuckets with a memory quota.
 
 use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::BucketConfig;
 use crate::durability::ReplicaAcks;
 use crate::hash::vbucket_of;
+use crate::item_store::KeyShape;
 use crate::signal::ChangeSignal;
 use crate::vbucket::VBucket;
 
@@ -39,11 +41,20 @@ pub struct Bucket {
     pub acks: ReplicaAcks,
     /// The vbucket eviction visits next (taken modulo the vbucket count).
     eviction_cursor: AtomicUsize,
+    /// With `ordered_keys`: what the keys of its vbuckets' ordered indexes look like.
+    pub key_shape: Arc<KeyShape>,
 }
 
 impl Bucket {
-    pub fn new(id: u16, config: BucketConfig, vbuckets: Vec<VBucket>) -> Bucket {
+    /// Takes the vbuckets as recovery (or creation) left them; with `ordered_keys`, their
+    /// stores index the keys they hold in key order now, and keep them so.
+    pub fn new(id: u16, config: BucketConfig, mut vbuckets: Vec<VBucket>) -> Bucket {
         let vbuckets_len = vbuckets.len() as u16;
+        let key_shape = Arc::new(KeyShape::default());
+        for vb in vbuckets.iter_mut() {
+            vb.store
+                .set_ordered(config.ordered_keys.then(|| key_shape.clone()));
+        }
         let b = Bucket {
             id,
             config,
@@ -54,6 +65,7 @@ impl Bucket {
             changes: ChangeSignal::default(),
             acks: ReplicaAcks::new(vbuckets_len),
             eviction_cursor: AtomicUsize::new(0),
+            key_shape,
         };
         for vb in &b.vbuckets {
             b.account(&mut vb.lock());

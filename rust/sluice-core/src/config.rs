@@ -125,6 +125,9 @@ pub struct BucketConfig {
     /// How long a durable write waits for its level when the request names no timeout.
     pub durability_timeout: Duration,
     pub eviction: Eviction,
+    /// Keep the bucket's keys in key order too (`sluice_proto::keyorder`: keys are MessagePack
+    /// arrays of parts), so that `Engine::select` reads ranges: the bucket of an iproto space.
+    pub ordered_keys: bool,
 }
 
 impl BucketConfig {
@@ -140,6 +143,7 @@ impl BucketConfig {
             replicas: 1,
             durability_timeout: Duration::from_secs(10),
             eviction: Eviction::None,
+            ordered_keys: false,
         }
     }
 

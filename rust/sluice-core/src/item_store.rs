@@ -7,12 +7,22 @@
 //! the seqno of the version that replaced it, so that the reader still sees the latest version
 //! of each key as of its end seqno while writes go on (Couchbase ephemeral buckets keep stale
 //! items in their sequence list for the same reason).
+//!
+//! A store of a bucket with `ordered_keys` also keeps its current keys (items and tombstones)
+//! in key order (`sluice_proto::keyorder`), for iproto's range reads; other stores keep no
+//! such index and pay one untaken branch per new key for it.
 
-use std::collections::HashMap;
+use std::borrow::Borrow;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::BuildHasher;
+use std::ops::Bound;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
+use std::sync::Arc;
 
 use hashbrown::HashTable;
+
+use sluice_proto::keyorder::{compare_keys, compare_prefix, exact_parts};
 
 use crate::item::{Item, ItemMeta};
 
@@ -235,6 +245,184 @@ pub struct Victim {
 /// Approximate bytes a stored item costs beyond its key and value (slot, index, allocator).
 pub const ITEM_OVERHEAD: usize = std::mem::size_of::<Slot>() + PREFIX + 16;
 
+/// Where an ordered scan starts (exclusive): keys strictly after it ascending, strictly before
+/// it descending.
+#[derive(Debug, Clone, Copy)]
+pub enum Seek<'a> {
+    /// From the first key (ascending) or the last (descending).
+    Ends,
+    /// Just before the keys `prefix` matches (`keyorder::compare_prefix`).
+    BeforePrefix(&'a [u8]),
+    /// Just after the keys `prefix` matches.
+    AfterPrefix(&'a [u8]),
+    /// At this stored key (to continue a scan after it).
+    Key(&'a [u8]),
+}
+
+/// What the keys of a bucket's ordered stores have looked like so far, shared by its vbuckets:
+/// whether every key had the same number of parts, each encoded the one shortest way
+/// (`keyorder::exact_parts`). Then a key with that many parts equals, in key order, only the
+/// key with its very bytes, and an EQ select of it is one hash lookup. Only ever widens
+/// (a key leaving does not narrow it again), so it errs on the side of scanning.
+#[derive(Debug, Default)]
+pub struct KeyShape {
+    /// 0: no key yet; n + 1: every key exact with n parts; u32::MAX: anything else.
+    parts: AtomicU32,
+}
+
+impl KeyShape {
+    const MIXED: u32 = u32::MAX;
+
+    fn note(&self, key: &[u8]) {
+        let this = exact_parts(key)
+            .filter(|&n| n < Self::MIXED - 1)
+            .map_or(Self::MIXED, |n| n + 1);
+        let seen = self.parts.load(AtomicOrdering::Relaxed);
+        if seen == this || seen == Self::MIXED {
+            return;
+        }
+        let widened = if seen == 0 { this } else { Self::MIXED };
+        if let Err(now) = self.parts.compare_exchange(
+            seen,
+            widened,
+            AtomicOrdering::Relaxed,
+            AtomicOrdering::Relaxed,
+        ) {
+            if now != this {
+                self.parts.store(Self::MIXED, AtomicOrdering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether every key stored so far (none at all counts) is exact with `n` parts.
+    pub fn all_exact_with(&self, n: u32) -> bool {
+        let seen = self.parts.load(AtomicOrdering::Relaxed);
+        seen == 0 || seen == n.wrapping_add(1)
+    }
+}
+
+/// A stored key of the ordered index; ordered by `compare_keys`, then by bytes (keys equal in
+/// key order with different encodings, such as `[1]` and `[1.0]`, are still two keys).
+struct IndexedKey(Box<[u8]>);
+
+/// What the ordered index compares: stored keys and the probes a scan seeks to. A trait object
+/// so that `BTreeSet::range` can seek to a probe that no stored key equals (just before or
+/// after every key a prefix matches) without storing anything beyond the key.
+trait KeyProbe {
+    fn bytes(&self) -> &[u8];
+    /// -1 just before the keys `bytes` prefixes, 0 this key, 1 just after them.
+    fn side(&self) -> i8;
+}
+
+impl KeyProbe for IndexedKey {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn side(&self) -> i8 {
+        0
+    }
+}
+
+struct Probe<'a>(&'a [u8], i8);
+
+impl KeyProbe for Probe<'_> {
+    fn bytes(&self) -> &[u8] {
+        self.0
+    }
+    fn side(&self) -> i8 {
+        self.1
+    }
+}
+
+fn exact_order(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
+    compare_keys(a, b).then_with(|| a.cmp(b))
+}
+
+/// A stored key against a probe on one side of the keys its bytes prefix.
+fn key_vs_probe(key: &[u8], prefix: &[u8], side: i8) -> std::cmp::Ordering {
+    match compare_prefix(key, prefix) {
+        std::cmp::Ordering::Equal if side < 0 => std::cmp::Ordering::Greater,
+        std::cmp::Ordering::Equal => std::cmp::Ordering::Less,
+        o => o,
+    }
+}
+
+impl<'a> Borrow<dyn KeyProbe + 'a> for IndexedKey {
+    fn borrow(&self) -> &(dyn KeyProbe + 'a) {
+        self
+    }
+}
+
+impl Ord for dyn KeyProbe + '_ {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        match (self.side(), other.side()) {
+            (0, 0) => exact_order(self.bytes(), other.bytes()),
+            (0, s) => key_vs_probe(self.bytes(), other.bytes(), s),
+            (s, 0) => key_vs_probe(other.bytes(), self.bytes(), s).reverse(),
+            // Two probes are never compared by a scan (each has one bound); for totality:
+            (a, b) => compare_keys(self.bytes(), other.bytes()).then(a.cmp(&b)),
+        }
+    }
+}
+
+impl PartialOrd for dyn KeyProbe + '_ {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for dyn KeyProbe + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for dyn KeyProbe + '_ {}
+
+impl Ord for IndexedKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        exact_order(&self.0, &other.0)
+    }
+}
+
+impl PartialOrd for IndexedKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for IndexedKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for IndexedKey {}
+
+/// Approximate bytes an ordered index entry costs beyond its key (the box, B-tree node room).
+const ORDERED_OVERHEAD: usize = 32;
+
+struct OrderedIndex {
+    keys: BTreeSet<IndexedKey>,
+    bytes: usize,
+    shape: Arc<KeyShape>,
+}
+
+impl OrderedIndex {
+    fn insert(&mut self, key: &[u8]) {
+        self.shape.note(key);
+        if self.keys.insert(IndexedKey(key.into())) {
+            self.bytes += key.len() + ORDERED_OVERHEAD;
+        }
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        if self.keys.remove(&Probe(key, 0) as &dyn KeyProbe) {
+            self.bytes -= key.len() + ORDERED_OVERHEAD;
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct ItemStore {
     chunks: Vec<Vec<Slot>>,
@@ -255,6 +443,8 @@ pub struct ItemStore {
     /// The eviction clock's hand: the seqno it looks at next (a seqno rather than a position,
     /// so that compaction moving slots does not move it).
     clock_hand: u64,
+    /// Current keys in key order, for a bucket with `ordered_keys` only.
+    ordered: Option<Box<OrderedIndex>>,
 }
 
 impl ItemStore {
@@ -412,6 +602,9 @@ impl ItemStore {
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(new_pos as u32);
+                if let Some(ordered) = &mut self.ordered {
+                    ordered.insert(key);
+                }
                 if meta.rev_seqno == 0 {
                     meta.rev_seqno = 1;
                     self.slot_mut(new_pos).set_rev(1);
@@ -434,6 +627,9 @@ impl ItemStore {
             .ok()?;
         let (pos, _) = found.remove();
         let pos = pos as usize;
+        if let Some(ordered) = &mut self.ordered {
+            ordered.remove(key);
+        }
         let meta = self.slot(pos).meta();
         if meta.deleted {
             self.tombstones -= 1;
@@ -504,10 +700,82 @@ impl ItemStore {
 
     /// Takes `other`'s contents (a rollback) while range reads opened on this store stay
     /// counted, so their ends still balance.
+    /// Keeps the ordered index too when this store has one.
     pub fn replace_keeping_readers(&mut self, other: ItemStore) {
         let readers = self.range_reads;
+        let shape = self.ordered.as_ref().map(|o| o.shape.clone());
         *self = other;
         self.range_reads = readers;
+        self.set_ordered(shape);
+    }
+
+    /// Keeps current keys in key order (Some, the bucket's shape) or not (None). Turning it on
+    /// indexes the keys held already (after recovery, a snapshot load or a rollback).
+    pub fn set_ordered(&mut self, shape: Option<Arc<KeyShape>>) {
+        let Some(shape) = shape else {
+            self.ordered = None;
+            return;
+        };
+        if let Some(o) = &mut self.ordered {
+            if Arc::ptr_eq(&o.shape, &shape) {
+                return;
+            }
+        }
+        let mut index = OrderedIndex {
+            keys: BTreeSet::new(),
+            bytes: 0,
+            shape,
+        };
+        for slot in self.chunks.iter().flatten() {
+            if slot.state() == LIVE {
+                index.insert(slot.key());
+            }
+        }
+        self.ordered = Some(Box::new(index));
+    }
+
+    pub fn is_ordered(&self) -> bool {
+        self.ordered.is_some()
+    }
+
+    /// Current versions (tombstones included) in key order from `from` (exclusive), ascending
+    /// or descending, until `visit` returns false. Returns true when the scan reached the end
+    /// of the keys (false when `visit` stopped it), and also when the store keeps no order.
+    pub fn scan_ordered(
+        &self,
+        from: Seek<'_>,
+        descending: bool,
+        mut visit: impl FnMut(ItemRef<'_>) -> bool,
+    ) -> bool {
+        let Some(ordered) = &self.ordered else {
+            return true;
+        };
+        let probe = match from {
+            Seek::Ends => None,
+            Seek::BeforePrefix(p) => Some(Probe(p, -1)),
+            Seek::AfterPrefix(p) => Some(Probe(p, 1)),
+            Seek::Key(k) => Some(Probe(k, 0)),
+        };
+        let probe = probe.as_ref().map(|p| p as &dyn KeyProbe);
+        let bound = probe.map_or(Bound::Unbounded, Bound::Excluded);
+        let mut each = |k: &IndexedKey| match self.get(&k.0) {
+            Some(item) => visit(item),
+            None => {
+                debug_assert!(false, "ordered index holds a key the hash index does not");
+                true
+            }
+        };
+        if descending {
+            let range = ordered
+                .keys
+                .range::<dyn KeyProbe, _>((Bound::Unbounded, bound));
+            range.rev().all(&mut each)
+        } else {
+            let range = ordered
+                .keys
+                .range::<dyn KeyProbe, _>((bound, Bound::Unbounded));
+            range.into_iter().all(&mut each)
+        }
     }
 
     /// Opens a range read: until the matching `end_range_read`, replaced versions stay readable.
@@ -633,6 +901,7 @@ impl ItemStore {
         self.data_bytes
             + self.chunks.len() * CHUNK * std::mem::size_of::<Slot>()
             + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.ordered.as_ref().map_or(0, |o| o.bytes)
     }
 }
 
@@ -765,5 +1034,75 @@ mod tests {
         assert_eq!(victim(&mut s, false), Some(4));
         s.purge(&4u64.to_be_bytes());
         assert!(s.next_victim(true).is_none());
+    }
+
+    /// Keys in the ordered index, ascending, and the keys of the hash index in the same order.
+    fn both_indexes(s: &ItemStore) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let mut ordered = Vec::new();
+        assert!(s.scan_ordered(Seek::Ends, false, |i| {
+            ordered.push(i.key().to_vec());
+            true
+        }));
+        let mut hashed = Vec::new();
+        s.for_each_current(|i| hashed.push(i.key().to_vec()));
+        hashed.sort_by(|a, b| exact_order(a, b));
+        (ordered, hashed)
+    }
+
+    fn k(u: u32) -> Vec<u8> {
+        let mut out = vec![0x91];
+        sluice_proto::msgpack::write_uint(&mut out, u as u64);
+        out
+    }
+
+    #[test]
+    fn the_ordered_index_follows_the_hash_index() {
+        let mut s = ItemStore::new();
+        let mut seq = 0;
+        let mut put = |s: &mut ItemStore, key: &[u8], deleted| {
+            seq += 1;
+            s.upsert(key, b"v", &mut meta(seq, deleted));
+        };
+        put(&mut s, &k(1), false);
+        // Turned on with keys held already (recovery): they are indexed.
+        s.set_ordered(Some(Arc::new(KeyShape::default())));
+        for round in 0..3 {
+            for u in (0..3000).rev() {
+                put(&mut s, &k(u), round == 1 && u % 3 == 0);
+            }
+        }
+        for u in (0..3000).step_by(2) {
+            s.purge(&k(u));
+        }
+        s.compact();
+        let (ordered, hashed) = both_indexes(&s);
+        assert_eq!(ordered.len(), 1500);
+        assert_eq!(ordered, hashed);
+        // Descending from just before [1001]: 999, 997, ...
+        let mut down = Vec::new();
+        s.scan_ordered(Seek::BeforePrefix(&k(1001)), true, |i| {
+            down.push(i.key().to_vec());
+            down.len() < 2
+        });
+        assert_eq!(down, vec![k(999), k(997)]);
+        // A rollback's store is indexed as it comes in; a store without order has none.
+        let mut past = ItemStore::new();
+        past.upsert(&k(7), b"v", &mut meta(1, false));
+        s.replace_keeping_readers(past);
+        assert_eq!(both_indexes(&s).0, vec![k(7)]);
+        s.set_ordered(None);
+        assert!(!s.is_ordered() && s.scan_ordered(Seek::Ends, false, |_| panic!("no order")));
+    }
+
+    #[test]
+    fn the_key_shape_widens_to_mixed_and_never_back() {
+        let shape = KeyShape::default();
+        assert!(shape.all_exact_with(1) && shape.all_exact_with(2));
+        shape.note(&k(5));
+        assert!(shape.all_exact_with(1) && !shape.all_exact_with(2));
+        shape.note(&[0x91, 0xcc, 0x05]);
+        assert!(!shape.all_exact_with(1));
+        shape.note(&k(5));
+        assert!(!shape.all_exact_with(1));
     }
 }

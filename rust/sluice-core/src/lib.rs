@@ -31,5 +31,7 @@ pub mod wal;
 
 pub use config::{BucketConfig, Durability, EngineConfig};
 pub use durability::Requirement;
-pub use engine::{Engine, MutationResult, StoreMode, StoreRequest, Update, Written};
+pub use engine::{
+    Engine, MutationResult, SelectIterator, StoreMode, StoreRequest, Update, Written,
+};
 pub use error::{Error, Result};

@@ -1,8 +1,9 @@
 //! The engine: buckets of vbuckets over one WAL. This file opens and closes it; the rest of the
 //! engine is split by concept: `write` (the write path and durability), `read` (lookups and
-//! vbucket positions), `state` (vbucket states, failover, rollback, replicated changes),
-//! `cursors` (checkpoint cursors and backfill for streams), `evict` (making room in a cache
-//! bucket), `background` (expiry pager, tombstone purger, checkpoint quota, periodic snapshots).
+//! vbucket positions), `select` (range reads of an ordered bucket), `state` (vbucket states,
+//! failover, rollback, replicated changes), `cursors` (checkpoint cursors and backfill for
+//! streams), `evict` (making room in a cache bucket), `background` (expiry pager, tombstone
+//! purger, checkpoint quota, periodic snapshots).
 //!
 //! Lock order: a vbucket's lock, then the WAL queue lock. The WAL writer takes vbucket locks
 //! only after releasing its queue lock, and the snapshot writer holds one vbucket lock at a time.
@@ -30,11 +31,13 @@ mod background;
 mod cursors;
 mod evict;
 mod read;
+mod select;
 mod state;
 mod write;
 
 use crate::catalog::Catalog;
 pub use read::StreamPosition;
+pub use select::SelectIterator;
 pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};
 
 struct Background {

@@ -622,13 +622,32 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<Written<MutationResult>> {
-        self.write_delete_by(bucket, key, cas, durability, Writer::Client)
+        self.write_delete_by(bucket, key, cas, durability, Writer::Client, false)
+            .map(|w| w.map(|(r, _)| r))
+    }
+
+    /// Deletes a live key and hands back the item it held (iproto's DELETE answers with the
+    /// tuple deleted); None, and nothing written, when the key is missing, deleted or expired.
+    /// Applied and queued, to be settled by the caller.
+    pub fn write_take(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        durability: Option<Requirement>,
+    ) -> Result<Written<Option<(MutationResult, Item)>>> {
+        match self.write_delete_by(bucket, key, 0, durability, Writer::Client, true) {
+            Ok(w) => Ok(w.map(|(r, item)| Some((r, item.expect("asked for"))))),
+            // Nothing written: nothing to wait for.
+            Err(Error::NotFound) => Ok(Written::new(None, Durability::None.into(), 0, &[])),
+            Err(e) => Err(e),
+        }
     }
 
     /// `write_delete` of a deletion another node fed this one: over any lock, which it ends
     /// (see `write_fed_store`).
     pub fn write_fed_delete(&self, bucket: &Bucket, key: &[u8]) -> Result<Written<MutationResult>> {
-        self.write_delete_by(bucket, key, 0, None, Writer::Feed)
+        self.write_delete_by(bucket, key, 0, None, Writer::Feed, false)
+            .map(|w| w.map(|(r, _)| r))
     }
 
     fn write_delete_by(
@@ -638,7 +657,8 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
         writer: Writer,
-    ) -> Result<Written<MutationResult>> {
+        take: bool,
+    ) -> Result<Written<(MutationResult, Option<Item>)>> {
         validate_key(key)?;
         let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
         self.admit_write(bucket, durability.level, ChangeOp::Deletion)?;
@@ -656,6 +676,7 @@ impl Engine {
             vb.locks.unlock(key);
         }
         check_cas(&mut vb, key, Some(&old), cas)?;
+        let taken = take.then(|| vb.store.get(key).expect("live above").to_item());
         let meta = ItemMeta {
             expiry: now,
             rev_seqno: old.rev_seqno + 1,
@@ -668,7 +689,7 @@ impl Engine {
         vb.locks.unlock(key);
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
-        Ok(self.written(bucket, durability, r))
+        Ok(self.written(bucket, durability, r).map(|r| (r, taken)))
     }
 
     /// A read-modify-write of one live key under its vbucket's lock: `f` sees the current item

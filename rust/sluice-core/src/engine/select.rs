@@ -1,0 +1,277 @@
+//! Range reads of an ordered bucket (iproto SELECT): Tarantool's iterators over the primary key,
+//! a k-way merge of the vbuckets' ordered indexes, each vbucket read under its own lock in
+//! short batches.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+
+use sluice_proto::keyorder::{compare_keys, compare_prefix, exact_parts, part_count};
+
+use super::Engine;
+use crate::bucket::Bucket;
+use crate::error::{Error, Result};
+use crate::hlc::now_secs;
+use crate::item::{is_expired, Item};
+use crate::item_store::Seek;
+use crate::vbucket::VbState;
+
+/// Tarantool's iterator types, with their iproto codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectIterator {
+    /// Keys whose first n parts equal the search key's n parts, ascending.
+    Eq = 0,
+    /// As `Eq`, descending.
+    Req = 1,
+    /// Every key ascending; the search key is ignored.
+    All = 2,
+    /// Keys below the search key, descending.
+    Lt = 3,
+    /// Keys at or below the search key (on its n parts), descending.
+    Le = 4,
+    /// Keys at or above the search key, ascending.
+    Ge = 5,
+    /// Keys above the search key (on its n parts), ascending.
+    Gt = 6,
+}
+
+impl SelectIterator {
+    /// The iterator an iproto SELECT's ITERATOR code names (None for the codes of iterators
+    /// a TREE index does not support, such as BITS_ALL_SET, or unknown ones).
+    pub fn from_code(code: u32) -> Option<SelectIterator> {
+        use SelectIterator::*;
+        [Eq, Req, All, Lt, Le, Ge, Gt].get(code as usize).copied()
+    }
+}
+
+/// Items one vbucket's batch copies out at most: bounds how long a select holds a vbucket's
+/// lock, and how much it reads past what it returns.
+const BATCH: usize = 64;
+/// Index entries (tombstones and expired items included) one batch steps over at most.
+const BATCH_STEPS: usize = 4 * BATCH;
+
+/// What a select reads: where each vbucket's scan starts, which way, and (EQ, REQ) the
+/// prefix the keys must keep.
+struct Plan<'k> {
+    start: Seek<'k>,
+    descending: bool,
+    prefix: Option<&'k [u8]>,
+}
+
+impl<'k> Plan<'k> {
+    fn new(iterator: SelectIterator, key: &'k [u8]) -> Plan<'k> {
+        use SelectIterator::*;
+        let descending = matches!(iterator, Req | Lt | Le);
+        // An empty key (no parts) selects every key, in the iterator's direction.
+        if iterator == All || key.is_empty() || part_count(key) == Some(0) {
+            return Plan {
+                start: Seek::Ends,
+                descending,
+                prefix: None,
+            };
+        }
+        let start = match iterator {
+            Eq | Ge | Lt => Seek::BeforePrefix(key),
+            Req | Gt | Le => Seek::AfterPrefix(key),
+            All => unreachable!("handled above"),
+        };
+        Plan {
+            start,
+            descending,
+            prefix: matches!(iterator, Eq | Req).then_some(key),
+        }
+    }
+}
+
+/// One vbucket's part of the merge: items read, not yet merged, and where to read on.
+struct Feed {
+    vbid: u16,
+    items: VecDeque<Item>,
+    /// The last key the scan stepped over (None before the first batch).
+    resume: Option<Vec<u8>>,
+    done: bool,
+}
+
+/// The head of one feed in the merge heap (a max-heap: the order is flipped for ascending).
+struct Head {
+    key: Vec<u8>,
+    feed: usize,
+    descending: bool,
+}
+
+impl Ord for Head {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let o = compare_keys(&self.key, &other.key)
+            .then_with(|| self.key.cmp(&other.key))
+            .then(self.feed.cmp(&other.feed));
+        if self.descending {
+            o
+        } else {
+            o.reverse()
+        }
+    }
+}
+
+impl PartialOrd for Head {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Head {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for Head {}
+
+impl Engine {
+    /// Live items of an ordered bucket (`BucketConfig::ordered_keys`) as a Tarantool TREE
+    /// index's iterator returns them for `key` (a MessagePack array of key parts, possibly
+    /// fewer than the keys have): `offset` skipped, at most `limit` returned. Reads the
+    /// vbuckets that are active or replica here; tombstones and expired items are skipped
+    /// (expired ones are left for the expiry pager). Each vbucket is read under its own lock,
+    /// in batches, and merged, so a bounded read costs its size times the vbuckets, never the
+    /// bucket's; an EQ on a whole key is one hash lookup when the bucket's keys allow it (see
+    /// `KeyShape`). Not a snapshot across vbuckets: a write going on meanwhile may or may not
+    /// be seen, as with any other read.
+    pub fn select(
+        &self,
+        bucket: &Bucket,
+        iterator: SelectIterator,
+        key: &[u8],
+        offset: u32,
+        limit: u32,
+    ) -> Result<Vec<Item>> {
+        self.check_open()?;
+        if !bucket.config.ordered_keys {
+            return Err(Error::InvalidArgument(format!(
+                "bucket {:?} keeps no key order (ordered_keys is off): it serves no range reads",
+                bucket.name()
+            )));
+        }
+        let plan = Plan::new(iterator, key);
+        let wanted = offset as usize + limit as usize;
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        if let Some(prefix) = plan.prefix {
+            if let Some(found) = self.select_one(bucket, prefix) {
+                return Ok(found.into_iter().skip(offset as usize).collect());
+            }
+        }
+        let now = now_secs();
+        let mut feeds: Vec<Feed> = (0..bucket.num_vbuckets())
+            .map(|vbid| Feed {
+                vbid,
+                items: VecDeque::new(),
+                resume: None,
+                done: false,
+            })
+            .collect();
+        let mut heap = BinaryHeap::with_capacity(feeds.len());
+        for (i, feed) in feeds.iter_mut().enumerate() {
+            refill(bucket, feed, &plan, wanted, now);
+            if let Some(head) = feed.items.front() {
+                heap.push(Head {
+                    key: head.key().to_vec(),
+                    feed: i,
+                    descending: plan.descending,
+                });
+            }
+        }
+        let mut out = Vec::with_capacity((limit as usize).min(BATCH));
+        let mut skipped = 0usize;
+        while let Some(Head { feed: i, .. }) = heap.pop() {
+            let feed = &mut feeds[i];
+            let item = feed.items.pop_front().expect("a head has its item");
+            if skipped < offset as usize {
+                skipped += 1;
+            } else {
+                out.push(item);
+                if out.len() == limit as usize {
+                    break;
+                }
+            }
+            if feed.items.is_empty() {
+                refill(bucket, feed, &plan, wanted - skipped - out.len(), now);
+            }
+            if let Some(head) = feed.items.front() {
+                heap.push(Head {
+                    key: head.key().to_vec(),
+                    feed: i,
+                    descending: plan.descending,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// An EQ or REQ on a whole key by hash lookup: Some(the item, or nothing) when the
+    /// bucket's keys all have as many parts as `key` and, like it, exact encodings (so no other
+    /// key can match it); None when a scan must decide.
+    fn select_one(&self, bucket: &Bucket, key: &[u8]) -> Option<Option<Item>> {
+        let parts = exact_parts(key)?;
+        if !bucket.key_shape.all_exact_with(parts) {
+            return None;
+        }
+        let vb = bucket.lock_vbucket(bucket.vbucket_of(key))?;
+        if !matches!(vb.state, VbState::Active | VbState::Replica) {
+            return Some(None);
+        }
+        let now = now_secs();
+        Some(
+            vb.store
+                .get(key)
+                .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now))
+                .map(|i| i.to_item()),
+        )
+    }
+}
+
+/// Reads batches of one vbucket until it has an item or has no more (a batch may step over
+/// nothing but tombstones).
+fn refill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) {
+    while feed.items.is_empty() && !feed.done {
+        fill(bucket, feed, plan, wanted, now);
+    }
+}
+
+/// Reads one vbucket's next batch: up to `wanted` (at most BATCH) live items after where the
+/// feed stands, under the vbucket's lock only. A vbucket that is neither active nor replica
+/// here contributes nothing.
+fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) {
+    let batch = wanted.clamp(1, BATCH);
+    let vb = bucket.lock_vbucket(feed.vbid).expect("in range");
+    if !matches!(vb.state, VbState::Active | VbState::Replica) {
+        feed.done = true;
+        return;
+    }
+    let resume = feed.resume.take();
+    let from = resume.as_deref().map_or(plan.start, Seek::Key);
+    let mut steps = 0;
+    let mut last = Vec::new();
+    let mut past_prefix = false;
+    let reached_end = vb.store.scan_ordered(from, plan.descending, |item| {
+        let key = item.key();
+        if let Some(prefix) = plan.prefix {
+            if compare_prefix(key, prefix) != Ordering::Equal {
+                past_prefix = true;
+                return false;
+            }
+        }
+        if feed.items.len() == batch || steps == BATCH_STEPS {
+            return false;
+        }
+        steps += 1;
+        last.clear();
+        last.extend_from_slice(key);
+        let meta = item.meta();
+        if !meta.deleted && !is_expired(&meta, now) {
+            feed.items.push_back(item.to_item());
+        }
+        true
+    });
+    feed.done = reached_end || past_prefix;
+    feed.resume = if steps > 0 { Some(last) } else { resume };
+}
