@@ -55,7 +55,12 @@ USERS = Space(
 EVENTS = Space(
     "events",
     513,
-    (Field("user_id", "unsigned"), Field("seq", "unsigned"), Field("kind", "string"), Field("note", "string", True)),
+    (
+        Field("user_id", "unsigned"),
+        Field("seq", "unsigned"),
+        Field("kind", "string"),
+        Field("note", "string", True),
+    ),
     ("user_id", "seq"),
 )
 SPACES = (USERS, EVENTS)
@@ -85,8 +90,9 @@ def _field_dict(f: Field) -> dict:
 
 def init_lua(work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mode: str) -> str:
     """The init script: box.cfg on a free loopback port, the spaces with a TREE primary index
-    named `primary`, user USER with read and write on each space, then the bound address written
-    to `ready_file` (so a reader never sees a half-made schema)."""
+    named `primary`, user USER with read and write on each space and execute on universe (sluice
+    lets any user CALL its built-in set: `box.session.user`, `box.space.NAME:count` ...), then the
+    bound address written to `ready_file` (so a reader never sees a half-made schema)."""
     lines = [
         "box.cfg{",
         "    listen = '127.0.0.1:0',",
@@ -107,6 +113,7 @@ def init_lua(work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mo
             f"box.schema.user.grant({_lua(USER)}, 'read,write', 'space', {_lua(s.name)})",
         ]
     lines += [
+        f"box.schema.user.grant({_lua(USER)}, 'execute', 'universe')",
         f"local f = io.open({_lua(str(ready_file))} .. '.tmp', 'w')",
         "f:write(box.info.listen)",
         "f:close()",
