@@ -75,3 +75,52 @@ def test_bench_table_and_sasl(tmp_path):
         )
     finally:
         assert node.stop() == 0
+
+
+def test_bench_iproto_counts_match_the_server(tmp_path):
+    """`--protocol iproto`: SELECTs and REPLACEs in space `users` after a chap-sha1 AUTH; the
+    node counts the same requests, prefill included, and the tuples are there."""
+    from tarantool_peer import PASSWORD, USER, sluice_config
+
+    node = Node(tmp_path / "d", "--config", str(sluice_config(tmp_path / "c.toml")))
+    try:
+        r = run_bench(
+            "--protocol",
+            "iproto",
+            "--server",
+            node.iproto,
+            "--count",
+            "2000",
+            "--connections",
+            "2",
+            "--pipeline",
+            "10",
+            "--keys",
+            "300",
+            "--value-size",
+            "40",
+            "--get-ratio",
+            "0.5",
+            "--user",
+            USER,
+            "--password-stdin",
+            "--json",
+            stdin=PASSWORD + "\n",
+        )
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["errors"] == 0 and out["ops"] == out["gets"] + out["sets"] >= 2000
+        assert out["misses"] == 0, "prefilled: every SELECT finds its tuple"
+        assert node.metric("sluice_iproto_requests_total", type="select") == out["gets"]
+        assert node.metric("sluice_iproto_requests_total", type="replace") == out["sets"] + 300
+        users = next(b for b in node.status()["buckets"] if b["name"] == "users")
+        assert sum(v["items"] for v in users["vbuckets"]) == 300
+
+        r = run_bench(
+            "--protocol", "iproto", "--server", node.iproto, "--count", "10", "--user", USER,
+            "--password-stdin", stdin="wrong\n",
+        )  # fmt: skip
+        assert r.returncode != 0
+        assert f"chap-sha1 AUTH refused: Incorrect password supplied for user '{USER}'" in r.stderr
+    finally:
+        assert node.stop() == 0

@@ -369,6 +369,8 @@ def bench(
     user: str | None = None,
     password: str | None = None,
     cacert: str | None = None,
+    protocol: str = "memcached",
+    space: int = 512,
 ) -> dict[str, object]: ...
 def vbucket_positions(
     address: str,

@@ -665,7 +665,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Drives a memcached binary protocol server (sluice or memcached) and prints the result."""
+    """Drives a memcached binary protocol server (sluice or memcached) or an iproto one (sluice or
+    Tarantool) and prints the result."""
     import json
 
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
@@ -684,16 +685,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         user=args.user,
         password=password,
         cacert=args.cacert,
+        protocol=args.protocol,
+        space=args.space,
     )
     if args.json:
         print(json.dumps(r))
         return EXIT_OK if r["errors"] == 0 else EXIT_FAILURE
     lat = r["latency_us"]
+    read, write = ("select", "replace") if args.protocol == "iproto" else ("get", "set")
     print(
         f"{args.server}: {r['ops']:,} requests in {r['seconds']:.2f} s = {r['ops_per_s']:,.0f} ops/s "
-        f"({args.connections} connections x pipeline {args.pipeline}, {args.get_ratio:.0%} GET)"
+        f"({args.connections} connections x pipeline {args.pipeline}, {args.get_ratio:.0%} {read.upper()})"
     )
-    print(f"  gets {r['gets']:,} (misses {r['misses']:,})  sets {r['sets']:,}  errors {r['errors']:,}")
+    print(
+        f"  {read}s {r['gets']:,} (misses {r['misses']:,})  {write}s {r['sets']:,}  errors {r['errors']:,}"
+    )
     print("  latency (us)  " + "  ".join(f"{k} {v:,}" for k, v in lat.items()))
     return EXIT_OK if r["errors"] == 0 else EXIT_FAILURE
 
@@ -961,24 +967,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="load a memcached binary protocol server (sluice or memcached) and measure it",
+        help="load a memcached binary protocol or iproto server (sluice, memcached, Tarantool) and measure it",
         description="Pipelined load from N connections: GETs and SETs by --get-ratio over --keys keys, "
         "for --duration seconds (or --count requests). Prints ops/s and latency percentiles "
-        "(HdrHistogram; each request from the send of its batch to its reply).",
+        "(HdrHistogram; each request from the send of its batch to its reply). With --protocol iproto: "
+        "SELECT by primary key and REPLACE of [id, name, age] tuples in --space (a `users` space: "
+        "unsigned id first, name a string of --value-size bytes, age unsigned), over Tarantool's iproto.",
         **formatter,
     )
     b.add_argument("--server", required=True, metavar="HOST:PORT")
+    b.add_argument("--protocol", choices=["memcached", "iproto"], default="memcached", help="what to speak")
+    b.add_argument("--space", type=int, default=512, help="iproto: the space id")
     b.add_argument("--connections", type=int, default=16, help="client connections")
     b.add_argument("--pipeline", type=int, default=32, help="requests in flight per connection")
     b.add_argument("--duration", type=float, default=10.0, help="seconds")
     b.add_argument("--count", type=int, default=0, help="stop after this many requests (0: duration only)")
     b.add_argument("--keys", type=int, default=100_000, help="distinct keys")
-    b.add_argument("--key-size", type=int, default=16, help="bytes per key")
-    b.add_argument("--value-size", type=int, default=100, help="bytes per value")
-    b.add_argument("--get-ratio", type=float, default=0.9, help="share of GETs among requests")
-    b.add_argument("--no-prefill", action="store_true", help="do not SET every key before measuring")
+    b.add_argument("--key-size", type=int, default=16, help="bytes per key (memcached; iproto keys are ids)")
+    b.add_argument("--value-size", type=int, default=100, help="bytes per value (iproto: of the name field)")
+    b.add_argument("--get-ratio", type=float, default=0.9, help="share of reads (GET, SELECT) among requests")
+    b.add_argument("--no-prefill", action="store_true", help="do not write every key before measuring")
     b.add_argument("--threads", type=int, default=2, help="client threads")
-    b.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
+    b.add_argument(
+        "--user",
+        help="SASL PLAIN user (iproto: chap-sha1); the password is read from stdin with --password-stdin",
+    )
     b.add_argument("--password-stdin", action="store_true")
     b.add_argument(
         "--cacert",

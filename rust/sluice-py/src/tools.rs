@@ -82,10 +82,11 @@ pub(crate) fn tap_drain<'py>(
     Ok(d)
 }
 
-/// Drives a memcached binary protocol server (sluice or memcached) and reports throughput,
+/// Drives a memcached binary protocol server (sluice or memcached) or, with `protocol="iproto"`,
+/// an iproto one (sluice or Tarantool: SELECT and REPLACE in `space`), and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
-#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None))]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None, protocol="memcached", space=512))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_bench<'py>(
     py: Python<'py>,
@@ -103,7 +104,23 @@ pub(crate) fn run_bench<'py>(
     user: Option<String>,
     password: Option<String>,
     cacert: Option<PathBuf>,
+    protocol: &str,
+    space: u32,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let protocol = match protocol {
+        "memcached" => sluice_tools::bench::Protocol::Memcached,
+        "iproto" if cacert.is_some() => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "iproto has no TLS: --cacert is for the memcached protocol",
+            ))
+        }
+        "iproto" => sluice_tools::bench::Protocol::Iproto { space },
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "protocol {other:?}: memcached or iproto"
+            )))
+        }
+    };
     let tls = cacert
         .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
         .transpose()
@@ -123,6 +140,7 @@ pub(crate) fn run_bench<'py>(
     }
     let cfg = sluice_tools::bench::BenchConfig {
         target: socket_addr("target", target)?,
+        protocol,
         connections,
         pipeline,
         duration: secs("duration", duration)?,

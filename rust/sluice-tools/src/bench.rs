@@ -1,7 +1,9 @@
-//! `sluice bench`: a native, pipelined load generator for the memcached binary protocol. It
-//! drives sluice and memcached alike: N connections, each sending batches of `pipeline`
-//! requests (GET or SET by the mix, keys uniform over the key space) and reading the replies,
-//! with every request's latency (send of its batch to its reply) in an HdrHistogram.
+//! `sluice bench`: a native, pipelined load generator for the memcached binary protocol and for
+//! Tarantool's iproto. It drives sluice, memcached and Tarantool alike: N connections, each
+//! sending batches of `pipeline` requests (a read or a write by the mix, keys uniform over the
+//! key space) and reading the replies, with every request's latency (send of its batch to its
+//! reply) in an HdrHistogram. memcached: GET and SET; iproto: SELECT by primary key and REPLACE
+//! of `[id, name, age]` tuples (the `users` space of README's example), `name` being the value.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -9,27 +11,42 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use sluice_proto::iproto::client::{self as iproto, Body};
+use sluice_proto::iproto::{codes, frame, greeting};
 use sluice_proto::mcbp::{self, magic, opcode, status, HeaderFields};
+use sluice_proto::msgpack;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+/// What the load speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// The memcached binary protocol: GET and SET of `key:NNN` keys.
+    Memcached,
+    /// Tarantool's iproto: SELECT (EQ, limit 1) and REPLACE in `space`, whose primary key is
+    /// its first field, an unsigned id.
+    Iproto { space: u32 },
+}
 
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub target: SocketAddr,
+    pub protocol: Protocol,
     pub connections: usize,
     pub pipeline: usize,
     pub duration: Duration,
     /// Stop after this many requests (0: only the duration bounds the run).
     pub count: u64,
     pub keys: u64,
+    /// memcached only (iproto keys are unsigned ids).
     pub key_size: usize,
     pub value_size: usize,
-    /// Fraction of GETs; the rest are SETs.
+    /// Fraction of reads (GET, SELECT); the rest are writes (SET, REPLACE).
     pub get_ratio: f64,
-    /// SET every key once before measuring, so GETs hit.
+    /// Write every key once before measuring, so reads hit.
     pub prefill: bool,
     pub threads: usize,
-    /// SASL PLAIN credentials, when the target wants them.
+    /// SASL PLAIN credentials (memcached) or chap-sha1 ones (iproto), when the target wants them.
     pub user: Option<(String, String)>,
     /// Connect over TLS (the target's certificate must carry its IP address).
     pub tls: Option<sluice_server::tls::ClientTls>,
@@ -38,6 +55,7 @@ pub struct BenchConfig {
 #[derive(Debug, Clone, Default)]
 pub struct BenchReport {
     pub ops: u64,
+    /// Reads (GET, SELECT) and writes (SET, REPLACE) answered without an error.
     pub gets: u64,
     pub sets: u64,
     pub misses: u64,
@@ -65,7 +83,7 @@ impl Rng {
     }
 }
 
-fn push_request(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
+fn push_mcbp(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
     let h = HeaderFields {
         magic: magic::REQUEST,
         opcode: op,
@@ -83,27 +101,133 @@ fn push_request(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
     .expect("bounded sizes");
 }
 
+/// Writes the load's requests for one protocol.
+struct Requests {
+    protocol: Protocol,
+    key_size: usize,
+    value: Vec<u8>,
+    /// The key or tuple of the iproto request being written.
+    scratch: Vec<u8>,
+    /// The sync of the last iproto request.
+    sync: u64,
+}
+
+impl Requests {
+    fn new(cfg: &BenchConfig) -> Requests {
+        Requests {
+            protocol: cfg.protocol,
+            key_size: cfg.key_size,
+            value: vec![b'v'; cfg.value_size],
+            scratch: Vec::with_capacity(64 + cfg.value_size),
+            sync: 0,
+        }
+    }
+
+    /// A read or a write of key number `i`. An iproto request's sync carries whether it is a
+    /// read (its low bit), as replies may come back out of order (a SELECT overtakes a REPLACE
+    /// that waits for the WAL).
+    fn push(&mut self, out: &mut Vec<u8>, read: bool, i: u64) {
+        match self.protocol {
+            Protocol::Memcached => {
+                let op = if read { opcode::GET } else { opcode::SET };
+                push_mcbp(out, op, &key(i, self.key_size), &self.value)
+            }
+            Protocol::Iproto { space } => {
+                let scratch = &mut self.scratch;
+                scratch.clear();
+                self.sync += 1;
+                let sync = self.sync << 1 | read as u64;
+                if read {
+                    msgpack::write_array_len(scratch, 1);
+                    msgpack::write_uint(scratch, i);
+                    let select = iproto::Select {
+                        space_id: space,
+                        index_id: 0,
+                        iterator: codes::iterator::EQ,
+                        offset: 0,
+                        limit: 1,
+                        key: scratch,
+                    };
+                    iproto::write_select(out, sync, &select);
+                } else {
+                    msgpack::write_array_len(scratch, 3);
+                    msgpack::write_uint(scratch, i);
+                    msgpack::write_str_bytes(scratch, &self.value);
+                    msgpack::write_uint(scratch, 30);
+                    iproto::write_replace(out, sync, space, scratch);
+                }
+            }
+        }
+    }
+}
+
+/// How one request went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Hit,
+    Miss,
+    Stored,
+    Error,
+}
+
+fn invalid(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}
+
+/// Where the first reply in `buf` ends, if it is all there.
+fn reply_len(protocol: Protocol, buf: &[u8]) -> std::io::Result<Option<usize>> {
+    match protocol {
+        Protocol::Memcached => mcbp::frame_len(buf, usize::MAX >> 1).map_err(invalid),
+        Protocol::Iproto { .. } => frame::check(buf, usize::MAX >> 1).map_err(invalid),
+    }
+}
+
+fn outcome(protocol: Protocol, reply: &[u8]) -> std::io::Result<Outcome> {
+    match protocol {
+        Protocol::Memcached => {
+            let r = mcbp::parse_response(reply).map_err(invalid)?;
+            Ok(match (r.opcode, r.status) {
+                (opcode::GET, status::SUCCESS) => Outcome::Hit,
+                (opcode::GET, status::KEY_ENOENT) => Outcome::Miss,
+                (opcode::SET, status::SUCCESS) => Outcome::Stored,
+                _ => Outcome::Error,
+            })
+        }
+        Protocol::Iproto { .. } => {
+            let r = iproto::decode_response(reply).map_err(invalid)?;
+            let read = r.sync & 1 == 1;
+            Ok(match r.body {
+                Body::Error { .. } => Outcome::Error,
+                Body::Data { count: 0, .. } if read => Outcome::Miss,
+                _ if read => Outcome::Hit,
+                _ => Outcome::Stored,
+            })
+        }
+    }
+}
+
+/// Reads `n` replies into `each`, leaving any bytes past them in `buf`.
 async fn read_replies<S: AsyncRead + Unpin>(
     sock: &mut S,
+    protocol: Protocol,
     buf: &mut Vec<u8>,
     mut n: usize,
-    mut each: impl FnMut(u8, u16),
+    mut each: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     let mut chunk = vec![0u8; 64 << 10];
     while n > 0 {
+        let mut at = 0;
         while n > 0 {
-            match mcbp::frame_len(buf, usize::MAX >> 1) {
-                Ok(Some(len)) => {
-                    let r = mcbp::parse_response(&buf[..len])
-                        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-                    each(r.opcode, r.status);
-                    buf.drain(..len);
+            match reply_len(protocol, &buf[at..])? {
+                Some(len) => {
+                    each(&buf[at..at + len])?;
+                    at += len;
                     n -= 1;
                 }
-                Ok(None) => break,
-                Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+                None => break,
             }
         }
+        buf.drain(..at);
         if n > 0 {
             let got = sock.read(&mut chunk).await?;
             if got == 0 {
@@ -131,7 +255,11 @@ async fn login<S: AsyncRead + AsyncWrite + Unpin>(
     sock.write_all(&req).await?;
     sock.flush().await?;
     let mut ok = false;
-    read_replies(sock, &mut Vec::new(), 1, |_, st| ok = st == status::SUCCESS).await?;
+    read_replies(sock, Protocol::Memcached, &mut Vec::new(), 1, |reply| {
+        ok = mcbp::parse_response(reply).map_err(invalid)?.status == status::SUCCESS;
+        Ok(())
+    })
+    .await?;
     if ok {
         Ok(())
     } else {
@@ -139,6 +267,55 @@ async fn login<S: AsyncRead + AsyncWrite + Unpin>(
             std::io::ErrorKind::PermissionDenied,
             "SASL PLAIN refused",
         ))
+    }
+}
+
+/// iproto: reads the greeting, then AUTHs with chap-sha1 when there is a user.
+async fn iproto_login<S: AsyncRead + AsyncWrite + Unpin>(
+    sock: &mut S,
+    user: &Option<(String, String)>,
+) -> std::io::Result<()> {
+    let mut text = [0u8; greeting::GREETING_SIZE];
+    sock.read_exact(&mut text).await?;
+    let hello = greeting::parse(&text).map_err(invalid)?;
+    let Some((u, p)) = user else { return Ok(()) };
+    let scramble = iproto::chap_sha1_scramble(&hello.salt, p.as_bytes(), sluice_server::auth::sha1);
+    let mut req = Vec::new();
+    iproto::write_auth(&mut req, 0, u, &scramble);
+    sock.write_all(&req).await?;
+    sock.flush().await?;
+    let mut refused = None;
+    read_replies(
+        sock,
+        Protocol::Iproto { space: 0 },
+        &mut Vec::new(),
+        1,
+        |reply| {
+            if let Body::Error { message, .. } =
+                iproto::decode_response(reply).map_err(invalid)?.body
+            {
+                refused = Some(String::from_utf8_lossy(message).into_owned());
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    match refused {
+        None => Ok(()),
+        Some(m) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("chap-sha1 AUTH refused: {m}"),
+        )),
+    }
+}
+
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    sock: &mut S,
+    cfg: &BenchConfig,
+) -> std::io::Result<()> {
+    match cfg.protocol {
+        Protocol::Memcached => login(sock, &cfg.user).await,
+        Protocol::Iproto { .. } => iproto_login(sock, &cfg.user).await,
     }
 }
 
@@ -181,9 +358,9 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
     sock: &mut S,
 ) -> std::io::Result<(Histogram<u64>, [u64; 5])> {
     let cfg = &shared.cfg;
-    login(sock, &cfg.user).await?;
+    handshake(sock, cfg).await?;
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
-    let value = vec![b'v'; cfg.value_size];
+    let mut requests = Requests::new(cfg);
     let mut rng = Rng(seed | 1);
     let (mut gets, mut sets, mut misses, mut errors, mut ops) = (0u64, 0u64, 0u64, 0u64, 0u64);
     let mut out = Vec::with_capacity(cfg.pipeline * (64 + cfg.value_size));
@@ -201,29 +378,24 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
         out.clear();
         for _ in 0..cfg.pipeline {
             let r = rng.next();
-            let k = key(r % cfg.keys.max(1), cfg.key_size);
-            let op = if (r >> 32) < threshold {
-                opcode::GET
-            } else {
-                opcode::SET
-            };
-            push_request(&mut out, op, &k, &value);
+            requests.push(&mut out, (r >> 32) < threshold, r % cfg.keys.max(1));
         }
         let t0 = Instant::now();
         sock.write_all(&out).await?;
         sock.flush().await?;
-        read_replies(sock, &mut inbuf, cfg.pipeline, |op, st| {
+        read_replies(sock, cfg.protocol, &mut inbuf, cfg.pipeline, |reply| {
             ops += 1;
-            match (op, st) {
-                (opcode::GET, status::SUCCESS) => gets += 1,
-                (opcode::GET, status::KEY_ENOENT) => {
+            match outcome(cfg.protocol, reply)? {
+                Outcome::Hit => gets += 1,
+                Outcome::Miss => {
                     gets += 1;
                     misses += 1
                 }
-                (opcode::SET, status::SUCCESS) => sets += 1,
-                _ => errors += 1,
+                Outcome::Stored => sets += 1,
+                Outcome::Error => errors += 1,
             }
             let _ = hist.record(t0.elapsed().as_micros().max(1) as u64);
+            Ok(())
         })
         .await?;
     }
@@ -238,19 +410,29 @@ async fn prefill_on<S: AsyncRead + AsyncWrite + Unpin>(
     cfg: &BenchConfig,
     sock: &mut S,
 ) -> std::io::Result<()> {
-    login(sock, &cfg.user).await?;
-    let value = vec![b'v'; cfg.value_size];
-    let mut out = Vec::new();
+    handshake(sock, cfg).await?;
+    let mut requests = Requests::new(cfg);
+    let (mut out, mut inbuf) = (Vec::new(), Vec::new());
     let mut i = 0;
     while i < cfg.keys {
         out.clear();
         let n = (cfg.keys - i).min(512);
         for j in 0..n {
-            push_request(&mut out, opcode::SET, &key(i + j, cfg.key_size), &value);
+            requests.push(&mut out, false, i + j);
         }
         sock.write_all(&out).await?;
         sock.flush().await?;
-        read_replies(sock, &mut Vec::new(), n as usize, |_, _| {}).await?;
+        let mut failed = 0;
+        read_replies(sock, cfg.protocol, &mut inbuf, n as usize, |reply| {
+            failed += (outcome(cfg.protocol, reply)? == Outcome::Error) as u64;
+            Ok(())
+        })
+        .await?;
+        if failed > 0 {
+            return Err(std::io::Error::other(format!(
+                "the prefill's writes failed ({failed} of {n})"
+            )));
+        }
         i += n;
     }
     Ok(())

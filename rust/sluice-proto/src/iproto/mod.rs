@@ -6,12 +6,14 @@
 //! `request` decodes a packet into a header and a typed request, with Tarantool's error codes
 //! and texts for what it refuses; `response` writes answers byte for byte as Tarantool does;
 //! `greeting` is the 128-byte text a server sends first; `tuple` checks tuples against a space
-//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations.
+//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations; `client`
+//! writes requests and reads answers, for a client of a Tarantool or a sluice.
 //!
 //! Every decoder checks a length against the bytes that remain before it slices or allocates,
 //! and bounds nesting by [`MAX_DEPTH`], so hostile input costs at most a small multiple of its
 //! own size.
 
+pub mod client;
 pub mod codes;
 pub mod frame;
 pub mod greeting;
