@@ -967,7 +967,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="load a memcached binary protocol or iproto server (sluice, memcached, Tarantool) and measure it",
+        help="load a memcached binary protocol or iproto server (sluice, memcached, Tarantool), measure it",
         description="Pipelined load from N connections: GETs and SETs by --get-ratio over --keys keys, "
         "for --duration seconds (or --count requests). Prints ops/s and latency percentiles "
         "(HdrHistogram; each request from the send of its batch to its reply). With --protocol iproto: "
