@@ -697,9 +697,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{args.server}: {r['ops']:,} requests in {r['seconds']:.2f} s = {r['ops_per_s']:,.0f} ops/s "
         f"({args.connections} connections x pipeline {args.pipeline}, {args.get_ratio:.0%} {read.upper()})"
     )
-    print(
-        f"  {read}s {r['gets']:,} (misses {r['misses']:,})  {write}s {r['sets']:,}  errors {r['errors']:,}"
-    )
+    print(f"  {read}s {r['gets']:,} (misses {r['misses']:,})  {write}s {r['sets']:,}  errors {r['errors']:,}")
     print("  latency (us)  " + "  ".join(f"{k} {v:,}" for k, v in lat.items()))
     return EXIT_OK if r["errors"] == 0 else EXIT_FAILURE
 
