@@ -109,7 +109,8 @@ def main() -> int:
 def write(results: dict) -> None:
     write_json(RESULTS / "iproto.json", results)
     rows = [
-        "| load | sluice ops/s | Tarantool ops/s | ratio | sluice p50 / p99 (us) | Tarantool p50 / p99 (us) |",
+        "| load | sluice ops/s | Tarantool ops/s | ratio | sluice p50 / p99 (us) "
+        "| Tarantool p50 / p99 (us) |",
         "|---|---|---|---|---|---|",
     ]
     names, medians = [], []
