@@ -132,7 +132,7 @@ def write(results: dict) -> None:
         f"# sluice against Tarantool 2.6 over iproto\n\n`python bench/iproto_bench.py {flags}`: "
         f"`sluice bench --protocol iproto`, {results['connections']} connections, "
         f"{results['keys']:,} keys, chap-sha1 AUTH, space `users` (memtx TREE primary on "
-        "Tarantool), WAL written without fsync per write on both (sluice `[wal] mode = \"write\"`, "
+        'Tarantool), WAL written without fsync per write on both (sluice `[wal] mode = "write"`, '
         "Tarantool `wal_mode = 'write'`), medians of the runs, on this 2-core machine (the load "
         "generator shares it).\n\n" + "\n".join(rows) + "\n"
     )
