@@ -9,6 +9,7 @@ import sys
 import time
 
 import bmemcached
+import pytest
 import sluice
 from helpers import run_cli
 
@@ -91,3 +92,47 @@ def test_usage_and_connection_errors(server):
     assert r.returncode == 2 and "--vbuckets" in r.stderr
     r = tail("--address", "127.0.0.1:1", "--until-now")
     assert r.returncode == 1 and "cannot connect" in r.stderr
+
+
+def test_tuples_of_a_space_as_json(tmp_path):
+    """`--tuples`: the changes of a space written over iproto, each key and tuple as JSON arrays
+    (binary as base64, maps as objects); a bucket of plain values is refused with a reason."""
+    tarantool = pytest.importorskip("tarantool")
+    from iproto_helpers import host_port, start_iproto_node
+
+    node = start_iproto_node(tmp_path, users=False)
+    try:
+        conn = tarantool.Connection(*host_port(node.iproto))
+        conn.insert("users", [1, "ada", 36])
+        conn.insert("users", [2, "bob", None])
+        conn.update("users", [1], [("+", 2, 1)])
+        conn.delete("users", [2])
+        conn.insert("pairs", [7, "b", {"k": [1, 2.5]}])
+        conn.insert("pairs", [7, "c", b"\x00\xff"])
+        conn.close()
+        everything = ("--from", "beginning", "--until-now", "--tuples")
+        r = tail("--address", node.address, "--bucket", "users", *everything)
+        assert r.returncode == 0, r.stderr
+        rows = sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: x["key"])
+        assert [(x["op"], x["key"], x.get("tuple")) for x in rows] == [
+            ("mutation", [1], [1, "ada", 37]),
+            ("deletion", [2], None),
+        ]
+        r = tail("--address", node.address, "--bucket", "pairs", *everything)
+        assert r.returncode == 0, r.stderr
+        rows = sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: x["key"])
+        assert [x["tuple"] for x in rows] == [[7, "b", {"k": [1, 2.5]}], [7, "c", {"base64": "AP8="}]]
+        r = tail(
+            "--address", node.address, "--bucket", "pairs", "--from", "beginning", "--until-now",
+            "--tuples", "--format", "table",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert '[7, "b"]  [7, "b", {"k": [1, 2.5]}]' in r.stdout
+
+        mc = bmemcached.Client([node.address])
+        mc.set("plain", "not msgpack")
+        r = tail("--address", node.address, "--from", "beginning", "--until-now", "--tuples")
+        assert r.returncode == 1
+        assert "is not an iproto tuple" in r.stderr and "is 'default' the bucket of a space?" in r.stderr
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]

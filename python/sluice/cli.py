@@ -529,6 +529,29 @@ def _text_or_base64(name: str, data: bytes, row: dict) -> None:
         row[name + "_base64"] = base64.b64encode(data).decode("ascii")
 
 
+def _tuple_json(data: bytes) -> object:
+    """A MessagePack value (an iproto tuple or key) as JSON-able objects: bytes (a varbinary, a
+    string that is not UTF-8) become {"base64": ...}, an extension {"ext": type, "base64": ...},
+    a map key that is not a string its JSON text."""
+    import base64
+    import json
+
+    def plain(v: object) -> object:
+        if isinstance(v, bytes):
+            return {"base64": base64.b64encode(v).decode("ascii")}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], bytes):
+            return {"ext": v[0], "base64": base64.b64encode(v[1]).decode("ascii")}
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k if isinstance(k, str) else json.dumps(plain(k)): plain(x) for k, x in v.items()}
+        return v
+
+    return plain(_native.msgpack_decode(data))
+
+
 class _BackfillProgress:
     """Progress of the backfills on stderr: a line at most every `every` seconds while one runs,
     and one when they have finished: none runs and the stream is idle or over (a vbucket whose
@@ -627,10 +650,26 @@ def cmd_tail(args: argparse.Namespace) -> int:
         with stream:
             for batch in stream:
                 for c in batch:
+                    if args.tuples:
+                        try:
+                            key = _tuple_json(c.key)
+                            tup = _tuple_json(c.value) if c.op == "mutation" and not args.no_values else None
+                        except ValueError as e:
+                            print(
+                                f"sluice tail: --tuples: vbucket {c.vbucket} seqno {c.seqno} is not an "
+                                f"iproto tuple ({e}): is {args.bucket!r} the bucket of a space?",
+                                file=sys.stderr,
+                            )
+                            return EXIT_FAILURE
                     if args.format == "json":
                         row = {"vbucket": c.vbucket, "seqno": c.seqno, "op": c.op}
-                        _text_or_base64("key", c.key, row)
-                        if not args.no_values and c.op == "mutation":
+                        if args.tuples:
+                            row["key"] = key
+                            if tup is not None:
+                                row["tuple"] = tup
+                        else:
+                            _text_or_base64("key", c.key, row)
+                        if not args.no_values and c.op == "mutation" and not args.tuples:
                             _text_or_base64("value", c.value, row)
                         row.update(cas=c.cas, rev_seqno=c.rev_seqno, flags=c.flags, expiry=c.expiry)
                         out.write(json.dumps(row) + "\n")
@@ -638,8 +677,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
                         if not table_header:
                             out.write(f"{'vbucket':>7}  {'seqno':>12}  {'op':<10}  {'rev':>6}  key\n")
                             table_header = True
-                        key = c.key.decode("utf-8", "backslashreplace")
-                        out.write(f"{c.vbucket:>7}  {c.seqno:>12}  {c.op:<10}  {c.rev_seqno:>6}  {key}\n")
+                        if args.tuples:
+                            text = json.dumps(key) + ("  " + json.dumps(tup) if tup is not None else "")
+                        else:
+                            text = c.key.decode("utf-8", "backslashreplace")
+                        out.write(f"{c.vbucket:>7}  {c.seqno:>12}  {c.op:<10}  {c.rev_seqno:>6}  {text}\n")
                     printed += 1
                     if args.max and printed >= args.max:
                         break
@@ -958,6 +1000,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--state", metavar="FILE", help="resume from and save the stream position to FILE")
     t.add_argument("--format", choices=["json", "table"], default="json", help="output lines")
     t.add_argument("--no-values", action="store_true", help="keys and metadata only")
+    t.add_argument(
+        "--tuples",
+        action="store_true",
+        help="the bucket holds an iproto space: print each key and tuple (MessagePack) as JSON arrays "
+        '("key": [1], "tuple": [1, "ada", 30])',
+    )
     t.add_argument("--max", type=int, default=0, help="stop after printing this many changes (0: no limit)")
     t.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     t.add_argument("--password-stdin", action="store_true")

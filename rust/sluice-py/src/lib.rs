@@ -42,6 +42,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::msgpack_decode, m)?)?;
     errors::register(m)?;
     m.add("DEFAULTS", defaults::defaults(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
