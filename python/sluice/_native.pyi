@@ -37,6 +37,7 @@ __all__ = [
     "bench",
     "tap_drain",
     "vbucket_of",
+    "msgpack_decode",
     "vbucket_positions",
     "wal_dump",
 ]
