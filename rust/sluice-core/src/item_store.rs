@@ -483,7 +483,10 @@ impl ItemStore {
     /// eviction clock's next pass. A bit set under the vbucket lock the read holds anyway.
     pub fn get_referenced(&mut self, key: &[u8]) -> Option<ItemRef<'_>> {
         let pos = self.find_pos(key)?;
-        self.slot_mut(pos).set_referenced(true);
+        // Written only when it changes: a hot item's slot is then only read.
+        if !self.slot(pos).referenced() {
+            self.slot_mut(pos).set_referenced(true);
+        }
         Some(ItemRef {
             slot: self.slot(pos),
         })

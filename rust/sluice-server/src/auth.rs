@@ -478,20 +478,42 @@ impl Users {
 
 /// The users in force: replaced whole on reload (SIGHUP); sessions read them per request.
 #[derive(Debug, Default)]
-pub struct UserTable(parking_lot::RwLock<std::sync::Arc<Users>>);
+pub struct UserTable {
+    users: parking_lot::RwLock<(std::sync::Arc<Users>, u64)>,
+    /// Moves on with every reload, so that a connection can keep its own copy of the table
+    /// and check one word per request instead of taking the lock.
+    generation: std::sync::atomic::AtomicU64,
+}
 
 impl UserTable {
     pub fn new(users: Users) -> UserTable {
-        UserTable(parking_lot::RwLock::new(std::sync::Arc::new(users)))
+        UserTable {
+            users: parking_lot::RwLock::new((std::sync::Arc::new(users), 0)),
+            generation: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// The users now; a reload after this call does not change what it returned.
     pub fn current(&self) -> std::sync::Arc<Users> {
-        self.0.read().clone()
+        self.users.read().0.clone()
+    }
+
+    /// The users now and the generation they belong to.
+    pub fn current_with_generation(&self) -> (std::sync::Arc<Users>, u64) {
+        self.users.read().clone()
+    }
+
+    /// The generation of the users now: it changes when `replace` does.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn replace(&self, users: Users) {
-        *self.0.write() = std::sync::Arc::new(users);
+        let mut guard = self.users.write();
+        let next = guard.1 + 1;
+        *guard = (std::sync::Arc::new(users), next);
+        self.generation
+            .store(next, std::sync::atomic::Ordering::Release);
     }
 }
 

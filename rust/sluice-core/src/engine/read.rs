@@ -53,7 +53,7 @@ impl Engine {
         };
         // A locked item reads with CAS -1, as Couchbase's: only the lock's holder can write it.
         let found = found.map(|mut it| {
-            if vb.locks.holder(key, Instant::now()).is_some() {
+            if vb.locks.holder(key, Instant::now).is_some() {
                 it.meta.cas = u64::MAX;
             }
             it
@@ -106,7 +106,7 @@ impl Engine {
             bucket.stats.get_misses.fetch_add(1, Ordering::Relaxed);
             return Err(Error::NotFound);
         };
-        if vb.locks.holder(key, now).is_some() {
+        if vb.locks.holder(key, || now).is_some() {
             return Err(Error::LockedTmpFail);
         }
         // A CAS of the vbucket's clock no change carries: unique, and never the item's own.
@@ -134,7 +134,7 @@ impl Engine {
             vb.locks.unlock(key);
             return Err(Error::NotFound);
         }
-        match vb.locks.holder(key, Instant::now()) {
+        match vb.locks.holder(key, Instant::now) {
             None => Err(Error::NotLocked),
             Some(held) if held == cas => {
                 vb.locks.unlock(key);

@@ -157,7 +157,7 @@ pub(super) fn check_cas(
             Ok(())
         };
     };
-    match vb.locks.holder(key, Instant::now()) {
+    match vb.locks.holder(key, Instant::now) {
         Some(lock_cas) if cas == lock_cas => Ok(()),
         Some(_) => Err(Error::Locked),
         None if cas != 0 && m.cas != cas => Err(Error::Exists),

@@ -107,7 +107,17 @@ struct Features {
 /// One connection's protocol state.
 pub struct KvSession {
     ctx: Arc<KvContext>,
-    bucket: Arc<Bucket>,
+    /// The selected bucket behind a handle of the session's own: the hot paths clone it per
+    /// request, and cloning the engine's shared `Arc<Bucket>` from every connection on every
+    /// core would bounce its reference count between the cores.
+    bucket: Arc<Arc<Bucket>>,
+    /// What a NOT_MY_VBUCKET reply carries (see `map_source`), built when the bucket or the
+    /// negotiated features change, for the same reason.
+    map: Arc<MapFn>,
+    /// The users as of `users_generation`, refreshed when the table's generation moves on, so
+    /// that a request reads them without the table's lock.
+    users: Arc<crate::auth::Users>,
+    users_generation: u64,
     features: Features,
     /// The authenticated user, if any.
     user: Option<String>,
@@ -166,6 +176,17 @@ fn required_permission(opcode: u8) -> u8 {
     }
 }
 
+/// A session's source of the cluster map for NOT_MY_VBUCKET replies.
+type MapFn = dyn Fn() -> (Arc<str>, u8) + Send + Sync;
+
+fn map_fn(ctx: &Arc<KvContext>, bucket: &Arc<Bucket>, json: bool) -> Arc<MapFn> {
+    let (ctx, bucket) = (ctx.clone(), bucket.clone());
+    Arc::new(move || {
+        let (_, config) = ctx.clustermap.bucket_config(&ctx.engine, &bucket);
+        (config, if json { DATATYPE_JSON } else { 0 })
+    })
+}
+
 fn durability_of(level: u8) -> Option<Durability> {
     match level {
         1 => Some(Durability::Majority),
@@ -181,9 +202,14 @@ impl KvSession {
             .engine
             .bucket("default")
             .expect("the default bucket always exists");
+        let (users, users_generation) = ctx.users.current_with_generation();
+        let map = map_fn(&ctx, &bucket, false);
         KvSession {
             ctx,
-            bucket,
+            bucket: Arc::new(bucket),
+            map,
+            users,
+            users_generation,
             features: Features::default(),
             user: None,
             scram: None,
@@ -194,11 +220,20 @@ impl KvSession {
     }
 
     /// What a NOT_MY_VBUCKET reply of this session carries: its bucket's cluster map.
-    fn map_source(&self) -> impl Fn() -> (Arc<str>, u8) + Send + Sync + 'static {
-        let (ctx, bucket, json) = (self.ctx.clone(), self.bucket.clone(), self.features.json);
-        move || {
-            let (_, config) = ctx.clustermap.bucket_config(&ctx.engine, &bucket);
-            (config, if json { DATATYPE_JSON } else { 0 })
+    fn map_source(&self) -> Arc<MapFn> {
+        self.map.clone()
+    }
+
+    fn refresh_map(&mut self) {
+        self.map = map_fn(&self.ctx, &self.bucket, self.features.json);
+    }
+
+    /// The users now, read without the table's lock unless a reload happened since the last
+    /// request.
+    fn refresh_users(&mut self) {
+        let generation = self.ctx.users.generation();
+        if generation != self.users_generation {
+            (self.users, self.users_generation) = self.ctx.users.current_with_generation();
         }
     }
 
@@ -310,7 +345,7 @@ impl KvSession {
         Reply {
             out,
             req,
-            map: &map,
+            map: &*map,
         }
         .ok();
     }
@@ -322,7 +357,7 @@ impl KvSession {
         Reply {
             out,
             req,
-            map: &map,
+            map: &*map,
         }
         .error(st, message, self.features.xerror);
     }
@@ -334,7 +369,7 @@ impl KvSession {
 
     /// The selected bucket.
     pub fn bucket(&self) -> Arc<Bucket> {
-        self.bucket.clone()
+        Arc::clone(&self.bucket)
     }
 
     /// Whether this frame is a SASL attempt (SASL_AUTH, SASL_STEP): the caller runs it through
@@ -398,7 +433,7 @@ impl KvSession {
                         Reply {
                             out,
                             req: &req,
-                            map: &map,
+                            map: &*map,
                         }
                         .error(
                             status::DURABILITY_INVALID_LEVEL,
@@ -414,7 +449,7 @@ impl KvSession {
                     Reply {
                         out,
                         req: &req,
-                        map: &map,
+                        map: &*map,
                     }
                     .error(
                         status::UNKNOWN_FRAME_INFO,
@@ -427,7 +462,7 @@ impl KvSession {
                     Reply {
                         out,
                         req: &req,
-                        map: &map,
+                        map: &*map,
                     }
                     .error(
                         status::EINVAL,
@@ -460,7 +495,7 @@ impl KvSession {
                     let mut reply = Reply {
                         out,
                         req: &req,
-                        map: &map,
+                        map: &*map,
                     };
                     reply.error(status::EINVAL, &e.to_string(), self.features.xerror);
                     return Flow::Continue;
@@ -483,11 +518,11 @@ impl KvSession {
         let mut reply = Reply {
             out,
             req,
-            map: &map,
+            map: &*map,
         };
+        self.refresh_users();
         let engine = &self.ctx.engine;
-        let bucket = self.bucket.clone();
-        let users = self.ctx.users.current();
+        let users = &self.users;
         if users.required()
             && !matches!(
                 req.opcode,
@@ -510,7 +545,10 @@ impl KvSession {
             let (target, need) = if req.opcode == op::SELECT_BUCKET {
                 (String::from_utf8_lossy(req.key).into_owned(), 0)
             } else {
-                (bucket.name().to_string(), required_permission(req.opcode))
+                (
+                    self.bucket.name().to_string(),
+                    required_permission(req.opcode),
+                )
             };
             let have = user.permissions(&target);
             if have == 0 || have & need != need {
@@ -526,7 +564,10 @@ impl KvSession {
             }
         }
         match req.opcode {
-            op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => self.sasl(&users, &mut reply),
+            op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => {
+                let users = self.users.clone();
+                self.sasl(&users, &mut reply)
+            }
             op::GET | op::GETQ | op::GETK | op::GETKQ | op::GET_REPLICA => {
                 return self.get(req, &mut reply)
             }
@@ -565,7 +606,8 @@ impl KvSession {
             op::HELLO => self.hello(&mut reply),
             op::SELECT_BUCKET => match engine.bucket(&String::from_utf8_lossy(req.key)) {
                 Ok(b) => {
-                    self.bucket = b;
+                    self.bucket = Arc::new(b);
+                    self.refresh_map();
                     self.selected = true;
                     self.map_rev = 0;
                     reply.ok();
@@ -603,7 +645,7 @@ impl KvSession {
                 let (rev, config) = if self.cluster_level() {
                     map.cluster_config(engine)
                 } else {
-                    map.bucket_config(engine, &bucket)
+                    map.bucket_config(engine, &self.bucket)
                 };
                 self.map_rev = self.map_rev.max(rev);
                 let datatype = self.datatype(DATATYPE_JSON);
@@ -632,7 +674,7 @@ impl KvSession {
                     }
                 }
             }
-            op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &bucket, req.extras) {
+            op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &self.bucket, req.extras) {
                 Ok(value) => reply.send(status::SUCCESS, 0, &[], &[], &value, 0),
                 Err(why) => einval!(reply, xerror, why),
             },
@@ -680,6 +722,7 @@ impl KvSession {
             }
         }
         self.features = f;
+        self.refresh_map();
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
 }

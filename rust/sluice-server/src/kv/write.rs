@@ -59,7 +59,7 @@ impl KvSession {
                         status_for(&e, xerror),
                         &e.to_string(),
                         xerror,
-                        &map,
+                        &*map,
                     );
                     out
                 }

@@ -176,7 +176,7 @@ impl TextSession {
     pub(super) async fn meta_get(&mut self, args: &[&[u8]], out: &mut Vec<u8>) {
         let (word, flags, key) = key_and_flags!(out, args, b"bcfkOqstuvT");
         let touch = token!(out, flags.ttl(b'T'));
-        let engine = self.ctx.engine.clone();
+        let engine = &self.ctx.engine;
         let found = match touch {
             None => engine.get(&self.bucket, &key),
             Some(exp) => match engine.write_touch(&self.bucket, &key, exp, None) {
@@ -263,7 +263,7 @@ impl TextSession {
                 return (end, Flow::Continue);
             }
         };
-        let engine = self.ctx.engine.clone();
+        let engine = &self.ctx.engine;
         let written = match mode {
             b'A' | b'P' => engine
                 .write_concat(&self.bucket, &key, data, mode == b'A', cas, None)
@@ -351,7 +351,7 @@ impl TextSession {
             Some(b"D" | b"d" | b"-") => false,
             Some(_) => return line(out, "CLIENT_ERROR invalid mode for ma M token"),
         };
-        let engine = self.ctx.engine.clone();
+        let engine = &self.ctx.engine;
         let r = match engine.write_arithmetic_touching(
             &self.bucket,
             &key,

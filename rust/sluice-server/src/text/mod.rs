@@ -296,7 +296,7 @@ impl TextSession {
             Ok(None) => return (0, Flow::More),
             Err(took) => return (took, Flow::Continue),
         };
-        let engine = self.ctx.engine.clone();
+        let engine = &self.ctx.engine;
         if verb == StoreVerb::Cas && s.cas == 0 {
             // No item has CAS 0 (the engine would take 0 as "no CAS check" and store).
             let word = match engine.get(&self.bucket, s.key) {
@@ -468,7 +468,7 @@ impl TextSession {
         let Some(delta) = parse::number(delta) else {
             return line(out, "CLIENT_ERROR invalid numeric delta argument");
         };
-        let engine = self.ctx.engine.clone();
+        let engine = &self.ctx.engine;
         let r = match engine.write_arithmetic(
             &self.bucket,
             key,
