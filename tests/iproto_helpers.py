@@ -48,7 +48,7 @@ def user_table(name: str, password: str, buckets: str) -> str:
 
 
 # app may read and write both spaces; guest may read `pairs` only.
-USERS = user_table("app", "secret", '{ users = ["read", "write"], pairs = ["read", "write"] }') + (
+USERS = user_table("app", "secret", '{ users = ["read", "write"], pairs = ["read", "write", "stream"] }') + (
     '[users.guest]\nbuckets = { pairs = ["read"] }\n'
 )
 

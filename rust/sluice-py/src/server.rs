@@ -42,18 +42,18 @@ pub(crate) struct Server {
 /// validated configuration (config.py's `Config.space_list`).
 type SpaceSpec = (String, u32, String, Vec<(String, String, bool)>, Vec<u32>);
 
-fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<sluice_server::config::SpaceConfig> {
+fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<sluice_server::iproto::SpaceConfig> {
     specs
         .into_iter()
         .map(
-            |(name, id, bucket, format, primary_key)| sluice_server::config::SpaceConfig {
+            |(name, id, bucket, format, primary_key)| sluice_server::iproto::SpaceConfig {
                 name,
                 id,
                 bucket,
                 format: format
                     .into_iter()
                     .map(
-                        |(name, field_type, is_nullable)| sluice_server::config::FieldConfig {
+                        |(name, field_type, is_nullable)| sluice_server::iproto::FieldConfig {
                             name,
                             field_type,
                             is_nullable,

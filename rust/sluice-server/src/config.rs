@@ -53,27 +53,5 @@ pub struct ServerConfig {
     /// Tarantool's iproto listener, if any.
     pub iproto_listen: Option<SocketAddr>,
     /// The spaces iproto serves (`[spaces.NAME]`), each in its bucket.
-    pub spaces: Vec<SpaceConfig>,
-}
-
-/// One `[spaces.NAME]` as the configuration check passed it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SpaceConfig {
-    pub name: String,
-    /// 512 or more, unique.
-    pub id: u32,
-    /// The bucket holding its tuples (one space per bucket).
-    pub bucket: String,
-    pub format: Vec<FieldConfig>,
-    /// The primary key's fields, 0-based.
-    pub primary_key: Vec<u32>,
-}
-
-/// One field of a space's format.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldConfig {
-    pub name: String,
-    /// Tarantool's type name (`unsigned`, `string`, ...).
-    pub field_type: String,
-    pub is_nullable: bool,
+    pub spaces: Vec<crate::iproto::SpaceConfig>,
 }

@@ -13,7 +13,7 @@ use sluice_proto::iproto::tuple::{FieldDef, FieldType, KeyPart};
 use sluice_proto::keyorder::compare_keys;
 use sluice_proto::msgpack::{write_array_len, write_bool, write_map_len, write_str, write_uint};
 
-use crate::config::SpaceConfig;
+use super::SpaceConfig;
 
 pub const VCOLLATION: u32 = 277;
 pub const VSPACE: u32 = 281;
