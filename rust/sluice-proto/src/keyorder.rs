@@ -364,7 +364,9 @@ mod tests {
             (M::Bool(x), M::Bool(y)) => x.cmp(y),
             (M::S(x), M::S(y)) => x.as_bytes().cmp(y.as_bytes()),
             (M::B(x), M::B(y)) => x.cmp(y),
-            (M::A(_), M::A(_)) => encode(&[a.clone()]).cmp(&encode(&[b.clone()])),
+            (M::A(_), M::A(_)) => {
+                encode(std::slice::from_ref(a)).cmp(&encode(std::slice::from_ref(b)))
+            }
             _ if class(a) == 2 && class(b) == 2 => num(a).cmp(&num(b)),
             _ => class(a).cmp(&class(b)),
         }
