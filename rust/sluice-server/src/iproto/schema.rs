@@ -76,12 +76,15 @@ impl ViewRow {
     }
 }
 
+/// A format as (field name, type) pairs.
+type Format = &'static [(&'static str, &'static str)];
+
 /// A system view: its name, format, indexes (name, unique, parts as (field, type)) and rows.
 pub struct View {
     pub id: u32,
     pub name: &'static str,
     pub format: &'static [(&'static str, &'static str)],
-    pub indexes: &'static [(&'static str, bool, &'static [(u32, &'static str)])],
+    pub indexes: &'static [IndexDef],
     pub rows: Vec<ViewRow>,
 }
 
@@ -304,12 +307,8 @@ impl Catalog {
 }
 
 fn system_views(spaces: &BTreeMap<u32, Arc<Space>>) -> Vec<View> {
-    let views: [(
-        u32,
-        &'static str,
-        &'static [(&str, &str)],
-        &'static [IndexDef],
-    ); 3] = [
+    type ViewDef = (u32, &'static str, Format, &'static [IndexDef]);
+    let views: [ViewDef; 3] = [
         (
             VCOLLATION,
             "_vcollation",

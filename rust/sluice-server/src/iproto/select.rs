@@ -63,9 +63,9 @@ pub(super) fn canonical_key(key: &[u8]) -> Result<(Vec<u8>, usize), Failure> {
 }
 
 fn write_float(out: &mut Vec<u8>, f: f64) {
-    if f.fract() == 0.0 && f >= 0.0 && f < 18_446_744_073_709_551_616.0 {
+    if f.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&f) {
         write_uint(out, f as u64);
-    } else if f.fract() == 0.0 && f < 0.0 && f >= -9_223_372_036_854_775_808.0 {
+    } else if f.fract() == 0.0 && (-9_223_372_036_854_775_808.0..0.0).contains(&f) {
         write_int(out, f as i64);
     } else {
         write_f64(out, f);

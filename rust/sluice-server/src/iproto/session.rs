@@ -27,7 +27,8 @@ const FLUSH_AT: usize = 1 << 20;
 pub(super) struct Failure {
     pub code: u32,
     pub message: String,
-    pub access: Option<[String; 4]>,
+    /// Boxed: every handler returns a `Result<_, Failure>`, and the common error is small.
+    pub access: Option<Box<[String; 4]>>,
 }
 
 impl Failure {
@@ -49,12 +50,12 @@ impl Failure {
         Failure {
             code: codes::ER_ACCESS_DENIED,
             message: String::new(),
-            access: Some([
+            access: Some(Box::new([
                 access.to_string(),
                 object_type.to_string(),
                 object_name.to_string(),
                 user.to_string(),
-            ]),
+            ])),
         }
     }
 }
@@ -241,7 +242,7 @@ impl Session {
     pub fn fail(&self, out: &mut Vec<u8>, sync: u64, f: Failure) {
         self.ctx.stats.error(f.code);
         let version = self.schema_version();
-        match &f.access {
+        match f.access.as_deref() {
             Some([access_type, object_type, object_name, user]) => {
                 let denied = response::AccessDenied {
                     access_type,
