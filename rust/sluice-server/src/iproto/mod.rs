@@ -99,15 +99,22 @@ pub struct IprotoContext {
     pub started: Instant,
 }
 
-/// The engine's instance id (32 hex digits) written as a UUID.
+/// The engine's instance id (32 hex digits) written as a random (version 4, RFC 4122
+/// variant) UUID. Tarantool's clients parse the greeting's UUID and refuse one whose variant
+/// bits are not NCS, RFC 4122 or Microsoft's ("Invalid greeting"), so the id's digits cannot
+/// be taken as they are.
 pub fn instance_uuid(instance: &str) -> String {
-    let hex: String = instance
-        .chars()
+    let mut hex: Vec<u8> = instance
+        .bytes()
         .filter(|c| c.is_ascii_hexdigit())
-        .chain(std::iter::repeat('0'))
+        .chain(std::iter::repeat(b'0'))
         .take(32)
-        .collect::<String>()
-        .to_ascii_lowercase();
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    hex[12] = b'4';
+    let variant = (hex[16] as char).to_digit(16).expect("a hex digit") & 0x3 | 0x8;
+    hex[16] = char::from_digit(variant, 16).expect("below 16") as u8;
+    let hex = String::from_utf8(hex).expect("hex digits");
     format!(
         "{}-{}-{}-{}-{}",
         &hex[..8],
@@ -261,6 +268,11 @@ mod tests {
         assert_eq!(
             super::instance_uuid("eebdef33efcc4b01be611d02ed76c981"),
             "eebdef33-efcc-4b01-be61-1d02ed76c981"
+        );
+        // Digits that would give a reserved variant (0xf...) or no version are made valid.
+        assert_eq!(
+            super::instance_uuid("d8d2ff28675ef423fed0d8ecbdbfb94a"),
+            "d8d2ff28-675e-4423-bed0-d8ecbdbfb94a"
         );
     }
 }
