@@ -260,7 +260,9 @@ def test_a_write_is_a_change_on_dcp_with_the_encoded_key_and_the_tuple(node):
         for batch in s:
             changes += [(c.op, c.key, c.value) for c in batch]
     # Changes of one key are deduplicated as DCP does: key [2, "b"] streams as its deletion only.
-    assert [(k, v) for op, k, v in changes if v] == [(msgpack.packb([1, "a"]), msgpack.packb([1, "a", [True, None]]))]
+    assert [(k, v) for op, k, v in changes if v] == [
+        (msgpack.packb([1, "a"]), msgpack.packb([1, "a", [True, None]]))
+    ]
     assert [k for _, k, v in changes if not v] == [msgpack.packb([2, "b"])], "the delete streams too"
 
 
