@@ -178,6 +178,9 @@ fn check_select(
         offset,
         limit
     );
+    let all = model_select(model, iterator, key, 0, u32::MAX).len() as u64;
+    let counted = engine.count(&bucket, iterator, key).unwrap();
+    prop_assert_eq!(counted, all, "count of {:?} {:02x?}", iterator, key);
     Ok(())
 }
 

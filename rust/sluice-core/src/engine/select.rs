@@ -207,6 +207,36 @@ impl Engine {
         Ok(out)
     }
 
+    /// How many live items `select` with this iterator and key would return with no limit,
+    /// counted in each vbucket's index without copying an item (Tarantool's `index:count`).
+    pub fn count(&self, bucket: &Bucket, iterator: SelectIterator, key: &[u8]) -> Result<u64> {
+        self.check_open()?;
+        if !bucket.config.ordered_keys {
+            return Err(Error::InvalidArgument(format!(
+                "bucket {:?} keeps no key order (ordered_keys is off): it serves no range reads",
+                bucket.name()
+            )));
+        }
+        let plan = Plan::new(iterator, key);
+        let now = now_secs();
+        let mut total = 0u64;
+        for vbid in 0..bucket.num_vbuckets() {
+            let mut resume = None;
+            loop {
+                let (done, next) = scan_batch(bucket, vbid, &plan, resume, |item| {
+                    let meta = item.meta();
+                    total += u64::from(!meta.deleted && !is_expired(&meta, now));
+                    true
+                });
+                if done || next.is_none() {
+                    break;
+                }
+                resume = next;
+            }
+        }
+        Ok(total)
+    }
+
     /// An EQ or REQ on a whole key by hash lookup: Some(the item, or nothing) when the
     /// bucket's keys all have as many parts as `key` and, like it, exact encodings (so no other
     /// key can match it); None when a scan must decide.
@@ -242,12 +272,36 @@ fn refill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now:
 /// here contributes nothing.
 fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) {
     let batch = wanted.clamp(1, BATCH);
-    let vb = bucket.lock_vbucket(feed.vbid).expect("in range");
+    let items = &mut feed.items;
+    let (done, resume) = scan_batch(bucket, feed.vbid, plan, feed.resume.take(), |item| {
+        if items.len() == batch {
+            return false;
+        }
+        let meta = item.meta();
+        if !meta.deleted && !is_expired(&meta, now) {
+            items.push_back(item.to_item());
+        }
+        true
+    });
+    feed.done = done;
+    feed.resume = resume;
+}
+
+/// One batch of a vbucket's ordered index from `resume` (or the plan's start): `visit` sees
+/// each entry (tombstones and expired items too) until it returns false, the batch has
+/// stepped BATCH_STEPS entries, or the plan's prefix or the index ends. Returns whether the
+/// vbucket has no more for the plan, and where the next batch resumes.
+fn scan_batch(
+    bucket: &Bucket,
+    vbid: u16,
+    plan: &Plan<'_>,
+    resume: Option<Vec<u8>>,
+    mut visit: impl FnMut(crate::item_store::ItemRef<'_>) -> bool,
+) -> (bool, Option<Vec<u8>>) {
+    let vb = bucket.lock_vbucket(vbid).expect("in range");
     if !matches!(vb.state, VbState::Active | VbState::Replica) {
-        feed.done = true;
-        return;
+        return (true, resume);
     }
-    let resume = feed.resume.take();
     let from = resume.as_deref().map_or(plan.start, Seek::Key);
     let mut steps = 0;
     let mut last = Vec::new();
@@ -260,18 +314,14 @@ fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u
                 return false;
             }
         }
-        if feed.items.len() == batch || steps == BATCH_STEPS {
+        if steps == BATCH_STEPS || !visit(item) {
             return false;
         }
         steps += 1;
         last.clear();
         last.extend_from_slice(key);
-        let meta = item.meta();
-        if !meta.deleted && !is_expired(&meta, now) {
-            feed.items.push_back(item.to_item());
-        }
         true
     });
-    feed.done = reached_end || past_prefix;
-    feed.resume = if steps > 0 { Some(last) } else { resume };
+    let resume = if steps > 0 { Some(last) } else { resume };
+    (reached_end || past_prefix, resume)
 }

@@ -233,12 +233,10 @@ impl Session {
             }
         }
         let (key, _) = canonical_key(&key)?;
-        let items = self
-            .ctx
+        self.ctx
             .engine
-            .select(&s.bucket, iterator, &key, 0, u32::MAX)
-            .map_err(|e| super::write::engine_failure(e, &s.name))?;
-        Ok(items.len() as u64)
+            .count(&s.bucket, iterator, &key)
+            .map_err(|e| super::write::engine_failure(e, &s.name))
     }
 }
 
