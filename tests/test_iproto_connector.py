@@ -5,14 +5,15 @@ them, schema by name, threads, restarts, DCP and a read-only replica."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
 import msgpack
 import pytest
 import sluice
-from helpers import Node
-from iproto_helpers import NUM_VBUCKETS, USERS_SPACE, host_port, start_iproto_node
+from helpers import Node, node_config
+from iproto_helpers import NUM_VBUCKETS, SPACES, USERS_SPACE, host_port, start_iproto_node, user_table
 
 tarantool = pytest.importorskip("tarantool")
 from tarantool.const import (  # noqa: E402
@@ -288,3 +289,31 @@ def test_a_replica_serves_tuples_and_refuses_writes(tmp_path):
         if replica is not None:
             assert replica.stop() == 0
         assert active.stop() == 0
+
+
+def test_sighup_gives_new_logins_the_new_users(tmp_path):
+    """Users come from the same table as the memcached front's: a reload changes who may log
+    in over iproto and what guest may do, for the next login."""
+    n = start_iproto_node(tmp_path)
+    try:
+        connect(n).close()
+        users = (
+            user_table("app", "changed", '{ users = ["read"] }')
+            + '[users.guest]\nbuckets = { users = ["read"] }\n'
+        )
+        node_config(tmp_path, "n", SPACES + users)
+        n.proc.send_signal(signal.SIGHUP)
+        n.wait_for("users updated now")
+        probe = connect(n, user=None, password=None)
+        code, _ = error_of(lambda: probe.authenticate("app", "secret"))
+        assert code == 47, "the old password no longer logs in"
+        probe.close()
+        conn = connect(n, password="changed")
+        assert conn.select("users", []).data == []
+        assert error_of(lambda: conn.insert("users", [1, "ada", 36]))[0] == 42, "write taken away"
+        conn.close()
+        guest = connect(n, user=None, password=None)
+        assert guest.select("users", []).data == [], "guest may read users now"
+        guest.close()
+    finally:
+        assert n.stop() == 0, n.log()[-3000:]
