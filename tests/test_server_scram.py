@@ -5,6 +5,7 @@ malformed; what a node without users answers; `sluice user hash` and the configu
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import socket
 import subprocess
@@ -220,10 +221,19 @@ def test_user_hash_output_is_a_working_user(tmp_path):
     r = sluice_cli("user", "hash", stdin="pa ss\n")
     assert r.returncode == 0 and "pa ss" not in r.stdout, r.stderr
     lines = r.stdout.splitlines()
-    assert [line.split(" = ")[0] for line in lines] == ["scram_sha512", "scram_sha256", "scram_sha1"]
+    # The SCRAM keys, then iproto's chap-sha1 hash (sha1(sha1(password)), as Tarantool stores it).
+    assert [line.split(" = ")[0] for line in lines] == [
+        "scram_sha512",
+        "scram_sha256",
+        "scram_sha1",
+        "chap_sha1",
+    ]
     assert all(
-        line.split('"')[1].startswith(line.split(" = ")[0].replace("_", "-") + ":100000:") for line in lines
+        line.split('"')[1].startswith(line.split(" = ")[0].replace("_", "-") + ":100000:")
+        for line in lines[:3]
     )
+    chap = hashlib.sha1(hashlib.sha1(b"pa ss").digest()).hexdigest()
+    assert lines[3] == f'chap_sha1 = "{chap}"'
     cfg = tmp_path / "sluice.toml"
     cfg.write_text("[users.eve]\n" + r.stdout + 'buckets = { default = ["read"] }\n')
     check = sluice_cli("config", "check", str(cfg))
