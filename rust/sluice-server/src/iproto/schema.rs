@@ -297,6 +297,11 @@ impl Catalog {
         self.spaces.get(&id)
     }
 
+    /// Every declared space by id.
+    pub fn spaces(&self) -> impl Iterator<Item = (u32, &Arc<Space>)> {
+        self.spaces.iter().map(|(id, s)| (*id, s))
+    }
+
     pub fn space_by_name(&self, name: &str) -> Option<&Arc<Space>> {
         self.by_name.get(name).and_then(|id| self.spaces.get(id))
     }

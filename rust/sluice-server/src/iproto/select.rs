@@ -85,8 +85,9 @@ impl Session {
         sync: u64,
         out: &mut Vec<u8>,
     ) -> Outcome {
-        let catalog = self.ctx.catalog.clone();
-        if let Some(view) = catalog.view(space_id) {
+        if self.ctx.catalog.view(space_id).is_some() {
+            let catalog = self.ctx.catalog.clone();
+            let view = catalog.view(space_id).expect("just found");
             return self.select_view(view, index_id, limit, offset, iterator, key, sync, out);
         }
         let space = self.space(space_id)?;
@@ -99,7 +100,7 @@ impl Session {
         };
         tuple::check_key(key, &space.parts, false)?;
         let (key, _) = canonical_key(key)?;
-        let version = catalog.schema_version;
+        let version = self.ctx.catalog.schema_version;
         if limit == 0 {
             response::DataWriter::begin(out, sync, version).finish(out);
             return Ok(());
@@ -160,8 +161,8 @@ impl Session {
     }
 
     /// The declared space `id`, or ER_NO_SUCH_SPACE.
-    pub(super) fn space(&self, id: u32) -> Result<std::sync::Arc<super::Space>, Failure> {
-        match self.ctx.catalog.space(id) {
+    pub(super) fn space(&self, id: u32) -> Result<super::session::SpaceHandle, Failure> {
+        match self.spaces.get(&id) {
             Some(s) => Ok(s.clone()),
             None if self.ctx.catalog.view(id).is_some() => Err(Failure::new(
                 codes::ER_UNSUPPORTED,

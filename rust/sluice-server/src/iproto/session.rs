@@ -68,9 +68,21 @@ impl From<sluice_proto::iproto::tuple::TupleError> for Failure {
 
 pub(super) type Outcome = Result<(), Failure>;
 
+/// A declared space behind a handle of the session's own: requests clone it, and cloning the
+/// catalog's shared `Arc<Space>` from every connection on every core would bounce its
+/// reference count between the cores (the memcached front's session does the same).
+#[allow(clippy::redundant_allocation)]
+pub(super) type SpaceHandle = Arc<Arc<Space>>;
+
 /// One connection's state.
 pub(super) struct Session {
     pub ctx: Arc<IprotoContext>,
+    /// The catalog's spaces by id, as this session's handles.
+    pub spaces: std::collections::BTreeMap<u32, SpaceHandle>,
+    /// The users as of `users_generation`, refreshed when a reload moves the generation on,
+    /// so that a request reads them without the table's lock.
+    pub users: Arc<crate::auth::Users>,
+    pub users_generation: u64,
     /// The user AUTH logged in as; None: guest.
     pub user: Option<String>,
     /// This connection's greeting salt (chap-sha1 scrambles against its first 20 bytes).
@@ -89,7 +101,7 @@ impl Session {
     /// The permission bits of this session's user on `bucket`: every one on a node with no
     /// users; guest's (`[users.guest]`, none if absent) before AUTH.
     pub fn permissions(&self, bucket: &str) -> u8 {
-        let users = self.ctx.users.current();
+        let users = &self.users;
         if !users.required() {
             return u8::MAX;
         }
@@ -124,6 +136,10 @@ impl Session {
 
     /// Answers one whole packet; false: close the connection.
     async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>) {
+        let generation = self.ctx.users.generation();
+        if generation != self.users_generation {
+            (self.users, self.users_generation) = self.ctx.users.current_with_generation();
+        }
         let version = self.schema_version();
         let (header, req) = match request::decode(packet) {
             Ok(decoded) => decoded,
@@ -275,8 +291,17 @@ pub(super) async fn run(
     }
     ctx.io.bytes_out.fetch_add(hello.len() as u64, Relaxed);
     let idle = ctx.idle_timeout;
+    let (users, users_generation) = ctx.users.current_with_generation();
+    let spaces = ctx
+        .catalog
+        .spaces()
+        .map(|(id, s)| (id, Arc::new(s.clone())))
+        .collect();
     let mut session = Session {
         ctx: ctx.clone(),
+        spaces,
+        users,
+        users_generation,
         user: None,
         salt,
         peer,

@@ -4,8 +4,6 @@
 //! for a durability level waits for it here, as an async wait, before its reply. A node whose
 //! vbuckets are replicas (`--replica-of`) answers ER_READONLY.
 
-use std::sync::Arc;
-
 use sluice_core::{Error, StoreMode, StoreRequest, Update, Written};
 use sluice_proto::iproto::{codes, response, tuple, update};
 
@@ -92,7 +90,7 @@ impl Session {
             .map_err(|e| engine_failure(e, &space.name))
     }
 
-    fn writable(&self, space_id: u32) -> Result<Arc<Space>, Failure> {
+    fn writable(&self, space_id: u32) -> Result<super::session::SpaceHandle, Failure> {
         let space = self.space(space_id)?;
         self.require(&space, WRITE)?;
         Ok(space)
