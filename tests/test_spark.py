@@ -363,3 +363,126 @@ def test_the_example_pipeline_resumes_after_a_stop_with_no_duplicate_and_no_gap(
     finally:
         replica.stop()
         active.stop()
+
+
+# A space with a field of every type the typed columns decode.
+THINGS = """
+[buckets.things]
+num_vbuckets = 8
+[spaces.things]
+id = 600
+format = [
+  { name = "id", type = "unsigned" },
+  { name = "region", type = "string" },
+  { name = "score", type = "number", is_nullable = true },
+  { name = "delta", type = "integer", is_nullable = true },
+  { name = "ok", type = "boolean", is_nullable = true },
+  { name = "blob", type = "varbinary", is_nullable = true },
+  { name = "tags", type = "array", is_nullable = true },
+  { name = "extra", type = "any", is_nullable = true },
+  { name = "uid", type = "uuid", is_nullable = true },
+]
+primary_key = ["id", "region"]
+"""
+
+
+def test_a_space_reads_as_typed_columns(spark, tmp_path):
+    """.option("space", ...): one column per field of the format, from tuples written by the
+    tarantool connector; a deletion carries its primary key; the space's bucket is found by
+    the driver (STAT spaces)."""
+    import decimal
+    import uuid
+
+    import tarantool
+    from iproto_helpers import host_port, user_table
+    from sluice.kv import KvConnection
+
+    users = user_table("app", "secret", '{ things = ["read", "write", "stream"] }')
+    users += user_table("other", "secret", '{ default = ["read"] }')
+    node = start_node(tmp_path, "t", extra=THINGS + users)
+    try:
+        host, port = host_port(node.iproto)
+        conn = tarantool.Connection(host, port, user="app", password="secret")
+        uid = uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e")
+        expected = {}
+        for i in range(300):
+            t = [i, "eu" if i % 2 else "us", i / 4, -i, i % 3 == 0, bytes([i % 256, 0]), [i, "x"], {"n": i}]
+            if i % 10 == 0:  # a decimal in an `any` field reads as its text
+                t[7] = decimal.Decimal("-12.50")
+                t.append(uid)
+            conn.replace("things", t)
+            expected[(i, t[1])] = t
+        conn.delete("things", [7, "eu"])
+        conn.insert("things", [1000, "ap"])  # only the required fields
+        conn.close()
+
+        df = (
+            spark.read.format("sluice")
+            .option("nodes", node.address)
+            .option("space", "things")
+            .option("user", "app")
+            .option("password", "secret")
+            .load()
+        )
+        assert df.columns == [
+            "id", "region", "score", "delta", "ok", "blob", "tags", "extra", "uid",
+            "_op", "_vbucket", "_seqno", "_cas",
+        ]  # fmt: skip
+        types = dict(df.dtypes)
+        assert (types["id"], types["score"], types["ok"], types["blob"], types["tags"]) == (
+            "bigint", "double", "boolean", "binary", "string",
+        )  # fmt: skip
+        rows = {(r.id, r.region): r for r in df.collect()}
+        assert len(rows) == 301
+        deleted = rows.pop((7, "eu"))
+        assert deleted._op == "deletion"
+        assert (deleted.score, deleted.tags, deleted.ok) == (None, None, None)
+        bare = rows.pop((1000, "ap"))
+        assert bare._op == "mutation" and bare.score is None and bare.extra is None
+        del expected[(7, "eu")]
+        for key, t in expected.items():
+            r = rows[key]
+            assert r._op == "mutation" and r._seqno > 0
+            assert (r.score, r.delta, r.ok, bytes(r.blob)) == (t[2], t[3], t[4], t[5])
+            assert r.tags == f'[{t[0]},"x"]'
+            if key[0] % 10 == 0:
+                assert (r.extra, r.uid) == ('"-12.50"', str(uid))
+            else:
+                assert (r.extra, r.uid) == (f'{{"n":{t[0]}}}', None)
+        # Spark computes on the typed columns.
+        live = df.where(F.col("_op") == "mutation")
+        agg = live.agg(F.sum("delta").alias("d"), F.max("score").alias("s")).first()
+        assert (agg.d, agg.s) == (-sum(k[0] for k in expected), 299 / 4)
+
+        # A streaming query of the space reads the same rows.
+        query = (
+            spark.readStream.format("sluice")
+            .option("nodes", node.address)
+            .option("space", "things")
+            .option("startingOffsets", "earliest")
+            .option("user", "app")
+            .option("password", "secret")
+            .load()
+            .writeStream.format("memory")
+            .queryName("things")
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        streamed = spark.sql("SELECT id, region, delta, _op FROM things").collect()
+        assert {(r.id, r.region, r.delta, r._op) for r in streamed} == {
+            (k[0], k[1], r.delta, r._op) for k, r in rows.items()
+        } | {(7, "eu", None, "deletion"), (1000, "ap", None, "mutation")}
+
+        # The node lists only the spaces a user may read.
+        assert set(KvConnection(node.address, None, "app", "secret", 5).stats("spaces")) == {"space:things"}
+        assert KvConnection(node.address, None, "other", "secret", 5).stats("spaces") == {}
+        # Spark wraps the source's error in its own (AnalysisException).
+        with pytest.raises(Exception, match="no space 'things' that user other may read"):
+            spark.read.format("sluice").option("nodes", node.address).option("space", "things").option(
+                "user", "other"
+            ).option("password", "secret").load()
+        with pytest.raises(OptionError, match="give space or bucket"):
+            parse({"space": "things", "bucket": "things"}, streaming=False)
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]

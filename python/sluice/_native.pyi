@@ -35,9 +35,10 @@ __all__ = [
     "WalFailedError",
     "__version__",
     "bench",
+    "msgpack_json",
     "tap_drain",
+    "tuple_columns",
     "vbucket_of",
-    "msgpack_decode",
     "vbucket_positions",
     "wal_dump",
 ]
@@ -384,7 +385,10 @@ def vbucket_positions(
 ) -> list[tuple[int, int, list[tuple[int, int]]]]: ...
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...
-def msgpack_decode(data: bytes) -> object: ...
+def msgpack_json(data: bytes) -> str: ...
+def tuple_columns(
+    batch: RawBatch, kinds: list[str], primary_key: list[int], include_deletes: bool
+) -> dict[str, Any]: ...
 def tap_drain(
     target: str,
     *,

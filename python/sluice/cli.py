@@ -531,25 +531,11 @@ def _text_or_base64(name: str, data: bytes, row: dict) -> None:
 
 def _tuple_json(data: bytes) -> object:
     """A MessagePack value (an iproto tuple or key) as JSON-able objects: bytes (a varbinary, a
-    string that is not UTF-8) become {"base64": ...}, an extension {"ext": type, "base64": ...},
-    a map key that is not a string its JSON text."""
-    import base64
+    string that is not UTF-8) become {"base64": ...}, a UUID or decimal its text, another
+    extension {"ext": type, "base64": ...}, a map key that is not a string its JSON text."""
     import json
 
-    def plain(v: object) -> object:
-        if isinstance(v, bytes):
-            return {"base64": base64.b64encode(v).decode("ascii")}
-        if isinstance(v, list):
-            return [plain(x) for x in v]
-        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], bytes):
-            return {"ext": v[0], "base64": base64.b64encode(v[1]).decode("ascii")}
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k if isinstance(k, str) else json.dumps(plain(k)): plain(x) for k, x in v.items()}
-        return v
-
-    return plain(_native.msgpack_decode(data))
+    return json.loads(_native.msgpack_json(data))
 
 
 class _BackfillProgress:

@@ -34,7 +34,7 @@ from sluice._native import (
 REQUEST, ALT_REQUEST = 0x80, 0x08
 RESPONSE = 0x81
 HEADER = struct.Struct(">BBHBBHIIQ")  # magic opcode keylen extlen datatype vbucket|status bodylen opaque cas
-GET, SET, ADD, DELETE, HELLO, SASL_AUTH, SELECT_BUCKET = 0x00, 0x01, 0x02, 0x04, 0x1F, 0x21, 0x89
+GET, SET, ADD, DELETE, STAT, HELLO, SASL_AUTH, SELECT_BUCKET = 0x00, 0x01, 0x02, 0x04, 0x10, 0x1F, 0x21, 0x89
 FEATURE_XERROR, FEATURE_SELECT_BUCKET, FEATURE_MUTATION_SEQNO = 0x07, 0x08, 0x04
 FRAME_DURABILITY = 0x01
 
@@ -71,12 +71,13 @@ class Item(NamedTuple):
 
 
 class KvConnection:
-    """One connection to a node's KV port; requests are sent one at a time (a lock)."""
+    """One connection to a node's KV port; requests are sent one at a time (a lock). With
+    ``bucket`` None no bucket is selected (STAT spaces needs none)."""
 
     def __init__(
         self,
         address: str,
-        bucket: str,
+        bucket: str | None,
         username: str | None,
         password: str | None,
         timeout: float,
@@ -93,7 +94,8 @@ class KvConnection:
             if username is not None:
                 plain = b"\0" + username.encode() + b"\0" + (password or "").encode()
                 self.request(SASL_AUTH, key=b"PLAIN", value=plain)
-            self.request(SELECT_BUCKET, key=bucket.encode())
+            if bucket is not None:
+                self.request(SELECT_BUCKET, key=bucket.encode())
         except BaseException:
             self._sock.close()
             raise
@@ -151,6 +153,30 @@ class KvConnection:
             why = _message(rvalue) or f"status {status:#x}"
             raise _ERRORS.get(status, SluiceError)(f"{self.address}: {why}")
         return rextras, rvalue, rcas
+
+    def stats(self, group: str = "") -> dict[str, str]:
+        """A STAT group as {name: value}: the node answers one reply per statistic and an
+        empty one at the end."""
+        key = group.encode()
+        head = HEADER.pack(REQUEST, STAT, len(key), 0, 0, 0, len(key), 0, 0)
+        out: dict[str, str] = {}
+        with self._lock:
+            self._sock.settimeout(self.timeout)
+            self._sock.sendall(head + key)
+            while True:
+                magic, _, keylen, extlen, _, status, bodylen, _, _ = HEADER.unpack(self._read(HEADER.size))
+                payload = self._read(bodylen)
+                if magic != RESPONSE:
+                    raise SluiceError(
+                        f"{self.address} answered with magic {magic:#x}: not a memcached binary server"
+                    )
+                if status:
+                    why = _message(payload[extlen + keylen :]) or f"status {status:#x}"
+                    raise _ERRORS.get(status, SluiceError)(f"{self.address}: {why}")
+                if not keylen:
+                    return out
+                name = payload[extlen : extlen + keylen].decode(errors="replace")
+                out[name] = payload[extlen + keylen :].decode(errors="replace")
 
     def _read(self, n: int) -> bytes:
         buf = bytearray()

@@ -9,7 +9,8 @@ changes, preferably from a replica.
     sluice.spark.register(spark)
     df = spark.read.format("sluice").option("nodes", "10.0.0.2:11210").load()
 
-Rows have the fixed schema :data:`SCHEMA`. They reach Spark as Arrow record batches whose
+Rows have the fixed schema :data:`SCHEMA`, or with ``.option("space", NAME)`` one typed column
+per field of an iproto space (:mod:`sluice.spark.space`). They reach Spark as Arrow record batches whose
 columns the native module builds; each Spark task opens its own DCP connection. The package and
 its native module must be installed (``pip install 'sluice-kv[spark]'``) on the driver and on
 every executor, for the interpreter Spark's Python workers run (``PYSPARK_PYTHON``). Options are
@@ -18,6 +19,7 @@ documented in docs/spark.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -42,9 +44,10 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from sluice._native import RawBatch, SluiceError
-from sluice.spark import planning
+from sluice.spark import planning, space
 from sluice.spark.options import OptionError, Options, parse
 from sluice.spark.planning import DataLossError, Position, VbucketRange
+from sluice.spark.space import SpaceSchema
 
 __all__ = [
     "SCHEMA",
@@ -136,9 +139,15 @@ class SluicePartition(InputPartition):
     ranges: tuple[VbucketRange, ...]
 
 
-def read_partition(opts: Options, part: SluicePartition) -> Iterator[Any]:
-    """Streams the partition's ranges on a connection of its own, as Arrow record batches."""
+def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | None) -> Iterator[Any]:
+    """Streams the partition's ranges on a connection of its own, as Arrow record batches (of
+    the space's columns when ``tuples`` is given)."""
     from sluice.client import Client
+
+    if tuples is None:
+        convert = lambda raw: record_batch(raw, opts.include_deletes)  # noqa: E731
+    else:
+        convert = lambda raw: space.record_batch(raw, tuples, opts.include_deletes)  # noqa: E731
 
     ranges = [r for r in part.ranges if r.end > r.start]
     if not ranges:
@@ -174,7 +183,7 @@ def read_partition(opts: Options, part: SluicePartition) -> Iterator[Any]:
         state=state,
         end={r.vbucket: r.end for r in ranges},
         rollback=rollback,
-        format=lambda raw: record_batch(raw, opts.include_deletes),
+        format=convert,
         setup_timeout=opts.timeout,
     ) as stream:
         for batch in stream:
@@ -209,8 +218,9 @@ class SluiceBatchReader(DataSourceReader):
     """One snapshot per vbucket: its changes from startingOffsets up to its high seqno at
     planning time (or endingOffsets); a key overwritten after planning shows only later."""
 
-    def __init__(self, opts: Options) -> None:
+    def __init__(self, opts: Options, tuples: SpaceSchema | None) -> None:
         self.opts = opts
+        self.tuples = tuples
 
     def partitions(self) -> list[SluicePartition]:
         sources = planning.locate(self.opts)
@@ -228,14 +238,15 @@ class SluiceBatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SluicePartition)
-        return read_partition(self.opts, partition)
+        return read_partition(self.opts, partition, self.tuples)
 
 
 class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of changes between offsets that hold (uuid, seqno) per vbucket."""
 
-    def __init__(self, opts: Options) -> None:
+    def __init__(self, opts: Options, tuples: SpaceSchema | None) -> None:
         self.opts = opts
+        self.tuples = tuples
         # Planning state on the driver's long-lived planner process.
         self._target: dict[int, int] | None = None  # Trigger.AvailableNow: stop here
         self._sources: dict[int, planning.VbucketSource] = {}
@@ -290,7 +301,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SluicePartition)
-        return read_partition(self.opts, partition)
+        return read_partition(self.opts, partition, self.tuples)
 
     def commit(self, end: dict) -> None:
         """Nothing to release: the node keeps no state for the query."""
@@ -321,16 +332,46 @@ class SluiceDataSource(DataSource):
     def name(cls) -> str:
         return "sluice"
 
-    def schema(self) -> str:
-        return SCHEMA
+    def _space(self) -> SpaceSchema | None:
+        """The space the ``space`` option names, asked of the nodes once."""
+        if not hasattr(self, "_described"):
+            # The options a batch or a stream alone takes are checked by reader() and
+            # streamReader(); the space needs only the nodes and the login.
+            common = {k: v for k, v in self.options.items() if k.lower() not in _MODE_OPTIONS}
+            opts = parse(common, streaming=False)
+            self._described = space.describe(opts) if opts.space is not None else None
+        return self._described
+
+    def _options(self, streaming: bool) -> tuple[Options, SpaceSchema | None]:
+        opts = parse(self.options, streaming=streaming)
+        tuples = self._space()
+        if tuples is not None:
+            opts = dataclasses.replace(opts, bucket=tuples.bucket)
+        return opts, tuples
+
+    def schema(self) -> StructType:
+        tuples = self._space()
+        return spark_schema() if tuples is None else space.spark_schema(tuples)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        _check_schema(schema)
-        return SluiceBatchReader(parse(self.options, streaming=False))
+        self._check_schema(schema)
+        return SluiceBatchReader(*self._options(streaming=False))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        _check_schema(schema)
-        return SluiceStreamReader(parse(self.options, streaming=True))
+        self._check_schema(schema)
+        return SluiceStreamReader(*self._options(streaming=True))
+
+    def _check_schema(self, schema: StructType) -> None:
+        if schema == self.schema():
+            return
+        if self._space() is None:
+            raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
+        raise OptionError(
+            "schema", "a space's columns are its format's fields, then _op, _vbucket, _seqno, _cas"
+        )
+
+
+_MODE_OPTIONS = ("endingoffsets", "maxrecordsperbatch")
 
 
 def spark_schema() -> StructType:
@@ -340,11 +381,6 @@ def spark_schema() -> StructType:
     types = {"INT": IntegerType(), "BIGINT": LongType(), "STRING": StringType(), "BINARY": BinaryType()}
     fields = [f.split() for f in SCHEMA.split(",")]
     return StructType([StructField(name, types[typ], True) for name, typ in fields])
-
-
-def _check_schema(schema: StructType) -> None:
-    if schema != spark_schema():
-        raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
 
 
 def use_this_python() -> None:

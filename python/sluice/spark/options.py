@@ -39,6 +39,7 @@ class Offsets:
 class Options:
     nodes: tuple[str, ...]
     bucket: str
+    space: str | None  # an iproto space: its bucket, read as typed columns (sluice.spark.space)
     vbuckets: tuple[int, ...] | None  # None: every vbucket
     prefer_replica: bool
     starting_offsets: Offsets
@@ -148,6 +149,7 @@ def _offsets(name: str, text: str, allowed: tuple[str, ...]) -> Offsets:
 _NAMES = (
     "nodes",
     "bucket",
+    "space",
     "vbuckets",
     "preferReplica",
     "startingOffsets",
@@ -186,6 +188,12 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
     ending = None
     if not streaming:
         ending = get("endingoffsets", lambda n, t: _offsets(n, t, ("latest",)), Offsets("latest"))
+    space = opts.get("space")
+    if space is not None:
+        if not space.strip():
+            raise OptionError("space", "must name a space")
+        if "bucket" in opts:
+            raise OptionError("bucket", "a space is read from its own bucket: give space or bucket, not both")
     user = opts.get("user")
     password = opts.get("password")
     if (user is None) != (password is None):
@@ -193,6 +201,7 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
     return Options(
         nodes=get("nodes", _nodes, ("127.0.0.1:11210",)),
         bucket=opts.get("bucket", "default") or "default",
+        space=space.strip() if space is not None else None,
         vbuckets=get("vbuckets", _vbuckets, None),
         prefer_replica=get("preferreplica", _bool, True),
         starting_offsets=starting,

@@ -1,6 +1,6 @@
 //! Wire codecs for sluice: pure functions over bytes, no I/O, so every decoder can be fuzzed.
 //!
-//! `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and iproto;
+//! `base64` is RFC 4648's (SCRAM, HTTP Basic, the iproto greeting's salt); `msgpack` holds the primitives shared by the WAL row codec (sluice-core) and iproto;
 //! `mcbp` is the memcached binary protocol frame (KV, DCP and TAP); `dcp` and `tap` the change
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
 //! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
@@ -9,6 +9,7 @@
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
 
+pub mod base64;
 pub mod dcp;
 pub mod errormap;
 pub mod iproto;

@@ -30,7 +30,7 @@ fn bytes_of<'py, T: bytemuck::Pod>(py: Python<'py>, v: &[T]) -> Bound<'py, PyByt
     PyBytes::new(py, bytemuck::cast_slice(v))
 }
 
-const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
+pub(crate) const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
 
 /// An Arrow string column being built: int32 offsets and the UTF-8 bytes.
 struct Utf8Column {
@@ -56,6 +56,12 @@ impl Utf8Column {
     fn put(&self, py: Python<'_>, d: &Bound<'_, PyDict>, name: &str) -> PyResult<()> {
         d.set_item(format!("{name}_offsets"), bytes_of(py, &self.offsets))?;
         d.set_item(format!("{name}_data"), PyBytes::new(py, &self.data))
+    }
+}
+
+impl RawBatch {
+    pub(crate) fn columns(&self) -> &Batch {
+        &self.batch
     }
 }
 

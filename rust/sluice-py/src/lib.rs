@@ -2,7 +2,8 @@
 //! `errors` (the exception hierarchy), `settings` (the configuration objects), `defaults` (the
 //! Rust defaults of the configuration keys, which config.py reads), `items` (what engine calls
 //! return), `engine` (the embedded engine), `server` (the network server), `dcp` (the DCP
-//! consumer), `policy` (the policy plugins' questions), `tools` (WAL dump, benchmark drivers).
+//! consumer), `tuples` (a space's tuples as typed columns), `policy` (the policy plugins'
+//! questions), `tools` (WAL dump, benchmark drivers).
 //! Every call that can block (disk, network, durability waits) releases the GIL.
 //!
 //! May depend on every other crate of the workspace; none depends on it.
@@ -16,6 +17,7 @@ mod policy;
 mod server;
 mod settings;
 mod tools;
+mod tuples;
 
 use pyo3::prelude::*;
 
@@ -42,7 +44,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
-    m.add_function(wrap_pyfunction!(tools::msgpack_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::msgpack_json, m)?)?;
+    m.add_function(wrap_pyfunction!(tuples::tuple_columns, m)?)?;
     errors::register(m)?;
     m.add("DEFAULTS", defaults::defaults(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -191,68 +191,21 @@ pub(crate) fn vbucket_of(key: &[u8], num_vbuckets: u16) -> PyResult<u16> {
     Ok(sluice_core::hash::vbucket_of(key, num_vbuckets))
 }
 
-/// One MessagePack value (an iproto tuple or key, as a space's bucket stores them) as Python
-/// objects: nil None, booleans, integers, floats, strings str (bytes when not UTF-8), binary
-/// bytes, arrays lists, maps dicts (array keys become tuples), an extension `(type, bytes)`.
+/// One MessagePack value (an iproto tuple or key, as a space's bucket stores them) as JSON
+/// text (`sluice_proto::iproto::json`: bytes as {"base64": ...}, UUIDs and decimals as text).
 /// ValueError when `data` is not exactly one value or nests deeper than iproto allows.
 #[pyfunction]
-pub(crate) fn msgpack_decode<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn msgpack_json(data: &[u8]) -> PyResult<String> {
     use sluice_proto::msgpack::Reader;
     let mut r = Reader::new(data);
-    let v = msgpack_value(py, &mut r, sluice_proto::iproto::MAX_DEPTH)?;
+    let mut out = String::new();
+    sluice_proto::iproto::json::write_json(&mut r, &mut out, sluice_proto::iproto::MAX_DEPTH)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("not MessagePack: {e}")))?;
     if !r.is_empty() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
             "{} bytes after the MessagePack value",
             r.rest().len()
         )));
     }
-    Ok(v)
-}
-
-fn msgpack_value<'py>(
-    py: Python<'py>,
-    r: &mut sluice_proto::msgpack::Reader<'_>,
-    depth: usize,
-) -> PyResult<Bound<'py, PyAny>> {
-    use pyo3::types::{PyBytes, PyList, PyTuple};
-    use pyo3::IntoPyObjectExt;
-    use sluice_proto::msgpack::Value;
-    let bad = |e: sluice_proto::msgpack::DecodeError| {
-        pyo3::exceptions::PyValueError::new_err(format!("not MessagePack: {e}"))
-    };
-    let too_deep = || pyo3::exceptions::PyValueError::new_err("MessagePack nested too deep");
-    Ok(match r.read_value().map_err(bad)? {
-        Value::Nil => py.None().into_bound(py),
-        Value::Bool(b) => b.into_bound_py_any(py)?,
-        Value::UInt(n) => n.into_bound_py_any(py)?,
-        Value::Int(n) => n.into_bound_py_any(py)?,
-        Value::F32(f) => (f as f64).into_bound_py_any(py)?,
-        Value::F64(f) => f.into_bound_py_any(py)?,
-        Value::Str(s) => match std::str::from_utf8(s) {
-            Ok(s) => s.into_bound_py_any(py)?,
-            Err(_) => PyBytes::new(py, s).into_any(),
-        },
-        Value::Bin(b) => PyBytes::new(py, b).into_any(),
-        Value::Ext(t, b) => (t, PyBytes::new(py, b)).into_bound_py_any(py)?,
-        Value::Array(n) => {
-            let depth = depth.checked_sub(1).ok_or_else(too_deep)?;
-            let list = PyList::empty(py);
-            for _ in 0..n {
-                list.append(msgpack_value(py, r, depth)?)?;
-            }
-            list.into_any()
-        }
-        Value::Map(n) => {
-            let depth = depth.checked_sub(1).ok_or_else(too_deep)?;
-            let dict = PyDict::new(py);
-            for _ in 0..n {
-                let mut k = msgpack_value(py, r, depth)?;
-                if let Ok(list) = k.cast::<PyList>() {
-                    k = PyTuple::new(py, list.iter())?.into_any();
-                }
-                dict.set_item(k, msgpack_value(py, r, depth)?)?;
-            }
-            dict.into_any()
-        }
-    })
+    Ok(out)
 }

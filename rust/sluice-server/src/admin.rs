@@ -271,7 +271,7 @@ impl Admin {
             return Err(Refusal::BadCredentials);
         }
         let decoded =
-            crate::base64::decode(credentials.as_bytes()).ok_or(Refusal::BadCredentials)?;
+            sluice_proto::base64::decode(credentials.as_bytes()).ok_or(Refusal::BadCredentials)?;
         let (name, password) = std::str::from_utf8(&decoded)
             .ok()
             .and_then(|t| t.split_once(':'))

@@ -706,7 +706,10 @@ mod tests {
         let tail = |s: &str| s.split_once(",s=").unwrap().1.to_string();
         assert_eq!(
             tail(&known),
-            format!("{},i=1000", crate::base64::encode(b"0123456789abcdef"))
+            format!(
+                "{},i=1000",
+                sluice_proto::base64::encode(b"0123456789abcdef")
+            )
         );
         assert!(unknown.contains(",i=1000"), "{unknown}");
         assert_eq!(

@@ -14,7 +14,6 @@
 
 pub mod admin;
 pub mod auth;
-pub mod base64;
 pub mod clustermap;
 pub mod config;
 pub mod connection;
@@ -29,6 +28,7 @@ pub mod ratelimit;
 pub mod replica;
 pub mod scram;
 pub mod server;
+pub mod space;
 pub mod stats;
 pub mod stream;
 pub mod tap;

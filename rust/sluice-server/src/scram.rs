@@ -14,7 +14,7 @@ use std::sync::LazyLock;
 
 use ring::{digest, hmac, pbkdf2};
 
-use crate::base64;
+use sluice_proto::base64;
 
 /// A SCRAM mechanism by its hash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

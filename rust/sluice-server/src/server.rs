@@ -138,6 +138,7 @@ impl Server {
             started: std::time::Instant::now(),
             tap_applied: Default::default(),
             clustermap: clustermap.clone(),
+            spaces: Arc::from(config.spaces.clone()),
         });
         let dcp = Arc::new(DcpContext {
             engine: engine.clone(),

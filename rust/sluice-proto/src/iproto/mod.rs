@@ -6,7 +6,7 @@
 //! `request` decodes a packet into a header and a typed request, with Tarantool's error codes
 //! and texts for what it refuses; `response` writes answers byte for byte as Tarantool does;
 //! `greeting` is the 128-byte text a server sends first; `tuple` checks tuples against a space
-//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations; `client`
+//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations; `json` prints tuples as JSON; `client`
 //! writes requests and reads answers, for a client of a Tarantool or a sluice.
 //!
 //! Every decoder checks a length against the bytes that remain before it slices or allocates,
@@ -17,6 +17,7 @@ pub mod client;
 pub mod codes;
 pub mod frame;
 pub mod greeting;
+pub mod json;
 pub mod request;
 pub mod response;
 pub mod tuple;
@@ -26,6 +27,10 @@ pub mod update;
 /// operation's argument). Tarantool itself has no limit; 128 levels is beyond any real tuple and
 /// keeps a hostile packet from costing more than a few kilobytes of bookkeeping.
 pub const MAX_DEPTH: usize = 128;
+
+/// The MessagePack extension types Tarantool defines for field values.
+pub const EXT_DECIMAL: i8 = 1;
+pub const EXT_UUID: i8 = 2;
 
 /// The largest packet (header and body, length prefix excluded) a server should accept by
 /// default. Tarantool allows 2 GiB; a front passes its own bound to [`frame::check`].

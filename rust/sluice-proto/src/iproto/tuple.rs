@@ -5,7 +5,7 @@
 use std::fmt;
 
 use super::codes;
-use super::{mp_type, MpType, MAX_DEPTH};
+use super::{mp_type, MpType, EXT_DECIMAL, EXT_UUID, MAX_DEPTH};
 use crate::msgpack::{write_array_len, Reader, Value};
 
 /// A refusal in Tarantool's words.
@@ -53,10 +53,6 @@ pub enum FieldType {
     Array,
     Map,
 }
-
-/// MessagePack extension types Tarantool defines.
-const EXT_DECIMAL: i8 = 1;
-const EXT_UUID: i8 = 2;
 
 impl FieldType {
     const ALL: [FieldType; 13] = [

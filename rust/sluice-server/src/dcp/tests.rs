@@ -67,6 +67,7 @@ fn a_handed_over_connection_streams_a_vbucket_from_seqno_zero() {
             "127.0.0.1:11210".parse().unwrap(),
             None,
         )),
+        spaces: Arc::from([]),
     });
     let dcp = Arc::new(DcpContext {
         engine: engine.clone(),

@@ -17,27 +17,7 @@ mod select;
 mod session;
 mod write;
 
-/// One `[spaces.NAME]` as the configuration check passed it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SpaceConfig {
-    pub name: String,
-    /// 512 or more, unique.
-    pub id: u32,
-    /// The bucket holding its tuples (one space per bucket).
-    pub bucket: String,
-    pub format: Vec<FieldConfig>,
-    /// The primary key's fields, 0-based.
-    pub primary_key: Vec<u32>,
-}
-
-/// One field of a space's format.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldConfig {
-    pub name: String,
-    /// Tarantool's type name (`unsigned`, `string`, ...).
-    pub field_type: String,
-    pub is_nullable: bool,
-}
+pub use crate::space::{FieldConfig, SpaceConfig};
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

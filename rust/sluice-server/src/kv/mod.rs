@@ -89,6 +89,9 @@ pub struct KvContext {
     pub tap_applied: std::sync::atomic::AtomicU64,
     /// The cluster map clients bootstrap from (GET_CLUSTER_CONFIG, NOT_MY_VBUCKET bodies).
     pub clustermap: Arc<ClusterMap>,
+    /// The configured spaces, which `STAT spaces` describes (their buckets are ordinary ones
+    /// here; the iproto front serves them as spaces).
+    pub spaces: Arc<[crate::space::SpaceConfig]>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -544,6 +547,9 @@ impl KvSession {
                 reply.error(status::AUTH_ERROR, "authenticate first (SASL)", xerror);
                 return Flow::Continue;
             };
+            // `STAT spaces` lists only the spaces whose buckets the user may read, whatever
+            // bucket is selected: a reader learns a space's bucket from it.
+            let spaces_stat = req.opcode == op::STAT && req.key == b"spaces";
             let (target, need) = if req.opcode == op::SELECT_BUCKET {
                 (String::from_utf8_lossy(req.key).into_owned(), 0)
             } else {
@@ -553,7 +559,7 @@ impl KvSession {
                 )
             };
             let have = user.permissions(&target);
-            if have == 0 || have & need != need {
+            if !spaces_stat && (have == 0 || have & need != need) {
                 reply.error(
                     status::EACCESS,
                     &format!(

@@ -1,4 +1,5 @@
-//! STAT: the default group (memcached's names) and vbucket-seqno (Couchbase's).
+//! STAT: the default group (memcached's names), vbucket-seqno (Couchbase's) and spaces
+//! (the configured iproto spaces a user may read).
 
 use super::reply::Reply;
 use super::{KvContext, KvSession};
@@ -32,15 +33,33 @@ impl KvSession {
         reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
     }
 
+    /// STAT spaces: per configured space whose bucket the user may read, `space:NAME` with
+    /// the space as JSON (`SpaceConfig::describe`).
+    pub(super) fn stat_spaces(&self, reply: &mut Reply<'_>) {
+        let users = self.ctx.users.current();
+        let user = self.user.as_deref().and_then(|n| users.get(n));
+        for space in self.ctx.spaces.iter() {
+            let readable = !users.required()
+                || user.is_some_and(|u| u.permissions(&space.bucket) & crate::auth::READ != 0);
+            if readable {
+                let key = format!("space:{}", space.name);
+                let value = space.describe().to_string();
+                reply.send(status::SUCCESS, 0, &[], key.as_bytes(), value.as_bytes(), 0);
+            }
+        }
+        reply.send(status::SUCCESS, 0, &[], &[], &[], 0);
+    }
+
     /// The default STAT group: one reply per statistic, then an empty one that ends the list.
     pub(super) fn stat(&self, reply: &mut Reply<'_>) {
         match reply.req.key {
             b"" => {}
             b"vbucket-seqno" => return self.stat_vbucket_seqno(reply),
+            b"spaces" => return self.stat_spaces(reply),
             _ => {
                 reply.error(
                     status::KEY_ENOENT,
-                    "STAT groups: the default one and vbucket-seqno",
+                    "STAT groups: the default one, vbucket-seqno and spaces",
                     self.features.xerror,
                 );
                 return;

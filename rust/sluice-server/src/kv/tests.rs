@@ -36,6 +36,7 @@ fn context(dir: &std::path::Path, users: Users) -> Arc<KvContext> {
             "127.0.0.1:11210".parse().unwrap(),
             None,
         )),
+        spaces: Arc::from([]),
     })
 }
 

@@ -140,7 +140,7 @@ fn meta_key<'a>(word: &'a [u8], flags: &Flags<'_>) -> Result<Cow<'a, [u8]>, &'st
 /// Standard base64 with padding, as memcached's `b` flag: None for anything else (an empty
 /// key too).
 fn base64_decode(s: &[u8]) -> Option<Vec<u8>> {
-    crate::base64::decode(s).filter(|k| !k.is_empty())
+    sluice_proto::base64::decode(s).filter(|k| !k.is_empty())
 }
 
 /// A key and flags, or the error line that refuses them.

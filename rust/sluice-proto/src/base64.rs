@@ -1,6 +1,6 @@
 //! RFC 4648 base64 with padding, without a dependency: HTTP Basic credentials on the admin
-//! endpoint, base64 keys of memcached's meta commands (`b`), and SCRAM's salts, proofs and
-//! signatures.
+//! endpoint, base64 keys of memcached's meta commands (`b`), SCRAM's salts, proofs and
+//! signatures, the iproto greeting's salt, and bytes in the JSON of tuples.
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
