@@ -1,6 +1,7 @@
-"""iproto on the wire, with raw sockets: the greeting's bytes, pipelined packets answered in
-order with SYNC echoed, IPROTO_ID, SCHEMA_VERSION checks, and malformed packets (an error reply
-or a closed connection, the server serving others meanwhile)."""
+"""iproto on the wire, with raw sockets: the greeting's bytes, pipelined packets answered with
+SYNC echoed (reads before the writes ahead of them, as Tarantool 2.6 does), IPROTO_ID,
+SCHEMA_VERSION checks, and malformed packets (an error reply or a closed connection, the server
+serving others meanwhile)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import msgpack
 import pytest
 from iproto_helpers import USERS_SPACE, chap_scramble, host_port, packet, start_iproto_node
+from tarantool_peer import TARANTOOL, TarantoolPeer
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_the_greeting(node):
     assert base64.b64decode(g2[64:].strip()) != salt, "a fresh salt per connection"
 
 
-def test_pipelined_requests_are_answered_in_order_with_their_sync(node):
+def test_pipelined_pings_are_answered_in_order_with_their_sync(node):
     s, _ = connect(node)
     syncs = [150, 151, 2**40]
     s.sendall(b"".join(packet({0: 64, 1: sync}) for sync in syncs))
@@ -81,6 +83,57 @@ def test_pipelined_requests_are_answered_in_order_with_their_sync(node):
         and raw[17:19] == bytes([0x05, 0xCE])
     )
     s.close()
+
+
+def mixed_pipeline(address: tuple[str, int]) -> list[tuple[int, int, object]]:
+    """Logs in as app, sends writes, reads, a ping and failing writes in one packet, and returns
+    the answers as they came: (sync, code, data or error text)."""
+    s = socket.create_connection(address, timeout=10)
+    greeting = b""
+    while len(greeting) < 128:
+        greeting += s.recv(128 - len(greeting))
+    salt = base64.b64decode(greeting[64:].strip())
+    s.sendall(packet({0: 7, 1: 1}, {0x23: "app", 0x21: ["chap-sha1", chap_scramble("secret", salt)]}))
+    assert read_reply(s)[0][0] == 0
+
+    def select(sync: int, key: int) -> bytes:
+        body = {0x10: USERS_SPACE, 0x11: 0, 0x12: 10, 0x13: 0, 0x14: 0, 0x20: [key]}
+        return packet({0: 1, 1: sync}, body)
+
+    s.sendall(
+        packet({0: 3, 1: 11}, {0x10: USERS_SPACE, 0x21: [9001, "a", 1]})  # REPLACE
+        + select(12, 9001)  # sees the REPLACE before it is in the WAL
+        + packet({0: 64, 1: 13})  # PING
+        + packet({0: 2, 1: 14}, {0x10: USERS_SPACE, 0x21: [9001, "b", 2]})  # INSERT: a duplicate
+        + packet({0: 3, 1: 15}, {0x10: USERS_SPACE, 0x21: [9002, "c", 3]})  # REPLACE
+        + select(16, 9002)
+        + packet({0: 5, 1: 17}, {0x10: USERS_SPACE, 0x11: 0, 0x20: [9099]})  # DELETE: no such key
+    )
+    out = []
+    for _ in range(7):
+        header, body, _ = read_reply(s)
+        out.append((header[1], header[0], body.get(0x30, body.get(0x31))))
+    s.close()
+    return out
+
+
+def test_pipelined_reads_are_not_held_up_by_the_writes_before_them(node, tmp_path):
+    """As Tarantool 2.6 answers (the order below is what it sent): reads, pings and errors at
+    once, the replies of writes once the WAL holds them, in their order, a write that changed
+    nothing among them."""
+    expected = [
+        (12, 0, [[9001, "a", 1]]),
+        (13, 0, None),
+        (14, 0x8000 | 3, "Duplicate key exists in unique index 'primary' in space 'users'"),
+        (16, 0, [[9002, "c", 3]]),
+        (11, 0, [[9001, "a", 1]]),
+        (15, 0, [[9002, "c", 3]]),
+        (17, 0, []),
+    ]
+    assert mixed_pipeline(host_port(node.iproto)) == expected
+    if TARANTOOL is not None:
+        with TarantoolPeer(tmp_path / "tarantool") as peer:
+            assert mixed_pipeline((peer.host, peer.port)) == expected
 
 
 def test_id_and_schema_version(node):

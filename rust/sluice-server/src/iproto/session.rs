@@ -1,7 +1,10 @@
 //! One iproto connection: the greeting with a fresh salt, then packets read into a buffer,
-//! checked whole (`frame::check`), decoded and answered in order, SYNC echoed and the schema
-//! version in every reply. Replies that acknowledge writes go out once the WAL holds them
-//! (`kv::send_acknowledged`); a write with a durability level waits for it before its reply.
+//! checked whole (`frame::check`), decoded and answered, SYNC echoed and the schema version in
+//! every reply. As Tarantool answers them: reads, pings and errors at once, the replies of
+//! writes that succeeded once the WAL holds them (`kv::send_acknowledged`), so a read is not
+//! held up by the WAL write of a request before it on the same connection, and the writes'
+//! replies keep their order among themselves. A write with a durability level waits for it
+//! before its reply.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -134,8 +137,9 @@ impl Session {
         self.ctx.catalog.schema_version
     }
 
-    /// Answers one whole packet; false: close the connection.
-    async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>) {
+    /// Answers one whole packet; true when the answer acknowledges a write (its reply waits
+    /// for the WAL).
+    async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>) -> bool {
         let generation = self.ctx.users.generation();
         if generation != self.users_generation {
             (self.users, self.users_generation) = self.ctx.users.current_with_generation();
@@ -150,7 +154,7 @@ impl Session {
                     format_args!("iproto request from {}: {}", self.peer, e.message),
                 );
                 response::write_error(out, e.sync.unwrap_or(0), version, e.code, &e.message);
-                return;
+                return false;
             }
         };
         self.ctx.stats.request(header.code);
@@ -164,9 +168,19 @@ impl Session {
                     format!("Wrong schema version, current: {theirs}, in request: {version}"),
                 );
                 self.fail(out, sync, f);
-                return;
+                return false;
             }
         }
+        // Tarantool answers a write that changed nothing (DELETE of a missing key) after the
+        // writes before it, too: it commits like any other.
+        let write = matches!(
+            req,
+            Request::Insert { .. }
+                | Request::Replace { .. }
+                | Request::Update { .. }
+                | Request::Upsert { .. }
+                | Request::Delete { .. }
+        );
         let outcome = match req {
             Request::Ping | Request::Nop => {
                 response::write_ok(out, sync, version);
@@ -249,8 +263,12 @@ impl Session {
                 format!("Unknown request type {t}"),
             )),
         };
-        if let Err(f) = outcome {
-            self.fail(out, sync, f);
+        match outcome {
+            Ok(()) => write,
+            Err(f) => {
+                self.fail(out, sync, f);
+                false
+            }
         }
     }
 
@@ -310,14 +328,23 @@ pub(super) async fn run(
     };
     let mut stop = stop;
     let mut inbuf = BytesMut::with_capacity(16 << 10);
+    // Replies sent at once, and those that acknowledge writes.
     let mut out = Vec::new();
+    let mut acks = Vec::new();
     loop {
         loop {
             match frame::check(&inbuf, ctx.max_packet) {
                 Ok(Some(n)) => {
                     let packet = inbuf.split_to(n);
-                    session.handle(&packet, &mut out).await;
-                    if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &session).await.is_err()
+                    let mark = out.len();
+                    if session.handle(&packet, &mut out).await {
+                        acks.extend_from_slice(&out[mark..]);
+                        out.truncate(mark);
+                    }
+                    if out.len() + acks.len() >= FLUSH_AT
+                        && send(&mut socket, &mut out, &mut acks, &session)
+                            .await
+                            .is_err()
                     {
                         return;
                     }
@@ -333,12 +360,15 @@ pub(super) async fn run(
                     let f =
                         Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
                     session.fail(&mut out, 0, f);
-                    let _ = send(&mut socket, &mut out, &session).await;
+                    let _ = send(&mut socket, &mut out, &mut acks, &session).await;
                     return;
                 }
             }
         }
-        if send(&mut socket, &mut out, &session).await.is_err() {
+        if send(&mut socket, &mut out, &mut acks, &session)
+            .await
+            .is_err()
+        {
             return;
         }
         if *stop.borrow() {
@@ -369,12 +399,19 @@ pub(super) async fn run(
     }
 }
 
-/// Sends the replies once the WAL holds every change they acknowledge.
-async fn send(socket: &mut MaybeTls, out: &mut Vec<u8>, session: &Session) -> std::io::Result<()> {
+/// Sends the replies that wait for nothing, then those of writes once the WAL holds every
+/// change they acknowledge.
+async fn send(
+    socket: &mut MaybeTls,
+    out: &mut Vec<u8>,
+    acks: &mut Vec<u8>,
+    session: &Session,
+) -> std::io::Result<()> {
     let ctx = &session.ctx;
+    crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await?;
     crate::kv::send_acknowledged(
         socket,
-        out,
+        acks,
         &ctx.engine,
         session.owed_lsn,
         &ctx.io,
