@@ -257,6 +257,7 @@ impl<'a> Reader<'a> {
         self.pos >= self.buf.len()
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let remaining = self.buf.len() - self.pos;
         if n > remaining {
@@ -270,18 +271,34 @@ impl<'a> Reader<'a> {
         Ok(s)
     }
 
+    #[inline]
     fn marker(&mut self) -> Result<(usize, u8), DecodeError> {
         let at = self.pos;
-        Ok((at, self.take(1)?[0]))
+        match self.buf.get(at) {
+            Some(&m) => {
+                self.pos = at + 1;
+                Ok((at, m))
+            }
+            None => Err(DecodeError::Truncated {
+                offset: at,
+                needed: 1,
+            }),
+        }
     }
 
+    /// A big-endian integer of `n` bytes (1, 2, 4 or 8).
+    #[inline]
     fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
-        Ok(self
-            .take(n)?
-            .iter()
-            .fold(0u64, |acc, b| (acc << 8) | *b as u64))
+        let b = self.take(n)?;
+        Ok(match *b {
+            [a] => a as u64,
+            [a, b] => u16::from_be_bytes([a, b]) as u64,
+            [a, b, c, d] => u32::from_be_bytes([a, b, c, d]) as u64,
+            _ => b.iter().fold(0u64, |acc, b| (acc << 8) | *b as u64),
+        })
     }
 
+    #[inline]
     pub fn read_uint(&mut self) -> Result<u64, DecodeError> {
         let (at, m) = self.marker()?;
         match m {
@@ -377,6 +394,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads one token of any type. Arrays and maps yield their header only.
+    #[inline]
     pub fn read_value(&mut self) -> Result<Value<'a>, DecodeError> {
         let (at, m) = self.marker()?;
         Ok(match m {
@@ -429,15 +447,25 @@ impl<'a> Reader<'a> {
     /// `max_depth` levels of nesting. Iterative, so hostile nesting costs no stack; every
     /// element needs at least one byte, so it ends within the input's length.
     pub fn skip_value(&mut self, max_depth: usize) -> Result<(), DecodeError> {
-        // Elements still to read at each open level.
-        let mut pending: Vec<u64> = Vec::new();
+        // Elements still to read at each open level: the first levels on the stack (every
+        // request skips a header, a body and a tuple, so no allocation for them), deeper
+        // ones in `spill`.
+        const INLINE: usize = 16;
+        let mut inline = [0u64; INLINE];
+        let mut spill: Vec<u64> = Vec::new();
+        let mut depth = 0usize;
         let mut left: u64 = 1;
         loop {
             while left == 0 {
-                match pending.pop() {
-                    Some(outer) => left = outer,
-                    None => return Ok(()),
+                if depth == 0 {
+                    return Ok(());
                 }
+                depth -= 1;
+                left = if depth < INLINE {
+                    inline[depth]
+                } else {
+                    spill.pop().expect("one per level past the inline ones")
+                };
             }
             left -= 1;
             let at = self.pos;
@@ -447,13 +475,18 @@ impl<'a> Reader<'a> {
                 _ => 0,
             };
             if children > 0 {
-                if pending.len() >= max_depth {
+                if depth >= max_depth {
                     return Err(DecodeError::TooDeep {
                         offset: at,
                         limit: max_depth,
                     });
                 }
-                pending.push(left);
+                if depth < INLINE {
+                    inline[depth] = left;
+                } else {
+                    spill.push(left);
+                }
+                depth += 1;
                 left = children;
             }
         }
@@ -572,6 +605,14 @@ mod tests {
         let deep = [0x91u8; 10_000];
         let err = Reader::new(&deep).skip_value(64).unwrap_err();
         assert!(matches!(err, DecodeError::TooDeep { limit: 64, .. }));
+        // Nesting past the levels kept on the stack: [[...[1, 2]...], 3], 40 deep, then 4.
+        let mut nested = vec![0x92u8; 40];
+        nested.extend_from_slice(&[0x01, 0x02]);
+        nested.extend(std::iter::repeat_n(0x03u8, 39));
+        nested.push(0x04);
+        let mut r = Reader::new(&nested);
+        assert_eq!(r.read_raw_value(64).unwrap().len(), nested.len() - 1);
+        assert_eq!(r.read_uint().unwrap(), 4);
         // A claimed 2^32-1 elements with nothing behind them: truncated, not a long loop.
         let huge = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
         assert!(matches!(

@@ -53,6 +53,7 @@ impl Session {
             ChapOutcome::Ok(who) => {
                 self.ctx.throttle.succeeded(user);
                 self.user = Some(who);
+                self.refresh_permissions();
                 response::write_ok(out, sync, self.ctx.catalog.schema_version);
                 Ok(())
             }

@@ -135,13 +135,28 @@ pub struct IprotoStats {
     pub connections_total: AtomicU64,
 }
 
+/// A session's requests by type (`IprotoStats::request_slot`), not yet added to the shared
+/// counters.
+pub(crate) type RequestCounts = [u64; REQUEST_TYPES.len() + 1];
+
 impl IprotoStats {
-    pub fn request(&self, code: u32) {
-        let i = REQUEST_TYPES
+    /// Where a request type is counted. Sessions count in their own `RequestCounts` and add
+    /// them per batch (`add_requests`): a shared counter written by every request on every
+    /// core would bounce its cache line between the cores.
+    pub(crate) fn request_slot(code: u32) -> usize {
+        REQUEST_TYPES
             .iter()
             .position(|(c, _)| *c == code)
-            .unwrap_or(REQUEST_TYPES.len());
-        self.requests[i].fetch_add(1, Relaxed);
+            .unwrap_or(REQUEST_TYPES.len())
+    }
+
+    /// Adds a session's counts to the shared counters and zeroes them.
+    pub(crate) fn add_requests(&self, counts: &mut RequestCounts) {
+        for (shared, n) in self.requests.iter().zip(counts.iter_mut()) {
+            if *n != 0 {
+                shared.fetch_add(std::mem::take(n), Relaxed);
+            }
+        }
     }
 
     pub fn error(&self, code: u32) {

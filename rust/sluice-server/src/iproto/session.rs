@@ -94,6 +94,11 @@ pub(super) struct Session {
     /// The last WAL record a reply given so far acknowledges: sent once the WAL holds it.
     pub owed_lsn: u64,
     pub stop: watch::Receiver<bool>,
+    /// Requests by type since the last batch was sent (`IprotoStats::add_requests`).
+    pub requests: super::RequestCounts,
+    /// The user's permission bits per declared space, as of `users_generation` and the
+    /// current login (`refresh_permissions`), so a request looks up no user or bucket name.
+    pub granted: std::collections::BTreeMap<u32, u8>,
 }
 
 impl Session {
@@ -115,9 +120,23 @@ impl Session {
         user.map_or(0, |u| u.permissions(bucket))
     }
 
+    /// Recomputes `granted`: after a login, and when a reload replaced the users.
+    pub fn refresh_permissions(&mut self) {
+        let granted = self
+            .spaces
+            .iter()
+            .map(|(&id, s)| (id, self.permissions(s.bucket.name())))
+            .collect();
+        self.granted = granted;
+    }
+
     /// ER_ACCESS_DENIED unless this session may `need` (READ or WRITE) on the space's bucket.
     pub fn require(&self, space: &Space, need: u8) -> Outcome {
-        if self.permissions(space.bucket.name()) & need == need {
+        let have = match self.granted.get(&space.id) {
+            Some(&bits) => bits,
+            None => self.permissions(space.bucket.name()),
+        };
+        if have & need == need {
             return Ok(());
         }
         let access = if need & crate::auth::WRITE != 0 {
@@ -143,6 +162,7 @@ impl Session {
         let generation = self.ctx.users.generation();
         if generation != self.users_generation {
             (self.users, self.users_generation) = self.ctx.users.current_with_generation();
+            self.refresh_permissions();
         }
         let version = self.schema_version();
         let (header, req) = match request::decode(packet) {
@@ -157,7 +177,7 @@ impl Session {
                 return false;
             }
         };
-        self.ctx.stats.request(header.code);
+        self.requests[super::IprotoStats::request_slot(header.code)] += 1;
         let sync = header.sync;
         // Absent or 0: the client does not check (net.box never sends it). Tarantool words
         // the message with its arguments swapped; so do we, for connectors that parse it.
@@ -325,7 +345,10 @@ pub(super) async fn run(
         peer,
         owed_lsn: 0,
         stop: stop.clone(),
+        requests: Default::default(),
+        granted: Default::default(),
     };
+    session.refresh_permissions();
     let mut stop = stop;
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     // Replies sent at once, and those that acknowledge writes.
@@ -342,7 +365,7 @@ pub(super) async fn run(
                         out.truncate(mark);
                     }
                     if out.len() + acks.len() >= FLUSH_AT
-                        && send(&mut socket, &mut out, &mut acks, &session)
+                        && send(&mut socket, &mut out, &mut acks, &mut session)
                             .await
                             .is_err()
                     {
@@ -360,12 +383,12 @@ pub(super) async fn run(
                     let f =
                         Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
                     session.fail(&mut out, 0, f);
-                    let _ = send(&mut socket, &mut out, &mut acks, &session).await;
+                    let _ = send(&mut socket, &mut out, &mut acks, &mut session).await;
                     return;
                 }
             }
         }
-        if send(&mut socket, &mut out, &mut acks, &session)
+        if send(&mut socket, &mut out, &mut acks, &mut session)
             .await
             .is_err()
         {
@@ -405,9 +428,10 @@ async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     acks: &mut Vec<u8>,
-    session: &Session,
+    session: &mut Session,
 ) -> std::io::Result<()> {
     let ctx = &session.ctx;
+    ctx.stats.add_requests(&mut session.requests);
     crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await?;
     crate::kv::send_acknowledged(
         socket,
