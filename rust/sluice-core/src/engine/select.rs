@@ -156,7 +156,7 @@ impl Engine {
             return Ok(Vec::new());
         }
         if let Some(prefix) = plan.prefix {
-            if let Some(found) = self.select_one(bucket, prefix) {
+            if let Some(found) = self.select_one(bucket, prefix, |i| i.to_item()) {
                 return Ok(found.into_iter().skip(offset as usize).collect());
             }
         }
@@ -207,6 +207,34 @@ impl Engine {
         Ok(out)
     }
 
+    /// `select`, handing each item's value to `each` in order. An EQ or REQ on a whole key
+    /// found by hash lookup (see `select`) is handed over under its vbucket's lock, without
+    /// copying the item: the common point read of a tuple costs no allocation.
+    pub fn select_values(
+        &self,
+        bucket: &Bucket,
+        iterator: SelectIterator,
+        key: &[u8],
+        offset: u32,
+        limit: u32,
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<()> {
+        let point = matches!(iterator, SelectIterator::Eq | SelectIterator::Req)
+            && offset == 0
+            && limit > 0
+            && bucket.config.ordered_keys;
+        if point {
+            self.check_open()?;
+            if self.select_one(bucket, key, |i| each(i.value())).is_some() {
+                return Ok(());
+            }
+        }
+        for item in self.select(bucket, iterator, key, offset, limit)? {
+            each(item.value());
+        }
+        Ok(())
+    }
+
     /// How many live items `select` with this iterator and key would return with no limit,
     /// counted in each vbucket's index without copying an item (Tarantool's `index:count`).
     pub fn count(&self, bucket: &Bucket, iterator: SelectIterator, key: &[u8]) -> Result<u64> {
@@ -237,10 +265,16 @@ impl Engine {
         Ok(total)
     }
 
-    /// An EQ or REQ on a whole key by hash lookup: Some(the item, or nothing) when the
-    /// bucket's keys all have as many parts as `key` and, like it, exact encodings (so no other
-    /// key can match it); None when a scan must decide.
-    fn select_one(&self, bucket: &Bucket, key: &[u8]) -> Option<Option<Item>> {
+    /// An EQ or REQ on a whole key by hash lookup: Some(what `read` made of the item, or
+    /// nothing) when the bucket's keys all have as many parts as `key` and, like it, exact
+    /// encodings (so no other key can match it); None when a scan must decide. `read` runs
+    /// under the vbucket's lock.
+    fn select_one<R>(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        read: impl FnOnce(crate::item_store::ItemRef<'_>) -> R,
+    ) -> Option<Option<R>> {
         let parts = exact_parts(key)?;
         if !bucket.key_shape.all_exact_with(parts) {
             return None;
@@ -254,7 +288,7 @@ impl Engine {
             vb.store
                 .get(key)
                 .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now))
-                .map(|i| i.to_item()),
+                .map(read),
         )
     }
 }

@@ -166,36 +166,96 @@ pub struct KeyPart {
 /// The top-level fields of a tuple, each as its whole MessagePack bytes. Refuses what is not
 /// one array whose elements nest at most [`MAX_DEPTH`] deep.
 pub fn fields(tuple: &[u8]) -> Result<Vec<&[u8]>, TupleError> {
-    let mut r = Reader::new(tuple);
-    if tuple.first().map(|&m| mp_type(m)) != Some(MpType::Array) {
-        return Err(TupleError::not_array());
-    }
-    let invalid = |_| TupleError::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - tuple");
-    let count = r.read_array_len().map_err(invalid)?;
+    let mut fields = Fields::new(tuple)?;
     // Each field takes at least a byte: no larger reservation than the input.
-    let mut out = Vec::with_capacity((count as usize).min(r.rest().len()));
-    for _ in 0..count {
-        out.push(r.read_raw_value(MAX_DEPTH - 1).map_err(invalid)?);
+    let mut out = Vec::with_capacity(fields.len().min(tuple.len()));
+    for field in &mut fields {
+        out.push(field?);
     }
-    if !r.is_empty() {
-        return Err(invalid(crate::msgpack::DecodeError::Reserved {
-            offset: r.position(),
-        }));
-    }
+    fields.finish()?;
     Ok(out)
+}
+
+/// The fields of a tuple one at a time, as [`fields`] returns them, without collecting them:
+/// the checks of every write walk a tuple this way. `finish` refuses bytes after the array.
+pub struct Fields<'a> {
+    r: Reader<'a>,
+    count: usize,
+    left: usize,
+}
+
+impl<'a> Fields<'a> {
+    pub fn new(tuple: &'a [u8]) -> Result<Fields<'a>, TupleError> {
+        let mut r = Reader::new(tuple);
+        if tuple.first().map(|&m| mp_type(m)) != Some(MpType::Array) {
+            return Err(TupleError::not_array());
+        }
+        let count = r.read_array_len().map_err(|_| invalid_tuple())? as usize;
+        Ok(Fields {
+            r,
+            count,
+            left: count,
+        })
+    }
+
+    /// How many fields the array says it has.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Steps over the fields not read yet; an error if anything follows the array.
+    pub fn finish(mut self) -> Result<(), TupleError> {
+        for field in &mut self {
+            field?;
+        }
+        if !self.r.is_empty() {
+            return Err(invalid_tuple());
+        }
+        Ok(())
+    }
+}
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = Result<&'a [u8], TupleError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let field = self
+            .r
+            .read_raw_value(MAX_DEPTH - 1)
+            .map_err(|_| invalid_tuple());
+        if field.is_err() {
+            self.left = 0;
+        }
+        Some(field)
+    }
+}
+
+fn invalid_tuple() -> TupleError {
+    TupleError::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - tuple")
 }
 
 /// Checks a tuple against a space format: each present field's type (nil allowed where the
 /// field is nullable), then the first required field the tuple is too short to hold. Fields
 /// past the format are not checked.
 pub fn check_format(tuple: &[u8], format: &[FieldDef]) -> Result<(), TupleError> {
-    let fields = fields(tuple)?;
-    for (i, (value, def)) in fields.iter().zip(format).enumerate() {
+    let mut fields = Fields::new(tuple)?;
+    let count = fields.len();
+    for (i, def) in format.iter().enumerate().take(count) {
+        let value = fields.next().expect("fewer than count read")?;
         if !def.field_type.accepts(value, def.is_nullable) {
             return Err(field_type_error(i as u32, def.field_type));
         }
     }
-    if let Some(i) = (fields.len()..format.len()).find(|&i| !format[i].is_nullable) {
+    fields.finish()?;
+    if let Some(i) = (count..format.len()).find(|&i| !format[i].is_nullable) {
         return Err(TupleError::new(
             codes::ER_FIELD_MISSING,
             format!("Tuple field {} required by space format is missing", i + 1),
@@ -218,11 +278,38 @@ fn field_type_error(field_no: u32, expected: FieldType) -> TupleError {
 /// The key of a tuple: the MessagePack array of its key parts, each checked against its part's
 /// type (ER_FIELD_MISSING / ER_FIELD_TYPE, as the format check would report them).
 pub fn extract_key(tuple: &[u8], parts: &[KeyPart]) -> Result<Vec<u8>, TupleError> {
-    let fields = fields(tuple)?;
-    let mut key = Vec::new();
+    // Only the fields up to the key's last are kept: on the stack for the usual short keys.
+    let wanted = parts
+        .iter()
+        .map(|p| p.field_no as usize + 1)
+        .max()
+        .unwrap_or(0);
+    let mut inline: [&[u8]; 8] = [&[]; 8];
+    let mut spilled: Vec<&[u8]> = Vec::new();
+    let mut iter = Fields::new(tuple)?;
+    let available = iter.len().min(wanted);
+    for i in 0..available {
+        let field = iter.next().expect("fewer than len read")?;
+        if i < inline.len() {
+            inline[i] = field;
+        } else {
+            spilled.push(field);
+        }
+    }
+    iter.finish()?;
+    let field = |no: usize| -> Option<&[u8]> {
+        if no >= available {
+            None
+        } else if no < inline.len() {
+            Some(inline[no])
+        } else {
+            Some(spilled[no - inline.len()])
+        }
+    };
+    let mut key = Vec::with_capacity(16);
     write_array_len(&mut key, parts.len() as u32);
     for part in parts {
-        let Some(value) = fields.get(part.field_no as usize) else {
+        let Some(value) = field(part.field_no as usize) else {
             return Err(TupleError::new(
                 codes::ER_FIELD_MISSING,
                 format!(
@@ -243,7 +330,7 @@ pub fn extract_key(tuple: &[u8], parts: &[KeyPart]) -> Result<Vec<u8>, TupleErro
 /// key must name every part (ER_EXACT_MATCH); otherwise (SELECT) any prefix will do
 /// (ER_KEY_PART_COUNT). Each given part must have its part's type (ER_KEY_PART_TYPE).
 pub fn check_key(key: &[u8], parts: &[KeyPart], exact: bool) -> Result<(), TupleError> {
-    let given = fields(key)?;
+    let mut given = Fields::new(key)?;
     let (n, expected) = (given.len(), parts.len());
     if exact && n != expected {
         return Err(TupleError::new(
@@ -257,7 +344,8 @@ pub fn check_key(key: &[u8], parts: &[KeyPart], exact: bool) -> Result<(), Tuple
             format!("Invalid key part count (expected [0..{expected}], got {n})"),
         ));
     }
-    for (i, (value, part)) in given.iter().zip(parts).enumerate() {
+    for (i, part) in parts.iter().enumerate().take(n) {
+        let value = given.next().expect("fewer than len read")?;
         if !part.field_type.accepts(value, false) {
             return Err(TupleError::new(
                 codes::ER_KEY_PART_TYPE,
@@ -268,7 +356,7 @@ pub fn check_key(key: &[u8], parts: &[KeyPart], exact: bool) -> Result<(), Tuple
             ));
         }
     }
-    Ok(())
+    given.finish()
 }
 
 #[cfg(test)]

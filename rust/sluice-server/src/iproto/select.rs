@@ -105,14 +105,18 @@ impl Session {
             response::DataWriter::begin(out, sync, version).finish(out);
             return Ok(());
         }
-        let items = self
+        // The reply is written as the items are read; a failed read takes it back.
+        let start = out.len();
+        let mut data = response::DataWriter::begin(out, sync, version);
+        let read = self
             .ctx
             .engine
-            .select(&space.bucket, it, &key, offset, limit)
-            .map_err(|e| super::write::engine_failure(e, &space.name))?;
-        let mut data = response::DataWriter::begin(out, sync, version);
-        for item in &items {
-            data.push_raw(out, item.value());
+            .select_values(&space.bucket, it, &key, offset, limit, |value| {
+                data.push_raw(out, value)
+            });
+        if let Err(e) = read {
+            out.truncate(start);
+            return Err(super::write::engine_failure(e, &space.name));
         }
         data.finish(out);
         Ok(())
