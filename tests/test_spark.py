@@ -416,14 +416,11 @@ def test_a_space_reads_as_typed_columns(spark, tmp_path):
         conn.insert("things", [1000, "ap"])  # only the required fields
         conn.close()
 
-        df = (
-            spark.read.format("sluice")
-            .option("nodes", node.address)
-            .option("space", "things")
-            .option("user", "app")
-            .option("password", "secret")
-            .load()
-        )
+        def things(reader):
+            options = {"nodes": node.address, "space": "things", "user": "app", "password": "secret"}
+            return reader.format("sluice").options(**options)
+
+        df = things(spark.read).load()
         assert df.columns == [
             "id", "region", "score", "delta", "ok", "blob", "tags", "extra", "uid",
             "_op", "_vbucket", "_seqno", "_cas",
@@ -456,12 +453,8 @@ def test_a_space_reads_as_typed_columns(spark, tmp_path):
 
         # A streaming query of the space reads the same rows.
         query = (
-            spark.readStream.format("sluice")
-            .option("nodes", node.address)
-            .option("space", "things")
+            things(spark.readStream)
             .option("startingOffsets", "earliest")
-            .option("user", "app")
-            .option("password", "secret")
             .load()
             .writeStream.format("memory")
             .queryName("things")
