@@ -116,10 +116,15 @@ def test_wal_dump_names_a_foreign_file(tmp_path):
     assert r.returncode == 1
     assert "README.md is not a sluice WAL segment or snapshot" in r.stderr, r.stderr
     assert "Some(" not in r.stderr and "Traceback" not in r.stderr
-    tarantool = tmp_path / "00000000000000000000.xlog"
-    tarantool.write_bytes(b"XLOG\n0.13\nVersion: 2.11.0\nInstance: 1\nVClock: {}\n\n")
-    r = run_cli("wal-dump", str(tarantool))
-    assert r.returncode == 1 and "is a Tarantool XLOG file, not a sluice one" in r.stderr, r.stderr
+    vinyl = tmp_path / "00000000000000000000.run"
+    vinyl.write_bytes(b"RUN\n0.13\nVersion: 2.6.0\nInstance: 1\nVClock: {}\n\n")
+    r = run_cli("wal-dump", str(vinyl))
+    assert r.returncode == 1 and "is a Tarantool RUN file (vinyl's), which sluice does not read" in r.stderr
+    old = tmp_path / "00000000000000000000.xlog"
+    old.write_bytes(b"XLOG\n0.11\nVersion: 1.5\nVClock: {}\n\n")
+    r = run_cli("wal-dump", str(old))
+    assert r.returncode == 1, r.stderr
+    assert 'format version "0.11": this reader knows 0.12 and 0.13' in r.stderr, r.stderr
 
 
 def test_config_example_shows_defaults_only():

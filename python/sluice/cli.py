@@ -532,7 +532,8 @@ def _text_or_base64(name: str, data: bytes, row: dict) -> None:
 def _tuple_json(data: bytes) -> object:
     """A MessagePack value (an iproto tuple or key) as JSON-able objects: bytes (a varbinary, a
     string that is not UTF-8) become {"base64": ...}, a UUID or decimal its text, another
-    extension {"ext": type, "base64": ...}, a map key that is not a string its JSON text."""
+    extension {"ext": type, "base64": ...}; a map key that is a number, boolean or nil its JSON
+    text, one that is bytes or a container "base64:" and its MessagePack bytes."""
     import json
 
     return json.loads(_native.msgpack_json(data))

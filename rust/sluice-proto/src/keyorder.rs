@@ -345,16 +345,17 @@ mod tests {
                 M::A(_) => 5,
             }
         }
-        // Numbers as (integer part, has fraction above it) with NaN lowest; the generator
-        // keeps floats within i64 so i128 holds every value exactly.
-        fn num(m: &M) -> (bool, i128, bool) {
+        // Numbers as (integer part, fraction above it) with NaN lowest; the generator keeps
+        // floats within i64 so i128 holds every integer part exactly, and a float's fraction
+        // (f - floor(f)) is exact too.
+        fn num(m: &M) -> (bool, i128, f64) {
             match m {
-                M::U(u) => (true, *u as i128, false),
-                M::I(i) => (true, *i as i128, false),
-                M::F(f) if f.is_nan() => (false, 0, false),
+                M::U(u) => (true, *u as i128, 0.0),
+                M::I(i) => (true, *i as i128, 0.0),
+                M::F(f) if f.is_nan() => (false, 0, 0.0),
                 M::F(f) => {
                     let fl = f.floor();
-                    (true, fl as i128, *f > fl)
+                    (true, fl as i128, *f - fl)
                 }
                 _ => unreachable!(),
             }
@@ -367,7 +368,10 @@ mod tests {
             (M::A(_), M::A(_)) => {
                 encode(std::slice::from_ref(a)).cmp(&encode(std::slice::from_ref(b)))
             }
-            _ if class(a) == 2 && class(b) == 2 => num(a).cmp(&num(b)),
+            _ if class(a) == 2 && class(b) == 2 => {
+                let (x, y) = (num(a), num(b));
+                (x.0, x.1).cmp(&(y.0, y.1)).then(x.2.total_cmp(&y.2))
+            }
             _ => class(a).cmp(&class(b)),
         }
     }

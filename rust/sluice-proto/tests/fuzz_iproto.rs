@@ -8,8 +8,8 @@ use std::cell::Cell;
 
 use proptest::prelude::*;
 use sluice_proto::iproto::tuple::{check_format, extract_key, FieldDef, FieldType, KeyPart};
-use sluice_proto::iproto::{frame, request, update, MAX_PACKET_SIZE};
-use sluice_proto::msgpack::{write_array_len, write_int, write_str};
+use sluice_proto::iproto::{frame, request, update, xlog, xrow, MAX_PACKET_SIZE};
+use sluice_proto::msgpack::{write_array_len, write_int, write_str, Reader};
 
 struct Counting;
 
@@ -222,6 +222,27 @@ proptest! {
         index_base in 0u32..2,
     ) {
         check_update(&tuple, &ops, index_base);
+    }
+
+    /// Rows of Tarantool's files and replication streams, and the files' block headers and
+    /// meta blocks: decoded and printed as JSON without a panic, within the usual bound
+    /// (the JSON text itself aside: it is bounded by the input's size times a constant).
+    #[test]
+    fn fuzz_xrow_and_xlog_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let held = peak_of(|| {
+            let mut r = Reader::new(&bytes);
+            while !r.is_empty() {
+                let Ok(row) = xrow::decode_row(&mut r) else { break };
+                let mut text = String::with_capacity(16 * bytes.len() + 64);
+                let _ = row.write_json(&mut text);
+            }
+            let mut fix = [0u8; xlog::FIXHEADER_SIZE];
+            let n = bytes.len().min(fix.len());
+            fix[..n].copy_from_slice(&bytes[..n]);
+            let _ = xlog::decode_fixheader(&fix);
+            let _ = xlog::parse_meta(&bytes);
+        });
+        prop_assert!(held <= 16 * bytes.len() + 64 + bound(bytes.len()));
     }
 
     #[test]

@@ -3,8 +3,11 @@
 //! JSON, and Tarantool's UUID and DECIMAL extensions in their usual text forms.
 //!
 //! JSON has no bytes, so a varbinary, or a string that is not UTF-8, is `{"base64": ...}`;
-//! another extension is `{"ext": type, "base64": ...}`; a map key that is not a string is the
-//! JSON text of the key; a float that JSON cannot hold (NaN, infinities) is `null`.
+//! another extension is `{"ext": type, "base64": ...}`; a float that JSON cannot hold (NaN,
+//! infinities) is `null`. JSON keys are strings: a map key that is a number, a boolean or nil
+//! is its JSON text (`"3"`), any other (bytes, an extension, an array, a map) `"base64:"` and
+//! its MessagePack bytes in base64, so that the text stays within a small multiple of the
+//! value's size however the keys nest.
 
 use std::fmt::Write as _;
 
@@ -61,18 +64,27 @@ pub fn write_json(
                     out.push(',');
                 }
                 let mut probe = r.clone();
-                if let Value::Str(k) = probe.read_value()? {
-                    if let Ok(k) = std::str::from_utf8(k) {
+                match probe.read_value()? {
+                    Value::Str(k) if std::str::from_utf8(k).is_ok() => {
                         *r = probe;
-                        write_string(out, k);
-                        out.push(':');
-                        write_json(r, out, depth)?;
-                        continue;
+                        write_string(out, std::str::from_utf8(k).expect("checked"));
+                    }
+                    Value::Nil
+                    | Value::Bool(_)
+                    | Value::UInt(_)
+                    | Value::Int(_)
+                    | Value::F32(_)
+                    | Value::F64(_) => {
+                        let mut key = String::new();
+                        write_json(r, &mut key, depth)?;
+                        write_string(out, &key);
+                    }
+                    _ => {
+                        let raw = r.read_raw_value(depth)?;
+                        write!(out, "\"base64:{}\"", base64::encode(raw))
+                            .expect("writing to a String");
                     }
                 }
-                let mut key = String::new();
-                write_json(r, &mut key, depth)?;
-                write_string(out, &key);
                 out.push(':');
                 write_json(r, out, depth)?;
             }
@@ -223,6 +235,11 @@ mod tests {
         assert_eq!(
             json(tuple),
             r#"[1,-2,"a\"b",1.5,null,true,{"base64":"AP8="},{"k":[2]},{"3":4}]"#
+        );
+        // {[1]: {[2]: 3}}: container keys as their bytes, however deep.
+        assert_eq!(
+            json(b"\x81\x91\x01\x81\x91\x02\x03"),
+            r#"{"base64:kQE=":{"base64:kQI=":3}}"#
         );
         assert_eq!(json(b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00"), "null", "NaN");
         assert_eq!(json(b"\xcb\x40\x00\x00\x00\x00\x00\x00\x00"), "2.0");

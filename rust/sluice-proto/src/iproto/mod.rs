@@ -6,7 +6,8 @@
 //! `request` decodes a packet into a header and a typed request, with Tarantool's error codes
 //! and texts for what it refuses; `response` writes answers byte for byte as Tarantool does;
 //! `greeting` is the 128-byte text a server sends first; `tuple` checks tuples against a space
-//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations; `json` prints tuples as JSON; `client`
+//! format and extracts keys; `update` parses and applies UPDATE and UPSERT operations; `json` prints tuples as JSON; `xrow` reads the rows of Tarantool's files and replication
+//! streams, `xlog` the files' meta block and block headers; `client`
 //! writes requests and reads answers, for a client of a Tarantool or a sluice.
 //!
 //! Every decoder checks a length against the bytes that remain before it slices or allocates,
@@ -22,6 +23,8 @@ pub mod request;
 pub mod response;
 pub mod tuple;
 pub mod update;
+pub mod xlog;
+pub mod xrow;
 
 /// The deepest nesting of arrays and maps accepted anywhere in a packet (a tuple, a key, an
 /// operation's argument). Tarantool itself has no limit; 128 levels is beyond any real tuple and

@@ -1,4 +1,7 @@
-//! `sluice wal-dump`: the records of a WAL segment or snapshot as JSON lines.
+//! `sluice wal-dump`: the records of a WAL segment or snapshot as JSON lines, sluice's own or
+//! Tarantool's (`tarantool`).
+
+mod tarantool;
 
 use std::io::Write;
 use std::path::Path;
@@ -38,9 +41,15 @@ const SLUICE_FILE_TYPES: [&str; 2] = ["SLUICE-XLOG", "SLUICE-SNAP"];
 /// The first lines of Tarantool's files, whose layout sluice's follows but does not share.
 const TARANTOOL_FILE_TYPES: [&str; 5] = ["XLOG", "SNAP", "VYLOG", "RUN", "INDEX"];
 
-/// Refuses a file that is not a sluice WAL segment or snapshot by its first line, naming what
-/// it is instead of how its header fails to parse.
-fn check_file_type(path: &Path) -> Result<()> {
+/// Whose file it is, by its first line.
+enum FileType {
+    Sluice,
+    Tarantool,
+}
+
+/// Tells a sluice WAL segment or snapshot from a Tarantool file by its first line, and refuses
+/// anything else naming what it is instead of how its header fails to parse.
+fn check_file_type(path: &Path) -> Result<FileType> {
     use std::io::Read;
     let mut head = Vec::with_capacity(64);
     std::fs::File::open(path)
@@ -54,15 +63,18 @@ fn check_file_type(path: &Path) -> Result<()> {
             .starts_with(&head[..head.len().min(line.len())])
     });
     if sluice {
-        return Ok(());
+        return Ok(FileType::Sluice);
     }
     let first = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let first = String::from_utf8_lossy(first);
+    if first == "XLOG" || first == "SNAP" {
+        return Ok(FileType::Tarantool);
+    }
     let why = if TARANTOOL_FILE_TYPES.contains(&first.as_ref()) {
-        format!("a Tarantool {first} file, not a sluice one (Tarantool's `tt cat` reads it)")
+        format!("a Tarantool {first} file (vinyl's), which sluice does not read")
     } else {
         "not a sluice WAL segment or snapshot (their first line is SLUICE-XLOG or SLUICE-SNAP), \
-         nor a Tarantool file"
+         nor a Tarantool .xlog or .snap"
             .to_string()
     };
     Err(Error::InvalidArgument(format!(
@@ -72,7 +84,9 @@ fn check_file_type(path: &Path) -> Result<()> {
 }
 
 fn dump_all(path: &Path, out: &mut impl Write) -> std::result::Result<u64, DumpError> {
-    check_file_type(path)?;
+    if let FileType::Tarantool = check_file_type(path)? {
+        return tarantool::dump(path, out);
+    }
     let mut r = XlogReader::open(path)?;
     let io = DumpError::Output;
     let header = r.header().clone();
