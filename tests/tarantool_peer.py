@@ -88,11 +88,14 @@ def _field_dict(f: Field) -> dict:
     return d
 
 
-def init_lua(work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mode: str) -> str:
+def init_lua(
+    work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mode: str, extra_lua: str = ""
+) -> str:
     """The init script: box.cfg on a free loopback port, the spaces with a TREE primary index
     named `primary`, user USER with read and write on each space and execute on universe (sluice
-    lets any user CALL its built-in set: `box.session.user`, `box.space.NAME:count` ...), then the
-    bound address written to `ready_file` (so a reader never sees a half-made schema)."""
+    lets any user CALL its built-in set: `box.session.user`, `box.space.NAME:count` ...), the
+    `extra_lua`, then the bound address written to `ready_file` (so a reader never sees a
+    half-made schema)."""
     lines = [
         "box.cfg{",
         "    listen = '127.0.0.1:0',",
@@ -114,6 +117,7 @@ def init_lua(work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mo
         ]
     lines += [
         f"box.schema.user.grant({_lua(USER)}, 'execute', 'universe')",
+        extra_lua,
         f"local f = io.open({_lua(str(ready_file))} .. '.tmp', 'w')",
         "f:write(box.info.listen)",
         "f:close()",
@@ -171,13 +175,14 @@ class TarantoolPeer:
         spaces: tuple[Space, ...] = SPACES,
         wal_mode: str = "write",
         timeout: float = 30,
+        extra_lua: str = "",
     ) -> None:
         assert TARANTOOL is not None, TARANTOOL_MISSING
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         ready = self.work_dir / "listen.addr"
         script = self.work_dir / "init.lua"
-        script.write_text(init_lua(self.work_dir, ready, spaces, wal_mode))
+        script.write_text(init_lua(self.work_dir, ready, spaces, wal_mode, extra_lua))
         self.log_path = self.work_dir / "tarantool.log"
         self._out = open(self.work_dir / "stdout.log", "wb")
         self.proc = subprocess.Popen(

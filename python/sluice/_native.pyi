@@ -37,6 +37,7 @@ __all__ = [
     "bench",
     "msgpack_json",
     "tap_drain",
+    "tarantool_tail",
     "tuple_columns",
     "vbucket_of",
     "vbucket_positions",
@@ -389,6 +390,17 @@ def msgpack_json(data: bytes) -> str: ...
 def tuple_columns(
     batch: RawBatch, kinds: list[str], primary_key: list[int], include_deletes: bool
 ) -> dict[str, Any]: ...
+def tarantool_tail(
+    address: str,
+    fd: int,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    snapshot: bool = False,
+    max_rows: int = 0,
+    timeout: float = 10.0,
+    idle: float = 10.0,
+) -> int: ...
 def tap_drain(
     target: str,
     *,

@@ -1,4 +1,4 @@
-"""The `sluice` command: serve, status, tail, bench, user, wal-dump, config.
+"""The `sluice` command: serve, status, tail, tarantool-tail, bench, user, wal-dump, config.
 
 Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
 """
@@ -765,6 +765,28 @@ def cmd_wal_dump(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_tarantool_tail(args: argparse.Namespace) -> int:
+    if args.max < 0:
+        raise _UsageError("--max must be 0 (no limit) or more")
+    password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
+    if args.user is None and password is not None:
+        raise _UsageError("--password-stdin goes with --user")
+    # Ctrl-C ends the tail at once, as it ends `tail -f`: the native loop holds no Python state.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.stdout.flush()
+    _native.tarantool_tail(
+        args.address,
+        sys.stdout.fileno(),
+        user=args.user,
+        password=password,
+        snapshot=args.snapshot,
+        max_rows=args.max,
+        timeout=args.timeout,
+        idle=args.idle,
+    )
+    return EXIT_OK
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     cfg.to_native()
@@ -949,10 +971,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "wal-dump",
-        help="print a WAL segment or snapshot as JSON lines",
+        help="print a WAL segment or snapshot (sluice's or Tarantool's) as JSON lines",
         description="Print the records of a .xlog or .snap file as JSON lines, then a last "
         "line telling how the file ends (eof, no-eof-marker, torn, corrupt) "
-        "with its byte offset.",
+        "with its byte offset. Tarantool's own files (format 0.12 and 0.13) are read too: a first "
+        "line with the file's meta (type, version, instance, vclock), then each row as "
+        'Tarantool\'s xlog module shows it ({"HEADER": ..., "BODY": ...}).',
     )
     d.add_argument("file")
     d.set_defaults(func=cmd_wal_dump)
@@ -997,6 +1021,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")
     t.add_argument("--password-stdin", action="store_true")
     t.set_defaults(func=cmd_tail)
+
+    tt = sub.add_parser(
+        "tarantool-tail",
+        help="follow a Tarantool as an anonymous replica and print its changes as JSON lines",
+        description="Connects to a Tarantool (2.6 or later) as an anonymous replica (nothing is "
+        "registered in its _cluster; the user needs its replication role, e.g. "
+        "box.schema.user.grant('rep', 'replication')) and prints every row it replicates, as "
+        "wal-dump prints the rows of Tarantool's files. With --snapshot, first the rows of its "
+        "snapshot (the system spaces, then yours), then every change after it; otherwise the "
+        "changes from now on. Heartbeats are answered, so box.info.replication on the Tarantool "
+        "shows this reader following it.",
+        **formatter,
+    )
+    tt.add_argument("address", metavar="HOST:PORT", help="the Tarantool's iproto address")
+    tt.add_argument("--user", help="chap-sha1 user; the password is read from stdin with --password-stdin")
+    tt.add_argument("--password-stdin", action="store_true")
+    tt.add_argument("--snapshot", action="store_true", help="print the snapshot's rows first")
+    tt.add_argument("--max", type=int, default=0, help="stop after printing this many rows (0: no limit)")
+    tt.add_argument("--timeout", type=float, default=10.0, help="seconds to connect and for each answer")
+    tt.add_argument(
+        "--idle", type=float, default=10.0, help="give up after this many seconds without a row or heartbeat"
+    )
+    tt.set_defaults(func=cmd_tarantool_tail)
 
     b = sub.add_parser(
         "bench",

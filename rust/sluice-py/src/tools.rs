@@ -16,15 +16,8 @@ use crate::settings::{secs, socket_addr};
 /// Returns how many records were printed.
 #[pyfunction]
 pub(crate) fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
-    use std::os::fd::FromRawFd;
     py.detach(|| {
-        // SAFETY: dup gives us our own descriptor to own and close.
-        let own = unsafe { libc::dup(fd) };
-        if own < 0 {
-            return Err(Error::Io(format!("bad file descriptor {fd}")));
-        }
-        let file = unsafe { std::fs::File::from_raw_fd(own) };
-        let mut out = std::io::BufWriter::new(file);
+        let mut out = std::io::BufWriter::new(output(fd)?);
         let n = sluice_core::dump::dump(&path, &mut out)?;
         match std::io::Write::flush(&mut out) {
             Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
@@ -34,6 +27,50 @@ pub(crate) fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> 
         }
     })
     .map_err(to_py)
+}
+
+/// A file of our own for the caller's descriptor `fd` (stdout), closed when dropped.
+fn output(fd: i32) -> Result<std::fs::File, Error> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: dup gives us our own descriptor to own and close.
+    let own = unsafe { libc::dup(fd) };
+    if own < 0 {
+        return Err(Error::Io(format!("bad file descriptor {fd}")));
+    }
+    Ok(unsafe { std::fs::File::from_raw_fd(own) })
+}
+
+/// Follows a Tarantool at `address` as an anonymous replica and writes its rows to `fd` as JSON
+/// lines (`sluice_tools::tarantool_tail`). Returns how many rows were written.
+#[pyfunction]
+#[pyo3(signature = (address, fd, *, user=None, password=None, snapshot=false, max_rows=0, timeout=10.0, idle=10.0))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tarantool_tail(
+    py: Python<'_>,
+    address: &str,
+    fd: i32,
+    user: Option<String>,
+    password: Option<String>,
+    snapshot: bool,
+    max_rows: u64,
+    timeout: f64,
+    idle: f64,
+) -> PyResult<u64> {
+    let tail = sluice_tools::tarantool_tail::Tail {
+        upstream: sluice_server::upstream::UpstreamConfig {
+            address: address.to_string(),
+            user: user.map(|u| (u, password.unwrap_or_default())),
+            timeout: secs("timeout", timeout)?,
+        },
+        snapshot,
+        max_rows,
+        idle: secs("idle", idle)?,
+    };
+    py.detach(|| {
+        let mut out = std::io::BufWriter::new(output(fd).map_err(to_py)?);
+        tail.run(&mut out)
+            .map_err(|e| SluiceError::new_err(format!("{address}: {e}")))
+    })
 }
 
 /// Reads a TAP stream natively (acknowledging what asks) until `count` changes arrived (0: until

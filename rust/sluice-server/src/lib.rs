@@ -34,6 +34,7 @@ pub mod stream;
 pub mod tap;
 pub mod text;
 pub mod tls;
+pub mod upstream;
 
 pub use config::ServerConfig;
 pub use server::Server;

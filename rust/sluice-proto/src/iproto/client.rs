@@ -18,6 +18,13 @@ use crate::msgpack::{
 /// Starts a packet of `request_type`: a 5-byte length placeholder and the header. Returns
 /// where the packet starts, for [`finish`].
 fn begin(out: &mut Vec<u8>, request_type: u32, sync: u64, body_keys: u32) -> usize {
+    let start = begin_without_body(out, request_type, sync);
+    write_map_len(out, body_keys);
+    start
+}
+
+/// Starts a packet with a header only.
+fn begin_without_body(out: &mut Vec<u8>, request_type: u32, sync: u64) -> usize {
     let start = out.len();
     out.extend_from_slice(&[0xce, 0, 0, 0, 0]);
     write_map_len(out, 2);
@@ -25,7 +32,6 @@ fn begin(out: &mut Vec<u8>, request_type: u32, sync: u64, body_keys: u32) -> usi
     write_uint(out, request_type as u64);
     out.push(KEY_SYNC);
     write_uint(out, sync);
-    write_map_len(out, body_keys);
     start
 }
 
@@ -47,13 +53,7 @@ fn key_raw(out: &mut Vec<u8>, key: u8, value: &[u8]) {
 
 /// PING, with no body (as both connectors send it).
 pub fn write_ping(out: &mut Vec<u8>, sync: u64) {
-    let start = out.len();
-    out.extend_from_slice(&[0xce, 0, 0, 0, 0]);
-    write_map_len(out, 2);
-    out.push(KEY_REQUEST_TYPE);
-    write_uint(out, PING as u64);
-    out.push(KEY_SYNC);
-    write_uint(out, sync);
+    let start = begin_without_body(out, PING, sync);
     finish(out, start);
 }
 
@@ -87,6 +87,120 @@ pub fn write_auth(out: &mut Vec<u8>, sync: u64, user: &str, scramble: &[u8; 20])
     write_str(out, "chap-sha1");
     write_str_bytes(out, scramble);
     finish(out, start);
+}
+
+/// VOTE (no body): the upstream answers with its ballot (`decode_ballot`).
+pub fn write_vote(out: &mut Vec<u8>, sync: u64) {
+    let start = begin_without_body(out, VOTE, sync);
+    finish(out, start);
+}
+
+/// FETCH_SNAPSHOT (an empty body): the upstream answers OK with the vclock of its read view,
+/// the read view's rows (INSERTs, the system spaces first), then OK with its vclock at the end.
+pub fn write_fetch_snapshot(out: &mut Vec<u8>, sync: u64) {
+    let start = begin(out, FETCH_SNAPSHOT, sync, 0);
+    finish(out, start);
+}
+
+/// SUBSCRIBE as an anonymous replica: `{INSTANCE_UUID, VCLOCK, REPLICA_ANON: true}`. The
+/// upstream answers OK with its vclock, then sends every row after `vclock`, and heartbeats.
+pub fn write_subscribe(out: &mut Vec<u8>, sync: u64, instance_uuid: &str, vclock: &Vclock) {
+    let start = begin(out, SUBSCRIBE, sync, 3);
+    out.push(KEY_INSTANCE_UUID);
+    write_str(out, instance_uuid);
+    out.push(KEY_VCLOCK);
+    write_vclock(out, vclock);
+    out.push(KEY_REPLICA_ANON);
+    out.push(0xc3);
+    finish(out, start);
+}
+
+/// A replica's answer to a heartbeat: OK with its vclock, which the upstream shows as the
+/// replica's progress (`box.info.replication[n].downstream`).
+pub fn write_vclock_ack(out: &mut Vec<u8>, vclock: &Vclock) {
+    let start = out.len();
+    out.extend_from_slice(&[0xce, 0, 0, 0, 0]);
+    write_map_len(out, 1);
+    out.push(KEY_REQUEST_TYPE);
+    write_uint(out, OK as u64);
+    write_map_len(out, 1);
+    out.push(KEY_VCLOCK);
+    write_vclock(out, vclock);
+    finish(out, start);
+}
+
+/// A vclock: per replica id (below 32), the LSN of its last row.
+pub type Vclock = std::collections::BTreeMap<u32, u64>;
+
+pub fn write_vclock(out: &mut Vec<u8>, vclock: &Vclock) {
+    write_map_len(out, vclock.len() as u32);
+    for (&id, &lsn) in vclock {
+        write_uint(out, id as u64);
+        write_uint(out, lsn);
+    }
+}
+
+/// A vclock map; ids must be below 32 (Tarantool's VCLOCK_MAX).
+pub fn read_vclock(r: &mut Reader<'_>) -> Result<Vclock, ResponseError> {
+    let n = r.read_map_len()?;
+    let mut out = Vclock::new();
+    for _ in 0..n {
+        let id = r.read_uint()?;
+        let lsn = r.read_uint()?;
+        if id >= 32 {
+            return Err(ResponseError(format!(
+                "vclock component {id}: ids are below 32"
+            )));
+        }
+        out.insert(id as u32, lsn);
+    }
+    Ok(out)
+}
+
+/// The vclock under key 0x26 of a body map (an OK of FETCH_SNAPSHOT, JOIN or SUBSCRIBE).
+pub fn body_vclock(body: &[u8]) -> Result<Option<Vclock>, ResponseError> {
+    let mut r = Reader::new(body);
+    for _ in 0..r.read_map_len()? {
+        if r.read_uint()? == KEY_VCLOCK as u64 {
+            return read_vclock(&mut r).map(Some);
+        }
+        r.skip_value(MAX_DEPTH)?;
+    }
+    Ok(None)
+}
+
+/// What an upstream says of itself in its ballot (VOTE's answer, key 0x29).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ballot {
+    pub is_ro: bool,
+    /// Its vclock now.
+    pub vclock: Vclock,
+    /// The oldest vclock its WAL still holds: a replica behind it cannot SUBSCRIBE, it must
+    /// fetch the snapshot again.
+    pub gc_vclock: Vclock,
+}
+
+pub fn decode_ballot(body: &[u8]) -> Result<Ballot, ResponseError> {
+    let mut r = Reader::new(body);
+    let mut ballot = None;
+    for _ in 0..r.read_map_len()? {
+        if r.read_uint()? != KEY_BALLOT as u64 {
+            r.skip_value(MAX_DEPTH)?;
+            continue;
+        }
+        let mut b = Ballot::default();
+        for _ in 0..r.read_map_len()? {
+            match r.read_uint()? {
+                // IS_RO (4), and IS_RO_CFG (1) where an older one sends only that.
+                1 | 4 => b.is_ro |= matches!(r.read_value()?, Value::Bool(true)),
+                2 => b.vclock = read_vclock(&mut r)?,
+                3 => b.gc_vclock = read_vclock(&mut r)?,
+                _ => r.skip_value(MAX_DEPTH)?,
+            }
+        }
+        ballot = Some(b);
+    }
+    ballot.ok_or_else(|| ResponseError("no ballot in VOTE's answer".into()))
 }
 
 /// A SELECT's parameters; `key` is the encoded MessagePack array of key parts.

@@ -21,6 +21,7 @@ pub const PING: u32 = 64;
 pub const JOIN: u32 = 65;
 pub const SUBSCRIBE: u32 = 66;
 pub const VOTE: u32 = 68;
+pub const FETCH_SNAPSHOT: u32 = 69;
 /// IPROTO_ID, added in Tarantool 2.10 (2.6 answers it with ER_UNKNOWN_REQUEST_TYPE).
 pub const ID: u32 = 73;
 /// An error answer's type is this bit or'ed with the error code.
@@ -63,6 +64,8 @@ pub const KEY_DATA: u8 = 0x30;
 pub const KEY_ERROR_24: u8 = 0x31;
 pub const KEY_METADATA: u8 = 0x32;
 pub const KEY_SQL_TEXT: u8 = 0x40;
+/// SUBSCRIBE as an anonymous replica (no slot in the upstream's `_cluster`).
+pub const KEY_REPLICA_ANON: u8 = 0x50;
 pub const KEY_SQL_BIND: u8 = 0x41;
 pub const KEY_SQL_INFO: u8 = 0x42;
 pub const KEY_STMT_ID: u8 = 0x43;

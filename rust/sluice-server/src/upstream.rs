@@ -1,0 +1,300 @@
+//! A real Tarantool followed as its anonymous replica (Tarantool's applier, the network side):
+//! connect and read the greeting, log in with chap-sha1, ask for the ballot (VOTE), fetch the
+//! snapshot (FETCH_SNAPSHOT), then SUBSCRIBE from a vclock and receive every row after it,
+//! answering heartbeats with the vclock applied so far, so the upstream's
+//! `box.info.replication` shows this reader following it. Anonymous: nothing takes a slot in
+//! the upstream's `_cluster`; the user needs Tarantool's `replication` role.
+//!
+//! Rows are handed to the caller as `sluice_proto::iproto::xrow::Row`s, borrowed from the read
+//! buffer. `sluice tarantool-tail` prints them; applying them to spaces is the caller's part.
+
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use sluice_proto::iproto::client::{self, Ballot, Vclock};
+use sluice_proto::iproto::xrow::{self, Row};
+use sluice_proto::iproto::{codes, frame, greeting};
+use sluice_proto::msgpack::Reader;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The largest row accepted from an upstream (Tarantool's own limit on a packet is 2 GiB; a
+/// tuple is at most its `memtx_max_tuple_size`, 1 MiB by default).
+const MAX_ROW: usize = 256 << 20;
+
+/// How often the replica tells the upstream its vclock while following. The upstream drops a
+/// replica it has not heard from for 4 × its `replication_timeout` (1 s by default), and
+/// sends heartbeats only when it has no rows to send, so the replica speaks up on its own.
+const ACK_EVERY: Duration = Duration::from_millis(250);
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the upstream answered with error {code}: {message}")]
+    Refused { code: u32, message: String },
+    #[error("the upstream sent something that is not iproto: {0}")]
+    Protocol(String),
+    #[error("no answer from the upstream within {0:?}")]
+    Timeout(Duration),
+}
+
+fn protocol(why: impl ToString) -> UpstreamError {
+    UpstreamError::Protocol(why.to_string())
+}
+
+/// Where and as whom to follow.
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// HOST:PORT.
+    pub address: String,
+    /// None: guest.
+    pub user: Option<(String, String)>,
+    /// For the connection, the login and each answer before the row stream; the stream itself
+    /// waits as long as the upstream's heartbeats keep coming.
+    pub timeout: Duration,
+}
+
+/// What the caller's row handler says.
+pub enum Next {
+    Continue,
+    Stop,
+}
+
+/// One logged-in connection to the upstream.
+pub struct Upstream {
+    socket: TcpStream,
+    buf: BytesMut,
+    sync: u64,
+    timeout: Duration,
+    /// What the greeting said: `Tarantool 2.6.0` and the instance's uuid.
+    pub version: String,
+    pub instance_uuid: String,
+}
+
+impl Upstream {
+    /// Connects, reads the greeting and logs in (as guest without a user).
+    pub async fn connect(config: &UpstreamConfig) -> Result<Upstream, UpstreamError> {
+        let t = config.timeout;
+        let socket = within(t, TcpStream::connect(&config.address)).await??;
+        socket.set_nodelay(true)?;
+        let mut up = Upstream {
+            socket,
+            buf: BytesMut::with_capacity(64 << 10),
+            sync: 0,
+            timeout: t,
+            version: String::new(),
+            instance_uuid: String::new(),
+        };
+        let mut text = [0u8; greeting::GREETING_SIZE];
+        within(t, up.socket.read_exact(&mut text)).await??;
+        let hello = greeting::parse(&text).map_err(|e| protocol(format!("greeting: {e:?}")))?;
+        up.version = hello.version.clone();
+        up.instance_uuid = hello.instance_uuid.clone();
+        if let Some((user, password)) = &config.user {
+            let scramble =
+                client::chap_sha1_scramble(&hello.salt, password.as_bytes(), crate::auth::sha1);
+            let mut req = Vec::new();
+            let sync = up.next_sync();
+            client::write_auth(&mut req, sync, user, &scramble);
+            up.send(&req).await?;
+            up.answer(|_| Ok(())).await?;
+        }
+        Ok(up)
+    }
+
+    fn next_sync(&mut self) -> u64 {
+        self.sync += 1;
+        self.sync
+    }
+
+    async fn send(&mut self, bytes: &[u8]) -> Result<(), UpstreamError> {
+        within(self.timeout, self.socket.write_all(bytes)).await??;
+        Ok(())
+    }
+
+    /// The upstream's ballot; None from an upstream that does not know VOTE.
+    pub async fn ballot(&mut self) -> Result<Option<Ballot>, UpstreamError> {
+        let mut req = Vec::new();
+        let sync = self.next_sync();
+        client::write_vote(&mut req, sync);
+        self.send(&req).await?;
+        match self
+            .answer(|body| client::decode_ballot(body).map_err(protocol))
+            .await
+        {
+            Ok(ballot) => Ok(Some(ballot)),
+            Err(UpstreamError::Refused { code, .. }) if code == codes::ER_UNKNOWN_REQUEST_TYPE => {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// FETCH_SNAPSHOT: hands every row of the upstream's read view to `each` and returns the
+    /// read view's vclock, from which to SUBSCRIBE (rows after it were not in the read view).
+    pub async fn fetch_snapshot(
+        &mut self,
+        mut each: impl FnMut(&Row<'_>) -> Result<(), UpstreamError>,
+    ) -> Result<Vclock, UpstreamError> {
+        let mut req = Vec::new();
+        let sync = self.next_sync();
+        client::write_fetch_snapshot(&mut req, sync);
+        self.send(&req).await?;
+        let start = self.answer(vclock_of).await?;
+        loop {
+            let t = self.timeout;
+            let n = within(t, self.fill()).await??;
+            let packet = &self.buf[..n];
+            let row = decode(packet)?;
+            match row.header.kind {
+                codes::OK => {
+                    self.buf.advance(n);
+                    return Ok(start);
+                }
+                k if k & codes::TYPE_ERROR != 0 => return Err(refusal(&row)),
+                _ => each(&row)?,
+            }
+            self.buf.advance(n);
+        }
+    }
+
+    /// SUBSCRIBE from `vclock`: hands every row after it to `each` until `each` says stop or
+    /// the connection fails; the vclock of the rows handed over so far goes back to the
+    /// upstream every `ACK_EVERY` and in answer to its heartbeats. `idle` bounds the wait for
+    /// the next row or heartbeat (Tarantool sends one every `replication_timeout`, 1 s by
+    /// default, when it has no rows to send).
+    pub async fn subscribe(
+        &mut self,
+        instance_uuid: &str,
+        mut vclock: Vclock,
+        idle: Duration,
+        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+    ) -> Result<Vclock, UpstreamError> {
+        let mut req = Vec::new();
+        let sync = self.next_sync();
+        client::write_subscribe(&mut req, sync, instance_uuid, &vclock);
+        self.send(&req).await?;
+        self.answer(|_| Ok(())).await?;
+        let mut ack = Vec::new();
+        let mut heard = Instant::now();
+        let mut acked = Instant::now();
+        loop {
+            let wait = ACK_EVERY.saturating_sub(acked.elapsed());
+            // Reading is cancel-safe: what arrived stays in the buffer for the next round.
+            let mut heartbeat = false;
+            let mut stop = false;
+            if let Ok(n) = tokio::time::timeout(wait, self.fill()).await {
+                let n = n?;
+                heard = Instant::now();
+                let row = decode(&self.buf[..n])?;
+                let kind = row.header.kind;
+                if kind & codes::TYPE_ERROR != 0 {
+                    return Err(refusal(&row));
+                }
+                if kind == codes::OK {
+                    heartbeat = true;
+                } else {
+                    if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
+                        vclock.insert(id, lsn);
+                    }
+                    stop = matches!(each(&row)?, Next::Stop);
+                }
+                self.buf.advance(n);
+            } else if heard.elapsed() >= idle {
+                return Err(UpstreamError::Timeout(idle));
+            }
+            if heartbeat || acked.elapsed() >= ACK_EVERY {
+                ack.clear();
+                client::write_vclock_ack(&mut ack, &vclock);
+                within(self.timeout, self.socket.write_all(&ack)).await??;
+                acked = Instant::now();
+            }
+            if stop {
+                return Ok(vclock);
+            }
+        }
+    }
+
+    /// The answer to the last request: `body` of an OK handed to `read`, an error as
+    /// `Refused`.
+    async fn answer<T>(
+        &mut self,
+        read: impl FnOnce(&[u8]) -> Result<T, UpstreamError>,
+    ) -> Result<T, UpstreamError> {
+        let t = self.timeout;
+        let n = within(t, self.fill()).await??;
+        let row = decode(&self.buf[..n])?;
+        let out = if row.header.kind & codes::TYPE_ERROR != 0 {
+            Err(refusal(&row))
+        } else {
+            read(row.body.unwrap_or(b"\x80"))
+        };
+        self.buf.advance(n);
+        out
+    }
+
+    /// Reads until the buffer holds a whole packet; its length (prefix included).
+    async fn fill(&mut self) -> Result<usize, UpstreamError> {
+        loop {
+            match frame::check(&self.buf, MAX_ROW) {
+                Ok(Some(n)) => return Ok(n),
+                Ok(None) => {}
+                Err(e) => return Err(protocol(e.message())),
+            }
+            if self.socket.read_buf(&mut self.buf).await? == 0 {
+                return Err(UpstreamError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the upstream closed the connection",
+                )));
+            }
+        }
+    }
+}
+
+async fn within<F: std::future::Future>(t: Duration, f: F) -> Result<F::Output, UpstreamError> {
+    tokio::time::timeout(t, f)
+        .await
+        .map_err(|_| UpstreamError::Timeout(t))
+}
+
+/// One packet (length prefix included) as a row.
+fn decode(packet: &[u8]) -> Result<Row<'_>, UpstreamError> {
+    let mut r = Reader::new(packet);
+    r.read_uint().map_err(protocol)?;
+    let row = xrow::decode_row(&mut r).map_err(protocol)?;
+    if !r.is_empty() {
+        return Err(protocol("bytes after a row's body"));
+    }
+    Ok(row)
+}
+
+fn vclock_of(body: &[u8]) -> Result<Vclock, UpstreamError> {
+    client::body_vclock(body)
+        .map_err(protocol)?
+        .ok_or_else(|| protocol("an OK without the vclock it must carry"))
+}
+
+/// An error row as `Refused`: its code and message (IPROTO_ERROR_24).
+fn refusal(row: &Row<'_>) -> UpstreamError {
+    let code = row.header.kind & !codes::TYPE_ERROR;
+    let mut message = String::new();
+    if let Some(body) = row.body {
+        let mut r = Reader::new(body);
+        if let Ok(n) = r.read_map_len() {
+            for _ in 0..n {
+                let Ok(key) = r.read_uint() else { break };
+                if key == codes::KEY_ERROR_24 as u64 {
+                    if let Ok(text) = r.read_str() {
+                        message = String::from_utf8_lossy(text).into_owned();
+                    }
+                    break;
+                }
+                if r.skip_value(sluice_proto::iproto::MAX_DEPTH).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    UpstreamError::Refused { code, message }
+}
