@@ -48,14 +48,13 @@ pub struct Row<'a> {
     pub body: Option<&'a [u8]>,
 }
 
-/// Reads the next row of `r`: a header map, then a body map unless the input ends or the next
-/// value is another header (a row without a body, as heartbeats are, is followed by the next
-/// row's header). Every value is checked before it is used; nesting beyond `MAX_DEPTH` is
-/// refused.
+/// Reads the next row of `r`: a header map, then a body map unless the input ends there or the
+/// row is a NOP, which has none (in a file the next row's header follows it, as Tarantool's
+/// own reader assumes). Every value is checked before it is used; nesting beyond `MAX_DEPTH`
+/// is refused.
 pub fn decode_row<'a>(r: &mut Reader<'a>) -> Result<Row<'a>, DecodeError> {
     let header = decode_header(r)?;
-    // In a file a body always follows its header; a row stream may end after a header.
-    let body = if r.is_empty() {
+    let body = if r.is_empty() || header.kind == super::codes::NOP {
         None
     } else {
         let at = r.position();
@@ -306,6 +305,18 @@ mod tests {
             decode_row(&mut Reader::new(past)).is_err(),
             "a transaction before LSN 0"
         );
+    }
+
+    #[test]
+    fn a_nop_has_no_body_and_the_next_row_follows() {
+        // {type: NOP, lsn: 7} then {type: INSERT, lsn: 8} {space_id: 512}
+        let bytes = b"\x82\x00\x0c\x03\x07\x82\x00\x02\x03\x08\x81\x10\xcd\x02\x00";
+        let mut r = Reader::new(bytes);
+        let nop = decode_row(&mut r).unwrap();
+        assert_eq!((nop.header.kind, nop.body), (12, None));
+        let insert = decode_row(&mut r).unwrap();
+        assert_eq!(insert.header.lsn, Some(8));
+        assert!(insert.body.is_some() && r.is_empty());
     }
 
     #[test]
