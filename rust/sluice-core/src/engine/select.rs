@@ -283,11 +283,15 @@ impl Engine {
         if !matches!(vb.state, VbState::Active | VbState::Replica) {
             return Some(None);
         }
-        let now = now_secs();
+        // The clock is read only for an item that can expire (a tuple written over iproto
+        // never does).
         Some(
             vb.store
                 .get(key)
-                .filter(|i| !i.meta().deleted && !is_expired(&i.meta(), now))
+                .filter(|i| {
+                    let meta = i.meta();
+                    !meta.deleted && (meta.expiry == 0 || !is_expired(&meta, now_secs()))
+                })
                 .map(read),
         )
     }

@@ -57,6 +57,7 @@ pub(crate) enum MpType {
     Ext,
 }
 
+#[inline]
 pub(crate) fn mp_type(marker: u8) -> MpType {
     match marker {
         0x00..=0x7f | 0xcc..=0xcf => MpType::UInt,

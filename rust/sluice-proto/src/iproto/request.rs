@@ -190,11 +190,24 @@ pub fn decode(packet: &[u8]) -> Result<(Header, Request<'_>), RequestError> {
         .map_err(|_| RequestError::invalid(None, "packet length"))?;
     let header = decode_header(&mut r)?;
     let sync = header.sync;
+    let dml = matches!(
+        header.code,
+        codes::SELECT
+            | codes::INSERT
+            | codes::REPLACE
+            | codes::UPDATE
+            | codes::DELETE
+            | codes::UPSERT
+    );
     let body = if r.is_empty() {
         None
     } else if header.code == codes::NOP {
         // A NOP carries no body: the bytes after its header are left over.
         return Err(RequestError::invalid(Some(sync), "packet body"));
+    } else if dml {
+        // Checked as it is decoded (every value stepped over or read, nothing after the map):
+        // the requests every load sends walk their body once.
+        Some(r.rest())
     } else {
         let body = r
             .read_raw_value(MAX_DEPTH)
@@ -298,13 +311,14 @@ fn decode_dml<'a>(
         let (mut r, n) = body_reader(sync, body)?;
         for _ in 0..n {
             let first = r.peek_marker().unwrap_or(0xc1);
+            // The body map is a level of nesting itself.
             let Some(expected) = dml_key_type(first) else {
-                r.skip_value(MAX_DEPTH).map_err(bad)?;
-                r.skip_value(MAX_DEPTH).map_err(bad)?;
+                r.skip_value(MAX_DEPTH - 1).map_err(bad)?;
+                r.skip_value(MAX_DEPTH - 1).map_err(bad)?;
                 continue;
             };
             r.read_uint().map_err(bad)?;
-            let value = r.read_raw_value(MAX_DEPTH).map_err(bad)?;
+            let value = r.read_raw_value(MAX_DEPTH - 1).map_err(bad)?;
             if mp_type(value[0]) != expected {
                 return Err(RequestError::invalid(Some(sync), "packet body"));
             }
@@ -322,6 +336,9 @@ fn decode_dml<'a>(
                 0x28 => d.ops = Some(value),
                 _ => {} // TUPLE_META: checked, unused
             }
+        }
+        if !r.is_empty() {
+            return Err(RequestError::invalid(Some(sync), "packet body"));
         }
     }
     // The mandatory fields of each type, lowest key first: Tarantool names the lowest missing.
