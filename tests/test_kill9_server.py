@@ -101,11 +101,22 @@ def _round(node: Node, tag: str, value_size: int, rng: random.Random, tmp: Path)
     return acked
 
 
-@pytest.mark.parametrize("mode", ["write", "fsync"])
-@pytest.mark.parametrize("value_size", [100, 4096])
-def test_kill_9_under_pipelined_load_loses_no_acknowledged_write(tmp_path, mode, value_size):
+@pytest.mark.parametrize(
+    ("mode", "value_size", "segment_size"),
+    [
+        ("write", 100, None),
+        ("write", 4096, None),
+        ("fsync", 100, None),
+        ("fsync", 4096, None),
+        # Segments full every few milliseconds: the kill lands while one is being closed
+        # (synced on the writer thread while replies write the next one).
+        ("write", 4096, "1MiB"),
+    ],
+)
+def test_kill_9_under_pipelined_load_loses_no_acknowledged_write(tmp_path, mode, value_size, segment_size):
     config = tmp_path / "sluice.toml"
-    config.write_text(f'[wal]\nmode = "{mode}"\n')
+    segment = f'segment_size = "{segment_size}"\n' if segment_size else ""
+    config.write_text(f'[wal]\nmode = "{mode}"\n{segment}')
     data_dir = tmp_path / "data"
     rng = random.Random(f"{mode}-{value_size}")
     acked: dict[bytes, bytes] = {}

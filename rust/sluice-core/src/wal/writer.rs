@@ -916,20 +916,12 @@ fn writer_loop(shared: Arc<Shared>) {
             }
         }
         let next_lsn = w.written + 1;
+        let mut closing = None;
         if (rotate && w.segment.records > 0) || w.segment.size >= w.cfg.segment_size {
             match Segment::create(&w.cfg, next_lsn) {
                 Ok(new) => {
                     let old = std::mem::replace(&mut w.segment, new);
-                    match old.close(&w.cfg.dir) {
-                        // Closing syncs the old segment: all it holds is synced now.
-                        Ok(()) => {
-                            w.synced = w.written;
-                            let mut d = shared.durable.lock();
-                            d.synced = w.synced;
-                            shared.announce();
-                        }
-                        Err(e) => log::error!("closing WAL segment: {e}"),
-                    }
+                    closing = Some((old, w.written, w.cfg.dir.clone()));
                 }
                 Err(e) => log::error!(
                     "cannot start a new WAL segment, continuing in the current one: {e}"
@@ -941,10 +933,32 @@ fn writer_loop(shared: Arc<Shared>) {
             if shared.queue.lock().crash {
                 return;
             }
-            if let Err(e) = w.segment.close(&w.cfg.dir) {
-                log::error!("closing WAL segment at shutdown: {e}");
+            for segment in closing.map(|(old, ..)| old).into_iter().chain([w.segment]) {
+                if let Err(e) = segment.close(&w.cfg.dir) {
+                    log::error!("closing WAL segment at shutdown: {e}");
+                }
             }
             return;
+        }
+        // The full segment is closed with the writer lock released: closing syncs it, which
+        // takes as long as its dirty pages do (a 64 MiB segment, a good part of a second on a
+        // slow disk), and meanwhile replies leading their own batches write the new segment.
+        // Nothing counts as synced past the old segment until it is closed, and only this
+        // thread syncs, so no sync of the new segment can be announced before it.
+        drop(guard);
+        if let Some((old, upto, dir)) = closing {
+            match old.close(&dir) {
+                // Closing syncs the old segment: all it holds is synced now.
+                Ok(()) => {
+                    if let Some(w) = shared.writer.lock().as_mut() {
+                        w.synced = w.synced.max(upto);
+                    }
+                    let mut d = shared.durable.lock();
+                    d.synced = d.synced.max(upto);
+                    shared.announce();
+                }
+                Err(e) => log::error!("closing WAL segment: {e}"),
+            }
         }
     }
 }
