@@ -109,13 +109,5 @@ fn random_uuid() -> String {
     getrandom::fill(&mut b).expect("the system's randomness");
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
+    sluice_proto::iproto::json::uuid_text(&b).expect("16 bytes")
 }
