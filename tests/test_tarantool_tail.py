@@ -132,3 +132,40 @@ def test_a_wrong_password_is_a_clear_error(peer):
     assert proc.wait(timeout=30) == 1
     assert proc.stderr is not None
     assert f"Incorrect password supplied for user '{USER}'" in proc.stderr.read()
+
+
+def test_a_state_file_resumes_where_it_stopped(tmp_path):
+    grant = f"box.schema.user.grant('{USER}', 'replication') box.cfg{{checkpoint_count = 1}}"
+    with TarantoolPeer(tmp_path / "tarantool", extra_lua=grant) as peer:
+        conn = tarantool.Connection(peer.host, peer.port, user=USER, password=PASSWORD)
+        state = tmp_path / "tail.state"
+        proc, lines = start_tail(peer, "--snapshot", "--state", str(state), "--max", "10000")
+        try:
+            users = lambda rs: [r for r in rs if r.get("BODY", {}).get("space_id") == USERS.id]  # noqa: E731
+            conn.replace(USERS.name, [1, "one", 1])
+            rows_until(lines, lambda rs: len(users(rs)) == 1)
+        finally:
+            proc.kill()
+            proc.wait()
+        for i in range(2, 8):
+            conn.replace(USERS.name, [i, "later", i])
+        # Resumed: the rows after the saved position, none twice, none missing.
+        proc, lines = start_tail(peer, "--state", str(state), "--max", "6")
+        assert proc.wait(timeout=60) == 0
+        rows = rows_until(lines, lambda rs: len(rs) == 6)
+        assert [r["BODY"]["tuple"][0] for r in rows] == [2, 3, 4, 5, 6, 7]
+        assert lines.get(timeout=5) is None
+        saved = json.loads(state.read_text())["vclock"]
+        assert saved == {str(rows[-1]["HEADER"]["replica_id"]): rows[-1]["HEADER"]["lsn"]}
+
+        # Rows written and then collected from the Tarantool's WAL while nobody followed: the
+        # saved position cannot be resumed, and it says so.
+        conn.replace(USERS.name, [8, "gone", 8])
+        conn.eval("box.snapshot()")
+        conn.replace(USERS.name, [9, "gone", 9])
+        conn.eval("box.snapshot()")
+        proc, lines = start_tail(peer, "--state", str(state))
+        assert proc.wait(timeout=60) == 1
+        assert proc.stderr is not None
+        assert "no longer holds the rows after the saved position" in proc.stderr.read()
+        conn.close()

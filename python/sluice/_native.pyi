@@ -400,6 +400,7 @@ def tarantool_tail(
     max_rows: int = 0,
     timeout: float = 10.0,
     idle: float = 10.0,
+    state: str | os.PathLike[str] | None = None,
 ) -> int: ...
 def tap_drain(
     target: str,

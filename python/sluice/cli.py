@@ -783,6 +783,7 @@ def cmd_tarantool_tail(args: argparse.Namespace) -> int:
         max_rows=args.max,
         timeout=args.timeout,
         idle=args.idle,
+        state=args.state,
     )
     return EXIT_OK
 
@@ -1037,7 +1038,16 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("address", metavar="HOST:PORT", help="the Tarantool's iproto address")
     tt.add_argument("--user", help="chap-sha1 user; the password is read from stdin with --password-stdin")
     tt.add_argument("--password-stdin", action="store_true")
-    tt.add_argument("--snapshot", action="store_true", help="print the snapshot's rows first")
+    tt.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="print the snapshot's rows first (not when resuming from --state)",
+    )
+    tt.add_argument(
+        "--state",
+        metavar="FILE",
+        help="resume from the position saved in FILE, and save it after every row printed",
+    )
     tt.add_argument("--max", type=int, default=0, help="stop after printing this many rows (0: no limit)")
     tt.add_argument("--timeout", type=float, default=10.0, help="seconds to connect and for each answer")
     tt.add_argument(

@@ -43,7 +43,7 @@ fn output(fd: i32) -> Result<std::fs::File, Error> {
 /// Follows a Tarantool at `address` as an anonymous replica and writes its rows to `fd` as JSON
 /// lines (`sluice_tools::tarantool_tail`). Returns how many rows were written.
 #[pyfunction]
-#[pyo3(signature = (address, fd, *, user=None, password=None, snapshot=false, max_rows=0, timeout=10.0, idle=10.0))]
+#[pyo3(signature = (address, fd, *, user=None, password=None, snapshot=false, max_rows=0, timeout=10.0, idle=10.0, state=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tarantool_tail(
     py: Python<'_>,
@@ -55,6 +55,7 @@ pub(crate) fn tarantool_tail(
     max_rows: u64,
     timeout: f64,
     idle: f64,
+    state: Option<PathBuf>,
 ) -> PyResult<u64> {
     let tail = sluice_tools::tarantool_tail::Tail {
         upstream: sluice_server::upstream::UpstreamConfig {
@@ -65,6 +66,7 @@ pub(crate) fn tarantool_tail(
         snapshot,
         max_rows,
         idle: secs("idle", idle)?,
+        state,
     };
     py.detach(|| {
         let mut out = std::io::BufWriter::new(output(fd).map_err(to_py)?);

@@ -1,10 +1,14 @@
 //! `sluice tarantool-tail`: a real Tarantool followed as an anonymous replica
 //! (`sluice_server::upstream`), its rows written as JSON lines as `sluice wal-dump` prints the
 //! rows of Tarantool's files: optionally its snapshot first, then every change as it happens.
+//! With a state file it resumes where it stopped: the vclock of the last row written is saved
+//! after each row (`{"vclock": {"1": 37}}`, written to a temporary file and renamed over it).
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::time::Duration;
 
+use sluice_proto::iproto::client::Vclock;
 use sluice_proto::iproto::xrow::Row;
 use sluice_server::upstream::{Next, Upstream, UpstreamConfig, UpstreamError};
 
@@ -18,6 +22,51 @@ pub struct Tail {
     pub max_rows: u64,
     /// How long to wait for a row or a heartbeat before giving up.
     pub idle: Duration,
+    /// Where to resume from and save the position; when it exists, `snapshot` is not fetched.
+    pub state: Option<PathBuf>,
+}
+
+fn state_error(path: &std::path::Path, why: impl std::fmt::Display) -> UpstreamError {
+    UpstreamError::Io(std::io::Error::other(format!(
+        "state file {}: {why}",
+        path.display()
+    )))
+}
+
+/// The vclock a state file holds; None when there is no file yet.
+fn load_state(path: &std::path::Path) -> Result<Option<Vclock>, UpstreamError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(state_error(path, e)),
+    };
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| state_error(path, format!("not JSON: {e}")))?;
+    let bad = || state_error(path, r#"expected {"vclock": {"ID": LSN, ...}}"#);
+    let mut vclock = Vclock::new();
+    for (id, lsn) in doc
+        .get("vclock")
+        .and_then(|v| v.as_object())
+        .ok_or_else(bad)?
+    {
+        let id: u32 = id.parse().map_err(|_| bad())?;
+        let lsn = lsn.as_u64().ok_or_else(bad)?;
+        if id >= 32 {
+            return Err(bad());
+        }
+        vclock.insert(id, lsn);
+    }
+    Ok(Some(vclock))
+}
+
+fn save_state(path: &std::path::Path, vclock: &Vclock) -> Result<(), UpstreamError> {
+    let doc = serde_json::json!({
+        "vclock": vclock.iter().map(|(id, lsn)| (id.to_string(), serde_json::Value::from(*lsn))).collect::<serde_json::Map<_, _>>()
+    });
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{doc}\n"))
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| state_error(path, e))
 }
 
 impl Tail {
@@ -33,12 +82,33 @@ impl Tail {
             written: 0,
             max_rows: self.max_rows,
         };
+        let saved = match &self.state {
+            Some(path) => load_state(path)?,
+            None => None,
+        };
         rt.block_on(async {
             let mut up = Upstream::connect(&self.upstream).await?;
             let ballot = up.ballot().await?;
+            if let (Some(ours), Some(b)) = (&saved, &ballot) {
+                // The rows after our position are gone from the upstream's WAL once its oldest
+                // kept vclock passed it: SUBSCRIBE would miss them.
+                if let Some((id, lsn)) = b
+                    .gc_vclock
+                    .iter()
+                    .find(|(id, lsn)| ours.get(id).copied().unwrap_or(0) < **lsn)
+                {
+                    return Err(UpstreamError::Protocol(format!(
+                        "the Tarantool no longer holds the rows after the saved position \
+                         {ours:?} (its WAL starts after LSN {lsn} of replica {id}): start \
+                         again from its snapshot (--snapshot, without the state file)"
+                    )));
+                }
+            }
             let mut from = ballot.map(|b| b.vclock).unwrap_or_default();
             let mut stopped = false;
-            if self.snapshot {
+            if let Some(ours) = &saved {
+                from = ours.clone();
+            } else if self.snapshot {
                 from = up
                     .fetch_snapshot(|row| {
                         if !stopped {
@@ -48,6 +118,10 @@ impl Tail {
                     })
                     .await?;
                 printer.flush();
+                // A snapshot cut short by --max is not a position to resume from.
+                if let (false, Some(path)) = (stopped, &self.state) {
+                    save_state(path, &from)?;
+                }
             }
             if stopped {
                 return Ok(());
@@ -58,8 +132,22 @@ impl Tail {
                 up.version,
                 up.instance_uuid
             );
+            let mut position = from.clone();
             up.subscribe(&random_uuid(), from, self.idle, |row| {
-                printer.row(row, true)
+                let before = printer.written;
+                let next = printer.row(row, true)?;
+                // Saved once the row is out: a row written but not saved (a kill between the
+                // two) is written again on resume, never skipped.
+                if let (true, Some(path), Some(id), Some(lsn)) = (
+                    printer.written > before,
+                    &self.state,
+                    row.header.replica_id,
+                    row.header.lsn,
+                ) {
+                    position.insert(id, lsn);
+                    save_state(path, &position)?;
+                }
+                Ok(next)
             })
             .await
             .map(|_| ())
