@@ -7,8 +7,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use proptest::prelude::*;
+use sluice_proto::base64;
 use sluice_proto::iproto::tuple::{check_format, extract_key, FieldDef, FieldType, KeyPart};
-use sluice_proto::iproto::{frame, request, update, xlog, xrow, MAX_PACKET_SIZE};
+use sluice_proto::iproto::{frame, json, request, update, xlog, xrow, MAX_DEPTH, MAX_PACKET_SIZE};
 use sluice_proto::msgpack::{write_array_len, write_int, write_str, Reader};
 
 struct Counting;
@@ -243,6 +244,25 @@ proptest! {
             let _ = xlog::parse_meta(&bytes);
         });
         prop_assert!(held <= 16 * bytes.len() + 64 + bound(bytes.len()));
+    }
+
+    /// Any bytes as JSON (tuples printed by tail and the Spark columns) and as Tarantool's
+    /// DECIMAL: no panic, and the text within a small multiple of the input, however the
+    /// values and map keys nest.
+    #[test]
+    fn fuzz_json_and_decimal_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let mut text = String::new();
+        let _ = json::write_json(&mut sluice_proto::msgpack::Reader::new(&bytes), &mut text, MAX_DEPTH);
+        prop_assert!(text.len() <= 16 * bytes.len() + 64, "{} bytes of JSON for {}", text.len(), bytes.len());
+        let _ = json::decimal_text(&bytes);
+    }
+
+    /// base64 refuses what is not padded standard base64 without a panic, and reads back what
+    /// it writes.
+    #[test]
+    fn fuzz_base64_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = base64::decode(&bytes);
+        prop_assert_eq!(base64::decode(base64::encode(&bytes).as_bytes()), Some(bytes));
     }
 
     #[test]

@@ -26,20 +26,20 @@ pub struct RawBatch {
 
 /// A column's values in native byte order; `Pod` limits it to types whose every byte is
 /// initialised (no padding), so viewing them as bytes is sound.
-fn bytes_of<'py, T: bytemuck::Pod>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
+pub(crate) fn bytes_of<'py, T: bytemuck::Pod>(py: Python<'py>, v: &[T]) -> Bound<'py, PyBytes> {
     PyBytes::new(py, bytemuck::cast_slice(v))
 }
 
 pub(crate) const OPS: [&str; 3] = ["mutation", "deletion", "expiration"];
 
 /// An Arrow string column being built: int32 offsets and the UTF-8 bytes.
-struct Utf8Column {
+pub(crate) struct Utf8Column {
     offsets: Vec<i32>,
     data: Vec<u8>,
 }
 
 impl Utf8Column {
-    fn with_capacity(rows: usize, bytes: usize) -> Utf8Column {
+    pub(crate) fn with_capacity(rows: usize, bytes: usize) -> Utf8Column {
         let mut offsets = Vec::with_capacity(rows + 1);
         offsets.push(0);
         Utf8Column {
@@ -48,12 +48,12 @@ impl Utf8Column {
         }
     }
 
-    fn push_str(&mut self, s: &str) {
+    pub(crate) fn push_str(&mut self, s: &str) {
         self.data.extend_from_slice(s.as_bytes());
         self.offsets.push(self.data.len() as i32);
     }
 
-    fn put(&self, py: Python<'_>, d: &Bound<'_, PyDict>, name: &str) -> PyResult<()> {
+    pub(crate) fn put(&self, py: Python<'_>, d: &Bound<'_, PyDict>, name: &str) -> PyResult<()> {
         d.set_item(format!("{name}_offsets"), bytes_of(py, &self.offsets))?;
         d.set_item(format!("{name}_data"), PyBytes::new(py, &self.data))
     }

@@ -14,7 +14,7 @@ use sluice_proto::iproto::json::{ext_text, write_json};
 use sluice_proto::iproto::{EXT_DECIMAL, MAX_DEPTH};
 use sluice_proto::msgpack::{Reader, Value};
 
-use crate::dcp::RawBatch;
+use crate::dcp::{bytes_of, RawBatch, Utf8Column, OPS};
 
 /// How a field's values become a column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,7 +162,7 @@ impl Column {
                 py,
                 [
                     validity,
-                    PyBytes::new(py, bytemuck::cast_slice(&self.offsets)),
+                    bytes_of(py, &self.offsets),
                     PyBytes::new(py, &self.data),
                 ],
             ),
@@ -236,9 +236,7 @@ pub fn tuple_columns<'py>(
         Vec::with_capacity(n),
         Vec::with_capacity(n),
     );
-    let mut op_offsets = Vec::with_capacity(n + 1);
-    op_offsets.push(0i32);
-    let mut op_data = Vec::with_capacity(n * 8);
+    let mut op = Utf8Column::with_capacity(n, n * 8);
     for &i in &rows {
         let deleted = b.op[i] != 0;
         let bytes = if deleted {
@@ -275,8 +273,7 @@ pub fn tuple_columns<'py>(
         vbucket.push(i32::from(b.vbucket[i]));
         seqno.push(b.seqno[i] as i64);
         cas.push(b.cas[i] as i64);
-        op_data.extend_from_slice(crate::dcp::OPS[b.op[i] as usize].as_bytes());
-        op_offsets.push(op_data.len() as i32);
+        op.push_str(OPS[b.op[i] as usize]);
     }
     let d = PyDict::new(py);
     d.set_item("num_rows", n)?;
@@ -285,13 +282,9 @@ pub fn tuple_columns<'py>(
         out.append(c.buffers(py)?)?;
     }
     d.set_item("fields", out)?;
-    d.set_item(
-        "op_offsets",
-        PyBytes::new(py, bytemuck::cast_slice(&op_offsets)),
-    )?;
-    d.set_item("op_data", PyBytes::new(py, &op_data))?;
-    d.set_item("vbucket", PyBytes::new(py, bytemuck::cast_slice(&vbucket)))?;
-    d.set_item("seqno", PyBytes::new(py, bytemuck::cast_slice(&seqno)))?;
-    d.set_item("cas", PyBytes::new(py, bytemuck::cast_slice(&cas)))?;
+    op.put(py, &d, "op")?;
+    d.set_item("vbucket", bytes_of(py, &vbucket))?;
+    d.set_item("seqno", bytes_of(py, &seqno))?;
+    d.set_item("cas", bytes_of(py, &cas))?;
     Ok(d)
 }

@@ -133,7 +133,7 @@ impl Tail {
                 up.instance_uuid
             );
             let mut position = from.clone();
-            up.subscribe(&random_uuid(), from, self.idle, |row| {
+            up.subscribe(&random_uuid()?, from, self.idle, |row| {
                 let before = printer.written;
                 let next = printer.row(row, true)?;
                 // Saved once the row is out: a row written but not saved (a kill between the
@@ -192,10 +192,11 @@ impl<W: Write> Printer<'_, W> {
 }
 
 /// A random (version 4) UUID: this reader's name as a replica, new per run.
-fn random_uuid() -> String {
+fn random_uuid() -> Result<String, UpstreamError> {
     let mut b = [0u8; 16];
-    getrandom::fill(&mut b).expect("the system's randomness");
+    getrandom::fill(&mut b)
+        .map_err(|e| UpstreamError::Io(std::io::Error::other(format!("no randomness: {e}"))))?;
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
-    sluice_proto::iproto::json::uuid_text(&b).expect("16 bytes")
+    Ok(sluice_proto::iproto::json::uuid_text(&b).expect("16 bytes"))
 }

@@ -64,26 +64,29 @@ pub fn write_json(
                     out.push(',');
                 }
                 let mut probe = r.clone();
-                match probe.read_value()? {
-                    Value::Str(k) if std::str::from_utf8(k).is_ok() => {
-                        *r = probe;
-                        write_string(out, std::str::from_utf8(k).expect("checked"));
-                    }
+                let key = probe.read_value()?;
+                let text = match key {
+                    Value::Str(k) => std::str::from_utf8(k).ok(),
+                    _ => None,
+                };
+                if let Some(text) = text {
+                    *r = probe;
+                    write_string(out, text);
+                } else if matches!(
+                    key,
                     Value::Nil
-                    | Value::Bool(_)
-                    | Value::UInt(_)
-                    | Value::Int(_)
-                    | Value::F32(_)
-                    | Value::F64(_) => {
-                        let mut key = String::new();
-                        write_json(r, &mut key, depth)?;
-                        write_string(out, &key);
-                    }
-                    _ => {
-                        let raw = r.read_raw_value(depth)?;
-                        write!(out, "\"base64:{}\"", base64::encode(raw))
-                            .expect("writing to a String");
-                    }
+                        | Value::Bool(_)
+                        | Value::UInt(_)
+                        | Value::Int(_)
+                        | Value::F32(_)
+                        | Value::F64(_)
+                ) {
+                    let mut scalar = String::new();
+                    write_json(r, &mut scalar, depth)?;
+                    write_string(out, &scalar);
+                } else {
+                    let raw = r.read_raw_value(depth)?;
+                    write!(out, "\"base64:{}\"", base64::encode(raw)).expect("writing to a String");
                 }
                 out.push(':');
                 write_json(r, out, depth)?;
@@ -191,8 +194,9 @@ pub fn decimal_text(data: &[u8]) -> Option<String> {
         }
     }
     let digits = digits.trim_start_matches('0');
-    // Tarantool keeps at most 38 digits; a scale far beyond that is not a decimal it wrote.
-    if scale.unsigned_abs() > 1000 {
+    // Tarantool keeps at most 38 digits, so its scales stay within that many places; a larger
+    // one is not a decimal it wrote (and would make a few bytes print as a long run of zeros).
+    if scale.unsigned_abs() > 38 {
         return None;
     }
     let mut out = String::new();
