@@ -279,6 +279,10 @@ class Server:
         replication_key: str | None = None,
         iproto_listen: str | None = None,
         spaces: list[tuple[str, int, str, list[tuple[str, str, bool]], list[int]]] = ...,
+        tarantool_upstream: str | None = None,
+        tarantool_upstream_user: str | None = None,
+        tarantool_upstream_password: str | None = None,
+        tarantool_upstream_spaces: list[str] = ...,
     ) -> Server: ...
     @property
     def address(self) -> str: ...

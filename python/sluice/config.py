@@ -482,7 +482,51 @@ ENGINE_KEYS += [
         native="replication_key",
         server=True,
     ),
+    Key(
+        "tarantool_upstream.address",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "",
+        "HOST:PORT of a Tarantool this node follows as its anonymous replica (README \"Following a "
+        'Tarantool"): every row it writes to a space of the same name as one in [spaces.NAME] is '
+        'applied here, read-only for iproto clients. "" (the default): nothing is followed.',
+        "HOST:PORT",
+        native="tarantool_upstream",
+        server=True,
+    ),
+    Key(
+        "tarantool_upstream.user",
+        _str,
+        "",
+        "Tarantool user to log in as (chap-sha1); it needs the replication role there. \"\": guest.",
+        "string",
+        native="tarantool_upstream_user",
+        server=True,
+    ),
+    Key(
+        "tarantool_upstream.password_file",
+        lambda p, v: _path(p, v) if v != "" else "",
+        "",
+        "File holding the Tarantool user's password.",
+        "path",
+        native="tarantool_upstream_password",
+        server=True,
+    ),
+    Key(
+        "tarantool_upstream.spaces",
+        lambda p, v: _names(p, v),
+        [],
+        "Names of the spaces of [spaces.NAME] to follow; [] (the default): all of them.",
+        "list of strings",
+        native="tarantool_upstream_spaces",
+        server=True,
+    ),
 ]
+
+
+def _names(path: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise _fail(path, f'expected a list of names such as ["accounts"], got {v!r}')
+    return list(v)
 
 
 def _plugin(kind: str) -> Callable[[str, Any], str]:
@@ -810,13 +854,21 @@ class Config:
         if out["tls_listen"] == "auto":
             out["tls_listen"] = "127.0.0.1:11207" if out["tls_certificate"] else None
         out["tls_listen"] = out["tls_listen"] or None
-        pw_file = out.pop("replication_password")
-        out["replication_password"] = None
-        if pw_file:
-            try:
-                out["replication_password"] = Path(pw_file).read_text().rstrip("\n")
-            except OSError as e:
-                raise _fail("replication.password_file", f"cannot read {pw_file}: {e.strerror}") from None
+        for native, key in (
+            ("replication_password", "replication.password_file"),
+            ("tarantool_upstream_password", "tarantool_upstream.password_file"),
+        ):
+            pw_file = out.pop(native)
+            out[native] = None
+            if pw_file:
+                try:
+                    out[native] = Path(pw_file).read_text().rstrip("\n")
+                except OSError as e:
+                    raise _fail(key, f"cannot read {pw_file}: {e.strerror}") from None
+        out["tarantool_upstream"] = out["tarantool_upstream"] or None
+        for name in out["tarantool_upstream_spaces"]:
+            if name not in self.spaces:
+                raise _fail("tarantool_upstream.spaces", f"no space {name!r} is configured ([spaces.{name}])")
         return out
 
     def space_list(self) -> list[tuple[str, int, str, list[tuple[str, str, bool]], list[int]]]:

@@ -32,6 +32,7 @@ pub mod wal;
 pub use config::{BucketConfig, Durability, EngineConfig};
 pub use durability::Requirement;
 pub use engine::{
-    Engine, MutationResult, SelectIterator, StoreMode, StoreRequest, Update, Written,
+    Engine, FollowedChange, MutationResult, SelectIterator, StoreMode, StoreRequest, Update,
+    Written,
 };
 pub use error::{Error, Result};

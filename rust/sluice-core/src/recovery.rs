@@ -191,6 +191,9 @@ impl State {
             // and its producer asks for the same rollback again.
             RecordBody::Rollback(_) => {}
             RecordBody::FailoverReset => vb.failover.replace_all(Vec::new()),
+            RecordBody::FollowPosition(p) => {
+                vb.follow_position = (!p.is_empty()).then(|| (*p).into())
+            }
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -296,6 +299,8 @@ impl Salvage {
             }
             RecordBody::FailoverReset if from_wal && newer_meta => vb.failover.clear(),
             RecordBody::PurgeSeqno(s) => vb.purge_seqno = vb.purge_seqno.max(*s),
+            // Follow positions are dropped: a salvaged copy may miss changes from before its
+            // position, so a follower starts over from a fresh copy of its source.
             _ => {}
         }
     }

@@ -130,6 +130,14 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
                         purge_seqno: vb.purge_seqno,
                     },
                 });
+                if let Some(p) = &vb.follow_position {
+                    w.record(&Record {
+                        lsn: vb.last_lsn,
+                        bucket: bucket.id,
+                        vbucket: v,
+                        body: RecordBody::FollowPosition(p),
+                    });
+                }
                 for e in vb.failover.entries().iter().rev() {
                     w.record(&Record {
                         lsn: 0,

@@ -66,6 +66,9 @@ pub struct VBucket {
     pub accounted: (usize, usize),
     /// Keys locked by GET_LOCKED; consulted by local writes only.
     pub locks: LockTable,
+    /// Where the source this vbucket follows stood after its last followed change (see
+    /// `Engine::write_followed`); logged with that change and kept by snapshots.
+    pub follow_position: Option<Box<[u8]>>,
 }
 
 impl VBucket {
@@ -85,6 +88,7 @@ impl VBucket {
             persistence_cursor: None,
             accounted: (0, 0),
             locks: LockTable::default(),
+            follow_position: None,
         }
     }
 

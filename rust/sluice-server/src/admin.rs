@@ -170,6 +170,8 @@ pub struct NodeView {
     /// As started: the addresses are the ones bound.
     pub config: ServerConfig,
     pub tls: Option<Arc<ReloadableTls>>,
+    /// The Tarantool this node follows into its spaces, if any.
+    pub tarantool: Option<Arc<crate::iproto::follow::FollowStatus>>,
 }
 
 impl NodeView {
@@ -677,6 +679,9 @@ pub fn metrics(node: &NodeView) -> String {
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);
+    if let Some(t) = &node.tarantool {
+        t.metrics(&mut o);
+    }
     o
 }
 
@@ -717,6 +722,7 @@ pub fn status(node: &NodeView) -> serde_json::Value {
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
         "replication": replication_status(&node.followers),
+        "tarantool_upstream": node.tarantool.as_ref().map(|t| t.describe()),
     })
 }
 

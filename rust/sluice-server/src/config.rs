@@ -54,4 +54,6 @@ pub struct ServerConfig {
     pub iproto_listen: Option<SocketAddr>,
     /// The spaces iproto serves (`[spaces.NAME]`), each in its bucket.
     pub spaces: Vec<crate::iproto::SpaceConfig>,
+    /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).
+    pub tarantool_upstream: Option<crate::iproto::follow::FollowConfig>,
 }

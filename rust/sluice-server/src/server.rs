@@ -115,11 +115,23 @@ impl Server {
         let users = Arc::new(UserTable::new(config.users.clone()));
         let prelogin = Arc::new(PreLogin::new(config.login.clone()));
         let throttle = Arc::new(crate::login::LoginThrottle::default());
+        let catalog = Arc::new(catalog);
+        let follow = config.tarantool_upstream.clone();
+        let followed: std::collections::HashSet<u32> = follow
+            .as_ref()
+            .map(|f| {
+                catalog
+                    .spaces()
+                    .filter(|(_, s)| f.spaces.is_empty() || f.spaces.contains(&s.name))
+                    .map(|(id, _)| id)
+                    .collect()
+            })
+            .unwrap_or_default();
         let iproto = iproto_addr.map(|listen| {
             Arc::new(crate::iproto::IprotoContext {
                 engine: engine.clone(),
                 users: users.clone(),
-                catalog: Arc::new(catalog),
+                catalog: catalog.clone(),
                 io: stats.clone(),
                 stats: Default::default(),
                 throttle: throttle.clone(),
@@ -129,7 +141,22 @@ impl Server {
                 max_packet: crate::iproto::MAX_PACKET.max(config.max_body),
                 idle_timeout: config.idle_timeout,
                 started: std::time::Instant::now(),
+                followed,
             })
+        });
+        let tarantool_follower = follow.map(|f| {
+            let status = Arc::new(crate::iproto::follow::FollowStatus::new(
+                &f.upstream.address,
+            ));
+            runtime.spawn(crate::iproto::follow::run(
+                engine.clone(),
+                catalog.clone(),
+                f,
+                crate::iproto::instance_uuid(engine.instance()),
+                status.clone(),
+                stop_rx.clone(),
+            ));
+            status
         });
         let kv = Arc::new(KvContext {
             engine: engine.clone(),
@@ -198,6 +225,7 @@ impl Server {
                 followers: followers.clone(),
                 config: config.clone(),
                 tls: tls.clone(),
+                tarantool: tarantool_follower.clone(),
             });
             runtime.spawn(crate::admin::serve(
                 listener,

@@ -6,7 +6,7 @@
 //! the upstream's `_cluster`; the user needs Tarantool's `replication` role.
 //!
 //! Rows are handed to the caller as `sluice_proto::iproto::xrow::Row`s, borrowed from the read
-//! buffer. `sluice tarantool-tail` prints them; applying them to spaces is the caller's part.
+//! buffer. `sluice tarantool-tail` prints them; `iproto::follow` applies them to spaces.
 
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,10 @@ pub enum UpstreamError {
     Protocol(String),
     #[error("no answer from the upstream within {0:?}")]
     Timeout(Duration),
+    /// The caller could not take a row (its store is full or failing); the rows from the
+    /// position it kept come again on the next connection.
+    #[error("{0}")]
+    Local(String),
 }
 
 fn protocol(why: impl ToString) -> UpstreamError {
@@ -111,6 +115,34 @@ impl Upstream {
     async fn send(&mut self, bytes: &[u8]) -> Result<(), UpstreamError> {
         within(self.timeout, self.socket.write_all(bytes)).await??;
         Ok(())
+    }
+
+    /// Every tuple of a space (a system view such as `_vspace`), each as its MessagePack
+    /// bytes.
+    pub async fn select_all(&mut self, space_id: u32) -> Result<Vec<Vec<u8>>, UpstreamError> {
+        let mut req = Vec::new();
+        let sync = self.next_sync();
+        let select = client::Select {
+            space_id,
+            index_id: 0,
+            iterator: codes::iterator::ALL,
+            offset: 0,
+            limit: u32::MAX,
+            key: b"\x90",
+        };
+        client::write_select(&mut req, sync, &select);
+        self.send(&req).await?;
+        let n = within(self.timeout, self.fill()).await??;
+        let answer = client::decode_response(&self.buf[..n]).map_err(protocol);
+        let out = answer.and_then(|a| match a.body {
+            client::Body::Error { code, message } => Err(UpstreamError::Refused {
+                code,
+                message: String::from_utf8_lossy(message).into_owned(),
+            }),
+            _ => Ok(a.rows().map(<[u8]>::to_vec).collect()),
+        });
+        self.buf.advance(n);
+        out
     }
 
     /// The upstream's ballot; None from an upstream that does not know VOTE.

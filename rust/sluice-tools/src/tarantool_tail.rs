@@ -92,11 +92,7 @@ impl Tail {
             if let (Some(ours), Some(b)) = (&saved, &ballot) {
                 // The rows after our position are gone from the upstream's WAL once its oldest
                 // kept vclock passed it: SUBSCRIBE would miss them.
-                if let Some((id, lsn)) = b
-                    .gc_vclock
-                    .iter()
-                    .find(|(id, lsn)| ours.get(id).copied().unwrap_or(0) < **lsn)
-                {
+                if let Some((id, lsn)) = b.collected_after(ours) {
                     return Err(UpstreamError::Protocol(format!(
                         "the Tarantool no longer holds the rows after the saved position \
                          {ours:?} (its WAL starts after LSN {lsn} of replica {id}): start \

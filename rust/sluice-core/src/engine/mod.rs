@@ -30,12 +30,14 @@ use crate::wal::{WalMode, WalWriter};
 mod background;
 mod cursors;
 mod evict;
+mod follow;
 mod read;
 mod select;
 mod state;
 mod write;
 
 use crate::catalog::Catalog;
+pub use follow::FollowedChange;
 pub use read::StreamPosition;
 pub use select::SelectIterator;
 pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};

@@ -20,6 +20,7 @@ const OP_PURGE_SEQNO: u64 = 13;
 const OP_VBUCKET_SNAPSHOT: u64 = 14;
 const OP_ROLLBACK: u64 = 15;
 const OP_FAILOVER_RESET: u64 = 16;
+const OP_FOLLOW_POSITION: u64 = 17;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
@@ -54,6 +55,10 @@ pub enum RecordBody<'a> {
         max_cas: u64,
         purge_seqno: u64,
     },
+    /// Where a vbucket's followed source stood after the change logged just before this
+    /// record (opaque to the engine: a Tarantool upstream's vclock for the iproto follower).
+    /// Written in the same block as that change, so recovery never has one without the other.
+    FollowPosition(&'a [u8]),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,6 +195,9 @@ impl Record<'_> {
             }
             RecordBody::FailoverReset => {
                 write_fields(out, l, OP_FAILOVER_RESET, b, v, 0, 0, 0, 0, 0, 0, b"", b"")
+            }
+            RecordBody::FollowPosition(p) => {
+                write_fields(out, l, OP_FOLLOW_POSITION, b, v, 0, 0, 0, 0, 0, 0, b"", p)
             }
             RecordBody::VbucketSnapshot {
                 state,
@@ -332,6 +340,7 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
         OP_PURGE_SEQNO => RecordBody::PurgeSeqno(seqno),
         OP_ROLLBACK => RecordBody::Rollback(seqno),
         OP_FAILOVER_RESET => RecordBody::FailoverReset,
+        OP_FOLLOW_POSITION => RecordBody::FollowPosition(value),
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,
             high_seqno: seqno,
@@ -418,6 +427,10 @@ impl Record<'_> {
             }
             RecordBody::FailoverReset => {
                 m.insert("op".into(), json!("failover_reset"));
+            }
+            RecordBody::FollowPosition(p) => {
+                m.insert("op".into(), json!("follow_position"));
+                m.insert("position_base64".into(), json!(base64(p)));
             }
             RecordBody::VbucketSnapshot {
                 state,

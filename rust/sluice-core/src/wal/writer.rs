@@ -48,6 +48,9 @@ pub enum MetaRecord {
     Rollback(u64),
     /// The vbucket's failover log is replaced: the entries that follow are the whole log.
     FailoverReset,
+    /// Where the followed source stood after the change queued just before it (see
+    /// `RecordBody::FollowPosition`); never separated from that change by a block boundary.
+    FollowPosition(Vec<u8>),
 }
 
 pub enum WalPayload {
@@ -76,6 +79,11 @@ const QUEUED_OVERHEAD: usize = 96;
 pub const QUEUE_LIMIT_BYTES: usize = 64 << 20;
 
 impl Queued {
+    /// Whether this record must share its block with the one before it.
+    fn glued(&self) -> bool {
+        matches!(&self.payload, WalPayload::Meta(m) if matches!(m.2, MetaRecord::FollowPosition(_)))
+    }
+
     fn charge(&self) -> usize {
         QUEUED_OVERHEAD
             + match &self.payload {
@@ -114,6 +122,7 @@ impl Queued {
                     MetaRecord::PurgeSeqno(s) => RecordBody::PurgeSeqno(*s),
                     MetaRecord::Rollback(s) => RecordBody::Rollback(*s),
                     MetaRecord::FailoverReset => RecordBody::FailoverReset,
+                    MetaRecord::FollowPosition(p) => RecordBody::FollowPosition(p),
                 },
             },
         };
@@ -354,7 +363,7 @@ impl Segment {
         buf.clear();
         let mut at = xlog::begin_block(buf);
         for q in batch {
-            if buf.len() - at - xlog::BLOCK_HEADER_LEN >= block_size {
+            if buf.len() - at - xlog::BLOCK_HEADER_LEN >= block_size && !q.glued() {
                 xlog::finish_block(buf, at);
                 if buf.len() >= WRITE_CHUNK {
                     self.file.write_all_at(buf, self.size)?;

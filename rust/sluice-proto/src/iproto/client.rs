@@ -180,6 +180,17 @@ pub struct Ballot {
     pub gc_vclock: Vclock,
 }
 
+impl Ballot {
+    /// Whether the upstream still holds every row after `ours`: None if so, else the
+    /// component (replica id, LSN) of its oldest kept vclock that passed ours.
+    pub fn collected_after(&self, ours: &Vclock) -> Option<(u32, u64)> {
+        self.gc_vclock
+            .iter()
+            .find(|(id, lsn)| ours.get(id).copied().unwrap_or(0) < **lsn)
+            .map(|(id, lsn)| (*id, *lsn))
+    }
+}
+
 pub fn decode_ballot(body: &[u8]) -> Result<Ballot, ResponseError> {
     let mut r = Reader::new(body);
     let mut ballot = None;

@@ -236,6 +236,16 @@ pub fn decode(packet: &[u8]) -> Result<(Header, Request<'_>), RequestError> {
     Ok((header, request))
 }
 
+/// The body of a row of Tarantool's WAL or replication stream that records a write (INSERT,
+/// REPLACE, UPDATE, UPSERT or DELETE), decoded as that request; None for other row types.
+pub fn decode_dml_body(code: u32, body: &[u8]) -> Option<Result<Request<'_>, RequestError>> {
+    let dml = matches!(
+        code,
+        codes::INSERT | codes::REPLACE | codes::UPDATE | codes::DELETE | codes::UPSERT
+    );
+    (dml && !body.is_empty()).then(|| decode_dml(code, 0, Some(body)))
+}
+
 fn decode_header(r: &mut Reader<'_>) -> Result<Header, RequestError> {
     let mut header = Header::default();
     let mut seen_sync = false;

@@ -8,10 +8,12 @@
 //! `session` runs one connection (greeting, framing, dispatch); one file per request family:
 //! `auth` (chap-sha1), `select`, `write` (INSERT, REPLACE, UPDATE, UPSERT, DELETE), `call`
 //! (the built-in CALL/EVAL set) and `schema` (the space catalog and the system views
-//! `_vspace`, `_vindex`, `_vcollation`). The wire codec is `sluice_proto::iproto`.
+//! `_vspace`, `_vindex`, `_vcollation`). `follow` applies a real Tarantool's rows to the
+//! spaces (`[tarantool_upstream]`). The wire codec is `sluice_proto::iproto`.
 
 mod auth;
 mod call;
+pub mod follow;
 mod schema;
 mod select;
 mod session;
@@ -77,6 +79,9 @@ pub struct IprotoContext {
     /// A connection silent this long is closed; zero never.
     pub idle_timeout: Duration,
     pub started: Instant,
+    /// Spaces followed from a Tarantool (`[tarantool_upstream]`): read-only here, as on a
+    /// Tarantool replica.
+    pub followed: std::collections::HashSet<u32>,
 }
 
 /// The engine's instance id (32 hex digits) written as a random (version 4, RFC 4122

@@ -47,7 +47,7 @@ pub(super) fn engine_failure(e: Error, space: &str) -> Failure {
 }
 
 /// The encoded primary key of `tuple` in the space, in the engine's one encoding.
-fn key_of(space: &Space, tuple: &[u8]) -> Result<Vec<u8>, Failure> {
+pub(super) fn key_of(space: &Space, tuple: &[u8]) -> Result<Vec<u8>, Failure> {
     let raw = tuple::extract_key(tuple, &space.parts)?;
     let (key, _) = canonical_key(&raw)?;
     check_key_size(&key)?;
@@ -66,6 +66,59 @@ fn check_key_size(key: &[u8]) -> Result<(), Failure> {
         ));
     }
     Ok(())
+}
+
+/// UPDATE's new tuple: the operations applied to the stored one `cur`; the result must still
+/// fit the format and keep the primary key `key`.
+pub(super) fn updated(
+    space: &Space,
+    cur: &[u8],
+    ops: &[update::UpdateOp<'_>],
+    key: &[u8],
+) -> Result<Vec<u8>, Failure> {
+    let new = update::apply_in_format(cur, ops, &space.format)?;
+    tuple::check_format(&new, &space.format)?;
+    if key_of(space, &new)? != key {
+        return Err(Failure::new(
+            codes::ER_CANT_UPDATE_PRIMARY_KEY,
+            format!(
+                "Attempt to modify a tuple field which is part of index 'primary' in space '{}'",
+                space.name
+            ),
+        ));
+    }
+    Ok(new)
+}
+
+/// UPSERT's new tuple when the key holds `cur`: the operations applied, those that cannot
+/// apply skipped (logged, naming `who` asked), as Tarantool does. A result that no longer fits
+/// the format or moves the key keeps the stored tuple, as a failed UPSERT leaves Tarantool's.
+/// Malformed operations are an error.
+pub(super) fn upserted(
+    space: &Space,
+    cur: &[u8],
+    ops: &[update::UpdateOp<'_>],
+    key: &[u8],
+    who: &dyn std::fmt::Display,
+) -> Result<Vec<u8>, Failure> {
+    let (new, skipped) = update::apply_upsert_in_format(cur, ops, &space.format)?;
+    for e in skipped {
+        log::info!(
+            "UPSERT from {who} in space {}: an operation skipped: {}",
+            space.name,
+            e.message
+        );
+    }
+    let fits = tuple::check_format(&new, &space.format).is_ok()
+        && key_of(space, &new).is_ok_and(|k| k == key);
+    if fits {
+        return Ok(new);
+    }
+    log::info!(
+        "UPSERT from {who} in space {}: the result does not fit the format; the tuple is kept",
+        space.name
+    );
+    Ok(cur.to_vec())
 }
 
 /// What UPDATE's closure found wrong, to be answered after the engine call.
@@ -93,6 +146,16 @@ impl Session {
     fn writable(&self, space_id: u32) -> Result<super::session::SpaceHandle, Failure> {
         let space = self.space(space_id)?;
         self.require(&space, WRITE)?;
+        if self.ctx.followed.contains(&space_id) {
+            return Err(Failure::new(
+                codes::ER_READONLY,
+                format!(
+                    "Can't modify data on a read-only instance - space '{}' follows a Tarantool \
+                     ([tarantool_upstream])",
+                    space.name
+                ),
+            ));
+        }
         Ok(space)
     }
 
@@ -166,22 +229,7 @@ impl Session {
                     refused = Some(Refused::Missing);
                     return Err(Error::NotFound);
                 };
-                let checked = update::apply_in_format(cur.value(), &ops, &space.format)
-                    .map_err(Failure::from)
-                    .and_then(|new| {
-                        tuple::check_format(&new, &space.format)?;
-                        if key_of(&space, &new)? != key {
-                            return Err(Failure::new(
-                                codes::ER_CANT_UPDATE_PRIMARY_KEY,
-                                format!(
-                                "Attempt to modify a tuple field which is part of index 'primary' \
-                                 in space '{}'",
-                                space.name
-                            ),
-                            ));
-                        }
-                        Ok(new)
-                    });
+                let checked = updated(&space, cur.value(), &ops, &key);
                 match checked {
                     Ok(value) => Ok(Update {
                         value,
@@ -232,38 +280,13 @@ impl Session {
             .write_update(&space.bucket, &key, 0, None, |cur| {
                 let value = match cur {
                     None => tuple.to_vec(),
-                    Some(cur) => {
-                        let applied =
-                            update::apply_upsert_in_format(cur.value(), &ops, &space.format);
-                        let (new, skipped) = match applied {
-                            Ok(done) => done,
-                            Err(e) => {
-                                refused = Some(Failure::from(e));
-                                return Err(Error::NotStored);
-                            }
-                        };
-                        for e in skipped {
-                            log::info!(
-                                "UPSERT from {peer} in space {}: an operation skipped: {}",
-                                space.name,
-                                e.message
-                            );
+                    Some(cur) => match upserted(&space, cur.value(), &ops, &key, &peer) {
+                        Ok(new) => new,
+                        Err(f) => {
+                            refused = Some(f);
+                            return Err(Error::NotStored);
                         }
-                        // A result that no longer fits the format or moves the key keeps the
-                        // stored tuple, as a failed UPSERT leaves Tarantool's.
-                        let fits = tuple::check_format(&new, &space.format).is_ok()
-                            && key_of(&space, &new).is_ok_and(|k| k == key);
-                        if fits {
-                            new
-                        } else {
-                            log::info!(
-                                "UPSERT from {peer} in space {}: the result does not fit the \
-                                 format; the tuple is kept",
-                                space.name
-                            );
-                            cur.value().to_vec()
-                        }
-                    }
+                    },
                 };
                 Ok(Update {
                     value,

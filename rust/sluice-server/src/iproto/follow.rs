@@ -1,0 +1,737 @@
+//! sluice as the replica of a real Tarantool (`[tarantool_upstream]`): the rows the upstream
+//! writes to spaces configured here are applied to them, so they reach DCP, TAP and Spark like
+//! any other change (Tarantool's applier, the storage side; `upstream` is the network side).
+//!
+//! Which space is which is learned from the upstream's `_vspace` and `_vindex` at every
+//! connection and from the `_space`, `_index` and `_truncate` rows it streams: a followed space
+//! has the same name on both sides, and its primary key must be on the same fields.
+//!
+//! Exactly once: each applied row goes to the WAL together with the upstream's vclock after it
+//! (`Engine::write_followed`), so a restart SUBSCRIBEs from the last row kept, even after
+//! kill -9, and an UPDATE that adds to a field is never applied twice. Without a kept vclock
+//! (first start, a crash while loading, a WAL salvaged by force recovery) or when the upstream
+//! no longer holds the rows after it, the followed buckets are emptied and a fresh copy is
+//! fetched (FETCH_SNAPSHOT, as an anonymous replica).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use parking_lot::Mutex;
+use sluice_core::{Engine, FollowedChange};
+use sluice_proto::iproto::client::{self, Vclock};
+use sluice_proto::iproto::request::{decode_dml_body, Request};
+use sluice_proto::iproto::tuple;
+use sluice_proto::iproto::update;
+use sluice_proto::iproto::xrow::Row;
+use sluice_proto::msgpack::Reader;
+use tokio::sync::watch;
+
+use super::schema::{Catalog, Space};
+use super::select::canonical_key;
+use super::session::Failure;
+use super::write::{key_of, updated, upserted};
+use crate::metrics::{metric, single};
+use crate::upstream::{Next, Upstream, UpstreamConfig, UpstreamError};
+
+/// Tarantool's system spaces the follower reads.
+const SPACE: u32 = 280;
+const VSPACE: u32 = 281;
+const INDEX: u32 = 288;
+const VINDEX: u32 = 289;
+const TRUNCATE: u32 = 330;
+
+/// The longest wait between reconnections.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How many rows that change nothing here (other spaces, NOPs) may pass before the position
+/// is logged anyway, so a restart does not fetch them all again.
+const POSITION_EVERY: u64 = 10_000;
+
+/// `[tarantool_upstream]`.
+#[derive(Debug, Clone)]
+pub struct FollowConfig {
+    pub upstream: UpstreamConfig,
+    /// The configured spaces to follow, by name; empty: every configured space.
+    pub spaces: Vec<String>,
+}
+
+/// What `/status` and `/metrics` show of the follower.
+#[derive(Default)]
+pub struct FollowStatus {
+    pub address: String,
+    inner: Mutex<StatusInner>,
+    rows: AtomicU64,
+    skipped: AtomicU64,
+    copies: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+#[derive(Default)]
+struct StatusInner {
+    state: &'static str,
+    reason: String,
+    upstream_uuid: String,
+    upstream_vclock: Vclock,
+    vclock: Vclock,
+    /// Seconds between the last row's timestamp upstream and its application here.
+    lag: f64,
+    /// Followed spaces not followed now, with why.
+    stopped: BTreeMap<String, String>,
+}
+
+impl FollowStatus {
+    pub fn new(address: &str) -> FollowStatus {
+        FollowStatus {
+            address: address.to_string(),
+            ..Default::default()
+        }
+    }
+
+    fn set_state(&self, state: &'static str, reason: impl Into<String>) {
+        let mut s = self.inner.lock();
+        s.state = state;
+        s.reason = reason.into();
+    }
+
+    /// The follower as one JSON object, for `/status`.
+    pub fn describe(&self) -> serde_json::Value {
+        let s = self.inner.lock();
+        let vc = |v: &Vclock| -> serde_json::Value {
+            v.iter()
+                .map(|(id, lsn)| (id.to_string(), serde_json::Value::from(*lsn)))
+                .collect::<serde_json::Map<_, _>>()
+                .into()
+        };
+        serde_json::json!({
+            "address": self.address,
+            "state": s.state,
+            "reason": s.reason,
+            "upstream_uuid": s.upstream_uuid,
+            "upstream_vclock": vc(&s.upstream_vclock),
+            "vclock": vc(&s.vclock),
+            "lag_rows": lag_rows(&s.upstream_vclock, &s.vclock),
+            "lag_seconds": s.lag,
+            "rows_applied": self.rows.load(Relaxed),
+            "rows_skipped": self.skipped.load(Relaxed),
+            "copies": self.copies.load(Relaxed),
+            "reconnects": self.reconnects.load(Relaxed),
+            "stopped_spaces": s.stopped,
+        })
+    }
+
+    /// The follower's Prometheus lines.
+    pub fn metrics(&self, o: &mut String) {
+        let s = self.inner.lock();
+        metric(
+            o,
+            "sluice_tarantool_upstream_state",
+            "gauge",
+            "1 for the follower's state (connect, copy, follow, retry).",
+        );
+        for state in ["connect", "copy", "follow", "retry"] {
+            let v = u8::from(s.state == state);
+            let _ = writeln!(
+                o,
+                "sluice_tarantool_upstream_state{{state=\"{state}\"}} {v}"
+            );
+        }
+        single(
+            o,
+            "sluice_tarantool_upstream_rows_total",
+            "counter",
+            "Rows of the upstream applied to followed spaces.",
+            self.rows.load(Relaxed),
+        );
+        single(
+            o,
+            "sluice_tarantool_upstream_skipped_rows_total",
+            "counter",
+            "Rows of the upstream that change no followed space (other spaces, NOPs).",
+            self.skipped.load(Relaxed),
+        );
+        single(
+            o,
+            "sluice_tarantool_upstream_copies_total",
+            "counter",
+            "Fresh copies fetched from the upstream (first start, or its WAL no longer holding \
+             the rows after ours).",
+            self.copies.load(Relaxed),
+        );
+        single(
+            o,
+            "sluice_tarantool_upstream_reconnects_total",
+            "counter",
+            "Connections to the upstream lost or refused and tried again.",
+            self.reconnects.load(Relaxed),
+        );
+        single(
+            o,
+            "sluice_tarantool_upstream_lag_rows",
+            "gauge",
+            "Rows the upstream had, when last heard, beyond those applied here.",
+            lag_rows(&s.upstream_vclock, &s.vclock),
+        );
+        metric(
+            o,
+            "sluice_tarantool_upstream_lag_seconds",
+            "gauge",
+            "Seconds from the last row's write upstream to its application here.",
+        );
+        let _ = writeln!(o, "sluice_tarantool_upstream_lag_seconds {}", s.lag);
+        metric(
+            o,
+            "sluice_tarantool_upstream_stopped_spaces",
+            "gauge",
+            "Followed spaces not followed now (not on the upstream, another primary key, a \
+             tuple that does not fit); /status says why.",
+        );
+        let _ = writeln!(
+            o,
+            "sluice_tarantool_upstream_stopped_spaces {}",
+            s.stopped.len()
+        );
+    }
+}
+
+fn lag_rows(upstream: &Vclock, ours: &Vclock) -> u64 {
+    upstream
+        .iter()
+        .map(|(id, lsn)| lsn.saturating_sub(ours.get(id).copied().unwrap_or(0)))
+        .sum()
+}
+
+/// Runs the follower until `stop`: connects, copies when it must, follows; after a failure it
+/// reconnects with a back-off.
+pub async fn run(
+    engine: Arc<Engine>,
+    catalog: Arc<Catalog>,
+    config: FollowConfig,
+    instance_uuid: String,
+    status: Arc<FollowStatus>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut follower = Follower {
+        engine,
+        catalog,
+        config,
+        instance_uuid,
+        status,
+        by_id: HashMap::new(),
+        pending_since_position: 0,
+    };
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        follower.status.set_state("connect", "");
+        let outcome = tokio::select! {
+            r = follower.follow() => r,
+            _ = stop.changed() => return,
+        };
+        let Err(e) = outcome;
+        follower.status.reconnects.fetch_add(1, Relaxed);
+        log::warn!(
+            "following the Tarantool at {}: {e}; trying again in {backoff:?}",
+            follower.config.upstream.address
+        );
+        follower.status.set_state("retry", e.to_string());
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        if matches!(e, UpstreamError::Local(_)) {
+            backoff = Duration::from_millis(100);
+        }
+    }
+}
+
+struct Follower {
+    engine: Arc<Engine>,
+    catalog: Arc<Catalog>,
+    config: FollowConfig,
+    instance_uuid: String,
+    status: Arc<FollowStatus>,
+    /// Upstream space id -> the space here that follows it.
+    by_id: HashMap<u32, Arc<Space>>,
+    /// Rows passed since the position was last logged.
+    pending_since_position: u64,
+}
+
+/// How a row ended here.
+enum Applied {
+    Changed,
+    Skipped,
+}
+
+impl Follower {
+    fn followed(&self) -> Vec<Arc<Space>> {
+        self.catalog
+            .spaces()
+            .map(|(_, s)| s.clone())
+            .filter(|s| self.config.spaces.is_empty() || self.config.spaces.contains(&s.name))
+            .collect()
+    }
+
+    /// One connection: returns only with the error that ended it.
+    async fn follow(&mut self) -> Result<std::convert::Infallible, UpstreamError> {
+        let mut up = Upstream::connect(&self.config.upstream).await?;
+        let ballot = up.ballot().await?;
+        {
+            let mut s = self.status.inner.lock();
+            s.upstream_uuid = up.instance_uuid.clone();
+            if let Some(b) = &ballot {
+                s.upstream_vclock = b.vclock.clone();
+            }
+        }
+        self.learn_schema(&mut up).await?;
+        let mut from = self.kept_position();
+        if let (Some(ours), Some(b)) = (&from, &ballot) {
+            if let Some((id, lsn)) = b.collected_after(ours) {
+                log::warn!(
+                    "the Tarantool at {} no longer holds the rows after our position {ours:?} (its \
+                     WAL starts after LSN {lsn} of replica {id}): fetching a fresh copy",
+                    self.config.upstream.address
+                );
+                from = None;
+            }
+        }
+        let from = match from {
+            Some(v) => v,
+            None => self.copy(&mut up).await?,
+        };
+        log::info!(
+            "following the Tarantool at {} (Tarantool {}, instance {}) from vclock {from:?}",
+            self.config.upstream.address,
+            up.version,
+            up.instance_uuid
+        );
+        self.status.inner.lock().vclock = from.clone();
+        self.status.set_state("follow", "");
+        let mut vclock = from.clone();
+        let idle = self.config.upstream.timeout.max(Duration::from_secs(5));
+        let status = self.status.clone();
+        let uuid = self.instance_uuid.clone();
+        let ended = up
+            .subscribe(&uuid, from, idle, |row| {
+                if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
+                    vclock.insert(id, lsn);
+                }
+                let mut position = Vec::new();
+                client::write_vclock(&mut position, &vclock);
+                let outcome = self.apply(row, Some(&position));
+                let mut s = status.inner.lock();
+                s.vclock = vclock.clone();
+                for (id, lsn) in &vclock {
+                    let up = s.upstream_vclock.entry(*id).or_insert(0);
+                    *up = (*up).max(*lsn);
+                }
+                if let Some(ts) = row.header.timestamp {
+                    let now = SystemTime::now()
+                        .duration_since(SystemTime::UNIX_EPOCH)
+                        .map(|d| d.as_secs_f64())
+                        .unwrap_or(ts);
+                    s.lag = (now - ts).max(0.0);
+                }
+                drop(s);
+                match outcome? {
+                    Applied::Changed => {
+                        status.rows.fetch_add(1, Relaxed);
+                        self.pending_since_position = 0;
+                    }
+                    Applied::Skipped => {
+                        status.skipped.fetch_add(1, Relaxed);
+                        self.pending_since_position += 1;
+                        if self.pending_since_position >= POSITION_EVERY {
+                            self.log_position(&position)?;
+                        }
+                    }
+                }
+                Ok(Next::Continue)
+            })
+            .await;
+        match ended {
+            Ok(_) => Err(UpstreamError::Protocol("the row stream ended".into())),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The vclock kept with the followed spaces' data, or None when any of them has none
+    /// (never copied, or a copy cut short): the newest of the positions their vbuckets hold.
+    fn kept_position(&self) -> Option<Vclock> {
+        let mut merged = Vclock::new();
+        for space in self.followed() {
+            let positions = self.engine.follow_positions(&space.bucket);
+            if positions.is_empty() {
+                return None;
+            }
+            for p in positions {
+                let mut r = Reader::new(&p);
+                let Ok(v) = client::read_vclock(&mut r) else {
+                    log::warn!(
+                        "space {}: a kept upstream position is not a vclock; fetching a fresh copy",
+                        space.name
+                    );
+                    return None;
+                };
+                for (id, lsn) in v {
+                    let m = merged.entry(id).or_insert(0);
+                    *m = (*m).max(lsn);
+                }
+            }
+        }
+        Some(merged)
+    }
+
+    /// Empties the followed buckets, loads the upstream's snapshot into them and logs its
+    /// vclock as their position; returns it.
+    async fn copy(&mut self, up: &mut Upstream) -> Result<Vclock, UpstreamError> {
+        self.status.set_state("copy", "");
+        self.status.copies.fetch_add(1, Relaxed);
+        log::info!(
+            "fetching a copy of the Tarantool at {} into {} followed space(s)",
+            self.config.upstream.address,
+            self.followed().len()
+        );
+        for space in self.followed() {
+            self.engine
+                .clear_follow_positions(&space.bucket)
+                .map_err(local)?;
+            // Nothing to wait for: the copy's position is logged after it, and read back only
+            // once written.
+            let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
+        }
+        let mut loaded = 0u64;
+        let vclock = up
+            .fetch_snapshot(|row| {
+                if matches!(self.apply(row, None)?, Applied::Changed) {
+                    loaded += 1;
+                }
+                Ok(())
+            })
+            .await?;
+        let mut position = Vec::new();
+        client::write_vclock(&mut position, &vclock);
+        self.log_position(&position)?;
+        log::info!("copied {loaded} tuple(s) from the Tarantool, as of vclock {vclock:?}");
+        Ok(vclock)
+    }
+
+    fn log_position(&mut self, position: &[u8]) -> Result<(), UpstreamError> {
+        for space in self.followed() {
+            self.engine
+                .write_follow_position(&space.bucket, position)
+                .map_err(local)?;
+        }
+        self.pending_since_position = 0;
+        Ok(())
+    }
+
+    /// Maps upstream space ids to the followed spaces by name, checking primary keys.
+    async fn learn_schema(&mut self, up: &mut Upstream) -> Result<(), UpstreamError> {
+        let spaces = up.select_all(VSPACE).await?;
+        let indexes = up.select_all(VINDEX).await?;
+        self.by_id.clear();
+        let mut stopped = BTreeMap::new();
+        for space in self.followed() {
+            let id = spaces
+                .iter()
+                .find(|t| field_str(t, 2).as_deref() == Some(space.name.as_str()))
+                .and_then(|t| field_uint(t, 0));
+            let Some(id) = id else {
+                stopped.insert(space.name.clone(), "no space of this name upstream".into());
+                continue;
+            };
+            let primary = indexes
+                .iter()
+                .find(|t| field_uint(t, 0) == Some(id) && field_uint(t, 1) == Some(0));
+            match primary.map(|t| check_primary_key(&space, t)) {
+                Some(Ok(())) => {
+                    self.by_id.insert(id as u32, space);
+                }
+                Some(Err(why)) => {
+                    stopped.insert(space.name.clone(), why);
+                }
+                None => {
+                    stopped.insert(space.name.clone(), "no primary index upstream".into());
+                }
+            }
+        }
+        for (name, why) in &stopped {
+            log::warn!("space {name} is not followed: {why}");
+        }
+        self.status.inner.lock().stopped = stopped;
+        Ok(())
+    }
+
+    /// Applies one row (or steps over it); `position` is the vclock after it (None while a
+    /// copy loads). An error of this node (its store full or failing) ends the connection.
+    fn apply(&mut self, row: &Row<'_>, position: Option<&[u8]>) -> Result<Applied, UpstreamError> {
+        let Some(body) = row.body else {
+            return Ok(Applied::Skipped);
+        };
+        let Some(request) = decode_dml_body(row.header.kind, body) else {
+            return Ok(Applied::Skipped);
+        };
+        let request = request.map_err(|e| UpstreamError::Protocol(e.message))?;
+        let space_id = match &request {
+            Request::Insert { space_id, .. }
+            | Request::Replace { space_id, .. }
+            | Request::Update { space_id, .. }
+            | Request::Upsert { space_id, .. }
+            | Request::Delete { space_id, .. } => *space_id,
+            _ => return Ok(Applied::Skipped),
+        };
+        if matches!(space_id, SPACE | INDEX) || (space_id == TRUNCATE && position.is_some()) {
+            // A copy's `_truncate` rows are truncations of the past: the copy holds their
+            // result.
+            return self.apply_ddl(space_id, &request);
+        }
+        let Some(space) = self.by_id.get(&space_id).cloned() else {
+            return Ok(Applied::Skipped);
+        };
+        let decided = decide(&space, &request);
+        let (key, change) = match decided {
+            Ok(d) => d,
+            Err(f) => {
+                self.stop_space(&space, format!("a row it cannot apply: {}", f.message));
+                return Ok(Applied::Skipped);
+            }
+        };
+        let upstream = &self.config.upstream.address;
+        let written = self
+            .engine
+            .write_followed(&space.bucket, &key, position, |cur| {
+                change.resolve(&space, &key, cur.map(|i| i.value()), upstream)
+            });
+        match written {
+            Ok(_) => Ok(Applied::Changed),
+            Err(
+                e @ (sluice_core::Error::TooBig { .. } | sluice_core::Error::InvalidArgument(_)),
+            ) => {
+                self.stop_space(&space, format!("a tuple it cannot store: {e}"));
+                Ok(Applied::Skipped)
+            }
+            Err(e) => Err(local(e)),
+        }
+    }
+
+    fn stop_space(&mut self, space: &Space, why: String) {
+        log::warn!("space {} is no longer followed: {why}", space.name);
+        self.by_id.retain(|_, s| s.name != space.name);
+        self.status
+            .inner
+            .lock()
+            .stopped
+            .insert(space.name.clone(), why);
+    }
+
+    /// A row of `_space`, `_index` or `_truncate`: a followed space created, dropped, given
+    /// another primary key or truncated upstream.
+    fn apply_ddl(&mut self, system: u32, request: &Request<'_>) -> Result<Applied, UpstreamError> {
+        let tuple = match request {
+            Request::Insert { tuple, .. } | Request::Replace { tuple, .. } => Some(*tuple),
+            _ => None,
+        };
+        match (system, tuple) {
+            (SPACE, Some(t)) => {
+                let (Some(id), Some(name)) = (field_uint(t, 0), field_str(t, 2)) else {
+                    return Ok(Applied::Skipped);
+                };
+                let found = self.followed().into_iter().find(|s| s.name == name);
+                let known = self.by_id.get(&(id as u32)).is_some_and(|s| s.name == name);
+                if let Some(space) = found.filter(|_| !known) {
+                    log::info!("space {name} (id {id}) appeared upstream; following it");
+                    self.status.inner.lock().stopped.remove(&name);
+                    self.by_id.insert(id as u32, space);
+                }
+            }
+            (SPACE, None) => {
+                if let Request::Delete { key, .. } = request {
+                    let id = first_uint(key);
+                    if let Some(space) = id.and_then(|id| self.by_id.get(&(id as u32)).cloned()) {
+                        self.stop_space(&space, "dropped upstream".into());
+                    }
+                }
+            }
+            (INDEX, Some(t)) => {
+                let (Some(id), Some(0)) = (field_uint(t, 0), field_uint(t, 1)) else {
+                    return Ok(Applied::Skipped);
+                };
+                if let Some(space) = self.by_id.get(&(id as u32)).cloned() {
+                    if let Err(why) = check_primary_key(&space, t) {
+                        self.stop_space(&space, why);
+                    }
+                }
+            }
+            (TRUNCATE, Some(t)) => {
+                let id = field_uint(t, 0);
+                if let Some(space) = id.and_then(|id| self.by_id.get(&(id as u32)).cloned()) {
+                    log::info!("space {} truncated upstream; emptying it", space.name);
+                    let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
+                    return Ok(Applied::Changed);
+                }
+            }
+            _ => {}
+        }
+        Ok(Applied::Skipped)
+    }
+}
+
+/// What a DML row asks for, before the stored tuple is seen.
+enum Change<'a> {
+    Store(&'a [u8]),
+    Delete,
+    Update(Vec<update::UpdateOp<'a>>),
+    Upsert(&'a [u8], Vec<update::UpdateOp<'a>>),
+}
+
+impl Change<'_> {
+    /// The row applied to the stored tuple `cur`, by the iproto front's rules (an UPDATE of a
+    /// missing key changes nothing; an UPSERT's operations that cannot apply are skipped).
+    fn resolve(
+        &self,
+        space: &Space,
+        key: &[u8],
+        cur: Option<&[u8]>,
+        upstream: &str,
+    ) -> FollowedChange {
+        match (self, cur) {
+            (Change::Store(t), _) => FollowedChange::Store(t.to_vec()),
+            (Change::Delete, _) => FollowedChange::Delete,
+            (Change::Update(_), None) => FollowedChange::Keep,
+            (Change::Update(ops), Some(cur)) => match updated(space, cur, ops, key) {
+                Ok(new) => FollowedChange::Store(new),
+                Err(f) => {
+                    log::warn!(
+                        "space {}: an UPDATE from the upstream does not apply here: {}",
+                        space.name,
+                        f.message
+                    );
+                    FollowedChange::Keep
+                }
+            },
+            (Change::Upsert(t, _), None) => FollowedChange::Store(t.to_vec()),
+            (Change::Upsert(_, ops), Some(cur)) => {
+                match upserted(
+                    space,
+                    cur,
+                    ops,
+                    key,
+                    &format_args!("the upstream {upstream}"),
+                ) {
+                    Ok(new) => FollowedChange::Store(new),
+                    Err(_) => FollowedChange::Keep,
+                }
+            }
+        }
+    }
+}
+
+/// The key a DML row writes and what it does; an error when the row does not fit the space
+/// as configured here.
+fn decide<'a>(space: &Space, request: &Request<'a>) -> Result<(Vec<u8>, Change<'a>), Failure> {
+    match request {
+        Request::Insert { tuple, .. } | Request::Replace { tuple, .. } => {
+            tuple::check_format(tuple, &space.format)?;
+            Ok((key_of(space, tuple)?, Change::Store(tuple)))
+        }
+        Request::Delete { key, .. } => Ok((point_key(space, key)?, Change::Delete)),
+        Request::Update {
+            key,
+            ops,
+            index_base,
+            ..
+        } => {
+            let ops = update::parse_ops(ops, *index_base)?;
+            Ok((point_key(space, key)?, Change::Update(ops)))
+        }
+        Request::Upsert {
+            tuple,
+            ops,
+            index_base,
+            ..
+        } => {
+            tuple::check_format(tuple, &space.format)?;
+            let ops = update::parse_ops(ops, *index_base)?;
+            Ok((key_of(space, tuple)?, Change::Upsert(tuple, ops)))
+        }
+        _ => Err(Failure::new(0, "not a write")),
+    }
+}
+
+/// A row's whole primary key in the engine's encoding.
+fn point_key(space: &Space, key: &[u8]) -> Result<Vec<u8>, Failure> {
+    tuple::check_key(key, &space.parts, true)?;
+    Ok(canonical_key(key)?.0)
+}
+
+/// Whether an `_index` tuple's parts are the space's primary key fields.
+fn check_primary_key(space: &Space, index: &[u8]) -> Result<(), String> {
+    let theirs = tuple::fields(index)
+        .ok()
+        .and_then(|f| f.get(5).copied())
+        .and_then(part_fields)
+        .ok_or_else(|| "its primary index upstream has parts this node cannot read".to_string())?;
+    let ours: Vec<u64> = space.parts.iter().map(|p| p.field_no as u64).collect();
+    if theirs == ours {
+        return Ok(());
+    }
+    let show = |v: &[u64]| v.iter().map(|n| (n + 1).to_string()).collect::<Vec<_>>();
+    Err(format!(
+        "its primary key is on fields {:?} upstream and {:?} here",
+        show(&theirs),
+        show(&ours)
+    ))
+}
+
+/// The 0-based field numbers of an index's parts: `[[field, type], ...]` or `[{field = n,
+/// type = ...}, ...]`, as `_index` holds them.
+fn part_fields(parts: &[u8]) -> Option<Vec<u64>> {
+    let mut r = Reader::new(parts);
+    let n = r.read_array_len().ok()?;
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let part = r.read_raw_value(sluice_proto::iproto::MAX_DEPTH).ok()?;
+        let mut p = Reader::new(part);
+        if let Ok(len) = p.read_array_len() {
+            if len == 0 {
+                return None;
+            }
+            out.push(p.read_uint().ok()?);
+            continue;
+        }
+        let mut p = Reader::new(part);
+        let mut field = None;
+        for _ in 0..p.read_map_len().ok()? {
+            let k = p.read_str().ok()?;
+            if k == b"field" {
+                field = Some(p.read_uint().ok()?);
+            } else {
+                p.skip_value(sluice_proto::iproto::MAX_DEPTH).ok()?;
+            }
+        }
+        out.push(field?);
+    }
+    Some(out)
+}
+
+fn field_uint(tuple: &[u8], no: usize) -> Option<u64> {
+    let fields = tuple::fields(tuple).ok()?;
+    Reader::new(fields.get(no)?).read_uint().ok()
+}
+
+fn field_str(tuple: &[u8], no: usize) -> Option<String> {
+    let fields = tuple::fields(tuple).ok()?;
+    let s = Reader::new(fields.get(no)?).read_str().ok()?;
+    String::from_utf8(s.to_vec()).ok()
+}
+
+fn first_uint(key: &[u8]) -> Option<u64> {
+    field_uint(key, 0)
+}
+
+fn local(e: sluice_core::Error) -> UpstreamError {
+    UpstreamError::Local(format!("this node cannot take the row: {e}"))
+}

@@ -1,0 +1,195 @@
+"""sluice following a real Tarantool 2.6 (`[tarantool_upstream]`): a copy of the Tarantool's
+spaces is fetched on first start, then every row it writes (inserts, replaces, updates with each
+operation, upserts, deletes, a transaction) is applied, so `select` answers the same on both;
+kill -9 and a restart resume from the position kept in the WAL (no second copy, no UPDATE
+applied twice); a Tarantool that collected the rows after our position is copied again; the
+followed spaces are read-only for iproto clients; /status and /metrics show the follower."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import tarantool
+from helpers import Node
+from tarantool_peer import PASSWORD, TARANTOOL, TARANTOOL_MISSING, USER, TarantoolPeer, sluice_config
+
+pytestmark = pytest.mark.skipif(TARANTOOL is None, reason=TARANTOOL_MISSING)
+
+PRELOAD = 2000
+
+SETUP = f"""
+box.cfg{{checkpoint_count = 1}}
+box.schema.user.grant('{USER}', 'replication')
+box.schema.user.grant('{USER}', 'read', 'space', '_vspace')
+local other = box.schema.space.create('other', {{id = 600}})
+other:create_index('primary')
+box.begin()
+for i = 1, {PRELOAD} do box.space.users:insert{{i, 'user' .. i, i % 100}} end
+for i = 1, 100 do other:insert{{i, 'not followed'}} end
+box.commit()
+"""
+
+# Every kind of row: inserts, replaces, updates with each operation (in Lua, field numbers are
+# 1-based: Tarantool logs them with INDEX_BASE 1), upserts that insert and that update, deletes,
+# an UPDATE of a missing key, writes to a space that is not followed, a multi-statement
+# transaction.
+WRITES = """
+local u, e, o = box.space.users, box.space.events, box.space.other
+for i = 1, 200 do u:insert{10000 + i, 'n' .. i, i} end
+for i = 1, 50 do u:replace{10000 + i, 'r' .. i, i * 2} end
+for i = 51, 100 do u:update(10000 + i, {{'+', 3, 5}, {'-', 3, 1}}) end
+for i = 101, 120 do u:update(10000 + i, {{'&', 3, 6}, {'|', 3, 1}, {'^', 3, 3}}) end
+for i = 121, 130 do u:update(10000 + i, {{'=', 2, 'eq' .. i}}) end
+for i = 131, 140 do u:update(10000 + i, {{':', 2, 1, 1, 'S'}}) end
+for i = 141, 150 do u:update(10000 + i, {{'!', 4, 'extra'}}) end
+for i = 141, 145 do u:update(10000 + i, {{'#', 4, 1}}) end
+for i = 1, 50 do u:upsert({20000 + i, 'up', 1}, {{'+', 3, 1}}) end
+for i = 1, 25 do u:upsert({20000 + i, 'up', 1}, {{'+', 3, 10}}) end
+for i = 151, 170 do u:delete(10000 + i) end
+u:update(99999, {{'+', 3, 1}})
+for i = 1, 50 do o:replace{i, 'still not followed'} end
+box.begin()
+for i = 171, 180 do u:update(10000 + i, {{'+', 3, 100}}) end
+e:insert{1, 1, 'txn', box.NULL}
+e:insert{1, 2, 'txn', 'note'}
+box.commit()
+"""
+
+
+@pytest.fixture
+def peer(tmp_path):
+    with TarantoolPeer(tmp_path / "tarantool", extra_lua=SETUP) as p:
+        yield p
+
+
+def follower_config(tmp_path: Path, peer: TarantoolPeer) -> Path:
+    config = sluice_config(tmp_path / "sluice.toml")
+    secret = tmp_path / "tarantool.password"
+    secret.write_text(PASSWORD + "\n")
+    with config.open("a") as f:
+        f.write(
+            f'[tarantool_upstream]\naddress = "{peer.address}"\nuser = "{USER}"\n'
+            f'password_file = "{secret}"\n'
+        )
+    return config
+
+
+def connect(address: str) -> tarantool.Connection:
+    host, _, port = address.rpartition(":")
+    return tarantool.connect(host, int(port), user=USER, password=PASSWORD)
+
+
+def contents(conn: tarantool.Connection) -> dict[str, list]:
+    return {name: sorted(conn.select(name).data) for name in ("users", "events")}
+
+
+def wait_same(peer: TarantoolPeer, node: Node, timeout: float = 60) -> dict[str, list]:
+    """Waits until sluice's spaces hold what the Tarantool's do; returns them."""
+    theirs_conn, ours_conn = connect(peer.address), connect(node.iproto)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            theirs, ours = contents(theirs_conn), contents(ours_conn)
+            if theirs == ours:
+                return ours
+            if time.monotonic() > deadline:
+                missing = {k: len(theirs[k]) - len(ours[k]) for k in theirs}
+                diff = [(t, o) for t, o in zip(theirs["users"], ours["users"]) if t != o][:5]
+                raise AssertionError(
+                    f"sluice differs from the Tarantool after {timeout} s: rows missing {missing}, "
+                    f"first differences {diff}\n{node.log()[-3000:]}"
+                )
+            time.sleep(0.2)
+    finally:
+        theirs_conn.close()
+        ours_conn.close()
+
+
+def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
+    node = Node(tmp_path / "data", "--config", str(follower_config(tmp_path, peer)))
+    try:
+        node.wait_for("following the Tarantool at")
+        first = wait_same(peer, node)
+        assert len(first["users"]) == PRELOAD
+        up = connect(peer.address)
+        up.eval(WRITES)
+        final = wait_same(peer, node)
+        by_id = {t[0]: t for t in final["users"]}
+        # Spot checks that the comparison covers what the writes did.
+        assert by_id[10001] == [10001, "r1", 2]
+        assert by_id[10051] == [10051, "n51", 55]
+        assert by_id[10131][1] == "S131"
+        assert by_id[10141] == [10141, "n141", 141] and by_id[10146][3] == "extra"
+        assert by_id[20001][2] == 11 and by_id[20030][2] == 1
+        assert 10151 not in by_id and 99999 not in by_id
+        assert by_id[10171][2] == 271
+        assert final["events"] == [[1, 1, "txn", None], [1, 2, "txn", "note"]]
+
+        # Read-only for iproto clients, as a Tarantool replica is.
+        ours = connect(node.iproto)
+        with pytest.raises(tarantool.DatabaseError) as refused:
+            ours.insert("users", (5, "nope", 1))
+        assert refused.value.args[0] == 7, refused.value.args  # ER_READONLY
+        ours.close()
+
+        status = node.status()["tarantool_upstream"]
+        assert status["state"] == "follow", status
+        assert status["stopped_spaces"] == {}, status
+        assert status["copies"] == 1
+        assert status["rows_skipped"] >= 50  # the rows of `other`
+        assert node.metric("sluice_tarantool_upstream_state", state="follow") == 1
+        assert node.metric("sluice_tarantool_upstream_rows_total") >= 600
+        # The Tarantool sees an anonymous replica following it.
+        anon = up.eval("return box.info.replication_anon()").data[0]
+        assert len(anon) == 1, anon
+        up.close()
+    finally:
+        node.stop()
+
+
+def test_kill9_resumes_from_the_kept_position_without_applying_anything_twice(tmp_path, peer):
+    config = follower_config(tmp_path, peer)
+    node = Node(tmp_path / "data", "--config", str(config))
+    up = connect(peer.address)
+    try:
+        node.wait_for("following the Tarantool at")
+        wait_same(peer, node)
+        # Increments are not idempotent: applied twice after the restart, they would show.
+        for round_ in range(3):
+            up.eval("for r = 1, 20 do for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end end")
+            node.stop(sig=9)
+            up.eval("for i = 101, 300 do box.space.users:update(i, {{'+', 3, 7}}) end")
+            node = Node(tmp_path / "data", "--config", str(config))
+            resumed = node.wait_for("following the Tarantool at")
+            assert "from vclock" in resumed
+            wait_same(peer, node)
+            assert "fetching a copy" not in node.log(), f"round {round_}: a second copy"
+            assert node.status()["tarantool_upstream"]["copies"] == 0
+    finally:
+        up.close()
+        node.stop()
+
+
+def test_a_tarantool_that_collected_our_rows_is_copied_again(tmp_path, peer):
+    config = follower_config(tmp_path, peer)
+    node = Node(tmp_path / "data", "--config", str(config))
+    up = connect(peer.address)
+    try:
+        node.wait_for("following the Tarantool at")
+        wait_same(peer, node)
+        node.stop()
+        # While sluice is down: changes, then two checkpoints with checkpoint_count = 1, so the
+        # xlogs holding the rows after sluice's position are removed.
+        up.eval("for i = 1, 500 do box.space.users:delete(i) end")
+        up.eval("box.snapshot() box.space.users:insert{777777, 'after', 1} box.snapshot()")
+        node = Node(tmp_path / "data", "--config", str(config))
+        node.wait_for("no longer holds the rows after our position")
+        node.wait_for("following the Tarantool at")
+        final = wait_same(peer, node)
+        assert len(final["users"]) == PRELOAD - 500 + 1
+        assert node.status()["tarantool_upstream"]["copies"] == 1
+    finally:
+        up.close()
+        node.stop()
