@@ -1,0 +1,161 @@
+//! Followed changes (sluice as the replica of a Tarantool): the source's position is logged in
+//! the same WAL block as the change before it, and recovery, snapshots and a fresh copy keep
+//! positions and data together.
+
+mod common;
+
+use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::wal::record::{decode, RecordBody};
+use sluice_core::wal::writer::{MetaRecord, WalConfig, WalPayload};
+use sluice_core::wal::xlog::{self, Next, XlogReader};
+use sluice_core::wal::{WalMode, WalWriter};
+use sluice_core::{Engine, FollowedChange};
+use sluice_proto::msgpack::Reader;
+
+fn position(n: u64) -> Vec<u8> {
+    n.to_be_bytes().to_vec()
+}
+
+/// The newest position the bucket's vbuckets hold, as the counter `position` encoded.
+fn newest(engine: &Engine) -> Option<u64> {
+    let bucket = engine.bucket("default").unwrap();
+    engine
+        .follow_positions(&bucket)
+        .iter()
+        .map(|p| u64::from_be_bytes(p[..8].try_into().unwrap()))
+        .max()
+}
+
+#[test]
+fn a_position_never_starts_a_block_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    // Blocks of one record each, but for the glued positions.
+    let wal = WalWriter::start(
+        WalConfig {
+            dir: dir.path().to_path_buf(),
+            mode: WalMode::Write,
+            instance: "test".into(),
+            segment_size: 64 << 20,
+            block_size: 1,
+        },
+        1,
+        Box::new(|_| {}),
+    )
+    .unwrap();
+    for i in 0..50u64 {
+        let mut a = wal.appender().unwrap();
+        let meta = ItemMeta {
+            by_seqno: i + 1,
+            rev_seqno: 1,
+            ..Default::default()
+        };
+        let key = format!("k{i}");
+        let c =
+            sluice_core::item::Change::new(ChangeOp::Mutation, 0, 0, key.as_bytes(), b"v", meta);
+        a.push(WalPayload::Change(c));
+        a.push(WalPayload::meta(
+            0,
+            0,
+            MetaRecord::FollowPosition(position(i)),
+        ));
+    }
+    wal.shutdown();
+    let files = xlog::list_files(dir.path(), "xlog").unwrap();
+    let mut reader = XlogReader::open(&files[0].1).unwrap();
+    let mut blocks = 0;
+    loop {
+        match reader.next_block().unwrap() {
+            Next::Block { payload, .. } => {
+                let mut r = Reader::new(payload);
+                let mut bodies = Vec::new();
+                while !r.is_empty() {
+                    bodies.push(decode(&mut r).unwrap().body);
+                }
+                // Every block holds one change and its position, in that order.
+                assert_eq!(bodies.len(), 2, "{bodies:?}");
+                assert!(matches!(bodies[0], RecordBody::Change { .. }));
+                assert_eq!(bodies[1], RecordBody::FollowPosition(&position(blocks)));
+                blocks += 1;
+            }
+            Next::Eof { .. } => break,
+            other => panic!("unexpected {:?}", std::mem::discriminant(&other)),
+        }
+    }
+    assert_eq!(blocks, 50);
+}
+
+#[test]
+fn positions_survive_a_crash_a_snapshot_and_a_restart_and_a_copy_clears_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 4);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(newest(&engine), None);
+    let store = |v: &'static [u8]| move |_: Option<&_>| FollowedChange::Store(v.to_vec());
+    engine
+        .write_followed(&bucket, b"a", Some(&position(1)), store(b"1"))
+        .unwrap();
+    engine
+        .write_followed(&bucket, b"b", Some(&position(2)), store(b"2"))
+        .unwrap();
+    // An update that reads the stored value, as a followed UPDATE does.
+    engine
+        .write_followed(&bucket, b"a", Some(&position(3)), |cur| {
+            let mut v = cur.unwrap().value().to_vec();
+            v.push(b'+');
+            FollowedChange::Store(v)
+        })
+        .unwrap();
+    let last = engine
+        .write_followed(&bucket, b"b", Some(&position(4)), |_| {
+            FollowedChange::Delete
+        })
+        .unwrap();
+    // A row that changes nothing moves the position only.
+    let last = last.max(
+        engine
+            .write_followed(&bucket, b"zz", Some(&position(5)), |_| FollowedChange::Keep)
+            .unwrap(),
+    );
+    while engine.wal().written_lsn() < last {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    engine.crash();
+    drop((bucket, engine));
+
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(newest(&engine), Some(5));
+    let live = common::live(&engine, &bucket);
+    assert_eq!(live.get(&b"a"[..]).map(Vec::as_slice), Some(&b"1+"[..]));
+    assert!(!live.contains_key(&b"b"[..]));
+
+    engine.snapshot_now().unwrap();
+    engine
+        .write_followed(&bucket, b"c", Some(&position(6)), store(b"3"))
+        .unwrap();
+    engine.close();
+    drop((bucket, engine));
+
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(newest(&engine), Some(6));
+    // A copy starts: positions are cleared in the WAL too, so a crash while loading the copy
+    // finds none and copies again.
+    engine.clear_follow_positions(&bucket).unwrap();
+    engine
+        .write_followed(&bucket, b"d", None, store(b"4"))
+        .unwrap();
+    assert_eq!(newest(&engine), None);
+    engine.close();
+    drop((bucket, engine));
+
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(newest(&engine), None);
+    engine.write_follow_position(&bucket, &position(9)).unwrap();
+    engine.close();
+    drop((bucket, engine));
+    let engine = Engine::open(cfg).unwrap();
+    assert_eq!(newest(&engine), Some(9));
+}
