@@ -22,9 +22,9 @@ PRELOAD = 2000
 SETUP = f"""
 box.cfg{{checkpoint_count = 1}}
 box.schema.user.grant('{USER}', 'replication')
-box.schema.user.grant('{USER}', 'read', 'space', '_vspace')
 local other = box.schema.space.create('other', {{id = 600}})
 other:create_index('primary')
+box.schema.user.grant('{USER}', 'read,write', 'space', 'other')
 box.begin()
 for i = 1, {PRELOAD} do box.space.users:insert{{i, 'user' .. i, i % 100}} end
 for i = 1, 100 do other:insert{{i, 'not followed'}} end
@@ -39,9 +39,13 @@ WRITES = """
 local u, e, o = box.space.users, box.space.events, box.space.other
 for i = 1, 200 do u:insert{10000 + i, 'n' .. i, i} end
 for i = 1, 50 do u:replace{10000 + i, 'r' .. i, i * 2} end
-for i = 51, 100 do u:update(10000 + i, {{'+', 3, 5}, {'-', 3, 1}}) end
-for i = 101, 120 do u:update(10000 + i, {{'&', 3, 6}, {'|', 3, 1}, {'^', 3, 3}}) end
-for i = 121, 130 do u:update(10000 + i, {{'=', 2, 'eq' .. i}}) end
+for i = 51, 100 do u:update(10000 + i, {{'+', 3, 5}}) u:update(10000 + i, {{'-', 3, 1}}) end
+for i = 101, 120 do
+    u:update(10000 + i, {{'&', 3, 6}})
+    u:update(10000 + i, {{'|', 3, 1}})
+    u:update(10000 + i, {{'^', 3, 3}})
+end
+for i = 121, 130 do u:update(10000 + i, {{'=', 2, 'eq' .. i}, {'+', 3, 1}}) end
 for i = 131, 140 do u:update(10000 + i, {{':', 2, 1, 1, 'S'}}) end
 for i = 141, 150 do u:update(10000 + i, {{'!', 4, 'extra'}}) end
 for i = 141, 145 do u:update(10000 + i, {{'#', 4, 1}}) end
@@ -70,8 +74,7 @@ def follower_config(tmp_path: Path, peer: TarantoolPeer) -> Path:
     secret.write_text(PASSWORD + "\n")
     with config.open("a") as f:
         f.write(
-            f'[tarantool_upstream]\naddress = "{peer.address}"\nuser = "{USER}"\n'
-            f'password_file = "{secret}"\n'
+            f'[tarantool_upstream]\naddress = "{peer.address}"\nuser = "{USER}"\npassword_file = "{secret}"\n'
         )
     return config
 
@@ -96,7 +99,7 @@ def wait_same(peer: TarantoolPeer, node: Node, timeout: float = 60) -> dict[str,
                 return ours
             if time.monotonic() > deadline:
                 missing = {k: len(theirs[k]) - len(ours[k]) for k in theirs}
-                diff = [(t, o) for t, o in zip(theirs["users"], ours["users"]) if t != o][:5]
+                diff = [(t, o) for t, o in zip(theirs["users"], ours["users"], strict=False) if t != o][:5]
                 raise AssertionError(
                     f"sluice differs from the Tarantool after {timeout} s: rows missing {missing}, "
                     f"first differences {diff}\n{node.log()[-3000:]}"
@@ -140,7 +143,7 @@ def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
         assert status["copies"] == 1
         assert status["rows_skipped"] >= 50  # the rows of `other`
         assert node.metric("sluice_tarantool_upstream_state", state="follow") == 1
-        assert node.metric("sluice_tarantool_upstream_rows_total") >= 600
+        assert node.metric("sluice_tarantool_upstream_rows_total") == 553  # every row of WRITES but `other`'s
         # The Tarantool sees an anonymous replica following it.
         anon = up.eval("return box.info.replication_anon()").data[0]
         assert len(anon) == 1, anon

@@ -452,6 +452,17 @@ def cmd_status(args: argparse.Namespace) -> int:
                 lags[(rb["bucket"], v["vbucket"])] = v
     else:
         print("role: active (follows no node)")
+    tt = st.get("tarantool_upstream")
+    if tt:
+        reason = f" ({tt['reason']})" if tt["reason"] else ""
+        print(
+            f"following the Tarantool at {tt['address']}: {tt['state']}{reason}; "
+            f"{tt['rows_applied']:,} rows applied, {tt['rows_skipped']:,} skipped, lag "
+            f"{tt['lag_rows']} rows, {tt['lag_seconds']:.3f} s; vclock {tt['vclock']} of "
+            f"{tt['upstream_vclock']}; {tt['copies']} copy(ies), {tt['reconnects']} reconnect(s)"
+        )
+        for name, why in tt["stopped_spaces"].items():
+            print(f"  space {name} not followed: {why}")
     followed = any(v.get("followers") for b in st["buckets"] for v in b["vbuckets"])
     if followed:
         # The active knows a follower by the name its replica registered, which is the

@@ -486,7 +486,7 @@ ENGINE_KEYS += [
         "tarantool_upstream.address",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "",
-        "HOST:PORT of a Tarantool this node follows as its anonymous replica (README \"Following a "
+        'HOST:PORT of a Tarantool this node follows as its anonymous replica (README "Following a '
         'Tarantool"): every row it writes to a space of the same name as one in [spaces.NAME] is '
         'applied here, read-only for iproto clients. "" (the default): nothing is followed.',
         "HOST:PORT",
@@ -497,7 +497,7 @@ ENGINE_KEYS += [
         "tarantool_upstream.user",
         _str,
         "",
-        "Tarantool user to log in as (chap-sha1); it needs the replication role there. \"\": guest.",
+        'Tarantool user to log in as (chap-sha1); it needs the replication role there. "": guest.',
         "string",
         native="tarantool_upstream_user",
         server=True,
