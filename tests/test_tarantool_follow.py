@@ -79,6 +79,13 @@ def follower_config(tmp_path: Path, peer: TarantoolPeer) -> Path:
     return config
 
 
+def start_follower(tmp_path: Path, config: Path) -> Node:
+    """`sluice serve` with `config`, once it follows (after its copy, or resumed)."""
+    node = Node(tmp_path / "data", "--config", str(config))
+    node.wait_for("following the Tarantool at")
+    return node
+
+
 def connect(address: str) -> tarantool.Connection:
     host, _, port = address.rpartition(":")
     return tarantool.connect(host, int(port), user=USER, password=PASSWORD)
@@ -111,9 +118,8 @@ def wait_same(peer: TarantoolPeer, node: Node, timeout: float = 60) -> dict[str,
 
 
 def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
-    node = Node(tmp_path / "data", "--config", str(follower_config(tmp_path, peer)))
+    node = start_follower(tmp_path, follower_config(tmp_path, peer))
     try:
-        node.wait_for("following the Tarantool at")
         first = wait_same(peer, node)
         assert len(first["users"]) == PRELOAD
         up = connect(peer.address)
@@ -154,19 +160,17 @@ def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
 
 def test_kill9_resumes_from_the_kept_position_without_applying_anything_twice(tmp_path, peer):
     config = follower_config(tmp_path, peer)
-    node = Node(tmp_path / "data", "--config", str(config))
+    node = start_follower(tmp_path, config)
     up = connect(peer.address)
     try:
-        node.wait_for("following the Tarantool at")
         wait_same(peer, node)
         # Increments are not idempotent: applied twice after the restart, they would show.
         for round_ in range(3):
             up.eval("for r = 1, 20 do for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end end")
             node.stop(sig=9)
             up.eval("for i = 101, 300 do box.space.users:update(i, {{'+', 3, 7}}) end")
-            node = Node(tmp_path / "data", "--config", str(config))
-            resumed = node.wait_for("following the Tarantool at")
-            assert "from vclock" in resumed
+            node = start_follower(tmp_path, config)
+            assert "following the Tarantool at" in node.log() and "from vclock" in node.log()
             wait_same(peer, node)
             assert "fetching a copy" not in node.log(), f"round {round_}: a second copy"
             assert node.status()["tarantool_upstream"]["copies"] == 0
@@ -177,19 +181,17 @@ def test_kill9_resumes_from_the_kept_position_without_applying_anything_twice(tm
 
 def test_a_tarantool_that_collected_our_rows_is_copied_again(tmp_path, peer):
     config = follower_config(tmp_path, peer)
-    node = Node(tmp_path / "data", "--config", str(config))
+    node = start_follower(tmp_path, config)
     up = connect(peer.address)
     try:
-        node.wait_for("following the Tarantool at")
         wait_same(peer, node)
         node.stop()
         # While sluice is down: changes, then two checkpoints with checkpoint_count = 1, so the
         # xlogs holding the rows after sluice's position are removed.
         up.eval("for i = 1, 500 do box.space.users:delete(i) end")
         up.eval("box.snapshot() box.space.users:insert{777777, 'after', 1} box.snapshot()")
-        node = Node(tmp_path / "data", "--config", str(config))
-        node.wait_for("no longer holds the rows after our position")
-        node.wait_for("following the Tarantool at")
+        node = start_follower(tmp_path, config)
+        assert "no longer holds the rows after our position" in node.log()
         final = wait_same(peer, node)
         assert len(final["users"]) == PRELOAD - 500 + 1
         assert node.status()["tarantool_upstream"]["copies"] == 1
