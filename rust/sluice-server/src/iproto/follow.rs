@@ -266,6 +266,17 @@ enum Applied {
 }
 
 impl Follower {
+    /// The followed spaces the upstream has now (mapped by `learn_schema` and DDL rows).
+    fn mapped(&self) -> Vec<Arc<Space>> {
+        let mut out: Vec<Arc<Space>> = Vec::new();
+        for s in self.by_id.values() {
+            if !out.iter().any(|o| o.id == s.id) {
+                out.push(s.clone());
+            }
+        }
+        out
+    }
+
     fn followed(&self) -> Vec<Arc<Space>> {
         self.catalog
             .spaces()
@@ -357,11 +368,12 @@ impl Follower {
         }
     }
 
-    /// The vclock kept with the followed spaces' data, or None when any of them has none
-    /// (never copied, or a copy cut short): the newest of the positions their vbuckets hold.
+    /// The vclock kept with the followed spaces' data, or None when any of those the upstream
+    /// has holds none (never copied, a copy cut short, a row it could not apply): the newest of
+    /// the positions their vbuckets hold.
     fn kept_position(&self) -> Option<Vclock> {
         let mut merged = Vclock::new();
-        for space in self.followed() {
+        for space in self.mapped() {
             let positions = self.engine.follow_positions(&space.bucket);
             if positions.is_empty() {
                 return None;
@@ -392,9 +404,9 @@ impl Follower {
         log::info!(
             "fetching a copy of the Tarantool at {} into {} followed space(s)",
             self.config.upstream.address,
-            self.followed().len()
+            self.mapped().len()
         );
-        for space in self.followed() {
+        for space in self.mapped() {
             self.engine
                 .clear_follow_positions(&space.bucket)
                 .map_err(local)?;
@@ -419,7 +431,7 @@ impl Follower {
     }
 
     fn log_position(&mut self, position: &[u8]) -> Result<(), UpstreamError> {
-        for space in self.followed() {
+        for space in self.mapped() {
             self.engine
                 .write_follow_position(&space.bucket, position)
                 .map_err(local)?;
@@ -486,7 +498,7 @@ impl Follower {
         if matches!(space_id, SPACE | INDEX) || (space_id == TRUNCATE && position.is_some()) {
             // A copy's `_truncate` rows are truncations of the past: the copy holds their
             // result.
-            return self.apply_ddl(space_id, &request);
+            return self.apply_ddl(space_id, &request, position);
         }
         let Some(space) = self.by_id.get(&space_id).cloned() else {
             return Ok(Applied::Skipped);
@@ -496,6 +508,7 @@ impl Follower {
             Ok(d) => d,
             Err(f) => {
                 self.stop_space(&space, format!("a row it cannot apply: {}", f.message));
+                self.forget_position(&space);
                 return Ok(Applied::Skipped);
             }
         };
@@ -511,6 +524,7 @@ impl Follower {
                 e @ (sluice_core::Error::TooBig { .. } | sluice_core::Error::InvalidArgument(_)),
             ) => {
                 self.stop_space(&space, format!("a tuple it cannot store: {e}"));
+                self.forget_position(&space);
                 Ok(Applied::Skipped)
             }
             Err(e) => Err(local(e)),
@@ -527,11 +541,28 @@ impl Follower {
             .insert(space.name.clone(), why);
     }
 
+    /// A space that missed a row keeps no position: the next connection that finds it
+    /// upstream loads a fresh copy rather than resuming with the row missing.
+    fn forget_position(&self, space: &Space) {
+        if let Err(e) = self.engine.clear_follow_positions(&space.bucket) {
+            log::warn!("space {}: its position cannot be cleared: {e}", space.name);
+        }
+    }
+
     /// A row of `_space`, `_index` or `_truncate`: a followed space created, dropped, given
-    /// another primary key or truncated upstream.
-    fn apply_ddl(&mut self, system: u32, request: &Request<'_>) -> Result<Applied, UpstreamError> {
+    /// another primary key or truncated upstream. `position`: the vclock after the row (None
+    /// while a copy loads, which holds the result of past DDL).
+    fn apply_ddl(
+        &mut self,
+        system: u32,
+        request: &Request<'_>,
+        position: Option<&[u8]>,
+    ) -> Result<Applied, UpstreamError> {
+        // `space:truncate()` logs an UPSERT of `{space_id, 1}` into `_truncate`.
         let tuple = match request {
-            Request::Insert { tuple, .. } | Request::Replace { tuple, .. } => Some(*tuple),
+            Request::Insert { tuple, .. }
+            | Request::Replace { tuple, .. }
+            | Request::Upsert { tuple, .. } => Some(*tuple),
             _ => None,
         };
         match (system, tuple) {
@@ -544,6 +575,13 @@ impl Follower {
                 if let Some(space) = found.filter(|_| !known) {
                     log::info!("space {name} (id {id}) appeared upstream; following it");
                     self.status.inner.lock().stopped.remove(&name);
+                    if let Some(p) = position {
+                        // Created now: empty, as it is upstream, and resumable from here.
+                        let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
+                        self.engine
+                            .write_follow_position(&space.bucket, p)
+                            .map_err(local)?;
+                    }
                     self.by_id.insert(id as u32, space);
                 }
             }
@@ -551,7 +589,10 @@ impl Follower {
                 if let Request::Delete { key, .. } = request {
                     let id = first_uint(key);
                     if let Some(space) = id.and_then(|id| self.by_id.get(&(id as u32)).cloned()) {
+                        // Its tuples go with it, as upstream.
+                        let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
                         self.stop_space(&space, "dropped upstream".into());
+                        return Ok(Applied::Changed);
                     }
                 }
             }
@@ -562,6 +603,7 @@ impl Follower {
                 if let Some(space) = self.by_id.get(&(id as u32)).cloned() {
                     if let Err(why) = check_primary_key(&space, t) {
                         self.stop_space(&space, why);
+                        self.forget_position(&space);
                     }
                 }
             }
@@ -570,6 +612,11 @@ impl Follower {
                 if let Some(space) = id.and_then(|id| self.by_id.get(&(id as u32)).cloned()) {
                     log::info!("space {} truncated upstream; emptying it", space.name);
                     let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
+                    if let Some(p) = position {
+                        self.engine
+                            .write_follow_position(&space.bucket, p)
+                            .map_err(local)?;
+                    }
                     return Ok(Applied::Changed);
                 }
             }
