@@ -7,17 +7,22 @@ followed spaces are read-only for iproto clients; /status and /metrics show the 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import tarantool
-from helpers import Node
+from fault_proxy import FaultProxy
+from helpers import Node, run_cli
 from tarantool_peer import PASSWORD, TARANTOOL, TARANTOOL_MISSING, USER, TarantoolPeer, sluice_config
 
 pytestmark = pytest.mark.skipif(TARANTOOL is None, reason=TARANTOOL_MISSING)
 
 PRELOAD = 2000
+CDC_PASSWORD = "cdc secret"
 
 SETUP = f"""
 box.cfg{{checkpoint_count = 1}}
@@ -68,13 +73,19 @@ def peer(tmp_path):
         yield p
 
 
-def follower_config(tmp_path: Path, peer: TarantoolPeer) -> Path:
+def follower_config(tmp_path: Path, peer: TarantoolPeer, address: str | None = None) -> Path:
     config = sluice_config(tmp_path / "sluice.toml")
     secret = tmp_path / "tarantool.password"
     secret.write_text(PASSWORD + "\n")
+    # A user that may stream the followed spaces' buckets (`sluice tail`).
+    keys = subprocess.run(
+        [sys.executable, "-m", "sluice", "user", "hash"], input=CDC_PASSWORD, capture_output=True, text=True
+    ).stdout
     with config.open("a") as f:
+        f.write(f'[users.cdc]\n{keys}buckets = {{ users = ["stream"], events = ["stream"] }}\n')
         f.write(
-            f'[tarantool_upstream]\naddress = "{peer.address}"\nuser = "{USER}"\npassword_file = "{secret}"\n'
+            f'[tarantool_upstream]\naddress = "{address or peer.address}"\nuser = "{USER}"\n'
+            f'password_file = "{secret}"\n'
         )
     return config
 
@@ -150,6 +161,22 @@ def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
         assert status["rows_skipped"] >= 50  # the rows of `other`
         assert node.metric("sluice_tarantool_upstream_state", state="follow") == 1
         assert node.metric("sluice_tarantool_upstream_rows_total") == 553  # every row of WRITES but `other`'s
+        # A DCP consumer of the space's bucket sees the same final states.
+        tail = subprocess.run(
+            [sys.executable, "-m", "sluice", "tail", "--address", node.address, "--bucket", "users"]
+            + ["--from", "beginning", "--until-now", "--tuples", "--user", "cdc", "--password-stdin"],
+            input=CDC_PASSWORD,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert tail.returncode == 0, tail.stderr
+        streamed = [json.loads(line) for line in tail.stdout.splitlines()]
+        live = sorted(r["tuple"] for r in streamed if r.get("tuple") is not None)
+        assert live == final["users"]
+        shown = run_cli("status", "--admin", node.admin)
+        assert shown.returncode == 0, shown.stderr
+        assert f"following the Tarantool at {peer.address}: follow;" in shown.stdout, shown.stdout
         # A truncation upstream empties the space here.
         up.eval("box.space.events:truncate() box.space.events:insert{2, 1, 'after', box.NULL}")
         assert wait_same(peer, node)["events"] == [[2, 1, "after", None]]
@@ -201,3 +228,24 @@ def test_a_tarantool_that_collected_our_rows_is_copied_again(tmp_path, peer):
     finally:
         up.close()
         node.stop()
+
+
+def test_connections_cut_under_a_writer_are_resumed(tmp_path, peer):
+    proxy = FaultProxy(peer.address)
+    node = start_follower(tmp_path, follower_config(tmp_path, peer, proxy.address))
+    up = connect(peer.address)
+    try:
+        wait_same(peer, node)
+        for _ in range(3):
+            up.eval("for i = 1, 300 do box.space.users:update(i, {{'+', 3, 1}}) end")
+            proxy.cut()
+            up.eval("for i = 301, 600 do box.space.users:update(i, {{'+', 3, 2}}) end")
+            wait_same(peer, node)
+        status = node.status()["tarantool_upstream"]
+        assert status["reconnects"] >= 3, status
+        assert status["copies"] == 1, status
+        assert status["state"] == "follow", status
+    finally:
+        up.close()
+        node.stop()
+        proxy.close()

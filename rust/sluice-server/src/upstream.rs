@@ -192,8 +192,9 @@ impl Upstream {
     }
 
     /// SUBSCRIBE from `vclock`: hands every row after it to `each` until `each` says stop or
-    /// the connection fails; the vclock of the rows handed over so far goes back to the
-    /// upstream every `ACK_EVERY` and in answer to its heartbeats. `idle` bounds the wait for
+    /// the connection fails, and None for each heartbeat (the upstream has nothing more for
+    /// now); the vclock of the rows handed over so far goes back to the upstream every
+    /// `ACK_EVERY` and in answer to its heartbeats. `idle` bounds the wait for
     /// the next row or heartbeat (Tarantool sends one every `replication_timeout`, 1 s by
     /// default, when it has no rows to send).
     pub async fn subscribe(
@@ -201,7 +202,7 @@ impl Upstream {
         instance_uuid: &str,
         mut vclock: Vclock,
         idle: Duration,
-        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+        mut each: impl FnMut(Option<&Row<'_>>) -> Result<Next, UpstreamError>,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
@@ -226,11 +227,12 @@ impl Upstream {
                 }
                 if kind == codes::OK {
                     heartbeat = true;
+                    stop = matches!(each(None)?, Next::Stop);
                 } else {
                     if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
                         vclock.insert(id, lsn);
                     }
-                    stop = matches!(each(&row)?, Next::Stop);
+                    stop = matches!(each(Some(&row))?, Next::Stop);
                 }
                 self.buf.advance(n);
             } else if heard.elapsed() >= idle {

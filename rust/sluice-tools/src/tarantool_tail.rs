@@ -130,6 +130,9 @@ impl Tail {
             );
             let mut position = from.clone();
             up.subscribe(&random_uuid()?, from, self.idle, |row| {
+                let Some(row) = row else {
+                    return Ok(Next::Continue);
+                };
                 let before = printer.written;
                 let next = printer.row(row, true)?;
                 // Saved once the row is out: a row written but not saved (a kill between the

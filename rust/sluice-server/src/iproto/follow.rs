@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 use sluice_core::{Engine, FollowedChange};
@@ -42,6 +42,9 @@ const VSPACE: u32 = 281;
 const INDEX: u32 = 288;
 const VINDEX: u32 = 289;
 const TRUNCATE: u32 = 330;
+
+/// How often /status follows the rows while they stream.
+const STATUS_EVERY: Duration = Duration::from_millis(50);
 
 /// The longest wait between reconnections.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -87,6 +90,22 @@ impl FollowStatus {
         FollowStatus {
             address: address.to_string(),
             ..Default::default()
+        }
+    }
+
+    /// Our vclock now, and the lag of the row just applied (its timestamp upstream).
+    fn show(&self, vclock: &Vclock, row_timestamp: Option<f64>) {
+        let mut s = self.inner.lock();
+        s.vclock.clone_from(vclock);
+        for (id, lsn) in vclock {
+            let up = s.upstream_vclock.entry(*id).or_insert(0);
+            *up = (*up).max(*lsn);
+        }
+        if let Some(ts) = row_timestamp {
+            let now = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(ts, |d| d.as_secs_f64());
+            s.lag = (now - ts).max(0.0);
         }
     }
 
@@ -324,28 +343,27 @@ impl Follower {
         let idle = self.config.upstream.timeout.max(Duration::from_secs(5));
         let status = self.status.clone();
         let uuid = self.instance_uuid.clone();
+        let mut position = Vec::new();
+        // /status is brought up to date at most every STATUS_EVERY while rows stream, and at
+        // each heartbeat: a lock and a vclock copy per row would cost more than the row.
+        let mut shown = Instant::now();
         let ended = up
             .subscribe(&uuid, from, idle, |row| {
+                let Some(row) = row else {
+                    status.show(&vclock, None);
+                    shown = Instant::now();
+                    return Ok(Next::Continue);
+                };
                 if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
                     vclock.insert(id, lsn);
                 }
-                let mut position = Vec::new();
+                position.clear();
                 client::write_vclock(&mut position, &vclock);
                 let outcome = self.apply(row, Some(&position));
-                let mut s = status.inner.lock();
-                s.vclock = vclock.clone();
-                for (id, lsn) in &vclock {
-                    let up = s.upstream_vclock.entry(*id).or_insert(0);
-                    *up = (*up).max(*lsn);
+                if shown.elapsed() >= STATUS_EVERY {
+                    status.show(&vclock, row.header.timestamp);
+                    shown = Instant::now();
                 }
-                if let Some(ts) = row.header.timestamp {
-                    let now = SystemTime::now()
-                        .duration_since(SystemTime::UNIX_EPOCH)
-                        .map(|d| d.as_secs_f64())
-                        .unwrap_or(ts);
-                    s.lag = (now - ts).max(0.0);
-                }
-                drop(s);
                 match outcome? {
                     Applied::Changed => {
                         status.rows.fetch_add(1, Relaxed);
