@@ -91,7 +91,7 @@ fn positions_survive_a_crash_a_snapshot_and_a_restart_and_a_copy_clears_them() {
     let engine = Engine::open(cfg.clone()).unwrap();
     let bucket = engine.bucket("default").unwrap();
     assert_eq!(newest(&engine), None);
-    let store = |v: &'static [u8]| move |_: Option<&_>| FollowedChange::Store(v.to_vec());
+    let store = |v: &'static [u8]| move |_: Option<&[u8]>| FollowedChange::Store(v.to_vec());
     engine
         .write_followed(&bucket, b"a", Some(&position(1)), store(b"1"))
         .unwrap();
@@ -101,7 +101,7 @@ fn positions_survive_a_crash_a_snapshot_and_a_restart_and_a_copy_clears_them() {
     // An update that reads the stored value, as a followed UPDATE does.
     engine
         .write_followed(&bucket, b"a", Some(&position(3)), |cur| {
-            let mut v = cur.unwrap().value().to_vec();
+            let mut v = cur.unwrap().to_vec();
             v.push(b'+');
             FollowedChange::Store(v)
         })

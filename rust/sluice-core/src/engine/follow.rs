@@ -12,7 +12,7 @@ use crate::bucket::Bucket;
 use crate::config::Durability;
 use crate::error::Result;
 use crate::hlc::now_secs;
-use crate::item::{is_expired, validate_key, ChangeOp, Item, ItemMeta};
+use crate::item::{is_expired, validate_key, ChangeOp, ItemMeta};
 use crate::wal::writer::{MetaRecord, WalPayload};
 
 /// What a followed change does to its key, decided from the key's current item.
@@ -26,7 +26,7 @@ pub enum FollowedChange {
 }
 
 impl Engine {
-    /// Applies one followed change to `key`: `decide` sees its live item (None when missing,
+    /// Applies one followed change to `key`: `decide` sees its live value (None when missing,
     /// deleted or expired). The change and `position` are queued for the WAL under one lock,
     /// in one block, so recovery restores both or neither. No position: a change of a copy
     /// being loaded, which counts once `write_follow_position` ends the copy. Returns the LSN
@@ -36,7 +36,7 @@ impl Engine {
         bucket: &Bucket,
         key: &[u8],
         position: Option<&[u8]>,
-        decide: impl FnOnce(Option<&Item>) -> FollowedChange,
+        decide: impl FnOnce(Option<&[u8]>) -> FollowedChange,
     ) -> Result<u64> {
         validate_key(key)?;
         self.admit_write(bucket, Durability::None, ChangeOp::Mutation)?;
@@ -44,10 +44,22 @@ impl Engine {
         let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
         check_writable(&vb, 1)?;
         let now = now_secs();
-        let existing = vb.store.get(key).map(|i| i.to_item());
-        let rev = existing.as_ref().map(|i| i.meta.rev_seqno + 1).unwrap_or(1);
-        let live = existing.filter(|i| !i.meta.deleted && !is_expired(&i.meta, now));
-        let change = match decide(live.as_ref()) {
+        // The stored value is lent to `decide`, not copied: a copy of the upstream mostly
+        // stores keys that are not here yet, and an UPDATE reads the value once.
+        let (rev, live, decided) = {
+            let existing = vb.store.get(key);
+            let rev = existing.as_ref().map_or(1, |i| i.meta().rev_seqno + 1);
+            let live = existing.filter(|i| {
+                let m = i.meta();
+                !m.deleted && !is_expired(&m, now)
+            });
+            (
+                rev,
+                live.is_some(),
+                decide(live.as_ref().map(|i| i.value())),
+            )
+        };
+        let change = match decided {
             FollowedChange::Store(value) => {
                 if value.len() > bucket.config.max_item_size {
                     return Err(crate::Error::TooBig {
@@ -62,7 +74,7 @@ impl Engine {
                 };
                 Some((ChangeOp::Mutation, value, meta))
             }
-            FollowedChange::Delete if live.is_some() => {
+            FollowedChange::Delete if live => {
                 bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
                 let meta = ItemMeta {
                     expiry: now,

@@ -534,7 +534,7 @@ impl Follower {
         let written = self
             .engine
             .write_followed(&space.bucket, &key, position, |cur| {
-                change.resolve(&space, &key, cur.map(|i| i.value()), upstream)
+                change.resolve(&space, &key, cur, upstream)
             });
         match written {
             Ok(_) => Ok(Applied::Changed),
