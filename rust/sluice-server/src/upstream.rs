@@ -62,8 +62,15 @@ pub struct UpstreamConfig {
 /// What the caller's row handler says.
 pub enum Next {
     Continue,
+    /// Not during a snapshot, which is read to its end.
     Stop,
+    /// The caller cannot take the row now (its store is full or its WAL behind): the same
+    /// row comes again after `RETRY_AFTER`.
+    Retry,
 }
+
+/// How long a row the caller could not take waits before it is handed over again.
+const RETRY_AFTER: Duration = Duration::from_millis(10);
 
 /// One logged-in connection to the upstream.
 pub struct Upstream {
@@ -167,7 +174,7 @@ impl Upstream {
     /// read view's vclock, from which to SUBSCRIBE (rows after it were not in the read view).
     pub async fn fetch_snapshot(
         &mut self,
-        mut each: impl FnMut(&Row<'_>) -> Result<(), UpstreamError>,
+        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
@@ -185,7 +192,13 @@ impl Upstream {
                     return Ok(start);
                 }
                 k if k & codes::TYPE_ERROR != 0 => return Err(refusal(&row)),
-                _ => each(&row)?,
+                _ => {
+                    if matches!(each(&row)?, Next::Retry) {
+                        // The row stays in the buffer and comes again.
+                        tokio::time::sleep(RETRY_AFTER).await;
+                        continue;
+                    }
+                }
             }
             self.buf.advance(n);
         }
@@ -217,6 +230,7 @@ impl Upstream {
             // Reading is cancel-safe: what arrived stays in the buffer for the next round.
             let mut heartbeat = false;
             let mut stop = false;
+            let mut retry = false;
             if let Ok(n) = tokio::time::timeout(wait, self.fill()).await {
                 let n = n?;
                 heard = Instant::now();
@@ -229,12 +243,20 @@ impl Upstream {
                     heartbeat = true;
                     stop = matches!(each(None)?, Next::Stop);
                 } else {
-                    if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
-                        vclock.insert(id, lsn);
+                    match each(Some(&row))? {
+                        // The row stays in the buffer and comes again.
+                        Next::Retry => retry = true,
+                        next => {
+                            if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
+                                vclock.insert(id, lsn);
+                            }
+                            stop = matches!(next, Next::Stop);
+                        }
                     }
-                    stop = matches!(each(Some(&row))?, Next::Stop);
                 }
-                self.buf.advance(n);
+                if !retry {
+                    self.buf.advance(n);
+                }
             } else if heard.elapsed() >= idle {
                 return Err(UpstreamError::Timeout(idle));
             }
@@ -246,6 +268,9 @@ impl Upstream {
             }
             if stop {
                 return Ok(vclock);
+            }
+            if retry {
+                tokio::time::sleep(RETRY_AFTER).await;
             }
         }
     }

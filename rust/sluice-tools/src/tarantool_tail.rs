@@ -110,7 +110,7 @@ impl Tail {
                         if !stopped {
                             stopped = matches!(printer.row(row, false)?, Next::Stop);
                         }
-                        Ok(())
+                        Ok(Next::Continue)
                     })
                     .await?;
                 printer.flush();

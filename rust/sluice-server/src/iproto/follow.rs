@@ -282,6 +282,9 @@ struct Follower {
 enum Applied {
     Changed,
     Skipped,
+    /// Not now: the store is above its watermark or the WAL behind (TMPFAIL); the same row
+    /// again shortly.
+    Later,
 }
 
 impl Follower {
@@ -365,6 +368,7 @@ impl Follower {
                     shown = Instant::now();
                 }
                 match outcome? {
+                    Applied::Later => return Ok(Next::Retry),
                     Applied::Changed => {
                         status.rows.fetch_add(1, Relaxed);
                         self.pending_since_position = 0;
@@ -435,10 +439,14 @@ impl Follower {
         let mut loaded = 0u64;
         let vclock = up
             .fetch_snapshot(|row| {
-                if matches!(self.apply(row, None)?, Applied::Changed) {
-                    loaded += 1;
-                }
-                Ok(())
+                Ok(match self.apply(row, None)? {
+                    Applied::Changed => {
+                        loaded += 1;
+                        Next::Continue
+                    }
+                    Applied::Skipped => Next::Continue,
+                    Applied::Later => Next::Retry,
+                })
             })
             .await?;
         let mut position = Vec::new();
@@ -545,6 +553,7 @@ impl Follower {
                 self.forget_position(&space);
                 Ok(Applied::Skipped)
             }
+            Err(sluice_core::Error::TempFail(_)) => Ok(Applied::Later),
             Err(e) => Err(local(e)),
         }
     }
