@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ TARANTOOL_MISSING = "the tarantool binary is not installed (apt-get install tara
 
 USER = "app"
 PASSWORD = "secret"
+CDC_PASSWORD = "cdc secret"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,3 +222,34 @@ class TarantoolPeer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def follower_config(tmp_path: Path, peer: TarantoolPeer, address: str | None = None) -> Path:
+    """`sluice_config` plus `[tarantool_upstream]` following `peer` (or `address`, a proxy in
+    front of it) as USER, and a user `cdc` (password CDC_PASSWORD) who may read and stream the
+    spaces' buckets."""
+    config = sluice_config(tmp_path / "sluice.toml")
+    secret = tmp_path / "tarantool.password"
+    secret.write_text(PASSWORD + "\n")
+    keys = subprocess.run(
+        [sys.executable, "-m", "sluice", "user", "hash"], input=CDC_PASSWORD, capture_output=True, text=True
+    ).stdout
+    with config.open("a") as f:
+        f.write(
+            f'[users.cdc]\n{keys}buckets = {{ users = ["read", "stream"], events = ["read", "stream"] }}\n'
+        )
+        f.write(
+            f'[tarantool_upstream]\naddress = "{address or peer.address}"\nuser = "{USER}"\n'
+            f'password_file = "{secret}"\n'
+        )
+    return config
+
+
+def start_follower(tmp_path: Path, config: Path):
+    """`sluice serve` with `config` (a helpers.Node), once it follows (after its copy, or
+    resumed)."""
+    from helpers import Node
+
+    node = Node(tmp_path / "data", "--config", str(config))
+    node.wait_for("following the Tarantool at")
+    return node

@@ -479,3 +479,59 @@ def test_a_space_reads_as_typed_columns(spark, tmp_path):
             parse({"space": "things", "bucket": "things"}, streaming=False)
     finally:
         assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_a_streaming_query_on_a_followed_space_sees_the_writes_made_on_tarantool(spark, tmp_path):
+    """CDC from a real Tarantool: sluice follows it ([tarantool_upstream]) and a streaming query
+    on the followed space, with typed columns from its format, sees the Tarantool's writes."""
+    import tarantool
+    from tarantool_peer import (
+        CDC_PASSWORD,
+        PASSWORD,
+        TARANTOOL,
+        TARANTOOL_MISSING,
+        USER,
+        TarantoolPeer,
+        follower_config,
+        start_follower,
+    )
+
+    if TARANTOOL is None:
+        pytest.skip(TARANTOOL_MISSING)
+    grant = f"box.schema.user.grant('{USER}', 'replication')"
+    with TarantoolPeer(tmp_path / "tarantool", extra_lua=grant) as peer:
+        node = start_follower(tmp_path, follower_config(tmp_path, peer))
+        host, _, port = peer.address.rpartition(":")
+        up = tarantool.Connection(host, int(port), user=USER, password=PASSWORD)
+        options = {"nodes": node.address, "space": "users", "user": "cdc", "password": CDC_PASSWORD}
+        query = (
+            spark.readStream.format("sluice")
+            .options(**options)
+            .option("startingOffsets", "earliest")
+            .load()
+            .writeStream.format("memory")
+            .queryName("followed")
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            up.eval(
+                "for i = 1, 200 do box.space.users:replace{i, 'spark' .. i, i} end "
+                "box.space.users:update(5, {{'+', 3, 1000}}) box.space.users:delete(7)"
+            )
+
+            def rows() -> set:
+                return {tuple(r) for r in spark.sql("SELECT id, name, age, _op FROM followed").collect()}
+
+            wanted = {
+                (5, "spark5", 1005, "mutation"),
+                (7, None, None, "deletion"),
+                (200, "spark200", 200, "mutation"),
+            }
+            wait_until("the Tarantool's writes in the stream", lambda: wanted <= rows())
+            assert {r[0] for r in rows()} == set(range(1, 201))
+            assert dict(spark.table("followed").dtypes)["age"] == "bigint"
+        finally:
+            query.stop()
+            up.close()
+            node.stop()

@@ -11,18 +11,25 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import tarantool
 from fault_proxy import FaultProxy
 from helpers import Node, run_cli
-from tarantool_peer import PASSWORD, TARANTOOL, TARANTOOL_MISSING, USER, TarantoolPeer, sluice_config
+from tarantool_peer import (
+    CDC_PASSWORD,
+    PASSWORD,
+    TARANTOOL,
+    TARANTOOL_MISSING,
+    USER,
+    TarantoolPeer,
+    follower_config,
+    start_follower,
+)
 
 pytestmark = pytest.mark.skipif(TARANTOOL is None, reason=TARANTOOL_MISSING)
 
 PRELOAD = 2000
-CDC_PASSWORD = "cdc secret"
 
 SETUP = f"""
 box.cfg{{checkpoint_count = 1}}
@@ -71,30 +78,6 @@ box.commit()
 def peer(tmp_path):
     with TarantoolPeer(tmp_path / "tarantool", extra_lua=SETUP) as p:
         yield p
-
-
-def follower_config(tmp_path: Path, peer: TarantoolPeer, address: str | None = None) -> Path:
-    config = sluice_config(tmp_path / "sluice.toml")
-    secret = tmp_path / "tarantool.password"
-    secret.write_text(PASSWORD + "\n")
-    # A user that may stream the followed spaces' buckets (`sluice tail`).
-    keys = subprocess.run(
-        [sys.executable, "-m", "sluice", "user", "hash"], input=CDC_PASSWORD, capture_output=True, text=True
-    ).stdout
-    with config.open("a") as f:
-        f.write(f'[users.cdc]\n{keys}buckets = {{ users = ["stream"], events = ["stream"] }}\n')
-        f.write(
-            f'[tarantool_upstream]\naddress = "{address or peer.address}"\nuser = "{USER}"\n'
-            f'password_file = "{secret}"\n'
-        )
-    return config
-
-
-def start_follower(tmp_path: Path, config: Path) -> Node:
-    """`sluice serve` with `config`, once it follows (after its copy, or resumed)."""
-    node = Node(tmp_path / "data", "--config", str(config))
-    node.wait_for("following the Tarantool at")
-    return node
 
 
 def connect(address: str) -> tarantool.Connection:
