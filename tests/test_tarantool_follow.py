@@ -180,6 +180,11 @@ def test_kill9_resumes_from_the_kept_position_without_applying_anything_twice(tm
         # Increments are not idempotent: applied twice after the restart, they would show.
         for round_ in range(3):
             up.eval("for r = 1, 20 do for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end end")
+            # Transactions of 100 increments each: applied as one group, kept whole or not at all.
+            up.eval(
+                "for r = 1, 20 do box.begin() "
+                "for i = 201, 300 do box.space.users:update(i, {{'+', 3, 3}}) end box.commit() end"
+            )
             node.stop(sig=9)
             up.eval("for i = 101, 300 do box.space.users:update(i, {{'+', 3, 7}}) end")
             node = start_follower(tmp_path, config)

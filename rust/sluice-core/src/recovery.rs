@@ -194,6 +194,8 @@ impl State {
             RecordBody::FollowPosition(p) => {
                 vb.follow_position = (!p.is_empty()).then(|| (*p).into())
             }
+            // A group's block is whole or was cut as a torn tail: its changes come as they are.
+            RecordBody::FollowGroup => {}
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,

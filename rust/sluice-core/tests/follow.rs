@@ -85,6 +85,74 @@ fn a_position_never_starts_a_block_of_its_own() {
 }
 
 #[test]
+fn a_group_shares_one_block_and_sees_its_own_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 8);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("key{i}").into_bytes()).collect();
+    // 40 keys over 8 vbuckets, then the first key again: the last write sees the first.
+    let mut writes: Vec<(&sluice_core::bucket::Bucket, &[u8])> =
+        keys.iter().map(|k| (&*bucket, k.as_slice())).collect();
+    writes.push((&*bucket, keys[0].as_slice()));
+    let (lsn, refused) = engine
+        .write_followed_group(&writes, Some(&position(7)), |i, cur| {
+            if i == 40 {
+                let mut v = cur.unwrap().to_vec();
+                v.extend_from_slice(b"+again");
+                FollowedChange::Store(v)
+            } else {
+                FollowedChange::Store(format!("v{i}").into_bytes())
+            }
+        })
+        .unwrap();
+    assert!(refused.is_empty());
+    while engine.wal().written_lsn() < lsn {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    engine.crash();
+    drop((bucket, engine));
+
+    // One block holds the group: its marker, 41 changes and the position.
+    let files = xlog::list_files(&dir.path().join("wal"), "xlog").unwrap();
+    let mut grouped = 0;
+    for (_, path, _) in files {
+        let mut reader = XlogReader::open(&path).unwrap();
+        while let Next::Block { payload, .. } = reader.next_block().unwrap() {
+            let mut r = Reader::new(payload);
+            let mut bodies = Vec::new();
+            while !r.is_empty() {
+                bodies.push(decode(&mut r).unwrap().body);
+            }
+            if bodies.contains(&RecordBody::FollowGroup) {
+                let at = bodies
+                    .iter()
+                    .position(|b| *b == RecordBody::FollowGroup)
+                    .unwrap();
+                let changes = bodies[at..]
+                    .iter()
+                    .filter(|b| matches!(b, RecordBody::Change { .. }));
+                assert_eq!(changes.count(), 41);
+                assert_eq!(
+                    bodies.last(),
+                    Some(&RecordBody::FollowPosition(&position(7)))
+                );
+                grouped += 1;
+            }
+        }
+    }
+    assert_eq!(grouped, 1);
+
+    let engine = Engine::open(cfg).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    assert_eq!(newest(&engine), Some(7));
+    let live = common::live(&engine, &bucket);
+    assert_eq!(live.len(), 40);
+    assert_eq!(live[&keys[0]], b"v0+again");
+    assert_eq!(live[&keys[39]], b"v39");
+}
+
+#[test]
 fn positions_survive_a_crash_a_snapshot_and_a_restart_and_a_copy_clears_them() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = common::config(dir.path(), WalMode::Write, 4);

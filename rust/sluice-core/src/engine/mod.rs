@@ -37,7 +37,7 @@ mod state;
 mod write;
 
 use crate::catalog::Catalog;
-pub use follow::FollowedChange;
+pub use follow::{FollowedChange, MAX_GROUP};
 pub use read::StreamPosition;
 pub use select::SelectIterator;
 pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};

@@ -21,6 +21,7 @@ const OP_VBUCKET_SNAPSHOT: u64 = 14;
 const OP_ROLLBACK: u64 = 15;
 const OP_FAILOVER_RESET: u64 = 16;
 const OP_FOLLOW_POSITION: u64 = 17;
+const OP_FOLLOW_GROUP: u64 = 18;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
@@ -59,6 +60,9 @@ pub enum RecordBody<'a> {
     /// record (opaque to the engine: a Tarantool upstream's vclock for the iproto follower).
     /// Written in the same block as that change, so recovery never has one without the other.
     FollowPosition(&'a [u8]),
+    /// The changes up to the next `FollowPosition` are one transaction of the followed source,
+    /// in one block (nothing for recovery to do: the block is whole or gone).
+    FollowGroup,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,6 +202,9 @@ impl Record<'_> {
             }
             RecordBody::FollowPosition(p) => {
                 write_fields(out, l, OP_FOLLOW_POSITION, b, v, 0, 0, 0, 0, 0, 0, b"", p)
+            }
+            RecordBody::FollowGroup => {
+                write_fields(out, l, OP_FOLLOW_GROUP, b, v, 0, 0, 0, 0, 0, 0, b"", b"")
             }
             RecordBody::VbucketSnapshot {
                 state,
@@ -341,6 +348,7 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
         OP_ROLLBACK => RecordBody::Rollback(seqno),
         OP_FAILOVER_RESET => RecordBody::FailoverReset,
         OP_FOLLOW_POSITION => RecordBody::FollowPosition(value),
+        OP_FOLLOW_GROUP => RecordBody::FollowGroup,
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,
             high_seqno: seqno,
@@ -431,6 +439,9 @@ impl Record<'_> {
             RecordBody::FollowPosition(p) => {
                 m.insert("op".into(), json!("follow_position"));
                 m.insert("position_base64".into(), json!(base64(p)));
+            }
+            RecordBody::FollowGroup => {
+                m.insert("op".into(), json!("follow_group"));
             }
             RecordBody::VbucketSnapshot {
                 state,

@@ -51,6 +51,8 @@ pub enum MetaRecord {
     /// Where the followed source stood after the change queued just before it (see
     /// `RecordBody::FollowPosition`); never separated from that change by a block boundary.
     FollowPosition(Vec<u8>),
+    /// Opens a group that the next `FollowPosition` closes: no block boundary inside it.
+    FollowGroup,
 }
 
 pub enum WalPayload {
@@ -82,6 +84,19 @@ impl Queued {
     /// Whether this record must share its block with the one before it.
     fn glued(&self) -> bool {
         matches!(&self.payload, WalPayload::Meta(m) if matches!(m.2, MetaRecord::FollowPosition(_)))
+    }
+
+    /// Whether this record opens (Some(true)) or closes (Some(false)) a group that no block
+    /// boundary may cut.
+    fn group_edge(&self) -> Option<bool> {
+        match &self.payload {
+            WalPayload::Meta(m) => match m.2 {
+                MetaRecord::FollowGroup => Some(true),
+                MetaRecord::FollowPosition(_) => Some(false),
+                _ => None,
+            },
+            WalPayload::Change(_) => None,
+        }
     }
 
     fn charge(&self) -> usize {
@@ -123,6 +138,7 @@ impl Queued {
                     MetaRecord::Rollback(s) => RecordBody::Rollback(*s),
                     MetaRecord::FailoverReset => RecordBody::FailoverReset,
                     MetaRecord::FollowPosition(p) => RecordBody::FollowPosition(p),
+                    MetaRecord::FollowGroup => RecordBody::FollowGroup,
                 },
             },
         };
@@ -362,8 +378,12 @@ impl Segment {
     ) -> io::Result<()> {
         buf.clear();
         let mut at = xlog::begin_block(buf);
+        // Inside a group (a followed transaction, pushed under one queue lock, so whole in
+        // this batch) no block starts, nor before a record glued to the one before it.
+        let mut grouped = false;
         for q in batch {
-            if buf.len() - at - xlog::BLOCK_HEADER_LEN >= block_size && !q.glued() {
+            let may_split = !grouped && !q.glued();
+            if may_split && buf.len() - at - xlog::BLOCK_HEADER_LEN >= block_size {
                 xlog::finish_block(buf, at);
                 if buf.len() >= WRITE_CHUNK {
                     self.file.write_all_at(buf, self.size)?;
@@ -371,6 +391,9 @@ impl Segment {
                     buf.clear();
                 }
                 at = xlog::begin_block(buf);
+            }
+            if let Some(opens) = q.group_edge() {
+                grouped = opens;
             }
             q.encode(buf);
         }

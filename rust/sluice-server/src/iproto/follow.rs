@@ -7,7 +7,8 @@
 //! has the same name on both sides, and its primary key must be on the same fields.
 //!
 //! Exactly once: each applied row goes to the WAL together with the upstream's vclock after it
-//! (`Engine::write_followed`), so a restart SUBSCRIBEs from the last row kept, even after
+//! (`Engine::write_followed`; a multi-statement transaction as one group,
+//! `Engine::write_followed_group`, applied under the locks of every vbucket it touches), so a restart SUBSCRIBEs from the last row kept, even after
 //! kill -9, and an UPDATE that adds to a field is never applied twice. Without a kept vclock
 //! (first start, a crash while loading, a WAL salvaged by force recovery) or when the upstream
 //! no longer holds the rows after it, the followed buckets are emptied and a fresh copy is
@@ -25,7 +26,7 @@ use sluice_proto::iproto::client::{self, Vclock};
 use sluice_proto::iproto::request::{decode_dml_body, Request};
 use sluice_proto::iproto::tuple;
 use sluice_proto::iproto::update;
-use sluice_proto::iproto::xrow::Row;
+use sluice_proto::iproto::xrow::{Row, RowHeader};
 use sluice_proto::msgpack::Reader;
 use tokio::sync::watch;
 
@@ -240,6 +241,7 @@ pub async fn run(
         status,
         by_id: HashMap::new(),
         pending_since_position: 0,
+        txn_done: 0,
     };
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -276,6 +278,8 @@ struct Follower {
     by_id: HashMap<u32, Arc<Space>>,
     /// Rows passed since the position was last logged.
     pending_since_position: u64,
+    /// Rows of the open transaction applied one by one so far (see `apply_txn`).
+    txn_done: usize,
 }
 
 /// How a row ended here.
@@ -350,6 +354,9 @@ impl Follower {
         // /status is brought up to date at most every STATUS_EVERY while rows stream, and at
         // each heartbeat: a lock and a vclock copy per row would cost more than the row.
         let mut shown = Instant::now();
+        // Rows of a transaction wait for its commit row, then go in as one group.
+        let mut txn: Vec<PendingRow> = Vec::new();
+        self.txn_done = 0;
         let ended = up
             .subscribe(&uuid, from, idle, |row| {
                 let Some(row) = row else {
@@ -360,27 +367,40 @@ impl Follower {
                 if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
                     vclock.insert(id, lsn);
                 }
-                position.clear();
-                client::write_vclock(&mut position, &vclock);
-                let outcome = self.apply(row, Some(&position));
+                if !row.header.is_commit() {
+                    txn.push(PendingRow::of(row));
+                    return Ok(Next::Continue);
+                }
+                let outcome = if txn.is_empty() {
+                    position.clear();
+                    client::write_vclock(&mut position, &vclock);
+                    self.apply(row, Some(&position))
+                } else {
+                    self.apply_txn(&txn, row, &vclock)
+                };
                 if shown.elapsed() >= STATUS_EVERY {
                     status.show(&vclock, row.header.timestamp);
                     shown = Instant::now();
                 }
+                let rows = txn.len() as u64 + 1;
                 match outcome? {
                     Applied::Later => return Ok(Next::Retry),
                     Applied::Changed => {
-                        status.rows.fetch_add(1, Relaxed);
+                        status.rows.fetch_add(rows, Relaxed);
                         self.pending_since_position = 0;
                     }
                     Applied::Skipped => {
-                        status.skipped.fetch_add(1, Relaxed);
-                        self.pending_since_position += 1;
+                        status.skipped.fetch_add(rows, Relaxed);
+                        self.pending_since_position += rows;
                         if self.pending_since_position >= POSITION_EVERY {
+                            position.clear();
+                            client::write_vclock(&mut position, &vclock);
                             self.log_position(&position)?;
                         }
                     }
                 }
+                txn.clear();
+                self.txn_done = 0;
                 Ok(Next::Continue)
             })
             .await;
@@ -503,54 +523,158 @@ impl Follower {
         Ok(())
     }
 
-    /// Applies one row (or steps over it); `position` is the vclock after it (None while a
-    /// copy loads). An error of this node (its store full or failing) ends the connection.
-    fn apply(&mut self, row: &Row<'_>, position: Option<&[u8]>) -> Result<Applied, UpstreamError> {
-        let Some(body) = row.body else {
-            return Ok(Applied::Skipped);
+    /// What a row comes to here, the tuple not yet seen.
+    fn step<'r>(&mut self, kind: u32, body: Option<&'r [u8]>) -> Result<Step<'r>, UpstreamError> {
+        let Some(body) = body else {
+            return Ok(Step::Skip);
         };
-        let Some(request) = decode_dml_body(row.header.kind, body) else {
-            return Ok(Applied::Skipped);
+        let Some(request) = decode_dml_body(kind, body) else {
+            return Ok(Step::Skip);
         };
         let request = request.map_err(|e| UpstreamError::Protocol(e.message))?;
-        let space_id = match &request {
-            Request::Insert { space_id, .. }
-            | Request::Replace { space_id, .. }
-            | Request::Update { space_id, .. }
-            | Request::Upsert { space_id, .. }
-            | Request::Delete { space_id, .. } => *space_id,
-            _ => return Ok(Applied::Skipped),
+        let Some(space_id) = space_of(&request) else {
+            return Ok(Step::Skip);
         };
-        if matches!(space_id, SPACE | INDEX) || (space_id == TRUNCATE && position.is_some()) {
-            // A copy's `_truncate` rows are truncations of the past: the copy holds their
-            // result.
-            return self.apply_ddl(space_id, &request, position);
+        if matches!(space_id, SPACE | INDEX | TRUNCATE) {
+            return Ok(Step::Ddl(space_id, request));
         }
         let Some(space) = self.by_id.get(&space_id).cloned() else {
-            return Ok(Applied::Skipped);
+            return Ok(Step::Skip);
         };
-        let decided = decide(&space, &request);
-        let (key, change) = match decided {
-            Ok(d) => d,
+        match decide(&space, &request) {
+            Ok((key, change)) => Ok(Step::Write(space, key, change)),
             Err(f) => {
                 self.stop_space(&space, format!("a row it cannot apply: {}", f.message));
                 self.forget_position(&space);
-                return Ok(Applied::Skipped);
+                Ok(Step::Skip)
             }
-        };
+        }
+    }
+
+    /// Applies one row (or steps over it); `position` is the vclock after it (None while a
+    /// copy loads). An error of this node (its store failing) ends the connection; a full
+    /// store asks for the row again (`Applied::Later`).
+    fn apply(&mut self, row: &Row<'_>, position: Option<&[u8]>) -> Result<Applied, UpstreamError> {
+        match self.step(row.header.kind, row.body)? {
+            Step::Skip => Ok(Applied::Skipped),
+            // A copy's `_truncate` rows are truncations of the past: the copy holds their
+            // result.
+            Step::Ddl(TRUNCATE, _) if position.is_none() => Ok(Applied::Skipped),
+            Step::Ddl(system, request) => self.apply_ddl(system, &request, position),
+            Step::Write(space, key, change) => {
+                let upstream = &self.config.upstream.address;
+                let written = self
+                    .engine
+                    .write_followed(&space.bucket, &key, position, |cur| {
+                        change.resolve(&space, &key, cur, upstream)
+                    });
+                self.written(written.map(|lsn| (lsn, Vec::new())), &[&space])
+            }
+        }
+    }
+
+    /// The rows of one transaction of the upstream (`rows`, then its commit row), applied as
+    /// one group (`Engine::write_followed_group`): a reader sees all of its changes or none,
+    /// and a crash keeps all or none. A transaction that changes the schema, or one too large
+    /// for a group, is applied row by row, each with the vclock after it; `self.txn_done`
+    /// counts the rows applied so far, so a row asked for again is not applied twice.
+    fn apply_txn(
+        &mut self,
+        rows: &[PendingRow],
+        commit: &Row<'_>,
+        vclock_after: &Vclock,
+    ) -> Result<Applied, UpstreamError> {
+        let all: Vec<RowRef<'_>> = rows
+            .iter()
+            .map(|r| RowRef {
+                kind: r.kind,
+                body: r.body.as_deref(),
+                lsn: r.lsn,
+            })
+            .chain([RowRef {
+                kind: commit.header.kind,
+                body: commit.body,
+                lsn: commit.header.lsn,
+            }])
+            .collect();
+        let ddl = all.iter().any(|r| {
+            r.body
+                .and_then(|b| decode_dml_body(r.kind, b))
+                .and_then(Result::ok)
+                .is_some_and(|r| matches!(space_of(&r), Some(SPACE | INDEX | TRUNCATE)))
+        });
+        let mut position = Vec::new();
+        if ddl || all.len() > sluice_core::engine::MAX_GROUP {
+            let replica = commit.header.replica_id;
+            for (k, r) in all.iter().enumerate().skip(self.txn_done) {
+                let mut vclock = vclock_after.clone();
+                if let (Some(id), Some(lsn)) = (replica, r.lsn) {
+                    vclock.insert(id, lsn);
+                }
+                position.clear();
+                client::write_vclock(&mut position, &vclock);
+                let row = Row {
+                    header: RowHeader {
+                        kind: r.kind,
+                        ..Default::default()
+                    },
+                    body: r.body,
+                };
+                if matches!(self.apply(&row, Some(&position))?, Applied::Later) {
+                    return Ok(Applied::Later);
+                }
+                self.txn_done = k + 1;
+            }
+            return Ok(Applied::Changed);
+        }
+        let mut steps = Vec::with_capacity(all.len());
+        for r in &all {
+            if let Step::Write(space, key, change) = self.step(r.kind, r.body)? {
+                steps.push((space, key, change));
+            }
+        }
+        if steps.is_empty() {
+            return Ok(Applied::Skipped);
+        }
+        client::write_vclock(&mut position, vclock_after);
+        let writes: Vec<(&sluice_core::bucket::Bucket, &[u8])> = steps
+            .iter()
+            .map(|(space, key, _)| (&*space.bucket, key.as_slice()))
+            .collect();
         let upstream = &self.config.upstream.address;
         let written = self
             .engine
-            .write_followed(&space.bucket, &key, position, |cur| {
-                change.resolve(&space, &key, cur, upstream)
+            .write_followed_group(&writes, Some(&position), |i, cur| {
+                let (space, key, change) = &steps[i];
+                change.resolve(space, key, cur, upstream)
             });
+        let spaces: Vec<&Space> = steps.iter().map(|(s, ..)| &**s).collect();
+        self.written(written, &spaces)
+    }
+
+    /// How a followed write ended: `refused` (index, size) are writes too large for their
+    /// bucket, whose spaces stop being followed.
+    fn written(
+        &mut self,
+        written: sluice_core::Result<(u64, Vec<(usize, usize)>)>,
+        spaces: &[&Space],
+    ) -> Result<Applied, UpstreamError> {
         match written {
-            Ok(_) => Ok(Applied::Changed),
-            Err(
-                e @ (sluice_core::Error::TooBig { .. } | sluice_core::Error::InvalidArgument(_)),
-            ) => {
-                self.stop_space(&space, format!("a tuple it cannot store: {e}"));
-                self.forget_position(&space);
+            Ok((_, refused)) => {
+                for (i, size) in refused {
+                    let space = spaces[i];
+                    let max = space.bucket.config.max_item_size;
+                    self.stop_space(
+                        space,
+                        format!("a tuple of {size} bytes, over the bucket's max_item_size {max}"),
+                    );
+                    self.forget_position(space);
+                }
+                Ok(Applied::Changed)
+            }
+            Err(e @ sluice_core::Error::TooBig { .. }) => {
+                self.stop_space(spaces[0], format!("a tuple it cannot store: {e}"));
+                self.forget_position(spaces[0]);
                 Ok(Applied::Skipped)
             }
             Err(sluice_core::Error::TempFail(_)) => Ok(Applied::Later),
@@ -650,6 +774,49 @@ impl Follower {
             _ => {}
         }
         Ok(Applied::Skipped)
+    }
+}
+
+/// What a row comes to here (`Follower::step`).
+enum Step<'r> {
+    Skip,
+    /// A row of `_space`, `_index` or `_truncate`.
+    Ddl(u32, Request<'r>),
+    Write(Arc<Space>, Vec<u8>, Change<'r>),
+}
+
+/// A row of a transaction whose commit row has not come yet, kept until it does.
+struct PendingRow {
+    kind: u32,
+    body: Option<Vec<u8>>,
+    lsn: Option<u64>,
+}
+
+impl PendingRow {
+    fn of(row: &Row<'_>) -> PendingRow {
+        PendingRow {
+            kind: row.header.kind,
+            body: row.body.map(<[u8]>::to_vec),
+            lsn: row.header.lsn,
+        }
+    }
+}
+
+/// A row of a transaction as `apply_txn` goes through them.
+struct RowRef<'a> {
+    kind: u32,
+    body: Option<&'a [u8]>,
+    lsn: Option<u64>,
+}
+
+fn space_of(request: &Request<'_>) -> Option<u32> {
+    match request {
+        Request::Insert { space_id, .. }
+        | Request::Replace { space_id, .. }
+        | Request::Update { space_id, .. }
+        | Request::Upsert { space_id, .. }
+        | Request::Delete { space_id, .. } => Some(*space_id),
+        _ => None,
     }
 }
 
