@@ -30,6 +30,7 @@ PYTHON_ONLY = {
     "tarantool_upstream.user",
     "tarantool_upstream.password_file",
     "tarantool_upstream.spaces",
+    "tarantool_upstream.anonymous",
     "policy.ack",
     "policy.retransmit",
     "policy.slow_consumer",

@@ -237,3 +237,33 @@ def test_connections_cut_under_a_writer_are_resumed(tmp_path, peer):
         up.close()
         node.stop()
         proxy.close()
+
+
+def test_a_registered_replica_joins_and_resumes_after_kill9(tmp_path, peer):
+    """anonymous = false: JOIN registers sluice in the Tarantool's _cluster, and it resumes by a
+    registered SUBSCRIBE."""
+    config = follower_config(tmp_path, peer)
+    with config.open("a") as f:
+        f.write("anonymous = false\n")  # [tarantool_upstream] is the file's last table
+    node = start_follower(tmp_path, config)
+    up = connect(peer.address)
+    try:
+        assert len(wait_same(peer, node)["users"]) == PRELOAD
+        assert len(up.eval("return box.space._cluster:select()").data[0]) == 2
+        up.eval("for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end")
+        node.stop(sig=9)
+        up.eval("for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end")
+        node = start_follower(tmp_path, config)
+        wait_same(peer, node)
+        assert node.status()["tarantool_upstream"]["copies"] == 0
+        # The Tarantool shows it as its replica 2, followed by a relay.
+        deadline = time.monotonic() + 30
+        while True:
+            downstream = up.eval("return (box.info.replication[2] or {}).downstream").data[0]
+            if downstream and downstream.get("status") == "follow":
+                break
+            assert time.monotonic() < deadline, downstream
+            time.sleep(0.1)
+    finally:
+        up.close()
+        node.stop()

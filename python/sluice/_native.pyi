@@ -283,6 +283,7 @@ class Server:
         tarantool_upstream_user: str | None = None,
         tarantool_upstream_password: str | None = None,
         tarantool_upstream_spaces: list[str] = ...,
+        tarantool_upstream_anonymous: bool = True,
     ) -> Server: ...
     @property
     def address(self) -> str: ...

@@ -520,6 +520,17 @@ ENGINE_KEYS += [
         native="tarantool_upstream_spaces",
         server=True,
     ),
+    Key(
+        "tarantool_upstream.anonymous",
+        _bool,
+        True,
+        "Follow as an anonymous replica (FETCH_SNAPSHOT; nothing registered on the Tarantool). false: "
+        "JOIN, registered in its _cluster, so the Tarantool keeps the WAL this node has not yet "
+        "acknowledged (it takes a replica slot; remove it from _cluster when this node goes away).",
+        "bool",
+        native="tarantool_upstream_anonymous",
+        server=True,
+    ),
 ]
 
 

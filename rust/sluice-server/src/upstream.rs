@@ -1,6 +1,7 @@
-//! A real Tarantool followed as its anonymous replica (Tarantool's applier, the network side):
-//! connect and read the greeting, log in with chap-sha1, ask for the ballot (VOTE), fetch the
-//! snapshot (FETCH_SNAPSHOT), then SUBSCRIBE from a vclock and receive every row after it,
+//! A real Tarantool followed as its replica (Tarantool's applier, the network side): connect
+//! and read the greeting, log in with chap-sha1, ask for the ballot (VOTE), fetch the snapshot
+//! (FETCH_SNAPSHOT, anonymous; or JOIN, registered in its `_cluster`), then SUBSCRIBE from a
+//! vclock and receive every row after it,
 //! answering heartbeats with the vclock applied so far, so the upstream's
 //! `box.info.replication` shows this reader following it. Anonymous: nothing takes a slot in
 //! the upstream's `_cluster`; the user needs Tarantool's `replication` role.
@@ -68,6 +69,10 @@ pub enum Next {
     /// row comes again after `RETRY_AFTER`.
     Retry,
 }
+
+/// The version a JOIN announces (Tarantool's version id of 2.6.0: major << 16 | minor << 8 |
+/// patch), the protocol sluice speaks.
+const TARANTOOL_VERSION_ID: u32 = 0x02_06_00;
 
 /// How long a row the caller could not take waits before it is handed over again.
 const RETRY_AFTER: Duration = Duration::from_millis(10);
@@ -204,6 +209,46 @@ impl Upstream {
         }
     }
 
+    /// JOIN as `instance_uuid`, registering in the upstream's `_cluster` (which needs write
+    /// access to it: Tarantool's `replication` role): hands every row of the upstream's read
+    /// view, then of its final stage, to `each`, and returns the vclock to SUBSCRIBE from.
+    pub async fn join(
+        &mut self,
+        instance_uuid: &str,
+        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+    ) -> Result<Vclock, UpstreamError> {
+        let mut req = Vec::new();
+        let sync = self.next_sync();
+        client::write_join(&mut req, sync, instance_uuid, TARANTOOL_VERSION_ID);
+        self.send(&req).await?;
+        // OK with the read view's vclock, the read view; OK with the final stage's end, the
+        // final stage; OK with the upstream's vclock.
+        let mut oks = 0;
+        loop {
+            let t = self.timeout;
+            let n = within(t, self.fill()).await??;
+            let row = decode(&self.buf[..n])?;
+            match row.header.kind {
+                codes::OK => {
+                    oks += 1;
+                    if oks == 3 {
+                        let vclock = vclock_of(row.body.unwrap_or(b"\x80"));
+                        self.buf.advance(n);
+                        return vclock;
+                    }
+                }
+                k if k & codes::TYPE_ERROR != 0 => return Err(refusal(&row)),
+                _ => {
+                    if matches!(each(&row)?, Next::Retry) {
+                        tokio::time::sleep(RETRY_AFTER).await;
+                        continue;
+                    }
+                }
+            }
+            self.buf.advance(n);
+        }
+    }
+
     /// SUBSCRIBE from `vclock`: hands every row after it to `each` until `each` says stop or
     /// the connection fails, and None for each heartbeat (the upstream has nothing more for
     /// now); the vclock of the rows handed over so far goes back to the upstream every
@@ -213,13 +258,14 @@ impl Upstream {
     pub async fn subscribe(
         &mut self,
         instance_uuid: &str,
+        anonymous: bool,
         mut vclock: Vclock,
         idle: Duration,
         mut each: impl FnMut(Option<&Row<'_>>) -> Result<Next, UpstreamError>,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
-        client::write_subscribe(&mut req, sync, instance_uuid, &vclock);
+        client::write_subscribe(&mut req, sync, instance_uuid, &vclock, anonymous);
         self.send(&req).await?;
         self.answer(|_| Ok(())).await?;
         let mut ack = Vec::new();

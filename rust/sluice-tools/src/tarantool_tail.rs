@@ -129,7 +129,7 @@ impl Tail {
                 up.instance_uuid
             );
             let mut position = from.clone();
-            up.subscribe(&random_uuid()?, from, self.idle, |row| {
+            up.subscribe(&random_uuid()?, true, from, self.idle, |row| {
                 let Some(row) = row else {
                     return Ok(Next::Continue);
                 };

@@ -102,16 +102,36 @@ pub fn write_fetch_snapshot(out: &mut Vec<u8>, sync: u64) {
     finish(out, start);
 }
 
-/// SUBSCRIBE as an anonymous replica: `{INSTANCE_UUID, VCLOCK, REPLICA_ANON: true}`. The
-/// upstream answers OK with its vclock, then sends every row after `vclock`, and heartbeats.
-pub fn write_subscribe(out: &mut Vec<u8>, sync: u64, instance_uuid: &str, vclock: &Vclock) {
+/// SUBSCRIBE: `{INSTANCE_UUID, VCLOCK, REPLICA_ANON}`. The upstream answers OK with its
+/// vclock, then sends every row after `vclock`, and heartbeats. A replica that is not
+/// anonymous must have JOINed (its uuid is in the upstream's `_cluster`).
+pub fn write_subscribe(
+    out: &mut Vec<u8>,
+    sync: u64,
+    instance_uuid: &str,
+    vclock: &Vclock,
+    anonymous: bool,
+) {
     let start = begin(out, SUBSCRIBE, sync, 3);
     out.push(KEY_INSTANCE_UUID);
     write_str(out, instance_uuid);
     out.push(KEY_VCLOCK);
     write_vclock(out, vclock);
     out.push(KEY_REPLICA_ANON);
-    out.push(0xc3);
+    out.push(if anonymous { 0xc3 } else { 0xc2 });
+    finish(out, start);
+}
+
+/// JOIN: `{INSTANCE_UUID, SERVER_VERSION}`, as a replica that registers in the upstream's
+/// `_cluster`. The upstream answers OK with the vclock of its read view, the read view's rows,
+/// OK with the vclock its final stage ends at, the rows up to there (among them the `_cluster`
+/// row that registers this replica), and OK with its vclock.
+pub fn write_join(out: &mut Vec<u8>, sync: u64, instance_uuid: &str, version_id: u32) {
+    let start = begin(out, JOIN, sync, 2);
+    out.push(KEY_INSTANCE_UUID);
+    write_str(out, instance_uuid);
+    out.push(KEY_SERVER_VERSION);
+    write_uint(out, version_id as u64);
     finish(out, start);
 }
 

@@ -60,6 +60,10 @@ pub struct FollowConfig {
     pub upstream: UpstreamConfig,
     /// The configured spaces to follow, by name; empty: every configured space.
     pub spaces: Vec<String>,
+    /// Follow as an anonymous replica (FETCH_SNAPSHOT; nothing registered upstream), or JOIN
+    /// and be registered in the upstream's `_cluster`, which then keeps the WAL this node has
+    /// not acknowledged.
+    pub anonymous: bool,
 }
 
 /// What `/status` and `/metrics` show of the follower.
@@ -358,7 +362,7 @@ impl Follower {
         let mut txn: Vec<PendingRow> = Vec::new();
         self.txn_done = 0;
         let ended = up
-            .subscribe(&uuid, from, idle, |row| {
+            .subscribe(&uuid, self.config.anonymous, from, idle, |row| {
                 let Some(row) = row else {
                     status.show(&vclock, None);
                     shown = Instant::now();
@@ -457,18 +461,22 @@ impl Follower {
             let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
         }
         let mut loaded = 0u64;
-        let vclock = up
-            .fetch_snapshot(|row| {
-                Ok(match self.apply(row, None)? {
-                    Applied::Changed => {
-                        loaded += 1;
-                        Next::Continue
-                    }
-                    Applied::Skipped => Next::Continue,
-                    Applied::Later => Next::Retry,
-                })
+        let (anonymous, uuid) = (self.config.anonymous, self.instance_uuid.clone());
+        let mut each = |row: &Row<'_>| {
+            Ok(match self.apply(row, None)? {
+                Applied::Changed => {
+                    loaded += 1;
+                    Next::Continue
+                }
+                Applied::Skipped => Next::Continue,
+                Applied::Later => Next::Retry,
             })
-            .await?;
+        };
+        let vclock = if anonymous {
+            up.fetch_snapshot(&mut each).await?
+        } else {
+            up.join(&uuid, &mut each).await?
+        };
         let mut position = Vec::new();
         client::write_vclock(&mut position, &vclock);
         self.log_position(&position)?;
