@@ -179,34 +179,15 @@ impl Upstream {
     /// read view's vclock, from which to SUBSCRIBE (rows after it were not in the read view).
     pub async fn fetch_snapshot(
         &mut self,
-        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+        each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
         client::write_fetch_snapshot(&mut req, sync);
         self.send(&req).await?;
         let start = self.answer(vclock_of).await?;
-        loop {
-            let t = self.timeout;
-            let n = within(t, self.fill()).await??;
-            let packet = &self.buf[..n];
-            let row = decode(packet)?;
-            match row.header.kind {
-                codes::OK => {
-                    self.buf.advance(n);
-                    return Ok(start);
-                }
-                k if k & codes::TYPE_ERROR != 0 => return Err(refusal(&row)),
-                _ => {
-                    if matches!(each(&row)?, Next::Retry) {
-                        // The row stays in the buffer and comes again.
-                        tokio::time::sleep(RETRY_AFTER).await;
-                        continue;
-                    }
-                }
-            }
-            self.buf.advance(n);
-        }
+        self.rows_until_ok(1, each).await?;
+        Ok(start)
     }
 
     /// JOIN as `instance_uuid`, registering in the upstream's `_cluster` (which needs write
@@ -215,7 +196,7 @@ impl Upstream {
     pub async fn join(
         &mut self,
         instance_uuid: &str,
-        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+        each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
@@ -223,23 +204,35 @@ impl Upstream {
         self.send(&req).await?;
         // OK with the read view's vclock, the read view; OK with the final stage's end, the
         // final stage; OK with the upstream's vclock.
-        let mut oks = 0;
+        let last = self.rows_until_ok(3, each).await?;
+        vclock_of(&last)
+    }
+
+    /// Hands the rows that come to `each` (again after `RETRY_AFTER` when it says so) until
+    /// the `oks`-th OK, and returns that OK's body.
+    async fn rows_until_ok(
+        &mut self,
+        oks: usize,
+        mut each: impl FnMut(&Row<'_>) -> Result<Next, UpstreamError>,
+    ) -> Result<Vec<u8>, UpstreamError> {
+        let mut seen = 0;
         loop {
             let t = self.timeout;
             let n = within(t, self.fill()).await??;
             let row = decode(&self.buf[..n])?;
             match row.header.kind {
                 codes::OK => {
-                    oks += 1;
-                    if oks == 3 {
-                        let vclock = vclock_of(row.body.unwrap_or(b"\x80"));
+                    seen += 1;
+                    if seen == oks {
+                        let body = row.body.unwrap_or(b"\x80").to_vec();
                         self.buf.advance(n);
-                        return vclock;
+                        return Ok(body);
                     }
                 }
                 k if k & codes::TYPE_ERROR != 0 => return Err(refusal(&row)),
                 _ => {
                     if matches!(each(&row)?, Next::Retry) {
+                        // The row stays in the buffer and comes again.
                         tokio::time::sleep(RETRY_AFTER).await;
                         continue;
                     }
