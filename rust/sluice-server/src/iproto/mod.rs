@@ -89,25 +89,15 @@ pub struct IprotoContext {
 /// bits are not NCS, RFC 4122 or Microsoft's ("Invalid greeting"), so the id's digits cannot
 /// be taken as they are.
 pub fn instance_uuid(instance: &str) -> String {
-    let mut hex: Vec<u8> = instance
-        .bytes()
-        .filter(|c| c.is_ascii_hexdigit())
-        .chain(std::iter::repeat(b'0'))
-        .take(32)
-        .map(|c| c.to_ascii_lowercase())
-        .collect();
-    hex[12] = b'4';
-    let variant = (hex[16] as char).to_digit(16).expect("a hex digit") & 0x3 | 0x8;
-    hex[16] = char::from_digit(variant, 16).expect("below 16") as u8;
-    let hex = String::from_utf8(hex).expect("hex digits");
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
+    // The id's hex digits as 16 bytes (zero-padded), marked as a version 4, RFC 4122 UUID.
+    let mut bytes = [0u8; 16];
+    let digits = instance.bytes().filter_map(|c| (c as char).to_digit(16));
+    for (i, d) in digits.take(32).enumerate() {
+        bytes[i / 2] |= (d as u8) << if i % 2 == 0 { 4 } else { 0 };
+    }
+    bytes[6] = bytes[6] & 0x0f | 0x40;
+    bytes[8] = bytes[8] & 0x3f | 0x80;
+    sluice_proto::iproto::json::uuid_text(&bytes).expect("16 bytes")
 }
 
 /// The request types counted in `sluice_iproto_requests_total`, by label.
@@ -273,6 +263,11 @@ mod tests {
         assert_eq!(
             super::instance_uuid("d8d2ff28675ef423fed0d8ecbdbfb94a"),
             "d8d2ff28-675e-4423-bed0-d8ecbdbfb94a"
+        );
+        // Short ids are padded with zeros.
+        assert_eq!(
+            super::instance_uuid("ab"),
+            "ab000000-0000-4000-8000-000000000000"
         );
     }
 }
