@@ -141,17 +141,7 @@ class KvConnection:
         with self._lock:
             self._sock.settimeout(wait)
             self._sock.sendall(head + frame + extras + key + value)
-            reply = self._read(HEADER.size)
-            magic, _, keylen, extlen, _, status, bodylen, _, rcas = HEADER.unpack(reply)
-            if magic != RESPONSE:
-                raise SluiceError(
-                    f"{self.address} answered with magic {magic:#x}: not a memcached binary server"
-                )
-            payload = self._read(bodylen)
-        rextras, rvalue = payload[:extlen], payload[extlen + keylen :]
-        if status:
-            why = _message(rvalue) or f"status {status:#x}"
-            raise _ERRORS.get(status, SluiceError)(f"{self.address}: {why}")
+            _, rextras, rvalue, rcas = self._reply()
         return rextras, rvalue, rcas
 
     def stats(self, group: str = "") -> dict[str, str]:
@@ -164,19 +154,23 @@ class KvConnection:
             self._sock.settimeout(self.timeout)
             self._sock.sendall(head + key)
             while True:
-                magic, _, keylen, extlen, _, status, bodylen, _, _ = HEADER.unpack(self._read(HEADER.size))
-                payload = self._read(bodylen)
-                if magic != RESPONSE:
-                    raise SluiceError(
-                        f"{self.address} answered with magic {magic:#x}: not a memcached binary server"
-                    )
-                if status:
-                    why = _message(payload[extlen + keylen :]) or f"status {status:#x}"
-                    raise _ERRORS.get(status, SluiceError)(f"{self.address}: {why}")
-                if not keylen:
+                name, _, value, _ = self._reply()
+                if not name:
                     return out
-                name = payload[extlen : extlen + keylen].decode(errors="replace")
-                out[name] = payload[extlen + keylen :].decode(errors="replace")
+                out[name.decode(errors="replace")] = value.decode(errors="replace")
+
+    def _reply(self) -> tuple[bytes, bytes, bytes, int]:
+        """Reads one reply (the caller holds the lock): its key, extras, value and CAS, or
+        raises the error its status stands for (with the server's message)."""
+        magic, _, keylen, extlen, _, status, bodylen, _, cas = HEADER.unpack(self._read(HEADER.size))
+        if magic != RESPONSE:
+            raise SluiceError(f"{self.address} answered with magic {magic:#x}: not a memcached binary server")
+        payload = self._read(bodylen)
+        value = payload[extlen + keylen :]
+        if status:
+            why = _message(value) or f"status {status:#x}"
+            raise _ERRORS.get(status, SluiceError)(f"{self.address}: {why}")
+        return payload[extlen : extlen + keylen], payload[:extlen], value, cas
 
     def _read(self, n: int) -> bytes:
         buf = bytearray()
