@@ -245,7 +245,8 @@ impl Upstream {
     /// SUBSCRIBE from `vclock`: hands every row after it to `each` until `each` says stop or
     /// the connection fails, and None for each heartbeat (the upstream has nothing more for
     /// now); the vclock of the rows handed over so far goes back to the upstream every
-    /// `ACK_EVERY` and in answer to its heartbeats. `idle` bounds the wait for
+    /// `ACK_EVERY` and in answer to its heartbeats, as `acknowledge` gives it for the vclock of
+    /// the rows handed over (a caller that makes rows durable later acknowledges less). `idle` bounds the wait for
     /// the next row or heartbeat (Tarantool sends one every `replication_timeout`, 1 s by
     /// default, when it has no rows to send).
     pub async fn subscribe(
@@ -255,6 +256,7 @@ impl Upstream {
         mut vclock: Vclock,
         idle: Duration,
         mut each: impl FnMut(Option<&Row<'_>>) -> Result<Next, UpstreamError>,
+        mut acknowledge: impl FnMut(&Vclock) -> Vclock,
     ) -> Result<Vclock, UpstreamError> {
         let mut req = Vec::new();
         let sync = self.next_sync();
@@ -301,7 +303,7 @@ impl Upstream {
             }
             if heartbeat || acked.elapsed() >= ACK_EVERY {
                 ack.clear();
-                client::write_vclock_ack(&mut ack, &vclock);
+                client::write_vclock_ack(&mut ack, &acknowledge(&vclock));
                 within(self.timeout, self.socket.write_all(&ack)).await??;
                 acked = Instant::now();
             }

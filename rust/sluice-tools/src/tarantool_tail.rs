@@ -129,25 +129,32 @@ impl Tail {
                 up.instance_uuid
             );
             let mut position = from.clone();
-            up.subscribe(&random_uuid()?, true, from, self.idle, |row| {
-                let Some(row) = row else {
-                    return Ok(Next::Continue);
-                };
-                let before = printer.written;
-                let next = printer.row(row, true)?;
-                // Saved once the row is out: a row written but not saved (a kill between the
-                // two) is written again on resume, never skipped.
-                if let (true, Some(path), Some(id), Some(lsn)) = (
-                    printer.written > before,
-                    &self.state,
-                    row.header.replica_id,
-                    row.header.lsn,
-                ) {
-                    position.insert(id, lsn);
-                    save_state(path, &position)?;
-                }
-                Ok(next)
-            })
+            up.subscribe(
+                &random_uuid()?,
+                true,
+                from,
+                self.idle,
+                |row| {
+                    let Some(row) = row else {
+                        return Ok(Next::Continue);
+                    };
+                    let before = printer.written;
+                    let next = printer.row(row, true)?;
+                    // Saved once the row is out: a row written but not saved (a kill between the
+                    // two) is written again on resume, never skipped.
+                    if let (true, Some(path), Some(id), Some(lsn)) = (
+                        printer.written > before,
+                        &self.state,
+                        row.header.replica_id,
+                        row.header.lsn,
+                    ) {
+                        position.insert(id, lsn);
+                        save_state(path, &position)?;
+                    }
+                    Ok(next)
+                },
+                Vclock::clone,
+            )
             .await
             .map(|_| ())
         })?;

@@ -358,55 +358,68 @@ impl Follower {
         // /status is brought up to date at most every STATUS_EVERY while rows stream, and at
         // each heartbeat: a lock and a vclock copy per row would cost more than the row.
         let mut shown = Instant::now();
+        let engine = self.engine.clone();
+        // What the WAL already holds: where this subscription starts.
+        let mut acked = Acknowledged {
+            pending: None,
+            sent: from.clone(),
+        };
         // Rows of a transaction wait for its commit row, then go in as one group.
         let mut txn: Vec<PendingRow> = Vec::new();
         self.txn_done = 0;
         let ended = up
-            .subscribe(&uuid, self.config.anonymous, from, idle, |row| {
-                let Some(row) = row else {
-                    status.show(&vclock, None);
-                    shown = Instant::now();
-                    return Ok(Next::Continue);
-                };
-                if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
-                    vclock.insert(id, lsn);
-                }
-                if !row.header.is_commit() {
-                    txn.push(PendingRow::of(row));
-                    return Ok(Next::Continue);
-                }
-                let outcome = if txn.is_empty() {
-                    position.clear();
-                    client::write_vclock(&mut position, &vclock);
-                    self.apply(row, Some(&position))
-                } else {
-                    self.apply_txn(&txn, row, &vclock)
-                };
-                if shown.elapsed() >= STATUS_EVERY {
-                    status.show(&vclock, row.header.timestamp);
-                    shown = Instant::now();
-                }
-                let rows = txn.len() as u64 + 1;
-                match outcome? {
-                    Applied::Later => return Ok(Next::Retry),
-                    Applied::Changed => {
-                        status.rows.fetch_add(rows, Relaxed);
-                        self.pending_since_position = 0;
+            .subscribe(
+                &uuid,
+                self.config.anonymous,
+                from,
+                idle,
+                |row| {
+                    let Some(row) = row else {
+                        status.show(&vclock, None);
+                        shown = Instant::now();
+                        return Ok(Next::Continue);
+                    };
+                    if let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) {
+                        vclock.insert(id, lsn);
                     }
-                    Applied::Skipped => {
-                        status.skipped.fetch_add(rows, Relaxed);
-                        self.pending_since_position += rows;
-                        if self.pending_since_position >= POSITION_EVERY {
-                            position.clear();
-                            client::write_vclock(&mut position, &vclock);
-                            self.log_position(&position)?;
+                    if !row.header.is_commit() {
+                        txn.push(PendingRow::of(row));
+                        return Ok(Next::Continue);
+                    }
+                    let outcome = if txn.is_empty() {
+                        position.clear();
+                        client::write_vclock(&mut position, &vclock);
+                        self.apply(row, Some(&position))
+                    } else {
+                        self.apply_txn(&txn, row, &vclock)
+                    };
+                    if shown.elapsed() >= STATUS_EVERY {
+                        status.show(&vclock, row.header.timestamp);
+                        shown = Instant::now();
+                    }
+                    let rows = txn.len() as u64 + 1;
+                    match outcome? {
+                        Applied::Later => return Ok(Next::Retry),
+                        Applied::Changed => {
+                            status.rows.fetch_add(rows, Relaxed);
+                            self.pending_since_position = 0;
+                        }
+                        Applied::Skipped => {
+                            status.skipped.fetch_add(rows, Relaxed);
+                            self.pending_since_position += rows;
+                            if self.pending_since_position >= POSITION_EVERY {
+                                position.clear();
+                                client::write_vclock(&mut position, &vclock);
+                                self.log_position(&position)?;
+                            }
                         }
                     }
-                }
-                txn.clear();
-                self.txn_done = 0;
-                Ok(Next::Continue)
-            })
+                    txn.clear();
+                    self.txn_done = 0;
+                    Ok(Next::Continue)
+                },
+                |handed| acked.acknowledge(&engine, handed),
+            )
             .await;
         match ended {
             Ok(_) => Err(UpstreamError::Protocol("the row stream ended".into())),
@@ -782,6 +795,41 @@ impl Follower {
             _ => {}
         }
         Ok(Applied::Skipped)
+    }
+}
+
+/// The vclock told to the upstream: only rows whose changes the WAL has written, so that a
+/// registered upstream never collects rows a crash here would still need. Rows handed over
+/// since the last acknowledgement wait until the WAL has written every LSN given out before
+/// that acknowledgement, one period (250 ms) later at most when it is behind.
+struct Acknowledged {
+    /// The WAL's last LSN given out, and the vclock handed over, at the last acknowledgement.
+    pending: Option<(u64, Vclock)>,
+    sent: Vclock,
+}
+
+impl Acknowledged {
+    fn acknowledge(&mut self, engine: &Engine, handed: &Vclock) -> Vclock {
+        if engine.config().wal_mode == sluice_core::wal::WalMode::None {
+            // Nothing is kept: there is nothing to wait for.
+            return handed.clone();
+        }
+        let wal = engine.wal();
+        let (last, written) = (wal.last_lsn(), wal.written_lsn());
+        if written >= last {
+            self.sent.clone_from(handed);
+            self.pending = None;
+            return self.sent.clone();
+        }
+        self.pending = match self.pending.take() {
+            Some((lsn, vclock)) if written >= lsn => {
+                self.sent = vclock;
+                Some((last, handed.clone()))
+            }
+            Some(waiting) => Some(waiting),
+            None => Some((last, handed.clone())),
+        };
+        self.sent.clone()
     }
 }
 
