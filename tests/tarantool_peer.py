@@ -91,22 +91,28 @@ def _field_dict(f: Field) -> dict:
 
 
 def init_lua(
-    work_dir: Path, ready_file: Path, spaces: tuple[Space, ...], wal_mode: str, extra_lua: str = ""
+    work_dir: Path,
+    ready_file: Path,
+    spaces: tuple[Space, ...],
+    wal_mode: str,
+    extra_lua: str = "",
+    listen: str = "127.0.0.1:0",
 ) -> str:
-    """The init script: box.cfg on a free loopback port, the spaces with a TREE primary index
-    named `primary`, user USER with read and write on each space and execute on universe (sluice
-    lets any user CALL its built-in set: `box.session.user`, `box.space.NAME:count` ...), the
-    `extra_lua`, then the bound address written to `ready_file` (so a reader never sees a
-    half-made schema)."""
+    """The init script: box.cfg on `listen` (a free loopback port), then once per data
+    directory the spaces with a TREE primary index named `primary`, user USER with read and
+    write on each space and execute on universe (sluice lets any user CALL its built-in set:
+    `box.session.user`, `box.space.NAME:count` ...) and the `extra_lua`; then the bound address
+    written to `ready_file` (so a reader never sees a half-made schema)."""
     lines = [
         "box.cfg{",
-        "    listen = '127.0.0.1:0',",
+        f"    listen = {_lua(listen)},",
         f"    work_dir = {_lua(str(work_dir))},",
         "    log = 'tarantool.log',",
         f"    wal_mode = {_lua(wal_mode)},",
         "    memtx_memory = 1024 * 1024 * 1024,",
         "    checkpoint_interval = 0,",
         "}",
+        "box.once('sluice-tests-schema', function()",
         f"box.schema.user.create({_lua(USER)}, {{password = {_lua(PASSWORD)}}})",
     ]
     for s in spaces:
@@ -120,6 +126,7 @@ def init_lua(
     lines += [
         f"box.schema.user.grant({_lua(USER)}, 'execute', 'universe')",
         extra_lua,
+        "end)",
         f"local f = io.open({_lua(str(ready_file))} .. '.tmp', 'w')",
         "f:write(box.info.listen)",
         "f:close()",
@@ -182,11 +189,22 @@ class TarantoolPeer:
         assert TARANTOOL is not None, TARANTOOL_MISSING
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        ready = self.work_dir / "listen.addr"
-        script = self.work_dir / "init.lua"
-        script.write_text(init_lua(self.work_dir, ready, spaces, wal_mode, extra_lua))
         self.log_path = self.work_dir / "tarantool.log"
-        self._out = open(self.work_dir / "stdout.log", "wb")
+        self._config = (spaces, wal_mode, extra_lua, timeout)
+        self._start("127.0.0.1:0")
+
+    def restart(self) -> None:
+        """Stops it (SIGTERM) and starts it again on the same data and the same address."""
+        self.stop()
+        self._start(self.address)
+
+    def _start(self, listen: str) -> None:
+        spaces, wal_mode, extra_lua, timeout = self._config
+        ready = self.work_dir / "listen.addr"
+        ready.unlink(missing_ok=True)
+        script = self.work_dir / "init.lua"
+        script.write_text(init_lua(self.work_dir, ready, spaces, wal_mode, extra_lua, listen))
+        self._out = open(self.work_dir / "stdout.log", "ab")
         self.proc = subprocess.Popen(
             [TARANTOOL, str(script)], cwd=self.work_dir, stdout=self._out, stderr=subprocess.STDOUT
         )

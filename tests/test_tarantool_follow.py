@@ -269,3 +269,22 @@ def test_a_registered_replica_joins_and_resumes_after_kill9(tmp_path, peer):
     finally:
         up.close()
         node.stop()
+
+
+def test_a_tarantool_restart_is_followed_through(tmp_path, peer):
+    node = start_follower(tmp_path, follower_config(tmp_path, peer))
+    try:
+        wait_same(peer, node)
+        up = connect(peer.address)
+        up.eval("for i = 1, 100 do box.space.users:update(i, {{'+', 3, 1}}) end")
+        up.close()
+        peer.restart()
+        up = connect(peer.address)
+        up.eval("for i = 1, 100 do box.space.users:update(i, {{'+', 3, 5}}) end")
+        up.close()
+        wait_same(peer, node)
+        status = node.status()["tarantool_upstream"]
+        assert status["reconnects"] >= 1 and status["copies"] == 1, status
+        assert status["state"] == "follow", status
+    finally:
+        node.stop()
