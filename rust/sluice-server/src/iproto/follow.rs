@@ -8,11 +8,13 @@
 //!
 //! Exactly once: each applied row goes to the WAL together with the upstream's vclock after it
 //! (`Engine::write_followed`; a multi-statement transaction as one group,
-//! `Engine::write_followed_group`, applied under the locks of every vbucket it touches), so a restart SUBSCRIBEs from the last row kept, even after
-//! kill -9, and an UPDATE that adds to a field is never applied twice. Without a kept vclock
-//! (first start, a crash while loading, a WAL salvaged by force recovery) or when the upstream
-//! no longer holds the rows after it, the followed buckets are emptied and a fresh copy is
-//! fetched (FETCH_SNAPSHOT, as an anonymous replica).
+//! `Engine::write_followed_group`, applied under the locks of every vbucket it touches), so a
+//! restart SUBSCRIBEs from the last row kept, even after kill -9, and an UPDATE that adds to a
+//! field is never applied twice. Without a kept vclock (first start, a crash while loading, a
+//! WAL salvaged by force recovery) or when the upstream no longer holds the rows after it, the
+//! followed buckets are emptied and a fresh copy is fetched: FETCH_SNAPSHOT as an anonymous
+//! replica, or JOIN, registered in the upstream's `_cluster`. The upstream is told only the
+//! vclock of rows the WAL has written (`Acknowledged`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
