@@ -135,8 +135,11 @@ def main() -> int:
             print("stopping", flush=True)
     finally:
         query.stop()
-        show_committed()  # what was committed since the last look (all of it, with --available-now)
         spark.stop()
+        # What was committed since the last look (all of it, with --available-now), read once
+        # Spark has stopped: a micro-batch interrupted by query.stop() may still commit to the
+        # sink's log while the stop goes on, and the next run would not report it.
+        show_committed()
     if query.exception() is not None:
         print(f"the query failed: {query.exception()}", file=sys.stderr)
         return 1
