@@ -1,5 +1,5 @@
 //! Changes followed from another system, where sluice is the replica of a source that is not
-//! sluice (a Tarantool upstream, see the server's `follower`). Each change is applied as a
+//! sluice (a Tarantool upstream, see the server's `iproto::follow`). Each change is applied as a
 //! local write on an active vbucket and logged together with the source's position after it,
 //! so a restart resumes from exactly the last change it kept: nothing missing, nothing twice,
 //! even for changes that are not idempotent (an UPDATE adding to a field).
