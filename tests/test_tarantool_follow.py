@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 import tarantool
 from fault_proxy import FaultProxy
 from helpers import Node, run_cli
+from sluice import Client, RollbackError
 from tarantool_peer import (
     CDC_PASSWORD,
     PASSWORD,
@@ -197,25 +199,87 @@ def test_kill9_resumes_from_the_kept_position_without_applying_anything_twice(tm
         node.stop()
 
 
-def test_a_tarantool_that_collected_our_rows_is_copied_again(tmp_path, peer):
-    config = follower_config(tmp_path, peer)
+class Consumer:
+    """What a DCP consumer of the `users` bucket holds: per vbucket, each key's value as
+    streamed; a rollback to 0 drops a vbucket's part, as a consumer must."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, dict[bytes, bytes]] = {}
+        self.rollbacks: list[tuple[int, int]] = []
+        self.deletions = 0
+
+    def rolled_back(self, vbucket: int, seqno: int) -> None:
+        assert seqno == 0, (vbucket, seqno)
+        self.rollbacks.append((vbucket, seqno))
+        self.held.pop(vbucket, None)
+
+    def tuples(self) -> list:
+        return sorted(msgpack.unpackb(v) for part in self.held.values() for v in part.values())
+
+    def take(self, stream, until, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            for c in stream.poll(0.5) or []:
+                if c.op == "mutation":
+                    self.held.setdefault(c.vbucket, {})[c.key] = c.value
+                else:
+                    self.deletions += 1
+                    self.held.get(c.vbucket, {}).pop(c.key, None)
+            assert time.monotonic() < deadline, f"the consumer holds {len(self.tuples())} tuples"
+
+
+def test_a_tarantool_that_collected_our_rows_is_copied_again_and_consumers_roll_back(tmp_path, peer):
+    """The Tarantool collects the xlogs after sluice's position, once while sluice is cut off
+    from it and once while sluice is down. Each time sluice copies it again, and a DCP consumer
+    of the space is told to roll back to 0 (its live streams end with ROLLBACK, a saved state is
+    answered with a rollback), never shown deletions of rows the Tarantool did not delete."""
+    proxy = FaultProxy(peer.address)
+    config = follower_config(tmp_path, peer, proxy.address)
     node = start_follower(tmp_path, config)
     up = connect(peer.address)
+    consumer = Consumer()
     try:
         wait_same(peer, node)
-        node.stop()
-        # While sluice is down: changes, then two checkpoints with checkpoint_count = 1, so the
-        # xlogs holding the rows after sluice's position are removed.
-        up.eval("for i = 1, 500 do box.space.users:delete(i) end")
-        up.eval("box.snapshot() box.space.users:insert{777777, 'after', 1} box.snapshot()")
-        node = start_follower(tmp_path, config)
+        client = Client(node.address, bucket="users", username="cdc", password=CDC_PASSWORD)
+        with client.stream(format="python", rollback=consumer.rolled_back) as stream:
+            consumer.take(stream, lambda: len(consumer.tuples()) == PRELOAD)
+            # Cut off: sluice reconnects into a stalled proxy while the Tarantool deletes rows
+            # and then, with checkpoint_count = 1, removes the xlogs holding the deletions.
+            proxy.stall(3)
+            proxy.cut()
+            up.eval("for i = 1, 500 do box.space.users:delete(i) end")
+            up.eval("box.snapshot() box.space.users:insert{777777, 'after', 1} box.snapshot()")
+            final = wait_same(peer, node)
+            assert len(final["users"]) == PRELOAD - 500 + 1
+            consumer.take(stream, lambda: consumer.tuples() == final["users"])
+            saved = stream.state()
         assert "no longer holds the rows after our position" in node.log()
+        assert node.status()["tarantool_upstream"]["copies"] == 2
+        assert consumer.deletions == 0
+        assert consumer.rollbacks, "no rollback reached the consumer"
+        node.stop()
+
+        # Down: the same while sluice is stopped.
+        up.eval("for i = 501, 600 do box.space.users:delete(i) end")
+        up.eval("box.snapshot() box.space.users:insert{888888, 'after', 2} box.snapshot()")
+        node = start_follower(tmp_path, config)
         final = wait_same(peer, node)
-        assert len(final["users"]) == PRELOAD - 500 + 1
+        assert len(final["users"]) == PRELOAD - 600 + 2
         assert node.status()["tarantool_upstream"]["copies"] == 1
+        client = Client(node.address, bucket="users", username="cdc", password=CDC_PASSWORD)
+        with pytest.raises(RollbackError) as told:
+            with client.stream(format="python", state=saved) as stream:
+                consumer.take(stream, lambda: False, timeout=30)
+        assert told.value.seqno == 0
+        # Rolled back and resumed, the consumer holds what the Tarantool holds.
+        consumer.held.clear()
+        with client.stream(format="python", rollback="resume", state=saved) as stream:
+            consumer.take(stream, lambda: consumer.tuples() == final["users"])
+        assert consumer.deletions == 0
     finally:
         up.close()
         node.stop()
+        proxy.close()
 
 
 def test_connections_cut_under_a_writer_are_resumed(tmp_path, peer):

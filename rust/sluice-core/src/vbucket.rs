@@ -69,6 +69,9 @@ pub struct VBucket {
     /// Where the source this vbucket follows stood after its last followed change (see
     /// `Engine::write_followed`); logged with that change and kept by snapshots.
     pub follow_position: Option<Box<[u8]>>,
+    /// How many times this vbucket's history was cut here (a rollback, a new history) since
+    /// start: a stream opened before a cut serves a history that no longer exists.
+    pub history: u64,
 }
 
 impl VBucket {
@@ -89,6 +92,7 @@ impl VBucket {
             accounted: (0, 0),
             locks: LockTable::default(),
             follow_position: None,
+            history: 0,
         }
     }
 

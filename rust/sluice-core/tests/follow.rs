@@ -227,3 +227,70 @@ fn positions_survive_a_crash_a_snapshot_and_a_restart_and_a_copy_clears_them() {
     let engine = Engine::open(cfg).unwrap();
     assert_eq!(newest(&engine), Some(9));
 }
+
+#[test]
+fn a_new_history_empties_the_bucket_and_sends_old_consumers_back_to_zero() {
+    use sluice_core::failover::{rollback_point, ResumePoint};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 4);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let store = |v: &'static [u8]| move |_: Option<&[u8]>| FollowedChange::Store(v.to_vec());
+    for i in 0..20u64 {
+        let key = format!("old{i}");
+        engine
+            .write_followed(&bucket, key.as_bytes(), Some(&position(i)), store(b"v"))
+            .unwrap();
+    }
+    let before: Vec<_> = (0..4)
+        .map(|v| engine.stream_position(&bucket, v).unwrap())
+        .collect();
+    let restarted = engine.restart_history(&bucket).unwrap();
+    assert_eq!(
+        restarted.len(),
+        before.iter().filter(|p| p.high_seqno > 0).count()
+    );
+    assert!(common::live(&engine, &bucket).is_empty());
+    assert!(engine.follow_positions(&bucket).is_empty());
+    let last = engine
+        .write_followed(&bucket, b"new", Some(&position(100)), store(b"n"))
+        .unwrap();
+    let check = |engine: &Engine, entries: usize| {
+        let bucket = engine.bucket("default").unwrap();
+        for (v, old) in before.iter().enumerate() {
+            let now = engine.stream_position(&bucket, v as u16).unwrap();
+            if old.high_seqno == 0 {
+                continue;
+            }
+            // A history of its own from the old high seqno (seqnos go on rising); an unclean
+            // restart adds its own entry on top.
+            assert_eq!(now.failover.len(), entries, "vbucket {v}");
+            assert_eq!(now.failover.last().unwrap().seqno, old.high_seqno);
+            assert!(now.failover.iter().all(|e| e.uuid != old.failover[0].uuid));
+            assert!(now.high_seqno >= old.high_seqno);
+            // A consumer of the old history, wherever it stands, goes back to 0.
+            for start in [1, old.high_seqno] {
+                let at = ResumePoint {
+                    start_seqno: start,
+                    vbucket_uuid: old.failover[0].uuid,
+                    snap_start_seqno: start,
+                    snap_end_seqno: start,
+                };
+                let p = rollback_point(&now.failover, now.high_seqno, now.purge_seqno, at, false);
+                assert_eq!(p, Some(0), "vbucket {v} from {start}");
+            }
+        }
+        let live = common::live(engine, &bucket);
+        assert_eq!(live.keys().collect::<Vec<_>>(), [b"new"]);
+    };
+    check(&engine, 1);
+    while engine.wal().written_lsn() < last {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    engine.crash();
+    drop((bucket, engine));
+    // After kill -9: the snapshot holds the new history, the WAL the write after it.
+    let engine = Engine::open(cfg).unwrap();
+    check(&engine, 2);
+    assert_eq!(newest(&engine), Some(100));
+}

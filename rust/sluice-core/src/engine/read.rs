@@ -22,6 +22,8 @@ pub struct StreamPosition {
     pub purge_seqno: u64,
     /// Newest first.
     pub failover: Vec<FailoverEntry>,
+    /// `VBucket::history`: a stream opened on this position ends when it changes.
+    pub history: u64,
 }
 
 impl Engine {
@@ -196,7 +198,13 @@ impl Engine {
             high_seqno: vb.high_seqno,
             purge_seqno: vb.purge_seqno,
             failover: vb.failover.entries().to_vec(),
+            history: vb.history,
         })
+    }
+
+    /// A vbucket's state and `VBucket::history`, for a stream checking that it may go on.
+    pub fn stream_state(&self, bucket: &Bucket, vbid: u16) -> Option<(VbState, u64)> {
+        bucket.lock_vbucket(vbid).map(|vb| (vb.state, vb.history))
     }
 
     pub fn purge_seqno(&self, bucket: &Bucket, vbid: u16) -> Option<u64> {

@@ -178,6 +178,60 @@ impl Engine {
         Ok(done)
     }
 
+    /// Starts a new history on every active vbucket of the bucket that has one: its items go
+    /// without tombstones, its failover log becomes one new entry at its high seqno (seqnos go
+    /// on rising), and its streams end with ROLLBACK. A consumer asking again with the old
+    /// history is told to roll back to 0 and re-streams what the bucket then holds, instead of
+    /// being shown deletions of items that were never deleted. This is for a bucket whose
+    /// contents are about to be replaced whole from elsewhere (a followed Tarantool copied
+    /// again). One snapshot then holds the result, as after a rollback (recovery replays
+    /// neither); a crash before it leaves the bucket as it was. Returns the vbuckets restarted.
+    pub fn restart_history(&self, bucket: &Arc<Bucket>) -> Result<Vec<u16>> {
+        self.check_open()?;
+        let mut restarted = Vec::new();
+        for vbid in 0..bucket.num_vbuckets() {
+            let mut vb = bucket.lock_vbucket(vbid).expect("in range");
+            if vb.state != VbState::Active || vb.high_seqno == 0 {
+                continue;
+            }
+            let high = vb.high_seqno;
+            let mut a = self.inner.wal.appender()?;
+            vb.locks.clear();
+            vb.store.replace_keeping_readers(Default::default());
+            vb.purge_seqno = high;
+            vb.follow_position = None;
+            vb.history += 1;
+            vb.checkpoints.reset(high);
+            vb.persistence_cursor = None;
+            if self.inner.wal.mode() != WalMode::None {
+                let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, high);
+                vb.persistence_cursor = Some(reg.id);
+            }
+            vb.failover.replace_all(Vec::new());
+            vb.failover.create_entry(high);
+            vb.last_lsn = a.push(WalPayload::meta(
+                bucket.id,
+                vbid,
+                MetaRecord::Rollback(high),
+            ));
+            drop(a);
+            self.log_failover_log(bucket, &mut vb)?;
+            bucket.account(&mut vb);
+            restarted.push(vbid);
+        }
+        if restarted.is_empty() {
+            return Ok(restarted);
+        }
+        bucket.changes.notify();
+        self.inner.write_snapshot()?;
+        log::info!(
+            "bucket {:?}: a new history starts on {} vbucket(s); their consumers roll back to 0",
+            bucket.name(),
+            restarted.len()
+        );
+        Ok(restarted)
+    }
+
     pub(super) fn rollback_vbucket(
         &self,
         bucket: &Arc<Bucket>,
@@ -227,6 +281,7 @@ impl Engine {
             None => (Default::default(), 0, 0),
         };
         vb.store.replace_keeping_readers(store);
+        vb.history += 1;
         vb.high_seqno = high;
         vb.purge_seqno = purge;
         vb.persisted_seqno = high;

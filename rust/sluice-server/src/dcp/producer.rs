@@ -420,7 +420,7 @@ impl Producer {
             end,
             encoding,
             self.cursor_dropping,
-            pos.state,
+            &pos,
         ) {
             Ok(mut s) => {
                 if takeover {

@@ -471,9 +471,14 @@ impl Follower {
             self.engine
                 .clear_follow_positions(&space.bucket)
                 .map_err(local)?;
-            // Nothing to wait for: the copy's position is logged after it, and read back only
-            // once written.
-            let _emptied = self.engine.write_flush(&space.bucket).map_err(local)?;
+            // Consumers holding what the bucket had are told to roll back, not shown
+            // deletions: the copy replaces the bucket's history, it does not continue it.
+            // It writes a snapshot: off the runtime's workers.
+            let (engine, bucket) = (self.engine.clone(), space.bucket.clone());
+            tokio::task::spawn_blocking(move || engine.restart_history(&bucket))
+                .await
+                .map_err(|e| UpstreamError::Local(format!("a new history: {e}")))?
+                .map_err(local)?;
         }
         let mut loaded = 0u64;
         let (anonymous, uuid) = (self.config.anonymous, self.instance_uuid.clone());

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use sluice_core::backfill::Backfill;
 use sluice_core::bucket::Bucket;
 use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
+use sluice_core::engine::StreamPosition;
 use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
@@ -62,6 +63,9 @@ pub struct Stream {
     /// The vbucket's state when the stream opened: a stream ends when its vbucket dies, or
     /// stops being active if it was (takeover, failover).
     opened_in: VbState,
+    /// The vbucket's `history` when the stream opened: a cut since (a rollback, a new history)
+    /// ends the stream with ROLLBACK, and the consumer asking again learns where to go back to.
+    history: u64,
     cursor_name: String,
     cursor: Option<(CursorId, CursorHandle)>,
     phase: Phase,
@@ -139,14 +143,15 @@ impl Stream {
         end_seqno: u64,
         encoding: Encoding,
         end_when_dropped: bool,
-        opened_in: VbState,
+        opened_at: &StreamPosition,
     ) -> Result<Stream> {
         let cursor_name = format!("dcp:{connection}:{vbucket}");
         let mut s = Stream {
             vbucket,
             opaque,
             bucket,
-            opened_in,
+            opened_in: opened_at.state,
+            history: opened_at.history,
             cursor_name,
             cursor: None,
             phase: Phase::Memory,
@@ -278,7 +283,9 @@ impl Stream {
         budget: usize,
     ) -> (usize, Progress) {
         let mut used = 0;
-        let state = engine.vbucket_state(&self.bucket, self.vbucket);
+        let (state, history) = engine
+            .stream_state(&self.bucket, self.vbucket)
+            .map_or((None, self.history), |(s, h)| (Some(s), h));
         if self.takeover == Takeover::HandedOver {
             used += self.write_end(out, stream_end_reason::OK);
             self.close(engine);
@@ -294,6 +301,16 @@ impl Stream {
             used += self.write_end(out, stream_end_reason::STATE_CHANGED);
             self.close(engine);
             return (used, Progress::Ended(stream_end_reason::STATE_CHANGED));
+        }
+        if history != self.history {
+            log::info!(
+                "stream {} of vbucket {} ends: the vbucket's history was cut",
+                self.cursor_name,
+                self.vbucket
+            );
+            used += self.write_end(out, stream_end_reason::ROLLBACK);
+            self.close(engine);
+            return (used, Progress::Ended(stream_end_reason::ROLLBACK));
         }
         if self.finished() {
             used += self.write_end(out, stream_end_reason::OK);

@@ -103,7 +103,7 @@ fn open(engine: &Engine, bucket: &Arc<Bucket>, start: u64, end: u64) -> Stream {
         end,
         Encoding::default(),
         false,
-        VbState::Active,
+        &engine.stream_position(bucket, 0).expect("vbucket 0"),
     )
     .expect("stream")
 }
@@ -210,4 +210,32 @@ fn a_stream_ends_with_state_changed_when_its_vbucket_stops_being_active() {
         sink.0.last(),
         Some(&Event::End(stream_end_reason::STATE_CHANGED))
     );
+}
+
+#[test]
+fn a_stream_ends_with_rollback_when_its_vbucket_starts_a_new_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, bucket) = engine(dir.path());
+    set(&engine, &bucket, "a");
+    set(&engine, &bucket, "b");
+    let mut s = open(&engine, &bucket, 0, u64::MAX);
+    let mut sink = Recording::default();
+    assert_eq!(drain(&engine, &mut s, &mut sink, 16), Progress::Idle);
+    assert_eq!(engine.restart_history(&bucket).expect("restart"), [0]);
+    set(&engine, &bucket, "c");
+    assert_eq!(
+        drain(&engine, &mut s, &mut sink, 16),
+        Progress::Ended(stream_end_reason::ROLLBACK)
+    );
+    // Nothing of the new history reached the old stream, and no deletion of the old one.
+    assert_eq!(documents(&sink.0).len(), 2);
+    assert_eq!(
+        sink.0.last(),
+        Some(&Event::End(stream_end_reason::ROLLBACK))
+    );
+    // A stream opened on the new history sends it: the new write only, at a higher seqno.
+    let mut fresh = open(&engine, &bucket, 0, u64::MAX);
+    let mut sink = Recording::default();
+    assert_eq!(drain(&engine, &mut fresh, &mut sink, 16), Progress::Idle);
+    assert_eq!(documents(&sink.0), [(b"c".to_vec(), 3)]);
 }

@@ -192,7 +192,7 @@ impl TapSession {
                     end,
                     encoding,
                     false,
-                    pos.state,
+                    &pos,
                 )
                 .map_err(|e| (crate::kv::status_of(&e), e.to_string()))?;
                 if takeover {

@@ -224,6 +224,12 @@ impl ConsumerSession {
             }
             dcp::opcode::STREAM_END => {
                 let e = StreamEnd::decode(&req).map_err(ConsumerError::BadStreamEnd)?;
+                if e.reason == stream_end_reason::ROLLBACK && self.streams.contains_key(&vb) {
+                    // The producer cut the history this stream served. Asking again from where
+                    // we stand brings the rollback it decides, handled as any other.
+                    log::info!("DCP stream of vbucket {vb} ended by a rollback; asking again");
+                    return self.request(vb);
+                }
                 if let Some(s) = self.streams.get_mut(&vb).filter(|s| !s.ended) {
                     s.ended = true;
                     if e.reason != stream_end_reason::OK && e.reason != stream_end_reason::CLOSED {
