@@ -282,6 +282,40 @@ def test_a_tarantool_that_collected_our_rows_is_copied_again_and_consumers_roll_
         proxy.close()
 
 
+def test_serve_follows_a_tarantool_given_on_the_command_line_alone(tmp_path, peer):
+    """No config: `--follow-tarantool` declares the followed spaces from the Tarantool's own
+    schema, the one without a format (`other`) by its primary key, and follows them."""
+    secret = tmp_path / "tarantool.password"
+    secret.write_text(PASSWORD + "\n")
+    login = ["--follow-tarantool", peer.address, "--follow-tarantool-user", USER]
+    login += ["--follow-tarantool-password-file", str(secret)]
+    node = Node(tmp_path / "data", *login)
+    up = connect(peer.address)
+    try:
+        node.wait_for("following the Tarantool at")
+        assert "following the Tarantool's space 'users' (id 512): id unsigned, name string" in node.log()
+        assert "following the Tarantool's space 'other' (id 600): field1 unsigned" in node.log()
+        up.eval("box.space.other:replace{7, 'changed', {1, 2}} box.space.users:delete(3)")
+        wait_same(peer, node)
+        ours = connect(node.iproto)
+        try:
+            deadline = time.monotonic() + 30
+            while sorted(ours.select("other").data) != sorted(up.select("other").data):
+                assert time.monotonic() < deadline, "space other differs"
+                time.sleep(0.2)
+        finally:
+            ours.close()
+    finally:
+        up.close()
+        node.stop()
+    # A space named that the Tarantool does not have: the key and the reason, before serving.
+    refused = run_cli(
+        "serve", "--data-dir", str(tmp_path / "data2"), *login, "--follow-spaces", "users,nosuch"
+    )
+    assert refused.returncode == 2, refused.stderr  # a bad config, as for any other key
+    assert "tarantool_upstream.spaces: space 'nosuch': no space of this name" in refused.stderr
+
+
 def test_connections_cut_under_a_writer_are_resumed(tmp_path, peer):
     proxy = FaultProxy(peer.address)
     node = start_follower(tmp_path, follower_config(tmp_path, peer, proxy.address))

@@ -37,6 +37,7 @@ __all__ = [
     "bench",
     "msgpack_json",
     "tap_drain",
+    "tarantool_schema",
     "tarantool_tail",
     "tuple_columns",
     "vbucket_of",
@@ -407,6 +408,13 @@ def tarantool_tail(
     idle: float = 10.0,
     state: str | os.PathLike[str] | None = None,
 ) -> int: ...
+def tarantool_schema(
+    address: str,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    timeout: float = 10.0,
+) -> tuple[list[str], list[str]]: ...
 def tap_drain(
     target: str,
     *,

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import faulthandler
 import getpass
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from sluice.config import (
     is_loopback,
     load_config,
     reference,
+    spaces_from_tarantool,
     user_credentials,
 )
 from sluice.policy import PluginError, PluginRunner
@@ -52,11 +54,53 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["iproto_listen"] = args.iproto_listen
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
+    for flag, key in (
+        ("follow_tarantool", "address"),
+        ("follow_tarantool_user", "user"),
+        ("follow_tarantool_password_file", "password_file"),
+        ("follow_spaces", "spaces"),
+    ):
+        if getattr(args, flag, None) is not None:
+            overrides[f"tarantool_upstream__{key}"] = getattr(args, flag)
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
+def _declare_followed_spaces(cfg: Config) -> Config:
+    """Declares the followed spaces the configuration leaves out from the Tarantool's own
+    schema (`Config.spaces_to_learn`), read once at start."""
+    wanted = cfg.spaces_to_learn()
+    if wanted is None:
+        return cfg
+    address = cfg.values["tarantool_upstream.address"]
+    user = cfg.values["tarantool_upstream.user"] or None
+    try:
+        space_rows, index_rows = _native.tarantool_schema(
+            address, user=user, password=cfg.secret("tarantool_upstream.password_file")
+        )
+    except _native.SluiceError as e:
+        raise _native.ConfigError(
+            f"invalid config: tarantool_upstream: the spaces to follow are not declared ([spaces.NAME]) "
+            f"and cannot be read from the Tarantool: {e}"
+        ) from None
+    tables, skipped = spaces_from_tarantool(
+        [json.loads(t) for t in space_rows], [json.loads(t) for t in index_rows], wanted
+    )
+    for name, why in sorted(skipped.items()):
+        if name in wanted:
+            raise _native.ConfigError(f"invalid config: tarantool_upstream.spaces: space {name!r}: {why}")
+        log.warning("the Tarantool's space %r is not followed: %s", name, why)
+    if not tables:
+        raise _native.ConfigError(
+            f"invalid config: tarantool_upstream: the Tarantool at {address} has no space to follow"
+        )
+    for name, table in sorted(tables.items()):
+        fields = ", ".join(f"{f['name']} {f['type']}" for f in table["format"])
+        log.info("following the Tarantool's space %r (id %d): %s", name, table["id"], fields)
+    return cfg.with_spaces(tables)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = _declare_followed_spaces(_load(args))
     tls_listen = cfg.server_settings()["tls_listen"]
     for key in ("listen", "admin_listen", "tls_listen", "iproto_listen"):
         address = tls_listen if key == "tls_listen" else cfg.values[key]
@@ -874,6 +918,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="follow this active node: every vbucket is a replica fed over DCP "
         "(overrides replication.replica_of; default: none, the node is active)",
+    )
+    s.add_argument(
+        "--follow-tarantool",
+        metavar="HOST:PORT",
+        help="follow this Tarantool into the spaces of the same names, declared from its own schema "
+        "when the config declares none (overrides tarantool_upstream.address; default: none)",
+    )
+    s.add_argument(
+        "--follow-tarantool-user",
+        metavar="USER",
+        help="the Tarantool user to log in as (overrides tarantool_upstream.user; default: guest)",
+    )
+    s.add_argument(
+        "--follow-tarantool-password-file",
+        metavar="PATH",
+        help="file holding that user's password (overrides tarantool_upstream.password_file)",
+    )
+    s.add_argument(
+        "--follow-spaces",
+        metavar="NAME,...",
+        type=lambda v: [n for n in v.split(",") if n],
+        help="the spaces to follow (overrides tarantool_upstream.spaces; default: every space declared, "
+        "or every space of the Tarantool when none is)",
     )
     s.add_argument(
         "--insecure",

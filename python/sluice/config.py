@@ -486,9 +486,10 @@ ENGINE_KEYS += [
         "tarantool_upstream.address",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "",
-        'HOST:PORT of a Tarantool this node follows as its anonymous replica (README "Following a '
-        'Tarantool"): every row it writes to a space of the same name as one in [spaces.NAME] is '
-        'applied here, read-only for iproto clients. "" (the default): nothing is followed.',
+        'HOST:PORT of a Tarantool this node follows as its replica (README "A node that follows a '
+        'Tarantool into its spaces"): every row it writes to a space of the same name as one in '
+        '[spaces.NAME] is applied here, read-only for iproto clients. "" (the default): nothing is '
+        "followed.",
         "HOST:PORT",
         native="tarantool_upstream",
         server=True,
@@ -515,7 +516,9 @@ ENGINE_KEYS += [
         "tarantool_upstream.spaces",
         lambda p, v: _names(p, v),
         [],
-        "Names of the spaces of [spaces.NAME] to follow; [] (the default): all of them.",
+        "Names of the spaces to follow; [] (the default): every [spaces.NAME], or every space of the "
+        "Tarantool when none is declared. A name not under [spaces.NAME] is declared from the "
+        "Tarantool's own schema at start.",
         "list of strings",
         native="tarantool_upstream_spaces",
         server=True,
@@ -832,6 +835,40 @@ class Config:
             values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
         return dataclasses.replace(self, values=values)
 
+    def secret(self, key: str) -> str | None:
+        """The password in the file the key names (its last newline dropped); None without one."""
+        path = self.values[key]
+        if not path:
+            return None
+        try:
+            return Path(path).read_text().rstrip("\n")
+        except OSError as e:
+            raise _fail(key, f"cannot read {path}: {e.strerror}") from None
+
+    def with_spaces(self, tables: Mapping[str, Any]) -> Config:
+        """A copy with more [spaces.NAME] tables, validated as the file's are."""
+        spaces = dict(self.spaces)
+        for name, table in tables.items():
+            if name in spaces:
+                raise _fail(f"spaces.{name}", "is configured already")
+            spaces[name] = _space(name, table)
+        buckets = {name: dict(b) for name, b in self.buckets.items()}
+        _check_spaces(spaces, buckets)
+        return dataclasses.replace(self, spaces=spaces, buckets=buckets)
+
+    def spaces_to_learn(self) -> list[str] | None:
+        """Which followed spaces the configuration does not declare, to be declared from the
+        followed Tarantool's own schema: the names of `tarantool_upstream.spaces` missing from
+        [spaces.NAME], [] for every space of the Tarantool when both are empty, None when there
+        is nothing to learn (nothing followed, or every followed space declared)."""
+        if not self.values["tarantool_upstream.address"]:
+            return None
+        wanted = self.values["tarantool_upstream.spaces"]
+        if not wanted:
+            return None if self.spaces else []
+        missing = [name for name in wanted if name not in self.spaces]
+        return missing or None
+
     def user_list(self) -> list[tuple[str, dict[str, str], dict[str, list[str]]]]:
         """The users as `sluice._native.Server` takes them."""
         return [(n, dict(u["credentials"]), dict(u["buckets"])) for n, u in self.users.items()]
@@ -869,13 +906,8 @@ class Config:
             ("replication_password", "replication.password_file"),
             ("tarantool_upstream_password", "tarantool_upstream.password_file"),
         ):
-            pw_file = out.pop(native)
-            out[native] = None
-            if pw_file:
-                try:
-                    out[native] = Path(pw_file).read_text().rstrip("\n")
-                except OSError as e:
-                    raise _fail(key, f"cannot read {pw_file}: {e.strerror}") from None
+            del out[native]
+            out[native] = self.secret(key)
         out["tarantool_upstream"] = out["tarantool_upstream"] or None
         for name in out["tarantool_upstream_spaces"]:
             if name not in self.spaces:
@@ -1210,6 +1242,77 @@ def _space(name: str, table: Any) -> dict[str, Any]:
             raise _fail(kpath, f"field {field['name']!r} is nullable; a primary key's fields cannot be")
         parts.append(no)
     return {"id": space_id, "bucket": bucket, "format": fields, "primary_key": parts}
+
+
+# Tarantool's older names of field types, and the types sluice has no check for (kept as any).
+_TARANTOOL_TYPE_ALIASES = {"num": "unsigned", "str": "string", "int": "integer"}
+
+
+def spaces_from_tarantool(
+    space_rows: list[list[Any]], index_rows: list[list[Any]], wanted: list[str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """[spaces.NAME] tables for the spaces of a Tarantool, from its `_vspace` tuples (id, owner,
+    name, engine, field count, flags, format) and `_vindex` tuples (space id, index id, name,
+    type, options, parts): those named in `wanted`, or every user space when it is empty.
+    Returns the tables and, for each space left out, why. Fields past the format that the
+    primary key uses are declared as `fieldN` with the key part's type; field types sluice
+    does not check (decimal, datetime, ...) are declared `any`."""
+    primaries = {row[0]: row[5] for row in index_rows if len(row) > 5 and row[1] == 0}
+    tables: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    for row in space_rows:
+        if len(row) < 7 or not isinstance(row[0], int) or not isinstance(row[2], str):
+            continue
+        space_id, name, engine, flags, fmt = row[0], row[2], row[3], row[5], row[6]
+        if space_id < MIN_SPACE_ID or (wanted and name not in wanted):
+            continue
+        flags = flags if isinstance(flags, dict) else {}
+        if engine not in ("memtx", "vinyl"):
+            skipped[name] = f"its engine {engine!r} keeps no rows to replicate"
+        elif flags.get("temporary") or flags.get("group_id") == 1:
+            skipped[name] = "it is temporary or local on the Tarantool, so its rows are not replicated"
+        elif space_id not in primaries:
+            skipped[name] = "it has no primary index"
+        else:
+            try:
+                table = _space_from_tarantool(name, space_id, fmt, primaries[space_id])
+                _space(name, table)
+                tables[name] = table
+            except ValueError as e:
+                skipped[name] = str(e)
+            except (TypeError, KeyError, IndexError) as e:
+                skipped[name] = f"its format or primary index is not as Tarantool writes them ({e!r})"
+            except ConfigError as e:
+                skipped[name] = str(e).removeprefix("invalid config: ")
+    for name in wanted:
+        if name not in tables and name not in skipped:
+            skipped[name] = "no space of this name on the Tarantool (or the user may not see it)"
+    return tables, skipped
+
+
+def _space_from_tarantool(name: str, space_id: int, fmt: Any, parts: Any) -> dict[str, Any]:
+    if not _SPACE_NAME.fullmatch(name):
+        raise ValueError(f"its name is not one sluice takes ({_SPACE_NAME.pattern})")
+    fields: list[dict[str, Any]] = []
+    for f in fmt if isinstance(fmt, list) else []:
+        ftype = _TARANTOOL_TYPE_ALIASES.get(f.get("type", "any"), f.get("type", "any"))
+        fields.append(
+            {
+                "name": f["name"],
+                "type": ftype if ftype in FIELD_TYPES else "any",
+                "is_nullable": bool(f.get("is_nullable", False)),
+            }
+        )
+    key: list[int] = []
+    for part in parts:
+        no, ptype = (part[0], part[1]) if isinstance(part, list) else (part["field"], part.get("type", "any"))
+        ptype = _TARANTOOL_TYPE_ALIASES.get(ptype, ptype)
+        while len(fields) <= no:
+            fields.append({"name": f"field{len(fields) + 1}", "type": "any", "is_nullable": False})
+        if fields[no]["type"] == "any":
+            fields[no]["type"] = ptype if ptype in FIELD_TYPES else "any"
+        key.append(no + 1)
+    return {"id": space_id, "format": fields, "primary_key": key}
 
 
 def _check_spaces(spaces: Mapping[str, dict[str, Any]], buckets: dict[str, dict[str, Any]]) -> None:

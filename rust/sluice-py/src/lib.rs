@@ -44,6 +44,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tarantool_tail, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::tarantool_schema, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
     m.add_function(wrap_pyfunction!(tools::msgpack_json, m)?)?;
     m.add_function(wrap_pyfunction!(tuples::tuple_columns, m)?)?;

@@ -75,6 +75,28 @@ pub(crate) fn tarantool_tail(
     })
 }
 
+/// The `_vspace` and `_vindex` tuples of the Tarantool at `address`, each as JSON text
+/// (`sluice_tools::tarantool_schema`): (spaces, indexes).
+#[pyfunction]
+#[pyo3(signature = (address, *, user=None, password=None, timeout=10.0))]
+pub(crate) fn tarantool_schema(
+    py: Python<'_>,
+    address: &str,
+    user: Option<String>,
+    password: Option<String>,
+    timeout: f64,
+) -> PyResult<(Vec<String>, Vec<String>)> {
+    let upstream = sluice_server::upstream::UpstreamConfig {
+        address: address.to_string(),
+        user: user.map(|u| (u, password.unwrap_or_default())),
+        timeout: secs("timeout", timeout)?,
+    };
+    let schema = py
+        .detach(|| sluice_tools::tarantool_schema::read(&upstream))
+        .map_err(|e| SluiceError::new_err(format!("{address}: {e}")))?;
+    Ok((schema.spaces, schema.indexes))
+}
+
 /// Reads a TAP stream natively (acknowledging what asks) until `count` changes arrived (0: until
 /// the server closes it) or `timeout` passes; for benchmarks. Returns counts and seconds.
 #[pyfunction]

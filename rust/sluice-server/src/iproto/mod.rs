@@ -14,7 +14,7 @@
 mod auth;
 mod call;
 pub mod follow;
-mod schema;
+pub mod schema;
 mod select;
 mod session;
 mod write;
