@@ -201,12 +201,7 @@ impl Engine {
             vb.purge_seqno = high;
             vb.follow_position = None;
             vb.history += 1;
-            vb.checkpoints.reset(high);
-            vb.persistence_cursor = None;
-            if self.inner.wal.mode() != WalMode::None {
-                let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, high);
-                vb.persistence_cursor = Some(reg.id);
-            }
+            self.restart_checkpoints(&mut vb, high);
             vb.failover.replace_all(Vec::new());
             vb.failover.create_entry(high);
             vb.last_lsn = a.push(WalPayload::meta(
@@ -230,6 +225,17 @@ impl Engine {
             restarted.len()
         );
         Ok(restarted)
+    }
+
+    /// The vbucket's checkpoints start over at `high`: its readers (streams, a chained
+    /// replica's) lose their cursors, and the WAL's persistence cursor is registered again.
+    fn restart_checkpoints(&self, vb: &mut VBucket, high: u64) {
+        vb.checkpoints.reset(high);
+        vb.persistence_cursor = None;
+        if self.inner.wal.mode() != WalMode::None {
+            let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, high);
+            vb.persistence_cursor = Some(reg.id);
+        }
     }
 
     pub(super) fn rollback_vbucket(
@@ -285,14 +291,7 @@ impl Engine {
         vb.high_seqno = high;
         vb.purge_seqno = purge;
         vb.persisted_seqno = high;
-        // Readers of the vbucket (a chained replica's streams) lose their cursors and find
-        // the vbucket behind them.
-        vb.checkpoints.reset(high);
-        vb.persistence_cursor = None;
-        if self.inner.wal.mode() != WalMode::None {
-            let (reg, _) = vb.checkpoints.register_cursor(PERSISTENCE_CURSOR, high);
-            vb.persistence_cursor = Some(reg.id);
-        }
+        self.restart_checkpoints(&mut vb, high);
         let kept: Vec<FailoverEntry> = if high == 0 {
             Vec::new()
         } else {
