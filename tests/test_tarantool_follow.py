@@ -33,17 +33,23 @@ pytestmark = pytest.mark.skipif(TARANTOOL is None, reason=TARANTOOL_MISSING)
 
 PRELOAD = 2000
 
-SETUP = f"""
+# The first test copies a Tarantool of 100k tuples, with ids past every key the writes use.
+BIG_PRELOAD, BIG_BASE = 100_000, 1_000_000
+
+
+def setup_lua(preload: int = PRELOAD, base: int = 0) -> str:
+    return f"""
 box.cfg{{checkpoint_count = 1}}
 box.schema.user.grant('{USER}', 'replication')
 local other = box.schema.space.create('other', {{id = 600}})
 other:create_index('primary')
 box.schema.user.grant('{USER}', 'read,write', 'space', 'other')
 box.begin()
-for i = 1, {PRELOAD} do box.space.users:insert{{i, 'user' .. i, i % 100}} end
+for i = {base + 1}, {base + preload} do box.space.users:insert{{i, 'user' .. i, i % 100}} end
 for i = 1, 100 do other:insert{{i, 'not followed'}} end
 box.commit()
 """
+
 
 # Every kind of row: inserts, replaces, updates with each operation (in Lua, field numbers are
 # 1-based: Tarantool logs them with INDEX_BASE 1), upserts that insert and that update, deletes,
@@ -78,7 +84,13 @@ box.commit()
 
 @pytest.fixture
 def peer(tmp_path):
-    with TarantoolPeer(tmp_path / "tarantool", extra_lua=SETUP) as p:
+    with TarantoolPeer(tmp_path / "tarantool", extra_lua=setup_lua()) as p:
+        yield p
+
+
+@pytest.fixture
+def big_peer(tmp_path):
+    with TarantoolPeer(tmp_path / "tarantool", extra_lua=setup_lua(BIG_PRELOAD, BIG_BASE)) as p:
         yield p
 
 
@@ -113,11 +125,12 @@ def wait_same(peer: TarantoolPeer, node: Node, timeout: float = 60) -> dict[str,
         ours_conn.close()
 
 
-def test_copies_then_follows_every_kind_of_row(tmp_path, peer):
+def test_copies_then_follows_every_kind_of_row(tmp_path, big_peer):
+    peer = big_peer
     node = start_follower(tmp_path, follower_config(tmp_path, peer))
     try:
         first = wait_same(peer, node)
-        assert len(first["users"]) == PRELOAD
+        assert len(first["users"]) == BIG_PRELOAD
         up = connect(peer.address)
         up.eval(WRITES)
         final = wait_same(peer, node)
