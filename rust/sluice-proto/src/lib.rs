@@ -5,9 +5,10 @@
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
 //! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
 //! formats and UPDATE operations); `keyorder` the order of iproto primary keys (MessagePack
-//! arrays of parts).
+//! arrays of parts); `tank` is TANK's protocol (frames, produce and consume, bundles).
 //!
-//! Depends on no other crate of the workspace (tests/test_layering.py keeps it so).
+//! Depends on no other crate of the workspace (tests/test_layering.py keeps it so); `snap` for
+//! TANK's Snappy bundles.
 
 pub mod base64;
 pub mod dcp;
@@ -16,4 +17,5 @@ pub mod iproto;
 pub mod keyorder;
 pub mod mcbp;
 pub mod msgpack;
+pub mod tank;
 pub mod tap;

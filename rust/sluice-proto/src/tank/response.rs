@@ -1,0 +1,465 @@
+//! What a TANK broker answers: each answer written as a whole frame and decoded from a frame's
+//! payload, so that a decoded answer re-encodes to its bytes.
+
+use super::{finish_frame, msg, put_str8, start_frame, DecodeError, Reader};
+
+/// A Produce's error bytes (one per partition entry of the request, in order).
+pub mod produce_error {
+    pub const OK: u8 = 0x00;
+    pub const INVALID_REQUEST: u8 = 0x02;
+    pub const UNKNOWN_TOPIC: u8 = 0xff;
+}
+
+/// A consumed partition's `errorOrFlags`.
+pub mod consume_flag {
+    pub const OK: u8 = 0x00;
+    /// The sequence number asked for is past the high-water mark or before the first one kept;
+    /// the first available sequence number follows.
+    pub const BOUNDARY_CHECK: u8 = 0x01;
+    /// The first bundle is sparse and carries its own base sequence number.
+    pub const SPARSE_FIRST: u8 = 0xfe;
+    pub const UNKNOWN_PARTITION: u8 = 0xff;
+}
+
+/// A topic's answer in a Consume answer that names no partition: it is unknown.
+pub const UNKNOWN_TOPIC_PARTITION: u16 = 0xffff;
+
+/// CreateTopic's error byte.
+pub mod create_error {
+    pub const OK: u8 = 0;
+    pub const EXISTS: u8 = 1;
+    pub const SYSTEM: u8 = 2;
+    pub const BAD_CONFIG: u8 = 4;
+    pub const READ_ONLY: u8 = 5;
+    pub const INVALID: u8 = 10;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProduceAck<'a> {
+    pub request_id: u32,
+    pub errors: &'a [u8],
+}
+
+impl<'a> ProduceAck<'a> {
+    pub fn decode(payload: &'a [u8]) -> Result<ProduceAck<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        Ok(ProduceAck {
+            request_id: r.u32("a request id")?,
+            errors: r.rest(),
+        })
+    }
+
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::PRODUCE);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        out.extend_from_slice(self.errors);
+        finish_frame(out, at);
+    }
+}
+
+/// One topic of a Consume answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicAnswer<'a> {
+    pub name: &'a [u8],
+    pub partitions: PartitionsAnswer,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PartitionsAnswer {
+    /// The topic is unknown: `requested` is the count of partitions the request named.
+    UnknownTopic {
+        requested: u8,
+    },
+    Known(Vec<PartitionAnswer>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionAnswer {
+    /// Bundles from `base_seq` (the first message of the first bundle), `chunk_len` bytes of
+    /// them following the headers.
+    Data {
+        partition: u16,
+        base_seq: u64,
+        high_water_mark: u64,
+        chunk_len: u32,
+    },
+    /// The first bundle is sparse; its own header says where it starts.
+    SparseData {
+        partition: u16,
+        high_water_mark: u64,
+        chunk_len: u32,
+    },
+    /// The sequence number asked for is out of range.
+    BoundaryCheck {
+        partition: u16,
+        high_water_mark: u64,
+        first_available: u64,
+    },
+    UnknownPartition {
+        partition: u16,
+    },
+}
+
+impl PartitionAnswer {
+    pub fn chunk_len(&self) -> u32 {
+        match self {
+            PartitionAnswer::Data { chunk_len, .. }
+            | PartitionAnswer::SparseData { chunk_len, .. } => *chunk_len,
+            _ => 0,
+        }
+    }
+}
+
+/// A Consume answer: headers for every topic and partition, then their chunks in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumeAnswer<'a> {
+    pub request_id: u32,
+    pub topics: Vec<TopicAnswer<'a>>,
+}
+
+impl<'a> ConsumeAnswer<'a> {
+    /// Writes the frame header and the answer's headers; the caller appends the chunks (the
+    /// stored bundles, as they are), `chunk_len` bytes for each partition with data, in order.
+    pub fn write_headers(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::CONSUME);
+        let header_at = out.len();
+        out.extend_from_slice(&[0; 4]);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        out.push(self.topics.len() as u8);
+        let mut chunks = 0u64;
+        for t in &self.topics {
+            put_str8(out, t.name);
+            match &t.partitions {
+                PartitionsAnswer::UnknownTopic { requested } => {
+                    out.push(*requested);
+                    out.extend_from_slice(&UNKNOWN_TOPIC_PARTITION.to_le_bytes());
+                }
+                PartitionsAnswer::Known(parts) => {
+                    out.push(parts.len() as u8);
+                    for p in parts {
+                        write_partition(out, p);
+                        chunks += p.chunk_len() as u64;
+                    }
+                }
+            }
+        }
+        let header_len = (out.len() - header_at - 4) as u32;
+        out[header_at..header_at + 4].copy_from_slice(&header_len.to_le_bytes());
+        let payload = (out.len() - at - super::HEADER) as u64 + chunks;
+        out[at + 1..at + super::HEADER].copy_from_slice(&(payload as u32).to_le_bytes());
+    }
+
+    /// Decodes a Consume answer's payload: the answer and the bytes of its chunks, which
+    /// `split_chunks` hands out per partition.
+    pub fn decode(payload: &'a [u8]) -> Result<(ConsumeAnswer<'a>, &'a [u8]), DecodeError> {
+        let mut r = Reader::new(payload);
+        let header_len = r.u32("a header length")? as usize;
+        let header = r.bytes(header_len, "a consume answer's header")?;
+        let chunks = r.rest();
+        let mut h = Reader::new(header);
+        let request_id = h.u32("a request id")?;
+        let n = h.u8("a topic count")?;
+        let mut topics = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let name = h.str8("a topic name")?;
+            let m = h.u8("a partition count")?;
+            let mut peek = h.clone();
+            if peek.u16("a partition id")? == UNKNOWN_TOPIC_PARTITION {
+                h = peek;
+                topics.push(TopicAnswer {
+                    name,
+                    partitions: PartitionsAnswer::UnknownTopic { requested: m },
+                });
+                continue;
+            }
+            let mut parts = Vec::with_capacity(m as usize);
+            for _ in 0..m {
+                parts.push(decode_partition(&mut h)?);
+            }
+            topics.push(TopicAnswer {
+                name,
+                partitions: PartitionsAnswer::Known(parts),
+            });
+        }
+        if !h.is_empty() {
+            return Err(DecodeError::Invalid(
+                "bytes left in a consume answer's header".into(),
+            ));
+        }
+        let answer = ConsumeAnswer { request_id, topics };
+        let total: u64 = answer.partitions().map(|p| p.chunk_len() as u64).sum();
+        if total != chunks.len() as u64 {
+            return Err(DecodeError::Invalid(format!(
+                "a consume answer's chunks are {} bytes, its headers say {total}",
+                chunks.len()
+            )));
+        }
+        Ok((answer, chunks))
+    }
+
+    pub fn partitions(&self) -> impl Iterator<Item = &PartitionAnswer> {
+        self.topics.iter().flat_map(|t| match &t.partitions {
+            PartitionsAnswer::Known(p) => p.as_slice(),
+            PartitionsAnswer::UnknownTopic { .. } => &[],
+        })
+    }
+}
+
+fn write_partition(out: &mut Vec<u8>, p: &PartitionAnswer) {
+    match *p {
+        PartitionAnswer::Data {
+            partition,
+            base_seq,
+            high_water_mark,
+            chunk_len,
+        } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(consume_flag::OK);
+            out.extend_from_slice(&base_seq.to_le_bytes());
+            out.extend_from_slice(&high_water_mark.to_le_bytes());
+            out.extend_from_slice(&chunk_len.to_le_bytes());
+        }
+        PartitionAnswer::SparseData {
+            partition,
+            high_water_mark,
+            chunk_len,
+        } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(consume_flag::SPARSE_FIRST);
+            out.extend_from_slice(&high_water_mark.to_le_bytes());
+            out.extend_from_slice(&chunk_len.to_le_bytes());
+        }
+        PartitionAnswer::BoundaryCheck {
+            partition,
+            high_water_mark,
+            first_available,
+        } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(consume_flag::BOUNDARY_CHECK);
+            out.extend_from_slice(&0u64.to_le_bytes());
+            out.extend_from_slice(&high_water_mark.to_le_bytes());
+            out.extend_from_slice(&0u32.to_le_bytes());
+            out.extend_from_slice(&first_available.to_le_bytes());
+        }
+        PartitionAnswer::UnknownPartition { partition } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(consume_flag::UNKNOWN_PARTITION);
+        }
+    }
+}
+
+fn decode_partition(h: &mut Reader<'_>) -> Result<PartitionAnswer, DecodeError> {
+    let partition = h.u16("a partition id")?;
+    let flags = h.u8("a partition's errorOrFlags")?;
+    Ok(match flags {
+        consume_flag::UNKNOWN_PARTITION => PartitionAnswer::UnknownPartition { partition },
+        consume_flag::SPARSE_FIRST => PartitionAnswer::SparseData {
+            partition,
+            high_water_mark: h.u64("a high-water mark")?,
+            chunk_len: h.u32("a chunk length")?,
+        },
+        consume_flag::BOUNDARY_CHECK => {
+            let _base = h.u64("a base sequence number")?;
+            let high_water_mark = h.u64("a high-water mark")?;
+            let _chunk = h.u32("a chunk length")?;
+            PartitionAnswer::BoundaryCheck {
+                partition,
+                high_water_mark,
+                first_available: h.u64("the first available sequence number")?,
+            }
+        }
+        consume_flag::OK => PartitionAnswer::Data {
+            partition,
+            base_seq: h.u64("a base sequence number")?,
+            high_water_mark: h.u64("a high-water mark")?,
+            chunk_len: h.u32("a chunk length")?,
+        },
+        other => {
+            return Err(DecodeError::Invalid(format!(
+                "a partition's errorOrFlags {other:#04x} is not one TANK sends"
+            )))
+        }
+    })
+}
+
+/// The whole bundles of a chunk, each without its length. A last bundle cut short by the fetch
+/// size is left out, as TANK's clients skip it (they ask again from its first message).
+pub fn chunk_bundles(chunk: &[u8]) -> Vec<&[u8]> {
+    let mut r = Reader::new(chunk);
+    let mut out = Vec::new();
+    while let Ok(len) = r.varint_len("a bundle") {
+        match r.bytes(len, "a bundle") {
+            Ok(b) => out.push(b),
+            Err(_) => break,
+        }
+    }
+    out
+}
+
+/// DiscoverPartitions' answer: per partition its first available sequence number and its
+/// high-water mark.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionsInfo<'a> {
+    pub request_id: u32,
+    pub topic: &'a [u8],
+    pub partitions: Vec<(u64, u64)>,
+}
+
+impl<'a> PartitionsInfo<'a> {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::DISCOVER_PARTITIONS);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        put_str8(out, self.topic);
+        out.extend_from_slice(&(self.partitions.len() as u16).to_le_bytes());
+        for (first, hwm) in &self.partitions {
+            out.extend_from_slice(&first.to_le_bytes());
+            out.extend_from_slice(&hwm.to_le_bytes());
+        }
+        finish_frame(out, at);
+    }
+
+    pub fn decode(payload: &'a [u8]) -> Result<PartitionsInfo<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        let request_id = r.u32("a request id")?;
+        let topic = r.str8("a topic name")?;
+        let n = r.u16("a partition count")? as usize;
+        if n > r.remaining() / 16 {
+            return Err(DecodeError::Short("a partition list"));
+        }
+        let mut partitions = Vec::with_capacity(n);
+        for _ in 0..n {
+            partitions.push((
+                r.u64("a first sequence number")?,
+                r.u64("a high-water mark")?,
+            ));
+        }
+        Ok(PartitionsInfo {
+            request_id,
+            topic,
+            partitions,
+        })
+    }
+}
+
+/// DiscoverTopics' answer: each topic, whether it is enabled, and its partition count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicsInfo<'a> {
+    pub request_id: u32,
+    pub cluster_aware: bool,
+    pub topics: Vec<(&'a [u8], bool, u16)>,
+}
+
+impl<'a> TopicsInfo<'a> {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::DISCOVER_TOPICS);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        out.extend_from_slice(&(self.topics.len() as u32).to_le_bytes());
+        out.push(self.cluster_aware as u8);
+        for (name, enabled, partitions) in &self.topics {
+            put_str8(out, name);
+            out.push(*enabled as u8);
+            out.extend_from_slice(&partitions.to_le_bytes());
+        }
+        finish_frame(out, at);
+    }
+
+    pub fn decode(payload: &'a [u8]) -> Result<TopicsInfo<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        let request_id = r.u32("a request id")?;
+        let n = r.u32("a topic count")? as usize;
+        let cluster_aware = r.u8("cluster awareness")? != 0;
+        if n > r.remaining() / 4 {
+            return Err(DecodeError::Short("a topic list"));
+        }
+        let mut topics = Vec::with_capacity(n);
+        for _ in 0..n {
+            topics.push((
+                r.str8("a topic name")?,
+                r.u8("a topic's enabled flag")? != 0,
+                r.u16("a partition count")?,
+            ));
+        }
+        Ok(TopicsInfo {
+            request_id,
+            cluster_aware,
+            topics,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateTopicAck<'a> {
+    pub request_id: u32,
+    pub topic: &'a [u8],
+    pub error: u8,
+}
+
+impl<'a> CreateTopicAck<'a> {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::CREATE_TOPIC);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        put_str8(out, self.topic);
+        out.push(self.error);
+        finish_frame(out, at);
+    }
+
+    pub fn decode(payload: &'a [u8]) -> Result<CreateTopicAck<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        Ok(CreateTopicAck {
+            request_id: r.u32("a request id")?,
+            topic: r.str8("a topic name")?,
+            error: r.u8("an error")?,
+        })
+    }
+}
+
+/// Status' answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatusInfo {
+    pub request_id: u32,
+    pub global_flags: u8,
+    pub cluster_aware: bool,
+    pub topics: u32,
+    pub partitions: u32,
+    pub open_partitions: u32,
+    pub open_partitions_time: u32,
+    /// Seconds since the epoch.
+    pub startup_ts: u32,
+    /// TANK's version number (major × 100 + minor).
+    pub version: u32,
+}
+
+impl StatusInfo {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::STATUS);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        out.push(self.global_flags);
+        out.push(self.cluster_aware as u8);
+        for v in [
+            self.topics,
+            self.partitions,
+            self.open_partitions,
+            self.open_partitions_time,
+            self.startup_ts,
+            self.version,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        finish_frame(out, at);
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<StatusInfo, DecodeError> {
+        let mut r = Reader::new(payload);
+        Ok(StatusInfo {
+            request_id: r.u32("a request id")?,
+            global_flags: r.u8("global flags")?,
+            cluster_aware: r.u8("cluster awareness")? != 0,
+            topics: r.u32("a topic count")?,
+            partitions: r.u32("a partition count")?,
+            open_partitions: r.u32("an open partition count")?,
+            open_partitions_time: r.u32("an open partitions time")?,
+            startup_ts: r.u32("a start-up time")?,
+            version: r.u32("a version")?,
+        })
+    }
+}
