@@ -1,5 +1,6 @@
 //! sluice-core: the storage engine. Items in vbuckets, seqnos and failover logs, the WAL,
-//! snapshots and recovery, the checkpoint manager with cursors, dedup and backfill.
+//! snapshots and recovery, the checkpoint manager with cursors, dedup and backfill; the logs of
+//! topic partitions (`partition_log`), which keep every message.
 //! No sockets and no Python here.
 //!
 //! May depend on sluice-proto only; no two of its modules import each other, directly or
@@ -23,6 +24,7 @@ pub mod hlc;
 pub mod item;
 pub mod item_store;
 pub mod locks;
+pub mod partition_log;
 pub mod recovery;
 pub mod signal;
 pub mod snapshot;

@@ -1,0 +1,340 @@
+//! A topic partition's log, as TANK and Kafka keep one: every message is kept, in the order
+//! produced, numbered by an absolute sequence number from 1, until retention drops it. Nothing
+//! is deduplicated. Bundles (`sluice_proto::tank::bundle`) are stored exactly as produced,
+//! each after its varint length, which is how a consume answer carries them: a read copies
+//! whole stored bundles into the answer without decoding or re-encoding them.
+//!
+//! The log is a list of segments. Each holds its bundles' bytes and a sparse index from
+//! sequence number to byte offset, one entry at least every `index_interval` bytes (and for
+//! the first bundle), so that a read finds its bundle by a binary search and a short scan of
+//! bundle headers. The newest segment takes appends; a segment rolls over once it holds
+//! `segment_bytes`. Retention drops whole segments, oldest first, never the newest: by total
+//! bytes and by the age of a segment's newest message.
+//!
+//! Bundles that number their own messages (sparse, from ProduceWithSeqnum) are not stored here
+//! yet: `check` refuses them. Offsets within a segment are u32: `segment_bytes` must stay well
+//! under 4 GiB.
+
+use std::collections::VecDeque;
+
+use sluice_proto::tank::bundle::Bundle;
+use sluice_proto::tank::{put_varint, DecodeError, Reader};
+
+/// How a partition's log is cut into segments and how long it keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogConfig {
+    /// A segment takes no more bundles once it holds this many bytes.
+    pub segment_bytes: usize,
+    /// Bytes between two entries of a segment's sparse index.
+    pub index_interval: usize,
+    /// Oldest segments are dropped while the log holds more bytes than this.
+    pub retention_bytes: Option<u64>,
+    /// Segments whose newest message is older than this (ms) are dropped.
+    pub retention_ms: Option<u64>,
+}
+
+impl Default for LogConfig {
+    fn default() -> LogConfig {
+        LogConfig {
+            segment_bytes: 64 << 20,
+            index_interval: 4096,
+            retention_bytes: None,
+            retention_ms: None,
+        }
+    }
+}
+
+struct Segment {
+    /// The sequence number of its first message, and one past its last.
+    base_seq: u64,
+    next_seq: u64,
+    /// Bundles, each after its varint length.
+    data: Vec<u8>,
+    /// (sequence number - base_seq, offset of the bundle whose first message it is).
+    index: Vec<(u32, u32)>,
+    /// The newest message timestamp seen (ms), for retention by age.
+    newest_ms: u64,
+}
+
+impl Segment {
+    fn new(base_seq: u64) -> Segment {
+        Segment {
+            base_seq,
+            next_seq: base_seq,
+            data: Vec::new(),
+            index: Vec::new(),
+            newest_ms: 0,
+        }
+    }
+
+    /// The offset of the bundle holding `seq` and that bundle's first sequence number.
+    fn locate(&self, seq: u64) -> (usize, u64) {
+        let rel = (seq - self.base_seq) as u32;
+        let i = self.index.partition_point(|&(r, _)| r <= rel);
+        let (r, at) = self.index[i - 1];
+        let (mut at, mut first) = (at as usize, self.base_seq + r as u64);
+        loop {
+            let (len, count) = stored_bundle(&self.data[at..]);
+            if seq < first + count {
+                return (at, first);
+            }
+            first += count;
+            at += len;
+        }
+    }
+}
+
+/// The length of the stored bundle at the front of `data` (with its varint) and its message
+/// count. Stored bundles were checked when appended.
+fn stored_bundle(data: &[u8]) -> (usize, u64) {
+    let mut r = Reader::new(data);
+    let len = r
+        .varint_len("a stored bundle")
+        .expect("stored bundles are whole");
+    let head = r.position();
+    let count = Bundle::parse(&data[head..head + len])
+        .expect("stored bundles were parsed when appended")
+        .count;
+    (head + len, count)
+}
+
+/// What a read found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read<'a> {
+    /// Whole stored bundles (each after its varint length) from the one holding the sequence
+    /// number asked for; `base_seq` is that bundle's first message.
+    Chunk {
+        base_seq: u64,
+        high_water_mark: u64,
+        bundles: &'a [u8],
+    },
+    /// The sequence number asked for is the next one to be produced: nothing yet.
+    Tail { high_water_mark: u64 },
+    /// Before the first message kept or past the next one to be produced.
+    OutOfRange {
+        high_water_mark: u64,
+        first_available: u64,
+    },
+}
+
+/// Why an append was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AppendError {
+    Bundle(DecodeError),
+    Sparse,
+    /// Recovery or a feed placed a bundle before the log's end.
+    Behind {
+        first_seq: u64,
+        next_seq: u64,
+    },
+}
+
+impl std::fmt::Display for AppendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AppendError::Bundle(e) => write!(f, "a bad bundle: {e}"),
+            AppendError::Sparse => f.write_str("sparse bundles are not stored yet"),
+            AppendError::Behind {
+                first_seq,
+                next_seq,
+            } => write!(
+                f,
+                "a bundle from sequence number {first_seq} is behind the log's next, {next_seq}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for AppendError {}
+
+pub struct PartitionLog {
+    config: LogConfig,
+    segments: VecDeque<Segment>,
+    next_seq: u64,
+    bytes: u64,
+}
+
+impl PartitionLog {
+    /// An empty log whose first message will be sequence number 1.
+    pub fn new(config: LogConfig) -> PartitionLog {
+        PartitionLog::starting_at(config, 1)
+    }
+
+    /// An empty log whose next message is `next_seq` (recovery of a log retention had cut).
+    pub fn starting_at(config: LogConfig, next_seq: u64) -> PartitionLog {
+        PartitionLog {
+            config,
+            segments: VecDeque::new(),
+            next_seq: next_seq.max(1),
+            bytes: 0,
+        }
+    }
+
+    /// The sequence number the next message gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// The last message's sequence number (0 before the first).
+    pub fn high_water_mark(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// The oldest message kept (the next one to be produced when none is).
+    pub fn first_available(&self) -> u64 {
+        self.segments.front().map_or(self.next_seq, |s| s.base_seq)
+    }
+
+    /// Bytes of stored bundles.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Bytes held beyond the bundles and their lengths: the sparse indexes.
+    pub fn overhead(&self) -> usize {
+        self.segments
+            .iter()
+            .map(|s| s.index.capacity() * 8 + std::mem::size_of::<Segment>())
+            .sum()
+    }
+
+    /// Checks a bundle as produced (without its length): how many messages it holds and its
+    /// newest timestamp. Sparse bundles are refused.
+    pub fn check(bundle: &[u8]) -> Result<(u64, u64), AppendError> {
+        let b = Bundle::parse(bundle).map_err(AppendError::Bundle)?;
+        if b.sparse.is_some() {
+            return Err(AppendError::Sparse);
+        }
+        let set = b.messages_bytes(64 << 20).map_err(AppendError::Bundle)?;
+        let mut newest = 0;
+        for m in b.messages(&set, 0) {
+            newest = newest.max(m.map_err(AppendError::Bundle)?.ts);
+        }
+        Ok((b.count, newest))
+    }
+
+    /// Appends a bundle (as produced, without its length) that `check` accepted, with its
+    /// message count and newest timestamp. Returns the first and last sequence numbers given.
+    pub fn append(&mut self, bundle: &[u8], count: u64, newest_ms: u64) -> (u64, u64) {
+        let first = self.next_seq;
+        self.place(first, bundle, count, newest_ms);
+        (first, first + count - 1)
+    }
+
+    /// Appends a bundle whose first message is `first_seq`, at or past the log's end (the
+    /// log's own records replayed, a replica following its active).
+    pub fn append_at(
+        &mut self,
+        first_seq: u64,
+        bundle: &[u8],
+        count: u64,
+        newest_ms: u64,
+    ) -> Result<(), AppendError> {
+        if first_seq < self.next_seq {
+            return Err(AppendError::Behind {
+                first_seq,
+                next_seq: self.next_seq,
+            });
+        }
+        if first_seq > self.next_seq {
+            // Sequence numbers between were dropped where they came from: a new segment
+            // starts where these are (the newest one, if it is still empty).
+            match self.segments.back_mut() {
+                Some(s) if s.data.is_empty() => *s = Segment::new(first_seq),
+                _ => self.segments.push_back(Segment::new(first_seq)),
+            }
+            self.next_seq = first_seq;
+        }
+        self.place(first_seq, bundle, count, newest_ms);
+        Ok(())
+    }
+
+    fn place(&mut self, first: u64, bundle: &[u8], count: u64, newest_ms: u64) {
+        let roll = self
+            .segments
+            .back()
+            .is_none_or(|s| s.data.len() >= self.config.segment_bytes && s.next_seq > s.base_seq);
+        if roll {
+            self.segments.push_back(Segment::new(first));
+        }
+        let interval = self.config.index_interval;
+        let seg = self.segments.back_mut().expect("one pushed above");
+        let at = seg.data.len();
+        let last_indexed = seg.index.last().map(|&(_, o)| o as usize);
+        if last_indexed.is_none_or(|o| at - o >= interval) {
+            seg.index.push(((first - seg.base_seq) as u32, at as u32));
+        }
+        let before = seg.data.len();
+        put_varint(&mut seg.data, bundle.len() as u64);
+        seg.data.extend_from_slice(bundle);
+        seg.next_seq = first + count;
+        seg.newest_ms = seg.newest_ms.max(newest_ms);
+        self.bytes += (seg.data.len() - before) as u64;
+        self.next_seq = first + count;
+    }
+
+    /// Reads from `seq` (0: the first available; u64::MAX: the next to be produced) whole
+    /// bundles until at least `fetch_size` bytes (one bundle at least, possibly more than
+    /// `fetch_size`, as TANK's broker does), within one segment.
+    pub fn read(&self, seq: u64, fetch_size: u32) -> Read<'_> {
+        let high_water_mark = self.high_water_mark();
+        let seq = match seq {
+            0 => self.first_available(),
+            u64::MAX => self.next_seq,
+            s => s,
+        };
+        if seq == self.next_seq {
+            return Read::Tail { high_water_mark };
+        }
+        if seq > self.next_seq || seq < self.first_available() {
+            return Read::OutOfRange {
+                high_water_mark,
+                first_available: self.first_available(),
+            };
+        }
+        let i = self.segments.partition_point(|s| s.base_seq <= seq) - 1;
+        let seg = &self.segments[i];
+        if seq >= seg.next_seq {
+            // In a gap between segments (an append_at past the end): from the next one.
+            return self.read(self.segments[i + 1].base_seq, fetch_size);
+        }
+        let (start, base_seq) = seg.locate(seq);
+        let mut end = start;
+        while end < seg.data.len() && (end == start || end - start < fetch_size as usize) {
+            end += stored_bundle(&seg.data[end..]).0;
+        }
+        Read::Chunk {
+            base_seq,
+            high_water_mark,
+            bundles: &seg.data[start..end],
+        }
+    }
+
+    /// Drops whole segments, oldest first and never the newest, while the log is over its
+    /// byte retention or their newest message is older than its age retention at `now_ms`.
+    /// Returns how many messages went.
+    pub fn enforce_retention(&mut self, now_ms: u64) -> u64 {
+        let mut dropped = 0;
+        while self.segments.len() > 1 {
+            let oldest = &self.segments[0];
+            let over_bytes = self
+                .config
+                .retention_bytes
+                .is_some_and(|max| self.bytes > max);
+            let too_old = self
+                .config
+                .retention_ms
+                .is_some_and(|age| oldest.newest_ms + age < now_ms);
+            if !(over_bytes || too_old) {
+                break;
+            }
+            let seg = self.segments.pop_front().expect("checked above");
+            self.bytes -= seg.data.len() as u64;
+            dropped += seg.next_seq - seg.base_seq;
+        }
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,211 @@
+use sluice_proto::tank::bundle::{self, codec, NewMessage};
+
+use super::*;
+
+/// A plain bundle of `n` messages of `size` bytes, stamped `ts`.
+fn bundle_of(n: usize, size: usize, ts: u64) -> Vec<u8> {
+    let content = vec![b'x'; size];
+    let msgs: Vec<NewMessage<'_>> = (0..n)
+        .map(|_| NewMessage {
+            ts,
+            key: None,
+            content: &content,
+        })
+        .collect();
+    let mut out = Vec::new();
+    bundle::write(&mut out, &msgs, codec::NONE);
+    out
+}
+
+fn append(log: &mut PartitionLog, n: usize, size: usize, ts: u64) -> (u64, u64) {
+    let b = bundle_of(n, size, ts);
+    let (count, newest) = PartitionLog::check(&b).unwrap();
+    assert_eq!((count, newest), (n as u64, ts));
+    log.append(&b, count, newest)
+}
+
+/// The sequence numbers of every message in a chunk read from `base`.
+fn seqs(chunk: &[u8], base: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut next = base;
+    for b in sluice_proto::tank::response::chunk_bundles(chunk) {
+        let parsed = Bundle::parse(b).unwrap();
+        let set = parsed.messages_bytes(1 << 20).unwrap();
+        for m in parsed.messages(&set, next) {
+            out.push(m.unwrap().seq);
+        }
+        next = *out.last().unwrap() + 1;
+    }
+    out
+}
+
+#[test]
+fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
+    let mut log = PartitionLog::new(LogConfig::default());
+    assert_eq!(log.read(0, 100), Read::Tail { high_water_mark: 0 });
+    assert_eq!(append(&mut log, 1, 5, 10), (1, 1));
+    assert_eq!(append(&mut log, 3, 5, 11), (2, 4));
+    assert_eq!(append(&mut log, 2, 5, 12), (5, 6));
+    assert_eq!((log.first_available(), log.high_water_mark()), (1, 6));
+    // From the first available, whole bundles until the fetch size is reached.
+    let Read::Chunk {
+        base_seq,
+        high_water_mark,
+        bundles,
+    } = log.read(0, 1)
+    else {
+        panic!()
+    };
+    assert_eq!((base_seq, high_water_mark), (1, 6));
+    assert_eq!(seqs(bundles, base_seq), [1]);
+    let Read::Chunk { bundles, .. } = log.read(1, 20) else {
+        panic!()
+    };
+    assert_eq!(seqs(bundles, 1), [1, 2, 3, 4]);
+    // A sequence number inside a bundle: from that bundle's first message.
+    let Read::Chunk {
+        base_seq, bundles, ..
+    } = log.read(3, 1 << 20)
+    else {
+        panic!()
+    };
+    assert_eq!(base_seq, 2);
+    assert_eq!(seqs(bundles, base_seq), [2, 3, 4, 5, 6]);
+    // The next one to be produced, asked for by number or as the tail: nothing yet.
+    assert_eq!(log.read(7, 100), Read::Tail { high_water_mark: 6 });
+    assert_eq!(log.read(u64::MAX, 100), Read::Tail { high_water_mark: 6 });
+    assert_eq!(
+        log.read(9999, 100),
+        Read::OutOfRange {
+            high_water_mark: 6,
+            first_available: 1
+        }
+    );
+}
+
+#[test]
+fn every_sequence_number_is_found_through_the_sparse_index_across_segments() {
+    let config = LogConfig {
+        segment_bytes: 2000,
+        index_interval: 100,
+        ..LogConfig::default()
+    };
+    let mut log = PartitionLog::new(config);
+    let mut first_of = Vec::new(); // (first seq, count) of each bundle
+    for i in 0..300 {
+        let n = 1 + i % 7;
+        let (first, _) = append(&mut log, n, 3 + i % 11, i as u64);
+        first_of.push((first, n as u64));
+    }
+    assert!(log.segments.len() > 5, "{} segments", log.segments.len());
+    for seq in 1..=log.high_water_mark() {
+        let Read::Chunk {
+            base_seq, bundles, ..
+        } = log.read(seq, 1)
+        else {
+            panic!("{seq}")
+        };
+        let &(first, count) = first_of
+            .iter()
+            .find(|(f, c)| seq >= *f && seq < f + c)
+            .unwrap();
+        assert_eq!(base_seq, first, "seq {seq}");
+        let got = seqs(bundles, base_seq);
+        assert_eq!(got.len() as u64, count, "one whole bundle for fetch size 1");
+        assert!(got.contains(&seq));
+    }
+}
+
+#[test]
+fn retention_drops_whole_old_segments_and_never_the_newest() {
+    let config = LogConfig {
+        segment_bytes: 1000,
+        retention_bytes: Some(3000),
+        retention_ms: Some(1000),
+        ..LogConfig::default()
+    };
+    let mut log = PartitionLog::new(config);
+    for i in 0..100u64 {
+        append(&mut log, 2, 50, 10_000 + i);
+    }
+    let before = log.bytes();
+    let dropped = log.enforce_retention(10_050);
+    assert!(dropped > 0 && log.bytes() <= 3000 && log.bytes() < before);
+    let first = log.first_available();
+    assert_eq!(first, dropped + 1);
+    assert_eq!(
+        log.read(1, 10),
+        Read::OutOfRange {
+            high_water_mark: 200,
+            first_available: first
+        }
+    );
+    assert!(matches!(log.read(0, 10), Read::Chunk { base_seq, .. } if base_seq == first));
+    // Far later: every segment is too old, but the newest stays.
+    log.enforce_retention(1_000_000);
+    assert_eq!(log.segments.len(), 1);
+    assert!(matches!(log.read(0, 10), Read::Chunk { .. }));
+    assert_eq!(log.high_water_mark(), 200);
+}
+
+#[test]
+fn bundles_placed_by_number_may_skip_ahead_but_not_go_back() {
+    let mut log = PartitionLog::starting_at(LogConfig::default(), 50);
+    let b = bundle_of(3, 4, 1);
+    log.append_at(50, &b, 3, 1).unwrap();
+    log.append_at(60, &b, 3, 1).unwrap();
+    assert_eq!(
+        log.append_at(55, &b, 3, 1),
+        Err(AppendError::Behind {
+            first_seq: 55,
+            next_seq: 63
+        })
+    );
+    assert_eq!(log.first_available(), 50);
+    // In the gap: from the next message kept.
+    let Read::Chunk { base_seq, .. } = log.read(55, 1) else {
+        panic!()
+    };
+    assert_eq!(base_seq, 60);
+}
+
+#[test]
+fn bad_and_sparse_bundles_are_refused_and_snappy_ones_counted() {
+    assert!(matches!(
+        PartitionLog::check(&[0x04]),
+        Err(AppendError::Bundle(_))
+    ));
+    let mut sparse = vec![0x40 | (1 << 2)];
+    sparse.extend_from_slice(&7u64.to_le_bytes());
+    sparse.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0, 0, 1, b'a']);
+    assert_eq!(PartitionLog::check(&sparse), Err(AppendError::Sparse));
+    let content = [b'y'; 100];
+    let msgs = vec![
+        NewMessage {
+            ts: 5,
+            key: Some(b"k"),
+            content: &content
+        };
+        50
+    ];
+    let mut b = Vec::new();
+    bundle::write(&mut b, &msgs, codec::SNAPPY);
+    assert_eq!(PartitionLog::check(&b), Ok((50, 5)));
+}
+
+#[test]
+fn a_retained_message_costs_little_beyond_its_bundle() {
+    let mut log = PartitionLog::new(LogConfig::default());
+    let mut produced = 0;
+    for _ in 0..1000 {
+        append(&mut log, 1000, 100, 1);
+        produced += 1000;
+    }
+    let bundle_bytes = 1000 * bundle_of(1000, 100, 1).len() as u64;
+    let beyond = log.bytes() - bundle_bytes + log.overhead() as u64;
+    // The target is at most 16 bytes a message; the lengths and index cost well under one.
+    assert!(
+        beyond / produced < 1,
+        "{beyond} bytes beyond the bundles for {produced} messages"
+    );
+}
