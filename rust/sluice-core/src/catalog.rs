@@ -5,17 +5,37 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use crate::bucket::Bucket;
+use crate::topic::Topic;
 
-/// The live buckets, shared with the WAL writer's callback.
+/// The live buckets and topics, shared with the WAL writer's callback and the snapshot writer.
 #[derive(Default)]
 pub struct Catalog {
     buckets: RwLock<Vec<Arc<Bucket>>>,
+    topics: RwLock<Vec<Arc<Topic>>>,
 }
 
 impl Catalog {
     /// The buckets recovery installed, replacing any before.
     pub(crate) fn install(&self, live: Vec<Arc<Bucket>>) {
         *self.buckets.write() = live;
+    }
+
+    pub(crate) fn install_topics(&self, live: Vec<Arc<Topic>>) {
+        *self.topics.write() = live;
+    }
+
+    pub fn topics(&self) -> Vec<Arc<Topic>> {
+        self.topics.read().clone()
+    }
+
+    pub fn topic(&self, name: &str) -> Option<Arc<Topic>> {
+        self.topics.read().iter().find(|t| t.name == name).cloned()
+    }
+
+    /// Changes the topics under their lock (a creation: the id chosen, the WAL record queued
+    /// and the topic added as one step).
+    pub(crate) fn with_topics<R>(&self, f: impl FnOnce(&mut Vec<Arc<Topic>>) -> R) -> R {
+        f(&mut self.topics.write())
     }
 
     pub fn all(&self) -> Vec<Arc<Bucket>> {

@@ -28,6 +28,7 @@ pub mod partition_log;
 pub mod recovery;
 pub mod signal;
 pub mod snapshot;
+pub mod topic;
 pub mod vbucket;
 pub mod wal;
 

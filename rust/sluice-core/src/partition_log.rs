@@ -44,6 +44,42 @@ impl Default for LogConfig {
     }
 }
 
+impl LogConfig {
+    /// Settings from a topic's configuration text, TANK's and Kafka's `key=value` lines (blank
+    /// lines and `#` comments skipped): `log.segment.bytes`, `log.index.interval.bytes`,
+    /// `log.retention.bytes`, `log.retention.ms`, `.secs` or `.hours` (the `log.` prefix is
+    /// optional). Anything else is an error naming the line.
+    pub fn from_text(text: &str) -> Result<LogConfig, String> {
+        let mut c = LogConfig::default();
+        for line in text.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (key, value) = line
+                .split_once('=')
+                .ok_or_else(|| format!("{line:?} is not key=value"))?;
+            let (key, value) = (key.trim(), value.trim());
+            let n: u64 = value
+                .parse()
+                .map_err(|_| format!("{key}: {value:?} is not a whole number"))?;
+            match key.strip_prefix("log.").unwrap_or(key) {
+                "segment.bytes" if (4096..=1 << 30).contains(&n) => c.segment_bytes = n as usize,
+                "segment.bytes" => return Err(format!("{key}: {n} is not in 4096..=1073741824")),
+                "index.interval.bytes" if (64..=1 << 20).contains(&n) => {
+                    c.index_interval = n as usize
+                }
+                "index.interval.bytes" => return Err(format!("{key}: {n} is not in 64..=1048576")),
+                "retention.bytes" => c.retention_bytes = Some(n),
+                "retention.ms" => c.retention_ms = Some(n),
+                "retention.secs" => c.retention_ms = Some(n.saturating_mul(1000)),
+                "retention.hours" => c.retention_ms = Some(n.saturating_mul(3_600_000)),
+                _ => return Err(format!("{key}: not a topic setting")),
+            }
+        }
+        Ok(c)
+    }
+}
+
 struct Segment {
     /// The sequence number of its first message, and one past its last.
     base_seq: u64,
@@ -308,6 +344,34 @@ impl PartitionLog {
             high_water_mark,
             bundles: &seg.data[start..end],
         }
+    }
+
+    /// Every stored bundle, oldest first: its first sequence number, message count, the
+    /// newest timestamp of its segment, and the bundle as produced (what a snapshot keeps).
+    pub fn for_each_bundle(&self, mut each: impl FnMut(u64, u64, u64, &[u8])) {
+        for seg in &self.segments {
+            let (mut at, mut first) = (0, seg.base_seq);
+            while at < seg.data.len() {
+                let (len, count) = stored_bundle(&seg.data[at..]);
+                let mut r = Reader::new(&seg.data[at..at + len]);
+                let n = r
+                    .varint_len("a stored bundle")
+                    .expect("stored bundles are whole");
+                each(
+                    first,
+                    count,
+                    seg.newest_ms,
+                    r.bytes(n, "a stored bundle").expect("whole"),
+                );
+                first += count;
+                at += len;
+            }
+        }
+    }
+
+    /// Takes a topic's settings (recovery builds logs before it reads them).
+    pub fn set_config(&mut self, config: LogConfig) {
+        self.config = config;
     }
 
     /// Drops whole segments, oldest first and never the newest, while the log is over its

@@ -16,6 +16,8 @@ use crate::checkpoint::CheckpointConfig;
 use crate::error::{Error, Result};
 use crate::failover::FailoverEntry;
 use crate::item::ItemMeta;
+use crate::partition_log::{LogConfig, PartitionLog};
+use crate::topic::Partition;
 use crate::vbucket::{VBucket, VbState};
 use crate::wal::record::{self, Record, RecordBody};
 use crate::wal::xlog::{self, FileKind, Next, XlogReader};
@@ -24,6 +26,15 @@ pub struct RecoveredBucket {
     pub id: u16,
     pub name: String,
     pub vbuckets: Vec<VBucket>,
+}
+
+/// A topic as its records left it: logs built with default settings, which the engine
+/// replaces with the topic's own (`PartitionLog::set_config`).
+pub struct RecoveredTopic {
+    pub id: u16,
+    pub name: String,
+    pub config: String,
+    pub partitions: Vec<Partition>,
 }
 
 /// What recovery did, for the ready line and for tests.
@@ -81,6 +92,7 @@ impl Report {
 pub struct Recovered {
     pub instance: String,
     pub buckets: Vec<RecoveredBucket>,
+    pub topics: Vec<RecoveredTopic>,
     /// The LSN to continue after: the last one replayed, or higher if files on disk hold
     /// higher ones that could not be replayed.
     pub last_lsn: u64,
@@ -96,6 +108,16 @@ enum ApplyError {
     BucketName,
     #[error("bucket id {0} declared twice differently")]
     BucketRedeclared(u16),
+    #[error("topic id {0} declared twice differently, or its name is not UTF-8")]
+    TopicRedeclared(u16),
+    #[error("record for unknown topic {topic} partition {partition}")]
+    UnknownPartition { topic: u16, partition: u16 },
+    #[error("topic {topic} partition {partition}: {reason}")]
+    BadBundle {
+        topic: u16,
+        partition: u16,
+        reason: String,
+    },
     #[error("record for unknown bucket {bucket} vbucket {vbucket}")]
     UnknownVbucket { bucket: u16, vbucket: u16 },
     /// A WAL change at or below what the vbucket already holds.
@@ -120,10 +142,52 @@ enum ApplyError {
 #[derive(Default)]
 struct State {
     buckets: BTreeMap<u16, RecoveredBucket>,
+    topics: BTreeMap<u16, RecoveredTopic>,
 }
 
 impl State {
     fn apply(&mut self, rec: &Record<'_>, from_wal: bool) -> std::result::Result<(), ApplyError> {
+        match rec.body {
+            RecordBody::Topic {
+                name,
+                partitions,
+                config,
+            } => return self.declare_topic(rec.bucket, name, partitions, config),
+            RecordBody::TopicBundle {
+                first_seq,
+                count,
+                newest_ms,
+                bundle,
+            } => {
+                let (topic, partition) = (rec.bucket, rec.vbucket);
+                let p = self
+                    .topics
+                    .get_mut(&topic)
+                    .and_then(|t| t.partitions.get_mut(partition as usize))
+                    .ok_or(ApplyError::UnknownPartition { topic, partition })?;
+                if from_wal && rec.lsn <= p.last_lsn {
+                    return Ok(());
+                }
+                let bad = |reason: String| ApplyError::BadBundle {
+                    topic,
+                    partition,
+                    reason,
+                };
+                match PartitionLog::check(bundle) {
+                    Ok((n, _)) if n == count => {}
+                    Ok((n, _)) => {
+                        return Err(bad(format!("{n} messages, the record says {count}")))
+                    }
+                    Err(e) => return Err(bad(e.to_string())),
+                }
+                p.log
+                    .append_at(first_seq, bundle, count, newest_ms)
+                    .map_err(|e| bad(e.to_string()))?;
+                p.last_lsn = p.last_lsn.max(rec.lsn);
+                return Ok(());
+            }
+            _ => {}
+        }
         if let RecordBody::Bucket { name, num_vbuckets } = rec.body {
             let name = String::from_utf8(name.to_vec()).map_err(|_| ApplyError::BucketName)?;
             match self.buckets.get(&rec.bucket) {
@@ -207,10 +271,53 @@ impl State {
                 vb.clock.observe(*max_cas);
                 vb.purge_seqno = *purge_seqno;
             }
-            RecordBody::Bucket { .. } => unreachable!("handled above"),
+            RecordBody::Bucket { .. }
+            | RecordBody::Topic { .. }
+            | RecordBody::TopicBundle { .. } => {
+                unreachable!("handled above")
+            }
         }
         vb.last_lsn = vb.last_lsn.max(rec.lsn);
         Ok(())
+    }
+}
+
+impl State {
+    fn declare_topic(
+        &mut self,
+        id: u16,
+        name: &[u8],
+        partitions: u16,
+        config: &[u8],
+    ) -> std::result::Result<(), ApplyError> {
+        let (Ok(name), Ok(config)) = (std::str::from_utf8(name), std::str::from_utf8(config))
+        else {
+            return Err(ApplyError::TopicRedeclared(id));
+        };
+        match self.topics.get(&id) {
+            Some(t) if t.name != name || t.partitions.len() != partitions as usize => {
+                Err(ApplyError::TopicRedeclared(id))
+            }
+            Some(_) => Ok(()),
+            None => {
+                let partitions = (0..partitions)
+                    .map(|_| Partition {
+                        log: PartitionLog::new(LogConfig::default()),
+                        last_lsn: 0,
+                    })
+                    .collect();
+                self.topics.insert(
+                    id,
+                    RecoveredTopic {
+                        id,
+                        name: name.to_string(),
+                        config: config.to_string(),
+                        partitions,
+                    },
+                );
+                Ok(())
+            }
+        }
     }
 }
 
@@ -225,6 +332,18 @@ struct Salvage {
     vbuckets: BTreeMap<(u16, u16), SalvagedVb>,
     /// Records for a bucket whose declaration was in no intact block.
     unplaced: u64,
+    /// Topics declared: name, partitions, configuration text.
+    topics: BTreeMap<u16, (String, u16, String)>,
+    /// Per (topic, partition), bundles by first sequence number: count, newest timestamp,
+    /// bytes, and the highest LSN that carried them.
+    bundles: BTreeMap<(u16, u16), BTreeMap<u64, SalvagedBundle>>,
+}
+
+struct SalvagedBundle {
+    count: u64,
+    newest_ms: u64,
+    bytes: Vec<u8>,
+    lsn: u64,
 }
 
 #[derive(Default)]
@@ -244,6 +363,41 @@ struct SalvagedVb {
 
 impl Salvage {
     fn apply(&mut self, rec: &Record<'_>, from_wal: bool) {
+        match rec.body {
+            RecordBody::Topic {
+                name,
+                partitions,
+                config,
+            } => {
+                self.topics.entry(rec.bucket).or_insert((
+                    String::from_utf8_lossy(name).into_owned(),
+                    partitions,
+                    String::from_utf8_lossy(config).into_owned(),
+                ));
+                return;
+            }
+            RecordBody::TopicBundle {
+                first_seq,
+                count,
+                newest_ms,
+                bundle,
+            } => {
+                // The same bundle may come from a snapshot and the WAL: one copy is kept.
+                self.bundles
+                    .entry((rec.bucket, rec.vbucket))
+                    .or_default()
+                    .entry(first_seq)
+                    .or_insert(SalvagedBundle {
+                        count,
+                        newest_ms,
+                        bytes: bundle.to_vec(),
+                        lsn: 0,
+                    })
+                    .lsn = rec.lsn;
+                return;
+            }
+            _ => {}
+        }
         if let RecordBody::Bucket { name, num_vbuckets } = rec.body {
             let name = String::from_utf8_lossy(name).into_owned();
             self.buckets
@@ -307,9 +461,36 @@ impl Salvage {
         }
     }
 
-    /// The merged vbuckets, each item inserted in seqno order as the item store wants them.
-    fn into_state(self) -> State {
+    /// The merged vbuckets, each item inserted in seqno order as the item store wants them;
+    /// the topics' bundles in sequence order. Returns the state and how many bundles were
+    /// left out: overlapping those before them, not readable as bundles, or of a topic
+    /// declared only in damaged blocks.
+    fn into_state(mut self) -> (State, u64) {
         let mut state = State::default();
+        let mut left_out = 0;
+        for (id, (name, partitions, config)) in std::mem::take(&mut self.topics) {
+            let name_bytes = name.clone();
+            state
+                .declare_topic(id, name_bytes.as_bytes(), partitions, config.as_bytes())
+                .expect("a new id");
+            let topic = state.topics.get_mut(&id).expect("declared above");
+            for (p, part) in topic.partitions.iter_mut().enumerate() {
+                for (first, b) in self.bundles.remove(&(id, p as u16)).unwrap_or_default() {
+                    let fits = PartitionLog::check(&b.bytes).is_ok_and(|(n, _)| n == b.count);
+                    if fits
+                        && part
+                            .log
+                            .append_at(first, &b.bytes, b.count, b.newest_ms)
+                            .is_ok()
+                    {
+                        part.last_lsn = part.last_lsn.max(b.lsn);
+                    } else {
+                        left_out += 1;
+                    }
+                }
+            }
+        }
+        left_out += self.bundles.values().map(|b| b.len() as u64).sum::<u64>();
         let mut vbuckets = self.vbuckets;
         for (id, (name, n)) in self.buckets {
             let vbs = (0..n)
@@ -348,7 +529,7 @@ impl Salvage {
                 },
             );
         }
-        state
+        (state, left_out)
     }
 }
 
@@ -845,7 +1026,18 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                     reason: "their bucket was declared only in damaged blocks".into(),
                 });
             }
-            let state = salvage.into_state();
+            let (state, left_out) = salvage.into_state();
+            if left_out > 0 {
+                report.drop(Dropped {
+                    file: snap_dir.to_path_buf(),
+                    offset: 0,
+                    bytes: 0,
+                    records: left_out,
+                    reason: "topic bundles overlapping others, unreadable, or of a topic \
+                             declared only in damaged blocks"
+                        .into(),
+                });
+            }
             last_lsn = last_lsn.max(
                 state
                     .buckets
@@ -865,9 +1057,11 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     }
     let instance = instance.unwrap_or_else(new_instance);
     let buckets = state.buckets.into_values().collect();
+    let topics = state.topics.into_values().collect();
     Ok(Recovered {
         instance,
         buckets,
+        topics,
         last_lsn: last_lsn.max(max_seen),
         unclean,
         report,

@@ -5,6 +5,8 @@
 //! items come in chunks while writes go on, as of that moment. WAL replay skips, per vbucket,
 //! exactly what the capture holds.
 //!
+//! Topics follow the buckets: each declaration, then every bundle its partitions keep.
+//!
 //! Retention keeps `snapshot_count` snapshots and the WAL segments the oldest of them needs.
 
 use std::fs::File;
@@ -177,6 +179,44 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
                 }
             }
             w.seal(false).map_err(io)?;
+        }
+    }
+    for topic in catalog.topics() {
+        w.record(&Record {
+            lsn: 0,
+            bucket: topic.id,
+            vbucket: 0,
+            body: RecordBody::Topic {
+                name: topic.name.as_bytes(),
+                partitions: topic.num_partitions(),
+                config: topic.config_text.as_bytes(),
+            },
+        });
+        for p in 0..topic.num_partitions() {
+            // Copied under the partition's lock, written after it is released. The records
+            // carry the last LSN applied to the partition, so WAL replay skips what they hold.
+            let (last_lsn, bundles) = {
+                let part = topic.lock_partition(p).expect("in range");
+                let mut bundles = Vec::new();
+                part.log.for_each_bundle(|first, count, newest, b| {
+                    bundles.push((first, count, newest, b.to_vec()))
+                });
+                (part.last_lsn, bundles)
+            };
+            for (first_seq, count, newest_ms, bundle) in &bundles {
+                w.record(&Record {
+                    lsn: last_lsn,
+                    bucket: topic.id,
+                    vbucket: p,
+                    body: RecordBody::TopicBundle {
+                        first_seq: *first_seq,
+                        count: *count,
+                        newest_ms: *newest_ms,
+                        bundle,
+                    },
+                });
+                w.seal(false).map_err(io)?;
+            }
         }
     }
     w.seal(true).map_err(io)?;

@@ -96,6 +96,7 @@ pub(super) fn maintenance_loop(inner: Arc<Inner>) {
     let tick = Duration::from_millis(200);
     let mut last_pager = Instant::now();
     let mut last_release = Instant::now();
+    let mut last_retention = Instant::now();
     loop {
         {
             let mut stop = inner.background.stop.lock();
@@ -128,6 +129,14 @@ pub(super) fn maintenance_loop(inner: Arc<Inner>) {
         }
         #[cfg(not(feature = "mimalloc"))]
         let _ = &mut last_release;
+        if last_retention.elapsed() >= Duration::from_secs(1) {
+            let now_ms = crate::hlc::now_nanos() / 1_000_000;
+            let dropped = inner.enforce_topic_retention(now_ms);
+            if dropped > 0 {
+                log::info!("topic retention dropped {dropped} message(s)");
+            }
+            last_retention = Instant::now();
+        }
         if last_pager.elapsed() >= inner.config.expiry_pager_interval {
             run_pager(&inner);
             last_pager = Instant::now();

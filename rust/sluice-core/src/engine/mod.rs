@@ -22,6 +22,7 @@ use crate::bucket::Bucket;
 use crate::checkpoint::{CursorDropPolicy, DropSlowest, PERSISTENCE_CURSOR};
 use crate::config::{BucketConfig, EngineConfig};
 use crate::error::{Error, Result};
+use crate::partition_log::LogConfig;
 use crate::recovery;
 use crate::vbucket::{VBucket, VbState};
 use crate::wal::writer::{Failpoint, MetaRecord, WalConfig, WalPayload};
@@ -34,12 +35,14 @@ mod follow;
 mod read;
 mod select;
 mod state;
+mod topics;
 mod write;
 
 use crate::catalog::Catalog;
 pub use follow::{FollowedChange, MAX_GROUP};
 pub use read::StreamPosition;
 pub use select::SelectIterator;
+pub use topics::TopicRead;
 pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};
 
 struct Background {
@@ -102,7 +105,7 @@ impl Engine {
             std::fs::create_dir_all(d).map_err(|e| Error::io(d.display(), e))?;
         }
         let started = Instant::now();
-        let recovered = recovery::recover(&wal_dir, &snap_dir, config.force_recovery)?;
+        let mut recovered = recovery::recover(&wal_dir, &snap_dir, config.force_recovery)?;
         let catalog = Arc::new(Catalog::default());
         let weak: Weak<Catalog> = Arc::downgrade(&catalog);
         let wal = WalWriter::start(
@@ -141,7 +144,14 @@ impl Engine {
             lock_file: Mutex::new(Some(lock_file)),
             config,
         });
+        let topics = std::mem::take(&mut recovered.topics);
         Engine::install_buckets(&inner, recovered)?;
+        inner.install_topics(topics, |text| {
+            LogConfig::from_text(text).unwrap_or_else(|e| {
+                log::warn!("a topic's settings {text:?} do not read ({e}); using the defaults");
+                LogConfig::default()
+            })
+        });
         if forced_past_damage {
             // A snapshot now makes what was recovered the new starting point: later starts need
             // neither the damaged files nor --force-recovery.

@@ -23,6 +23,8 @@ const OP_ROLLBACK: u64 = 15;
 const OP_FAILOVER_RESET: u64 = 16;
 const OP_FOLLOW_POSITION: u64 = 17;
 const OP_FOLLOW_GROUP: u64 = 18;
+const OP_TOPIC_BUNDLE: u64 = 19;
+const OP_TOPIC: u64 = 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
@@ -64,6 +66,23 @@ pub enum RecordBody<'a> {
     /// The changes up to the next `FollowPosition` are one transaction of the followed source,
     /// in one block (nothing for recovery to do: the block is whole or gone).
     FollowGroup,
+    /// Declares topic id (the record's bucket field) -> name, its partition count and its
+    /// configuration text; written once when a topic is created. Topic ids are their own
+    /// space, apart from bucket ids.
+    Topic {
+        name: &'a [u8],
+        partitions: u16,
+        config: &'a [u8],
+    },
+    /// A bundle appended to a topic partition (the record's bucket and vbucket fields): its
+    /// first message's sequence number, message count and newest timestamp, and the bundle as
+    /// produced. In a snapshot, the record's lsn is the last one applied to the partition.
+    TopicBundle {
+        first_seq: u64,
+        count: u64,
+        newest_ms: u64,
+        bundle: &'a [u8],
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -207,6 +226,45 @@ impl Record<'_> {
             RecordBody::FollowGroup => {
                 write_fields(out, l, OP_FOLLOW_GROUP, b, v, 0, 0, 0, 0, 0, 0, b"", b"")
             }
+            RecordBody::Topic {
+                name,
+                partitions,
+                config,
+            } => write_fields(
+                out,
+                l,
+                OP_TOPIC,
+                b,
+                v,
+                0,
+                0,
+                0,
+                *partitions as u32,
+                0,
+                0,
+                name,
+                config,
+            ),
+            RecordBody::TopicBundle {
+                first_seq,
+                count,
+                newest_ms,
+                bundle,
+            } => write_fields(
+                out,
+                l,
+                OP_TOPIC_BUNDLE,
+                b,
+                v,
+                *first_seq,
+                *count,
+                *newest_ms,
+                0,
+                0,
+                0,
+                b"",
+                bundle,
+            ),
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -350,6 +408,34 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
         OP_FAILOVER_RESET => RecordBody::FailoverReset,
         OP_FOLLOW_POSITION => RecordBody::FollowPosition(value),
         OP_FOLLOW_GROUP => RecordBody::FollowGroup,
+        OP_TOPIC => {
+            let partitions = narrow::<u16>(flags as u64, "partitions", at)?;
+            if partitions == 0 || key.is_empty() {
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!("topic of {partitions} partitions or without a name"),
+                });
+            }
+            RecordBody::Topic {
+                name: key,
+                partitions,
+                config: value,
+            }
+        }
+        OP_TOPIC_BUNDLE => {
+            if seqno == 0 || rev_seqno == 0 || value.is_empty() {
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!("topic bundle from {seqno} of {rev_seqno} messages"),
+                });
+            }
+            RecordBody::TopicBundle {
+                first_seq: seqno,
+                count: rev_seqno,
+                newest_ms: cas,
+                bundle: value,
+            }
+        }
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,
             high_seqno: seqno,
@@ -444,6 +530,28 @@ impl Record<'_> {
             RecordBody::FollowGroup => {
                 m.insert("op".into(), json!("follow_group"));
             }
+            RecordBody::Topic {
+                name,
+                partitions,
+                config,
+            } => {
+                put_bytes("name", name);
+                put_bytes("config", config);
+                m.insert("op".into(), json!("topic"));
+                m.insert("partitions".into(), json!(partitions));
+            }
+            RecordBody::TopicBundle {
+                first_seq,
+                count,
+                newest_ms,
+                bundle,
+            } => {
+                m.insert("op".into(), json!("topic_bundle"));
+                m.insert("first_seq".into(), json!(first_seq));
+                m.insert("count".into(), json!(count));
+                m.insert("newest_ms".into(), json!(newest_ms));
+                m.insert("bundle_base64".into(), json!(base64::encode(bundle)));
+            }
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -516,6 +624,17 @@ mod tests {
             RecordBody::FollowPosition(b"\x81\x01\x05"),
             RecordBody::FollowPosition(b""),
             RecordBody::FollowGroup,
+            RecordBody::Topic {
+                name: b"events",
+                partitions: 8,
+                config: b"retention.bytes=1000",
+            },
+            RecordBody::TopicBundle {
+                first_seq: 1,
+                count: 3,
+                newest_ms: 1_700_000_000_000,
+                bundle: b"\x0c\x00",
+            },
         ];
         let mut buf = Vec::new();
         let recs: Vec<Record> = bodies

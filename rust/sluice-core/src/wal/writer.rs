@@ -53,6 +53,19 @@ pub enum MetaRecord {
     FollowPosition(Vec<u8>),
     /// Opens a group that the next `FollowPosition` closes: no block boundary inside it.
     FollowGroup,
+    /// A topic is created (see `RecordBody::Topic`).
+    Topic {
+        name: String,
+        partitions: u16,
+        config: String,
+    },
+    /// A bundle appended to a topic partition (see `RecordBody::TopicBundle`).
+    TopicBundle {
+        first_seq: u64,
+        count: u64,
+        newest_ms: u64,
+        bundle: Vec<u8>,
+    },
 }
 
 pub enum WalPayload {
@@ -103,7 +116,10 @@ impl Queued {
         QUEUED_OVERHEAD
             + match &self.payload {
                 WalPayload::Change(c) => c.key().len() + c.value().len(),
-                WalPayload::Meta(_) => 0,
+                WalPayload::Meta(m) => match &m.2 {
+                    MetaRecord::TopicBundle { bundle, .. } => bundle.len(),
+                    _ => 0,
+                },
             }
     }
 
@@ -139,6 +155,26 @@ impl Queued {
                     MetaRecord::FailoverReset => RecordBody::FailoverReset,
                     MetaRecord::FollowPosition(p) => RecordBody::FollowPosition(p),
                     MetaRecord::FollowGroup => RecordBody::FollowGroup,
+                    MetaRecord::Topic {
+                        name,
+                        partitions,
+                        config,
+                    } => RecordBody::Topic {
+                        name: name.as_bytes(),
+                        partitions: *partitions,
+                        config: config.as_bytes(),
+                    },
+                    MetaRecord::TopicBundle {
+                        first_seq,
+                        count,
+                        newest_ms,
+                        bundle,
+                    } => RecordBody::TopicBundle {
+                        first_seq: *first_seq,
+                        count: *count,
+                        newest_ms: *newest_ms,
+                        bundle,
+                    },
                 },
             },
         };

@@ -1,0 +1,222 @@
+//! Topics (`crate::topic`): created once and logged, produced to as changes are (the bundle in
+//! the WAL before the producer is answered, under the same `wal.mode`), read from their
+//! partitions' logs, trimmed by retention.
+
+use std::sync::Arc;
+
+use super::{Engine, Inner, Written};
+use crate::config::Durability;
+use crate::error::{Error, Result};
+use crate::partition_log::{LogConfig, PartitionLog, Read};
+use crate::recovery::RecoveredTopic;
+use crate::topic::{Partition, Topic};
+use crate::wal::writer::{MetaRecord, WalPayload};
+
+/// What a read from a partition found; a chunk's bundles were appended to the caller's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopicRead {
+    Chunk {
+        base_seq: u64,
+        high_water_mark: u64,
+        len: usize,
+    },
+    Tail {
+        high_water_mark: u64,
+    },
+    OutOfRange {
+        high_water_mark: u64,
+        first_available: u64,
+    },
+}
+
+impl Engine {
+    pub fn topics(&self) -> Vec<Arc<Topic>> {
+        self.inner.catalog.topics()
+    }
+
+    pub fn topic(&self, name: &str) -> Option<Arc<Topic>> {
+        self.inner.catalog.topic(name)
+    }
+
+    /// Creates a topic of `partitions` partitions with the settings of `config_text`
+    /// (`LogConfig::from_text`, kept as given); Exists when a topic has the name. Returns once
+    /// the WAL holds the declaration.
+    pub fn create_topic(
+        &self,
+        name: &str,
+        partitions: u16,
+        config_text: &str,
+    ) -> Result<Arc<Topic>> {
+        self.check_open()?;
+        let config = LogConfig::from_text(config_text)
+            .map_err(|e| Error::InvalidArgument(format!("topic {name:?}: {e}")))?;
+        if name.is_empty() || name.len() > u8::MAX as usize || partitions == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a topic needs a name of 1 to 255 bytes and one partition or more \
+                 ({:?}, {partitions})",
+                name
+            )));
+        }
+        let (topic, lsn) = self.inner.catalog.with_topics(|topics| {
+            if topics.iter().any(|t| t.name == name) {
+                return Err(Error::Exists);
+            }
+            let id = (0..=u16::MAX)
+                .find(|i| !topics.iter().any(|t| t.id == *i))
+                .ok_or_else(|| Error::InvalidArgument("no topic id left".into()))?;
+            let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
+                id,
+                0,
+                MetaRecord::Topic {
+                    name: name.to_string(),
+                    partitions,
+                    config: config_text.to_string(),
+                },
+            ));
+            let parts = (0..partitions)
+                .map(|_| Partition {
+                    log: PartitionLog::new(config),
+                    last_lsn: lsn,
+                })
+                .collect();
+            let t = Arc::new(Topic::new(
+                id,
+                name.to_string(),
+                config_text.to_string(),
+                config,
+                parts,
+            ));
+            topics.push(t.clone());
+            Ok((t, lsn))
+        })?;
+        self.inner.wal.wait_written(lsn, None)?;
+        log::info!("topic {name:?} created with {partitions} partition(s)");
+        Ok(topic)
+    }
+
+    /// Appends a bundle (as produced, without its length) to a partition and queues its WAL
+    /// record; the producer is answered once `Written` is (`wait_written`). Returns the first
+    /// and last sequence numbers its messages got.
+    pub fn produce(
+        &self,
+        topic: &Topic,
+        partition: u16,
+        bundle: &[u8],
+    ) -> Result<Written<(u64, u64)>> {
+        self.check_open()?;
+        let (count, newest_ms) = PartitionLog::check(bundle)
+            .map_err(|e| Error::InvalidArgument(format!("a bundle for {:?}: {e}", topic.name)))?;
+        let mut part = topic.lock_partition(partition).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "topic {:?} has no partition {partition}",
+                topic.name
+            ))
+        })?;
+        let first_seq = part.log.next_seq();
+        // The WAL first: a writer that refuses leaves the log as it was.
+        let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
+            topic.id,
+            partition,
+            MetaRecord::TopicBundle {
+                first_seq,
+                count,
+                newest_ms,
+                bundle: bundle.to_vec(),
+            },
+        ));
+        let seqs = part.log.append(bundle, count, newest_ms);
+        part.last_lsn = lsn;
+        drop(part);
+        topic.changes.notify();
+        Ok(Written::new(seqs, Durability::None.into(), lsn, &[]))
+    }
+
+    /// Waits until the WAL holds `w`'s record (what a producer is answered after).
+    pub fn wait_written<T>(&self, w: Written<T>) -> Result<T> {
+        self.inner.wal.wait_written(w.lsn(), None)?;
+        Ok(w.value)
+    }
+
+    /// Reads a partition from `seq` (`PartitionLog::read`), appending a chunk's stored bundles
+    /// to `out`.
+    pub fn read_topic(
+        &self,
+        topic: &Topic,
+        partition: u16,
+        seq: u64,
+        fetch_size: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<TopicRead> {
+        let part = topic.lock_partition(partition).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "topic {:?} has no partition {partition}",
+                topic.name
+            ))
+        })?;
+        Ok(match part.log.read(seq, fetch_size) {
+            Read::Chunk {
+                base_seq,
+                high_water_mark,
+                bundles,
+            } => {
+                out.extend_from_slice(bundles);
+                TopicRead::Chunk {
+                    base_seq,
+                    high_water_mark,
+                    len: bundles.len(),
+                }
+            }
+            Read::Tail { high_water_mark } => TopicRead::Tail { high_water_mark },
+            Read::OutOfRange {
+                high_water_mark,
+                first_available,
+            } => TopicRead::OutOfRange {
+                high_water_mark,
+                first_available,
+            },
+        })
+    }
+
+    /// Applies every topic's retention at `now_ms` (the maintenance thread does every second);
+    /// returns how many messages went.
+    pub fn enforce_topic_retention(&self, now_ms: u64) -> u64 {
+        self.inner.enforce_topic_retention(now_ms)
+    }
+}
+
+impl Inner {
+    pub(super) fn enforce_topic_retention(&self, now_ms: u64) -> u64 {
+        let mut dropped = 0;
+        for t in self.catalog.topics() {
+            for p in 0..t.num_partitions() {
+                dropped += t
+                    .lock_partition(p)
+                    .expect("in range")
+                    .log
+                    .enforce_retention(now_ms);
+            }
+        }
+        dropped
+    }
+
+    /// Installs recovered topics with their settings, as `settings` gives them from each
+    /// topic's configuration text.
+    pub(super) fn install_topics(
+        &self,
+        recovered: Vec<RecoveredTopic>,
+        settings: impl Fn(&str) -> LogConfig,
+    ) {
+        let live = recovered
+            .into_iter()
+            .map(|t| {
+                let config = settings(&t.config);
+                let mut parts = t.partitions;
+                for p in &mut parts {
+                    p.log.set_config(config);
+                }
+                Arc::new(Topic::new(t.id, t.name, t.config, config, parts))
+            })
+            .collect();
+        self.catalog.install_topics(live);
+    }
+}
