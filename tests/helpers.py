@@ -207,6 +207,8 @@ class Node:
             cmd += ["--admin-listen", "127.0.0.1:0"]
         if "--iproto-listen" not in args:
             cmd += ["--iproto-listen", "127.0.0.1:0"]
+        if "--tank-listen" not in args:
+            cmd += ["--tank-listen", "127.0.0.1:0"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -218,6 +220,7 @@ class Node:
         self.admin = ready.split("(admin ")[1].split(")")[0]
         # "off" when the node serves no iproto.
         self.iproto = ready.split("(iproto ")[1].split(")")[0]
+        self.tank = ready.split("(TANK ")[1].split(")")[0]
         host, _, port = self.address.rpartition(":")
         self.host, self.port = host, int(port)
 

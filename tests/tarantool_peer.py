@@ -157,6 +157,7 @@ def sluice_config(path: Path, spaces: tuple[Space, ...] = SPACES, wal_mode: str 
     PASSWORD) allowed to read and write each space's bucket, iproto on a free loopback port."""
     out = [
         'iproto_listen = "127.0.0.1:0"',
+        'tank_listen = "127.0.0.1:0"',
         "[snapshot]",
         "interval = 0",
         "[wal]",

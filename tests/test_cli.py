@@ -28,6 +28,8 @@ class Serve:
             args = (*args, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")  # free ports
         if "--iproto-listen" not in args:
             args = (*args, "--iproto-listen", "127.0.0.1:0")
+        if "--tank-listen" not in args:
+            args = (*args, "--tank-listen", "127.0.0.1:0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "serve", *args],
             stdout=subprocess.DEVNULL,

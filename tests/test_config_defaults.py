@@ -16,6 +16,7 @@ PYTHON_ONLY = {
     "listen",
     "admin_listen",
     "iproto_listen",
+    "tank_listen",
     "tls_listen",
     "tls.certificate",
     "tls.key",

@@ -51,6 +51,7 @@ SERVER_LAYERS = [
     # fronts a connection is handed to (SASL, change streams, memcached's text protocol)
     {"login", "dcp", "tap", "text"},
     {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
+    {"tank"},  # TANK's front: topics (no login)
     {"replica"},  # following another node through the DCP consumer
     {"config", "connection"},  # the server's settings; one connection and its handoffs
     {"admin"},  # the HTTP endpoint that reports on all of the above

@@ -52,6 +52,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["admin_listen"] = args.admin_listen
     if getattr(args, "iproto_listen", None) is not None:
         overrides["iproto_listen"] = args.iproto_listen
+    if getattr(args, "tank_listen", None) is not None:
+        overrides["tank_listen"] = args.tank_listen
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
     for flag, key in (
@@ -109,6 +111,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"invalid config: {key}: {address} is beyond loopback and no user is configured "
                 "([users.NAME]); pass --insecure to serve it anyway"
             )
+    tank = cfg.values["tank_listen"]
+    if tank and not is_loopback(tank) and not args.insecure:
+        raise _native.ConfigError(
+            f"invalid config: tank_listen: {tank} is beyond loopback, and TANK has no login; "
+            "pass --insecure to serve it anyway"
+        )
     listen = cfg.values["listen"]
     settings = cfg.to_native()
     for warning in cfg.warnings():
@@ -156,8 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s)%s; %d items in %d bucket(s) %s, "
-        "recovered in %.3f s (snapshot LSN %d, %d WAL records%s), ready %.3f s after start",
+        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s) (TANK %s)%s; "
+        "%d items in %d bucket(s) %s, recovered in %.3f s (snapshot LSN %d, %d WAL records%s), "
+        "ready %.3f s after start",
         server.address,
         (
             f"https://{server.admin_address}"
@@ -168,6 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or "off",
         server.tls_address or "off",
         server.iproto_address or "off",
+        server.tank_address or "off",
         f", replica of {cfg.values['replication.replica_of']}"
         if cfg.values["replication.replica_of"]
         else "",
@@ -912,6 +922,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--iproto-listen",
         metavar="HOST:PORT",
         help=f'overrides iproto_listen ("" turns it off; default: {_default("iproto_listen")})',
+    )
+    s.add_argument(
+        "--tank-listen",
+        metavar="HOST:PORT",
+        help=f'overrides tank_listen ("" turns it off; default: {_default("tank_listen")})',
     )
     s.add_argument(
         "--replica-of",

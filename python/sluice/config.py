@@ -298,6 +298,16 @@ ENGINE_KEYS += [
         server=True,
     ),
     Key(
+        "tank_listen",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "127.0.0.1:11011",
+        'Address of the TANK listener (README "TANK"): topics produced to and consumed from by '
+        'tank-cli and TANK clients. TANK has no login: beyond loopback it needs --insecure. "" '
+        "turns it off.",
+        "HOST:PORT",
+        server=True,
+    ),
+    Key(
         "max_connections",
         _int,
         DEFAULTS["max_connections"],
@@ -888,6 +898,7 @@ class Config:
         }
         out["replica_of"] = out["replica_of"] or None
         out["iproto_listen"] = out["iproto_listen"] or None
+        out["tank_listen"] = out["tank_listen"] or None
         out["spaces"] = self.space_list()
         out["replication_user"] = out["replication_user"] or None
         for k in (

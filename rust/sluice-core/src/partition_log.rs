@@ -145,7 +145,10 @@ pub enum Read<'a> {
         bundles: &'a [u8],
     },
     /// The sequence number asked for is the next one to be produced: nothing yet.
-    Tail { high_water_mark: u64 },
+    Tail {
+        high_water_mark: u64,
+        first_available: u64,
+    },
     /// Before the first message kept or past the next one to be produced.
     OutOfRange {
         high_water_mark: u64,
@@ -320,7 +323,10 @@ impl PartitionLog {
             s => s,
         };
         if seq == self.next_seq {
-            return Read::Tail { high_water_mark };
+            return Read::Tail {
+                high_water_mark,
+                first_available: self.first_available(),
+            };
         }
         if seq > self.next_seq || seq < self.first_available() {
             return Read::OutOfRange {

@@ -673,6 +673,9 @@ pub fn metrics(node: &NodeView) -> String {
         f.kv.tap_applied.load(Relaxed),
     );
     f.dcp.policies.metrics(&mut o);
+    if let Some(tank) = &f.tank {
+        tank.stats.metrics(&mut o);
+    }
     if let Some(iproto) = &f.iproto {
         iproto.stats.metrics(&mut o);
     }

@@ -39,6 +39,8 @@ pub struct Fronts {
     pub throttle: Arc<LoginThrottle>,
     /// The iproto front, when `iproto_listen` is set (its counters show in /metrics).
     pub iproto: Option<Arc<crate::iproto::IprotoContext>>,
+    /// The TANK front, when `tank_listen` is set.
+    pub tank: Option<Arc<crate::tank::TankContext>>,
     /// Largest request body accepted; larger frames get E2BIG and the connection closes.
     pub max_body: usize,
     /// A connection silent for this long is closed; zero means never.

@@ -31,6 +31,7 @@ pub mod server;
 pub mod space;
 pub mod stats;
 pub mod stream;
+pub mod tank;
 pub mod tap;
 pub mod text;
 pub mod tls;

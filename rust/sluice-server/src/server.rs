@@ -29,6 +29,7 @@ pub struct Server {
     admin_addr: Option<SocketAddr>,
     tls_addr: Option<SocketAddr>,
     iproto_addr: Option<SocketAddr>,
+    tank_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     fronts: Arc<Fronts>,
@@ -99,6 +100,15 @@ impl Server {
             .as_ref()
             .map(|l| l.local_addr())
             .transpose()?;
+        let tank_listener = match config.tank_listen {
+            Some(a) => {
+                let l = bind("TANK listener", "tank_listen", a)?;
+                l.set_nonblocking(true)?;
+                Some(l)
+            }
+            None => None,
+        };
+        let tank_addr = tank_listener.as_ref().map(|l| l.local_addr()).transpose()?;
         // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
         let catalog = crate::iproto::Catalog::build(&engine, &config.spaces)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -142,6 +152,18 @@ impl Server {
                 idle_timeout: config.idle_timeout,
                 started: std::time::Instant::now(),
                 followed,
+            })
+        });
+        let tank = tank_addr.map(|_| {
+            Arc::new(crate::tank::TankContext {
+                engine: engine.clone(),
+                io: stats.clone(),
+                stats: Default::default(),
+                max_frame: config.max_body,
+                idle_timeout: config.idle_timeout,
+                started_unix: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs() as u32),
             })
         });
         let tarantool_follower = follow.map(|f| {
@@ -192,6 +214,7 @@ impl Server {
             prelogin,
             throttle,
             iproto: iproto.clone(),
+            tank: tank.clone(),
             max_body: config.max_body,
             idle_timeout: config.idle_timeout,
         });
@@ -249,10 +272,18 @@ impl Server {
             }
             None => None,
         };
+        let tank_listener = match tank_listener {
+            Some(l) => {
+                let _enter = runtime.enter();
+                Some(TcpListener::from_std(l)?)
+            }
+            None => None,
+        };
         let (fr, tls_) = (fronts.clone(), tls.clone());
-        // One limit for both listeners: max_connections counts every client connection.
+        // One limit for every listener: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
         let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
+        let (tank_stop, tank_limit) = (stop_rx.clone(), limit.clone());
         runtime.spawn(async move {
             let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
@@ -265,7 +296,12 @@ impl Server {
                     crate::iproto::serve(l, ctx, iproto_stop, iproto_limit).await;
                 }
             };
-            tokio::join!(plain, tls, iproto);
+            let tank_front = async {
+                if let (Some(l), Some(ctx)) = (tank_listener, tank) {
+                    crate::tank::serve(l, ctx, tank_stop, tank_limit).await;
+                }
+            };
+            tokio::join!(plain, tls, iproto, tank_front);
             let _ = done_tx.send(());
         });
         Ok(Server {
@@ -274,6 +310,7 @@ impl Server {
             admin_addr,
             tls_addr,
             iproto_addr,
+            tank_addr,
             stop: stop_tx,
             done: Some(done_rx),
             fronts,
@@ -294,6 +331,11 @@ impl Server {
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// The TANK listener's address, if it runs.
+    pub fn tank_addr(&self) -> Option<SocketAddr> {
+        self.tank_addr
     }
 
     /// The iproto listener's address, if it runs.

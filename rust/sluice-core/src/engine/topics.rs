@@ -22,6 +22,7 @@ pub enum TopicRead {
     },
     Tail {
         high_water_mark: u64,
+        first_available: u64,
     },
     OutOfRange {
         high_water_mark: u64,
@@ -166,7 +167,13 @@ impl Engine {
                     len: bundles.len(),
                 }
             }
-            Read::Tail { high_water_mark } => TopicRead::Tail { high_water_mark },
+            Read::Tail {
+                high_water_mark,
+                first_available,
+            } => TopicRead::Tail {
+                high_water_mark,
+                first_available,
+            },
             Read::OutOfRange {
                 high_water_mark,
                 first_available,

@@ -42,7 +42,11 @@ fn seqs(chunk: &[u8], base: u64) -> Vec<u64> {
 #[test]
 fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
     let mut log = PartitionLog::new(LogConfig::default());
-    assert_eq!(log.read(0, 100), Read::Tail { high_water_mark: 0 });
+    let tail = |hwm| Read::Tail {
+        high_water_mark: hwm,
+        first_available: 1,
+    };
+    assert_eq!(log.read(0, 100), tail(0));
     assert_eq!(append(&mut log, 1, 5, 10), (1, 1));
     assert_eq!(append(&mut log, 3, 5, 11), (2, 4));
     assert_eq!(append(&mut log, 2, 5, 12), (5, 6));
@@ -72,8 +76,8 @@ fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
     assert_eq!(base_seq, 2);
     assert_eq!(seqs(bundles, base_seq), [2, 3, 4, 5, 6]);
     // The next one to be produced, asked for by number or as the tail: nothing yet.
-    assert_eq!(log.read(7, 100), Read::Tail { high_water_mark: 6 });
-    assert_eq!(log.read(u64::MAX, 100), Read::Tail { high_water_mark: 6 });
+    assert_eq!(log.read(7, 100), tail(6));
+    assert_eq!(log.read(u64::MAX, 100), tail(6));
     assert_eq!(
         log.read(9999, 100),
         Read::OutOfRange {

@@ -1,0 +1,141 @@
+//! TANK's protocol on its own listener (`tank_listen`): topics produced to and consumed from
+//! as TANK's broker serves them (`sluice_proto::tank` for the bytes, the engine's topics for
+//! the logs). TANK has no login: the listener is for loopback or a trusted network, as a TANK
+//! broker is.
+
+mod session;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_core::Engine;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::stats::ConnectionStats;
+
+/// What TANK sessions work with.
+pub struct TankContext {
+    pub engine: Arc<Engine>,
+    pub io: Arc<ConnectionStats>,
+    pub stats: TankStats,
+    /// The largest frame payload taken.
+    pub max_frame: usize,
+    pub idle_timeout: Duration,
+    /// When the server started, for Status.
+    pub started_unix: u32,
+}
+
+/// The TANK front's counters (`/metrics`).
+#[derive(Default)]
+pub struct TankStats {
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+    pub produced_messages: AtomicU64,
+    pub produced_bundles: AtomicU64,
+    pub consumes: AtomicU64,
+    pub consumed_bytes: AtomicU64,
+    /// Consumes waiting at a partition's tail now.
+    pub long_polls: AtomicU64,
+}
+
+impl TankStats {
+    pub fn metrics(&self, o: &mut String) {
+        use std::fmt::Write;
+        for (name, kind, help, v) in [
+            (
+                "sluice_tank_connections",
+                "gauge",
+                "Open TANK connections.",
+                &self.connections,
+            ),
+            (
+                "sluice_tank_connections_total",
+                "counter",
+                "TANK connections accepted.",
+                &self.connections_total,
+            ),
+            (
+                "sluice_tank_produced_messages_total",
+                "counter",
+                "Messages produced over TANK.",
+                &self.produced_messages,
+            ),
+            (
+                "sluice_tank_produced_bundles_total",
+                "counter",
+                "Bundles produced over TANK.",
+                &self.produced_bundles,
+            ),
+            (
+                "sluice_tank_consumes_total",
+                "counter",
+                "TANK consume requests answered.",
+                &self.consumes,
+            ),
+            (
+                "sluice_tank_consumed_bytes_total",
+                "counter",
+                "Bundle bytes sent to TANK consumers.",
+                &self.consumed_bytes,
+            ),
+            (
+                "sluice_tank_long_polls",
+                "gauge",
+                "TANK consumes waiting at a partition's tail.",
+                &self.long_polls,
+            ),
+        ] {
+            let _ = writeln!(
+                o,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                v.load(Relaxed)
+            );
+        }
+    }
+}
+
+/// Accepts TANK connections until the stop signal, under the server's connection limit, then
+/// lets the open ones finish.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<TankContext>,
+    mut stop: watch::Receiver<bool>,
+    limit: Arc<Semaphore>,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => {
+                let (socket, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        log::warn!("TANK accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    ctx.io.connections_rejected.fetch_add(1, Relaxed);
+                    log::warn!("refusing TANK connection from {peer}: max_connections reached");
+                    continue;
+                };
+                let _ = socket.set_nodelay(true);
+                ctx.stats.connections_total.fetch_add(1, Relaxed);
+                let (ctx, stop) = (ctx.clone(), stop.clone());
+                tasks.spawn(async move {
+                    ctx.stats.connections.fetch_add(1, Relaxed);
+                    session::run(socket.into(), peer, ctx.clone(), stop).await;
+                    ctx.stats.connections.fetch_sub(1, Relaxed);
+                    drop(permit);
+                });
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    drop(listener);
+    while tasks.join_next().await.is_some() {}
+}
