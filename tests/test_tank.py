@@ -172,8 +172,17 @@ def test_a_consume_at_the_tail_waits_for_a_produce_or_its_max_wait(tmp_path):
         assert time.monotonic() - started < 10
         assert producer.frame() == b"\x01\x05\x00\x00\x00" + struct.pack("<I", 9) + b"\x00"
         producer.close()
+        # On the connection that tails, as tank-cli's p2c does: the produce is not held up by
+        # the consume waiting before it, and wakes it.
+        t.send(consume_frame(3, b"wire", 2**64 - 1, max_wait_ms=30_000))
+        time.sleep(0.2)
+        t.send(produce_frame(4, b"wire", [b"same connection"]))
+        answers = {f[0]: f for f in (t.frame(timeout=20), t.frame(timeout=20))}
+        assert answers[0x01][-1] == 0  # the produce's error byte
+        assert messages_of(answers[0x02])[2] == [b"same connection"]
         t.close()
-        assert node.metric("sluice_tank_produced_messages_total") == 1
+        assert node.metric("sluice_tank_produced_messages_total") == 2
+        assert node.metric("sluice_tank_long_polls") == 0
     finally:
         node.stop()
 

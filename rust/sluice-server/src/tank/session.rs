@@ -49,6 +49,8 @@ pub(super) async fn run(
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut out = Vec::new();
     let mut owed_lsn = 0;
+    // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
+    let mut parked: Vec<Parked> = Vec::new();
     loop {
         loop {
             let (id, payload) = match tank::check(&inbuf, ctx.max_frame) {
@@ -79,11 +81,10 @@ pub(super) async fn run(
                 Request::Ping => {}
                 Request::Produce(p) => produce(&ctx, &p, &mut out, &mut owed_lsn),
                 Request::Consume(c) => {
-                    // What is answered already goes first: a consume may wait.
-                    if send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() {
-                        return;
+                    let mut p = Parked::new(&ctx, &c);
+                    if !p.answer(&mut out, Instant::now(), false) {
+                        parked.push(p);
                     }
-                    consume(&ctx, &c, &mut out, &mut stop).await;
                 }
                 Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out),
                 Request::DiscoverPartitions { request_id, topic } => {
@@ -107,10 +108,37 @@ pub(super) async fn run(
                 return;
             }
         }
-        if send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() || *stop.borrow() {
+        // Produces just handled may answer a waiting consume; a max wait may have passed.
+        let now = Instant::now();
+        let stopping = *stop.borrow();
+        parked.retain_mut(|p| !p.answer(&mut out, now, stopping));
+        if send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() || stopping {
             return;
         }
-        let idle = ctx.idle_timeout;
+        // A connection with a consume waiting is quiet on purpose: no idle timeout then.
+        let idle = if parked.is_empty() {
+            ctx.idle_timeout
+        } else {
+            Duration::ZERO
+        };
+        let next_look = parked
+            .iter()
+            .map(|p| {
+                p.deadline
+                    .map_or(POLL, |d| d.saturating_duration_since(now))
+            })
+            .min()
+            .map(|d| d.min(POLL));
+        let seen = parked.first().and_then(|p| p.seen.clone());
+        let woken = async {
+            match (&seen, next_look) {
+                (Some((topic, g)), Some(d)) => {
+                    let _ = tokio::time::timeout(d, topic.changes.changed(*g)).await;
+                }
+                (None, Some(d)) => tokio::time::sleep(d).await,
+                (_, None) => std::future::pending().await,
+            }
+        };
         let read = async {
             if idle.is_zero() {
                 Ok(socket.read_buf(&mut inbuf).await)
@@ -119,6 +147,7 @@ pub(super) async fn run(
             }
         };
         tokio::select! {
+            _ = woken => {}
             r = read => match r {
                 Ok(Ok(0)) => return,
                 Ok(Ok(n)) => { ctx.io.bytes_in.fetch_add(n as u64, Relaxed); }
@@ -131,7 +160,8 @@ pub(super) async fn run(
                     return;
                 }
             },
-            _ = stop.changed() => return,
+            // The next turn answers what waits and ends.
+            _ = stop.changed() => {}
         }
     }
 }
@@ -202,144 +232,165 @@ fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut
     .write(out);
 }
 
-/// Reads every partition the consume names, from where `seqs` says (u64::MAX is fixed to the
-/// tail at the first look). Returns the answer, its chunks, and whether any partition is at
-/// its tail.
-fn read_once<'a>(
-    ctx: &TankContext,
-    c: &Consume<'a>,
-    topics: &[Option<Arc<Topic>>],
-    seqs: &mut [Vec<u64>],
-    chunks: &mut Vec<u8>,
-) -> (ConsumeAnswer<'a>, bool) {
-    chunks.clear();
-    let mut at_tail = false;
-    let mut answers = Vec::with_capacity(c.topics.len());
-    for ((t, topic), seqs) in c.topics.iter().zip(topics).zip(seqs.iter_mut()) {
-        let Some(topic) = topic else {
-            answers.push(TopicAnswer {
-                name: t.name,
-                partitions: PartitionsAnswer::UnknownTopic {
-                    requested: t.partitions.len() as u8,
-                },
-            });
-            continue;
-        };
-        let mut parts = Vec::with_capacity(t.partitions.len());
-        for (p, seq) in t.partitions.iter().zip(seqs.iter_mut()) {
-            let before = chunks.len();
-            let read = ctx
-                .engine
-                .read_topic(topic, p.partition, *seq, p.fetch_size, chunks);
-            parts.push(match read {
-                Err(_) => PartitionAnswer::UnknownPartition {
-                    partition: p.partition,
-                },
-                Ok(TopicRead::Chunk {
-                    base_seq,
-                    high_water_mark,
-                    ..
-                }) => PartitionAnswer::Data {
-                    partition: p.partition,
-                    base_seq,
-                    high_water_mark,
-                    chunk_len: (chunks.len() - before) as u32,
-                },
-                Ok(TopicRead::Tail {
-                    high_water_mark,
-                    first_available,
-                }) => {
-                    at_tail = true;
-                    if *seq == u64::MAX {
-                        *seq = high_water_mark + 1;
-                    }
-                    PartitionAnswer::Data {
-                        partition: p.partition,
-                        base_seq: first_available,
-                        high_water_mark,
-                        chunk_len: 0,
-                    }
-                }
-                Ok(TopicRead::OutOfRange {
-                    high_water_mark,
-                    first_available,
-                }) => PartitionAnswer::BoundaryCheck {
-                    partition: p.partition,
-                    high_water_mark,
-                    first_available,
-                },
-            });
-        }
-        answers.push(TopicAnswer {
-            name: t.name,
-            partitions: PartitionsAnswer::Known(parts),
-        });
-    }
-    (
-        ConsumeAnswer {
-            request_id: c.request_id,
-            topics: answers,
-        },
-        at_tail,
-    )
+/// A consume waiting for data: what it asks, owned, so the connection goes on reading (a
+/// client may produce on the connection it tails on, as tank-cli's p2c does).
+struct Parked {
+    ctx: Arc<TankContext>,
+    request_id: u32,
+    /// Bytes of bundles that answer it at once (at least one bundle).
+    wanted: usize,
+    /// None: it waits as long as the connection lives.
+    deadline: Option<Instant>,
+    topics: Vec<Asked>,
+    /// Counted in `long_polls`.
+    counted: bool,
+    /// The first named topic's signal and its generation before the last look.
+    seen: Option<(Arc<Topic>, u64)>,
 }
 
-/// Answers a consume: at once when any partition has data or none is at its tail, else once
-/// min bytes (at least one bundle) arrive or the max wait passes.
-async fn consume(
-    ctx: &TankContext,
-    c: &Consume<'_>,
-    out: &mut Vec<u8>,
-    stop: &mut watch::Receiver<bool>,
-) {
-    let topics: Vec<Option<Arc<Topic>>> =
-        c.topics.iter().map(|t| topic_named(ctx, t.name)).collect();
-    let mut seqs: Vec<Vec<u64>> = c
-        .topics
-        .iter()
-        .map(|t| t.partitions.iter().map(|p| p.seq).collect())
-        .collect();
-    let deadline = Instant::now().checked_add(Duration::from_millis(c.max_wait_ms));
-    let wanted = (c.min_bytes as usize).max(1);
-    let mut chunks = Vec::new();
-    let mut waiting = false;
-    loop {
-        let generation = topics
-            .iter()
-            .flatten()
-            .next()
-            .map(|t| (t.clone(), t.changes.generation()));
-        let (answer, at_tail) = read_once(ctx, c, &topics, &mut seqs, &mut chunks);
-        let now = Instant::now();
-        let expired = deadline.is_some_and(|d| now >= d) || c.max_wait_ms == 0;
-        if !at_tail || chunks.len() >= wanted || expired || *stop.borrow() {
-            if waiting {
-                ctx.stats.long_polls.fetch_sub(1, Relaxed);
-            }
-            ctx.stats.consumes.fetch_add(1, Relaxed);
-            ctx.stats
-                .consumed_bytes
-                .fetch_add(chunks.len() as u64, Relaxed);
-            answer.write_headers(out);
-            out.extend_from_slice(&chunks);
-            return;
+/// One topic a waiting consume asks for: its name, the topic if it exists, and per partition
+/// (id, next sequence number, fetch size).
+struct Asked {
+    name: Vec<u8>,
+    topic: Option<Arc<Topic>>,
+    partitions: Vec<(u16, u64, u32)>,
+}
+
+impl Parked {
+    fn new(ctx: &Arc<TankContext>, c: &Consume<'_>) -> Parked {
+        Parked {
+            ctx: ctx.clone(),
+            request_id: c.request_id,
+            wanted: (c.min_bytes as usize).max(1),
+            deadline: Instant::now().checked_add(Duration::from_millis(c.max_wait_ms)),
+            topics: c
+                .topics
+                .iter()
+                .map(|t| Asked {
+                    name: t.name.to_vec(),
+                    topic: topic_named(ctx, t.name),
+                    partitions: t
+                        .partitions
+                        .iter()
+                        .map(|p| (p.partition, p.seq, p.fetch_size))
+                        .collect(),
+                })
+                .collect(),
+            counted: false,
+            seen: None,
         }
-        if !waiting {
-            waiting = true;
-            ctx.stats.long_polls.fetch_add(1, Relaxed);
-        }
-        let left = deadline
-            .map_or(POLL, |d| d.saturating_duration_since(now))
-            .min(POLL);
-        match generation {
-            Some((topic, g)) => {
-                tokio::select! {
-                    _ = topic.changes.changed(g) => {}
-                    _ = tokio::time::sleep(left) => {}
-                    _ = stop.changed() => {}
-                }
+    }
+
+    /// Reads every partition it names, from where it stands (u64::MAX is fixed to the tail at
+    /// the first look). Answers into `out` and returns true when any partition has data or
+    /// none is at its tail, when min bytes are there, or when `now` is past its deadline or
+    /// `force` is set; otherwise nothing is written.
+    fn answer(&mut self, out: &mut Vec<u8>, now: Instant, force: bool) -> bool {
+        // The generation before the look: a produce after it wakes the wait.
+        self.seen = self.topics.iter().find_map(|a| a.topic.clone()).map(|t| {
+            let g = t.changes.generation();
+            (t, g)
+        });
+        let ctx = self.ctx.clone();
+        let mut chunks = Vec::new();
+        let mut at_tail = false;
+        let mut answers = Vec::with_capacity(self.topics.len());
+        for Asked {
+            name,
+            topic,
+            partitions: parts,
+        } in &mut self.topics
+        {
+            let Some(topic) = topic else {
+                answers.push(TopicAnswer {
+                    name,
+                    partitions: PartitionsAnswer::UnknownTopic {
+                        requested: parts.len() as u8,
+                    },
+                });
+                continue;
+            };
+            let mut known = Vec::with_capacity(parts.len());
+            for (partition, seq, fetch_size) in parts.iter_mut() {
+                let before = chunks.len();
+                let read = ctx
+                    .engine
+                    .read_topic(topic, *partition, *seq, *fetch_size, &mut chunks);
+                known.push(match read {
+                    Err(_) => PartitionAnswer::UnknownPartition {
+                        partition: *partition,
+                    },
+                    Ok(TopicRead::Chunk {
+                        base_seq,
+                        high_water_mark,
+                        ..
+                    }) => PartitionAnswer::Data {
+                        partition: *partition,
+                        base_seq,
+                        high_water_mark,
+                        chunk_len: (chunks.len() - before) as u32,
+                    },
+                    Ok(TopicRead::Tail {
+                        high_water_mark,
+                        first_available,
+                    }) => {
+                        at_tail = true;
+                        if *seq == u64::MAX {
+                            *seq = high_water_mark + 1;
+                        }
+                        PartitionAnswer::Data {
+                            partition: *partition,
+                            base_seq: first_available,
+                            high_water_mark,
+                            chunk_len: 0,
+                        }
+                    }
+                    Ok(TopicRead::OutOfRange {
+                        high_water_mark,
+                        first_available,
+                    }) => PartitionAnswer::BoundaryCheck {
+                        partition: *partition,
+                        high_water_mark,
+                        first_available,
+                    },
+                });
             }
-            None => tokio::time::sleep(left).await,
+            answers.push(TopicAnswer {
+                name,
+                partitions: PartitionsAnswer::Known(known),
+            });
+        }
+        let expired = self.deadline.is_some_and(|d| now >= d);
+        if at_tail && chunks.len() < self.wanted && !expired && !force {
+            if !self.counted {
+                self.counted = true;
+                ctx.stats.long_polls.fetch_add(1, Relaxed);
+            }
+            return false;
+        }
+        if self.counted {
+            ctx.stats.long_polls.fetch_sub(1, Relaxed);
+            self.counted = false;
+        }
+        ctx.stats.consumes.fetch_add(1, Relaxed);
+        ctx.stats
+            .consumed_bytes
+            .fetch_add(chunks.len() as u64, Relaxed);
+        ConsumeAnswer {
+            request_id: self.request_id,
+            topics: answers,
+        }
+        .write_headers(out);
+        out.extend_from_slice(&chunks);
+        true
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        // The connection closed with this consume waiting.
+        if self.counted {
+            self.ctx.stats.long_polls.fetch_sub(1, Relaxed);
         }
     }
 }

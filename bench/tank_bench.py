@@ -1,0 +1,165 @@
+"""sluice's TANK listener against TANK's own broker, under the same commands of TANK's
+tank-cli, in one run on this machine. Writes bench/results/tank.{json,md,png}.
+
+    python bench/tank_bench.py --tank-dir /path/to/TANK [--messages 1000000] [--runs 3]
+
+The broker and tank-cli are built from TANK's public source (see
+shared/reference/tank-captures/README.md: `make -j2 service cli-tool`). Each run starts a
+fresh server of each kind (alternating which goes first), creates a one-partition topic, then:
+`bm p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), the same with `-R` (no
+compression), `bm p2c` (one bundle produced while a consumer tails: until the consumer has it),
+and `consume -S -d 0` (every message back). sluice writes its WAL in `write` mode (a produce is
+answered once the WAL holds it); TANK's broker never syncs. The table gives medians of the runs
+and each sluice/TANK ratio of throughput (above 1: sluice is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import RESULTS, free_port, kill_group, pyplot, write_json
+
+KINDS = ("sluice", "tank")
+
+
+def seconds(text: str) -> float:
+    """tank-cli's durations: 114ms, 0.114s, 850us, 1.2m."""
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if m is None:
+        raise ValueError(f"not a tank-cli duration: {text!r}")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[m.group(2)]
+
+
+def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    if kind == "sluice":
+        cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
+        cmd += ["--listen", "127.0.0.1:0", "--admin-listen", "", "--iproto-listen", ""]
+        cmd += ["--tank-listen", address]
+    else:
+        (work / "t").mkdir()
+        cmd = [str(tank_dir / "tank"), "-p", str(work / "t"), "-l", address]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            cli(tank_dir, address, "status")
+            return p, address
+        except RuntimeError:
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{kind} did not start ({cmd})") from None
+            time.sleep(0.1)
+
+
+def cli(tank_dir: Path, address: str, *args: str, timeout: float = 300) -> str:
+    r = subprocess.run(
+        [str(tank_dir / "tank-cli"), "-b", address, *args], capture_output=True, text=True, timeout=timeout
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"tank-cli {' '.join(args)} failed ({r.returncode}): {r.stdout}{r.stderr}")
+    return r.stdout + r.stderr
+
+
+def took(out: str) -> float:
+    m = re.search(r"took (\S+)\s*$", out.strip())
+    if m is None:
+        raise RuntimeError(f"no duration in tank-cli's output: {out[-500:]}")
+    return seconds(m.group(1))
+
+
+def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as d:
+        p, address = start(kind, Path(d), tank_dir)
+        try:
+            cli(tank_dir, address, "-t", "bench", "create_topic", "1")
+            t = ("-t", "bench")
+            p2b = ("bm", "p2b", "-c", str(n), "-s", "100", "-B", "1000")
+            p2c = ("bm", "p2c", "-c", "1000", "-s", "100", "-B", "1000")
+            res = {
+                "produce, Snappy": n / took(cli(tank_dir, address, *t, *p2b)),
+                "produce, plain": n / took(cli(tank_dir, address, *t, *p2b, "-R")),
+                "produce to consume, 1,000": 1 / took(cli(tank_dir, address, *t, *p2c)),
+            }
+            out = cli(tank_dir, address, *t, "consume", "-S", "-d", "0")
+            m = re.search(r"([\d,]+) messages consumed in (\S+?),", out)
+            if m is None:
+                raise RuntimeError(f"no consume figures: {out[-500:]}")
+            res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
+            return res
+        finally:
+            kill_group(p)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tank-dir", type=Path, required=True, help="where TANK's tank and tank-cli were built")
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    for tool in ("tank", "tank-cli"):
+        if not (args.tank_dir / tool).exists():
+            print(
+                f"{args.tank_dir / tool} is missing: build TANK (make -j2 service cli-tool)", file=sys.stderr
+            )
+            return 1
+    per: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+    for run in range(args.runs):
+        for kind in KINDS if run % 2 == 0 else KINDS[::-1]:
+            r = run_once(kind, args.tank_dir, args.messages)
+            per[kind].append(r)
+            print(
+                f"run {run + 1} {kind}: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in r.items()),
+                file=sys.stderr,
+            )
+    results = {"messages": args.messages, "runs": args.runs, "per_run": per}
+    write(results)
+    return 0
+
+
+def write(results: dict) -> None:
+    write_json(RESULTS / "tank.json", results)
+    loads = list(results["per_run"]["sluice"][0])
+    rows = ["| load | sluice | TANK | sluice / TANK |", "|---|---|---|---|"]
+    medians = []
+    for load in loads:
+        s = statistics.median(r[load] for r in results["per_run"]["sluice"])
+        t = statistics.median(r[load] for r in results["per_run"]["tank"])
+        unit = "round trips/s" if load.startswith("produce to consume") else "messages/s"
+        rows.append(f"| {load} | {s:,.0f} {unit} | {t:,.0f} {unit} | {s / t:.2f} |")
+        medians.append((load, s, t))
+    md = (
+        "# sluice's TANK listener against TANK's broker\n\n"
+        f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
+        f"--runs {results['runs']}`: "
+        "the same tank-cli commands against each, 100 B messages in bundles of 1,000, medians of the "
+        "runs on this 2-core machine (tank-cli shares it); sluice's WAL in `write` mode.\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    (RESULTS / "tank.md").write_text(md)
+    print(md)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(medians))
+    ax.bar([i - 0.2 for i in x], [m[1] / m[2] for m in medians], 0.4, label="sluice / TANK", color="#4C72B0")
+    ax.axhline(1.0, color="#DD8452", linestyle="--", label="TANK")
+    ax.set_xticks(list(x), [m[0] for m in medians], fontsize=8)
+    ax.set_ylabel("throughput ratio (median)")
+    ax.set_title("TANK protocol: sluice against TANK's broker, same tank-cli commands")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "tank.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
