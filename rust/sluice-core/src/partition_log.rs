@@ -20,6 +20,11 @@ use std::collections::VecDeque;
 use sluice_proto::tank::bundle::Bundle;
 use sluice_proto::tank::{put_varint, DecodeError, Reader};
 
+thread_local! {
+    /// `PartitionLog::check`'s buffer for Snappy message sets.
+    static SET: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// How a partition's log is cut into segments and how long it keeps them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogConfig {
@@ -244,12 +249,26 @@ impl PartitionLog {
         if b.sparse.is_some() {
             return Err(AppendError::Sparse);
         }
-        let set = b.messages_bytes(64 << 20).map_err(AppendError::Bundle)?;
-        let mut newest = 0;
-        for m in b.messages(&set, 0) {
-            newest = newest.max(m.map_err(AppendError::Bundle)?.ts);
+        let walk = |set: &[u8]| {
+            let mut newest = 0;
+            for m in b.messages(set, 0) {
+                newest = newest.max(m.map_err(AppendError::Bundle)?.ts);
+            }
+            Ok((b.count, newest))
+        };
+        if b.codec == sluice_proto::tank::bundle::codec::NONE {
+            return walk(b.message_set);
         }
-        Ok((b.count, newest))
+        // A Snappy set is decompressed into this thread's buffer, kept between bundles.
+        SET.with_borrow_mut(|set| {
+            b.decompress_into(set, 64 << 20)
+                .map_err(AppendError::Bundle)?;
+            let r = walk(set);
+            if set.capacity() > 4 << 20 {
+                *set = Vec::new();
+            }
+            r
+        })
     }
 
     /// Appends a bundle (as produced, without its length) that `check` accepted, with its

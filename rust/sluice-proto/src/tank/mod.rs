@@ -128,18 +128,22 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
 
+    #[inline]
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.remaining() == 0
     }
 
+    #[inline]
     pub fn position(&self) -> usize {
         self.pos
     }
 
+    #[inline]
     pub fn bytes(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], DecodeError> {
         if self.remaining() < n {
             return Err(DecodeError::Short(what));
@@ -149,38 +153,45 @@ impl<'a> Reader<'a> {
         Ok(b)
     }
 
+    #[inline]
     pub fn rest(&mut self) -> &'a [u8] {
         let b = &self.buf[self.pos..];
         self.pos = self.buf.len();
         b
     }
 
+    #[inline]
     pub fn u8(&mut self, what: &'static str) -> Result<u8, DecodeError> {
         Ok(self.bytes(1, what)?[0])
     }
 
+    #[inline]
     pub fn u16(&mut self, what: &'static str) -> Result<u16, DecodeError> {
         let b = self.bytes(2, what)?;
         Ok(u16::from_le_bytes([b[0], b[1]]))
     }
 
+    #[inline]
     pub fn u32(&mut self, what: &'static str) -> Result<u32, DecodeError> {
         let b = self.bytes(4, what)?;
         Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")))
     }
 
+    #[inline]
     pub fn u64(&mut self, what: &'static str) -> Result<u64, DecodeError> {
         let b = self.bytes(8, what)?;
         Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
     }
 
     /// A str8: a u8 length, then that many bytes.
+    #[inline]
     pub fn str8(&mut self, what: &'static str) -> Result<&'a [u8], DecodeError> {
         let n = self.u8(what)? as usize;
         self.bytes(n, what)
     }
 
     /// An unsigned LEB128 varint (7 bits a byte, low first), as TANK's Switch/compress.h.
+    #[inline]
     pub fn varint(&mut self, what: &'static str) -> Result<u64, DecodeError> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
@@ -198,6 +209,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A varint that must fit a length within what is left of the buffer.
+    #[inline]
     pub fn varint_len(&mut self, what: &'static str) -> Result<usize, DecodeError> {
         let n = self.varint(what)?;
         if n > self.remaining() as u64 {
