@@ -335,13 +335,21 @@ impl PartitionLog {
     /// bundles until at least `fetch_size` bytes (one bundle at least, possibly more than
     /// `fetch_size`, as TANK's broker does), within one segment.
     pub fn read(&self, seq: u64, fetch_size: u32) -> Read<'_> {
-        let high_water_mark = self.high_water_mark();
+        self.read_visible(seq, fetch_size, self.next_seq)
+    }
+
+    /// `read` of the messages before `visible` only (a bundle boundary at or below the log's
+    /// end): those after it are appended but not yet in the WAL, so a reader must not see
+    /// them. To such a reader the log ends at `visible`.
+    pub fn read_visible(&self, seq: u64, fetch_size: u32, visible: u64) -> Read<'_> {
+        let visible = visible.clamp(self.first_available(), self.next_seq);
+        let high_water_mark = visible - 1;
         let seq = match seq {
             0 => self.first_available(),
-            u64::MAX => self.next_seq,
+            u64::MAX => visible,
             s => s,
         };
-        if seq == self.next_seq {
+        if seq >= visible && seq <= self.next_seq {
             return Read::Tail {
                 high_water_mark,
                 first_available: self.first_available(),
@@ -357,12 +365,17 @@ impl PartitionLog {
         let seg = &self.segments[i];
         if seq >= seg.next_seq {
             // In a gap between segments (an append_at past the end): from the next one.
-            return self.read(self.segments[i + 1].base_seq, fetch_size);
+            return self.read_visible(self.segments[i + 1].base_seq, fetch_size, visible);
         }
         let (start, base_seq) = seg.locate(seq);
-        let mut end = start;
-        while end < seg.data.len() && (end == start || end - start < fetch_size as usize) {
-            end += stored_bundle(&seg.data[end..]).0;
+        let (mut end, mut next) = (start, base_seq);
+        while end < seg.data.len()
+            && next < visible
+            && (end == start || end - start < fetch_size as usize)
+        {
+            let (len, count) = stored_bundle(&seg.data[end..]);
+            end += len;
+            next += count;
         }
         Read::Chunk {
             base_seq,

@@ -301,10 +301,7 @@ impl State {
             Some(_) => Ok(()),
             None => {
                 let partitions = (0..partitions)
-                    .map(|_| Partition {
-                        log: PartitionLog::new(LogConfig::default()),
-                        last_lsn: 0,
-                    })
+                    .map(|_| Partition::new(PartitionLog::new(LogConfig::default()), 0))
                     .collect();
                 self.topics.insert(
                     id,

@@ -3,16 +3,47 @@
 //! Topic ids are their own space, apart from bucket ids; a topic's WAL records carry its id
 //! where a change carries its bucket's, and the partition where a change carries its vbucket.
 
+use std::collections::VecDeque;
+
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::partition_log::{LogConfig, PartitionLog};
 use crate::signal::ChangeSignal;
 
-/// One partition: its log and the last WAL LSN applied to it (WAL replay skips what a snapshot
-/// of it holds).
+/// One partition: its log, the last WAL LSN applied to it (WAL replay skips what a snapshot of
+/// it holds), and its bundles not yet in the WAL file, which readers do not see.
 pub struct Partition {
     pub log: PartitionLog,
     pub last_lsn: u64,
+    /// (the bundle's first sequence number, its LSN), oldest first.
+    pub unwritten: VecDeque<(u64, u64)>,
+}
+
+impl Partition {
+    pub fn new(log: PartitionLog, last_lsn: u64) -> Partition {
+        Partition {
+            log,
+            last_lsn,
+            unwritten: VecDeque::new(),
+        }
+    }
+
+    /// Where the log ends for readers, now that the WAL file holds every LSN up to
+    /// `written_lsn`: before the oldest bundle it does not hold yet. With it, the LSN to wait
+    /// for to see that bundle. A log written to no WAL (`wal.mode = none`) keeps nothing here.
+    pub fn visible(&mut self, written_lsn: u64) -> (u64, Option<u64>) {
+        while self
+            .unwritten
+            .front()
+            .is_some_and(|&(_, lsn)| lsn <= written_lsn)
+        {
+            self.unwritten.pop_front();
+        }
+        match self.unwritten.front() {
+            Some(&(first_seq, lsn)) => (first_seq, Some(lsn)),
+            None => (self.log.next_seq(), None),
+        }
+    }
 }
 
 pub struct Topic {

@@ -196,3 +196,39 @@ fn retention_drops_old_segments_and_a_reopened_topic_keeps_its_settings() {
     assert_eq!(t.config_text, settings);
     assert_eq!(t.config, LogConfig::from_text(settings).unwrap());
 }
+
+#[test]
+fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
+    use sluice_core::wal::writer::Failpoint;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(common::config(dir.path(), WalMode::Write, 4)).unwrap();
+    engine.create_topic("t", 1, "").unwrap();
+    produce(&engine, "t", 0, &messages("a", 2), false);
+    // The disk refuses writes: the bundle is in the log, not in the WAL file.
+    engine.set_wal_failpoint(Failpoint::NoSpace);
+    let t = engine.topic("t").unwrap();
+    let w = engine
+        .produce(&t, 0, &bundle_of(&messages("b", 3), false))
+        .unwrap();
+    let mut buf = Vec::new();
+    match engine.read_topic(&t, 0, 3, 1 << 16, &mut buf).unwrap() {
+        TopicRead::Tail {
+            high_water_mark,
+            unwritten_lsn,
+            ..
+        } => {
+            assert_eq!(high_water_mark, 2);
+            assert_eq!(unwritten_lsn, Some(w.lsn()));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(read_all(&engine, "t", 0, 0).len(), 2);
+    // Once the writer's retry gets it into the file, it is read.
+    engine.set_wal_failpoint(Failpoint::Off);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while read_all(&engine, "t", 0, 0).len() < 5 {
+        assert!(std::time::Instant::now() < deadline, "never written");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(engine.wal().written_lsn() >= w.lsn());
+}

@@ -11,6 +11,7 @@ use crate::partition_log::{LogConfig, PartitionLog, Read};
 use crate::recovery::RecoveredTopic;
 use crate::topic::{Partition, Topic};
 use crate::wal::writer::{MetaRecord, WalPayload};
+use crate::wal::WalMode;
 
 /// What a read from a partition found; a chunk's bundles were appended to the caller's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,9 +21,12 @@ pub enum TopicRead {
         high_water_mark: u64,
         len: usize,
     },
+    /// Nothing past `high_water_mark` yet; or appended but not yet in the WAL file, until
+    /// it holds `unwritten_lsn` (what a waiting reader can wait for).
     Tail {
         high_water_mark: u64,
         first_available: u64,
+        unwritten_lsn: Option<u64>,
     },
     OutOfRange {
         high_water_mark: u64,
@@ -75,10 +79,7 @@ impl Engine {
                 },
             ));
             let parts = (0..partitions)
-                .map(|_| Partition {
-                    log: PartitionLog::new(config),
-                    last_lsn: lsn,
-                })
+                .map(|_| Partition::new(PartitionLog::new(config), lsn))
                 .collect();
             let t = Arc::new(Topic::new(
                 id,
@@ -127,6 +128,9 @@ impl Engine {
         ));
         let seqs = part.log.append(bundle, count, newest_ms);
         part.last_lsn = lsn;
+        if self.inner.wal.mode() != WalMode::None {
+            part.unwritten.push_back((seqs.0, lsn));
+        }
         drop(part);
         topic.changes.notify();
         Ok(Written::new(seqs, Durability::None.into(), lsn, &[]))
@@ -139,7 +143,8 @@ impl Engine {
     }
 
     /// Reads a partition from `seq` (`PartitionLog::read`), appending a chunk's stored bundles
-    /// to `out`.
+    /// to `out`. Bundles the WAL file does not hold yet are not read: a reader never sees a
+    /// message that a crash could take back and number again.
     pub fn read_topic(
         &self,
         topic: &Topic,
@@ -148,13 +153,14 @@ impl Engine {
         fetch_size: u32,
         out: &mut Vec<u8>,
     ) -> Result<TopicRead> {
-        let part = topic.lock_partition(partition).ok_or_else(|| {
+        let mut part = topic.lock_partition(partition).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "topic {:?} has no partition {partition}",
                 topic.name
             ))
         })?;
-        Ok(match part.log.read(seq, fetch_size) {
+        let (visible, unwritten_lsn) = part.visible(self.inner.wal.written_lsn());
+        Ok(match part.log.read_visible(seq, fetch_size, visible) {
             Read::Chunk {
                 base_seq,
                 high_water_mark,
@@ -173,6 +179,7 @@ impl Engine {
             } => TopicRead::Tail {
                 high_water_mark,
                 first_available,
+                unwritten_lsn,
             },
             Read::OutOfRange {
                 high_water_mark,

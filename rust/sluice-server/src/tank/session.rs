@@ -130,14 +130,35 @@ pub(super) async fn run(
             .min()
             .map(|d| d.min(POLL));
         let seen = parked.first().and_then(|p| p.seen.clone());
+        // A produce to the first topic a waiting consume names, or the WAL writing a bundle one
+        // found appended but not yet written, wakes the wait.
+        let unwritten = parked.iter().filter_map(|p| p.unwritten_lsn).min();
+        let engine = ctx.engine.clone();
         let woken = async {
-            match (&seen, next_look) {
-                (Some((topic, g)), Some(d)) => {
-                    let _ = tokio::time::timeout(d, topic.changes.changed(*g)).await;
+            let Some(d) = next_look else {
+                return std::future::pending().await;
+            };
+            let produced = async {
+                match &seen {
+                    Some((topic, g)) => topic.changes.changed(*g).await,
+                    None => std::future::pending().await,
                 }
-                (None, Some(d)) => tokio::time::sleep(d).await,
-                (_, None) => std::future::pending().await,
-            }
+            };
+            let written = async {
+                match unwritten {
+                    // A failing WAL answers at once: then only a produce or the time wakes.
+                    Some(lsn) if engine.wal().written(lsn).await.is_ok() => {}
+                    Some(_) => std::future::pending().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let _ = tokio::time::timeout(d, async {
+                tokio::select! {
+                    _ = produced => {}
+                    _ = written => {}
+                }
+            })
+            .await;
         };
         let read = async {
             if idle.is_zero() {
@@ -246,6 +267,8 @@ struct Parked {
     counted: bool,
     /// The first named topic's signal and its generation before the last look.
     seen: Option<(Arc<Topic>, u64)>,
+    /// A bundle the last look found appended but not yet in the WAL file: its LSN.
+    unwritten_lsn: Option<u64>,
 }
 
 /// One topic a waiting consume asks for: its name, the topic if it exists, and per partition
@@ -278,6 +301,7 @@ impl Parked {
                 .collect(),
             counted: false,
             seen: None,
+            unwritten_lsn: None,
         }
     }
 
@@ -292,6 +316,7 @@ impl Parked {
             (t, g)
         });
         let ctx = self.ctx.clone();
+        self.unwritten_lsn = None;
         let mut chunks = Vec::new();
         let mut at_tail = false;
         let mut answers = Vec::with_capacity(self.topics.len());
@@ -333,8 +358,13 @@ impl Parked {
                     Ok(TopicRead::Tail {
                         high_water_mark,
                         first_available,
+                        unwritten_lsn,
                     }) => {
                         at_tail = true;
+                        if let Some(lsn) = unwritten_lsn {
+                            self.unwritten_lsn =
+                                Some(self.unwritten_lsn.map_or(lsn, |l| l.min(lsn)));
+                        }
                         if *seq == u64::MAX {
                             *seq = high_water_mark + 1;
                         }
