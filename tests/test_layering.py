@@ -47,6 +47,7 @@ SERVER_LAYERS = [
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
     {"stats", "policy", "limits", "upstream"},  # counters, plugins, pre-login bounds, a Tarantool followed
+    {"listener"},  # the accept loop of the fronts on listeners of their own
     {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
     # fronts a connection is handed to (SASL, change streams, memcached's text protocol)
     {"login", "dcp", "tap", "text"},

@@ -21,6 +21,7 @@ pub mod dcp;
 pub mod iproto;
 pub mod kv;
 pub mod limits;
+pub mod listener;
 pub mod login;
 pub mod metrics;
 pub mod policy;

@@ -102,40 +102,18 @@ impl TankStats {
 pub async fn serve(
     listener: TcpListener,
     ctx: Arc<TankContext>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
 ) {
-    let mut tasks = tokio::task::JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            accepted = listener.accept() => {
-                let (socket, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        log::warn!("TANK accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    ctx.io.connections_rejected.fetch_add(1, Relaxed);
-                    log::warn!("refusing TANK connection from {peer}: max_connections reached");
-                    continue;
-                };
-                let _ = socket.set_nodelay(true);
-                ctx.stats.connections_total.fetch_add(1, Relaxed);
-                let (ctx, stop) = (ctx.clone(), stop.clone());
-                tasks.spawn(async move {
-                    ctx.stats.connections.fetch_add(1, Relaxed);
-                    session::run(socket.into(), peer, ctx.clone(), stop).await;
-                    ctx.stats.connections.fetch_sub(1, Relaxed);
-                    drop(permit);
-                });
-            }
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+    let io = ctx.io.clone();
+    crate::listener::serve(listener, "TANK", io, stop, limit, |socket, peer, stop| {
+        let ctx = ctx.clone();
+        ctx.stats.connections_total.fetch_add(1, Relaxed);
+        async move {
+            ctx.stats.connections.fetch_add(1, Relaxed);
+            session::run(socket.into(), peer, ctx.clone(), stop).await;
+            ctx.stats.connections.fetch_sub(1, Relaxed);
         }
-    }
-    drop(listener);
-    while tasks.join_next().await.is_some() {}
+    })
+    .await
 }
