@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import Node
+from helpers import Node, run_cli
 
 FRAMES = Path(__file__).resolve().parent.parent / "rust/sluice-proto/tests/data/tank_frames.txt"
 
@@ -218,3 +218,26 @@ def test_acknowledged_messages_survive_kill9(tmp_path):
         t.close()
     finally:
         node.stop()
+
+
+def test_topics_declared_in_the_config_are_created_at_start(tmp_path):
+    config = tmp_path / "sluice.toml"
+    config.write_text('[topics.events]\npartitions = 3\nsettings = "log.retention.bytes = 100000"\n')
+    node = Node(tmp_path / "data", "--config", str(config))
+    try:
+        t = Tank(node.tank)
+        t.frame()
+        t.send(b"\x06" + struct.pack("<I", 11) + struct.pack("<I", 1) + b"\x06events")
+        answer = t.frame()
+        assert struct.unpack_from("<H", answer, 5 + 4 + 7)[0] == 3  # partitions
+        t.close()
+    finally:
+        node.stop()
+    # A restart keeps the topic as it was created.
+    node = Node(tmp_path / "data", "--config", str(config))
+    node.stop()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[topics.logs]\nsettings = "log.retention.fortnights = 2"\n')
+    r = run_cli("serve", "--config", str(bad), "--data-dir", str(tmp_path / "d2"), "--tank-listen", "")
+    assert r.returncode == 2, r.stderr
+    assert "topics.logs.settings: log.retention.fortnights: not a topic setting" in r.stderr

@@ -101,6 +101,30 @@ def _declare_followed_spaces(cfg: Config) -> Config:
     return cfg.with_spaces(tables)
 
 
+def _create_topics(engine: _native.EmbeddedEngine, cfg: Config) -> None:
+    """Creates the [topics.NAME] the data directory does not hold yet. A topic that exists
+    keeps what it was created with; a different partition count or settings get a warning."""
+    have = {name: (partitions, settings) for name, partitions, settings in engine.topics()}
+    for name, t in cfg.topics.items():
+        if name in have:
+            if have[name] != (t["partitions"], t["settings"]):
+                log.warning(
+                    "topic %r exists with %d partition(s) and settings %r; its [topics.%s] "
+                    "(%d, %r) applies only to a new topic",
+                    name,
+                    *have[name],
+                    name,
+                    t["partitions"],
+                    t["settings"],
+                )
+            continue
+        try:
+            engine.create_topic(name, t["partitions"], t["settings"])
+        except _native.ConfigError as e:
+            why = str(e).split(": ", 2)[-1]  # after "invalid argument: topic NAME: "
+            raise _native.ConfigError(f"invalid config: topics.{name}.settings: {why}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _declare_followed_spaces(_load(args))
     tls_listen = cfg.server_settings()["tls_listen"]
@@ -145,6 +169,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     systemd.notify(f"STATUS=recovering {cfg.data_dir}")
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
+    try:
+        _create_topics(engine, cfg)
+    except _native.ConfigError:
+        engine.close()
+        raise
     try:
         server = _native.Server(engine, listen, users=cfg.user_list(), **cfg.server_settings())
     except _native.SluiceError:

@@ -788,6 +788,7 @@ class Config:
     source: str = "<defaults>"
     users: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     spaces: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    topics: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> Config:
@@ -797,12 +798,18 @@ class Config:
         buckets: dict[str, dict[str, Any]] = {}
         users: dict[str, dict[str, Any]] = {}
         spaces: dict[str, dict[str, Any]] = {}
+        topics: dict[str, dict[str, Any]] = {}
         for top, raw in doc.items():
             if top == "users":
                 if not isinstance(raw, dict):
                     raise _fail("users", "expected a table of users, e.g. [users.ada]")
                 for name, table in raw.items():
                     users[name] = _user(name, table)
+            elif top == "topics":
+                if not isinstance(raw, dict):
+                    raise _fail("topics", "expected a table of topics, e.g. [topics.events]")
+                for name, table in raw.items():
+                    topics[name] = _topic(name, table)
             elif top == "spaces":
                 if not isinstance(raw, dict):
                     raise _fail("spaces", "expected a table of spaces, e.g. [spaces.users]")
@@ -832,7 +839,7 @@ class Config:
             for b in u["buckets"]:
                 if b != "*" and b not in buckets:
                     raise _fail(f"users.{name}.buckets.{b}", f"no bucket {b!r} is configured")
-        return cls(values=values, buckets=buckets, source=source, users=users, spaces=spaces)
+        return cls(values=values, buckets=buckets, source=source, users=users, spaces=spaces, topics=topics)
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with top-level keys replaced (command-line flags), validated the same way."""
@@ -1326,6 +1333,37 @@ def _space_from_tarantool(name: str, space_id: int, fmt: Any, parts: Any) -> dic
     return {"id": space_id, "format": fields, "primary_key": key}
 
 
+# [topics.NAME]'s keys for the reference and the example: key, type, default, meaning, example.
+TOPIC_KEYS = [
+    ("partitions", "integer", "`1`", "How many partitions, 1 to 1024.", "4"),
+    (
+        "settings",
+        "string",
+        '`""`',
+        "TANK's and Kafka's `key=value` lines: log.segment.bytes, log.index.interval.bytes, "
+        "log.retention.bytes, log.retention.ms (or .secs, .hours).",
+        '"log.retention.bytes = 1073741824"',
+    ),
+]
+
+
+def _topic(name: str, table: Any) -> dict[str, Any]:
+    """[topics.NAME]: partitions (1 to 1024, default 1) and settings (TANK's and Kafka's
+    `key=value` lines, checked when the topic is created)."""
+    path = f"topics.{name}"
+    if not name or len(name.encode()) > 255:
+        raise _fail(path, "a topic name is 1 to 255 bytes")
+    if not isinstance(table, dict):
+        raise _fail(path, f"expected a table, got {type(table).__name__}")
+    for key in table:
+        if key not in ("partitions", "settings"):
+            raise _fail(f"{path}.{key}", "unknown key (known: partitions, settings)")
+    partitions = _int(f"{path}.partitions", table.get("partitions", 1))
+    if not 1 <= partitions <= 1024:
+        raise _fail(f"{path}.partitions", f"{partitions} is not in 1..1024")
+    return {"partitions": partitions, "settings": _str(f"{path}.settings", table.get("settings", ""))}
+
+
 def _check_spaces(spaces: Mapping[str, dict[str, Any]], buckets: dict[str, dict[str, Any]]) -> None:
     """Ids and buckets are each a space's own; a space's bucket that is not configured is
     created with the bucket defaults."""
@@ -1397,6 +1435,16 @@ def reference() -> str:
     ]
     for name, type_name, default, doc in SPACE_KEYS:
         lines.append(f"| `spaces.NAME.{name}` | {type_name} | {default} | {doc} |")
+    lines += [
+        "",
+        "Topics (TANK's, served on `tank_listen`) are tables under `[topics.NAME]`, created at start "
+        "when the data directory does not hold them (a topic that exists keeps what it was created with).",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, type_name, default, doc, _ in TOPIC_KEYS:
+        lines.append(f"| `topics.NAME.{name}` | {type_name} | {default} | {doc} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1435,6 +1483,12 @@ def example_toml(data_dir: str | None = None) -> str:
     for name, _, _, doc in SPACE_KEYS:
         out.append(f"# {doc}")
         out.append(f"# {name} = {SPACE_EXAMPLE[name]}")
+        out.append("")
+    out.append("# Topics served on tank_listen, created at start, one table each; none by default.")
+    out.append("# [topics.events]")
+    for name, _, _, doc, example in TOPIC_KEYS:
+        out.append(f"# {doc}")
+        out.append(f"# {name} = {example}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -422,6 +422,29 @@ impl EmbeddedEngine {
     }
 
     /// What recovery found at open.
+    /// Creates a topic of `partitions` partitions with TANK's or Kafka's `settings` lines;
+    /// ExistsError when one has the name, ValueError (InvalidArgument) for bad settings.
+    fn create_topic(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        partitions: u16,
+        settings: &str,
+    ) -> PyResult<()> {
+        py.detach(|| self.engine.create_topic(name, partitions, settings))
+            .map(|_| ())
+            .map_err(to_py)
+    }
+
+    /// The topics: (name, partitions, settings text), in the order they were created.
+    fn topics(&self) -> Vec<(String, u16, String)> {
+        self.engine
+            .topics()
+            .iter()
+            .map(|t| (t.name.clone(), t.num_partitions(), t.config_text.clone()))
+            .collect()
+    }
+
     fn recovery_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.engine.recovery_report();
         let d = PyDict::new(py);
