@@ -241,3 +241,27 @@ def test_topics_declared_in_the_config_are_created_at_start(tmp_path):
     r = run_cli("serve", "--config", str(bad), "--data-dir", str(tmp_path / "d2"), "--tank-listen", "")
     assert r.returncode == 2, r.stderr
     assert "topics.logs.settings: log.retention.fortnights: not a topic setting" in r.stderr
+
+
+def test_sluice_topic_creates_and_lists_topics(tmp_path):
+    node = Node(tmp_path / "data")
+    try:
+        r = run_cli("topic", "create", "events", "--partitions", "2", "--address", node.tank)
+        assert r.returncode == 0 and "created topic events with 2 partition(s)" in r.stdout, r.stderr
+        again = run_cli("topic", "create", "events", "--address", node.tank)
+        assert again.returncode == 1 and "the topic exists" in again.stderr
+        bad = run_cli("topic", "create", "x", "--settings", "log.nope=1", "--address", node.tank)
+        assert bad.returncode == 1 and "the settings are not valid" in bad.stderr
+        t = Tank(node.tank)
+        t.frame()
+        t.send(produce_frame(1, b"events", [b"a", b"b", b"c"]))
+        assert t.frame()[-1] == 0
+        t.close()
+        listed = run_cli("topic", "list", "--address", node.tank)
+        assert listed.returncode == 0, listed.stderr
+        lines = [line.split() for line in listed.stdout.splitlines()]
+        assert lines[1:] == [["events", "0", "1", "3"], ["events", "1", "1", "0"]], listed.stdout
+    finally:
+        node.stop()
+    down = run_cli("topic", "list", "--address", node.tank)
+    assert down.returncode == 1 and "cannot reach the TANK listener" in down.stderr

@@ -488,6 +488,37 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_topic_create(args: argparse.Namespace) -> int:
+    from sluice.tank import TankConnection, TankError
+
+    try:
+        with TankConnection(args.address) as t:
+            t.create_topic(args.name, args.partitions, args.settings)
+    except TankError as e:
+        print(f"sluice topic create: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"created topic {args.name} with {args.partitions} partition(s) at {args.address}")
+    return EXIT_OK
+
+
+def cmd_topic_list(args: argparse.Namespace) -> int:
+    from sluice.tank import TankConnection, TankError
+
+    try:
+        with TankConnection(args.address) as t:
+            rows = [("topic", "partition", "first", "high-water mark")]
+            for name, _ in t.topics():
+                for p, (first, hwm) in enumerate(t.partitions(name)):
+                    rows.append((name, str(p), f"{first:,}", f"{hwm:,}"))
+    except TankError as e:
+        print(f"sluice topic list: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the node's /status as tables a person can read."""
     import urllib.error
@@ -1213,6 +1244,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
     b.set_defaults(func=cmd_bench)
+
+    tp = sub.add_parser("topic", help="create and list topics on a TANK listener (sluice's or TANK's)")
+    tsub = tp.add_subparsers(dest="topic_command", metavar="ACTION")
+    tsub.required = True
+    tc = tsub.add_parser("create", help="create a topic (as tank-cli create_topic does)")
+    tc.add_argument("name")
+    tc.add_argument("--partitions", type=int, default=1, help="how many partitions (default: 1)")
+    tc.add_argument(
+        "--settings",
+        default="",
+        help="TANK's and Kafka's key=value lines, e.g. 'log.retention.bytes=1000000' (default: none)",
+    )
+    tl = tsub.add_parser("list", help="print every topic with its partitions' sequence numbers")
+    for a in (tc, tl):
+        a.add_argument(
+            "--address",
+            default="127.0.0.1:11011",
+            metavar="HOST:PORT",
+            help="the TANK listener (default: 127.0.0.1:11011)",
+        )
+    tc.set_defaults(func=cmd_topic_create)
+    tl.set_defaults(func=cmd_topic_list)
 
     u = sub.add_parser("user", help="manage users: print the credentials for [users.NAME]")
     usub = u.add_subparsers(dest="user_command", metavar="ACTION")
