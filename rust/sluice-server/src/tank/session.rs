@@ -458,7 +458,9 @@ fn discover_partitions(ctx: &TankContext, request_id: u32, name: &[u8], out: &mu
             (0..t.num_partitions())
                 .map(|p| {
                     let part = t.lock_partition(p).expect("in range");
-                    (part.log.first_available(), part.log.high_water_mark())
+                    let (first, hwm) = (part.log.first_available(), part.log.high_water_mark());
+                    // A partition that holds nothing: TANK's broker answers 0 and 0.
+                    (if first > hwm { 0 } else { first }, hwm)
                 })
                 .collect()
         })
