@@ -62,11 +62,17 @@ fn lru_evicts_cold_items_to_keep_writes_going_under_the_quota() {
         engine.get(&bucket, hot(i % HOT).as_bytes()).unwrap();
     }
     assert!(peak <= QUOTA, "memory peaked at {peak}, quota {QUOTA}");
-    assert!(
-        bucket.mem_used() <= bucket.config.high_watermark_bytes(),
-        "{} above the high watermark",
-        bucket.mem_used()
-    );
+    // The last writes' checkpoint entries are freed once the WAL has written them (the
+    // maintenance thread's next turn): under a busy machine that can take a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while bucket.mem_used() > bucket.config.high_watermark_bytes() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} above the high watermark after 30 s",
+            bucket.mem_used()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let hot_left = readable(&engine, (0..HOT).map(hot)).len();
     let cold_left = readable(&engine, (0..COLD).map(cold)).len();
     assert!(
