@@ -1,6 +1,6 @@
-//! The accept loop of the fronts that run on listeners of their own (iproto, TANK): each
-//! connection under the server's connection limit, a task per connection, and on the stop
-//! signal no new connections while the open ones finish.
+//! The accept loop of every listener (KV, TLS KV, iproto, TANK): each connection under the
+//! server's connection limit (one limit for all of them), a task per connection, and on the
+//! stop signal no new connections while the open ones finish what they hold.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -27,6 +27,7 @@ pub async fn serve<F, Fut>(
     Fut: Future<Output = ()> + Send + 'static,
 {
     let mut tasks = tokio::task::JoinSet::new();
+    let max = limit.available_permits();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
@@ -40,8 +41,9 @@ pub async fn serve<F, Fut>(
                     }
                 };
                 let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    // Over the limit: close at once rather than queue without bound.
                     io.connections_rejected.fetch_add(1, Relaxed);
-                    log::warn!("refusing {kind} connection from {peer}: max_connections reached");
+                    log::warn!("refusing {kind} connection from {peer}: max_connections ({max}) reached");
                     continue;
                 };
                 let _ = socket.set_nodelay(true);

@@ -402,68 +402,48 @@ async fn watch_layout(engine: Arc<Engine>, map: Arc<ClusterMap>, mut stop: watch
     }
 }
 
-/// Accepts on one listener; `tls`: the TLS KV listener, whose connections do their handshake
-/// in their own task before the first request.
+/// Accepts on one KV listener; `tls`: the TLS KV listener, whose connections do their
+/// handshake in their own task before the first request.
 async fn accept_loop(
     listener: TcpListener,
     fronts: Arc<Fronts>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
 ) {
-    let mut tasks = tokio::task::JoinSet::new();
     let stats = fronts.kv.stats.clone();
-    let max = limit.available_permits();
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            accepted = listener.accept() => {
-                let (socket, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        log::warn!("accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
+    let kind = if tls.is_some() { "TLS" } else { "KV" };
+    crate::listener::serve(
+        listener,
+        kind,
+        stats.clone(),
+        stop,
+        limit,
+        |socket, peer, stop| {
+            stats.connections_total.fetch_add(1, Ordering::Relaxed);
+            let (fr, stats) = (fronts.clone(), stats.clone());
+            let acceptor = tls.as_ref().map(|t| t.kv_acceptor());
+            async move {
+                stats.curr_connections.fetch_add(1, Ordering::Relaxed);
+                let socket = match acceptor {
+                    None => Some(socket.into()),
+                    Some(a) => match crate::tls::accept(a, socket).await {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                            log::info!("closing connection from {peer}: {e}");
+                            None
+                        }
+                    },
                 };
-                let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    // Over the limit: close at once rather than queue without bound.
-                    stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("refusing connection from {peer}: max_connections ({max}) reached");
-                    drop(socket);
-                    continue;
-                };
-                let _ = socket.set_nodelay(true);
-                stats.connections_total.fetch_add(1, Ordering::Relaxed);
-                let (fr, stats) = (fronts.clone(), stats.clone());
-                let stop = stop.clone();
-                let acceptor = tls.as_ref().map(|t| t.kv_acceptor());
-                tasks.spawn(async move {
-                    stats.curr_connections.fetch_add(1, Ordering::Relaxed);
-                    let socket = match acceptor {
-                        None => Some(socket.into()),
-                        Some(a) => match crate::tls::accept(a, socket).await {
-                            Ok(s) => Some(s),
-                            Err(e) => {
-                                stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
-                                log::info!("closing connection from {peer}: {e}");
-                                None
-                            }
-                        },
-                    };
-                    if let Some(socket) = socket {
-                        connection::run(socket, peer, fr, stop).await;
-                    }
-                    stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
-                    drop(permit);
-                });
+                if let Some(socket) = socket {
+                    connection::run(socket, peer, fr, stop).await;
+                }
+                stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
             }
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-        }
-    }
-    drop(listener);
-    // Graceful: connections see the stop signal after the requests they hold.
-    while tasks.join_next().await.is_some() {}
+        },
+    )
+    .await
 }
 
 /// Binds one listener; a failure names the listener, its address and the key that sets it, so

@@ -43,15 +43,26 @@ impl Engine {
         self.inner.catalog.topic(name)
     }
 
-    /// Creates a topic of `partitions` partitions with the settings of `config_text`
-    /// (`LogConfig::from_text`, kept as given); Exists when a topic has the name. Returns once
-    /// the WAL holds the declaration.
+    /// `write_topic`, returning once the WAL holds the declaration.
     pub fn create_topic(
         &self,
         name: &str,
         partitions: u16,
         config_text: &str,
     ) -> Result<Arc<Topic>> {
+        let w = self.write_topic(name, partitions, config_text)?;
+        self.wait_written(w)
+    }
+
+    /// Creates a topic of `partitions` partitions with the settings of `config_text`
+    /// (`LogConfig::from_text`, kept as given) and queues its declaration; Exists when a topic
+    /// has the name. Whoever answers for it waits for the `Written` first.
+    pub fn write_topic(
+        &self,
+        name: &str,
+        partitions: u16,
+        config_text: &str,
+    ) -> Result<Written<Arc<Topic>>> {
         self.check_open()?;
         let config = LogConfig::from_text(config_text)
             .map_err(|e| Error::InvalidArgument(format!("topic {name:?}: {e}")))?;
@@ -91,9 +102,8 @@ impl Engine {
             topics.push(t.clone());
             Ok((t, lsn))
         })?;
-        self.inner.wal.wait_written(lsn, None)?;
         log::info!("topic {name:?} created with {partitions} partition(s)");
-        Ok(topic)
+        Ok(Written::new(topic, Durability::None.into(), lsn, &[]))
     }
 
     /// Appends a bundle (as produced, without its length) to a partition and queues its WAL

@@ -30,6 +30,9 @@ const FLUSH_AT: usize = 256 << 10;
 const SYSTEM_ERROR: u8 = 0x03;
 /// How often a waiting consume looks at topics other than the first it names.
 const POLL: Duration = Duration::from_millis(100);
+/// Consumes one connection may keep waiting; one more is answered at once (empty at a tail),
+/// so a peer cannot grow a connection's memory by asking without end.
+const MAX_WAITING: usize = 256;
 /// The version a Status answer reports: the broker whose bytes the protocol was checked against.
 const TANK_VERSION: u32 = 400;
 
@@ -82,11 +85,12 @@ pub(super) async fn run(
                 Request::Produce(p) => produce(&ctx, &p, &mut out, &mut owed_lsn),
                 Request::Consume(c) => {
                     let mut p = Parked::new(&ctx, &c);
-                    if !p.answer(&mut out, Instant::now(), false) {
+                    let full = parked.len() >= MAX_WAITING;
+                    if !p.answer(&mut out, Instant::now(), full) {
                         parked.push(p);
                     }
                 }
-                Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out),
+                Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out, &mut owed_lsn),
                 Request::DiscoverPartitions { request_id, topic } => {
                     discover_partitions(&ctx, request_id, topic, &mut out)
                 }
@@ -425,11 +429,15 @@ impl Drop for Parked {
     }
 }
 
-fn create_topic(ctx: &TankContext, c: &CreateTopic<'_>, out: &mut Vec<u8>) {
+/// Answered, as a produce is, once the WAL holds the topic's declaration.
+fn create_topic(ctx: &TankContext, c: &CreateTopic<'_>, out: &mut Vec<u8>, owed_lsn: &mut u64) {
     let error = match (std::str::from_utf8(c.topic), std::str::from_utf8(c.config)) {
         (Ok(name), Ok(config)) if !name.is_empty() && c.partitions > 0 => {
-            match ctx.engine.create_topic(name, c.partitions, config) {
-                Ok(_) => create_error::OK,
+            match ctx.engine.write_topic(name, c.partitions, config) {
+                Ok(w) => {
+                    *owed_lsn = (*owed_lsn).max(w.lsn());
+                    create_error::OK
+                }
                 Err(Error::Exists) => create_error::EXISTS,
                 Err(Error::InvalidArgument(why)) => {
                     log::info!("CreateTopic {name:?} refused: {why}");
