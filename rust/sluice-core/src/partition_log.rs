@@ -11,9 +11,10 @@
 //! `segment_bytes`. Retention drops whole segments, oldest first, never the newest: by total
 //! bytes and by the age of a segment's newest message.
 //!
-//! Bundles that number their own messages (sparse, from ProduceWithSeqnum) are not stored here
-//! yet: `check` refuses them. Offsets within a segment are u32: `segment_bytes` must stay well
-//! under 4 GiB.
+//! A sparse bundle (ProduceWithSeqnum's, as TANK's mirroring writes them) numbers its own
+//! messages: it is placed at its first sequence number and takes every number up to its last,
+//! though its messages may skip some; its readers number its messages from its header. Offsets
+//! within a segment are u32: `segment_bytes` must stay well under 4 GiB.
 
 use std::collections::VecDeque;
 
@@ -125,18 +126,18 @@ impl Segment {
     }
 }
 
-/// The length of the stored bundle at the front of `data` (with its varint) and its message
-/// count. Stored bundles were checked when appended.
+/// The length of the stored bundle at the front of `data` (with its varint) and how many
+/// sequence numbers it takes (`Bundle::span`). Stored bundles were checked when appended.
 fn stored_bundle(data: &[u8]) -> (usize, u64) {
     let mut r = Reader::new(data);
     let len = r
         .varint_len("a stored bundle")
         .expect("stored bundles are whole");
     let head = r.position();
-    let count = Bundle::parse(&data[head..head + len])
+    let span = Bundle::parse(&data[head..head + len])
         .expect("stored bundles were parsed when appended")
-        .count;
-    (head + len, count)
+        .span();
+    (head + len, span)
 }
 
 /// What a read found.
@@ -165,7 +166,10 @@ pub enum Read<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AppendError {
     Bundle(DecodeError),
-    Sparse,
+    /// A sparse bundle whose messages are not numbered in order within its first and last.
+    SparseOrder {
+        seq: u64,
+    },
     /// Recovery or a feed placed a bundle before the log's end.
     Behind {
         first_seq: u64,
@@ -177,7 +181,10 @@ impl std::fmt::Display for AppendError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             AppendError::Bundle(e) => write!(f, "a bad bundle: {e}"),
-            AppendError::Sparse => f.write_str("sparse bundles are not stored yet"),
+            AppendError::SparseOrder { seq } => write!(
+                f,
+                "a sparse bundle numbers a message {seq}, out of order or past its last"
+            ),
             AppendError::Behind {
                 first_seq,
                 next_seq,
@@ -190,6 +197,17 @@ impl std::fmt::Display for AppendError {
 }
 
 impl std::error::Error for AppendError {}
+
+/// What `check` found in a bundle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checked {
+    /// A sparse bundle's own first sequence number.
+    pub first: Option<u64>,
+    /// How many sequence numbers it takes (`Bundle::span`).
+    pub span: u64,
+    /// Its newest message's timestamp.
+    pub newest_ms: u64,
+}
 
 pub struct PartitionLog {
     config: LogConfig,
@@ -242,19 +260,32 @@ impl PartitionLog {
             .sum()
     }
 
-    /// Checks a bundle as produced (without its length): how many messages it holds and its
-    /// newest timestamp. Sparse bundles are refused.
-    pub fn check(bundle: &[u8]) -> Result<(u64, u64), AppendError> {
+    /// Checks a bundle as produced (without its length): every message decodes and a sparse
+    /// bundle numbers its messages in order within its first and last.
+    pub fn check(bundle: &[u8]) -> Result<Checked, AppendError> {
         let b = Bundle::parse(bundle).map_err(AppendError::Bundle)?;
-        if b.sparse.is_some() {
-            return Err(AppendError::Sparse);
+        if let Some((_, last)) = b.sparse.filter(|&(_, last)| last >= u64::MAX - 1) {
+            // u64::MAX is a consumer's "the tail": no message may be numbered up there.
+            return Err(AppendError::SparseOrder { seq: last });
         }
         let walk = |set: &[u8]| {
-            let mut newest = 0;
+            let mut newest_ms = 0;
+            let mut next = b.sparse.map_or(0, |(first, _)| first);
             for m in b.messages(set, 0) {
-                newest = newest.max(m.map_err(AppendError::Bundle)?.ts);
+                let m = m.map_err(AppendError::Bundle)?;
+                if let Some((_, last)) = b.sparse {
+                    if m.seq < next || m.seq > last {
+                        return Err(AppendError::SparseOrder { seq: m.seq });
+                    }
+                    next = m.seq.saturating_add(1);
+                }
+                newest_ms = newest_ms.max(m.ts);
             }
-            Ok((b.count, newest))
+            Ok(Checked {
+                first: b.sparse.map(|(first, _)| first),
+                span: b.span(),
+                newest_ms,
+            })
         };
         if b.codec == sluice_proto::tank::bundle::codec::NONE {
             return walk(b.message_set);
@@ -271,21 +302,22 @@ impl PartitionLog {
         })
     }
 
-    /// Appends a bundle (as produced, without its length) that `check` accepted, with its
-    /// message count and newest timestamp. Returns the first and last sequence numbers given.
-    pub fn append(&mut self, bundle: &[u8], count: u64, newest_ms: u64) -> (u64, u64) {
-        let first = self.next_seq;
-        self.place(first, bundle, count, newest_ms);
-        (first, first + count - 1)
+    /// Appends a bundle that `check` accepted at the log's end (a sparse one at its own first
+    /// sequence number, which must not be behind the end). Returns the first and last
+    /// sequence numbers it takes.
+    pub fn append(&mut self, bundle: &[u8], c: &Checked) -> Result<(u64, u64), AppendError> {
+        let first = c.first.unwrap_or(self.next_seq);
+        self.append_at(first, bundle, c.span, c.newest_ms)?;
+        Ok((first, first + c.span - 1))
     }
 
-    /// Appends a bundle whose first message is `first_seq`, at or past the log's end (the
-    /// log's own records replayed, a replica following its active).
+    /// Appends a bundle whose first message is `first_seq` and which takes `span` sequence
+    /// numbers, at or past the log's end (the log's own records replayed, ProduceWithSeqnum).
     pub fn append_at(
         &mut self,
         first_seq: u64,
         bundle: &[u8],
-        count: u64,
+        span: u64,
         newest_ms: u64,
     ) -> Result<(), AppendError> {
         if first_seq < self.next_seq {
@@ -303,15 +335,16 @@ impl PartitionLog {
             }
             self.next_seq = first_seq;
         }
-        self.place(first_seq, bundle, count, newest_ms);
+        self.place(first_seq, bundle, span, newest_ms);
         Ok(())
     }
 
-    fn place(&mut self, first: u64, bundle: &[u8], count: u64, newest_ms: u64) {
-        let roll = self
-            .segments
-            .back()
-            .is_none_or(|s| s.data.len() >= self.config.segment_bytes && s.next_seq > s.base_seq);
+    fn place(&mut self, first: u64, bundle: &[u8], span: u64, newest_ms: u64) {
+        // A segment indexes sequence numbers relative to its base in a u32.
+        let roll = self.segments.back().is_none_or(|s| {
+            (s.data.len() >= self.config.segment_bytes && s.next_seq > s.base_seq)
+                || first - s.base_seq > u32::MAX as u64
+        });
         if roll {
             self.segments.push_back(Segment::new(first));
         }
@@ -325,10 +358,10 @@ impl PartitionLog {
         let before = seg.data.len();
         put_varint(&mut seg.data, bundle.len() as u64);
         seg.data.extend_from_slice(bundle);
-        seg.next_seq = first + count;
+        seg.next_seq = first + span;
         seg.newest_ms = seg.newest_ms.max(newest_ms);
         self.bytes += (seg.data.len() - before) as u64;
-        self.next_seq = first + count;
+        self.next_seq = first + span;
     }
 
     /// Reads from `seq` (0: the first available; u64::MAX: the next to be produced) whole
@@ -384,7 +417,7 @@ impl PartitionLog {
         }
     }
 
-    /// Every stored bundle, oldest first: its first sequence number, message count, the
+    /// Every stored bundle, oldest first: its first sequence number, its span, the
     /// newest timestamp of its segment, and the bundle as produced (what a snapshot keeps).
     pub fn for_each_bundle(&self, mut each: impl FnMut(u64, u64, u64, &[u8])) {
         for seg in &self.segments {

@@ -174,9 +174,13 @@ impl State {
                     reason,
                 };
                 match PartitionLog::check(bundle) {
-                    Ok((n, _)) if n == count => {}
-                    Ok((n, _)) => {
-                        return Err(bad(format!("{n} messages, the record says {count}")))
+                    Ok(c) if c.span == count && c.first.is_none_or(|f| f == first_seq) => {}
+                    Ok(c) => {
+                        return Err(bad(format!(
+                            "it takes {} sequence numbers from {:?}, the record says {count} \
+                             from {first_seq}",
+                            c.span, c.first
+                        )))
                     }
                     Err(e) => return Err(bad(e.to_string())),
                 }
@@ -473,7 +477,8 @@ impl Salvage {
             let topic = state.topics.get_mut(&id).expect("declared above");
             for (p, part) in topic.partitions.iter_mut().enumerate() {
                 for (first, b) in self.bundles.remove(&(id, p as u16)).unwrap_or_default() {
-                    let fits = PartitionLog::check(&b.bytes).is_ok_and(|(n, _)| n == b.count);
+                    let fits = PartitionLog::check(&b.bytes)
+                        .is_ok_and(|c| c.span == b.count && c.first.is_none_or(|f| f == first));
                     if fits
                         && part
                             .log

@@ -71,7 +71,7 @@ fn produce(
 ) -> (u64, u64) {
     let t = engine.topic(topic).expect("topic");
     let w = engine
-        .produce(&t, partition, &bundle_of(contents, snappy))
+        .produce(&t, partition, None, &bundle_of(contents, snappy))
         .unwrap();
     engine.wait_written(w).unwrap()
 }
@@ -159,11 +159,11 @@ fn a_topic_is_created_once_and_bad_input_is_refused() {
     ));
     let t = engine.topic("t").unwrap();
     assert!(matches!(
-        engine.produce(&t, 0, &[0x04, 0x00]),
+        engine.produce(&t, 0, None, &[0x04, 0x00]),
         Err(Error::InvalidArgument(_))
     ));
     assert!(matches!(
-        engine.produce(&t, 1, &bundle_of(&messages("x", 1), false)),
+        engine.produce(&t, 1, None, &bundle_of(&messages("x", 1), false)),
         Err(Error::InvalidArgument(e)) if e.contains("no partition 1")
     ));
     assert!(engine.topic("u").is_none());
@@ -208,7 +208,7 @@ fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
     engine.set_wal_failpoint(Failpoint::NoSpace);
     let t = engine.topic("t").unwrap();
     let w = engine
-        .produce(&t, 0, &bundle_of(&messages("b", 3), false))
+        .produce(&t, 0, None, &bundle_of(&messages("b", 3), false))
         .unwrap();
     let mut buf = Vec::new();
     match engine.read_topic(&t, 0, 3, 1 << 16, &mut buf).unwrap() {
@@ -231,4 +231,60 @@ fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(engine.wal().written_lsn() >= w.lsn());
+}
+
+#[test]
+fn bundles_placed_at_their_own_numbers_survive_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 4);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    engine.create_topic("mirror", 1, "").unwrap();
+    let t = engine.topic("mirror").unwrap();
+    produce(&engine, "mirror", 0, &messages("a", 2), false);
+    // ProduceWithSeqnum of a plain bundle: numbered from the sequence number given.
+    let w = engine
+        .produce(&t, 0, Some(100), &bundle_of(&messages("b", 3), true))
+        .unwrap();
+    assert_eq!(engine.wait_written(w).unwrap(), (100, 102));
+    // A sparse bundle (TANK's mirroring) numbers its own: 110, then 115 (the last).
+    let mut sparse = vec![0x40 | (2 << 2)];
+    sparse.extend_from_slice(&110u64.to_le_bytes());
+    sparse.push(4); // last = 110 + 4 + 1
+    for c in [&b"s-0"[..], b"s-1"] {
+        sparse.push(0);
+        sparse.extend_from_slice(&9u64.to_le_bytes());
+        sparse.push(c.len() as u8);
+        sparse.extend_from_slice(c);
+    }
+    assert!(matches!(
+        engine.produce(&t, 0, Some(111), &sparse),
+        Err(Error::InvalidArgument(e)) if e.contains("numbers its first message 110")
+    ));
+    assert!(matches!(
+        engine.produce(&t, 0, Some(50), &bundle_of(&messages("c", 1), false)),
+        Err(Error::InvalidArgument(e)) if e.contains("behind")
+    ));
+    let w = engine.produce(&t, 0, Some(110), &sparse).unwrap();
+    assert_eq!(engine.wait_written(w).unwrap(), (110, 115));
+    assert_eq!(
+        produce(&engine, "mirror", 0, &messages("d", 1), false),
+        (116, 116)
+    );
+    let before = read_all(&engine, "mirror", 0, 0);
+    let numbers: Vec<u64> = before.iter().map(|m| m.0).collect();
+    assert_eq!(numbers, vec![1, 2, 100, 101, 102, 110, 115, 116]);
+    engine.crash();
+    drop(engine);
+
+    let engine = Engine::open(cfg.clone()).unwrap();
+    assert_eq!(read_all(&engine, "mirror", 0, 0), before);
+    engine.snapshot_now().unwrap();
+    engine.crash();
+    drop(engine);
+    let engine = Engine::open(cfg).unwrap();
+    assert_eq!(read_all(&engine, "mirror", 0, 0), before);
+    assert_eq!(
+        produce(&engine, "mirror", 0, &messages("e", 1), false),
+        (117, 117)
+    );
 }

@@ -107,36 +107,64 @@ impl Engine {
     }
 
     /// Appends a bundle (as produced, without its length) to a partition and queues its WAL
-    /// record; the producer is answered once `Written` is (`wait_written`). Returns the first
-    /// and last sequence numbers its messages got.
+    /// record; the producer is answered once `Written` is (`wait_written`). `first_seq`
+    /// places it (ProduceWithSeqnum, and a sparse bundle by its own header, which must agree)
+    /// at or past the log's end; otherwise it goes at the end. Returns the first and last
+    /// sequence numbers it takes.
     pub fn produce(
         &self,
         topic: &Topic,
         partition: u16,
+        first_seq: Option<u64>,
         bundle: &[u8],
     ) -> Result<Written<(u64, u64)>> {
         self.check_open()?;
-        let (count, newest_ms) = PartitionLog::check(bundle)
-            .map_err(|e| Error::InvalidArgument(format!("a bundle for {:?}: {e}", topic.name)))?;
+        let bad =
+            |why: String| Error::InvalidArgument(format!("a bundle for {:?}: {why}", topic.name));
+        let mut checked = PartitionLog::check(bundle).map_err(|e| bad(e.to_string()))?;
+        match (first_seq, checked.first) {
+            (Some(asked), Some(own)) if asked != own => {
+                return Err(bad(format!(
+                    "placed at {asked}, though it numbers its first message {own}"
+                )))
+            }
+            (Some(0), None) => return Err(bad("placed at sequence number 0".into())),
+            (Some(asked), None) => checked.first = Some(asked),
+            _ => {}
+        }
         let mut part = topic.lock_partition(partition).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "topic {:?} has no partition {partition}",
                 topic.name
             ))
         })?;
-        let first_seq = part.log.next_seq();
+        let first_seq = checked.first.unwrap_or(part.log.next_seq());
+        if first_seq < part.log.next_seq()
+            || first_seq
+                .checked_add(checked.span)
+                .is_none_or(|n| n == u64::MAX)
+        {
+            return Err(bad(format!(
+                "placed at {first_seq}, behind the partition's next sequence number {}",
+                part.log.next_seq()
+            )));
+        }
         // The WAL first: a writer that refuses leaves the log as it was.
         let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
             topic.id,
             partition,
             MetaRecord::TopicBundle {
                 first_seq,
-                count,
-                newest_ms,
+                count: checked.span,
+                newest_ms: checked.newest_ms,
                 bundle: bundle.to_vec(),
             },
         ));
-        let seqs = part.log.append(bundle, count, newest_ms);
+        checked.first = Some(first_seq);
+        let seqs = part
+            .log
+            .append(bundle, &checked)
+            .expect("placed at or past the end, checked above");
         part.last_lsn = lsn;
         if self.inner.wal.mode() != WalMode::None {
             part.unwritten.push_back((seqs.0, lsn));

@@ -19,9 +19,31 @@ fn bundle_of(n: usize, size: usize, ts: u64) -> Vec<u8> {
 
 fn append(log: &mut PartitionLog, n: usize, size: usize, ts: u64) -> (u64, u64) {
     let b = bundle_of(n, size, ts);
-    let (count, newest) = PartitionLog::check(&b).unwrap();
-    assert_eq!((count, newest), (n as u64, ts));
-    log.append(&b, count, newest)
+    let c = PartitionLog::check(&b).unwrap();
+    assert_eq!((c.first, c.span, c.newest_ms), (None, n as u64, ts));
+    log.append(&b, &c).unwrap()
+}
+
+/// A plain sparse bundle of one-byte messages numbered `seqs` (ascending), as TANK's mirroring
+/// writes them: each message between the first and last says how many numbers it skips.
+fn sparse_of(seqs: &[u64]) -> Vec<u8> {
+    let (first, last) = (seqs[0], *seqs.last().unwrap());
+    let mut b = vec![0x40 | ((seqs.len() as u8) << 2)];
+    b.extend_from_slice(&first.to_le_bytes());
+    if seqs.len() > 1 {
+        put_varint(&mut b, last - first - 1);
+    }
+    for (i, &s) in seqs.iter().enumerate() {
+        if i > 0 && i + 1 < seqs.len() {
+            b.push(0);
+            put_varint(&mut b, s - seqs[i - 1] - 1);
+        } else {
+            b.push(0);
+        }
+        b.extend_from_slice(&3u64.to_le_bytes());
+        b.extend_from_slice(&[1, b'a']);
+    }
+    b
 }
 
 /// The sequence numbers of every message in a chunk read from `base`.
@@ -174,15 +196,11 @@ fn bundles_placed_by_number_may_skip_ahead_but_not_go_back() {
 }
 
 #[test]
-fn bad_and_sparse_bundles_are_refused_and_snappy_ones_counted() {
+fn bad_bundles_are_refused_and_snappy_ones_counted() {
     assert!(matches!(
         PartitionLog::check(&[0x04]),
         Err(AppendError::Bundle(_))
     ));
-    let mut sparse = vec![0x40 | (1 << 2)];
-    sparse.extend_from_slice(&7u64.to_le_bytes());
-    sparse.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0, 0, 1, b'a']);
-    assert_eq!(PartitionLog::check(&sparse), Err(AppendError::Sparse));
     let content = [b'y'; 100];
     let msgs = vec![
         NewMessage {
@@ -194,7 +212,64 @@ fn bad_and_sparse_bundles_are_refused_and_snappy_ones_counted() {
     ];
     let mut b = Vec::new();
     bundle::write(&mut b, &msgs, codec::SNAPPY);
-    assert_eq!(PartitionLog::check(&b), Ok((50, 5)));
+    assert_eq!(
+        PartitionLog::check(&b),
+        Ok(Checked {
+            first: None,
+            span: 50,
+            newest_ms: 5
+        })
+    );
+}
+
+#[test]
+fn a_sparse_bundle_is_placed_at_its_own_numbers_and_read_by_them() {
+    let mut log = PartitionLog::new(LogConfig::default());
+    append(&mut log, 2, 10, 1);
+    let sparse = sparse_of(&[7, 9, 12]);
+    let c = PartitionLog::check(&sparse).unwrap();
+    assert_eq!((c.first, c.span, c.newest_ms), (Some(7), 6, 3));
+    assert_eq!(log.append(&sparse, &c), Ok((7, 12)));
+    assert_eq!(append(&mut log, 1, 10, 1), (13, 13));
+    assert_eq!(log.high_water_mark(), 13);
+    // From a number the sparse bundle skips, the read starts at that bundle.
+    let Read::Chunk {
+        base_seq, bundles, ..
+    } = log.read(10, 1)
+    else {
+        panic!("a chunk")
+    };
+    assert_eq!(base_seq, 7);
+    assert_eq!(seqs(bundles, base_seq), vec![7, 9, 12]);
+    // 3 to 6 were never produced here: the sparse bundle began a segment, which a read from
+    // the gap starts at.
+    let Read::Chunk { bundles, .. } = log.read(1, 1 << 20) else {
+        panic!("a chunk")
+    };
+    assert_eq!(seqs(bundles, 1), vec![1, 2]);
+    let Read::Chunk {
+        base_seq, bundles, ..
+    } = log.read(3, 1 << 20)
+    else {
+        panic!("a chunk")
+    };
+    assert_eq!(seqs(bundles, base_seq), vec![7, 9, 12, 13]);
+    // Behind the end, or numbered out of order: refused.
+    let again = sparse_of(&[12, 20]);
+    let c = PartitionLog::check(&again).unwrap();
+    assert!(matches!(
+        log.append(&again, &c),
+        Err(AppendError::Behind { first_seq: 12, .. })
+    ));
+    let mut bad = sparse_of(&[30, 31, 32]);
+    bad[9] = 5; // the gap to the last: 30 + 5 + 1 = 36, so the middle may say 31
+    assert!(PartitionLog::check(&bad).is_ok());
+    let mut bad = sparse_of(&[30, 40, 41]);
+    bad[9] = 1; // the last is now 32, before the middle's 40
+    assert_eq!(
+        PartitionLog::check(&bad),
+        Err(AppendError::SparseOrder { seq: 40 })
+    );
 }
 
 #[test]

@@ -109,6 +109,13 @@ impl<'a> Bundle<'a> {
         })
     }
 
+    /// How many sequence numbers the bundle takes in its log: its message count, or a sparse
+    /// bundle's first to last (messages may skip numbers between).
+    pub fn span(&self) -> u64 {
+        self.sparse
+            .map_or(self.count, |(first, last)| last - first + 1)
+    }
+
     /// The message set uncompressed; a Snappy set whose declared length is over `max` is an
     /// error before anything is allocated for it.
     pub fn messages_bytes(&self, max: usize) -> Result<Cow<'a, [u8]>, DecodeError> {

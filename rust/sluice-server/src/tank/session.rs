@@ -217,18 +217,11 @@ fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut
             continue;
         };
         for part in &t.partitions {
-            if part.base_seq.is_some() {
-                // Bundles placed at a sequence number of the producer's (mirroring) are not
-                // stored yet.
-                log::debug!(
-                    "ProduceWithSeqnum to {:?} refused: not supported",
-                    topic.name
-                );
-                errors.push(produce_error::INVALID_REQUEST);
-                continue;
-            }
             errors.push(
-                match ctx.engine.produce(&topic, part.partition, part.bundle) {
+                match ctx
+                    .engine
+                    .produce(&topic, part.partition, part.base_seq, part.bundle)
+                {
                     Ok(w) => {
                         *owed_lsn = (*owed_lsn).max(w.lsn());
                         let (first, last) = w.value;
