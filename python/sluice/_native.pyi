@@ -36,6 +36,9 @@ __all__ = [
     "__version__",
     "bench",
     "msgpack_json",
+    "tank_consume_answer",
+    "tank_consume_frame",
+    "tank_produce_frame",
     "tap_drain",
     "tarantool_schema",
     "tarantool_tail",
@@ -420,6 +423,27 @@ def tarantool_schema(
     password: str | None = None,
     timeout: float = 10.0,
 ) -> tuple[list[str], list[str]]: ...
+def tank_produce_frame(
+    request_id: int,
+    topic: str,
+    partition: int,
+    messages: list[tuple[bytes | None, bytes]],
+    *,
+    ts_ms: int,
+    snappy: bool = False,
+    base_seq: int | None = None,
+) -> bytes: ...
+def tank_consume_frame(
+    request_id: int,
+    topic: str,
+    partitions: list[tuple[int, int, int]],
+    *,
+    max_wait_ms: int,
+    min_bytes: int,
+) -> bytes: ...
+def tank_consume_answer(
+    payload: bytes, seqs: list[tuple[int, int]]
+) -> list[tuple[int, str, int, int, list[tuple[int, int, bytes | None, bytes]], int, int]]: ...
 def tap_drain(
     target: str,
     *,

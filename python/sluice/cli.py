@@ -717,11 +717,114 @@ def _replica_vbuckets_if_no_active(
     return None
 
 
+def cmd_tail_topic(args: argparse.Namespace) -> int:
+    """Follows a topic's partitions over TANK's protocol and prints their messages."""
+    import json
+
+    from sluice.client import write_atomically
+    from sluice.tank import TAIL, OutOfRange, TankConnection, TankError
+
+    misplaced = [
+        flag
+        for flag, given in (
+            ("--vbuckets", args.vbuckets),
+            ("--tuples", args.tuples),
+            ("--user", args.user),
+            ("--password-stdin", args.password_stdin),
+            ("--bucket", args.bucket != "default"),
+        )
+        if given
+    ]
+    if misplaced:
+        print(f"sluice tail: {', '.join(misplaced)} are for buckets, not --topic", file=sys.stderr)
+        return EXIT_USAGE
+    address = args.address or _load(args).values["tank_listen"]
+    if not address:
+        print("sluice tail: no TANK listener (tank_listen is off): give --address", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        saved = json.loads(Path(args.state).read_text()) if args.state and Path(args.state).exists() else {}
+        positions = {int(p): int(seq) for p, seq in saved.get("partitions", {}).items()}
+    except (ValueError, OSError, AttributeError) as e:
+        print(f"sluice tail: --state {args.state}: not a topic position file ({e})", file=sys.stderr)
+        return EXIT_USAGE
+    printed = 0
+    out = sys.stdout
+    try:
+        with TankConnection(address) as tank:
+            ranges = tank.partitions(args.topic) if args.topic in dict(tank.topics()) else None
+            if ranges is None:
+                print(f"sluice tail: topic {args.topic!r} is unknown at {address}", file=sys.stderr)
+                return EXIT_FAILURE
+            try:
+                wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(ranges))
+            except ValueError as e:
+                print(f"sluice tail: --partitions: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            start = 0 if args.start == "beginning" else TAIL
+            seqs = {p: positions.get(p, start) for p in wanted if p < len(ranges)}
+            if len(seqs) != len(wanted):
+                print(f"sluice tail: topic {args.topic!r} has {len(ranges)} partition(s)", file=sys.stderr)
+                return EXIT_USAGE
+            # --until-now: each partition's high-water mark at the start.
+            until = {p: ranges[p][1] for p in seqs} if args.until_now else None
+            if until is not None:
+                seqs = {p: s for p, s in seqs.items() if s != TAIL and until[p] and s <= until[p]}
+            header = False
+            while seqs:
+                try:
+                    fetched = tank.consume_partitions(args.topic, seqs, max_wait=1.0, min_bytes=1)
+                except OutOfRange as e:
+                    # Retention dropped messages this position had not read: go on from the oldest.
+                    print(f"sluice tail: {e}; going on from {e.first_available}", file=sys.stderr)
+                    seqs[e.partition] = e.first_available
+                    continue
+                for f in fetched:
+                    for m in f.messages:
+                        if until is not None and m.seq > until[f.partition]:
+                            break
+                        if args.format == "json":
+                            row = {"partition": f.partition, "seq": m.seq, "ts": m.ts}
+                            if m.key is not None:
+                                _text_or_base64("key", m.key, row)
+                            if not args.no_values:
+                                _text_or_base64("content", m.content, row)
+                            out.write(json.dumps(row) + "\n")
+                        else:
+                            if not header:
+                                out.write(f"{'partition':>9}  {'seq':>12}  {'ts':>13}  key  content\n")
+                                header = True
+                            key = (m.key or b"").decode("utf-8", "backslashreplace")
+                            text = "" if args.no_values else m.content.decode("utf-8", "backslashreplace")
+                            out.write(f"{f.partition:>9}  {m.seq:>12}  {m.ts:>13}  {key or '-'}  {text}\n")
+                        printed += 1
+                        if args.max and printed >= args.max:
+                            return EXIT_OK
+                    seqs[f.partition] = positions[f.partition] = f.next_seq
+                    if until is not None and f.next_seq > until[f.partition]:
+                        del seqs[f.partition]
+                out.flush()
+                if args.state:
+                    write_atomically(args.state, json.dumps({"topic": args.topic, "partitions": positions}))
+    except TankError as e:
+        print(f"sluice tail: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        sys.stderr.close()
+    return EXIT_OK
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
-    """Follows a bucket's DCP stream and prints its changes."""
+    """Follows a bucket's DCP stream (or with --topic, a topic's partitions) and prints its
+    changes."""
     import json
 
     from sluice.client import Client
+
+    if args.topic:
+        return cmd_tail_topic(args)
 
     try:
         vbuckets = _parse_vbuckets(args.vbuckets) if args.vbuckets else None
@@ -1145,9 +1248,20 @@ def build_parser() -> argparse.ArgumentParser:
         "vbucket) it streams the vbuckets the node replicates.",
         **formatter,
     )
-    t.add_argument("--address", metavar="HOST:PORT", help="the server (default: listen of --config)")
+    t.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="the server (default: listen of --config; with --topic, its tank_listen)",
+    )
     t.add_argument("--config", metavar="FILE", help="TOML configuration file (for listen)")
     t.add_argument("--bucket", default="default", help="the bucket")
+    t.add_argument(
+        "--topic",
+        metavar="NAME",
+        help="follow a topic's partitions over TANK's protocol instead of a bucket: prints each "
+        "message (partition, seq, ts, key, content)",
+    )
+    t.add_argument("--partitions", metavar="LIST", help="with --topic: e.g. 0,2-3 (default: every one)")
     t.add_argument(
         "--vbuckets",
         metavar="LIST",

@@ -22,6 +22,23 @@ from typing import Any, NamedTuple
 from sluice._native import DcpConsumer, NotFoundError, RawBatch, SluiceError
 from sluice.kv import ADD, DELETE, GET, SET, Item, KvConnection, Stored, stored
 
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Replaces the file at `path` by `text` whole or not at all (temporary file, fsync,
+    rename): a stream position a crash cannot leave half written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 OPS = ("mutation", "deletion", "expiration")
 
 RollbackPolicy = str | Callable[[int, int], object]
@@ -180,17 +197,7 @@ class Stream:
 
     def save_state(self, path: str | os.PathLike) -> None:
         """Writes the state atomically (temporary file, fsync, rename)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self._consumer.state_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, self._consumer.state_json())
 
     def positions(self) -> dict[int, tuple[int, int, int, bool]]:
         """Per vbucket: (seqno, snapshot start, snapshot end, snapshot is a backfill)."""

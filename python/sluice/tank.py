@@ -1,13 +1,45 @@
-"""A small client of TANK's protocol (sluice's `tank_listen`, or TANK's own broker): topic
-creation and discovery, for `sluice topic` and scripts. Frames are `{msg id: u8, payload
-length: u32}`, little-endian, as `sluice_proto::tank` decodes them."""
+"""A client of TANK's protocol (sluice's `tank_listen`, or TANK's own broker): produce,
+consume with long-poll, topic creation and discovery, for `sluice topic`, `sluice tail --topic`
+and scripts. Frames are `{msg id: u8, payload length: u32}`, little-endian; Produce and Consume
+frames are built and decoded by `sluice_proto::tank` (through `sluice._native`), a bundle at a
+time.
+
+    with TankConnection("127.0.0.1:11011") as tank:
+        tank.produce("events", [b"plain", (b"key", b"with a key")])
+        got = tank.consume("events", seq=0, max_wait=1.0)
+        for m in got.messages:
+            print(m.seq, m.key, m.content)
+        # next: tank.consume("events", seq=got.next_seq, ...)
+"""
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
 
-PING, DISCOVER_PARTITIONS, CREATE_TOPIC, DISCOVER_TOPICS = 0x03, 0x06, 0x07, 0x0B
+from sluice import _native
+
+PRODUCE, CONSUME, PING, DISCOVER_PARTITIONS, CREATE_TOPIC, DISCOVER_TOPICS = (
+    0x01,
+    0x02,
+    0x03,
+    0x06,
+    0x07,
+    0x0B,
+)
+
+# Consume's sequence number for "the next message produced".
+TAIL = 2**64 - 1
+
+# Produce's error byte per partition.
+PRODUCE_ERRORS = {
+    0x02: "the request is not valid (a bad bundle, a partition the topic lacks, or a sequence "
+    "number behind the partition's end)",
+    0xFF: "the topic is unknown",
+}
 
 # CreateTopic's error byte.
 CREATE_ERRORS = {
@@ -21,6 +53,42 @@ CREATE_ERRORS = {
 
 class TankError(Exception):
     pass
+
+
+class OutOfRange(TankError):
+    """A consume from a sequence number the partition does not hold: before the first one
+    retention kept, or past the next one to be produced."""
+
+    def __init__(self, topic: str, partition: int, seq: int, first_available: int, high_water_mark: int):
+        super().__init__(
+            f"{topic}/{partition}: sequence number {seq} is out of range (the partition holds "
+            f"{first_available} to {high_water_mark})"
+        )
+        self.partition = partition
+        self.first_available = first_available
+        self.high_water_mark = high_water_mark
+
+
+class Message(NamedTuple):
+    seq: int
+    # Milliseconds since the epoch, as the producer stamped it.
+    ts: int
+    key: bytes | None
+    content: bytes
+
+
+class Fetched(NamedTuple):
+    """A partition's answer to a consume: its messages from the sequence number asked for,
+    where to ask next, and the partition's high-water mark (its last message)."""
+
+    partition: int
+    messages: list[Message]
+    next_seq: int
+    high_water_mark: int
+
+
+# What `produce` takes per message: its content, or (key, content).
+Produced = bytes | tuple[bytes | None, bytes]
 
 
 class TankConnection:
@@ -59,15 +127,126 @@ class TankConnection:
             self._buf += chunk
 
     def _call(self, msg_id: int, payload: bytes) -> bytes:
-        self._sock.sendall(bytes([msg_id]) + struct.pack("<I", len(payload)) + payload)
+        return self._exchange(msg_id, bytes([msg_id]) + struct.pack("<I", len(payload)) + payload)
+
+    def _exchange(self, msg_id: int, frame: bytes) -> bytes:
+        self._sock.sendall(frame)
         got, answer = self._frame()
         if got != msg_id:
             raise TankError(f"answer {got:#04x} to request {msg_id:#04x}")
         return answer
 
+    def _next_request_id(self) -> int:
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        return self._next_id
+
     def _request_id(self) -> bytes:
-        self._next_id += 1
-        return struct.pack("<I", self._next_id)
+        return struct.pack("<I", self._next_request_id())
+
+    def produce(
+        self,
+        topic: str,
+        messages: Sequence[Produced],
+        partition: int = 0,
+        *,
+        snappy: bool = False,
+        seq: int | None = None,
+        ts_ms: int | None = None,
+    ) -> None:
+        """Publishes `messages` (contents, or (key, content) pairs) as one bundle, Snappy-
+        compressed if `snappy`, and returns once the broker acknowledged it (sluice: once its WAL
+        holds it). `seq` places the bundle's first message at that sequence number
+        (ProduceWithSeqnum, for mirroring); it must not be behind the partition's end."""
+        pairs = [
+            (None, bytes(m)) if isinstance(m, (bytes, bytearray, memoryview)) else (m[0], m[1])
+            for m in messages
+        ]
+        try:
+            frame = _native.tank_produce_frame(
+                self._next_request_id(),
+                topic,
+                partition,
+                pairs,
+                ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
+                snappy=snappy,
+                base_seq=seq,
+            )
+        except ValueError as e:
+            raise TankError(f"produce to {topic!r}: {e}") from None
+        answer = self._exchange(PRODUCE, frame)
+        error = answer[4] if len(answer) > 4 else 0
+        if error:
+            why = PRODUCE_ERRORS.get(error, f"the broker failed (error {error:#04x})")
+            raise TankError(f"produce to {topic}/{partition}: {why}")
+
+    def consume(
+        self,
+        topic: str,
+        partition: int = 0,
+        seq: int = 0,
+        *,
+        max_wait: float = 0.0,
+        min_bytes: int = 0,
+        fetch_size: int = 64 << 10,
+    ) -> Fetched:
+        """Messages of a partition from `seq` (0: the first available; TAIL: only those
+        produced from now on). Waits up to `max_wait` seconds for `min_bytes` of them (at least
+        one bundle) if fewer are there. A bundle larger than `fetch_size` is asked for again
+        whole. OutOfRange when retention dropped `seq` or it is past the end."""
+        return self.consume_partitions(
+            topic, {partition: seq}, max_wait=max_wait, min_bytes=min_bytes, fetch_size=fetch_size
+        )[0]
+
+    def consume_partitions(
+        self,
+        topic: str,
+        seqs: dict[int, int],
+        *,
+        max_wait: float = 0.0,
+        min_bytes: int = 0,
+        fetch_size: int = 64 << 10,
+    ) -> list[Fetched]:
+        """`consume` of several partitions in one request ({partition: seq}), in the order
+        the broker answers them."""
+        sizes = dict.fromkeys(seqs, fetch_size)
+        wait_ms = int(max_wait * 1000)
+        previous = self._sock.gettimeout()
+        if previous is not None:
+            self._sock.settimeout(previous + max_wait)
+        try:
+            while True:
+                frame = _native.tank_consume_frame(
+                    self._next_request_id(),
+                    topic,
+                    [(p, s, sizes[p]) for p, s in seqs.items()],
+                    max_wait_ms=wait_ms,
+                    min_bytes=min_bytes,
+                )
+                answer = self._exchange(CONSUME, frame)
+                try:
+                    results = _native.tank_consume_answer(answer, list(seqs.items()))
+                except ValueError as e:
+                    raise TankError(str(e)) from None
+                grow = {p: needed for p, _, _, _, _, _, needed in results if needed > sizes[p]}
+                if grow and not any(msgs for _, _, _, _, msgs, _, _ in results):
+                    # Nothing came but a bundle too large for the fetch size: ask for it whole.
+                    sizes.update(grow)
+                    wait_ms = 0
+                    continue
+                return [self._fetched(topic, seqs[r[0]], r) for r in results]
+        finally:
+            self._sock.settimeout(previous)
+
+    @staticmethod
+    def _fetched(topic: str, seq: int, r: tuple) -> Fetched:
+        partition, kind, hwm, first, messages, next_seq, _ = r
+        if kind == "unknown_topic":
+            raise TankError(f"topic {topic!r} is unknown")
+        if kind == "unknown_partition":
+            raise TankError(f"topic {topic!r} has no partition {partition}")
+        if kind == "boundary":
+            raise OutOfRange(topic, partition, seq, first, hwm)
+        return Fetched(partition, [Message(*m) for m in messages], next_seq, hwm)
 
     def create_topic(self, name: str, partitions: int = 1, settings: str = "") -> None:
         """Creates a topic; TankError says why not (it exists, bad settings...)."""

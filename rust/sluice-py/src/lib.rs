@@ -3,7 +3,7 @@
 //! Rust defaults of the configuration keys, which config.py reads), `items` (what engine calls
 //! return), `engine` (the embedded engine), `server` (the network server), `dcp` (the DCP
 //! consumer), `tuples` (a space's tuples as typed columns), `policy` (the policy plugins'
-//! questions), `tools` (WAL dump, benchmark drivers).
+//! questions), `tank` (TANK's frames for the Python client), `tools` (WAL dump, benchmark drivers).
 //! Every call that can block (disk, network, durability waits) releases the GIL.
 //!
 //! May depend on every other crate of the workspace; none depends on it.
@@ -16,6 +16,7 @@ mod items;
 mod policy;
 mod server;
 mod settings;
+mod tank;
 mod tools;
 mod tuples;
 
@@ -46,6 +47,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::tarantool_tail, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tarantool_schema, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
+    m.add_function(wrap_pyfunction!(tank::tank_produce_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(tank::tank_consume_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(tank::tank_consume_answer, m)?)?;
     m.add_function(wrap_pyfunction!(tools::msgpack_json, m)?)?;
     m.add_function(wrap_pyfunction!(tuples::tuple_columns, m)?)?;
     errors::register(m)?;

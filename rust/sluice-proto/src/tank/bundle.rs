@@ -24,7 +24,7 @@ pub mod msg_flag {
 }
 
 const CODEC_MASK: u8 = 0x03;
-const SPARSE: u8 = 0x40;
+pub const SPARSE: u8 = 0x40;
 const EXTRA_FLAGS: u8 = 0x80;
 
 /// One bundle as sent and stored; the message set is borrowed, compressed or not.

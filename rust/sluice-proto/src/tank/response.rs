@@ -296,6 +296,15 @@ pub fn chunk_bundles(chunk: &[u8]) -> Vec<&[u8]> {
     out
 }
 
+/// Whether a chunk's first bundle is sparse (it numbers its own messages, so a Consume answer
+/// gives no base sequence number for it).
+pub fn first_bundle_is_sparse(chunk: &[u8]) -> bool {
+    let mut r = Reader::new(chunk);
+    r.varint_len("a bundle")
+        .and_then(|_| r.u8("a bundle's flags"))
+        .is_ok_and(|flags| flags & super::bundle::SPARSE != 0)
+}
+
 /// DiscoverPartitions' answer: per partition its first available sequence number and its
 /// high-water mark.
 #[derive(Debug, Clone, PartialEq, Eq)]

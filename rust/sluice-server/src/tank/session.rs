@@ -14,8 +14,9 @@ use sluice_core::topic::Topic;
 use sluice_core::Error;
 use sluice_proto::tank::request::{Consume, CreateTopic, Produce, Request};
 use sluice_proto::tank::response::{
-    create_error, produce_error, ConsumeAnswer, CreateTopicAck, PartitionAnswer, PartitionsAnswer,
-    PartitionsInfo, ProduceAck, StatusInfo, TopicAnswer, TopicsInfo,
+    create_error, first_bundle_is_sparse, produce_error, ConsumeAnswer, CreateTopicAck,
+    PartitionAnswer, PartitionsAnswer, PartitionsInfo, ProduceAck, StatusInfo, TopicAnswer,
+    TopicsInfo,
 };
 use sluice_proto::tank::{self, Frame, PING_FRAME};
 use tokio::io::AsyncReadExt;
@@ -281,7 +282,16 @@ impl Parked {
         Parked {
             ctx: ctx.clone(),
             request_id: c.request_id,
-            wanted: (c.min_bytes as usize).max(1),
+            // No more than the fetch sizes let one answer hold.
+            wanted: (c.min_bytes as usize)
+                .min(
+                    c.topics
+                        .iter()
+                        .flat_map(|t| &t.partitions)
+                        .map(|p| p.fetch_size as usize)
+                        .sum(),
+                )
+                .max(1),
             deadline: Instant::now().checked_add(Duration::from_millis(c.max_wait_ms)),
             topics: c
                 .topics
@@ -303,9 +313,10 @@ impl Parked {
     }
 
     /// Reads every partition it names, from where it stands (u64::MAX is fixed to the tail at
-    /// the first look). Answers into `out` and returns true when any partition has data or
-    /// none is at its tail, when min bytes are there, or when `now` is past its deadline or
-    /// `force` is set; otherwise nothing is written.
+    /// the first look). Answers into `out` and returns true when no partition is at its tail
+    /// at the first look (what is there answers at once, as TANK's broker does), when its min
+    /// bytes (one at least) are there, or when `now` is past its deadline or `force` is set;
+    /// otherwise nothing is written and it waits.
     fn answer(&mut self, out: &mut Vec<u8>, now: Instant, force: bool) -> bool {
         // The generation before the look: a produce after it wakes the wait.
         self.seen = self.topics.iter().find_map(|a| a.topic.clone()).map(|t| {
@@ -342,6 +353,17 @@ impl Parked {
                     Err(_) => PartitionAnswer::UnknownPartition {
                         partition: *partition,
                     },
+                    // A chunk that starts with a sparse bundle leaves its numbering to that
+                    // bundle's header, as TANK's broker answers.
+                    Ok(TopicRead::Chunk {
+                        high_water_mark, ..
+                    }) if first_bundle_is_sparse(&chunks[before..]) => {
+                        PartitionAnswer::SparseData {
+                            partition: *partition,
+                            high_water_mark,
+                            chunk_len: (chunks.len() - before) as u32,
+                        }
+                    }
                     Ok(TopicRead::Chunk {
                         base_seq,
                         high_water_mark,
@@ -388,7 +410,9 @@ impl Parked {
             });
         }
         let expired = self.deadline.is_some_and(|d| now >= d);
-        if at_tail && chunks.len() < self.wanted && !expired && !force {
+        // Once waiting, a consume waits for its min bytes, not for the first bundle to come
+        // (TANK's broker counts what is appended for a waiting consume the same way).
+        if (at_tail || self.counted) && chunks.len() < self.wanted && !expired && !force {
             if !self.counted {
                 self.counted = true;
                 ctx.stats.long_polls.fetch_add(1, Relaxed);

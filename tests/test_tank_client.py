@@ -1,0 +1,220 @@
+"""The Python TANK client (`sluice.tank`) and `sluice tail --topic` against `sluice serve`:
+produce with and without keys, Snappy and plain, one and many messages a bundle; consume from
+the first, from inside a bundle and from the tail with long-poll; min-bytes; fetch sizes
+smaller than a bundle; ProduceWithSeqnum, sparse bundles among them; retention and the
+boundary-check answer."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+
+import pytest
+from helpers import Node, run_cli
+from sluice.tank import TAIL, OutOfRange, TankConnection, TankError
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = Node(tmp_path / "data")
+    yield n
+    n.stop()
+
+
+def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node):
+    with TankConnection(node.tank) as tank:
+        tank.create_topic("events", 2)
+        tank.produce("events", [b"one"], ts_ms=1_000)
+        tank.produce("events", [(b"k1", b"two"), b"three", (b"k2", b"four")], ts_ms=2_000)
+        many = [(f"key-{i}".encode(), f"value-{i}".encode() * 20) for i in range(500)]
+        tank.produce("events", many, snappy=True, ts_ms=3_000)
+        tank.produce("events", [b"elsewhere"], partition=1)
+
+        got = tank.consume("events", seq=0)
+        assert got.high_water_mark == 504
+        first = [(m.seq, m.ts, m.key, m.content) for m in got.messages[:4]]
+        assert first == [
+            (1, 1_000, None, b"one"),
+            (2, 2_000, b"k1", b"two"),
+            (3, 2_000, None, b"three"),
+            (4, 2_000, b"k2", b"four"),
+        ]
+        messages, seq = list(got.messages), got.next_seq
+        while seq <= 504:
+            more = tank.consume("events", seq=seq)
+            messages += more.messages
+            seq = more.next_seq
+        assert [m.seq for m in messages] == list(range(1, 505))
+        assert [(m.key, m.content) for m in messages[4:]] == many
+        assert {m.ts for m in messages[4:]} == {3_000}
+
+        # From inside a bundle: from that message on.
+        middle = tank.consume("events", seq=3)
+        assert [m.seq for m in middle.messages[:2]] == [3, 4]
+        # A fetch size smaller than a bundle: the bundle is asked for again, whole.
+        small = tank.consume("events", seq=100, fetch_size=16)
+        assert small.messages[0].seq == 100 and small.messages[-1].seq == 504
+        # The other partition numbers its own.
+        other = tank.consume("events", partition=1, seq=0)
+        assert [(m.seq, m.content) for m in other.messages] == [(1, b"elsewhere")]
+
+        with pytest.raises(TankError, match="unknown"):
+            tank.consume("nope")
+        with pytest.raises(TankError, match="no partition 7"):
+            tank.consume("events", partition=7)
+        with pytest.raises(TankError, match="unknown"):
+            tank.produce("nope", [b"x"])
+        with pytest.raises(OutOfRange) as out:
+            tank.consume("events", seq=10_000)
+        assert (out.value.first_available, out.value.high_water_mark) == (1, 504)
+
+
+def test_long_poll_waits_for_min_bytes_or_its_max_wait(node):
+    with TankConnection(node.tank) as tank:
+        tank.create_topic("feed")
+        # Nothing at the tail: an empty answer once the wait is over.
+        started = time.monotonic()
+        empty = tank.consume("feed", seq=TAIL, max_wait=0.4)
+        assert empty.messages == [] and empty.next_seq == 1
+        assert time.monotonic() - started >= 0.35
+
+        # Woken by a produce on another connection.
+        def later() -> None:
+            time.sleep(0.3)
+            with TankConnection(node.tank) as producer:
+                producer.produce("feed", [b"tailed"])
+
+        threading.Thread(target=later).start()
+        started = time.monotonic()
+        got = tank.consume("feed", seq=TAIL, max_wait=30)
+        assert [(m.seq, m.content) for m in got.messages] == [(1, b"tailed")]
+        assert time.monotonic() - started < 10
+
+        # min_bytes holds back a consume at the tail (as TANK's broker, which answers at once
+        # whatever it has when not at the tail): a small bundle does not answer it ...
+        def small() -> None:
+            time.sleep(0.1)
+            with TankConnection(node.tank) as producer:
+                producer.produce("feed", [b"small"])
+
+        threading.Thread(target=small).start()
+        started = time.monotonic()
+        got = tank.consume("feed", seq=2, max_wait=0.6, min_bytes=10_000)
+        assert [m.content for m in got.messages] == [b"small"]
+        assert time.monotonic() - started >= 0.55
+
+        # ... until enough is produced.
+        def bulk() -> None:
+            time.sleep(0.2)
+            with TankConnection(node.tank) as producer:
+                producer.produce("feed", [b"x" * 20_000])
+
+        threading.Thread(target=bulk).start()
+        started = time.monotonic()
+        got = tank.consume("feed", seq=3, max_wait=30, min_bytes=10_000)
+        assert [m.seq for m in got.messages] == [3]
+        assert time.monotonic() - started < 10
+
+
+def sparse_bundle(seqs: list[int], content: bytes = b"m") -> bytes:
+    """A plain sparse bundle numbering its messages `seqs`, as TANK's mirroring writes them."""
+    b = bytes([0x40 | len(seqs) << 2]) + struct.pack("<Q", seqs[0])
+    if len(seqs) > 1:
+        b += bytes([seqs[-1] - seqs[0] - 1])
+    for i, s in enumerate(seqs):
+        b += b"\x00"
+        if 0 < i < len(seqs) - 1:
+            b += bytes([s - seqs[i - 1] - 1])
+        b += struct.pack("<Q", 5) + bytes([len(content)]) + content
+    return b
+
+
+def test_produce_with_seqnum_places_bundles_and_sparse_ones_keep_their_numbers(tmp_path):
+    node = Node(tmp_path / "data")
+    try:
+        tank = TankConnection(node.tank)
+        tank.create_topic("mirror")
+        tank.produce("mirror", [b"a", b"b"])
+        tank.produce("mirror", [b"c", b"d"], seq=100)
+        with pytest.raises(TankError, match="not valid"):
+            tank.produce("mirror", [b"behind"], seq=50)
+        # A sparse bundle as a mirroring tool sends it: ProduceWithSeqnum (0x5), its first
+        # sequence number in the request and in its own header.
+        bundle = sparse_bundle([110, 112, 115])
+        body = struct.pack("<HI", 2, 77) + b"\x00" + b"\x01" + struct.pack("<I", 0) + b"\x01"
+        body += b"\x06mirror\x01" + struct.pack("<H", 0) + bytes([len(bundle)])
+        body += struct.pack("<Q", 110) + bundle
+        tank._sock.sendall(b"\x05" + struct.pack("<I", len(body)) + body)
+        assert tank._frame() == (0x01, struct.pack("<I", 77) + b"\x00")
+        tank.produce("mirror", [b"after"])
+
+        got = tank.consume("mirror", seq=0)
+        numbers = [m.seq for m in got.messages]
+        seq = got.next_seq
+        while seq <= got.high_water_mark:
+            more = tank.consume("mirror", seq=seq)
+            numbers += [m.seq for m in more.messages]
+            seq = more.next_seq
+        assert numbers == [1, 2, 100, 101, 110, 112, 115, 116]
+        # A chunk that starts with the sparse bundle is numbered by that bundle (errorOrFlags
+        # 0xfe, no base sequence number), from a number it skips too.
+        got = tank.consume("mirror", seq=111)
+        assert [m.seq for m in got.messages] == [112, 115, 116]
+        tank.close()
+    finally:
+        node.stop()
+    node = Node(tmp_path / "data")
+    try:
+        with TankConnection(node.tank) as tank:
+            assert [m.seq for m in tank.consume("mirror", seq=110).messages] == [110, 112, 115, 116]
+    finally:
+        node.stop()
+
+
+def test_retention_drops_old_messages_and_a_consume_before_them_is_told_where_to_start(node):
+    with TankConnection(node.tank) as tank:
+        tank.create_topic("logs", 1, "log.segment.bytes=4096\nlog.retention.bytes=8192")
+        for i in range(100):
+            tank.produce("logs", [f"{i:0>200}".encode()])
+        deadline = time.monotonic() + 30
+        while tank.partitions("logs")[0][0] == 1:
+            assert time.monotonic() < deadline, "retention never ran"
+            time.sleep(0.1)
+        first, hwm = tank.partitions("logs")[0]
+        assert 1 < first <= hwm == 100
+        with pytest.raises(OutOfRange) as out:
+            tank.consume("logs", seq=1)
+        assert (out.value.first_available, out.value.high_water_mark) == (first, 100)
+        got = tank.consume("logs", seq=0)
+        assert got.messages[0].seq == first
+
+
+def test_sluice_tail_topic_prints_messages_and_resumes_from_its_state(node, tmp_path):
+    with TankConnection(node.tank) as tank:
+        tank.create_topic("events", 2)
+        tank.produce("events", [b"a", (b"k", b"b")], partition=0)
+        tank.produce("events", [b"c"], partition=1)
+    state = tmp_path / "pos.json"
+    args = ("tail", "--topic", "events", "--address", node.tank, "--from", "beginning", "--until-now")
+    r = run_cli(*args, "--state", str(state))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert sorted((x["partition"], x["seq"], x.get("key"), x["content"]) for x in rows) == [
+        (0, 1, None, "a"),
+        (0, 2, "k", "b"),
+        (1, 1, None, "c"),
+    ]
+    # Again from the state: only what came since.
+    with TankConnection(node.tank) as tank:
+        tank.produce("events", [b"d"], partition=1)
+    r = run_cli(*args, "--state", str(state), "--format", "table")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["partition", "seq", "ts", "key", "content"]
+    assert [line.split()[:2] + line.split()[3:] for line in lines[1:]] == [["1", "2", "-", "d"]]
+    bad = run_cli("tail", "--topic", "events", "--address", node.tank, "--vbuckets", "1")
+    assert bad.returncode == 2 and "--vbuckets are for buckets, not --topic" in bad.stderr
+    unknown = run_cli("tail", "--topic", "nope", "--address", node.tank, "--until-now")
+    assert unknown.returncode == 1 and "topic 'nope' is unknown" in unknown.stderr
