@@ -70,6 +70,22 @@ def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node)
             tank.consume("events", seq=10_000)
         assert (out.value.first_available, out.value.high_water_mark) == (1, 504)
 
+    # Per partition in /metrics and `sluice status`.
+    def metric(name: str, partition: str) -> float:
+        return node.metric(name, topic="events", partition=partition)
+
+    assert metric("sluice_topic_high_water_mark", "0") == 504
+    assert metric("sluice_topic_first_seq", "0") == 1
+    assert metric("sluice_topic_produced_messages_total", "0") == 504
+    assert metric("sluice_topic_produced_messages_total", "1") == 1
+    assert metric("sluice_topic_consumed_bytes_total", "0") >= metric("sluice_topic_bytes", "0") > 0
+    status = run_cli("status", "--admin", node.admin)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    at = lines.index("topic events: 2 partition(s), 0 consume(s) waiting")
+    assert lines[at + 2].split()[:3] == ["0", "1", "504"]
+    assert lines[at + 3].split()[:3] == ["1", "1", "1"]
+
 
 def test_long_poll_waits_for_min_bytes_or_its_max_wait(node):
     with TankConnection(node.tank) as tank:
@@ -82,11 +98,17 @@ def test_long_poll_waits_for_min_bytes_or_its_max_wait(node):
 
         # Woken by a produce on another connection.
         def later() -> None:
-            time.sleep(0.3)
             with TankConnection(node.tank) as producer:
                 producer.produce("feed", [b"tailed"])
 
-        threading.Thread(target=later).start()
+        def waiting() -> None:
+            deadline = time.monotonic() + 20
+            while node.metric("sluice_topic_long_polls", topic="feed") != 1:
+                assert time.monotonic() < deadline, "the consume is not counted as waiting"
+                time.sleep(0.05)
+            later()
+
+        threading.Thread(target=waiting).start()
         started = time.monotonic()
         got = tank.consume("feed", seq=TAIL, max_wait=30)
         assert [(m.seq, m.content) for m in got.messages] == [(1, b"tailed")]

@@ -630,6 +630,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         hidden = len(b["vbuckets"]) - (len(rows) - 1)
         if hidden:
             print(f"({hidden} empty active vbuckets not shown; --all shows them)")
+    for t in st.get("topics", []):
+        print()
+        print(f"topic {t['name']}: {len(t['partitions'])} partition(s), {t['long_polls']} consume(s) waiting")
+        rows = [("partition", "first", "high-water mark", "bytes", "produced", "consumed bytes")]
+        for p in t["partitions"]:
+            rows.append(
+                (
+                    str(p["partition"]),
+                    f"{p['first_seq']:,}",
+                    f"{p['high_water_mark']:,}",
+                    f"{p['bytes']:,}",
+                    f"{p['produced_messages']:,}",
+                    f"{p['consumed_bytes']:,}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     return EXIT_OK
 
 

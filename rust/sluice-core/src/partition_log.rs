@@ -201,6 +201,7 @@ impl std::error::Error for AppendError {}
 /// What `check` found in a bundle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Checked {
+    pub count: u64,
     /// A sparse bundle's own first sequence number.
     pub first: Option<u64>,
     /// How many sequence numbers it takes (`Bundle::span`).
@@ -282,6 +283,7 @@ impl PartitionLog {
                 newest_ms = newest_ms.max(m.ts);
             }
             Ok(Checked {
+                count: b.count,
                 first: b.sparse.map(|(first, _)| first),
                 span: b.span(),
                 newest_ms,

@@ -4,6 +4,7 @@
 //! where a change carries its bucket's, and the partition where a change carries its vbucket.
 
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -11,12 +12,16 @@ use crate::partition_log::{LogConfig, PartitionLog};
 use crate::signal::ChangeSignal;
 
 /// One partition: its log, the last WAL LSN applied to it (WAL replay skips what a snapshot of
-/// it holds), and its bundles not yet in the WAL file, which readers do not see.
+/// it holds), its bundles not yet in the WAL file, which readers do not see, and its traffic
+/// since the process started (for metrics).
 pub struct Partition {
     pub log: PartitionLog,
     pub last_lsn: u64,
     /// (the bundle's first sequence number, its LSN), oldest first.
     pub unwritten: VecDeque<(u64, u64)>,
+    pub produced_messages: u64,
+    pub produced_bytes: u64,
+    pub consumed_bytes: u64,
 }
 
 impl Partition {
@@ -25,6 +30,9 @@ impl Partition {
             log,
             last_lsn,
             unwritten: VecDeque::new(),
+            produced_messages: 0,
+            produced_bytes: 0,
+            consumed_bytes: 0,
         }
     }
 
@@ -55,6 +63,8 @@ pub struct Topic {
     partitions: Vec<Mutex<Partition>>,
     /// Wakes consumers waiting at a partition's tail when any partition grows.
     pub changes: ChangeSignal,
+    /// Consumes waiting at one of its partitions' tails now (TANK's long-polls).
+    pub long_polls: AtomicU64,
 }
 
 impl Topic {
@@ -72,6 +82,7 @@ impl Topic {
             config,
             partitions: partitions.into_iter().map(Mutex::new).collect(),
             changes: ChangeSignal::default(),
+            long_polls: AtomicU64::new(0),
         }
     }
 

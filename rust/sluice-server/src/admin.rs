@@ -673,6 +673,7 @@ pub fn metrics(node: &NodeView) -> String {
         f.kv.tap_applied.load(Relaxed),
     );
     f.dcp.policies.metrics(&mut o);
+    crate::tank::topic_metrics(node.engine(), &mut o);
     if let Some(tank) = &f.tank {
         tank.stats.metrics(&mut o);
     }
@@ -724,9 +725,34 @@ pub fn status(node: &NodeView) -> serde_json::Value {
         "connections": node.fronts.kv.stats.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
+        "topics": topics_status(e),
         "replication": replication_status(&node.followers),
         "tarantool_upstream": node.tarantool.as_ref().map(|t| t.describe()),
     })
+}
+
+/// Every topic with its partitions' sequence numbers, bytes and traffic.
+fn topics_status(e: &sluice_core::Engine) -> serde_json::Value {
+    use serde_json::json;
+    e.topics()
+        .iter()
+        .map(|t| {
+            let partitions: Vec<_> = (0..t.num_partitions())
+                .map(|p| {
+                    let part = t.lock_partition(p).expect("in range");
+                    json!({
+                        "partition": p,
+                        "first_seq": part.log.first_available(),
+                        "high_water_mark": part.log.high_water_mark(),
+                        "bytes": part.log.bytes(),
+                        "produced_messages": part.produced_messages,
+                        "consumed_bytes": part.consumed_bytes,
+                    })
+                })
+                .collect();
+            json!({"name": t.name, "settings": t.config_text, "long_polls": t.long_polls.load(Relaxed), "partitions": partitions})
+        })
+        .collect()
 }
 
 /// Who this node follows and how far behind each replica vbucket is (null on an active node).

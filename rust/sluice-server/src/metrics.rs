@@ -14,6 +14,18 @@ pub fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// A label's value as the exposition format quotes it: backslash, double quote and newline
+/// escaped (topic names are the client's to choose).
+pub fn label_value(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return v.into();
+    }
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+        .into()
+}
+
 /// A counter or gauge with one value.
 pub fn single(o: &mut String, name: &str, kind: &str, help: &str, v: u64) {
     metric(o, name, kind, help);

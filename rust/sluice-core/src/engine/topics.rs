@@ -166,6 +166,8 @@ impl Engine {
             .append(bundle, &checked)
             .expect("placed at or past the end, checked above");
         part.last_lsn = lsn;
+        part.produced_messages += checked.count;
+        part.produced_bytes += bundle.len() as u64;
         if self.inner.wal.mode() != WalMode::None {
             part.unwritten.push_back((seqs.0, lsn));
         }
@@ -198,6 +200,7 @@ impl Engine {
             ))
         })?;
         let (visible, unwritten_lsn) = part.visible(self.inner.wal.written_lsn());
+        let part = &mut *part;
         Ok(match part.log.read_visible(seq, fetch_size, visible) {
             Read::Chunk {
                 base_seq,
@@ -205,6 +208,7 @@ impl Engine {
                 bundles,
             } => {
                 out.extend_from_slice(bundles);
+                part.consumed_bytes += bundles.len() as u64;
                 TopicRead::Chunk {
                     base_seq,
                     high_water_mark,

@@ -215,6 +215,7 @@ fn bad_bundles_are_refused_and_snappy_ones_counted() {
     assert_eq!(
         PartitionLog::check(&b),
         Ok(Checked {
+            count: 50,
             first: None,
             span: 50,
             newest_ms: 5

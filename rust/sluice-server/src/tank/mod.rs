@@ -14,6 +14,7 @@ use sluice_core::Engine;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use crate::metrics::{label_value, metric};
 use crate::stats::ConnectionStats;
 
 /// What TANK sessions work with.
@@ -94,6 +95,79 @@ impl TankStats {
                 v.load(Relaxed)
             );
         }
+    }
+}
+
+/// Per topic and partition: the first and last sequence numbers kept, bytes kept, messages
+/// produced and bytes consumed since start; per topic, consumes waiting at a tail. Topics are
+/// the engine's, whichever front produced to them.
+pub fn topic_metrics(engine: &Engine, o: &mut String) {
+    use std::fmt::Write;
+    let topics = engine.topics();
+    if topics.is_empty() {
+        return;
+    }
+    type Field = fn(&sluice_core::topic::Partition) -> u64;
+    let families: [(&str, &str, &str, Field); 5] = [
+        (
+            "sluice_topic_first_seq",
+            "gauge",
+            "The oldest sequence number a partition keeps (its next one when it keeps none).",
+            |p| p.log.first_available(),
+        ),
+        (
+            "sluice_topic_high_water_mark",
+            "gauge",
+            "A partition's last sequence number (0 before the first message).",
+            |p| p.log.high_water_mark(),
+        ),
+        (
+            "sluice_topic_bytes",
+            "gauge",
+            "Bundle bytes a partition keeps.",
+            |p| p.log.bytes(),
+        ),
+        (
+            "sluice_topic_produced_messages_total",
+            "counter",
+            "Messages produced to a partition since start.",
+            |p| p.produced_messages,
+        ),
+        (
+            "sluice_topic_consumed_bytes_total",
+            "counter",
+            "Bundle bytes read from a partition by consumers since start.",
+            |p| p.consumed_bytes,
+        ),
+    ];
+    // One look per partition: the families' lines are gathered, then written family by family.
+    let mut lines = vec![String::new(); families.len()];
+    for t in &topics {
+        for p in 0..t.num_partitions() {
+            let part = t.lock_partition(p).expect("in range");
+            for (i, (name, _, _, field)) in families.iter().enumerate() {
+                let _ = writeln!(
+                    lines[i],
+                    "{name}{{topic=\"{}\",partition=\"{p}\"}} {}",
+                    label_value(&t.name),
+                    field(&part)
+                );
+            }
+        }
+    }
+    for ((name, kind, help, _), body) in families.iter().zip(lines) {
+        metric(o, name, kind, help);
+        o.push_str(&body);
+    }
+    let name = "sluice_topic_long_polls";
+    metric(o, name, "gauge", "Consumes waiting at a tail of the topic.");
+    for t in &topics {
+        let _ = writeln!(
+            o,
+            "{name}{{topic=\"{}\"}} {}",
+            label_value(&t.name),
+            t.long_polls.load(Relaxed)
+        );
     }
 }
 

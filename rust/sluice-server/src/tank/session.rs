@@ -413,15 +413,8 @@ impl Parked {
         // Once waiting, a consume waits for its min bytes, not for the first bundle to come
         // (TANK's broker counts what is appended for a waiting consume the same way).
         if (at_tail || self.counted) && chunks.len() < self.wanted && !expired && !force {
-            if !self.counted {
-                self.counted = true;
-                ctx.stats.long_polls.fetch_add(1, Relaxed);
-            }
+            self.count_wait(true);
             return false;
-        }
-        if self.counted {
-            ctx.stats.long_polls.fetch_sub(1, Relaxed);
-            self.counted = false;
         }
         ctx.stats.consumes.fetch_add(1, Relaxed);
         ctx.stats
@@ -433,16 +426,37 @@ impl Parked {
         }
         .write_headers(out);
         out.extend_from_slice(&chunks);
+        self.count_wait(false);
         true
+    }
+}
+
+impl Parked {
+    /// Counts it in the long-polls of the front and of every topic it names, or no more.
+    fn count_wait(&mut self, waiting: bool) {
+        if self.counted == waiting {
+            return;
+        }
+        self.counted = waiting;
+        let gauges = std::iter::once(&self.ctx.stats.long_polls).chain(
+            self.topics
+                .iter()
+                .filter_map(|a| Some(&a.topic.as_ref()?.long_polls)),
+        );
+        for g in gauges {
+            if waiting {
+                g.fetch_add(1, Relaxed);
+            } else {
+                g.fetch_sub(1, Relaxed);
+            }
+        }
     }
 }
 
 impl Drop for Parked {
     fn drop(&mut self) {
         // The connection closed with this consume waiting.
-        if self.counted {
-            self.ctx.stats.long_polls.fetch_sub(1, Relaxed);
-        }
+        self.count_wait(false);
     }
 }
 
