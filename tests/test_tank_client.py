@@ -240,3 +240,45 @@ def test_sluice_tail_topic_prints_messages_and_resumes_from_its_state(node, tmp_
     assert bad.returncode == 2 and "--vbuckets are for buckets, not --topic" in bad.stderr
     unknown = run_cli("tail", "--topic", "nope", "--address", node.tank, "--until-now")
     assert unknown.returncode == 1 and "topic 'nope' is unknown" in unknown.stderr
+
+
+def test_a_topic_streams_over_dcp_partition_by_partition(node):
+    from sluice.client import Client
+
+    with TankConnection(node.tank) as tank:
+        tank.create_topic("events", 2)
+        tank.produce("events", [b"one", (b"k", b"two")], ts_ms=1_000)
+        tank.produce("events", [f"m{i}".encode() for i in range(300)], snappy=True, ts_ms=2_000)
+        tank.produce("events", [b"p1"], partition=1, ts_ms=3_000)
+        tank.produce("events", [b"placed"], seq=1000, ts_ms=4_000)
+
+    client = Client(node.address)
+    got = []
+    with client.stream(topic="events", end="now", format="python") as stream:
+        for batch in stream:
+            got += batch
+    by_partition = {p: [c for c in got if c.vbucket == p] for p in (0, 1)}
+    zero = by_partition[0]
+    assert [c.seqno for c in zero] == [*range(1, 303), 1000]
+    assert all(c.op == "mutation" for c in got)
+    # A message without a key carries its sequence number as its DCP key, flags 0.
+    assert [(c.key, c.value, c.cas, c.flags) for c in zero[:2]] == [
+        (b"1", b"one", 1_000_000_000, 0),
+        (b"k", b"two", 1_000_000_000, 1),
+    ]
+    assert [c.value for c in zero[2:302]] == [f"m{i}".encode() for i in range(300)]
+    assert (zero[-1].value, zero[-1].cas) == (b"placed", 4_000_000_000)
+    assert [(c.seqno, c.value) for c in by_partition[1]] == [(1, b"p1")]
+
+    # Following: once caught up, a later produce arrives.
+    with client.stream([0], topic="events", format="python") as stream:
+        seen = 0
+        deadline = time.monotonic() + 20
+        while seen < 1000:
+            assert time.monotonic() < deadline, f"caught up only to {seen}"
+            seen = max([seen, *(c.seqno for c in stream.poll(1) or [])])
+        with TankConnection(node.tank) as tank:
+            tank.produce("events", [b"later"])
+        later = stream.poll(20)
+    assert later is not None, "the produce never streamed"
+    assert [(c.seqno, c.value) for c in later] == [(1001, b"later")]

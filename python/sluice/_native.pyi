@@ -361,6 +361,7 @@ class DcpConsumer:
         include_values: bool = True,
         cursor_dropping: bool = False,
         setup_timeout: float | None = None,
+        topic: str | None = None,
     ) -> DcpConsumer: ...
     def next_event(
         self, timeout: float
@@ -397,6 +398,7 @@ def vbucket_positions(
     password: str | None = None,
     state: str = "active",
     timeout: float = 10.0,
+    topic: str | None = None,
 ) -> list[tuple[int, int, list[tuple[int, int]]]]: ...
 def wal_dump(path: str | os.PathLike[str], fd: int) -> int: ...
 def vbucket_of(key: bytes, num_vbuckets: int) -> int: ...

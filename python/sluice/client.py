@@ -349,8 +349,15 @@ class Client:
         cursor_dropping: bool = False,
         skip_empty: bool = True,
         setup_timeout: float | None = None,
+        topic: str | None = None,
     ) -> Stream:
         """Opens streams for ``vbuckets`` (default: every active vbucket).
+
+        topic: stream that topic's partitions instead (``vbuckets`` then names partitions;
+            default: every one): each message is a mutation whose seqno is its sequence
+            number, value its content and CAS its timestamp in nanoseconds; its key is the
+            message's with flags 1, or (a message without one) its sequence number in decimal
+            with flags 0. The login needs the stream permission on the client's bucket.
 
         start: "beginning" or "now", for vbuckets the state does not cover.
         end: None to follow forever, "now" to stop at the high seqnos of the moment, or per
@@ -403,6 +410,7 @@ class Client:
             include_values=values,
             cursor_dropping=cursor_dropping,
             setup_timeout=setup_timeout,
+            topic=topic,
         )
         return Stream(consumer, convert, rollback, skip_empty)
 

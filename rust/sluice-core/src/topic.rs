@@ -4,7 +4,7 @@
 //! where a change carries its bucket's, and the partition where a change carries its vbucket.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -65,6 +65,8 @@ pub struct Topic {
     pub changes: ChangeSignal,
     /// Consumes waiting at one of its partitions' tails now (TANK's long-polls).
     pub long_polls: AtomicU64,
+    /// A replica copies it from its active: producers are refused here.
+    followed: AtomicBool,
 }
 
 impl Topic {
@@ -83,7 +85,16 @@ impl Topic {
             partitions: partitions.into_iter().map(Mutex::new).collect(),
             changes: ChangeSignal::default(),
             long_polls: AtomicU64::new(0),
+            followed: AtomicBool::new(false),
         }
+    }
+
+    pub fn is_followed(&self) -> bool {
+        self.followed.load(Ordering::Acquire)
+    }
+
+    pub fn set_followed(&self, followed: bool) {
+        self.followed.store(followed, Ordering::Release);
     }
 
     pub fn num_partitions(&self) -> u16 {

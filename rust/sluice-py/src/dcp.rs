@@ -216,7 +216,8 @@ type PositionTuple = (u16, u64, Vec<(u64, u64)>);
 /// (vbucket, high seqno, failover log newest first as (uuid, seqno) pairs).
 #[pyfunction]
 #[pyo3(signature = (address, *, bucket="default", username=None, password=None, state="active",
-    timeout=10.0))]
+    timeout=10.0, topic=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn vbucket_positions(
     py: Python<'_>,
     address: &str,
@@ -225,6 +226,7 @@ pub fn vbucket_positions(
     password: Option<String>,
     state: &str,
     timeout: f64,
+    topic: Option<String>,
 ) -> PyResult<Vec<PositionTuple>> {
     let code = sluice_core::vbucket::VbState::parse(state).ok_or_else(|| {
         PyValueError::new_err(format!(
@@ -234,6 +236,7 @@ pub fn vbucket_positions(
     let config = ConsumerConfig {
         address: address.to_string(),
         bucket: bucket.to_string(),
+        topic,
         username,
         password,
         name: format!("sluice:positions:{}", std::process::id()),
@@ -270,7 +273,7 @@ impl DcpConsumer {
         name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, end_seqnos=None,
         state=None,
         rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
-        include_values=true, cursor_dropping=false, setup_timeout=None))]
+        include_values=true, cursor_dropping=false, setup_timeout=None, topic=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         address: &str,
@@ -290,6 +293,7 @@ impl DcpConsumer {
         include_values: bool,
         cursor_dropping: bool,
         setup_timeout: Option<f64>,
+        topic: Option<String>,
     ) -> PyResult<Self> {
         let state = match state {
             None => SessionState::default(),
@@ -318,6 +322,7 @@ impl DcpConsumer {
         let config = ConsumerConfig {
             address: address.to_string(),
             bucket: bucket.to_string(),
+            topic,
             username,
             password,
             name: name.to_string(),

@@ -26,11 +26,13 @@ use tokio::sync::watch;
 
 use super::filter;
 use super::sink::DcpSink;
+use super::topic_stream::{self, TopicStream};
 use crate::kv::{Flow, Handoff, KvSession};
 use crate::metrics::metric;
 use crate::policy::{Answer, PolicyHost, PolicyKind, Question};
 use crate::stats::ConnectionStats;
-use crate::stream::{turn_order, Encoding, Progress, Stream, Takeover};
+use crate::stream::{turn_order, Encoding, Progress, Stream, StreamSink, Takeover};
+use sluice_core::topic::Topic;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -184,6 +186,10 @@ struct Producer {
     cursor_dropping: bool,
     end_on_close: bool,
     streams: BTreeMap<u16, Stream>,
+    /// Set by the control `sluice_topic` before any stream: the connection streams that
+    /// topic's partitions (`topic_stream`) instead of the bucket's vbuckets.
+    topic: Option<Arc<Topic>>,
+    topic_streams: BTreeMap<u16, TopicStream>,
     /// Set by the controls `consumer_name` and `enable_sync_writes`: the consumer is a replica
     /// whose SEQNO_ACKNOWLEDGED messages count toward durable writes.
     consumer_name: Option<String>,
@@ -295,6 +301,21 @@ impl Producer {
             "persisted_seqno_acks" => parse_bool(&value)
                 .map(|b| self.persisted_acks = b)
                 .is_some(),
+            "sluice_topic" if self.streamed => {
+                let why = "DCP control sluice_topic: set it before the first stream";
+                return respond(out, req, status::EINVAL, why.as_bytes());
+            }
+            "sluice_topic" => match self.ctx.engine.topic(&value) {
+                Some(t) => {
+                    log::info!("DCP producer '{}' streams topic {value:?}", self.name);
+                    self.topic = Some(t);
+                    true
+                }
+                None => {
+                    let why = format!("DCP control sluice_topic: no topic {value:?}");
+                    return respond(out, req, status::KEY_ENOENT, why.as_bytes());
+                }
+            },
             // Accepted for compatibility: one connection's streams already share it in turns.
             "set_priority" => matches!(value.as_str(), "high" | "medium" | "low"),
             _ => {
@@ -618,6 +639,21 @@ impl Producer {
         let Ok(req) = mcbp::parse_request(frame) else {
             return session.handle_streaming(frame, out);
         };
+        if let Some(topic) = self.topic.clone() {
+            match req.opcode {
+                opcode::STREAM_REQ => return self.topic_stream_request(topic, &req, out),
+                opcode::CLOSE_STREAM => return self.close_topic_stream(&req, out),
+                opcode::GET_FAILOVER_LOG => return topic_failover_log(&topic, &req, out),
+                mcbp::opcode::GET_ALL_VB_SEQNOS => {
+                    match topic_stream::all_seqnos(&topic, req.extras) {
+                        Ok(value) => respond(out, &req, status::SUCCESS, &value),
+                        Err(why) => respond(out, &req, status::EINVAL, why.as_bytes()),
+                    }
+                    return Flow::Continue;
+                }
+                _ => {}
+            }
+        }
         match req.opcode {
             opcode::CONTROL => self.control(&req, session, out),
             opcode::STREAM_REQ => self.stream_request(&req, session, out),
@@ -644,9 +680,124 @@ impl Producer {
         Flow::Continue
     }
 
+    fn topic_stream_request(
+        &mut self,
+        topic: Arc<Topic>,
+        req: &Request<'_>,
+        out: &mut Vec<u8>,
+    ) -> Flow {
+        let sr = match StreamRequest::decode(req) {
+            Ok(s) => s,
+            Err(e) => {
+                respond(out, req, status::EINVAL, e.to_string().as_bytes());
+                return Flow::Continue;
+            }
+        };
+        if self.topic_streams.contains_key(&sr.vbucket) {
+            respond(
+                out,
+                req,
+                status::KEY_EEXISTS,
+                b"a stream for this partition exists",
+            );
+            return Flow::Continue;
+        }
+        let mut encoding = self.encoding;
+        encoding.no_value |= sr.flags & stream_flag::NO_VALUE != 0;
+        let uuid = topic_stream::topic_uuid(&topic);
+        match TopicStream::open(topic, &sr, req.opaque, encoding) {
+            Ok(stream) => {
+                let log = vec![FailoverLogEntry {
+                    vbucket_uuid: uuid,
+                    seqno: 0,
+                }];
+                let _ = StreamRequestResponse::Ok(log).encode(out, req.opaque);
+                self.topic_streams.insert(sr.vbucket, stream);
+                self.streamed = true;
+                self.ctx.stats.streams.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(topic_stream::Refused::Rollback(seqno)) => {
+                let _ = StreamRequestResponse::Rollback(seqno).encode(out, req.opaque);
+            }
+            Err(topic_stream::Refused::Status(st, why)) => {
+                respond(out, req, st, why.as_bytes());
+            }
+        }
+        Flow::Continue
+    }
+
+    fn close_topic_stream(&mut self, req: &Request<'_>, out: &mut Vec<u8>) -> Flow {
+        match CloseStream::decode(req) {
+            Err(e) => respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+            Ok(c) => match self.topic_streams.remove(&c.vbucket) {
+                None => respond(
+                    out,
+                    req,
+                    status::KEY_ENOENT,
+                    b"no stream for this partition",
+                ),
+                Some(s) => {
+                    respond(out, req, status::SUCCESS, &[]);
+                    if self.end_on_close {
+                        self.unacked += DcpSink(out).end(&s.view(), stream_end_reason::CLOSED);
+                    }
+                    self.retire_topic_stream(s);
+                }
+            },
+        }
+        Flow::Continue
+    }
+
+    fn retire_topic_stream(&self, s: TopicStream) {
+        self.ctx.stats.streams.fetch_sub(1, Ordering::Relaxed);
+        self.ctx
+            .stats
+            .items_memory
+            .fetch_add(s.sent, Ordering::Relaxed);
+    }
+
+    /// `fill` for a connection streaming a topic's partitions.
+    fn fill_topic(&mut self, out: &mut Vec<u8>) -> bool {
+        let engine = self.ctx.engine.clone();
+        let mut wrote = false;
+        let mut idle_round = false;
+        while !idle_round && out.len() < FLUSH_AT && self.window() > 0 {
+            idle_round = true;
+            let partitions: Vec<u16> = self.topic_streams.keys().copied().collect();
+            for p in partitions {
+                let window = self.window();
+                if window == 0 || out.len() >= FLUSH_AT {
+                    break;
+                }
+                let s = self.topic_streams.get_mut(&p).expect("listed above");
+                let (n, progress) = s.fill(&engine, &mut DcpSink(out), window.min(TURN_BYTES));
+                self.ctx
+                    .stats
+                    .items_memory
+                    .fetch_add(std::mem::take(&mut s.sent), Ordering::Relaxed);
+                if self.buffer_size > 0 {
+                    self.unacked += n;
+                }
+                match progress {
+                    Progress::Sent => idle_round = false,
+                    Progress::Idle => {}
+                    Progress::Ended(_) => {
+                        let s = self.topic_streams.remove(&p).expect("listed above");
+                        self.retire_topic_stream(s);
+                    }
+                }
+                wrote |= n > 0;
+            }
+        }
+        wrote
+    }
+
     /// Writes stream messages in turns until the window closes, the output is large enough, or
     /// every stream is caught up. Returns whether anything was written.
     fn fill(&mut self, out: &mut Vec<u8>) -> bool {
+        if self.topic.is_some() {
+            return self.fill_topic(out);
+        }
         let engine = self.ctx.engine.clone();
         let mut wrote = false;
         let mut idle_round = false;
@@ -690,7 +841,9 @@ impl Producer {
     /// Whether a StreamFilter applies: not to replication (a replica, which declared its
     /// consumer name, or a takeover), whose copy must be whole.
     fn filterable(&self) -> bool {
-        self.consumer_name.is_none() && self.streams.values().all(|s| s.takeover == Takeover::Off)
+        self.topic.is_none()
+            && self.consumer_name.is_none()
+            && self.streams.values().all(|s| s.takeover == Takeover::Off)
     }
 
     /// `fill` through the StreamFilter plugin: the round is staged, judged by key, and copied
@@ -766,6 +919,9 @@ impl Producer {
         for (_, mut s) in std::mem::take(&mut self.streams) {
             self.retire(&mut s);
         }
+        for (_, s) in std::mem::take(&mut self.topic_streams) {
+            self.retire_topic_stream(s);
+        }
     }
 }
 
@@ -809,6 +965,8 @@ pub async fn run(conn: Handoff, open: OpenProducer, ctx: Arc<DcpContext>) {
         cursor_dropping: false,
         end_on_close: false,
         streams: BTreeMap::new(),
+        topic: None,
+        topic_streams: BTreeMap::new(),
         consumer_name: None,
         sync_writes: false,
         persisted_acks: false,
@@ -867,7 +1025,11 @@ async fn serve(
                 }
             }
         }
-        let generation = bucket.changes.generation();
+        // A topic's connection sleeps on the topic's signal, and on the WAL writing a bundle
+        // its streams found appended but not yet written.
+        let topic = p.topic.clone();
+        let signal = topic.as_ref().map_or(&bucket.changes, |t| &t.changes);
+        let generation = signal.generation();
         let wrote = if p.filterable() && ctx.policies.installed(PolicyKind::Filter) {
             p.fill_filtered(out).await
         } else {
@@ -905,7 +1067,19 @@ async fn serve(
             }
             continue;
         }
-        let can_send = !p.streams.is_empty() && p.window() > 0;
+        let can_send = !(p.streams.is_empty() && p.topic_streams.is_empty()) && p.window() > 0;
+        let unwritten = p
+            .topic_streams
+            .values()
+            .filter_map(|s| s.unwritten_lsn)
+            .min();
+        let engine = ctx.engine.clone();
+        let written = async {
+            match unwritten {
+                Some(lsn) if can_send && engine.wal().written(lsn).await.is_ok() => {}
+                _ => std::future::pending().await,
+            }
+        };
         let noop_at = p.next_noop_deadline();
         let noop_sleep = async {
             match noop_at {
@@ -915,7 +1089,7 @@ async fn serve(
         };
         let changes = async {
             if can_send {
-                bucket.changes.changed(generation).await
+                signal.changed(generation).await
             } else {
                 std::future::pending().await
             }
@@ -927,11 +1101,30 @@ async fn serve(
                 Err(_) => return "read failed",
             },
             _ = changes => {}
+            _ = written => {}
             _ = noop_sleep => {}
             _ = stop.changed() => return "the server is stopping",
             _ = claim.replaced.changed() => return "its name was opened by another connection",
         }
     }
+}
+
+/// GET_FAILOVER_LOG of a topic's partition: the one entry its history has.
+fn topic_failover_log(topic: &Topic, req: &Request<'_>, out: &mut Vec<u8>) -> Flow {
+    match GetFailoverLog::decode(req) {
+        Err(e) => respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        Ok(g) if g.vbucket >= topic.num_partitions() => {
+            respond(out, req, status::NOT_MY_VBUCKET, b"no such partition")
+        }
+        Ok(_) => {
+            let entries = vec![FailoverLogEntry {
+                vbucket_uuid: topic_stream::topic_uuid(topic),
+                seqno: 0,
+            }];
+            let _ = FailoverLogResponse { entries }.encode(out, req.opaque);
+        }
+    }
+    Flow::Continue
 }
 
 impl DcpStats {

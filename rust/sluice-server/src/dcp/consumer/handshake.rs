@@ -115,10 +115,14 @@ impl ConsumerSession {
             &encoded(&open, SETUP_OPAQUE)?,
             "DCP_OPEN",
         )?;
-        let mut controls = vec![
+        let mut controls = Vec::new();
+        if let Some(topic) = &config.topic {
+            controls.push(("sluice_topic", topic.clone()));
+        }
+        controls.extend([
             ("connection_buffer_size", config.buffer_size.to_string()),
             ("enable_expiry_opcode", "true".into()),
-        ];
+        ]);
         if config.noop_interval > 0 {
             controls.push(("enable_noop", "true".into()));
             controls.push(("set_noop_interval", config.noop_interval.to_string()));

@@ -50,6 +50,9 @@ pub enum RollbackMode {
 pub struct ConsumerConfig {
     pub address: String,
     pub bucket: String,
+    /// Stream this topic's partitions (a sluice producer's control `sluice_topic`) instead of
+    /// the bucket's vbuckets; the bucket is still selected, for the login's permissions.
+    pub topic: Option<String>,
     pub username: Option<String>,
     pub password: Option<String>,
     pub name: String,
@@ -98,6 +101,7 @@ impl Default for ConsumerConfig {
         ConsumerConfig {
             address: "127.0.0.1:11210".into(),
             bucket: "default".into(),
+            topic: None,
             username: None,
             password: None,
             name: "sluice:consumer".into(),

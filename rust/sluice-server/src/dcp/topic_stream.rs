@@ -1,0 +1,268 @@
+//! A topic partition as a DCP stream: a producer switched to a topic (control `sluice_topic`)
+//! streams each partition as the vbucket of its number, each message a mutation whose seqno is
+//! its sequence number, its value the content and its CAS the producer's timestamp in
+//! nanoseconds (milliseconds × 10⁶, as a Couchbase CAS counts time). DCP documents must have a
+//! key: a keyed message carries its key with flags `KEYED`, one without (or with an empty one) its
+//! sequence number in decimal with flags 0. A partition's history is never cut, so its failover log is one
+//! entry whose uuid is the topic's (`topic_uuid`), and a consumer past the end is rolled back to
+//! it. Messages retention dropped are skipped: the stream goes on from the oldest kept.
+
+use std::sync::Arc;
+
+use sluice_core::engine::TopicRead;
+use sluice_core::item::{ChangeOp, ItemMeta};
+use sluice_core::topic::Topic;
+use sluice_core::vbucket::VbState;
+use sluice_core::Engine;
+use sluice_proto::dcp::{snapshot_flag, stream_end_reason, stream_flag, StreamRequest};
+use sluice_proto::tank::bundle::Bundle;
+use sluice_proto::tank::response::chunk_bundles;
+
+use crate::stream::{Encoding, Progress, StreamSink, StreamView};
+
+/// The flags of a message that has a key of its own.
+pub const KEYED: u32 = 1;
+
+/// The largest message set a stored Snappy bundle may expand to.
+const MAX_SET: usize = 256 << 20;
+
+/// A partition's failover uuid: the same on every node for a topic of that name.
+pub fn topic_uuid(topic: &Topic) -> u64 {
+    // FNV-1a: stable across builds and nodes, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in topic.name.as_bytes() {
+        h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+/// How a topic's partitions show as vbuckets: active where produced to, replica where a
+/// replica copies them.
+pub fn partition_state(topic: &Topic) -> VbState {
+    if topic.is_followed() {
+        VbState::Replica
+    } else {
+        VbState::Active
+    }
+}
+
+/// GET_ALL_VB_SEQNOS of a topic: its partitions in the state asked for (active when none is)
+/// with their high-water marks.
+pub fn all_seqnos(topic: &Topic, extras: &[u8]) -> Result<Vec<u8>, &'static str> {
+    let wanted = match *extras {
+        [] => VbState::Active,
+        [a, b, c, d] => VbState::from_code(u32::from_be_bytes([a, b, c, d]))
+            .ok_or("no such vbucket state (1 active, 2 replica, 3 pending, 4 dead)")?,
+        _ => return Err("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
+    };
+    let mut value = Vec::new();
+    if partition_state(topic) == wanted {
+        for p in 0..topic.num_partitions() {
+            let hwm = topic
+                .lock_partition(p)
+                .expect("in range")
+                .log
+                .high_water_mark();
+            value.extend_from_slice(&p.to_be_bytes());
+            value.extend_from_slice(&hwm.to_be_bytes());
+        }
+    }
+    Ok(value)
+}
+
+/// Why a stream request for a partition is not opened: the answer's status and message, or a
+/// rollback to this sequence number.
+pub enum Refused {
+    Status(u16, String),
+    Rollback(u64),
+}
+
+pub struct TopicStream {
+    pub partition: u16,
+    pub opaque: u32,
+    topic: Arc<Topic>,
+    /// The next sequence number to send.
+    next_seq: u64,
+    end_seqno: u64,
+    encoding: Encoding,
+    /// A bundle the last read found appended but not yet in the WAL file: its LSN, which
+    /// wakes the stream when written.
+    pub unwritten_lsn: Option<u64>,
+    /// Messages sent, for the producer's counters.
+    pub sent: u64,
+    chunk: Vec<u8>,
+    set: Vec<u8>,
+}
+
+impl TopicStream {
+    /// Opens a stream of `partition` as a STREAM_REQ asks (start and end seqnos, FROM_LATEST,
+    /// TO_LATEST); a start past the partition's end is rolled back to it.
+    pub fn open(
+        topic: Arc<Topic>,
+        sr: &StreamRequest,
+        opaque: u32,
+        encoding: Encoding,
+    ) -> Result<TopicStream, Refused> {
+        let hwm = match topic.lock_partition(sr.vbucket) {
+            Some(p) => p.log.high_water_mark(),
+            None => {
+                return Err(Refused::Status(
+                    sluice_proto::mcbp::status::NOT_MY_VBUCKET,
+                    format!("topic {:?} has no partition {}", topic.name, sr.vbucket),
+                ))
+            }
+        };
+        let mut start = sr.start_seqno;
+        let mut end = sr.end_seqno;
+        if sr.flags & stream_flag::FROM_LATEST != 0 {
+            start = hwm;
+        }
+        if sr.flags & (stream_flag::TO_LATEST | stream_flag::DISK_ONLY) != 0 {
+            end = hwm;
+        }
+        if start > end {
+            return Err(Refused::Status(
+                sluice_proto::mcbp::status::ERANGE,
+                format!("start seqno {start} is past end seqno {end}"),
+            ));
+        }
+        if start > hwm {
+            return Err(Refused::Rollback(hwm));
+        }
+        Ok(TopicStream {
+            partition: sr.vbucket,
+            opaque,
+            topic,
+            next_seq: start + 1,
+            end_seqno: end,
+            encoding,
+            unwritten_lsn: None,
+            sent: 0,
+            chunk: Vec::new(),
+            set: Vec::new(),
+        })
+    }
+
+    pub fn view(&self) -> StreamView {
+        StreamView {
+            vbucket: self.partition,
+            opaque: self.opaque,
+            encoding: self.encoding,
+        }
+    }
+
+    pub fn topic(&self) -> &Arc<Topic> {
+        &self.topic
+    }
+
+    /// Writes the next chunk of the partition (about `budget` bytes of bundles, one bundle at
+    /// least) as a snapshot: a marker, then its messages.
+    pub fn fill(
+        &mut self,
+        engine: &Engine,
+        out: &mut impl StreamSink,
+        budget: usize,
+    ) -> (usize, Progress) {
+        let view = self.view();
+        if self.next_seq > self.end_seqno {
+            let n = out.end(&view, stream_end_reason::OK);
+            return (n, Progress::Ended(stream_end_reason::OK));
+        }
+        self.unwritten_lsn = None;
+        self.chunk.clear();
+        let fetch = budget.clamp(1, u32::MAX as usize) as u32;
+        let read = engine.read_topic(
+            &self.topic,
+            self.partition,
+            self.next_seq,
+            fetch,
+            &mut self.chunk,
+        );
+        let base_seq = match read {
+            Ok(TopicRead::Chunk { base_seq, .. }) => base_seq,
+            Ok(TopicRead::Tail { unwritten_lsn, .. }) => {
+                self.unwritten_lsn = unwritten_lsn;
+                return (0, Progress::Idle);
+            }
+            Ok(TopicRead::OutOfRange {
+                first_available, ..
+            }) if first_available > self.next_seq => {
+                // Retention dropped them: from the oldest kept.
+                self.next_seq = first_available;
+                return (0, Progress::Sent);
+            }
+            Ok(TopicRead::OutOfRange { .. }) | Err(_) => return (0, Progress::Idle),
+        };
+        let bundles = chunk_bundles(&self.chunk);
+        // The snapshot's end from the bundles' headers, before any is decompressed.
+        let mut last = base_seq;
+        let mut next = base_seq;
+        for b in &bundles {
+            let parsed = Bundle::parse(b).expect("stored bundles were checked");
+            let first = parsed.sparse.map_or(next, |(first, _)| first);
+            last = first + parsed.span() - 1;
+            next = last + 1;
+        }
+        let (from, to) = (self.next_seq, last.min(self.end_seqno));
+        let mut n = out.marker(&view, from, to, snapshot_flag::MEMORY, None);
+        let mut next = base_seq;
+        'bundles: for b in &bundles {
+            let parsed = Bundle::parse(b).expect("stored bundles were checked");
+            if parsed.decompress_into(&mut self.set, MAX_SET).is_err() {
+                log::error!(
+                    "topic {:?} partition {}: a stored bundle does not decompress",
+                    self.topic.name,
+                    self.partition
+                );
+                break;
+            }
+            for m in parsed.messages(&self.set, next) {
+                let Ok(m) = m else { break 'bundles };
+                next = m.seq + 1;
+                if m.seq < from {
+                    continue;
+                }
+                if m.seq > to {
+                    break 'bundles;
+                }
+                let meta = ItemMeta {
+                    cas: m.ts.saturating_mul(1_000_000),
+                    rev_seqno: 1,
+                    by_seqno: m.seq,
+                    flags: if m.key.is_some_and(|k| !k.is_empty()) {
+                        KEYED
+                    } else {
+                        0
+                    },
+                    ..ItemMeta::default()
+                };
+                let mut digits = [0u8; 20];
+                let key = match m.key {
+                    Some(k) if !k.is_empty() => k,
+                    _ => decimal(m.seq, &mut digits),
+                };
+                n += out.document(&view, ChangeOp::Mutation, key, m.content, &meta, false);
+                self.sent += 1;
+            }
+        }
+        self.next_seq = to + 1;
+        if self.next_seq > self.end_seqno {
+            n += out.end(&view, stream_end_reason::OK);
+            return (n, Progress::Ended(stream_end_reason::OK));
+        }
+        (n, Progress::Sent)
+    }
+}
+
+/// `n` in decimal, written into `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
