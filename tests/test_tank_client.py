@@ -282,3 +282,59 @@ def test_a_topic_streams_over_dcp_partition_by_partition(node):
         later = stream.poll(20)
     assert later is not None, "the produce never streamed"
     assert [(c.seqno, c.value) for c in later] == [(1001, b"later")]
+
+
+def test_a_replica_copies_topics_and_serves_their_consumes(tmp_path):
+    active = Node(tmp_path / "a")
+    replica = None
+    try:
+        with TankConnection(active.tank) as tank:
+            tank.create_topic("events", 2, "log.retention.bytes=100000000")
+            tank.produce("events", [b"one", (b"k", b"two")], ts_ms=1_000)
+            tank.produce("events", [f"m{i}".encode() for i in range(200)], snappy=True, ts_ms=2_000)
+            tank.produce("events", [b"p1"], partition=1, ts_ms=3_000)
+            tank.produce("events", [b"placed"], seq=500, ts_ms=4_000)
+        replica = Node(tmp_path / "r", "--replica-of", active.address)
+
+        def copied(want_hwm: int) -> list:
+            deadline = time.monotonic() + 30
+            with TankConnection(replica.tank) as r:
+                while True:
+                    topics = dict(r.topics())
+                    if topics.get("events") == 2 and r.partitions("events")[0][1] >= want_hwm:
+                        return read_all(r, "events", 0)
+                    assert time.monotonic() < deadline, f"not copied: {topics}"
+                    time.sleep(0.1)
+
+        with TankConnection(active.tank) as a:
+            want = read_all(a, "events", 0)
+        assert [m.seq for m in want] == [*range(1, 203), 500]
+        assert copied(500) == want
+        with TankConnection(replica.tank) as r:
+            assert [(m.seq, m.content) for m in r.consume("events", 1).messages] == [(1, b"p1")]
+            # A replica's copy takes no produce: TANK's read-only answer.
+            with pytest.raises(TankError, match="read-only"):
+                r.produce("events", [b"here"])
+        # What comes later on the active follows, in order and with its numbers.
+        with TankConnection(active.tank) as a:
+            a.produce("events", [(b"late", b"later")], ts_ms=5_000)
+            want = read_all(a, "events", 0)
+        assert copied(501) == want
+        assert want[-1] == (501, 5_000, b"late", b"later")
+        status = run_cli("status", "--admin", replica.admin)
+        assert "topic events: 2 partition(s)" in status.stdout, status.stdout
+    finally:
+        if replica:
+            replica.stop()
+        active.stop()
+
+
+def read_all(tank: TankConnection, topic: str, partition: int) -> list:
+    """Every message of a partition, from its first."""
+    out, seq = [], 0
+    while True:
+        got = tank.consume(topic, partition, seq)
+        out += got.messages
+        if got.next_seq > got.high_water_mark:
+            return out
+        seq = got.next_seq

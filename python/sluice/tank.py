@@ -38,6 +38,7 @@ TAIL = 2**64 - 1
 PRODUCE_ERRORS = {
     0x02: "the request is not valid (a bad bundle, a partition the topic lacks, or a sequence "
     "number behind the partition's end)",
+    0xFE: "the broker is read-only for the topic (a replica's copy: produce to its active)",
     0xFF: "the topic is unknown",
 }
 

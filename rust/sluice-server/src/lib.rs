@@ -36,6 +36,7 @@ pub mod tank;
 pub mod tap;
 pub mod text;
 pub mod tls;
+pub mod topic_replica;
 pub mod upstream;
 
 pub use config::ServerConfig;

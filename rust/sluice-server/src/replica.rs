@@ -620,6 +620,8 @@ impl ReplicaSession<'_> {
 pub struct Followers {
     engine: Arc<Engine>,
     replicators: Mutex<Vec<Replicator>>,
+    /// The copy of the active's topics.
+    topics: Mutex<Option<crate::topic_replica::TopicFollower>>,
     /// Names the active while this node follows it, and shows the promotion.
     clustermap: Arc<ClusterMap>,
 }
@@ -644,9 +646,27 @@ impl Followers {
                 .collect(),
             None => Vec::new(),
         };
+        // The topics here are copies from the start (none is produced to before the follower
+        // reaches the active); their DCP logins select a bucket both nodes have, for the
+        // stream permission.
+        if active.is_some() {
+            for t in engine.topics() {
+                t.set_followed(true);
+            }
+        }
+        let topics = active
+            .zip(engine.buckets().first().cloned())
+            .map(|(rc, b)| {
+                crate::topic_replica::TopicFollower::start(
+                    engine.clone(),
+                    rc.clone(),
+                    b.name().to_string(),
+                )
+            });
         Followers {
             engine,
             replicators: Mutex::new(replicators),
+            topics: Mutex::new(topics),
             clustermap,
         }
     }
@@ -661,12 +681,18 @@ impl Followers {
         for mut r in std::mem::take(&mut *self.replicators.lock()) {
             r.stop();
         }
+        if let Some(mut t) = self.topics.lock().take() {
+            t.stop();
+        }
     }
 
     /// Failover: stops following the active, then makes every replica vbucket active (each
     /// with a new failover entry). Returns (bucket, vbuckets promoted) per bucket.
     pub fn promote(&self) -> sluice_core::Result<Vec<(String, Vec<u16>)>> {
         self.stop();
+        for t in self.engine.topics() {
+            t.set_followed(false);
+        }
         let mut out = Vec::new();
         for b in self.engine.buckets() {
             let promoted = self.engine.promote(&b)?;

@@ -7,6 +7,8 @@ use super::{finish_frame, msg, put_str8, start_frame, DecodeError, Reader};
 pub mod produce_error {
     pub const OK: u8 = 0x00;
     pub const INVALID_REQUEST: u8 = 0x02;
+    /// The broker takes no produce (TANK's read-only mode); once per topic, as UNKNOWN_TOPIC.
+    pub const READ_ONLY: u8 = 0xfe;
     pub const UNKNOWN_TOPIC: u8 = 0xff;
 }
 

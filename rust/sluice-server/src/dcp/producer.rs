@@ -639,6 +639,10 @@ impl Producer {
         let Ok(req) = mcbp::parse_request(frame) else {
             return session.handle_streaming(frame, out);
         };
+        if req.opcode == mcbp::opcode::STAT && req.key == b"topics" {
+            self.topics_stat(&req, out);
+            return Flow::Continue;
+        }
         if let Some(topic) = self.topic.clone() {
             match req.opcode {
                 opcode::STREAM_REQ => return self.topic_stream_request(topic, &req, out),
@@ -678,6 +682,26 @@ impl Producer {
             _ => return session.handle_streaming(frame, out),
         }
         Flow::Continue
+    }
+
+    /// STAT topics: per topic, its name as the key and as the value its partition count, a
+    /// newline and its settings (what a replica declares its copy with). Answered here, under
+    /// the connection's stream permission, like GET_ALL_VB_SEQNOS.
+    fn topics_stat(&self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let stat = |out: &mut Vec<u8>, key: &[u8], value: &[u8]| {
+            let h = mcbp::HeaderFields {
+                magic: magic::RESPONSE,
+                opcode: req.opcode,
+                opaque: req.opaque,
+                ..Default::default()
+            };
+            let _ = mcbp::write_frame(out, &h, &[], &[], key, value);
+        };
+        for t in self.ctx.engine.topics() {
+            let value = format!("{}\n{}", t.num_partitions(), t.config_text);
+            stat(out, t.name.as_bytes(), value.as_bytes());
+        }
+        stat(out, b"", b"");
     }
 
     fn topic_stream_request(

@@ -209,7 +209,7 @@ fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
 }
 
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
-/// as TANK's broker answers.
+/// and a topic this node copies from its active one 0xfe (read-only), as TANK's broker answers.
 fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut u64) {
     let mut errors = Vec::with_capacity(p.entries());
     for t in &p.topics {
@@ -217,6 +217,15 @@ fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut
             errors.push(produce_error::UNKNOWN_TOPIC);
             continue;
         };
+        if topic.is_followed() {
+            // A replica's copy: what is produced goes to the active.
+            log::debug!(
+                "a TANK produce to {:?} refused: a replica's copy",
+                topic.name
+            );
+            errors.push(produce_error::READ_ONLY);
+            continue;
+        }
         for part in &t.partitions {
             errors.push(
                 match ctx

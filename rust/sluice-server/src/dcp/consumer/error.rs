@@ -85,6 +85,9 @@ pub enum ConsumerError {
     BadSetVbucketState(DcpError),
     #[error("bad stream end: {0}")]
     BadStreamEnd(DcpError),
+    /// An answer that does not say what its request asks (STAT topics).
+    #[error("{0}")]
+    BadAnswer(String),
 }
 
 impl ConsumerError {

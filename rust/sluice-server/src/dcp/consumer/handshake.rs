@@ -215,6 +215,36 @@ impl ConsumerSession {
         self.call_frame(opcode, &req, what)
     }
 
+    /// STAT `group`: its (key, value) pairs, up to the answer's empty-keyed end.
+    pub(super) fn stats(&mut self, group: &str) -> Result<Vec<(Vec<u8>, Vec<u8>)>, ConsumerError> {
+        let what = format!("STAT {group}");
+        let req = frame(op::STAT, SETUP_OPAQUE, &[], group.as_bytes(), &[]);
+        self.send(&req)
+            .map_err(|e| ConsumerError::during(&what, e))?;
+        let mut out = Vec::new();
+        loop {
+            let f = self
+                .next_frame_blocking()
+                .map_err(|e| ConsumerError::during(&what, e))?;
+            let r = mcbp::parse_response(&f)
+                .map_err(|e| ConsumerError::during(&what, ConsumerError::Frame(e)))?;
+            if r.opcode != op::STAT {
+                continue;
+            }
+            if r.status != status::SUCCESS {
+                return Err(ConsumerError::Refused {
+                    what,
+                    status: r.status,
+                    message: String::from_utf8_lossy(r.value).into_owned(),
+                });
+            }
+            if r.key.is_empty() {
+                return Ok(out);
+            }
+            out.push((r.key.to_vec(), r.value.to_vec()));
+        }
+    }
+
     /// Sends one encoded request and waits for its answer (by opcode): its value on success.
     fn call_frame(&mut self, opcode: u8, req: &[u8], what: &str) -> Result<Vec<u8>, ConsumerError> {
         self.send(req).map_err(|e| ConsumerError::during(what, e))?;

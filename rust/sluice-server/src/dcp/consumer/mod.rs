@@ -274,6 +274,40 @@ pub fn vbucket_positions(
     r
 }
 
+/// A topic a sluice producer streams (`STAT topics` on a DCP connection).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicInfo {
+    pub name: String,
+    pub partitions: u16,
+    /// Its configuration text, as it was created with.
+    pub settings: String,
+}
+
+/// The topics of the producer of `config`, on a connection of its own closed afterwards.
+pub fn topics(config: &ConsumerConfig) -> Result<Vec<TopicInfo>, ConsumerError> {
+    let (tx, _rx) = mpsc::sync_channel(1);
+    let (_ctx, crx) = mpsc::channel();
+    let socket = Arc::new(Mutex::new(None));
+    let mut s = ConsumerSession::connect(config, tx, crx, &socket)?;
+    let r = s.stats("topics");
+    let _ = s.sock.shutdown(std::net::Shutdown::Both);
+    r?.into_iter()
+        .map(|(name, value)| {
+            let value = String::from_utf8_lossy(&value).into_owned();
+            let (count, settings) = value.split_once('\n').unwrap_or((&value, ""));
+            Ok(TopicInfo {
+                name: String::from_utf8(name).map_err(|_| {
+                    ConsumerError::BadAnswer("STAT topics: a topic name is not UTF-8".into())
+                })?,
+                partitions: count.parse().map_err(|_| {
+                    ConsumerError::BadAnswer(format!("STAT topics: {count:?} is not a count"))
+                })?,
+                settings: settings.to_string(),
+            })
+        })
+        .collect()
+}
+
 /// A connection of its own to the producer that asks for the high seqnos of its vbuckets
 /// (GET_ALL_VB_SEQNOS): what a replica measures its lag against. Its answers come at once even
 /// while the stream connection is backlogged, which is when the lag matters.

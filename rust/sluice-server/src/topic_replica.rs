@@ -1,0 +1,301 @@
+//! A replica's copy of its active's topics. Every topic the active has (`STAT topics` on a DCP
+//! connection) is declared here with the same partitions and settings and marked followed
+//! (TANK producers are told this broker is read-only), and its partitions are streamed over
+//! DCP (`dcp::topic_stream` on the active): each run of consecutive messages becomes a bundle
+//! placed at its first sequence number (`Engine::produce` with a first sequence number), so
+//! consumers here read the same messages by the same numbers. New topics on the active are
+//! picked up within a second.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use sluice_core::topic::Topic;
+use sluice_core::Engine;
+use sluice_proto::mcbp::status;
+use sluice_proto::tank::bundle::{self, codec, NewMessage};
+
+use crate::dcp::consumer::{
+    self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState, TopicInfo,
+};
+use crate::dcp::topic_stream::{topic_uuid, KEYED};
+use crate::replica::ReplicaConfig;
+
+/// How often the active is asked for its topics.
+const DISCOVER_EVERY: Duration = Duration::from_secs(1);
+/// The most messages one placed bundle holds.
+const MAX_BUNDLE: usize = 1024;
+
+/// Follows the active's topics on a thread of its own, and each topic on one more.
+pub struct TopicFollower {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What a follower connects with: the active, the bucket its login selects, this node's name.
+#[derive(Clone)]
+struct Upstream {
+    config: ReplicaConfig,
+    bucket: String,
+    node: String,
+}
+
+impl Upstream {
+    fn consumer_config(&self, name: String) -> ConsumerConfig {
+        ConsumerConfig {
+            address: self.config.active.clone(),
+            bucket: self.bucket.clone(),
+            username: self.config.username.clone(),
+            password: self.config.password.clone(),
+            tls: self.config.tls.clone(),
+            name,
+            ..ConsumerConfig::default()
+        }
+    }
+}
+
+impl TopicFollower {
+    /// `bucket`: the bucket the DCP logins select (the stream permission on it covers topics).
+    pub fn start(engine: Arc<Engine>, config: ReplicaConfig, bucket: String) -> TopicFollower {
+        let stop = Arc::new(AtomicBool::new(false));
+        let upstream = Upstream {
+            config,
+            bucket,
+            node: engine.instance().to_string(),
+        };
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("sluice-topic-replica".into())
+                .spawn(move || discover(engine, upstream, stop))
+                .expect("spawn a thread")
+        };
+        TopicFollower {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops following; returns once nothing more is placed.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for TopicFollower {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sleeps `d` or until stopped.
+fn pause(d: Duration, stop: &AtomicBool) {
+    let until = Instant::now() + d;
+    while Instant::now() < until && !stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn discover(engine: Arc<Engine>, upstream: Upstream, stop: Arc<AtomicBool>) {
+    let mut copies: HashMap<String, JoinHandle<()>> = HashMap::new();
+    let mut refused: HashMap<String, String> = HashMap::new();
+    let probe = ConsumerConfig {
+        setup_timeout: Some(Duration::from_secs(2)),
+        noop_interval: 0,
+        ..upstream.consumer_config(format!("replication-topics:{}", upstream.node))
+    };
+    while !stop.load(Ordering::Acquire) {
+        match consumer::topics(&probe) {
+            Ok(topics) => {
+                for t in topics {
+                    if copies.contains_key(&t.name) {
+                        continue;
+                    }
+                    match declare(&engine, &t) {
+                        Ok(topic) => {
+                            refused.remove(&t.name);
+                            let (engine, upstream, stop) =
+                                (engine.clone(), upstream.clone(), stop.clone());
+                            let thread = std::thread::Builder::new()
+                                .name(format!("sluice-topic-{}", t.name))
+                                .spawn(move || copy(&engine, &topic, &upstream, &stop))
+                                .expect("spawn a thread");
+                            copies.insert(t.name, thread);
+                        }
+                        // Said once per topic and reason, not every second.
+                        Err(why) if refused.get(&t.name) != Some(&why) => {
+                            log::error!("the active's topic {:?} is not copied: {why}", t.name);
+                            refused.insert(t.name, why);
+                        }
+                        Err(_) => {}
+                    }
+                }
+            }
+            Err(e) => log::debug!(
+                "asking {} for its topics: {e}; asking again",
+                upstream.config.active
+            ),
+        }
+        pause(DISCOVER_EVERY, &stop);
+    }
+    for (_, t) in copies {
+        let _ = t.join();
+    }
+}
+
+/// The topic here, as the active has it: created if missing, marked followed.
+fn declare(engine: &Engine, t: &TopicInfo) -> Result<Arc<Topic>, String> {
+    let topic = match engine.topic(&t.name) {
+        Some(here) if here.num_partitions() != t.partitions => {
+            return Err(format!(
+                "it has {} partition(s) here and {} on the active",
+                here.num_partitions(),
+                t.partitions
+            ))
+        }
+        Some(here) => here,
+        None => {
+            let created = engine
+                .create_topic(&t.name, t.partitions, &t.settings)
+                .map_err(|e| e.to_string())?;
+            log::info!(
+                "topic {:?} declared as the active has it, to copy it",
+                t.name
+            );
+            created
+        }
+    };
+    topic.set_followed(true);
+    Ok(topic)
+}
+
+fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicBool) {
+    let mut backoff = Duration::from_millis(50);
+    while !stop.load(Ordering::Acquire) {
+        let mut state = SessionState::default();
+        let uuid = topic_uuid(topic);
+        for p in 0..topic.num_partitions() {
+            let hwm = topic
+                .lock_partition(p)
+                .expect("in range")
+                .log
+                .high_water_mark();
+            state.vbuckets.insert(
+                p,
+                Position {
+                    failover: vec![(uuid, 0)],
+                    seqno: hwm,
+                    snap_start: hwm,
+                    snap_end: hwm,
+                    disk: false,
+                },
+            );
+        }
+        let consumer = Consumer::start(ConsumerConfig {
+            topic: Some(topic.name.clone()),
+            vbuckets: Some((0..topic.num_partitions()).collect()),
+            state,
+            rollback: RollbackMode::Ask,
+            batch_size: 4096,
+            buffer_size: 32 << 20,
+            noop_interval: upstream.config.noop_interval,
+            ..upstream.consumer_config(format!(
+                "replication:{}:topic:{}",
+                upstream.node, topic.name
+            ))
+        });
+        let why = follow(engine, topic, &consumer, stop);
+        drop(consumer);
+        let Some(why) = why else {
+            return;
+        };
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        log::warn!(
+            "copying topic {:?} from {}: {why}; again in {backoff:?}",
+            topic.name,
+            upstream.config.active
+        );
+        pause(backoff, stop);
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Places what the stream brings until stopped (None) or the connection fails (why).
+fn follow(
+    engine: &Engine,
+    topic: &Topic,
+    consumer: &Consumer,
+    stop: &AtomicBool,
+) -> Option<String> {
+    while !stop.load(Ordering::Acquire) {
+        match consumer.next_event(Duration::from_millis(100)) {
+            None => {}
+            Some(Event::Batch(b)) => {
+                if let Err(why) = place(engine, topic, &b) {
+                    return Some(why);
+                }
+            }
+            Some(Event::Rollback { vbucket, seqno, .. }) => {
+                // A log is not taken back: the active lost messages this copy holds.
+                return Some(format!(
+                    "partition {vbucket} here is past the active's end ({seqno}); the copy \
+                     keeps what it has and waits for the active to catch up"
+                ));
+            }
+            Some(Event::VbucketState { opaque, .. }) => {
+                consumer.respond(
+                    sluice_proto::dcp::opcode::SET_VBUCKET_STATE,
+                    opaque,
+                    status::EINVAL,
+                );
+            }
+            Some(Event::Finished) => return Some("every stream ended".into()),
+            Some(Event::Failed(e)) => return Some(e.to_string()),
+        }
+    }
+    None
+}
+
+/// Each run of consecutive messages of one partition in `b` as a bundle at its first
+/// sequence number.
+fn place(engine: &Engine, topic: &Topic, b: &Batch) -> Result<(), String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let p = b.vbucket[i];
+        let mut j = i + 1;
+        while j < b.len()
+            && b.vbucket[j] == p
+            && b.seqno[j] == b.seqno[j - 1] + 1
+            && j - i < MAX_BUNDLE
+        {
+            j += 1;
+        }
+        let messages: Vec<NewMessage<'_>> = (i..j)
+            .map(|r| {
+                let key = &b.keys[b.key_offsets[r] as usize..b.key_offsets[r + 1] as usize];
+                NewMessage {
+                    ts: b.cas[r] / 1_000_000,
+                    key: (b.flags[r] & KEYED != 0).then_some(key),
+                    content: &b.values
+                        [b.value_offsets[r] as usize..b.value_offsets[r + 1] as usize],
+                }
+            })
+            .collect();
+        out.clear();
+        bundle::write(&mut out, &messages, codec::NONE);
+        // Nobody waits on a copy's bundle: the WAL writes it in its turn.
+        let _ = engine
+            .produce(topic, p, Some(b.seqno[i]), &out)
+            .map_err(|e| format!("placing partition {p} at {}: {e}", b.seqno[i]))?;
+        i = j;
+    }
+    Ok(())
+}
