@@ -37,6 +37,9 @@ pub(super) fn encoded(r: &impl dcp::DcpRequest, opaque: u32) -> Result<Vec<u8>, 
     Ok(out)
 }
 
+/// A STAT answer's key and value.
+pub(super) type StatPair = (Vec<u8>, Vec<u8>);
+
 /// The opaque of every setup request.
 const SETUP_OPAQUE: u32 = 0xfeed;
 
@@ -216,7 +219,7 @@ impl ConsumerSession {
     }
 
     /// STAT `group`: its (key, value) pairs, up to the answer's empty-keyed end.
-    pub(super) fn stats(&mut self, group: &str) -> Result<Vec<(Vec<u8>, Vec<u8>)>, ConsumerError> {
+    pub(super) fn stats(&mut self, group: &str) -> Result<Vec<StatPair>, ConsumerError> {
         let what = format!("STAT {group}");
         let req = frame(op::STAT, SETUP_OPAQUE, &[], group.as_bytes(), &[]);
         self.send(&req)
