@@ -535,3 +535,64 @@ def test_a_streaming_query_on_a_followed_space_sees_the_writes_made_on_tarantool
             query.stop()
             up.close()
             node.stop()
+
+
+def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
+    from datetime import datetime, timezone
+
+    from sluice.spark import topic
+    from sluice.tank import TankConnection
+
+    node = start_node(tmp_path, "a")
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    try:
+        with TankConnection(node.tank) as tank:
+            tank.create_topic("events", 2)
+            tank.produce("events", [b"plain", (b"\xff\x00k", b"binary key")], ts_ms=1_700_000_000_123)
+            tank.produce("events", [f"m{i}".encode() for i in range(500)], snappy=True, partition=1)
+        df = spark.read.format("sluice").option("nodes", node.address).option("topic", "events").load()
+        rows = sorted(df.collect(), key=lambda r: (r.partition, r.offset))
+        assert len(rows) == 502
+        first, second = rows[0], rows[1]
+        assert (first.key, first.value, first.topic, first.partition, first.offset) == (
+            None,
+            b"plain",
+            "events",
+            0,
+            1,
+        )
+        assert (second.key, second.value, second.offset) == (b"\xff\x00k", b"binary key", 2)
+        stamp = datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=timezone.utc)
+        assert first.timestamp.astimezone(timezone.utc) == stamp
+        assert [r.value for r in rows[2:]] == [f"m{i}".encode() for i in range(500)]
+
+        def run():
+            return (
+                spark.readStream.format("sluice")
+                .option("nodes", node.address)
+                .option("topic", "events")
+                .option("startingOffsets", "earliest")
+                .option("maxRecordsPerBatch", "200")
+                .load()
+                .writeStream.format("parquet")
+                .option("path", str(out))
+                .option("checkpointLocation", str(checkpoint))
+                .trigger(availableNow=True)
+                .start()
+            )
+
+        def sunk():
+            return spark.read.schema(topic.spark_schema()).parquet(str(out)).collect()
+
+        q = run()
+        assert q.awaitTermination(180) and q.exception() is None
+        assert len(sunk()) == 502
+        with TankConnection(node.tank) as tank:
+            tank.produce("events", [b"later"], partition=0)
+        q = run()
+        assert q.awaitTermination(180) and q.exception() is None
+        got = [(r.partition, r.offset) for r in sunk()]
+        assert len(got) == len(set(got)) == 503, "a message was written twice or is missing"
+        assert (0, 3) in got
+    finally:
+        node.stop()

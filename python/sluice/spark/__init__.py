@@ -10,11 +10,12 @@ changes, preferably from a replica.
     df = spark.read.format("sluice").option("nodes", "10.0.0.2:11210").load()
 
 Rows have the fixed schema :data:`SCHEMA`, or with ``.option("space", NAME)`` one typed column
-per field of an iproto space (:mod:`sluice.spark.space`). They reach Spark as Arrow record batches whose
-columns the native module builds; each Spark task opens its own DCP connection. The package and
-its native module must be installed (``pip install 'sluice-kv[spark]'``) on the driver and on
-every executor, for the interpreter Spark's Python workers run (``PYSPARK_PYTHON``). Options are
-documented in docs/spark.md.
+per field of an iproto space (:mod:`sluice.spark.space`), or with ``.option("topic", NAME)`` a
+topic's messages in the columns of Spark's Kafka source (:mod:`sluice.spark.topic`). They
+reach Spark as Arrow record batches whose columns the native module builds; each Spark task
+opens its own DCP connection. The package and its native module must be installed (``pip
+install 'sluice-kv[spark]'``) on the driver and on every executor, for the interpreter Spark's
+Python workers run (``PYSPARK_PYTHON``). Options are documented in docs/spark.md.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from sluice._native import RawBatch, SluiceError
-from sluice.spark import planning, space
+from sluice.spark import planning, space, topic
 from sluice.spark.options import OptionError, Options, parse
 from sluice.spark.planning import DataLossError, Position, VbucketRange
 from sluice.spark.space import SpaceSchema
@@ -144,7 +145,9 @@ def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | N
     the space's columns when ``tuples`` is given)."""
     from sluice.client import Client
 
-    if tuples is None:
+    if opts.topic is not None:
+        convert = lambda raw: topic.record_batch(raw, opts.topic)  # noqa: E731
+    elif tuples is None:
         convert = lambda raw: record_batch(raw, opts.include_deletes)  # noqa: E731
     else:
         convert = lambda raw: space.record_batch(raw, tuples, opts.include_deletes)  # noqa: E731
@@ -185,6 +188,7 @@ def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | N
         rollback=rollback,
         format=convert,
         setup_timeout=opts.timeout,
+        topic=opts.topic,
     ) as stream:
         for batch in stream:
             if batch.num_rows:
@@ -349,7 +353,12 @@ class SluiceDataSource(DataSource):
             opts = dataclasses.replace(opts, bucket=tuples.bucket)
         return opts, tuples
 
+    def _topic(self) -> bool:
+        return any(k.lower() == "topic" for k in self.options)
+
     def schema(self) -> StructType:
+        if self._topic():
+            return topic.spark_schema()
         tuples = self._space()
         return spark_schema() if tuples is None else space.spark_schema(tuples)
 
@@ -364,6 +373,8 @@ class SluiceDataSource(DataSource):
     def _check_schema(self, schema: StructType) -> None:
         if schema == self.schema():
             return
+        if self._topic():
+            raise OptionError("schema", f"a topic reads with the fixed schema {topic.SCHEMA}")
         if self._space() is None:
             raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
         raise OptionError(

@@ -40,6 +40,7 @@ class Options:
     nodes: tuple[str, ...]
     bucket: str
     space: str | None  # an iproto space: its bucket, read as typed columns (sluice.spark.space)
+    topic: str | None  # a topic's messages instead of a bucket's changes (sluice.spark.topic)
     vbuckets: tuple[int, ...] | None  # None: every vbucket
     prefer_replica: bool
     starting_offsets: Offsets
@@ -53,7 +54,7 @@ class Options:
     timeout: float
 
     def node_kwargs(self) -> dict[str, Any]:
-        return {"bucket": self.bucket, "username": self.user, "password": self.password}
+        return {"bucket": self.bucket, "username": self.user, "password": self.password, "topic": self.topic}
 
 
 def _bool(name: str, text: str) -> bool:
@@ -150,6 +151,7 @@ _NAMES = (
     "nodes",
     "bucket",
     "space",
+    "topic",
     "vbuckets",
     "preferReplica",
     "startingOffsets",
@@ -194,6 +196,14 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
             raise OptionError("space", "must name a space")
         if "bucket" in opts:
             raise OptionError("bucket", "a space is read from its own bucket: give space or bucket, not both")
+    topic = opts.get("topic")
+    if topic is not None:
+        if not topic.strip():
+            raise OptionError("topic", "must name a topic")
+        if space is not None:
+            raise OptionError("topic", "give space or topic, not both")
+        if "includedeletes" in opts:
+            raise OptionError("includeDeletes", "a topic's messages are never deleted: not with topic")
     user = opts.get("user")
     password = opts.get("password")
     if (user is None) != (password is None):
@@ -202,6 +212,7 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
         nodes=get("nodes", _nodes, ("127.0.0.1:11210",)),
         bucket=opts.get("bucket", "default") or "default",
         space=space.strip() if space is not None else None,
+        topic=topic.strip() if topic is not None else None,
         vbuckets=get("vbuckets", _vbuckets, None),
         prefer_replica=get("preferreplica", _bool, True),
         starting_offsets=starting,

@@ -78,11 +78,15 @@ def locate(opts: Options) -> dict[int, VbucketSource]:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         why = f"; unreachable: {'; '.join(errors)}" if errors else ""
         raise SluiceError(
-            f"no node of {', '.join(opts.nodes)} serves vbucket(s) {shown} of bucket '{opts.bucket}'{why}"
+            f"no node of {', '.join(opts.nodes)} serves vbucket(s) {shown} of {_what(opts)}{why}"
         )
     if not found:
-        raise SluiceError(f"bucket '{opts.bucket}' has no vbuckets on {', '.join(opts.nodes)}")
+        raise SluiceError(f"{_what(opts)} has no vbuckets on {', '.join(opts.nodes)}")
     return found
+
+
+def _what(opts: Options) -> str:
+    return f"topic '{opts.topic}' (partitions as vbuckets)" if opts.topic else f"bucket '{opts.bucket}'"
 
 
 def uuid_at(failover: FailoverLog, seqno: int) -> int:

@@ -659,8 +659,14 @@ impl Followers {
             .map(|(rc, b)| {
                 crate::topic_replica::TopicFollower::start(
                     engine.clone(),
-                    rc.clone(),
-                    b.name().to_string(),
+                    crate::topic_replica::Upstream {
+                        active: rc.active.clone(),
+                        bucket: b.name().to_string(),
+                        username: rc.username.clone(),
+                        password: rc.password.clone(),
+                        tls: rc.tls.clone(),
+                        noop_interval: rc.noop_interval,
+                    },
                 )
             });
         Followers {

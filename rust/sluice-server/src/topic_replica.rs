@@ -21,7 +21,6 @@ use crate::dcp::consumer::{
     self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState, TopicInfo,
 };
 use crate::dcp::topic_stream::{topic_uuid, KEYED};
-use crate::replica::ReplicaConfig;
 
 /// How often the active is asked for its topics.
 const DISCOVER_EVERY: Duration = Duration::from_secs(1);
@@ -34,22 +33,27 @@ pub struct TopicFollower {
     thread: Option<JoinHandle<()>>,
 }
 
-/// What a follower connects with: the active, the bucket its login selects, this node's name.
+/// The active a follower copies from, and how it logs in there.
 #[derive(Clone)]
-struct Upstream {
-    config: ReplicaConfig,
-    bucket: String,
-    node: String,
+pub struct Upstream {
+    /// The active's memcached address.
+    pub active: String,
+    /// The bucket the DCP logins select (the stream permission on it covers topics).
+    pub bucket: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub tls: Option<crate::tls::ClientTls>,
+    pub noop_interval: u32,
 }
 
 impl Upstream {
     fn consumer_config(&self, name: String) -> ConsumerConfig {
         ConsumerConfig {
-            address: self.config.active.clone(),
+            address: self.active.clone(),
             bucket: self.bucket.clone(),
-            username: self.config.username.clone(),
-            password: self.config.password.clone(),
-            tls: self.config.tls.clone(),
+            username: self.username.clone(),
+            password: self.password.clone(),
+            tls: self.tls.clone(),
             name,
             ..ConsumerConfig::default()
         }
@@ -57,14 +61,8 @@ impl Upstream {
 }
 
 impl TopicFollower {
-    /// `bucket`: the bucket the DCP logins select (the stream permission on it covers topics).
-    pub fn start(engine: Arc<Engine>, config: ReplicaConfig, bucket: String) -> TopicFollower {
+    pub fn start(engine: Arc<Engine>, upstream: Upstream) -> TopicFollower {
         let stop = Arc::new(AtomicBool::new(false));
-        let upstream = Upstream {
-            config,
-            bucket,
-            node: engine.instance().to_string(),
-        };
         let thread = {
             let stop = stop.clone();
             std::thread::Builder::new()
@@ -102,12 +100,13 @@ fn pause(d: Duration, stop: &AtomicBool) {
 }
 
 fn discover(engine: Arc<Engine>, upstream: Upstream, stop: Arc<AtomicBool>) {
+    let node = engine.instance().to_string();
     let mut copies: HashMap<String, JoinHandle<()>> = HashMap::new();
     let mut refused: HashMap<String, String> = HashMap::new();
     let probe = ConsumerConfig {
         setup_timeout: Some(Duration::from_secs(2)),
         noop_interval: 0,
-        ..upstream.consumer_config(format!("replication-topics:{}", upstream.node))
+        ..upstream.consumer_config(format!("replication-topics:{node}"))
     };
     while !stop.load(Ordering::Acquire) {
         match consumer::topics(&probe) {
@@ -138,7 +137,7 @@ fn discover(engine: Arc<Engine>, upstream: Upstream, stop: Arc<AtomicBool>) {
             }
             Err(e) => log::debug!(
                 "asking {} for its topics: {e}; asking again",
-                upstream.config.active
+                upstream.active
             ),
         }
         pause(DISCOVER_EVERY, &stop);
@@ -203,10 +202,11 @@ fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicB
             rollback: RollbackMode::Ask,
             batch_size: 4096,
             buffer_size: 32 << 20,
-            noop_interval: upstream.config.noop_interval,
+            noop_interval: upstream.noop_interval,
             ..upstream.consumer_config(format!(
                 "replication:{}:topic:{}",
-                upstream.node, topic.name
+                engine.instance(),
+                topic.name
             ))
         });
         let why = follow(engine, topic, &consumer, stop);
@@ -220,7 +220,7 @@ fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicB
         log::warn!(
             "copying topic {:?} from {}: {why}; again in {backoff:?}",
             topic.name,
-            upstream.config.active
+            upstream.active
         );
         pause(backoff, stop);
         backoff = (backoff * 2).min(Duration::from_secs(2));
