@@ -7,9 +7,10 @@
 //! The log is a list of segments. Each holds its bundles' bytes and a sparse index from
 //! sequence number to byte offset, one entry at least every `index_interval` bytes (and for
 //! the first bundle), so that a read finds its bundle by a binary search and a short scan of
-//! bundle headers. The newest segment takes appends; a segment rolls over once it holds
+//! bundle headers. The newest segment takes appends until the next bundle would take it past
 //! `segment_bytes`. Retention drops whole segments, oldest first, never the newest: by total
-//! bytes and by the age of a segment's newest message.
+//! bytes and by the age of a segment's newest bundle (when it arrived, as TANK's broker goes by
+//! its segments' times; producers' timestamps are theirs to set).
 //!
 //! A sparse bundle (ProduceWithSeqnum's, as TANK's mirroring writes them) numbers its own
 //! messages: it is placed at its first sequence number and takes every number up to its last,
@@ -21,21 +22,25 @@ use std::collections::VecDeque;
 use sluice_proto::tank::bundle::Bundle;
 use sluice_proto::tank::{put_varint, DecodeError, Reader};
 
+/// The largest message set a Snappy bundle may expand to.
+const MAX_SET: usize = 64 << 20;
+
 thread_local! {
-    /// `PartitionLog::check`'s buffer for Snappy message sets.
+    /// `PartitionLog::check`'s buffer for sparse Snappy message sets.
     static SET: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// How a partition's log is cut into segments and how long it keeps them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogConfig {
-    /// A segment takes no more bundles once it holds this many bytes.
+    /// A segment holds at most this many bytes (a bundle larger goes alone into one); its
+    /// memory is reserved when it starts and resident as it fills.
     pub segment_bytes: usize,
     /// Bytes between two entries of a segment's sparse index.
     pub index_interval: usize,
     /// Oldest segments are dropped while the log holds more bytes than this.
     pub retention_bytes: Option<u64>,
-    /// Segments whose newest message is older than this (ms) are dropped.
+    /// Segments whose newest bundle arrived longer ago than this (ms) are dropped.
     pub retention_ms: Option<u64>,
 }
 
@@ -94,16 +99,18 @@ struct Segment {
     data: Vec<u8>,
     /// (sequence number - base_seq, offset of the bundle whose first message it is).
     index: Vec<(u32, u32)>,
-    /// The newest message timestamp seen (ms), for retention by age.
+    /// When its newest bundle arrived (ms since the epoch), for retention by age.
     newest_ms: u64,
 }
 
 impl Segment {
-    fn new(base_seq: u64) -> Segment {
+    /// An empty segment whose bytes are reserved up front (`reserve`): appends never move it,
+    /// and pages not written to are not resident.
+    fn new(base_seq: u64, reserve: usize) -> Segment {
         Segment {
             base_seq,
             next_seq: base_seq,
-            data: Vec::new(),
+            data: Vec::with_capacity(reserve),
             index: Vec::new(),
             newest_ms: 0,
         }
@@ -206,8 +213,6 @@ pub struct Checked {
     pub first: Option<u64>,
     /// How many sequence numbers it takes (`Bundle::span`).
     pub span: u64,
-    /// Its newest message's timestamp.
-    pub newest_ms: u64,
 }
 
 pub struct PartitionLog {
@@ -261,40 +266,42 @@ impl PartitionLog {
             .sum()
     }
 
-    /// Checks a bundle as produced (without its length): every message decodes and a sparse
-    /// bundle numbers its messages in order within its first and last.
+    /// Checks a bundle as produced (without its length): its header, and its message set as
+    /// `Bundle::check_set` does (a plain set message by message, a Snappy one as Snappy,
+    /// without decompressing it); a sparse bundle's messages are read, to check they are
+    /// numbered in order within its first and last.
     pub fn check(bundle: &[u8]) -> Result<Checked, AppendError> {
         let b = Bundle::parse(bundle).map_err(AppendError::Bundle)?;
-        if let Some((_, last)) = b.sparse.filter(|&(_, last)| last >= u64::MAX - 1) {
+        let checked = Checked {
+            count: b.count,
+            first: b.sparse.map(|(first, _)| first),
+            span: b.span(),
+        };
+        let Some((first, last)) = b.sparse else {
+            b.check_set(MAX_SET).map_err(AppendError::Bundle)?;
+            return Ok(checked);
+        };
+        if last >= u64::MAX - 1 {
             // u64::MAX is a consumer's "the tail": no message may be numbered up there.
             return Err(AppendError::SparseOrder { seq: last });
         }
         let walk = |set: &[u8]| {
-            let mut newest_ms = 0;
-            let mut next = b.sparse.map_or(0, |(first, _)| first);
+            let mut next = first;
             for m in b.messages(set, 0) {
                 let m = m.map_err(AppendError::Bundle)?;
-                if let Some((_, last)) = b.sparse {
-                    if m.seq < next || m.seq > last {
-                        return Err(AppendError::SparseOrder { seq: m.seq });
-                    }
-                    next = m.seq.saturating_add(1);
+                if m.seq < next || m.seq > last {
+                    return Err(AppendError::SparseOrder { seq: m.seq });
                 }
-                newest_ms = newest_ms.max(m.ts);
+                next = m.seq.saturating_add(1);
             }
-            Ok(Checked {
-                count: b.count,
-                first: b.sparse.map(|(first, _)| first),
-                span: b.span(),
-                newest_ms,
-            })
+            Ok(checked)
         };
         if b.codec == sluice_proto::tank::bundle::codec::NONE {
             return walk(b.message_set);
         }
         // A Snappy set is decompressed into this thread's buffer, kept between bundles.
         SET.with_borrow_mut(|set| {
-            b.decompress_into(set, 64 << 20)
+            b.decompress_into(set, MAX_SET)
                 .map_err(AppendError::Bundle)?;
             let r = walk(set);
             if set.capacity() > 4 << 20 {
@@ -305,11 +312,17 @@ impl PartitionLog {
     }
 
     /// Appends a bundle that `check` accepted at the log's end (a sparse one at its own first
-    /// sequence number, which must not be behind the end). Returns the first and last
-    /// sequence numbers it takes.
-    pub fn append(&mut self, bundle: &[u8], c: &Checked) -> Result<(u64, u64), AppendError> {
+    /// sequence number, which must not be behind the end), arrived at `now_ms` (what age
+    /// retention goes by, as TANK's broker goes by its segments' times). Returns the first and
+    /// last sequence numbers it takes.
+    pub fn append(
+        &mut self,
+        bundle: &[u8],
+        c: &Checked,
+        now_ms: u64,
+    ) -> Result<(u64, u64), AppendError> {
         let first = c.first.unwrap_or(self.next_seq);
-        self.append_at(first, bundle, c.span, c.newest_ms)?;
+        self.append_at(first, bundle, c.span, now_ms)?;
         Ok((first, first + c.span - 1))
     }
 
@@ -332,8 +345,14 @@ impl PartitionLog {
             // Sequence numbers between were dropped where they came from: a new segment
             // starts where these are (the newest one, if it is still empty).
             match self.segments.back_mut() {
-                Some(s) if s.data.is_empty() => *s = Segment::new(first_seq),
-                _ => self.segments.push_back(Segment::new(first_seq)),
+                Some(s) if s.data.is_empty() => {
+                    s.base_seq = first_seq;
+                    s.next_seq = first_seq;
+                    s.index.clear();
+                }
+                _ => self
+                    .segments
+                    .push_back(Segment::new(first_seq, self.config.segment_bytes)),
             }
             self.next_seq = first_seq;
         }
@@ -342,13 +361,16 @@ impl PartitionLog {
     }
 
     fn place(&mut self, first: u64, bundle: &[u8], span: u64, newest_ms: u64) {
-        // A segment indexes sequence numbers relative to its base in a u32.
+        // A bundle goes to a new segment when it would take the newest past `segment_bytes`
+        // (a larger one alone), or past the sequence numbers a segment indexes in a u32.
+        let entry = bundle.len() + 10;
         let roll = self.segments.back().is_none_or(|s| {
-            (s.data.len() >= self.config.segment_bytes && s.next_seq > s.base_seq)
+            (!s.data.is_empty() && s.data.len() + entry > self.config.segment_bytes)
                 || first - s.base_seq > u32::MAX as u64
         });
         if roll {
-            self.segments.push_back(Segment::new(first));
+            self.segments
+                .push_back(Segment::new(first, self.config.segment_bytes.max(entry)));
         }
         let interval = self.config.index_interval;
         let seg = self.segments.back_mut().expect("one pushed above");
@@ -420,7 +442,7 @@ impl PartitionLog {
     }
 
     /// Every stored bundle, oldest first: its first sequence number, its span, the
-    /// newest timestamp of its segment, and the bundle as produced (what a snapshot keeps).
+    /// arrival time of its segment's newest bundle, and the bundle as produced (what a snapshot keeps).
     pub fn for_each_bundle(&self, mut each: impl FnMut(u64, u64, u64, &[u8])) {
         for seg in &self.segments {
             let (mut at, mut first) = (0, seg.base_seq);
@@ -448,7 +470,7 @@ impl PartitionLog {
     }
 
     /// Drops whole segments, oldest first and never the newest, while the log is over its
-    /// byte retention or their newest message is older than its age retention at `now_ms`.
+    /// byte retention or their newest bundle arrived longer ago than its age retention at `now_ms`.
     /// Returns how many messages went.
     pub fn enforce_retention(&mut self, now_ms: u64) -> u64 {
         let mut dropped = 0;

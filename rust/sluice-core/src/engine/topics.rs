@@ -149,6 +149,8 @@ impl Engine {
                 part.log.next_seq()
             )));
         }
+        // Age retention goes by arrival, as TANK's broker goes by its segments' times.
+        let now_ms = crate::hlc::now_nanos() / 1_000_000;
         // The WAL first: a writer that refuses leaves the log as it was.
         let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
             topic.id,
@@ -156,14 +158,14 @@ impl Engine {
             MetaRecord::TopicBundle {
                 first_seq,
                 count: checked.span,
-                newest_ms: checked.newest_ms,
+                newest_ms: now_ms,
                 bundle: bundle.to_vec(),
             },
         ));
         checked.first = Some(first_seq);
         let seqs = part
             .log
-            .append(bundle, &checked)
+            .append(bundle, &checked, now_ms)
             .expect("placed at or past the end, checked above");
         part.last_lsn = lsn;
         part.produced_messages += checked.count;

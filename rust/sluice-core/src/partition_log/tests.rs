@@ -20,8 +20,8 @@ fn bundle_of(n: usize, size: usize, ts: u64) -> Vec<u8> {
 fn append(log: &mut PartitionLog, n: usize, size: usize, ts: u64) -> (u64, u64) {
     let b = bundle_of(n, size, ts);
     let c = PartitionLog::check(&b).unwrap();
-    assert_eq!((c.first, c.span, c.newest_ms), (None, n as u64, ts));
-    log.append(&b, &c).unwrap()
+    assert_eq!((c.first, c.span), (None, n as u64));
+    log.append(&b, &c, ts).unwrap()
 }
 
 /// A plain sparse bundle of one-byte messages numbered `seqs` (ascending), as TANK's mirroring
@@ -212,13 +212,25 @@ fn bad_bundles_are_refused_and_snappy_ones_counted() {
     ];
     let mut b = Vec::new();
     bundle::write(&mut b, &msgs, codec::SNAPPY);
+    // Damage a decompressor would fail on, or a plain set cut inside a message: refused.
+    for cut in [b.len() - 1, b.len() / 2] {
+        assert!(matches!(
+            PartitionLog::check(&b[..cut]),
+            Err(AppendError::Bundle(_))
+        ));
+    }
+    let plain = bundle_of(20, 10, 1);
+    assert!(PartitionLog::check(&plain).is_ok());
+    assert!(matches!(
+        PartitionLog::check(&plain[..plain.len() - 3]),
+        Err(AppendError::Bundle(_))
+    ));
     assert_eq!(
         PartitionLog::check(&b),
         Ok(Checked {
             count: 50,
             first: None,
             span: 50,
-            newest_ms: 5
         })
     );
 }
@@ -229,8 +241,8 @@ fn a_sparse_bundle_is_placed_at_its_own_numbers_and_read_by_them() {
     append(&mut log, 2, 10, 1);
     let sparse = sparse_of(&[7, 9, 12]);
     let c = PartitionLog::check(&sparse).unwrap();
-    assert_eq!((c.first, c.span, c.newest_ms), (Some(7), 6, 3));
-    assert_eq!(log.append(&sparse, &c), Ok((7, 12)));
+    assert_eq!((c.first, c.span), (Some(7), 6));
+    assert_eq!(log.append(&sparse, &c, 3), Ok((7, 12)));
     assert_eq!(append(&mut log, 1, 10, 1), (13, 13));
     assert_eq!(log.high_water_mark(), 13);
     // From a number the sparse bundle skips, the read starts at that bundle.
@@ -259,7 +271,7 @@ fn a_sparse_bundle_is_placed_at_its_own_numbers_and_read_by_them() {
     let again = sparse_of(&[12, 20]);
     let c = PartitionLog::check(&again).unwrap();
     assert!(matches!(
-        log.append(&again, &c),
+        log.append(&again, &c, 3),
         Err(AppendError::Behind { first_seq: 12, .. })
     ));
     let mut bad = sparse_of(&[30, 31, 32]);

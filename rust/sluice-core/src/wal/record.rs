@@ -76,7 +76,8 @@ pub enum RecordBody<'a> {
     },
     /// A bundle appended to a topic partition (the record's bucket and vbucket fields): its
     /// first message's sequence number, how many sequence numbers it takes (its message count;
-    /// first to last for a sparse bundle) and newest timestamp, and the bundle as produced. In a snapshot, the record's lsn is the last one applied to the partition.
+    /// first to last for a sparse bundle) and when it arrived (ms), and the bundle as produced.
+    /// In a snapshot, the record's lsn is the last one applied to the partition.
     TopicBundle {
         first_seq: u64,
         count: u64,

@@ -116,6 +116,25 @@ impl<'a> Bundle<'a> {
             .map_or(self.count, |(first, last)| last - first + 1)
     }
 
+    /// Checks the message set of a bundle that is not sparse without decoding its messages
+    /// one by one: a plain set must hold `count` whole messages (flags, timestamp, key and
+    /// payload within the bytes); a Snappy set must be well-formed Snappy of at most `max`
+    /// bytes, room for `count` messages. A sparse bundle's numbering needs its messages read
+    /// (`messages`).
+    pub fn check_set(&self, max: usize) -> Result<(), DecodeError> {
+        if self.codec == codec::NONE {
+            return check_plain_set(self.message_set, self.count);
+        }
+        let len = super::snappy::check(self.message_set, max)?;
+        if self.count > len as u64 / 2 {
+            return Err(DecodeError::Invalid(format!(
+                "a bundle claims {} messages in {len} bytes",
+                self.count
+            )));
+        }
+        Ok(())
+    }
+
     /// The message set uncompressed; a Snappy set whose declared length is over `max` is an
     /// error before anything is allocated for it.
     pub fn messages_bytes(&self, max: usize) -> Result<Cow<'a, [u8]>, DecodeError> {
@@ -130,8 +149,8 @@ impl<'a> Bundle<'a> {
     /// The message set uncompressed into `out` (replacing what it held): a buffer kept from
     /// one bundle to the next costs no allocation and no page faults. A plain set is copied.
     pub fn decompress_into(&self, out: &mut Vec<u8>, max: usize) -> Result<(), DecodeError> {
-        out.clear();
         if self.codec == codec::NONE {
+            out.clear();
             out.extend_from_slice(self.message_set);
             return Ok(());
         }
@@ -140,7 +159,12 @@ impl<'a> Bundle<'a> {
         if len > max {
             return Err(DecodeError::TooLarge { len, max });
         }
-        out.resize(len, 0);
+        // Only bytes the buffer never held are zeroed: the decompressor overwrites the rest.
+        if out.len() < len {
+            out.resize(len, 0);
+        } else {
+            out.truncate(len);
+        }
         let n = snap::raw::Decoder::new()
             .decompress(self.message_set, out)
             .map_err(|e| DecodeError::Snappy(e.to_string()))?;
@@ -226,6 +250,24 @@ impl<'b> Iterator for Messages<'b> {
         }
         Some(m)
     }
+}
+
+/// Whether `set` (plain, not sparse) holds `count` whole messages: each one's fields are
+/// skipped by their lengths, nothing copied.
+fn check_plain_set(set: &[u8], count: u64) -> Result<(), DecodeError> {
+    let mut r = Reader::new(set);
+    for _ in 0..count {
+        let flags = r.u8("a message's flags")?;
+        if flags & msg_flag::USE_LAST_SPECIFIED_TS == 0 {
+            r.bytes(8, "a message's timestamp")?;
+        }
+        if flags & msg_flag::HAVE_KEY != 0 {
+            r.str8("a message's key")?;
+        }
+        let len = r.varint_len("a message's content")?;
+        r.bytes(len, "a message's content")?;
+    }
+    Ok(())
 }
 
 /// Appends a bundle of `messages` (not sparse) to `out`, its message set compressed with

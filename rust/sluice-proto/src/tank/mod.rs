@@ -13,6 +13,7 @@
 pub mod bundle;
 pub mod request;
 pub mod response;
+pub mod snappy;
 
 /// Message ids (TANK's `TankAPIMsgType`).
 pub mod msg {
