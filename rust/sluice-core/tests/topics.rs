@@ -71,7 +71,7 @@ fn produce(
 ) -> (u64, u64) {
     let t = engine.topic(topic).expect("topic");
     let w = engine
-        .produce(&t, partition, None, &bundle_of(contents, snappy))
+        .produce(&t, partition, None, bundle_of(contents, snappy).into())
         .unwrap();
     engine.wait_written(w).unwrap()
 }
@@ -159,11 +159,11 @@ fn a_topic_is_created_once_and_bad_input_is_refused() {
     ));
     let t = engine.topic("t").unwrap();
     assert!(matches!(
-        engine.produce(&t, 0, None, &[0x04, 0x00]),
+        engine.produce(&t, 0, None, vec![0x04, 0x00].into()),
         Err(Error::InvalidArgument(_))
     ));
     assert!(matches!(
-        engine.produce(&t, 1, None, &bundle_of(&messages("x", 1), false)),
+        engine.produce(&t, 1, None, bundle_of(&messages("x", 1), false).into()),
         Err(Error::InvalidArgument(e)) if e.contains("no partition 1")
     ));
     assert!(engine.topic("u").is_none());
@@ -208,7 +208,7 @@ fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
     engine.set_wal_failpoint(Failpoint::NoSpace);
     let t = engine.topic("t").unwrap();
     let w = engine
-        .produce(&t, 0, None, &bundle_of(&messages("b", 3), false))
+        .produce(&t, 0, None, bundle_of(&messages("b", 3), false).into())
         .unwrap();
     let mut buf = Vec::new();
     match engine.read_topic(&t, 0, 3, 1 << 16, &mut buf).unwrap() {
@@ -243,7 +243,7 @@ fn bundles_placed_at_their_own_numbers_survive_a_crash() {
     produce(&engine, "mirror", 0, &messages("a", 2), false);
     // ProduceWithSeqnum of a plain bundle: numbered from the sequence number given.
     let w = engine
-        .produce(&t, 0, Some(100), &bundle_of(&messages("b", 3), true))
+        .produce(&t, 0, Some(100), bundle_of(&messages("b", 3), true).into())
         .unwrap();
     assert_eq!(engine.wait_written(w).unwrap(), (100, 102));
     // A sparse bundle (TANK's mirroring) numbers its own: 110, then 115 (the last).
@@ -257,14 +257,14 @@ fn bundles_placed_at_their_own_numbers_survive_a_crash() {
         sparse.extend_from_slice(c);
     }
     assert!(matches!(
-        engine.produce(&t, 0, Some(111), &sparse),
+        engine.produce(&t, 0, Some(111), sparse.clone().into()),
         Err(Error::InvalidArgument(e)) if e.contains("numbers its first message 110")
     ));
     assert!(matches!(
-        engine.produce(&t, 0, Some(50), &bundle_of(&messages("c", 1), false)),
+        engine.produce(&t, 0, Some(50), bundle_of(&messages("c", 1), false).into()),
         Err(Error::InvalidArgument(e)) if e.contains("behind")
     ));
-    let w = engine.produce(&t, 0, Some(110), &sparse).unwrap();
+    let w = engine.produce(&t, 0, Some(110), sparse.into()).unwrap();
     assert_eq!(engine.wait_written(w).unwrap(), (110, 115));
     assert_eq!(
         produce(&engine, "mirror", 0, &messages("d", 1), false),

@@ -266,7 +266,6 @@ fn follow(
 /// Each run of consecutive messages of one partition in `b` as a bundle at its first
 /// sequence number.
 fn place(engine: &Engine, topic: &Topic, b: &Batch) -> Result<(), String> {
-    let mut out = Vec::new();
     let mut i = 0;
     while i < b.len() {
         let p = b.vbucket[i];
@@ -289,11 +288,11 @@ fn place(engine: &Engine, topic: &Topic, b: &Batch) -> Result<(), String> {
                 }
             })
             .collect();
-        out.clear();
+        let mut out = Vec::new();
         bundle::write(&mut out, &messages, codec::NONE);
         // Nobody waits on a copy's bundle: the WAL writes it in its turn.
         let _ = engine
-            .produce(topic, p, Some(b.seqno[i]), &out)
+            .produce(topic, p, Some(b.seqno[i]), out.into())
             .map_err(|e| format!("placing partition {p} at {}: {e}", b.seqno[i]))?;
         i = j;
     }

@@ -116,12 +116,12 @@ impl Engine {
         topic: &Topic,
         partition: u16,
         first_seq: Option<u64>,
-        bundle: &[u8],
+        bundle: bytes::Bytes,
     ) -> Result<Written<(u64, u64)>> {
         self.check_open()?;
         let bad =
             |why: String| Error::InvalidArgument(format!("a bundle for {:?}: {why}", topic.name));
-        let mut checked = PartitionLog::check(bundle).map_err(|e| bad(e.to_string()))?;
+        let mut checked = PartitionLog::check(&bundle).map_err(|e| bad(e.to_string()))?;
         match (first_seq, checked.first) {
             (Some(asked), Some(own)) if asked != own => {
                 return Err(bad(format!(
@@ -159,13 +159,13 @@ impl Engine {
                 first_seq,
                 count: checked.span,
                 newest_ms: now_ms,
-                bundle: bundle.to_vec(),
+                bundle: bundle.clone(),
             },
         ));
         checked.first = Some(first_seq);
         let seqs = part
             .log
-            .append(bundle, &checked, now_ms)
+            .append(&bundle, &checked, now_ms)
             .expect("placed at or past the end, checked above");
         part.last_lsn = lsn;
         part.produced_messages += checked.count;

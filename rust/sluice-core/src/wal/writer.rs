@@ -64,7 +64,8 @@ pub enum MetaRecord {
         first_seq: u64,
         count: u64,
         newest_ms: u64,
-        bundle: Vec<u8>,
+        /// The produce request's own bytes (a slice of its frame): not copied to be queued.
+        bundle: bytes::Bytes,
     },
 }
 

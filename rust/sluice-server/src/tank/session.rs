@@ -27,6 +27,10 @@ use crate::tls::MaybeTls;
 
 /// Answers are sent once this many bytes wait.
 const FLUSH_AT: usize = 256 << 10;
+/// Reads whose requests may share one WAL wait before the answers go out.
+const MAX_COALESCED_READS: usize = 16;
+/// The least room a read is given.
+const READ_AT_LEAST: usize = 64 << 10;
 /// A produce entry refused for a reason of this node's (the WAL failing, a full queue).
 const SYSTEM_ERROR: u8 = 0x03;
 /// How often a waiting consume looks at topics other than the first it names.
@@ -55,11 +59,17 @@ pub(super) async fn run(
     let mut owed_lsn = 0;
     // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
     let mut parked: Vec<Parked> = Vec::new();
+    let mut coalesced = 0;
     loop {
         loop {
             let (id, payload) = match tank::check(&inbuf, ctx.max_frame) {
                 Ok(Frame::Complete { id, payload }) => (id, payload),
-                Ok(Frame::Incomplete(_)) => break,
+                Ok(Frame::Incomplete(need)) => {
+                    // Room for the whole frame (its length is within max_frame), so that
+                    // reads fill it in large steps.
+                    inbuf.reserve(need.max(READ_AT_LEAST).saturating_sub(inbuf.len()));
+                    break;
+                }
                 Err(e) => {
                     ctx.io.protocol_error(
                         "tank",
@@ -69,7 +79,8 @@ pub(super) async fn run(
                     return;
                 }
             };
-            let frame = inbuf.split_to(payload.1);
+            // Frozen: a produced bundle goes to the WAL as a slice of it, not a copy.
+            let frame = inbuf.split_to(payload.1).freeze();
             let req = match Request::decode(id, &frame[payload.0..]) {
                 Ok(r) => r,
                 Err(e) => {
@@ -83,7 +94,7 @@ pub(super) async fn run(
             };
             match req {
                 Request::Ping => {}
-                Request::Produce(p) => produce(&ctx, &p, &mut out, &mut owed_lsn),
+                Request::Produce(p) => produce(&ctx, &frame, &p, &mut out, &mut owed_lsn),
                 Request::Consume(c) => {
                     let mut p = Parked::new(&ctx, &c);
                     let full = parked.len() >= MAX_WAITING;
@@ -113,6 +124,20 @@ pub(super) async fn run(
                 return;
             }
         }
+        // Requests already in the socket share the WAL wait of those just handled: a producer
+        // that pipelines is answered per WAL write rather than per read.
+        if !out.is_empty() && out.len() < FLUSH_AT && coalesced < MAX_COALESCED_READS {
+            match socket.try_read_buf(&mut inbuf) {
+                Ok(0) => {}
+                Ok(n) => {
+                    ctx.io.bytes_in.fetch_add(n as u64, Relaxed);
+                    coalesced += 1;
+                    continue;
+                }
+                Err(_) => {}
+            }
+        }
+        coalesced = 0;
         // Produces just handled may answer a waiting consume; a max wait may have passed.
         let now = Instant::now();
         let stopping = *stop.borrow();
@@ -210,7 +235,14 @@ fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
 
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
 /// and a topic this node copies from its active one 0xfe (read-only), as TANK's broker answers.
-fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut u64) {
+/// `frame`: the request's bytes, which the bundles of `p` are slices of.
+fn produce(
+    ctx: &TankContext,
+    frame: &bytes::Bytes,
+    p: &Produce<'_>,
+    out: &mut Vec<u8>,
+    owed_lsn: &mut u64,
+) {
     let mut errors = Vec::with_capacity(p.entries());
     for t in &p.topics {
         let Some(topic) = topic_named(ctx, t.name) else {
@@ -228,10 +260,12 @@ fn produce(ctx: &TankContext, p: &Produce<'_>, out: &mut Vec<u8>, owed_lsn: &mut
         }
         for part in &t.partitions {
             errors.push(
-                match ctx
-                    .engine
-                    .produce(&topic, part.partition, part.base_seq, part.bundle)
-                {
+                match ctx.engine.produce(
+                    &topic,
+                    part.partition,
+                    part.base_seq,
+                    frame.slice_ref(part.bundle),
+                ) {
                     Ok(w) => {
                         *owed_lsn = (*owed_lsn).max(w.lsn());
                         let (first, last) = w.value;
