@@ -8,7 +8,9 @@ shared/reference/tank-captures/README.md: `make -j2 service cli-tool`). Each run
 fresh server of each kind (alternating which goes first), creates a one-partition topic, then:
 `bm p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), the same with `-R` (no
 compression), `bm p2c` (one bundle produced while a consumer tails: until the consumer has it),
-and `consume -S -d 0` (every message back). sluice writes its WAL in `write` mode (a produce is
+and `consume -S -d 0` (every message back); then sluice's Python client (`sluice.tank`)
+produces N incompressible 100 B messages in plain bundles of 1,000, one request at a time, and
+reads them back. sluice writes its WAL in `write` mode (a produce is
 answered once the WAL holds it); TANK's broker never syncs. The table gives medians of the runs
 and each sluice/TANK ratio of throughput (above 1: sluice is faster).
 """
@@ -93,9 +95,37 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
             if m is None:
                 raise RuntimeError(f"no consume figures: {out[-500:]}")
             res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
+            res.update(python_client(address, n))
             return res
         finally:
             kill_group(p)
+
+
+def python_client(address: str, n: int) -> dict[str, float]:
+    """sluice's Python client (`sluice.tank`) against either: n incompressible 100 B messages
+    produced in plain bundles of 1,000 (each acknowledged before the next), then read back."""
+    import os
+
+    from sluice.tank import TankConnection
+
+    payload = os.urandom(n * 100)
+    bundles = [
+        [payload[i * 100 : (i + 1) * 100] for i in range(b, min(b + 1000, n))] for b in range(0, n, 1000)
+    ]
+    with TankConnection(address, timeout=60) as t:
+        t.create_topic("py", 1)
+        started = time.perf_counter()
+        for b in bundles:
+            t.produce("py", b)
+        produced = time.perf_counter() - started
+        started = time.perf_counter()
+        seq, got = 0, 0
+        while got < n:
+            f = t.consume("py", seq=seq, fetch_size=1 << 20)
+            got += len(f.messages)
+            seq = f.next_seq
+        consumed = time.perf_counter() - started
+    return {"Python client, produce random": n / produced, "Python client, consume all": got / consumed}
 
 
 def main() -> int:
@@ -139,10 +169,9 @@ def write(results: dict) -> None:
         "# sluice's TANK listener against TANK's broker\n\n"
         f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
         f"--runs {results['runs']}`: "
-        "the same tank-cli commands against each, 100 B messages in bundles of 1,000, medians of the "
-        "runs on this 2-core machine (tank-cli shares it); sluice's WAL in `write` mode.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        "the same tank-cli commands against each, 100 B messages in bundles of 1,000, then the same "
+        "from sluice's Python client with incompressible messages; medians of the runs on this "
+        "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n" + "\n".join(rows) + "\n"
     )
     (RESULTS / "tank.md").write_text(md)
     print(md)
