@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, free_port, kill_group, pyplot, write_json
+from _common import RESULTS, admin_get, free_port, kill_group, pyplot, write_json
 
 KINDS = ("sluice", "tank")
 
@@ -44,7 +44,7 @@ def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str]
     address = f"127.0.0.1:{port}"
     if kind == "sluice":
         cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
-        cmd += ["--listen", "127.0.0.1:0", "--admin-listen", "", "--iproto-listen", ""]
+        cmd += ["--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{port + 1}", "--iproto-listen", ""]
         cmd += ["--tank-listen", address]
     else:
         (work / "t").mkdir()
@@ -77,11 +77,33 @@ def took(out: str) -> float:
     return seconds(m.group(1))
 
 
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def retained_overhead(p: subprocess.Popen, address: str, before: int) -> float:
+    """sluice's resident bytes per retained message beyond the bundles' bytes, after the loads
+    (its memory grew by `rss - before`; `sluice_topic_bytes` are the bundles kept)."""
+    host, _, port = address.rpartition(":")
+    metrics = admin_get(f"{host}:{int(port) + 1}", "/metrics")
+    kept = messages = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("sluice_topic_bytes{"):
+            kept += float(line.rsplit(" ", 1)[1])
+        if line.startswith("sluice_topic_high_water_mark{"):
+            messages += float(line.rsplit(" ", 1)[1])
+    return (rss(p.pid) - before - kept) / messages
+
+
 def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         p, address = start(kind, Path(d), tank_dir)
         try:
             cli(tank_dir, address, "-t", "bench", "create_topic", "1")
+            before = rss(p.pid) if kind == "sluice" else 0
             t = ("-t", "bench")
             p2b = ("bm", "p2b", "-c", str(n), "-s", "100", "-B", "1000")
             p2c = ("bm", "p2c", "-c", "1000", "-s", "100", "-B", "1000")
@@ -96,6 +118,8 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
                 raise RuntimeError(f"no consume figures: {out[-500:]}")
             res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
             res.update(python_client(address, n))
+            if kind == "sluice":
+                res["resident bytes per message beyond bundles"] = retained_overhead(p, address, before)
             return res
         finally:
             kill_group(p)
@@ -156,7 +180,7 @@ def main() -> int:
 
 def write(results: dict) -> None:
     write_json(RESULTS / "tank.json", results)
-    loads = list(results["per_run"]["sluice"][0])
+    loads = [k for k in results["per_run"]["sluice"][0] if k in results["per_run"]["tank"][0]]
     rows = ["| load | sluice | TANK | sluice / TANK |", "|---|---|---|---|"]
     medians = []
     for load in loads:
@@ -165,13 +189,24 @@ def write(results: dict) -> None:
         unit = "round trips/s" if load.startswith("produce to consume") else "messages/s"
         rows.append(f"| {load} | {s:,.0f} {unit} | {t:,.0f} {unit} | {s / t:.2f} |")
         medians.append((load, s, t))
+    overhead = [r.get("resident bytes per message beyond bundles") for r in results["per_run"]["sluice"]]
+    memory = ""
+    if all(o is not None for o in overhead):
+        memory = (
+            f"\nsluice's resident memory per retained message beyond the bundles' bytes, after the "
+            f"loads (target at most 16): median {statistics.median(overhead):.1f} bytes "
+            f"(runs: {', '.join(f'{o:.1f}' for o in overhead)}).\n"
+        )
     md = (
         "# sluice's TANK listener against TANK's broker\n\n"
         f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
         f"--runs {results['runs']}`: "
         "the same tank-cli commands against each, 100 B messages in bundles of 1,000, then the same "
         "from sluice's Python client with incompressible messages; medians of the runs on this "
-        "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n" + "\n".join(rows) + "\n"
+        "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n"
+        + "\n".join(rows)
+        + "\n"
+        + memory
     )
     (RESULTS / "tank.md").write_text(md)
     print(md)
