@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use sluice_proto::tank::bundle::Bundle;
 use sluice_proto::tank::request::Request;
 use sluice_proto::tank::response::{chunk_bundles, ConsumeAnswer, PartitionsInfo, TopicsInfo};
-use sluice_proto::tank::{check, msg};
+use sluice_proto::tank::{check, msg, snappy};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(4000))]
@@ -38,12 +38,34 @@ proptest! {
             b[0] = (b[0] & !0x83) | 0x01;
         }
         if let Ok(parsed) = Bundle::parse(&b) {
+            let _ = parsed.check_set(4096);
             if let Ok(set) = parsed.messages_bytes(4096) {
                 for m in parsed.messages(&set, 0) {
                     if m.is_err() {
                         break;
                     }
                 }
+            }
+        }
+    }
+
+    /// What the Snappy check passes decompresses, to the length it gave: arbitrary bytes, and
+    /// Snappy that a byte of was changed.
+    #[test]
+    fn snappy_checks_agree_with_decompressing(
+        data in proptest::collection::vec(0u8..4, 0..2000),
+        at in any::<usize>(),
+        flip in 1u8..=255,
+        raw in proptest::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let mut c = snap::raw::Encoder::new().compress_vec(&data).unwrap();
+        prop_assert_eq!(snappy::check(&c, 1 << 20), Ok(data.len()));
+        let i = at % c.len();
+        c[i] ^= flip;
+        for input in [&c[..], &raw[..]] {
+            if let Ok(len) = snappy::check(input, 1 << 20) {
+                let out = snap::raw::Decoder::new().decompress_vec(input);
+                prop_assert_eq!(out.map(|o| o.len()).ok(), Some(len));
             }
         }
     }
