@@ -5,7 +5,8 @@
 //! stream messages carried in it; `errormap` the statuses as Couchbase's clients learn them
 //! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
 //! formats and UPDATE operations); `keyorder` the order of iproto primary keys (MessagePack
-//! arrays of parts); `tank` is TANK's protocol (frames, produce and consume, bundles).
+//! arrays of parts); `tank` is TANK's protocol (frames, produce and consume, bundles);
+//! `greenstack` is Couchbase's Greenstack frame (flag bytes, flex headers, numbering).
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so); `snap` for
 //! TANK's Snappy bundles.
@@ -13,6 +14,7 @@
 pub mod base64;
 pub mod dcp;
 pub mod errormap;
+pub mod greenstack;
 pub mod iproto;
 pub mod keyorder;
 pub mod mcbp;
