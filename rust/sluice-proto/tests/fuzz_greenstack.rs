@@ -1,7 +1,8 @@
 //! Greenstack's frame and flex decoders on arbitrary bytes: an error or a frame, never a panic;
-//! a frame decoded writes back to one that decodes the same.
+//! a frame decoded writes back to one that decodes the same; payload maps read or refused.
 
 use proptest::prelude::*;
+use sluice_proto::greenstack::payload::{Fields, Mutation};
 use sluice_proto::greenstack::{check, flag, Check, FlexEntry, Frame, FrameOut};
 
 proptest! {
@@ -36,5 +37,15 @@ proptest! {
             prop_assert_eq!(again.flags & keep, f.flags & keep);
             prop_assert_eq!(again.flex_entries().map(|e| e.unwrap()).collect::<Vec<_>>(), entries);
         }
+    }
+
+    #[test]
+    fn payloads(body in proptest::collection::vec(any::<u8>(), 0..200)) {
+        if let Ok(f) = Fields::parse(&body) {
+            for name in ["id", "type", "value", "flags"] {
+                let _ = (f.bytes(name), f.str(name), f.uint(name), f.bool(name));
+            }
+        }
+        let _ = Mutation::parse(&body);
     }
 }

@@ -14,6 +14,7 @@
 //! anything is read or allocated for it; a length over the caller's limit is an error before
 //! any of the frame is buffered.
 
+pub mod payload;
 #[cfg(test)]
 mod tests;
 
