@@ -367,7 +367,7 @@ impl Follower {
             sent: from.clone(),
         };
         // Rows of a transaction wait for its commit row, then go in as one group.
-        let mut txn: Vec<PendingRow> = Vec::new();
+        let mut txn = PendingTxn::default();
         self.txn_done = 0;
         let ended = up
             .subscribe(
@@ -385,7 +385,7 @@ impl Follower {
                         vclock.insert(id, lsn);
                     }
                     if !row.header.is_commit() {
-                        txn.push(PendingRow::of(row));
+                        txn.push(row)?;
                         return Ok(Next::Continue);
                     }
                     let outcome = if txn.is_empty() {
@@ -393,7 +393,7 @@ impl Follower {
                         client::write_vclock(&mut position, &vclock);
                         self.apply(row, Some(&position))
                     } else {
-                        self.apply_txn(&txn, row, &vclock)
+                        self.apply_txn(&txn.rows, row, &vclock)
                     };
                     if shown.elapsed() >= STATUS_EVERY {
                         status.show(&vclock, row.header.timestamp);
@@ -848,6 +848,51 @@ enum Step<'r> {
     Write(Arc<Space>, Vec<u8>, Change<'r>),
 }
 
+/// The most bytes of row bodies a transaction may hold before its commit row: past it the
+/// follower stops taking the transaction (its memory would have no bound otherwise).
+const MAX_TXN_BYTES: usize = 256 << 20;
+
+/// The rows of a transaction whose commit row has not come yet.
+#[derive(Default)]
+struct PendingTxn {
+    rows: Vec<PendingRow>,
+    bytes: usize,
+}
+
+impl PendingTxn {
+    fn push(&mut self, row: &Row<'_>) -> Result<(), UpstreamError> {
+        self.push_bounded(row, MAX_TXN_BYTES)
+    }
+
+    fn push_bounded(&mut self, row: &Row<'_>, max: usize) -> Result<(), UpstreamError> {
+        let len = row.body.map_or(0, <[u8]>::len);
+        if self.bytes + len > max {
+            return Err(UpstreamError::Local(format!(
+                "a transaction of the upstream holds more than {} MiB of rows before its \
+                 commit row ({} rows so far): the follower does not take it; split it upstream",
+                max >> 20,
+                self.rows.len()
+            )));
+        }
+        self.bytes += len;
+        self.rows.push(PendingRow::of(row));
+        Ok(())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn clear(&mut self) {
+        self.rows.clear();
+        self.bytes = 0;
+    }
+}
+
 /// A row of a transaction whose commit row has not come yet, kept until it does.
 struct PendingRow {
     kind: u32,
@@ -1038,4 +1083,33 @@ fn first_uint(key: &[u8]) -> Option<u64> {
 
 fn local(e: sluice_core::Error) -> UpstreamError {
     UpstreamError::Local(format!("this node cannot take the row: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_proto::iproto::xrow::RowHeader;
+
+    #[test]
+    fn a_transaction_past_its_bound_is_refused_with_why() {
+        let body = vec![0x80u8; 1000];
+        let row = Row {
+            header: RowHeader::default(),
+            body: Some(&body),
+        };
+        let mut txn = PendingTxn::default();
+        for _ in 0..3 {
+            txn.push_bounded(&row, 3 << 20).unwrap();
+        }
+        assert_eq!((txn.len(), txn.bytes), (3, 3000));
+        let mut big = PendingTxn::default();
+        let e = (0..10_000)
+            .map(|_| big.push_bounded(&row, 2 << 20))
+            .find_map(Result::err)
+            .expect("refused past 2 MiB");
+        assert!(e.to_string().contains("more than 2 MiB"), "{e}");
+        assert_eq!(big.bytes, 2097000);
+        big.clear();
+        assert!(big.is_empty() && big.bytes == 0);
+    }
 }
