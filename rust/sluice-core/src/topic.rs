@@ -104,4 +104,11 @@ impl Topic {
     pub fn lock_partition(&self, p: u16) -> Option<MutexGuard<'_, Partition>> {
         self.partitions.get(p as usize).map(|m| m.lock())
     }
+
+    /// Partition `p`'s last sequence number (0 before the first message and for a partition
+    /// the topic lacks).
+    pub fn high_water_mark(&self, p: u16) -> u64 {
+        self.lock_partition(p)
+            .map_or(0, |part| part.log.high_water_mark())
+    }
 }

@@ -179,11 +179,7 @@ fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicB
         let mut state = SessionState::default();
         let uuid = topic_uuid(topic);
         for p in 0..topic.num_partitions() {
-            let hwm = topic
-                .lock_partition(p)
-                .expect("in range")
-                .log
-                .high_water_mark();
+            let hwm = topic.high_water_mark(p);
             state.vbuckets.insert(
                 p,
                 Position {

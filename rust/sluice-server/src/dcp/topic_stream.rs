@@ -49,22 +49,12 @@ pub fn partition_state(topic: &Topic) -> VbState {
 /// GET_ALL_VB_SEQNOS of a topic: its partitions in the state asked for (active when none is)
 /// with their high-water marks.
 pub fn all_seqnos(topic: &Topic, extras: &[u8]) -> Result<Vec<u8>, &'static str> {
-    let wanted = match *extras {
-        [] => VbState::Active,
-        [a, b, c, d] => VbState::from_code(u32::from_be_bytes([a, b, c, d]))
-            .ok_or("no such vbucket state (1 active, 2 replica, 3 pending, 4 dead)")?,
-        _ => return Err("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
-    };
+    let wanted = crate::kv::wanted_state(extras)?;
     let mut value = Vec::new();
     if partition_state(topic) == wanted {
         for p in 0..topic.num_partitions() {
-            let hwm = topic
-                .lock_partition(p)
-                .expect("in range")
-                .log
-                .high_water_mark();
             value.extend_from_slice(&p.to_be_bytes());
-            value.extend_from_slice(&hwm.to_be_bytes());
+            value.extend_from_slice(&topic.high_water_mark(p).to_be_bytes());
         }
     }
     Ok(value)

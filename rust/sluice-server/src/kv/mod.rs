@@ -43,7 +43,7 @@ mod subdoc;
 mod tap_in;
 mod write;
 
-pub use read::all_vb_seqnos;
+pub use read::{all_vb_seqnos, wanted_state};
 pub(crate) use reply::reply_to_header;
 use reply::Reply;
 pub use reply::{status_for, status_of, HeldReply};

@@ -9,18 +9,23 @@ use sluice_proto::mcbp::{opcode as op, status, Request};
 /// GET_ALL_VB_SEQNOS's value, for the kv session and DCP connections alike: (u16 vbucket,
 /// u64 high seqno) for each vbucket in the state the extras name (4 bytes: 1 active .. 4 dead),
 /// the active ones without extras. Err: the EINVAL message.
+/// The vbucket state GET_ALL_VB_SEQNOS asks for: none (active) or 4 bytes of state code.
+pub fn wanted_state(extras: &[u8]) -> Result<sluice_core::vbucket::VbState, &'static str> {
+    use sluice_core::vbucket::VbState;
+    match *extras {
+        [] => Ok(VbState::Active),
+        [a, b, c, d] => VbState::from_code(u32::from_be_bytes([a, b, c, d]))
+            .ok_or("no such vbucket state (1 active, 2 replica, 3 pending, 4 dead)"),
+        _ => Err("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
+    }
+}
+
 pub fn all_vb_seqnos(
     engine: &sluice_core::Engine,
     bucket: &Bucket,
     extras: &[u8],
 ) -> Result<Vec<u8>, &'static str> {
-    use sluice_core::vbucket::VbState;
-    let wanted = match *extras {
-        [] => VbState::Active,
-        [a, b, c, d] => VbState::from_code(u32::from_be_bytes([a, b, c, d]))
-            .ok_or("no such vbucket state (1 active, 2 replica, 3 pending, 4 dead)")?,
-        _ => return Err("GET_ALL_VB_SEQNOS takes no extras or a 4-byte state"),
-    };
+    let wanted = wanted_state(extras)?;
     let mut value = Vec::new();
     for (vb, high) in engine.high_seqnos(bucket).into_iter().enumerate() {
         if engine.vbucket_state(bucket, vb as u16) == Some(wanted) {
