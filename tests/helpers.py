@@ -209,6 +209,8 @@ class Node:
             cmd += ["--iproto-listen", "127.0.0.1:0"]
         if "--tank-listen" not in args:
             cmd += ["--tank-listen", "127.0.0.1:0"]
+        if "--greenstack-listen" not in args:
+            cmd += ["--greenstack-listen", "127.0.0.1:0"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -221,6 +223,7 @@ class Node:
         # "off" when the node serves no iproto.
         self.iproto = ready.split("(iproto ")[1].split(")")[0]
         self.tank = ready.split("(TANK ")[1].split(")")[0]
+        self.greenstack = ready.split("(Greenstack ")[1].split(")")[0]
         host, _, port = self.address.rpartition(":")
         self.host, self.port = host, int(port)
 

@@ -158,6 +158,7 @@ def sluice_config(path: Path, spaces: tuple[Space, ...] = SPACES, wal_mode: str 
     out = [
         'iproto_listen = "127.0.0.1:0"',
         'tank_listen = "127.0.0.1:0"',
+        'greenstack_listen = "127.0.0.1:0"',
         "[snapshot]",
         "interval = 0",
         "[wal]",

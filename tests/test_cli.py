@@ -30,6 +30,8 @@ class Serve:
             args = (*args, "--iproto-listen", "127.0.0.1:0")
         if "--tank-listen" not in args:
             args = (*args, "--tank-listen", "127.0.0.1:0")
+        if "--greenstack-listen" not in args:
+            args = (*args, "--greenstack-listen", "127.0.0.1:0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "serve", *args],
             stdout=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ PYTHON_ONLY = {
     "admin_listen",
     "iproto_listen",
     "tank_listen",
+    "greenstack_listen",
     "tls_listen",
     "tls.certificate",
     "tls.key",

@@ -53,6 +53,7 @@ SERVER_LAYERS = [
     {"login", "dcp", "tap", "text"},
     {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
     {"tank"},  # TANK's front: topics (no login)
+    {"greenstack"},  # Greenstack's front: lanes, fences, out-of-order replies
     {"topic_replica"},  # a replica's copy of its active's topics, over DCP
     {"replica"},  # following another node through the DCP consumer
     {"config", "connection"},  # the server's settings; one connection and its handoffs

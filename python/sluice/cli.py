@@ -54,6 +54,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["iproto_listen"] = args.iproto_listen
     if getattr(args, "tank_listen", None) is not None:
         overrides["tank_listen"] = args.tank_listen
+    if getattr(args, "greenstack_listen", None) is not None:
+        overrides["greenstack_listen"] = args.greenstack_listen
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
     for flag, key in (
@@ -128,7 +130,7 @@ def _create_topics(engine: _native.EmbeddedEngine, cfg: Config) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _declare_followed_spaces(_load(args))
     tls_listen = cfg.server_settings()["tls_listen"]
-    for key in ("listen", "admin_listen", "tls_listen", "iproto_listen"):
+    for key in ("listen", "admin_listen", "tls_listen", "iproto_listen", "greenstack_listen"):
         address = tls_listen if key == "tls_listen" else cfg.values[key]
         if address and not is_loopback(address) and not cfg.users and not args.insecure:
             raise _native.ConfigError(
@@ -193,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
     log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s) (TANK %s)%s; "
+        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s) (TANK %s) (Greenstack %s)%s; "
         "%d items in %d bucket(s) %s, recovered in %.3f s (snapshot LSN %d, %d WAL records%s), "
         "ready %.3f s after start",
         server.address,
@@ -207,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.tls_address or "off",
         server.iproto_address or "off",
         server.tank_address or "off",
+        server.greenstack_address or "off",
         f", replica of {cfg.values['replication.replica_of']}"
         if cfg.values["replication.replica_of"]
         else "",
@@ -1108,6 +1111,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tank-listen",
         metavar="HOST:PORT",
         help=f'overrides tank_listen ("" turns it off; default: {_default("tank_listen")})',
+    )
+    s.add_argument(
+        "--greenstack-listen",
+        metavar="HOST:PORT",
+        help=f'overrides greenstack_listen ("" turns it off; default: {_default("greenstack_listen")})',
     )
     s.add_argument(
         "--replica-of",

@@ -308,6 +308,16 @@ ENGINE_KEYS += [
         server=True,
     ),
     Key(
+        "greenstack_listen",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "127.0.0.1:11220",
+        "Address of the Greenstack listener (docs/greenstack.md): HELLO, login, buckets, GET and "
+        'MUTATION on lanes with out-of-order replies. "" turns it off. Beyond loopback it needs '
+        "users (or --insecure).",
+        "HOST:PORT",
+        server=True,
+    ),
+    Key(
         "max_connections",
         _int,
         DEFAULTS["max_connections"],
@@ -906,6 +916,7 @@ class Config:
         out["replica_of"] = out["replica_of"] or None
         out["iproto_listen"] = out["iproto_listen"] or None
         out["tank_listen"] = out["tank_listen"] or None
+        out["greenstack_listen"] = out["greenstack_listen"] or None
         out["spaces"] = self.space_list()
         out["replication_user"] = out["replication_user"] or None
         for k in (

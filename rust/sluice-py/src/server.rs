@@ -36,6 +36,7 @@ pub(crate) struct Server {
     tls_address: Option<String>,
     iproto_address: Option<String>,
     tank_address: Option<String>,
+    greenstack_address: Option<String>,
     policies: Arc<PolicyHost>,
 }
 
@@ -118,7 +119,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -155,6 +156,7 @@ impl Server {
         replication_key: Option<PathBuf>,
         iproto_listen: Option<&str>,
         tank_listen: Option<&str>,
+        greenstack_listen: Option<&str>,
         spaces: Vec<SpaceSpec>,
         tarantool_upstream: Option<&str>,
         tarantool_upstream_user: Option<String>,
@@ -314,6 +316,10 @@ impl Server {
             .filter(|a| !a.is_empty())
             .map(|a| socket_addr("tank_listen", a))
             .transpose()?;
+        let greenstack_listen = greenstack_listen
+            .filter(|a| !a.is_empty())
+            .map(|a| socket_addr("greenstack_listen", a))
+            .transpose()?;
         if max_connections == 0 {
             return Err(config_err("max_connections", "must be at least 1"));
         }
@@ -375,6 +381,7 @@ impl Server {
             tls,
             iproto_listen,
             tank_listen,
+            greenstack_listen,
             spaces: spaces_of(spaces),
             tarantool_upstream,
         };
@@ -394,9 +401,11 @@ impl Server {
         let tls_address = server.tls_addr().map(|a| a.to_string());
         let iproto_address = server.iproto_addr().map(|a| a.to_string());
         let tank_address = server.tank_addr().map(|a| a.to_string());
+        let greenstack_address = server.greenstack_addr().map(|a| a.to_string());
         Ok(Server {
             iproto_address,
             tank_address,
+            greenstack_address,
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
@@ -461,6 +470,12 @@ impl Server {
     #[getter]
     fn tank_address(&self) -> Option<&str> {
         self.tank_address.as_deref()
+    }
+
+    /// "HOST:PORT" of the Greenstack listener, if it runs.
+    #[getter]
+    fn greenstack_address(&self) -> Option<&str> {
+        self.greenstack_address.as_deref()
     }
 
     /// "HOST:PORT" of the TLS KV listener, if it runs.

@@ -674,6 +674,9 @@ pub fn metrics(node: &NodeView) -> String {
     );
     f.dcp.policies.metrics(&mut o);
     crate::tank::topic_metrics(node.engine(), &mut o);
+    if let Some(gs) = &f.greenstack {
+        gs.stats.metrics(&mut o);
+    }
     if let Some(tank) = &f.tank {
         tank.stats.metrics(&mut o);
     }

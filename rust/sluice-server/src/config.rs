@@ -54,6 +54,8 @@ pub struct ServerConfig {
     pub iproto_listen: Option<SocketAddr>,
     /// TANK's listener, if any (topics).
     pub tank_listen: Option<SocketAddr>,
+    /// Greenstack's listener, if any.
+    pub greenstack_listen: Option<SocketAddr>,
     /// The spaces iproto serves (`[spaces.NAME]`), each in its bucket.
     pub spaces: Vec<crate::iproto::SpaceConfig>,
     /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).

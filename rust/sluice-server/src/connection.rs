@@ -41,6 +41,8 @@ pub struct Fronts {
     pub iproto: Option<Arc<crate::iproto::IprotoContext>>,
     /// The TANK front, when `tank_listen` is set.
     pub tank: Option<Arc<crate::tank::TankContext>>,
+    /// The Greenstack front, when `greenstack_listen` is set.
+    pub greenstack: Option<Arc<crate::greenstack::GreenstackContext>>,
     /// Largest request body accepted; larger frames get E2BIG and the connection closes.
     pub max_body: usize,
     /// A connection silent for this long is closed; zero means never.

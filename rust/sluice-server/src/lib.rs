@@ -18,6 +18,7 @@ pub mod clustermap;
 pub mod config;
 pub mod connection;
 pub mod dcp;
+pub mod greenstack;
 pub mod iproto;
 pub mod kv;
 pub mod limits;

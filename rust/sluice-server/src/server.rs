@@ -30,6 +30,7 @@ pub struct Server {
     tls_addr: Option<SocketAddr>,
     iproto_addr: Option<SocketAddr>,
     tank_addr: Option<SocketAddr>,
+    greenstack_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     fronts: Arc<Fronts>,
@@ -109,6 +110,18 @@ impl Server {
             None => None,
         };
         let tank_addr = tank_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let greenstack_listener = match config.greenstack_listen {
+            Some(a) => {
+                let l = bind("Greenstack listener", "greenstack_listen", a)?;
+                l.set_nonblocking(true)?;
+                Some(l)
+            }
+            None => None,
+        };
+        let greenstack_addr = greenstack_listener
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()?;
         // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
         let catalog = crate::iproto::Catalog::build(&engine, &config.spaces)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -166,6 +179,18 @@ impl Server {
                     .map_or(0, |d| d.as_secs() as u32),
             })
         });
+        let greenstack = greenstack_addr.map(|_| {
+            Arc::new(crate::greenstack::GreenstackContext {
+                engine: engine.clone(),
+                users: users.clone(),
+                io: stats.clone(),
+                stats: Default::default(),
+                throttle: throttle.clone(),
+                prelogin: prelogin.clone(),
+                max_frame: config.max_body,
+                idle_timeout: config.idle_timeout,
+            })
+        });
         let tarantool_follower = follow.map(|f| {
             let status = Arc::new(crate::iproto::follow::FollowStatus::new(
                 &f.upstream.address,
@@ -215,6 +240,7 @@ impl Server {
             throttle,
             iproto: iproto.clone(),
             tank: tank.clone(),
+            greenstack: greenstack.clone(),
             max_body: config.max_body,
             idle_timeout: config.idle_timeout,
         });
@@ -279,11 +305,19 @@ impl Server {
             }
             None => None,
         };
+        let greenstack_listener = match greenstack_listener {
+            Some(l) => {
+                let _enter = runtime.enter();
+                Some(TcpListener::from_std(l)?)
+            }
+            None => None,
+        };
         let (fr, tls_) = (fronts.clone(), tls.clone());
         // One limit for every listener: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
         let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
         let (tank_stop, tank_limit) = (stop_rx.clone(), limit.clone());
+        let (gs_stop, gs_limit) = (stop_rx.clone(), limit.clone());
         runtime.spawn(async move {
             let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
@@ -301,7 +335,12 @@ impl Server {
                     crate::tank::serve(l, ctx, tank_stop, tank_limit).await;
                 }
             };
-            tokio::join!(plain, tls, iproto, tank_front);
+            let greenstack_front = async {
+                if let (Some(l), Some(ctx)) = (greenstack_listener, greenstack) {
+                    crate::greenstack::serve(l, ctx, gs_stop, gs_limit).await;
+                }
+            };
+            tokio::join!(plain, tls, iproto, tank_front, greenstack_front);
             let _ = done_tx.send(());
         });
         Ok(Server {
@@ -311,6 +350,7 @@ impl Server {
             tls_addr,
             iproto_addr,
             tank_addr,
+            greenstack_addr,
             stop: stop_tx,
             done: Some(done_rx),
             fronts,
@@ -336,6 +376,11 @@ impl Server {
     /// The TANK listener's address, if it runs.
     pub fn tank_addr(&self) -> Option<SocketAddr> {
         self.tank_addr
+    }
+
+    /// The Greenstack listener's address, if it runs.
+    pub fn greenstack_addr(&self) -> Option<SocketAddr> {
+        self.greenstack_addr
     }
 
     /// The iproto listener's address, if it runs.

@@ -47,6 +47,15 @@ pub mod status {
     pub const UNKNOWN_COMMAND: u16 = 0x0009;
     pub const USER_AGENT_BLACKLISTED: u16 = 0x000a;
     pub const NOT_IMPLEMENTED: u16 = 0x000b;
+    // Memcached's, numbered by sluice (volatile).
+    pub const KEY_EXISTS: u16 = 0x0400;
+    pub const NOT_STORED: u16 = 0x0401;
+    pub const TOO_BIG: u16 = 0x0402;
+    pub const NOT_MY_VBUCKET: u16 = 0x0403;
+    pub const TEMPORARY_FAILURE: u16 = 0x0404;
+    pub const LOCKED: u16 = 0x0405;
+    pub const DURABILITY_IMPOSSIBLE: u16 = 0x0406;
+    pub const SYNC_WRITE_AMBIGUOUS: u16 = 0x0407;
 }
 
 /// The first flag byte's bits.

@@ -1,0 +1,120 @@
+//! Greenstack on its own listener (`greenstack_listen`): Couchbase's full-duplex protocol
+//! (seed 001, `sluice_proto::greenstack`; docs/greenstack.md). A connection says HELLO first,
+//! may log in (SASL PLAIN) and selects a bucket; its requests run on lanes (the flex header's
+//! lane id; none is a lane too): within a lane replies may come out of order (a GET answers
+//! while a durable write before it waits), a fenced request waits for every earlier one of its
+//! lane and holds back the later ones, and quiet requests answer only failures. `session` runs
+//! one connection.
+
+mod session;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_core::Engine;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::auth::UserTable;
+use crate::limits::PreLogin;
+use crate::login::LoginThrottle;
+use crate::metrics::metric;
+use crate::stats::ConnectionStats;
+
+/// What Greenstack sessions work with, built by the server.
+pub struct GreenstackContext {
+    pub engine: Arc<Engine>,
+    /// The same users as the other fronts' (SIGHUP replaces them for all).
+    pub users: Arc<UserTable>,
+    pub io: Arc<ConnectionStats>,
+    pub stats: GreenstackStats,
+    /// Failed logins slow the next ones, shared with SASL on the memcached front.
+    pub throttle: Arc<LoginThrottle>,
+    pub prelogin: Arc<PreLogin>,
+    /// The largest frame body taken.
+    pub max_frame: usize,
+    /// A connection silent this long is closed; zero never.
+    pub idle_timeout: Duration,
+}
+
+/// The Greenstack front's counters (`/metrics`).
+#[derive(Default)]
+pub struct GreenstackStats {
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+    pub requests: AtomicU64,
+    /// Replies sent before the reply of a request of the same lane that came earlier.
+    pub out_of_order: AtomicU64,
+    pub unknown_commands: AtomicU64,
+}
+
+impl GreenstackStats {
+    pub fn metrics(&self, o: &mut String) {
+        use std::fmt::Write;
+        for (name, kind, help, v) in [
+            (
+                "sluice_greenstack_connections",
+                "gauge",
+                "Open Greenstack connections.",
+                &self.connections,
+            ),
+            (
+                "sluice_greenstack_connections_total",
+                "counter",
+                "Greenstack connections accepted.",
+                &self.connections_total,
+            ),
+            (
+                "sluice_greenstack_requests_total",
+                "counter",
+                "Greenstack requests taken.",
+                &self.requests,
+            ),
+            (
+                "sluice_greenstack_out_of_order_replies_total",
+                "counter",
+                "Greenstack replies sent ahead of an earlier request of their lane.",
+                &self.out_of_order,
+            ),
+            (
+                "sluice_greenstack_unknown_commands_total",
+                "counter",
+                "Greenstack requests of an opcode this server does not serve.",
+                &self.unknown_commands,
+            ),
+        ] {
+            metric(o, name, kind, help);
+            let _ = writeln!(o, "{name} {}", v.load(Relaxed));
+        }
+    }
+}
+
+/// Accepts Greenstack connections until the stop signal, under the server's connection
+/// limit, then lets the open ones finish.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<GreenstackContext>,
+    stop: watch::Receiver<bool>,
+    limit: Arc<Semaphore>,
+) {
+    let io = ctx.io.clone();
+    crate::listener::serve(
+        listener,
+        "Greenstack",
+        io,
+        stop,
+        limit,
+        |socket, peer, stop| {
+            let ctx = ctx.clone();
+            ctx.stats.connections_total.fetch_add(1, Relaxed);
+            async move {
+                ctx.stats.connections.fetch_add(1, Relaxed);
+                session::run(socket.into(), peer, ctx.clone(), stop).await;
+                ctx.stats.connections.fetch_sub(1, Relaxed);
+            }
+        },
+    )
+    .await
+}

@@ -1,0 +1,653 @@
+//! One Greenstack connection. Each request goes to its lane's queue; a lane starts the
+//! requests at the front of its queue while it may (not behind a fence still running, and a
+//! fenced one only once nothing of its lane runs). A request answers at once (a read, a bucket
+//! chosen) or later (a write settling at its durability level, a login's password hash, on a
+//! task of its own); replies go out as they complete, so a read need not wait for a durable
+//! write before it. Bad framing closes the connection with a log line.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use sluice_core::bucket::Bucket;
+use sluice_core::config::Durability;
+use sluice_core::durability::Requirement;
+use sluice_core::engine::{StoreMode, StoreRequest};
+use sluice_core::Error;
+use sluice_proto::greenstack::payload::{Fields, MapWriter, Mutation, MutationKind};
+use sluice_proto::greenstack::{
+    self as gs, flag, flex_key, opcode, status, Check, FlexEntry, Frame, FrameOut,
+};
+use tokio::io::AsyncReadExt;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use super::GreenstackContext;
+use crate::auth::{READ, WRITE};
+use crate::tls::MaybeTls;
+
+/// Replies are written once this much is pending.
+const FLUSH_AT: usize = 256 << 10;
+/// Requests a connection may have started and not finished, or queued behind a fence.
+const MAX_IN_FLIGHT: usize = 4096;
+
+/// What a request that answers later hands back: its reply frame and, for a login, the user.
+type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Option<String>)> + Send>>;
+
+enum Run {
+    Now(Vec<u8>),
+    Later(Later),
+}
+
+/// A request finished: its lane, its place in the order requests were taken, whether it was
+/// fenced, its reply (empty for a quiet success), and a login's user.
+struct Done {
+    lane: Vec<u8>,
+    seq: u64,
+    fenced: bool,
+    reply: Vec<u8>,
+    login: Option<String>,
+}
+
+#[derive(Default)]
+struct Lane {
+    /// Requests of the lane started and not finished, by the order they were taken.
+    running: BTreeSet<u64>,
+    /// A fenced request runs: nothing else of the lane starts until it finishes.
+    fenced: bool,
+    queue: VecDeque<Bytes>,
+}
+
+struct Session {
+    ctx: Arc<GreenstackContext>,
+    peer: SocketAddr,
+    hello: bool,
+    user: Option<String>,
+    bucket: Option<Arc<Bucket>>,
+    lanes: HashMap<Vec<u8>, Lane>,
+    tasks: JoinSet<Done>,
+    taken: u64,
+    in_flight: usize,
+}
+
+pub(super) async fn run(
+    mut socket: MaybeTls,
+    peer: SocketAddr,
+    ctx: Arc<GreenstackContext>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut s = Session {
+        ctx: ctx.clone(),
+        peer,
+        hello: false,
+        user: None,
+        bucket: None,
+        lanes: HashMap::new(),
+        tasks: JoinSet::new(),
+        taken: 0,
+        in_flight: 0,
+    };
+    let mut inbuf = BytesMut::with_capacity(16 << 10);
+    let mut out = Vec::new();
+    loop {
+        // Take whole frames while the connection has room for more requests in flight.
+        while s.in_flight < MAX_IN_FLIGHT {
+            match gs::check(&inbuf, ctx.max_frame) {
+                Ok(Check::Complete(n)) => {
+                    let frame = inbuf.split_to(n).freeze();
+                    if let Err(e) = s.take(frame, &mut out) {
+                        ctx.io.protocol_error(
+                            "greenstack",
+                            format_args!("closing Greenstack connection from {peer}: {e}"),
+                        );
+                        let _ = send(&mut socket, &mut out, &ctx).await;
+                        return;
+                    }
+                    if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &ctx).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Check::Incomplete(need)) => {
+                    inbuf.reserve(need.saturating_sub(inbuf.len()));
+                    break;
+                }
+                Err(e) => {
+                    ctx.io.protocol_error(
+                        "greenstack",
+                        format_args!("closing Greenstack connection from {peer}: {e}"),
+                    );
+                    let _ = send(&mut socket, &mut out, &ctx).await;
+                    return;
+                }
+            }
+        }
+        // Requests that finished meanwhile answer in the same write.
+        while let Some(done) = s.tasks.try_join_next() {
+            if s.finish_task(done, &mut out).is_err() {
+                return;
+            }
+        }
+        if send(&mut socket, &mut out, &ctx).await.is_err() {
+            return;
+        }
+        if *stop.borrow() && s.tasks.is_empty() {
+            return;
+        }
+        let full = s.in_flight >= MAX_IN_FLIGHT;
+        let waiting = !s.tasks.is_empty();
+        let idle = ctx.idle_timeout;
+        let read = async {
+            if full {
+                std::future::pending().await
+            } else if idle.is_zero() || waiting {
+                Ok(socket.read_buf(&mut inbuf).await)
+            } else {
+                tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
+            }
+        };
+        tokio::select! {
+            Some(done) = s.tasks.join_next() => {
+                if s.finish_task(done, &mut out).is_err() {
+                    return;
+                }
+            }
+            r = read => match r {
+                Ok(Ok(0)) => return,
+                Ok(Ok(n)) => { ctx.io.bytes_in.fetch_add(n as u64, Relaxed); }
+                Ok(Err(e)) => {
+                    log::debug!("Greenstack connection from {peer}: {e}");
+                    return;
+                }
+                Err(_) => {
+                    log::info!("closing Greenstack connection from {peer}: idle for {idle:?}");
+                    return;
+                }
+            },
+            // Requests under way finish; nothing new is read.
+            _ = stop.changed() => {
+                while let Some(done) = s.tasks.join_next().await {
+                    if s.finish_task(done, &mut out).is_err() {
+                        break;
+                    }
+                }
+                let _ = send(&mut socket, &mut out, &ctx).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn send(
+    socket: &mut MaybeTls,
+    out: &mut Vec<u8>,
+    ctx: &GreenstackContext,
+) -> std::io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await
+}
+
+/// The lane a frame's flex header names (the root lane when none).
+fn lane_of(f: &Frame<'_>) -> Vec<u8> {
+    f.flex_value(flex_key::LANE_ID).unwrap_or_default().to_vec()
+}
+
+/// What a reply to a request carries over from it: opaque, opcode, lane, and whether it is
+/// quiet (its success is not answered).
+struct ReplyTo {
+    opaque: u32,
+    opcode: u16,
+    lane: Option<Vec<u8>>,
+    quiet: bool,
+}
+
+impl ReplyTo {
+    fn of(req: &Frame<'_>) -> ReplyTo {
+        ReplyTo {
+            opaque: req.opaque,
+            opcode: req.opcode,
+            lane: req.flex_value(flex_key::LANE_ID).map(<[u8]>::to_vec),
+            quiet: req.has(flag::QUIET),
+        }
+    }
+
+    fn reply(&self, st: u16, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        if st == status::SUCCESS && self.quiet {
+            return out;
+        }
+        let flex: Vec<FlexEntry<'_>> = self
+            .lane
+            .as_deref()
+            .map(|value| FlexEntry {
+                key: flex_key::LANE_ID,
+                value,
+            })
+            .into_iter()
+            .collect();
+        FrameOut {
+            opaque: self.opaque,
+            opcode: self.opcode,
+            flags: 0,
+            status: Some(st),
+            flex: &flex,
+            payload,
+        }
+        .write(&mut out);
+        out
+    }
+
+    /// A failure's reply: the status and `{"message": why}`.
+    fn failure(&self, st: u16, why: &str) -> Vec<u8> {
+        let mut p = Vec::new();
+        MapWriter::new(&mut p, 1).str("message", why);
+        self.reply(st, &p)
+    }
+}
+
+/// A reply to `req`: same opaque and opcode, its lane echoed.
+fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
+    ReplyTo::of(req).reply(st, payload)
+}
+
+fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
+    ReplyTo::of(req).failure(st, why)
+}
+
+/// The status an engine error answers with (docs/greenstack.md).
+fn status_of(e: &Error) -> u16 {
+    match e {
+        Error::NotFound => status::NOT_FOUND,
+        Error::Exists => status::KEY_EXISTS,
+        Error::NotStored => status::NOT_STORED,
+        Error::TooBig { .. } => status::TOO_BIG,
+        Error::NotMyVbucket(_) => status::NOT_MY_VBUCKET,
+        Error::Locked | Error::LockedTmpFail => status::LOCKED,
+        Error::TempFail(_) => status::TEMPORARY_FAILURE,
+        Error::DurabilityImpossible(_) => status::DURABILITY_IMPOSSIBLE,
+        Error::SyncWriteAmbiguous(_) => status::SYNC_WRITE_AMBIGUOUS,
+        Error::NoSuchBucket(_) => status::NOT_FOUND,
+        Error::InvalidKey(_) | Error::InvalidArgument(_) | Error::NotNumeric => {
+            status::INVALID_ARGUMENTS
+        }
+        _ => status::INTERNAL_ERROR,
+    }
+}
+
+impl Session {
+    /// A frame read: a request goes to its lane, which starts what it may; a response (this
+    /// server sends no requests yet) is dropped. Err closes the connection.
+    fn take(&mut self, frame: Bytes, out: &mut Vec<u8>) -> Result<(), gs::DecodeError> {
+        let f = Frame::decode(&frame[gs::LENGTH_LEN..])?;
+        if f.is_response() {
+            return Ok(());
+        }
+        self.ctx.stats.requests.fetch_add(1, Relaxed);
+        let lane = lane_of(&f);
+        self.in_flight += 1;
+        self.lanes
+            .entry(lane.clone())
+            .or_default()
+            .queue
+            .push_back(frame);
+        self.pump(&lane, out);
+        Ok(())
+    }
+
+    /// Starts the requests at the front of `lane`'s queue while the lane lets them; those
+    /// that answer at once are finished here, in order.
+    fn pump(&mut self, lane: &[u8], out: &mut Vec<u8>) {
+        loop {
+            let Some(l) = self.lanes.get_mut(lane) else {
+                return;
+            };
+            let Some(front) = l.queue.front() else {
+                if l.running.is_empty() {
+                    self.lanes.remove(lane);
+                }
+                return;
+            };
+            let fenced = Frame::decode(&front[gs::LENGTH_LEN..]).is_ok_and(|f| f.has(flag::FENCE));
+            if l.fenced || (fenced && !l.running.is_empty()) {
+                return;
+            }
+            let frame = l.queue.pop_front().expect("looked at above");
+            let seq = self.taken;
+            self.taken += 1;
+            l.running.insert(seq);
+            l.fenced = fenced;
+            let f = Frame::decode(&frame[gs::LENGTH_LEN..]).expect("decoded when taken");
+            match self.execute(&f) {
+                Run::Now(reply) => self.finish(
+                    Done {
+                        lane: lane.to_vec(),
+                        seq,
+                        fenced,
+                        reply,
+                        login: None,
+                    },
+                    out,
+                ),
+                Run::Later(later) => {
+                    let lane = lane.to_vec();
+                    self.tasks.spawn(async move {
+                        let (reply, login) = later.await;
+                        Done {
+                            lane,
+                            seq,
+                            fenced,
+                            reply,
+                            login,
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// A request's task ended; Err when it panicked: its lane can never finish it, and the
+    /// connection is closed.
+    fn finish_task(
+        &mut self,
+        done: Result<Done, tokio::task::JoinError>,
+        out: &mut Vec<u8>,
+    ) -> Result<(), ()> {
+        match done {
+            Ok(d) => {
+                let lane = d.lane.clone();
+                self.finish(d, out);
+                self.pump(&lane, out);
+                Ok(())
+            }
+            Err(e) => {
+                log::error!(
+                    "closing Greenstack connection from {}: a request failed: {e}",
+                    self.peer
+                );
+                Err(())
+            }
+        }
+    }
+
+    /// A request finished: its reply out, its lane told (the fence lifted).
+    fn finish(&mut self, d: Done, out: &mut Vec<u8>) {
+        if let Some(user) = d.login {
+            self.user = Some(user);
+        }
+        out.extend_from_slice(&d.reply);
+        self.in_flight -= 1;
+        if let Some(l) = self.lanes.get_mut(&d.lane) {
+            l.running.remove(&d.seq);
+            if l.running.first().is_some_and(|&s| s < d.seq) {
+                self.ctx.stats.out_of_order.fetch_add(1, Relaxed);
+            }
+            if d.fenced {
+                l.fenced = false;
+            }
+        }
+    }
+
+    /// The permissions of the connection's user on `bucket`.
+    fn permissions(&self, bucket: &str) -> u8 {
+        let users = self.ctx.users.current();
+        if !users.required() {
+            return u8::MAX;
+        }
+        self.user
+            .as_deref()
+            .and_then(|n| users.get(n))
+            .map_or(0, |u| u.permissions(bucket))
+    }
+
+    fn execute(&mut self, f: &Frame<'_>) -> Run {
+        if f.opcode != opcode::HELLO && !self.hello {
+            return Run::Now(failure(f, status::INVALID_STATE, "say HELLO first"));
+        }
+        let fields = match Fields::parse(f.payload) {
+            Ok(x) => x,
+            Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+        };
+        match f.opcode {
+            opcode::HELLO => {
+                self.hello = true;
+                let mut p = Vec::new();
+                MapWriter::new(&mut p, 3)
+                    .str("user_agent", "sluice")
+                    .str("user_agent_version", env!("CARGO_PKG_VERSION"))
+                    .strs("sasl_mechanisms", ["PLAIN"].into_iter());
+                Run::Now(reply(f, status::SUCCESS, &p))
+            }
+            opcode::SASL_AUTH => self.sasl_auth(f, &fields),
+            opcode::SELECT_BUCKET => Run::Now(self.select_bucket(f, &fields)),
+            opcode::LIST_BUCKETS => {
+                let names: Vec<String> = self
+                    .ctx
+                    .engine
+                    .buckets()
+                    .iter()
+                    .map(|b| b.name().to_string())
+                    .filter(|n| self.permissions(n) != 0)
+                    .collect();
+                let mut p = Vec::new();
+                MapWriter::new(&mut p, 1).strs("buckets", names.iter().map(String::as_str));
+                Run::Now(reply(f, status::SUCCESS, &p))
+            }
+            opcode::GET => Run::Now(self.get(f, &fields)),
+            opcode::MUTATION => self.mutation(f),
+            _ => {
+                self.ctx.stats.unknown_commands.fetch_add(1, Relaxed);
+                Run::Now(failure(
+                    f,
+                    status::UNKNOWN_COMMAND,
+                    &format!("opcode {:#06x} is not one this server serves", f.opcode),
+                ))
+            }
+        }
+    }
+
+    /// SASL AUTH with PLAIN: the password's hash is checked off the connection's task, after
+    /// the wait failed logins impose (shared with the other fronts).
+    fn sasl_auth(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
+        let (mechanism, challenge) = match (
+            fields.required("mechanism", Fields::str),
+            fields.required("challenge", Fields::bytes),
+        ) {
+            (Ok(m), Ok(c)) => (m, c),
+            (Err(e), _) | (_, Err(e)) => {
+                return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string()))
+            }
+        };
+        if mechanism != "PLAIN" {
+            return Run::Now(failure(
+                f,
+                status::INVALID_ARGUMENTS,
+                &format!("mechanism {mechanism:?}: this server takes PLAIN"),
+            ));
+        }
+        let user = crate::auth::plain_user(challenge).to_vec();
+        let ip = self.peer.ip();
+        let ctx = self.ctx.clone();
+        let challenge = challenge.to_vec();
+        let ok = reply(f, status::SUCCESS, &[]);
+        let refused = failure(
+            f,
+            status::AUTHENTICATION_ERROR,
+            "the user is unknown or the password does not match",
+        );
+        Run::Later(Box::pin(async move {
+            let Some(wait) = ctx.throttle.turn(&user, ip) else {
+                ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                return (refused, None);
+            };
+            tokio::time::sleep(wait).await;
+            let users = ctx.users.current();
+            let who = if users.required() {
+                tokio::task::spawn_blocking(move || users.authenticate_plain(&challenge))
+                    .await
+                    .ok()
+                    .flatten()
+            } else {
+                Some(String::from_utf8_lossy(&user).into_owned())
+            };
+            match who {
+                Some(name) => {
+                    ctx.throttle.succeeded(&user);
+                    (ok, Some(name))
+                }
+                None => {
+                    ctx.throttle.failed(&user, ip);
+                    ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                    ctx.throttle.log.warn(|| {
+                        format!(
+                            "failed Greenstack login for user {:?} from {ip}",
+                            String::from_utf8_lossy(&user)
+                        )
+                    });
+                    (refused, None)
+                }
+            }
+        }))
+    }
+
+    fn select_bucket(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+        let name = match fields.required("name", Fields::str) {
+            Ok(n) => n,
+            Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
+        };
+        // A bucket the user may not use answers as one that does not exist.
+        match self.ctx.engine.bucket(name) {
+            Ok(b) if self.permissions(name) != 0 => {
+                self.bucket = Some(b);
+                reply(f, status::SUCCESS, &[])
+            }
+            Ok(_) | Err(_) => failure(f, status::NOT_FOUND, &format!("no bucket {name:?}")),
+        }
+    }
+
+    /// The selected bucket if the user has `need` on it; else the failure to answer.
+    fn bucket_for(&self, f: &Frame<'_>, need: u8) -> Result<Arc<Bucket>, Vec<u8>> {
+        let Some(b) = &self.bucket else {
+            return Err(failure(f, status::INVALID_STATE, "select a bucket first"));
+        };
+        if self.permissions(b.name()) & need != need {
+            return Err(failure(
+                f,
+                status::NO_ACCESS,
+                &format!("the user lacks that permission on bucket {}", b.name()),
+            ));
+        }
+        Ok(b.clone())
+    }
+
+    fn get(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+        let bucket = match self.bucket_for(f, READ) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        let id = match fields.required("id", Fields::bytes) {
+            Ok(id) => id,
+            Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
+        };
+        match self.ctx.engine.get(&bucket, id) {
+            Ok(Some(item)) => {
+                let mut p = Vec::new();
+                MapWriter::new(&mut p, 4)
+                    .bin("value", item.value())
+                    .uint("flags", item.meta.flags as u64)
+                    .uint("cas", item.meta.cas)
+                    .uint("datatype", item.meta.datatype as u64);
+                reply(f, status::SUCCESS, &p)
+            }
+            Ok(None) => failure(f, status::NOT_FOUND, "no document of that id"),
+            Err(e) => failure(f, status_of(&e), &e.to_string()),
+        }
+    }
+
+    /// MUTATION: applied now, answered once it meets its durability level.
+    fn mutation(&self, f: &Frame<'_>) -> Run {
+        let bucket = match self.bucket_for(f, WRITE) {
+            Ok(b) => b,
+            Err(reply) => return Run::Now(reply),
+        };
+        let m = match Mutation::parse(f.payload) {
+            Ok(m) => m,
+            Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+        };
+        let durability = match m.durability.map(|d| Durability::parse(d).ok_or(d)) {
+            None => None,
+            Some(Ok(level)) => Some(Requirement::from(level)),
+            Some(Err(d)) => {
+                return Run::Now(failure(
+                    f,
+                    status::INVALID_ARGUMENTS,
+                    &format!("field 'durability': no level {d:?}"),
+                ))
+            }
+        };
+        let engine = &self.ctx.engine;
+        let written = match m.kind {
+            MutationKind::Add | MutationKind::Set | MutationKind::Replace => {
+                let mode = match m.kind {
+                    MutationKind::Add => StoreMode::Add,
+                    MutationKind::Set => StoreMode::Set,
+                    _ => StoreMode::Replace,
+                };
+                engine.write_store(
+                    &bucket,
+                    &StoreRequest {
+                        key: m.id,
+                        value: m.value,
+                        flags: m.flags,
+                        expiry: m.expiration,
+                        datatype: m.datatype,
+                        cas: m.cas,
+                        mode,
+                        durability,
+                    },
+                )
+            }
+            MutationKind::Append | MutationKind::Prepend => engine.write_concat(
+                &bucket,
+                m.id,
+                m.value,
+                m.kind == MutationKind::Append,
+                m.cas,
+                durability,
+            ),
+            MutationKind::Patch => {
+                return Run::Now(failure(
+                    f,
+                    status::NOT_IMPLEMENTED,
+                    "patch (a JSON merge patch) is not served yet",
+                ))
+            }
+        };
+        let w = match written {
+            Ok(w) => w,
+            Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
+        };
+        let uuid = engine
+            .failover_log(&bucket, w.value.vbucket)
+            .and_then(|l| l.first().map(|e| e.uuid))
+            .unwrap_or(0);
+        let mut ok_payload = Vec::new();
+        MapWriter::new(&mut ok_payload, 3)
+            .uint("cas", w.value.cas)
+            .uint("seqno", w.value.seqno)
+            .uint("vbucket_uuid", uuid);
+        let to = ReplyTo::of(f);
+        let engine = engine.clone();
+        Run::Later(Box::pin(async move {
+            let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));
+            match engine.settled(&bucket, w, timer).await {
+                Ok(_) => (to.reply(status::SUCCESS, &ok_payload), None),
+                Err(e) => (to.failure(status_of(&e), &e.to_string()), None),
+            }
+        }))
+    }
+}

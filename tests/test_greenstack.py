@@ -1,0 +1,208 @@
+"""Greenstack on `greenstack_listen`, from frames built by hand as seed 001 lays them out
+(independent of any client): HELLO first, SASL PLAIN, buckets, GET and MUTATION, unknown
+commands, quiet, lanes and fences, a durable write's reply overtaken by a GET's on the same
+lane, and bad frames closing the connection."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import sluice.config
+from helpers import Node, node_config
+
+# Opcodes, flags, flex keys and statuses (docs/greenstack.md).
+HELLO, SASL_AUTH, SELECT_BUCKET, LIST_BUCKETS, MUTATION, GET = 0x0001, 0x0002, 0x0400, 0x0401, 0x0405, 0x0406
+RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
+LANE_ID = 0x0000
+SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
+KEY_EXISTS, NOT_IMPLEMENTED, DURABILITY_IMPOSSIBLE = 0x0400, 0x000B, 0x0406
+ADD, SET, APPEND, PATCH = 0, 1, 3, 5
+DURABLE = "persist"
+
+
+def frame(
+    opaque: int, opcode: int, payload: dict | bytes = b"", flags: int = 0, lane: bytes | None = None
+) -> bytes:
+    body = struct.pack(">IH", opaque, opcode)
+    if lane is not None:
+        flags |= FLEX
+    body += bytes([flags])
+    if lane is not None:
+        entry = struct.pack(">HH", LANE_ID, len(lane)) + lane
+        body += struct.pack(">I", len(entry)) + entry
+    body += payload if isinstance(payload, bytes) else msgpack.packb(payload)
+    return struct.pack(">I", len(body)) + body
+
+
+class Reply:
+    def __init__(self, raw: bytes) -> None:
+        self.opaque, self.opcode, self.flags = struct.unpack_from(">IHB", raw, 0)
+        assert self.flags & RESPONSE, f"not a response: {raw.hex()}"
+        (self.status,) = struct.unpack_from(">H", raw, 7)
+        at, self.lane = 9, None
+        if self.flags & FLEX:
+            (n,) = struct.unpack_from(">I", raw, at)
+            flex, at = raw[at + 4 : at + 4 + n], at + 4 + n
+            key, length = struct.unpack_from(">HH", flex, 0)
+            if key == LANE_ID:
+                self.lane = flex[4 : 4 + length]
+        self.payload = msgpack.unpackb(raw[at:]) if raw[at:] else {}
+
+
+class Conn:
+    def __init__(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=20)
+        self.buf = b""
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.sendall(b"".join(frames))
+
+    def reply(self) -> Reply:
+        while True:
+            if len(self.buf) >= 4:
+                (n,) = struct.unpack_from(">I", self.buf)
+                if len(self.buf) >= 4 + n:
+                    raw, self.buf = self.buf[4 : 4 + n], self.buf[4 + n :]
+                    return Reply(raw)
+            chunk = self.sock.recv(1 << 16)
+            assert chunk, "the server closed the connection"
+            self.buf += chunk
+
+    def call(self, opcode: int, payload: dict | bytes = b"", **kw) -> Reply:
+        self.send(frame(77, opcode, payload, **kw))
+        r = self.reply()
+        assert (r.opaque, r.opcode) == (77, opcode)
+        return r
+
+    def closed(self) -> bool:
+        self.sock.settimeout(20)
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def start(tmp_path, *users: str) -> Node:
+    cfg = node_config(tmp_path, "a", "".join(users))
+    return Node(tmp_path / "a", "--config", str(cfg))
+
+
+def test_hello_login_buckets_and_documents(tmp_path):
+    app = sluice.config.hash_password("secret", iterations=1000)
+    reader = sluice.config.hash_password("r", iterations=1000)
+    users = (
+        f'[users.app]\npassword_hash = "{app}"\nbuckets = {{ default = ["read", "write"] }}\n'
+        f'[users.reader]\npassword_hash = "{reader}"\nbuckets = {{ default = ["read"] }}\n'
+    )
+    node = start(tmp_path, users)
+    c = Conn(node.greenstack)
+    try:
+        # Nothing before HELLO.
+        assert c.call(GET, {"id": "k"}).status == INVALID_STATE
+        hello = c.call(HELLO, {"user_agent": "test", "user_agent_version": "1"})
+        assert hello.status == SUCCESS
+        assert hello.payload["user_agent"] == "sluice" and "PLAIN" in hello.payload["sasl_mechanisms"]
+        # Without a login: no bucket to see or select.
+        assert c.call(LIST_BUCKETS).payload == {"buckets": []}
+        assert c.call(SELECT_BUCKET, {"name": "default"}).status == NOT_FOUND
+        bad = c.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00app\x00wrong"})
+        assert bad.status == AUTH_ERROR and "password" in bad.payload["message"]
+        assert c.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00app\x00secret"}).status == SUCCESS
+        assert c.call(LIST_BUCKETS).payload == {"buckets": ["default"]}
+        assert c.call(SELECT_BUCKET, {"name": "default"}).status == SUCCESS
+        assert c.call(GET, {"id": "k"}).status == NOT_FOUND
+        m = c.call(MUTATION, {"type": SET, "id": "k", "value": b"v1", "flags": 7})
+        assert m.status == SUCCESS and m.payload["seqno"] >= 1 and m.payload["cas"] > 0
+        assert c.call(MUTATION, {"type": ADD, "id": "k", "value": b"x"}).status == KEY_EXISTS
+        assert c.call(MUTATION, {"type": APPEND, "id": "k", "value": b"+"}).status == SUCCESS
+        got = c.call(GET, {"id": "k"})
+        assert (got.status, got.payload["value"], got.payload["flags"]) == (SUCCESS, b"v1+", 7)
+        assert c.call(MUTATION, {"type": PATCH, "id": "k", "value": b"{}"}).status == NOT_IMPLEMENTED
+        bad_field = c.call(MUTATION, {"type": "set", "id": "k"})
+        assert "field 'type'" in bad_field.payload["message"]
+        # Unknown commands are answered and the connection goes on; quiet successes are not.
+        unknown = c.call(0x0BAD)
+        assert unknown.status == UNKNOWN_COMMAND
+        c.send(
+            frame(1, MUTATION, {"type": SET, "id": "q", "value": b"1"}, flags=QUIET),
+            frame(2, GET, {"id": "q"}),
+        )
+        r = c.reply()
+        assert (r.opaque, r.payload["value"]) == (2, b"1")
+        # A reader may read, not write.
+        r2 = Conn(node.greenstack)
+        r2.call(HELLO, {})
+        r2.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00reader\x00r"})
+        r2.call(SELECT_BUCKET, {"name": "default"})
+        assert r2.call(GET, {"id": "k"}).payload["value"] == b"v1+"
+        assert r2.call(MUTATION, {"type": SET, "id": "k", "value": b"no"}).status == NO_ACCESS
+        r2.close()
+        assert node.metric("sluice_greenstack_unknown_commands_total") == 1
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_lanes_fences_and_a_read_overtaking_a_durable_write(tmp_path):
+    node = start(tmp_path)
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        c.call(SELECT_BUCKET, {"name": "default"})
+        c.call(MUTATION, {"type": SET, "id": "fast", "value": b"here"})
+        # On one lane: a write that waits for the WAL's sync, then a GET. The GET's reply
+        # comes first; the write's follows once it is durable.
+        c.send(
+            frame(
+                10, MUTATION, {"type": SET, "id": "slow", "value": b"1", "durability": "persist"}, lane=b"L"
+            ),
+            frame(11, GET, {"id": "fast"}, lane=b"L"),
+        )
+        first, second = c.reply(), c.reply()
+        assert (first.opaque, first.lane, first.payload["value"]) == (11, b"L", b"here")
+        assert (second.opaque, second.lane, second.status) == (10, b"L", SUCCESS)
+        # A fence waits for the lane's earlier requests: the GET fenced behind a durable write
+        # answers after it, while another lane is not held up.
+        c.send(
+            frame(
+                20, MUTATION, {"type": SET, "id": "slow", "value": b"2", "durability": "persist"}, lane=b"F"
+            ),
+            frame(21, GET, {"id": "slow"}, lane=b"F", flags=FENCE),
+            frame(22, GET, {"id": "fast"}, lane=b"other"),
+        )
+        replies = [c.reply() for _ in range(3)]
+        assert [r.opaque for r in replies] == [22, 20, 21]
+        # The fenced GET saw the write before it.
+        assert replies[2].payload["value"] == b"2"
+        assert node.metric("sluice_greenstack_out_of_order_replies_total") >= 1
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_bad_frames_close_the_connection(tmp_path):
+    node = start(tmp_path)
+    try:
+        for bad in (
+            frame(1, HELLO, flags=0x20),  # an unassigned flag bit
+            frame(1, HELLO, flags=0x80),  # a next flag byte announced, none there
+            struct.pack(">I", 3) + b"abc",  # shorter than the smallest frame
+            struct.pack(">I", 0x7FFFFFFF),  # longer than the limit
+        ):
+            c = Conn(node.greenstack)
+            c.send(bad)
+            assert c.closed(), bad.hex()
+            c.close()
+        assert node.metric_sum("sluice_protocol_errors_total") >= 4
+        # The server carries on.
+        c = Conn(node.greenstack)
+        assert c.call(HELLO, {}).status == SUCCESS
+        c.close()
+    finally:
+        node.stop()
