@@ -14,6 +14,7 @@ from helpers import Node, node_config
 
 # Opcodes, flags, flex keys and statuses (docs/greenstack.md).
 HELLO, SASL_AUTH, SELECT_BUCKET, LIST_BUCKETS, MUTATION, GET = 0x0001, 0x0002, 0x0400, 0x0401, 0x0405, 0x0406
+DELETE, TOUCH, GET_ALL_VB_SEQNOS = 0x0407, 0x0408, 0x0409
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
 LANE_ID = 0x0000
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
@@ -124,6 +125,16 @@ def test_hello_login_buckets_and_documents(tmp_path):
         got = c.call(GET, {"id": "k"})
         assert (got.status, got.payload["value"], got.payload["flags"]) == (SUCCESS, b"v1+", 7)
         assert c.call(MUTATION, {"type": PATCH, "id": "k", "value": b"{}"}).status == NOT_IMPLEMENTED
+        touched = c.call(TOUCH, {"id": "k", "expiration": 3600})
+        assert touched.status == SUCCESS and touched.payload["seqno"] > m.payload["seqno"]
+        seqnos = c.call(GET_ALL_VB_SEQNOS).payload["vbuckets"]
+        assert max(s for _, s in seqnos) == touched.payload["seqno"]
+        assert c.call(GET_ALL_VB_SEQNOS, {"state": "replica"}).payload == {"vbuckets": []}
+        assert c.call(DELETE, {"id": "k", "cas": 1}).status == KEY_EXISTS
+        assert c.call(DELETE, {"id": "k"}).status == SUCCESS
+        assert c.call(GET, {"id": "k"}).status == NOT_FOUND
+        assert c.call(DELETE, {"id": "k"}).status == NOT_FOUND
+        c.call(MUTATION, {"type": SET, "id": "k", "value": b"v1+", "flags": 7})
         bad_field = c.call(MUTATION, {"type": "set", "id": "k"})
         assert "field 'type'" in bad_field.payload["message"]
         # Unknown commands are answered and the connection goes on; quiet successes are not.

@@ -31,6 +31,10 @@ pub mod opcode {
     pub const ASSUME_ROLE: u16 = 0x0404;
     pub const MUTATION: u16 = 0x0405;
     pub const GET: u16 = 0x0406;
+    // Numbered by sluice (volatile).
+    pub const DELETE: u16 = 0x0407;
+    pub const TOUCH: u16 = 0x0408;
+    pub const GET_ALL_VB_SEQNOS: u16 = 0x0409;
 }
 
 /// Statuses by component, as the opcodes. The generic ones are Greenstack's library's.

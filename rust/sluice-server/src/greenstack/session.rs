@@ -16,7 +16,8 @@ use bytes::{Bytes, BytesMut};
 use sluice_core::bucket::Bucket;
 use sluice_core::config::Durability;
 use sluice_core::durability::Requirement;
-use sluice_core::engine::{StoreMode, StoreRequest};
+use sluice_core::engine::{MutationResult, StoreMode, StoreRequest};
+use sluice_core::vbucket::VbState;
 use sluice_core::Error;
 use sluice_proto::greenstack::payload::{Fields, MapWriter, Mutation, MutationKind};
 use sluice_proto::greenstack::{
@@ -259,6 +260,20 @@ fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
     ReplyTo::of(req).failure(st, why)
 }
 
+/// A request's `durability` field as a requirement (None: the bucket's default level), or
+/// the failure to answer.
+fn durability_of(f: &Frame<'_>, level: Option<&str>) -> Result<Option<Requirement>, Vec<u8>> {
+    match level.map(|d| Durability::parse(d).ok_or(d)) {
+        None => Ok(None),
+        Some(Ok(level)) => Ok(Some(Requirement::from(level))),
+        Some(Err(d)) => Err(failure(
+            f,
+            status::INVALID_ARGUMENTS,
+            &format!("field 'durability': no level {d:?}"),
+        )),
+    }
+}
+
 /// The status an engine error answers with (docs/greenstack.md).
 fn status_of(e: &Error) -> u16 {
     match e {
@@ -439,6 +454,8 @@ impl Session {
             }
             opcode::GET => Run::Now(self.get(f, &fields)),
             opcode::MUTATION => self.mutation(f),
+            opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields),
+            opcode::GET_ALL_VB_SEQNOS => Run::Now(self.all_vb_seqnos(f, &fields)),
             _ => {
                 self.ctx.stats.unknown_commands.fetch_add(1, Relaxed);
                 Run::Now(failure(
@@ -578,16 +595,9 @@ impl Session {
             Ok(m) => m,
             Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
         };
-        let durability = match m.durability.map(|d| Durability::parse(d).ok_or(d)) {
-            None => None,
-            Some(Ok(level)) => Some(Requirement::from(level)),
-            Some(Err(d)) => {
-                return Run::Now(failure(
-                    f,
-                    status::INVALID_ARGUMENTS,
-                    &format!("field 'durability': no level {d:?}"),
-                ))
-            }
+        let durability = match durability_of(f, m.durability) {
+            Ok(d) => d,
+            Err(reply) => return Run::Now(reply),
         };
         let engine = &self.ctx.engine;
         let written = match m.kind {
@@ -627,6 +637,54 @@ impl Session {
                 ))
             }
         };
+        self.answer_write(f, bucket, written)
+    }
+
+    /// DELETE `{id, cas?, durability?}` and TOUCH `{id, expiration, durability?}`.
+    fn delete_or_touch(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
+        let bucket = match self.bucket_for(f, WRITE) {
+            Ok(b) => b,
+            Err(reply) => return Run::Now(reply),
+        };
+        let parsed = (|| {
+            let id = fields.required("id", Fields::bytes)?;
+            let durability = fields.str("durability")?;
+            Ok::<_, sluice_proto::greenstack::payload::PayloadError>((id, durability))
+        })();
+        let (id, durability) = match parsed {
+            Ok(x) => x,
+            Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+        };
+        let durability = match durability_of(f, durability) {
+            Ok(d) => d,
+            Err(reply) => return Run::Now(reply),
+        };
+        let engine = &self.ctx.engine;
+        let written = if f.opcode == opcode::DELETE {
+            match fields.uint("cas") {
+                Ok(cas) => engine.write_delete(&bucket, id, cas.unwrap_or(0), durability),
+                Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+            }
+        } else {
+            match fields.required("expiration", |f, n| f.uint_max(n, u32::MAX as u64)) {
+                Ok(exp) => engine
+                    .write_touch(&bucket, id, exp as u32, durability)
+                    .map(|w| w.map(|(r, _)| r)),
+                Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+            }
+        };
+        self.answer_write(f, bucket, written)
+    }
+
+    /// A write's answer: `{cas, seqno, vbucket_uuid}` once it meets its durability level (on
+    /// a task of its own), or its failure now.
+    fn answer_write(
+        &self,
+        f: &Frame<'_>,
+        bucket: Arc<Bucket>,
+        written: sluice_core::Result<sluice_core::engine::Written<MutationResult>>,
+    ) -> Run {
+        let engine = &self.ctx.engine;
         let w = match written {
             Ok(w) => w,
             Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
@@ -649,5 +707,45 @@ impl Session {
                 Err(e) => (to.failure(status_of(&e), &e.to_string()), None),
             }
         }))
+    }
+
+    /// GET_ALL_VB_SEQNOS `{state?}` ("active" by default): `{vbuckets: [[vbucket, seqno]...]}`.
+    fn all_vb_seqnos(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+        let bucket = match self.bucket_for(f, READ) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        let state = match fields.str("state") {
+            Ok(None) => VbState::Active,
+            Ok(Some(s)) => match VbState::parse(s) {
+                Some(st) => st,
+                None => {
+                    return failure(
+                        f,
+                        status::INVALID_ARGUMENTS,
+                        &format!("field 'state': no vbucket state {s:?}"),
+                    )
+                }
+            },
+            Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
+        };
+        let engine = &self.ctx.engine;
+        let seqnos: Vec<(u16, u64)> = engine
+            .high_seqnos(&bucket)
+            .into_iter()
+            .enumerate()
+            .map(|(vb, high)| (vb as u16, high))
+            .filter(|&(vb, _)| engine.vbucket_state(&bucket, vb) == Some(state))
+            .collect();
+        let mut p = Vec::new();
+        sluice_proto::msgpack::write_map_len(&mut p, 1);
+        sluice_proto::msgpack::write_str(&mut p, "vbuckets");
+        sluice_proto::msgpack::write_array_len(&mut p, seqnos.len() as u32);
+        for (vb, high) in seqnos {
+            sluice_proto::msgpack::write_array_len(&mut p, 2);
+            sluice_proto::msgpack::write_uint(&mut p, vb as u64);
+            sluice_proto::msgpack::write_uint(&mut p, high);
+        }
+        reply(f, status::SUCCESS, &p)
     }
 }
