@@ -5,6 +5,7 @@ lane, and bad frames closing the connection."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
 
@@ -14,7 +15,7 @@ from helpers import Node, node_config
 
 # Opcodes, flags, flex keys and statuses (docs/greenstack.md).
 HELLO, SASL_AUTH, SELECT_BUCKET, LIST_BUCKETS, MUTATION, GET = 0x0001, 0x0002, 0x0400, 0x0401, 0x0405, 0x0406
-DELETE, TOUCH, GET_ALL_VB_SEQNOS = 0x0407, 0x0408, 0x0409
+DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
 LANE_ID = 0x0000
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
@@ -38,11 +39,15 @@ def frame(
 
 
 class Reply:
+    """A frame from the server: a response (`status`), or a request of its own (a notice)."""
+
     def __init__(self, raw: bytes) -> None:
         self.opaque, self.opcode, self.flags = struct.unpack_from(">IHB", raw, 0)
-        assert self.flags & RESPONSE, f"not a response: {raw.hex()}"
-        (self.status,) = struct.unpack_from(">H", raw, 7)
-        at, self.lane = 9, None
+        self.status = None
+        at, self.lane = 7, None
+        if self.flags & RESPONSE:
+            (self.status,) = struct.unpack_from(">H", raw, 7)
+            at = 9
         if self.flags & FLEX:
             (n,) = struct.unpack_from(">I", raw, at)
             flex, at = raw[at + 4 : at + 4 + n], at + 4 + n
@@ -57,11 +62,20 @@ class Conn:
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=20)
         self.buf = b""
+        self.notices: list[Reply] = []
 
     def send(self, *frames: bytes) -> None:
         self.sock.sendall(b"".join(frames))
 
     def reply(self) -> Reply:
+        """The next response; notices on the way are kept in `notices`."""
+        while True:
+            r = self.next()
+            if r.status is not None:
+                return r
+            self.notices.append(r)
+
+    def next(self) -> Reply:
         while True:
             if len(self.buf) >= 4:
                 (n,) = struct.unpack_from(">I", self.buf)
@@ -89,8 +103,8 @@ class Conn:
         self.sock.close()
 
 
-def start(tmp_path, *users: str) -> Node:
-    cfg = node_config(tmp_path, "a", "".join(users))
+def start(tmp_path, *users: str, **bucket: object) -> Node:
+    cfg = node_config(tmp_path, "a", "".join(users), **bucket)
     return Node(tmp_path / "a", "--config", str(cfg))
 
 
@@ -216,4 +230,36 @@ def test_bad_frames_close_the_connection(tmp_path):
         assert c.call(HELLO, {}).status == SUCCESS
         c.close()
     finally:
+        node.stop()
+
+
+def test_notices_tell_clients_to_back_off_and_that_the_server_stops(tmp_path):
+    node = start(tmp_path, memory_quota=4 << 20)
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        c.call(SELECT_BUCKET, {"name": "default"})
+        # Writes until the bucket is above its high watermark: a back-off notice comes, once a
+        # second at most, before the writes are refused.
+        value = b"x" * 100_000
+        for i in range(200):
+            c.call(MUTATION, {"type": SET, "id": f"k{i}", "value": value})
+            if c.notices:
+                break
+        backoff = c.notices[0]
+        assert backoff.opcode == NOTICE and not backoff.flags & RESPONSE
+        p = backoff.payload
+        assert (p["kind"], p["bucket"]) == ("backoff", "default")
+        assert p["mem_used"] > p["high_watermark"] and p["delay_ms"] >= 100
+        # The client may answer a notice (here: it does not know it); the server carries on.
+        c.send(struct.pack(">I", 9) + struct.pack(">IHBH", backoff.opaque, NOTICE, RESPONSE, UNKNOWN_COMMAND))
+        assert c.call(GET, {"id": "k0"}).status == SUCCESS
+        # Stopping: a shutdown notice, then the connection closes.
+        node.proc.send_signal(signal.SIGTERM)
+        bye = c.next()
+        assert (bye.opcode, bye.payload["kind"]) == (NOTICE, "shutdown")
+        assert c.closed()
+        assert node.proc.wait(timeout=60) == 0
+    finally:
+        c.close()
         node.stop()

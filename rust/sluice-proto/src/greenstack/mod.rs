@@ -35,6 +35,8 @@ pub mod opcode {
     pub const DELETE: u16 = 0x0407;
     pub const TOUCH: u16 = 0x0408;
     pub const GET_ALL_VB_SEQNOS: u16 = 0x0409;
+    /// Sent by the server: `{kind, ...}` (back off, shutting down).
+    pub const NOTICE: u16 = 0x0410;
 }
 
 /// Statuses by component, as the opcodes. The generic ones are Greenstack's library's.

@@ -48,6 +48,8 @@ pub struct GreenstackStats {
     /// Replies sent before the reply of a request of the same lane that came earlier.
     pub out_of_order: AtomicU64,
     pub unknown_commands: AtomicU64,
+    /// Notices sent to clients (back off, shutting down).
+    pub notices: AtomicU64,
 }
 
 impl GreenstackStats {
@@ -77,6 +79,12 @@ impl GreenstackStats {
                 "counter",
                 "Greenstack replies sent ahead of an earlier request of their lane.",
                 &self.out_of_order,
+            ),
+            (
+                "sluice_greenstack_notices_total",
+                "counter",
+                "Notices sent to Greenstack clients (back off, shutting down).",
+                &self.notices,
             ),
             (
                 "sluice_greenstack_unknown_commands_total",

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use sluice_core::bucket::Bucket;
@@ -35,6 +36,8 @@ use crate::tls::MaybeTls;
 const FLUSH_AT: usize = 256 << 10;
 /// Requests a connection may have started and not finished, or queued behind a fence.
 const MAX_IN_FLIGHT: usize = 4096;
+/// The least time between two back-off notices to one connection.
+const BACKOFF_NOTICE_EVERY: Duration = Duration::from_secs(1);
 
 /// What a request that answers later hands back: its reply frame and, for a login, the user.
 type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Option<String>)> + Send>>;
@@ -65,6 +68,10 @@ struct Lane {
 
 struct Session {
     ctx: Arc<GreenstackContext>,
+    /// The opaque of the next request this server sends (a notice).
+    next_opaque: u32,
+    /// When this connection was last told to back off.
+    told_backoff: Option<Instant>,
     peer: SocketAddr,
     hello: bool,
     user: Option<String>,
@@ -83,6 +90,8 @@ pub(super) async fn run(
 ) {
     let mut s = Session {
         ctx: ctx.clone(),
+        next_opaque: 1,
+        told_backoff: None,
         peer,
         hello: false,
         user: None,
@@ -136,6 +145,8 @@ pub(super) async fn run(
             return;
         }
         if *stop.borrow() && s.tasks.is_empty() {
+            s.shutdown_notice(&mut out);
+            let _ = send(&mut socket, &mut out, &ctx).await;
             return;
         }
         let full = s.in_flight >= MAX_IN_FLIGHT;
@@ -170,6 +181,7 @@ pub(super) async fn run(
             },
             // Requests under way finish; nothing new is read.
             _ = stop.changed() => {
+                s.shutdown_notice(&mut out);
                 while let Some(done) = s.tasks.join_next().await {
                     if s.finish_task(done, &mut out).is_err() {
                         break;
@@ -337,7 +349,11 @@ impl Session {
             l.running.insert(seq);
             l.fenced = fenced;
             let f = Frame::decode(&frame[gs::LENGTH_LEN..]).expect("decoded when taken");
-            match self.execute(&f) {
+            let run = self.execute(&f);
+            if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
+                self.maybe_backoff(out);
+            }
+            match run {
                 Run::Now(reply) => self.finish(
                     Done {
                         lane: lane.to_vec(),
@@ -405,6 +421,66 @@ impl Session {
                 l.fenced = false;
             }
         }
+    }
+
+    /// Sends the client a notice (a request of opcode NOTICE, `{kind, ...}` with the `n`
+    /// fields `fields` writes); what it answers is dropped.
+    fn notice(
+        &mut self,
+        out: &mut Vec<u8>,
+        kind: &str,
+        n: u32,
+        fields: impl FnOnce(&mut MapWriter<'_>),
+    ) {
+        let mut body = Vec::new();
+        fields(MapWriter::new(&mut body, n + 1).str("kind", kind));
+        FrameOut {
+            opaque: self.next_opaque,
+            opcode: opcode::NOTICE,
+            flags: 0,
+            status: None,
+            flex: &[],
+            payload: &body,
+        }
+        .write(out);
+        self.next_opaque = self.next_opaque.wrapping_add(1);
+        self.ctx.stats.notices.fetch_add(1, Relaxed);
+    }
+
+    /// The server is stopping: requests under way finish, no more are read.
+    fn shutdown_notice(&mut self, out: &mut Vec<u8>) {
+        self.notice(out, "shutdown", 1, |m| {
+            m.str(
+                "reason",
+                "the server is stopping: requests under way finish, no more are read",
+            );
+        });
+    }
+
+    /// After a write: when the bucket is above its high watermark, tells the client to back
+    /// off (at most once a second), with a delay that grows as memory nears the quota.
+    fn maybe_backoff(&mut self, out: &mut Vec<u8>) {
+        let Some(b) = self.bucket.clone() else {
+            return;
+        };
+        if !b.above_high_watermark()
+            || self
+                .told_backoff
+                .is_some_and(|t| t.elapsed() < BACKOFF_NOTICE_EVERY)
+        {
+            return;
+        }
+        self.told_backoff = Some(Instant::now());
+        let (used, quota) = (b.mem_used() as u64, b.config.memory_quota as u64);
+        let delay_ms = if used >= quota { 1000 } else { 100 };
+        let high = b.config.high_watermark_bytes() as u64;
+        self.notice(out, "backoff", 5, |m| {
+            m.str("bucket", b.name())
+                .uint("delay_ms", delay_ms)
+                .uint("mem_used", used)
+                .uint("high_watermark", high)
+                .uint("memory_quota", quota);
+        });
     }
 
     /// The permissions of the connection's user on `bucket`.
