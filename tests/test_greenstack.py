@@ -19,7 +19,7 @@ DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
 LANE_ID = 0x0000
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
-KEY_EXISTS, NOT_IMPLEMENTED, DURABILITY_IMPOSSIBLE = 0x0400, 0x000B, 0x0406
+KEY_EXISTS, INVALID_ARGUMENTS = 0x0400, 0x0001
 ADD, SET, APPEND, PATCH = 0, 1, 3, 5
 DURABLE = "persist"
 
@@ -138,7 +138,15 @@ def test_hello_login_buckets_and_documents(tmp_path):
         assert c.call(MUTATION, {"type": APPEND, "id": "k", "value": b"+"}).status == SUCCESS
         got = c.call(GET, {"id": "k"})
         assert (got.status, got.payload["value"], got.payload["flags"]) == (SUCCESS, b"v1+", 7)
-        assert c.call(MUTATION, {"type": PATCH, "id": "k", "value": b"{}"}).status == NOT_IMPLEMENTED
+        # A JSON merge patch (RFC 7386) on a JSON document; a clear error on anything else.
+        c.call(MUTATION, {"type": SET, "id": "doc", "value": b'{"a":1,"b":{"c":2,"d":3}}', "datatype": 1})
+        patch = {"type": PATCH, "id": "doc", "value": b'{"b":{"c":null,"e":4},"f":[1]}'}
+        assert c.call(MUTATION, patch).status == SUCCESS
+        doc = c.call(GET, {"id": "doc"}).payload
+        assert (doc["value"], doc["datatype"]) == (b'{"a":1,"b":{"d":3,"e":4},"f":[1]}', 1)
+        not_json = c.call(MUTATION, {"type": PATCH, "id": "k", "value": b"{}"})
+        assert not_json.status == INVALID_ARGUMENTS and "not JSON" in not_json.payload["message"]
+        assert c.call(MUTATION, {"type": PATCH, "id": "nope", "value": b"{}"}).status == NOT_FOUND
         touched = c.call(TOUCH, {"id": "k", "expiration": 3600})
         assert touched.status == SUCCESS and touched.payload["seqno"] > m.payload["seqno"]
         seqnos = c.call(GET_ALL_VB_SEQNOS).payload["vbuckets"]

@@ -4,8 +4,9 @@
 //! lane id; none is a lane too): within a lane replies may come out of order (a GET answers
 //! while a durable write before it waits), a fenced request waits for every earlier one of its
 //! lane and holds back the later ones, and quiet requests answer only failures. `session` runs
-//! one connection.
+//! one connection; `patch` is MUTATION's JSON merge patch.
 
+mod patch;
 mod session;
 
 use std::sync::atomic::AtomicU64;

@@ -17,7 +17,7 @@ use bytes::{Bytes, BytesMut};
 use sluice_core::bucket::Bucket;
 use sluice_core::config::Durability;
 use sluice_core::durability::Requirement;
-use sluice_core::engine::{MutationResult, StoreMode, StoreRequest};
+use sluice_core::engine::{MutationResult, StoreMode, StoreRequest, Update};
 use sluice_core::vbucket::VbState;
 use sluice_core::Error;
 use sluice_proto::greenstack::payload::{Fields, MapWriter, Mutation, MutationKind};
@@ -32,6 +32,8 @@ use super::GreenstackContext;
 use crate::auth::{READ, WRITE};
 use crate::tls::MaybeTls;
 
+/// The datatype bit of a JSON value (memcached's).
+const DATATYPE_JSON: u8 = 0x01;
 /// Replies are written once this much is pending.
 const FLUSH_AT: usize = 256 << 10;
 /// Requests a connection may have started and not finished, or queued behind a fence.
@@ -705,13 +707,19 @@ impl Session {
                 m.cas,
                 durability,
             ),
-            MutationKind::Patch => {
-                return Run::Now(failure(
-                    f,
-                    status::NOT_IMPLEMENTED,
-                    "patch (a JSON merge patch) is not served yet",
-                ))
-            }
+            MutationKind::Patch => engine
+                .write_update(&bucket, m.id, m.cas, durability, |cur| {
+                    let cur = cur.ok_or(Error::NotFound)?;
+                    let value = super::patch::apply(cur.value(), m.value)
+                        .map_err(Error::InvalidArgument)?;
+                    Ok(Update {
+                        value,
+                        flags: cur.meta.flags,
+                        expiry: cur.meta.expiry,
+                        datatype: DATATYPE_JSON,
+                    })
+                })
+                .map(|w| w.map(|(r, _)| r)),
         };
         self.answer_write(f, bucket, written)
     }
