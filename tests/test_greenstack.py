@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import socket
 import struct
+import time
 
 import msgpack
 import sluice.config
@@ -17,23 +18,29 @@ from helpers import Node, node_config
 HELLO, SASL_AUTH, SELECT_BUCKET, LIST_BUCKETS, MUTATION, GET = 0x0001, 0x0002, 0x0400, 0x0401, 0x0405, 0x0406
 DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
-LANE_ID = 0x0000
+LANE_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0009
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
-KEY_EXISTS, INVALID_ARGUMENTS = 0x0400, 0x0001
+KEY_EXISTS, INVALID_ARGUMENTS, NOT_EXECUTED_IN_TIME = 0x0400, 0x0001, 0x0408
 ADD, SET, APPEND, PATCH = 0, 1, 3, 5
 DURABLE = "persist"
 
 
 def frame(
-    opaque: int, opcode: int, payload: dict | bytes = b"", flags: int = 0, lane: bytes | None = None
+    opaque: int,
+    opcode: int,
+    payload: dict | bytes = b"",
+    flags: int = 0,
+    lane: bytes | None = None,
+    flex: bytes = b"",
 ) -> bytes:
+    """A request; `flex` holds flex header entries besides the lane id."""
     body = struct.pack(">IH", opaque, opcode)
-    if lane is not None:
+    entries = flex + (struct.pack(">HH", LANE_ID, len(lane)) + lane if lane is not None else b"")
+    if entries:
         flags |= FLEX
     body += bytes([flags])
-    if lane is not None:
-        entry = struct.pack(">HH", LANE_ID, len(lane)) + lane
-        body += struct.pack(">I", len(entry)) + entry
+    if entries:
+        body += struct.pack(">I", len(entries)) + entries
     body += payload if isinstance(payload, bytes) else msgpack.packb(payload)
     return struct.pack(">I", len(body)) + body
 
@@ -268,6 +275,44 @@ def test_notices_tell_clients_to_back_off_and_that_the_server_stops(tmp_path):
         assert (bye.opcode, bye.payload["kind"]) == (NOTICE, "shutdown")
         assert c.closed()
         assert node.proc.wait(timeout=60) == 0
+    finally:
+        c.close()
+        node.stop()
+
+
+def test_a_request_that_waits_past_its_ignore_unless_executed_before_is_not_run(tmp_path):
+    app = sluice.config.hash_password("secret", iterations=1000)
+    # A login whose password hash takes a while to check: what a fence behind it waits for.
+    slow = sluice.config.hash_password("slow", iterations=400_000)
+    users = (
+        f'[users.app]\npassword_hash = "{app}"\nbuckets = {{ default = ["read", "write"] }}\n'
+        f'[users.slow]\npassword_hash = "{slow}"\nbuckets = {{ default = ["read"] }}\n'
+    )
+    node = start(tmp_path, users)
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        c.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00app\x00secret"})
+        c.call(SELECT_BUCKET, {"name": "default"})
+        c.call(MUTATION, {"type": SET, "id": "k", "value": b"v"})
+
+        def within(ms: int) -> dict:
+            return {"flex": struct.pack(">HHI", IGNORE_UNLESS_EXECUTED_BEFORE, 4, ms)}
+
+        started = time.monotonic()
+        c.send(
+            frame(1, SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00slow\x00slow"}, lane=b"F"),
+            frame(2, GET, {"id": "k"}, lane=b"F", flags=FENCE, **within(1)),
+            frame(3, GET, {"id": "k"}, lane=b"F", flags=FENCE, **within(60_000)),
+        )
+        replies = {r.opaque: r for r in (c.reply(), c.reply(), c.reply())}
+        waited = time.monotonic() - started
+        assert replies[1].status == SUCCESS
+        assert replies[2].status == NOT_EXECUTED_IN_TIME, replies[2].payload
+        assert "within 1 ms" in replies[2].payload["message"]
+        assert (replies[3].status, replies[3].payload["value"]) == (SUCCESS, b"v")
+        assert waited > 0.02, "the login did not take long enough to test this"
+        assert node.metric("sluice_greenstack_not_executed_total") == 1
     finally:
         c.close()
         node.stop()

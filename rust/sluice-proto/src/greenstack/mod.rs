@@ -62,6 +62,8 @@ pub mod status {
     pub const LOCKED: u16 = 0x0405;
     pub const DURABILITY_IMPOSSIBLE: u16 = 0x0406;
     pub const SYNC_WRITE_AMBIGUOUS: u16 = 0x0407;
+    /// The request waited past its flex header's "ignore unless executed before".
+    pub const NOT_EXECUTED_IN_TIME: u16 = 0x0408;
 }
 
 /// The first flag byte's bits.

@@ -51,6 +51,8 @@ pub struct GreenstackStats {
     pub unknown_commands: AtomicU64,
     /// Notices sent to clients (back off, shutting down).
     pub notices: AtomicU64,
+    /// Requests dropped for waiting past their "ignore unless executed before".
+    pub not_executed: AtomicU64,
 }
 
 impl GreenstackStats {
@@ -86,6 +88,12 @@ impl GreenstackStats {
                 "counter",
                 "Notices sent to Greenstack clients (back off, shutting down).",
                 &self.notices,
+            ),
+            (
+                "sluice_greenstack_not_executed_total",
+                "counter",
+                "Greenstack requests dropped for waiting past their \"ignore unless executed before\".",
+                &self.not_executed,
             ),
             (
                 "sluice_greenstack_unknown_commands_total",

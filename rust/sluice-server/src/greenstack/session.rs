@@ -65,7 +65,8 @@ struct Lane {
     running: BTreeSet<u64>,
     /// A fenced request runs: nothing else of the lane starts until it finishes.
     fenced: bool,
-    queue: VecDeque<Bytes>,
+    /// Requests waiting to start, with when they were read.
+    queue: VecDeque<(Bytes, Instant)>,
 }
 
 struct Session {
@@ -288,6 +289,17 @@ fn durability_of(f: &Frame<'_>, level: Option<&str>) -> Result<Option<Requiremen
     }
 }
 
+/// Why a request is not run: its flex header's "ignore unless executed before" gave it this
+/// many milliseconds from when it was read to start, and it waited longer (behind a fence).
+fn waited_too_long(f: &Frame<'_>, read_at: Instant) -> Option<String> {
+    let v = f.flex_value(flex_key::IGNORE_UNLESS_EXECUTED_BEFORE)?;
+    let budget = u32::from_be_bytes([v[0], v[1], v[2], v[3]]) as u128;
+    let waited = read_at.elapsed().as_millis();
+    (waited > budget).then(|| {
+        format!("not run: it waited {waited} ms to start, and was to start within {budget} ms")
+    })
+}
+
 /// The status an engine error answers with (docs/greenstack.md).
 fn status_of(e: &Error) -> u16 {
     match e {
@@ -323,7 +335,7 @@ impl Session {
             .entry(lane.clone())
             .or_default()
             .queue
-            .push_back(frame);
+            .push_back((frame, Instant::now()));
         self.pump(&lane, out);
         Ok(())
     }
@@ -335,7 +347,7 @@ impl Session {
             let Some(l) = self.lanes.get_mut(lane) else {
                 return;
             };
-            let Some(front) = l.queue.front() else {
+            let Some((front, _)) = l.queue.front() else {
                 if l.running.is_empty() {
                     self.lanes.remove(lane);
                 }
@@ -345,13 +357,19 @@ impl Session {
             if l.fenced || (fenced && !l.running.is_empty()) {
                 return;
             }
-            let frame = l.queue.pop_front().expect("looked at above");
+            let (frame, read_at) = l.queue.pop_front().expect("looked at above");
             let seq = self.taken;
             self.taken += 1;
             l.running.insert(seq);
             l.fenced = fenced;
             let f = Frame::decode(&frame[gs::LENGTH_LEN..]).expect("decoded when taken");
-            let run = self.execute(&f);
+            let run = match waited_too_long(&f, read_at) {
+                Some(why) => {
+                    self.ctx.stats.not_executed.fetch_add(1, Relaxed);
+                    Run::Now(failure(&f, status::NOT_EXECUTED_IN_TIME, &why))
+                }
+                None => self.execute(&f),
+            };
             if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
                 self.maybe_backoff(out);
             }
