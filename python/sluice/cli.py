@@ -1359,7 +1359,12 @@ def build_parser() -> argparse.ArgumentParser:
         **formatter,
     )
     b.add_argument("--server", required=True, metavar="HOST:PORT")
-    b.add_argument("--protocol", choices=["memcached", "iproto"], default="memcached", help="what to speak")
+    b.add_argument(
+        "--protocol",
+        choices=["memcached", "iproto", "greenstack"],
+        default="memcached",
+        help="what to speak (greenstack: the server's greenstack_listen)",
+    )
     b.add_argument("--space", type=int, default=512, help="iproto: the space id")
     b.add_argument("--connections", type=int, default=16, help="client connections")
     b.add_argument("--pipeline", type=int, default=32, help="requests in flight per connection")

@@ -176,9 +176,15 @@ pub(crate) fn run_bench<'py>(
             ))
         }
         "iproto" => sluice_tools::bench::Protocol::Iproto { space },
+        "greenstack" if cacert.is_some() => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "Greenstack has no TLS yet: --cacert is for the memcached protocol",
+            ))
+        }
+        "greenstack" => sluice_tools::bench::Protocol::Greenstack,
         other => {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "protocol {other:?}: memcached or iproto"
+                "protocol {other:?}: memcached, iproto or greenstack"
             )))
         }
     };

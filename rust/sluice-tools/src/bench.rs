@@ -1,9 +1,10 @@
-//! `sluice bench`: a native, pipelined load generator for the memcached binary protocol and for
-//! Tarantool's iproto. It drives sluice, memcached and Tarantool alike: N connections, each
+//! `sluice bench`: a native, pipelined load generator for the memcached binary protocol, for
+//! Tarantool's iproto and for Greenstack. It drives sluice, memcached and Tarantool alike: N connections, each
 //! sending batches of `pipeline` requests (a read or a write by the mix, keys uniform over the
 //! key space) and reading the replies, with every request's latency (send of its batch to its
 //! reply) in an HdrHistogram. memcached: GET and SET; iproto: SELECT by primary key and REPLACE
-//! of `[id, name, age]` tuples (the `users` space of README's example), `name` being the value.
+//! of `[id, name, age]` tuples (the `users` space of README's example), `name` being the value;
+//! Greenstack: GET and MUTATION (set) in the default bucket, on the root lane.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,6 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use sluice_proto::greenstack::payload::MapWriter;
+use sluice_proto::greenstack::{self as gs, FrameOut};
 use sluice_proto::iproto::client::{self as iproto, Body};
 use sluice_proto::iproto::{codes, frame, greeting};
 use sluice_proto::mcbp::{self, magic, opcode, status, HeaderFields};
@@ -26,6 +29,8 @@ pub enum Protocol {
     /// Tarantool's iproto: SELECT (EQ, limit 1) and REPLACE in `space`, whose primary key is
     /// its first field, an unsigned id.
     Iproto { space: u32 },
+    /// Greenstack: GET and MUTATION (set) of `key:NNN` ids in the default bucket.
+    Greenstack,
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +137,29 @@ impl Requests {
                 let op = if read { opcode::GET } else { opcode::SET };
                 push_mcbp(out, op, &key(i, self.key_size), &self.value)
             }
+            Protocol::Greenstack => {
+                let scratch = &mut self.scratch;
+                scratch.clear();
+                self.sync += 1;
+                let k = key(i, self.key_size);
+                let op = if read {
+                    MapWriter::new(scratch, 1).bin("id", &k);
+                    gs::opcode::GET
+                } else {
+                    MapWriter::new(scratch, 3)
+                        .uint("type", 1)
+                        .bin("id", &k)
+                        .bin("value", &self.value);
+                    gs::opcode::MUTATION
+                };
+                FrameOut {
+                    opcode: op,
+                    opaque: (self.sync << 1 | read as u64) as u32,
+                    payload: scratch,
+                    ..FrameOut::default()
+                }
+                .write(out);
+            }
             Protocol::Iproto { space } => {
                 let scratch = &mut self.scratch;
                 scratch.clear();
@@ -179,6 +207,10 @@ fn reply_len(protocol: Protocol, buf: &[u8]) -> std::io::Result<Option<usize>> {
     match protocol {
         Protocol::Memcached => mcbp::frame_len(buf, usize::MAX >> 1).map_err(invalid),
         Protocol::Iproto { .. } => frame::check(buf, usize::MAX >> 1).map_err(invalid),
+        Protocol::Greenstack => match gs::check(buf, usize::MAX >> 1).map_err(invalid)? {
+            gs::Check::Complete(n) => Ok(Some(n)),
+            gs::Check::Incomplete(_) => Ok(None),
+        },
     }
 }
 
@@ -190,6 +222,16 @@ fn outcome(protocol: Protocol, reply: &[u8]) -> std::io::Result<Outcome> {
                 (opcode::GET, status::SUCCESS) => Outcome::Hit,
                 (opcode::GET, status::KEY_ENOENT) => Outcome::Miss,
                 (opcode::SET, status::SUCCESS) => Outcome::Stored,
+                _ => Outcome::Error,
+            })
+        }
+        Protocol::Greenstack => {
+            let f = gs::Frame::decode(&reply[gs::LENGTH_LEN..]).map_err(invalid)?;
+            let read = f.opaque & 1 == 1;
+            Ok(match f.status {
+                Some(gs::status::SUCCESS) if read => Outcome::Hit,
+                Some(gs::status::SUCCESS) => Outcome::Stored,
+                Some(gs::status::NOT_FOUND) if read => Outcome::Miss,
                 _ => Outcome::Error,
             })
         }
@@ -316,7 +358,57 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     match cfg.protocol {
         Protocol::Memcached => login(sock, &cfg.user).await,
         Protocol::Iproto { .. } => iproto_login(sock, &cfg.user).await,
+        Protocol::Greenstack => greenstack_login(sock, &cfg.user).await,
     }
+}
+
+/// Greenstack: HELLO, SASL PLAIN when there is a user, SELECT BUCKET default; each must
+/// succeed.
+async fn greenstack_login<S: AsyncRead + AsyncWrite + Unpin>(
+    sock: &mut S,
+    user: &Option<(String, String)>,
+) -> std::io::Result<()> {
+    let mut steps: Vec<(u16, Vec<u8>)> = Vec::new();
+    let mut p = Vec::new();
+    MapWriter::new(&mut p, 1).str("user_agent", "sluice bench");
+    steps.push((gs::opcode::HELLO, p));
+    if let Some((u, pw)) = user {
+        let mut p = Vec::new();
+        let data = [&b"\0"[..], u.as_bytes(), b"\0", pw.as_bytes()].concat();
+        MapWriter::new(&mut p, 2)
+            .str("mechanism", "PLAIN")
+            .bin("challenge", &data);
+        steps.push((gs::opcode::SASL_AUTH, p));
+    }
+    let mut p = Vec::new();
+    MapWriter::new(&mut p, 1).str("name", "default");
+    steps.push((gs::opcode::SELECT_BUCKET, p));
+    for (op, payload) in steps {
+        let mut req = Vec::new();
+        FrameOut {
+            opcode: op,
+            payload: &payload,
+            ..FrameOut::default()
+        }
+        .write(&mut req);
+        sock.write_all(&req).await?;
+        sock.flush().await?;
+        let mut st = None;
+        read_replies(sock, Protocol::Greenstack, &mut Vec::new(), 1, |reply| {
+            st = gs::Frame::decode(&reply[gs::LENGTH_LEN..])
+                .map_err(invalid)?
+                .status;
+            Ok(())
+        })
+        .await?;
+        if st != Some(gs::status::SUCCESS) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("Greenstack opcode {op:#06x} answered {st:?}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 struct Shared {

@@ -46,7 +46,21 @@ type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Option<String>)> + Send>>;
 
 enum Run {
     Now(Vec<u8>),
+    /// A write at durability level none: its reply once the WAL has written `lsn` (every
+    /// such reply of the connection waits on one look at the WAL, not a task each).
+    AfterWal {
+        lsn: u64,
+        ok: Vec<u8>,
+        to: ReplyTo,
+    },
     Later(Later),
+}
+
+/// A reply held until the WAL has written its write.
+struct Held {
+    done: Done,
+    lsn: u64,
+    to: ReplyTo,
 }
 
 /// A request finished: its lane, its place in the order requests were taken, whether it was
@@ -81,6 +95,8 @@ struct Session {
     bucket: Option<Arc<Bucket>>,
     lanes: HashMap<Vec<u8>, Lane>,
     tasks: JoinSet<Done>,
+    /// Replies waiting for the WAL, in the order their writes were queued (LSNs rising).
+    held: Vec<Held>,
     taken: u64,
     in_flight: usize,
 }
@@ -101,6 +117,7 @@ pub(super) async fn run(
         bucket: None,
         lanes: HashMap::new(),
         tasks: JoinSet::new(),
+        held: Vec::new(),
         taken: 0,
         in_flight: 0,
     };
@@ -139,6 +156,7 @@ pub(super) async fn run(
             }
         }
         // Requests that finished meanwhile answer in the same write.
+        s.release_written(ctx.engine.wal().written_lsn(), &mut out);
         while let Some(done) = s.tasks.try_join_next() {
             if s.finish_task(done, &mut out).is_err() {
                 return;
@@ -147,13 +165,21 @@ pub(super) async fn run(
         if send(&mut socket, &mut out, &ctx).await.is_err() {
             return;
         }
-        if *stop.borrow() && s.tasks.is_empty() {
+        if *stop.borrow() && s.tasks.is_empty() && s.held.is_empty() {
             s.shutdown_notice(&mut out);
             let _ = send(&mut socket, &mut out, &ctx).await;
             return;
         }
         let full = s.in_flight >= MAX_IN_FLIGHT;
-        let waiting = !s.tasks.is_empty();
+        let waiting = !s.tasks.is_empty() || !s.held.is_empty();
+        let wal_wait = s.held.last().map(|h| h.lsn);
+        let engine = ctx.engine.clone();
+        let written = async {
+            match wal_wait {
+                Some(lsn) => engine.wal().written(lsn).await.map_err(|e| e.to_string()),
+                None => std::future::pending().await,
+            }
+        };
         let idle = ctx.idle_timeout;
         let read = async {
             if full {
@@ -165,6 +191,10 @@ pub(super) async fn run(
             }
         };
         tokio::select! {
+            r = written => match r {
+                Ok(()) => s.release_written(u64::MAX, &mut out),
+                Err(why) => s.fail_held(&why, &mut out),
+            },
             Some(done) = s.tasks.join_next() => {
                 if s.finish_task(done, &mut out).is_err() {
                     return;
@@ -185,6 +215,12 @@ pub(super) async fn run(
             // Requests under way finish; nothing new is read.
             _ = stop.changed() => {
                 s.shutdown_notice(&mut out);
+                if let Some(lsn) = s.held.last().map(|h| h.lsn) {
+                    match ctx.engine.wal().written(lsn).await {
+                        Ok(()) => s.release_written(u64::MAX, &mut out),
+                        Err(e) => s.fail_held(&e.to_string(), &mut out),
+                    }
+                }
                 while let Some(done) = s.tasks.join_next().await {
                     if s.finish_task(done, &mut out).is_err() {
                         break;
@@ -384,6 +420,17 @@ impl Session {
                     },
                     out,
                 ),
+                Run::AfterWal { lsn, ok, to } => self.held.push(Held {
+                    done: Done {
+                        lane: lane.to_vec(),
+                        seq,
+                        fenced,
+                        reply: ok,
+                        login: None,
+                    },
+                    lsn,
+                    to,
+                }),
                 Run::Later(later) => {
                     let lane = lane.to_vec();
                     self.tasks.spawn(async move {
@@ -398,6 +445,43 @@ impl Session {
                     });
                 }
             }
+        }
+    }
+
+    /// The replies held for writes the WAL has written up to `written_lsn` go out; their
+    /// lanes go on.
+    fn release_written(&mut self, written_lsn: u64, out: &mut Vec<u8>) {
+        let n = self.held.partition_point(|h| h.lsn <= written_lsn);
+        if n == 0 {
+            return;
+        }
+        let released: Vec<Held> = self.held.drain(..n).collect();
+        self.finish_all(released.into_iter().map(|h| h.done), out);
+    }
+
+    /// The WAL failed: every held write is answered with why (the engine refuses new writes
+    /// until it recovers).
+    fn fail_held(&mut self, why: &str, out: &mut Vec<u8>) {
+        let failed: Vec<Done> = std::mem::take(&mut self.held)
+            .into_iter()
+            .map(|h| Done {
+                reply: h.to.failure(status::INTERNAL_ERROR, why),
+                ..h.done
+            })
+            .collect();
+        self.finish_all(failed.into_iter(), out);
+    }
+
+    fn finish_all(&mut self, done: impl Iterator<Item = Done>, out: &mut Vec<u8>) {
+        let mut lanes = Vec::new();
+        for d in done {
+            if !lanes.contains(&d.lane) {
+                lanes.push(d.lane.clone());
+            }
+            self.finish(d, out);
+        }
+        for lane in lanes {
+            self.pump(&lane, out);
         }
     }
 
@@ -801,6 +885,14 @@ impl Session {
             .uint("seqno", w.value.seqno)
             .uint("vbucket_uuid", uuid);
         let to = ReplyTo::of(f);
+        if !w.needs_settling() {
+            let ok = to.reply(status::SUCCESS, &ok_payload);
+            return Run::AfterWal {
+                lsn: w.lsn(),
+                ok,
+                to,
+            };
+        }
         let engine = engine.clone();
         Run::Later(Box::pin(async move {
             let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));

@@ -1,0 +1,132 @@
+"""Greenstack against the memcached binary protocol on the same sluice server, under the same
+load from `sluice bench` (`--protocol greenstack` and `--protocol memcached`), in one run on
+this machine. Writes bench/results/greenstack.{json,md,png}.
+
+    python bench/greenstack_bench.py [--duration 5] [--runs 3]
+
+One server per run (WAL in `write` mode); each load runs over mcbp and over Greenstack on it,
+alternating which goes first: GET/SET mixes, pipelined and not, 16 connections, 100 B values,
+every key written before measuring. The table gives medians and the Greenstack/mcbp ratio
+(above 1: Greenstack is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import sluice
+from _common import RESULTS, SluiceNode, pyplot, write_json
+
+PROTOCOLS = ("memcached", "greenstack")
+
+
+def loads() -> list[tuple[str, float, int]]:
+    """(name, share of GETs, pipeline)."""
+    return [
+        ("90% GET, pipeline 32", 0.9, 32),
+        ("50% GET, pipeline 32", 0.5, 32),
+        ("90% GET, no pipelining", 0.9, 1),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--keys", type=int, default=100_000)
+    args = ap.parse_args()
+    results: dict = {
+        "duration": args.duration,
+        "runs": args.runs,
+        "connections": args.connections,
+        "keys": args.keys,
+        "loads": {name: {p: [] for p in PROTOCOLS} for name, _, _ in loads()},
+    }
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory() as d:
+            config = Path(d) / "sluice.toml"
+            config.write_text('[wal]\nmode = "write"\n[snapshot]\ninterval = 0\n')
+            node = SluiceNode(Path(d) / "data", config)
+            addresses = {
+                "memcached": node.address,
+                "greenstack": node.ready_line.split("(Greenstack ")[1].split(")")[0],
+            }
+            try:
+                for name, ratio, pipeline in loads():
+                    for protocol in PROTOCOLS if run % 2 == 0 else PROTOCOLS[::-1]:
+                        r = sluice._native.bench(
+                            addresses[protocol],
+                            protocol=protocol,
+                            connections=args.connections,
+                            pipeline=pipeline,
+                            duration=args.duration,
+                            keys=args.keys,
+                            value_size=100,
+                            get_ratio=ratio,
+                            threads=2,
+                        )
+                        if r["errors"]:
+                            raise RuntimeError(f"{name} | {protocol}: {r['errors']} requests failed")
+                        results["loads"][name][protocol].append(r)
+                        print(
+                            f"{name} | {protocol} run {run + 1}: {r['ops_per_s']:,.0f} ops/s, "
+                            f"p50 {r['latency_us']['p50']} us, p99 {r['latency_us']['p99']} us",
+                            file=sys.stderr,
+                        )
+            finally:
+                node.stop()
+    write(results)
+    return 0
+
+
+def write(results: dict) -> None:
+    write_json(RESULTS / "greenstack.json", results)
+    rows = [
+        "| load | mcbp ops/s | Greenstack ops/s | Greenstack / mcbp | mcbp p50 / p99 (us) "
+        "| Greenstack p50 / p99 (us) |",
+        "|---|---|---|---|---|---|",
+    ]
+    names, medians = [], []
+    for name, per in results["loads"].items():
+        m = statistics.median(r["ops_per_s"] for r in per["memcached"])
+        g = statistics.median(r["ops_per_s"] for r in per["greenstack"])
+        ml = [statistics.median(r["latency_us"][k] for r in per["memcached"]) for k in ("p50", "p99")]
+        gl = [statistics.median(r["latency_us"][k] for r in per["greenstack"]) for k in ("p50", "p99")]
+        rows.append(
+            f"| {name} | {m:,.0f} | {g:,.0f} | {g / m:.2f} | {ml[0]:,.0f} / {ml[1]:,.0f} | "
+            f"{gl[0]:,.0f} / {gl[1]:,.0f} |"
+        )
+        names.append(name)
+        medians.append((m, g))
+    md = (
+        "# Greenstack against the memcached binary protocol on one sluice server\n\n"
+        f"`python bench/greenstack_bench.py --duration {results['duration']} --runs {results['runs']}`: "
+        f"`sluice bench`, {results['connections']} connections, {results['keys']:,} keys, 100 B "
+        'values, WAL `mode = "write"`, medians of the runs on this 2-core machine (the load '
+        "generator shares it).\n\n" + "\n".join(rows) + "\n"
+    )
+    (RESULTS / "greenstack.md").write_text(md)
+    print(md)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = range(len(names))
+    for n, (label, color) in enumerate([("mcbp", "#DD8452"), ("Greenstack", "#4C72B0")]):
+        offset = (n - 0.5) * 0.4
+        ax.bar([i + offset for i in x], [v[n] / 1e3 for v in medians], 0.4, label=label, color=color)
+    ax.set_xticks(list(x), names, fontsize=8)
+    ax.set_ylabel("thousand ops/s (median)")
+    ax.set_title("Greenstack against mcbp, same server, same load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "greenstack.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
