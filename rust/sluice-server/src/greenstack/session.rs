@@ -5,7 +5,7 @@
 //! task of its own); replies go out as they complete, so a read need not wait for a durable
 //! write before it. Bad framing closes the connection with a log line.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -38,6 +38,8 @@ const DATATYPE_JSON: u8 = 0x01;
 const FLUSH_AT: usize = 256 << 10;
 /// Requests a connection may have started and not finished, or queued behind a fence.
 const MAX_IN_FLIGHT: usize = 4096;
+/// Lanes a connection keeps while idle (their buffers reused by the next request).
+const MAX_LANES: usize = 1024;
 /// The least time between two back-off notices to one connection.
 const BACKOFF_NOTICE_EVERY: Duration = Duration::from_secs(1);
 
@@ -76,7 +78,8 @@ struct Done {
 #[derive(Default)]
 struct Lane {
     /// Requests of the lane started and not finished, by the order they were taken.
-    running: BTreeSet<u64>,
+    /// (Taken in rising order: pushed at the end, kept sorted.)
+    running: Vec<u64>,
     /// A fenced request runs: nothing else of the lane starts until it finishes.
     fenced: bool,
     /// Requests waiting to start, with when they were read.
@@ -384,8 +387,11 @@ impl Session {
                 return;
             };
             let Some((front, _)) = l.queue.front() else {
-                if l.running.is_empty() {
-                    self.lanes.remove(lane);
+                // An idle lane is kept for the next request (its buffers with it); past
+                // MAX_LANES the idle ones go.
+                if self.lanes.len() > MAX_LANES {
+                    self.lanes
+                        .retain(|_, l| !l.running.is_empty() || !l.queue.is_empty());
                 }
                 return;
             };
@@ -396,7 +402,7 @@ impl Session {
             let (frame, read_at) = l.queue.pop_front().expect("looked at above");
             let seq = self.taken;
             self.taken += 1;
-            l.running.insert(seq);
+            l.running.push(seq);
             l.fenced = fenced;
             let f = Frame::decode(&frame[gs::LENGTH_LEN..]).expect("decoded when taken");
             let run = match waited_too_long(&f, read_at) {
@@ -517,7 +523,9 @@ impl Session {
         out.extend_from_slice(&d.reply);
         self.in_flight -= 1;
         if let Some(l) = self.lanes.get_mut(&d.lane) {
-            l.running.remove(&d.seq);
+            if let Some(i) = l.running.iter().position(|&s| s == d.seq) {
+                l.running.remove(i);
+            }
             if l.running.first().is_some_and(|&s| s < d.seq) {
                 self.ctx.stats.out_of_order.fetch_add(1, Relaxed);
             }
