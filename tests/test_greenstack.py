@@ -316,3 +316,66 @@ def test_a_request_that_waits_past_its_ignore_unless_executed_before_is_not_run(
     finally:
         c.close()
         node.stop()
+
+
+def test_an_admins_connection_is_told_of_failed_logins(tmp_path):
+    root = sluice.config.hash_password("root-secret", iterations=1000)
+    app = sluice.config.hash_password("secret", iterations=1000)
+    users = (
+        f'[users.root]\npassword_hash = "{root}"\nbuckets = {{ "*" = ["read", "write", "admin"] }}\n'
+        f'[users.app]\npassword_hash = "{app}"\nbuckets = {{ default = ["read", "write"] }}\n'
+    )
+    node = start(tmp_path, users)
+    admin, other, intruder = Conn(node.greenstack), Conn(node.greenstack), Conn(node.greenstack)
+    try:
+        for c, login in ((admin, b"\x00root\x00root-secret"), (other, b"\x00app\x00secret")):
+            c.call(HELLO, {})
+            assert c.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": login}).status == SUCCESS
+        intruder.call(HELLO, {})
+        bad = intruder.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00app\x00guess"})
+        assert bad.status == AUTH_ERROR
+        told = admin.next()
+        assert (told.opcode, told.payload["kind"]) == (NOTICE, "failed_logins")
+        assert (told.payload["user"], told.payload["from"], told.payload["last_minute"]) == (
+            "app",
+            "127.0.0.1",
+            1,
+        )
+        # Only admins are told: the other connection gets nothing but its own answers.
+        assert other.call(LIST_BUCKETS).payload == {"buckets": ["default"]}
+        assert other.notices == []
+    finally:
+        for c in (admin, other, intruder):
+            c.close()
+        node.stop()
+
+
+def test_a_failover_tells_connections_the_new_vbucket_map(tmp_path):
+    import json
+
+    from helpers import run_cli, start_node
+
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
+    c = Conn(replica.greenstack)
+    try:
+        c.call(HELLO, {})
+        assert c.call(SELECT_BUCKET, {"name": "default"}).status == SUCCESS
+        active.stop()
+        r = run_cli("promote", "--admin", replica.admin)
+        assert r.returncode == 0, r.stderr
+        told = c.next()
+        while told.payload.get("kind") != "map_changed":
+            told = c.next()
+        assert (told.opcode, told.payload["bucket"]) == (NOTICE, "default")
+        config = json.loads(told.payload["config"])
+        assert config["name"] == "default" and told.payload["rev"] >= 1
+        # Every vbucket is now served by this node: its own entry in the map's server list
+        # ("$HOST" is the address the client reached it at, as Couchbase writes it).
+        servers = config["vBucketServerMap"]["serverList"]
+        me = servers.index(f"$HOST:{replica.port}")
+        assert {chain[0] for chain in config["vBucketServerMap"]["vBucketMap"]} == {me}
+    finally:
+        c.close()
+        replica.stop()
+        active.stop()

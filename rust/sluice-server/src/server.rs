@@ -189,6 +189,8 @@ impl Server {
                 prelogin: prelogin.clone(),
                 max_frame: config.max_body,
                 idle_timeout: config.idle_timeout,
+                failed_logins: Default::default(),
+                clustermap: clustermap.clone(),
             })
         });
         let tarantool_follower = follow.map(|f| {

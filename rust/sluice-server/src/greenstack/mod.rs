@@ -38,6 +38,64 @@ pub struct GreenstackContext {
     pub max_frame: usize,
     /// A connection silent this long is closed; zero never.
     pub idle_timeout: Duration,
+    /// Failed Greenstack logins of the last minute, told to the connections of admins.
+    pub failed_logins: FailedLogins,
+    /// The vbucket map: a change is told to the connections with a bucket selected.
+    pub clustermap: Arc<crate::clustermap::ClusterMap>,
+}
+
+/// A failed login, as the admins' connections are told of it.
+#[derive(Debug, Clone)]
+pub struct FailedLogin {
+    pub user: String,
+    pub from: std::net::IpAddr,
+    /// Failed Greenstack logins in the minute up to this one.
+    pub last_minute: u64,
+}
+
+/// Counts failed logins over the last minute and tells every session that listens.
+pub struct FailedLogins {
+    times: parking_lot::Mutex<std::collections::VecDeque<std::time::Instant>>,
+    tell: tokio::sync::broadcast::Sender<FailedLogin>,
+}
+
+impl Default for FailedLogins {
+    fn default() -> FailedLogins {
+        FailedLogins {
+            times: Default::default(),
+            tell: tokio::sync::broadcast::channel(64).0,
+        }
+    }
+}
+
+impl FailedLogins {
+    pub fn record(&self, user: &str, from: std::net::IpAddr) {
+        let now = std::time::Instant::now();
+        let last_minute = {
+            let mut times = self.times.lock();
+            while times
+                .front()
+                .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
+            {
+                times.pop_front();
+            }
+            // Bounded: past this many a minute, the count says "at least".
+            if times.len() < 100_000 {
+                times.push_back(now);
+            }
+            times.len() as u64
+        };
+        // No session listening is no error.
+        let _ = self.tell.send(FailedLogin {
+            user: user.to_string(),
+            from,
+            last_minute,
+        });
+    }
+
+    pub fn listen(&self) -> tokio::sync::broadcast::Receiver<FailedLogin> {
+        self.tell.subscribe()
+    }
 }
 
 /// The Greenstack front's counters (`/metrics`).

@@ -29,7 +29,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::GreenstackContext;
-use crate::auth::{READ, WRITE};
+use crate::auth::{ADMIN, READ, WRITE};
 use crate::tls::MaybeTls;
 
 /// The datatype bit of a JSON value (memcached's).
@@ -40,6 +40,8 @@ const FLUSH_AT: usize = 256 << 10;
 const MAX_IN_FLIGHT: usize = 4096;
 /// Lanes a connection keeps while idle (their buffers reused by the next request).
 const MAX_LANES: usize = 1024;
+/// The least time between two failed-login notices to one connection.
+const FAILED_LOGIN_NOTICE_EVERY: Duration = Duration::from_secs(1);
 /// The least time between two back-off notices to one connection.
 const BACKOFF_NOTICE_EVERY: Duration = Duration::from_secs(1);
 
@@ -92,6 +94,8 @@ struct Session {
     next_opaque: u32,
     /// When this connection was last told to back off.
     told_backoff: Option<Instant>,
+    /// When this (admin's) connection was last told of a failed login.
+    told_failed_login: Option<Instant>,
     peer: SocketAddr,
     hello: bool,
     user: Option<String>,
@@ -114,6 +118,7 @@ pub(super) async fn run(
         ctx: ctx.clone(),
         next_opaque: 1,
         told_backoff: None,
+        told_failed_login: None,
         peer,
         hello: false,
         user: None,
@@ -126,6 +131,10 @@ pub(super) async fn run(
     };
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut out = Vec::new();
+    let mut failed_logins = ctx.failed_logins.listen();
+    let mut map_changes = ctx.clustermap.subscribe();
+    map_changes.borrow_and_update();
+
     loop {
         // Take whole frames while the connection has room for more requests in flight.
         while s.in_flight < MAX_IN_FLIGHT {
@@ -194,6 +203,16 @@ pub(super) async fn run(
             }
         };
         tokio::select! {
+            Ok(()) = map_changes.changed() => {
+                let rev = *map_changes.borrow_and_update();
+                s.map_changed_notice(rev, &mut out);
+            }
+            told = failed_logins.recv() => match told {
+                Ok(f) if s.is_admin() => s.failed_login_notice(&f, &mut out),
+                // Lagged behind a burst: the next one says how many there were. (The sender
+                // lives in the context this session holds: it never closes.)
+                Ok(_) | Err(_) => {}
+            },
             r = written => match r {
                 Ok(()) => s.release_written(u64::MAX, &mut out),
                 Err(why) => s.fail_held(&why, &mut out),
@@ -559,6 +578,52 @@ impl Session {
         self.ctx.stats.notices.fetch_add(1, Relaxed);
     }
 
+    /// Whether the connection's user administers the node (the admin permission on some
+    /// bucket): the failed logins of others are told to such connections.
+    fn is_admin(&self) -> bool {
+        let users = self.ctx.users.current();
+        users.required()
+            && self
+                .user
+                .as_deref()
+                .and_then(|n| users.get(n))
+                .is_some_and(|u| u.buckets.values().any(|p| p & ADMIN != 0))
+    }
+
+    /// Someone's login failed: told to an admin's connection, at most once a second (the
+    /// count covers the ones between).
+    fn failed_login_notice(&mut self, f: &super::FailedLogin, out: &mut Vec<u8>) {
+        if self
+            .told_failed_login
+            .is_some_and(|t| t.elapsed() < FAILED_LOGIN_NOTICE_EVERY)
+        {
+            return;
+        }
+        self.told_failed_login = Some(Instant::now());
+        self.notice(out, "failed_logins", 3, |m| {
+            m.uint("last_minute", f.last_minute)
+                .str("user", &f.user)
+                .str("from", &f.from.to_string());
+        });
+    }
+
+    /// The vbucket map changed (a failover, a vbucket moved): a connection with a bucket
+    /// selected is told, with the bucket's new config (the JSON Couchbase's clients read).
+    fn map_changed_notice(&mut self, rev: i64, out: &mut Vec<u8>) {
+        let Some(b) = self.bucket.clone() else {
+            return;
+        };
+        let (rev, config) = {
+            let (r, c) = self.ctx.clustermap.bucket_config(&self.ctx.engine, &b);
+            (r.max(rev), c)
+        };
+        self.notice(out, "map_changed", 3, |m| {
+            m.str("bucket", b.name())
+                .uint("rev", rev.max(0) as u64)
+                .str("config", &config);
+        });
+    }
+
     /// The server is stopping: requests under way finish, no more are read.
     fn shutdown_notice(&mut self, out: &mut Vec<u8>) {
         self.notice(out, "shutdown", 1, |m| {
@@ -706,6 +771,8 @@ impl Session {
                 }
                 None => {
                     ctx.throttle.failed(&user, ip);
+                    ctx.failed_logins
+                        .record(&String::from_utf8_lossy(&user), ip);
                     ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
                     ctx.throttle.log.warn(|| {
                         format!(
