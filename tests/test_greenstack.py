@@ -379,3 +379,36 @@ def test_a_failover_tells_connections_the_new_vbucket_map(tmp_path):
         c.close()
         replica.stop()
         active.stop()
+
+
+def test_connections_not_logged_in_are_bounded_as_on_the_memcached_port(tmp_path):
+    app = sluice.config.hash_password("secret", iterations=1000)
+    cfg = tmp_path / "bounded.toml"
+    cfg.write_text(
+        'login_timeout = "1s"\nmax_unauthenticated_per_ip = 2\n'
+        f'[users.app]\npassword_hash = "{app}"\nbuckets = {{ default = ["read", "write"] }}\n'
+    )
+    node = Node(tmp_path / "a", "--config", str(cfg))
+    conns = []
+    try:
+        member = Conn(node.greenstack)
+        conns.append(member)
+        member.call(HELLO, {})
+        assert member.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00app\x00secret"}).status == 0
+        silent = [Conn(node.greenstack) for _ in range(2)]
+        conns += silent
+        time.sleep(0.2)
+        # A third connection not logged in from this address is refused at once.
+        third = Conn(node.greenstack)
+        conns.append(third)
+        assert third.closed()
+        # The silent ones are closed at their login deadline; the member is not.
+        started = time.monotonic()
+        assert all(c.closed() for c in silent)
+        assert 0.3 < time.monotonic() - started < 15
+        assert member.call(LIST_BUCKETS).payload == {"buckets": ["default"]}
+        assert node.metric("sluice_prelogin_closed_total", reason="login_timeout") >= 2
+    finally:
+        for c in conns:
+            c.close()
+        node.stop()

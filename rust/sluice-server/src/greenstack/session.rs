@@ -114,6 +114,14 @@ pub(super) async fn run(
     ctx: Arc<GreenstackContext>,
     mut stop: watch::Receiver<bool>,
 ) {
+    // Until it logs in (when users are configured), a connection holds a pre-login slot, its
+    // frames are held to the small pre-login limit, and it has a login deadline, as on the
+    // memcached front (`limits`).
+    let mut prelogin = match crate::limits::admit(&ctx.prelogin, &ctx.users, peer) {
+        Ok(slot) => slot,
+        Err(_) => return,
+    };
+    let login_deadline = tokio::time::Instant::now() + ctx.prelogin.limits.login_timeout;
     let mut s = Session {
         ctx: ctx.clone(),
         next_opaque: 1,
@@ -137,8 +145,15 @@ pub(super) async fn run(
 
     loop {
         // Take whole frames while the connection has room for more requests in flight.
+        if prelogin.is_some() && s.user.is_some() {
+            prelogin = None;
+        }
+        let max_frame = match prelogin {
+            Some(_) => ctx.max_frame.min(crate::limits::PRELOGIN_MAX_BODY),
+            None => ctx.max_frame,
+        };
         while s.in_flight < MAX_IN_FLIGHT {
-            match gs::check(&inbuf, ctx.max_frame) {
+            match gs::check(&inbuf, max_frame) {
                 Ok(Check::Complete(n)) => {
                     let frame = inbuf.split_to(n).freeze();
                     if let Err(e) = s.take(frame, &mut out) {
@@ -202,7 +217,19 @@ pub(super) async fn run(
                 tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
             }
         };
+        let deadline = async {
+            if prelogin.is_some() {
+                tokio::time::sleep_until(login_deadline).await
+            } else {
+                std::future::pending().await
+            }
+        };
         tokio::select! {
+            () = deadline => {
+                crate::limits::login_timed_out(&ctx.prelogin, peer);
+                let _ = send(&mut socket, &mut out, &ctx).await;
+                return;
+            }
             Ok(()) = map_changes.changed() => {
                 let rev = *map_changes.borrow_and_update();
                 s.map_changed_notice(rev, &mut out);
