@@ -38,6 +38,9 @@ const DATATYPE_JSON: u8 = 0x01;
 const FLUSH_AT: usize = 256 << 10;
 /// Requests a connection may have started and not finished, or queued behind a fence.
 const MAX_IN_FLIGHT: usize = 4096;
+/// The same before login: what a peer that has not logged in can make the server hold stays
+/// small (its frames are small too).
+const MAX_IN_FLIGHT_PRELOGIN: usize = 16;
 /// Lanes a connection keeps while idle (their buffers reused by the next request).
 const MAX_LANES: usize = 1024;
 /// The least time between two failed-login notices to one connection.
@@ -152,7 +155,11 @@ pub(super) async fn run(
             Some(_) => ctx.max_frame.min(crate::limits::PRELOGIN_MAX_BODY),
             None => ctx.max_frame,
         };
-        while s.in_flight < MAX_IN_FLIGHT {
+        let max_in_flight = match prelogin {
+            Some(_) => MAX_IN_FLIGHT_PRELOGIN,
+            None => MAX_IN_FLIGHT,
+        };
+        while s.in_flight < max_in_flight {
             match gs::check(&inbuf, max_frame) {
                 Ok(Check::Complete(n)) => {
                     let frame = inbuf.split_to(n).freeze();
@@ -197,7 +204,7 @@ pub(super) async fn run(
             let _ = send(&mut socket, &mut out, &ctx).await;
             return;
         }
-        let full = s.in_flight >= MAX_IN_FLIGHT;
+        let full = s.in_flight >= max_in_flight;
         let waiting = !s.tasks.is_empty() || !s.held.is_empty();
         let wal_wait = s.held.last().map(|h| h.lsn);
         let engine = ctx.engine.clone();
