@@ -12,15 +12,19 @@ import time
 
 import msgpack
 import sluice.config
-from helpers import Node, node_config
+from helpers import NUM_VBUCKETS, Node, node_config
+from mcbp_wire import Scram
 
 # Opcodes, flags, flex keys and statuses (docs/greenstack.md).
 HELLO, SASL_AUTH, SELECT_BUCKET, LIST_BUCKETS, MUTATION, GET = 0x0001, 0x0002, 0x0400, 0x0401, 0x0405, 0x0406
 DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
+DCP_OPEN, DCP_STREAM_REQUEST, DCP_SNAPSHOT_MARKER, DCP_MUTATION = 0x0500, 0x0501, 0x0502, 0x0503
+DCP_DELETION, DCP_STREAM_END, DCP_CLOSE_STREAM, DCP_BUFFER_ACK = 0x0504, 0x0506, 0x0507, 0x0508
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
-LANE_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0009
+LANE_ID, VBUCKET_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0007, 0x0009
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
 KEY_EXISTS, INVALID_ARGUMENTS, NOT_EXECUTED_IN_TIME = 0x0400, 0x0001, 0x0408
+AUTH_CONTINUE, NOT_MY_VBUCKET, ROLLBACK = 0x000C, 0x0403, 0x0409
 ADD, SET, APPEND, PATCH = 0, 1, 3, 5
 DURABLE = "persist"
 
@@ -49,18 +53,21 @@ class Reply:
     """A frame from the server: a response (`status`), or a request of its own (a notice)."""
 
     def __init__(self, raw: bytes) -> None:
+        self.raw = raw
         self.opaque, self.opcode, self.flags = struct.unpack_from(">IHB", raw, 0)
         self.status = None
-        at, self.lane = 7, None
+        at, self.lane, self.flex = 7, None, {}
         if self.flags & RESPONSE:
             (self.status,) = struct.unpack_from(">H", raw, 7)
             at = 9
         if self.flags & FLEX:
             (n,) = struct.unpack_from(">I", raw, at)
             flex, at = raw[at + 4 : at + 4 + n], at + 4 + n
-            key, length = struct.unpack_from(">HH", flex, 0)
-            if key == LANE_ID:
-                self.lane = flex[4 : 4 + length]
+            self.flex = {}
+            while flex:
+                key, length = struct.unpack_from(">HH", flex, 0)
+                self.flex[key], flex = flex[4 : 4 + length], flex[4 + length :]
+            self.lane = self.flex.get(LANE_ID)
         self.payload = msgpack.unpackb(raw[at:]) if raw[at:] else {}
 
 
@@ -412,3 +419,166 @@ def test_connections_not_logged_in_are_bounded_as_on_the_memcached_port(tmp_path
         for c in conns:
             c.close()
         node.stop()
+
+
+def test_scram_logins_check_both_signatures(tmp_path):
+    creds = sluice.config.user_credentials("ada-secret", iterations=1000)
+    users = "[users.ada]\n" + "".join(f'{k} = "{v}"\n' for k, v in creds.items())
+    users += 'buckets = { default = ["read"] }\n'
+    node = start(tmp_path, users)
+    try:
+        for mechanism in ("SCRAM-SHA512", "SCRAM-SHA256", "SCRAM-SHA1"):
+            c = Conn(node.greenstack)
+            hello = c.call(HELLO, {})
+            assert mechanism in hello.payload["sasl_mechanisms"]
+            scram = Scram(mechanism, "ada", "ada-secret")
+            first = c.call(SASL_AUTH, {"mechanism": mechanism, "challenge": scram.first()})
+            assert first.status == AUTH_CONTINUE, first.payload
+            final = c.call(
+                SASL_AUTH, {"mechanism": mechanism, "challenge": scram.final(first.payload["challenge"])}
+            )
+            # The server proves it holds the keys too.
+            assert final.status == SUCCESS and final.payload["challenge"] == scram.expected_signature
+            assert c.call(LIST_BUCKETS).payload == {"buckets": ["default"]}
+            c.close()
+        c = Conn(node.greenstack)
+        c.call(HELLO, {})
+        # A wrong password fails at the second step, as an unknown user does.
+        for user, password in (("ada", "wrong"), ("nobody", "x")):
+            scram = Scram("SCRAM-SHA256", user, password)
+            first = c.call(SASL_AUTH, {"mechanism": "SCRAM-SHA256", "challenge": scram.first()})
+            assert first.status == AUTH_CONTINUE
+            final = c.call(
+                SASL_AUTH, {"mechanism": "SCRAM-SHA256", "challenge": scram.final(first.payload["challenge"])}
+            )
+            assert final.status == AUTH_ERROR
+        # A client-final message with no exchange under way, and one for another mechanism.
+        stray = c.call(SASL_AUTH, {"mechanism": "SCRAM-SHA256", "challenge": b"c=biws,r=x,p=eA=="})
+        assert stray.status == AUTH_ERROR and "no SCRAM exchange" in stray.payload["message"]
+        scram = Scram("SCRAM-SHA1", "ada", "ada-secret")
+        first = c.call(SASL_AUTH, {"mechanism": "SCRAM-SHA1", "challenge": scram.first()})
+        other = c.call(
+            SASL_AUTH, {"mechanism": "SCRAM-SHA256", "challenge": scram.final(first.payload["challenge"])}
+        )
+        assert other.status == AUTH_ERROR and "SCRAM-SHA1" in other.payload["message"]
+        assert c.call(LIST_BUCKETS).payload == {"buckets": []}
+        c.close()
+    finally:
+        assert node.stop() == 0
+
+
+def stream_messages(c: Conn, opaque: int) -> list[Reply]:
+    """The messages of the stream opened by request `opaque`, up to its STREAM END."""
+    got = []
+    while True:
+        m = c.next()
+        assert m.opaque == opaque and m.status is None, (m.opcode, m.status)
+        got.append(m)
+        if m.opcode == DCP_STREAM_END:
+            assert not m.flags & MORE
+            return got
+        assert m.flags & MORE and m.flags & QUIET
+
+
+def test_dcp_over_greenstack_streams_snapshots_follows_rolls_back_and_closes(tmp_path):
+    node = start(tmp_path, "")
+    c, writer = Conn(node.greenstack), Conn(node.greenstack)
+    try:
+        for conn in (c, writer):
+            conn.call(HELLO, {})
+            assert conn.call(SELECT_BUCKET, {"name": "default"}).status == SUCCESS
+        keys = [
+            k for k in (f"doc{i}".encode() for i in range(400)) if sluice.vbucket_of(k, NUM_VBUCKETS) == 3
+        ][:5]
+        for k in keys:
+            assert writer.call(MUTATION, {"type": SET, "id": k, "value": b"v-" + k}).status == SUCCESS
+        assert writer.call(DELETE, {"id": keys[0]}).status == SUCCESS
+        # Nothing before DCP OPEN.
+        assert c.call(DCP_STREAM_REQUEST, {"vbucket": 3}).status == INVALID_STATE
+        assert c.call(DCP_OPEN, {"name": "t"}).status == SUCCESS
+        assert c.call(DCP_OPEN, {"name": "t"}).status == INVALID_STATE
+        c.send(frame(40, DCP_STREAM_REQUEST, {"vbucket": 3, "to_latest": True}))
+        ok = c.reply()
+        assert (ok.opaque, ok.status) == (40, SUCCESS) and ok.flags & MORE
+        [[uuid, at]] = ok.payload["failover_log"]
+        assert at == 0
+        got = stream_messages(c, 40)
+        assert all(m.flex[VBUCKET_ID] == b"\x00\x03" for m in got)
+        assert got[0].opcode == DCP_SNAPSHOT_MARKER and got[0].payload["end"] == 6
+        docs = got[1:-1]
+        # The deleted key's first version was deduplicated away: its tombstone is last.
+        assert [(m.opcode, m.payload["key"]) for m in docs] == [(DCP_MUTATION, k) for k in keys[1:]] + [
+            (DCP_DELETION, keys[0])
+        ]
+        assert [m.payload["seqno"] for m in docs] == [2, 3, 4, 5, 6]
+        assert docs[0].payload["value"] == b"v-" + keys[1] and docs[0].payload["cas"] > 0
+        assert got[-1].payload == {"reason": 0}
+
+        # A uuid the vbucket never had: roll back to 0.
+        r = c.call(DCP_STREAM_REQUEST, {"vbucket": 3, "start_seqno": 4, "vbucket_uuid": uuid ^ 1})
+        assert r.status == ROLLBACK and r.payload["rollback_seqno"] == 0
+        # Following from where it got to: a new write arrives; close ends the stream.
+        c.send(frame(41, DCP_STREAM_REQUEST, {"vbucket": 3, "start_seqno": 6, "vbucket_uuid": uuid}))
+        assert c.reply().status == SUCCESS
+        assert c.call(DCP_STREAM_REQUEST, {"vbucket": 3}).status == KEY_EXISTS
+        assert writer.call(MUTATION, {"type": SET, "id": keys[1], "value": b"new"}).status == SUCCESS
+        marker, mutation = c.next(), c.next()
+        assert marker.opcode == DCP_SNAPSHOT_MARKER and marker.payload["start"] == 7
+        assert mutation.payload["seqno"] == 7 and mutation.payload["value"] == b"new"
+        c.send(frame(42, DCP_CLOSE_STREAM, {"vbucket": 3}))
+        end = c.next()
+        assert (end.opaque, end.opcode, end.payload) == (41, DCP_STREAM_END, {"reason": 1})
+        closed = c.reply()
+        assert (closed.opaque, closed.status) == (42, SUCCESS)
+        assert c.call(DCP_CLOSE_STREAM, {"vbucket": 3}).status == NOT_FOUND
+        assert c.call(DCP_STREAM_REQUEST, {"vbucket": 999}).status == NOT_MY_VBUCKET
+        assert "sluice_greenstack_dcp_streams 0" in node.metrics()
+    finally:
+        c.close()
+        writer.close()
+        assert node.stop() == 0
+
+
+def test_dcp_over_greenstack_holds_to_the_clients_window(tmp_path):
+    node = start(tmp_path, "")
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        c.call(SELECT_BUCKET, {"name": "default"})
+        keys = [
+            k for k in (f"w{i}".encode() for i in range(2000)) if sluice.vbucket_of(k, NUM_VBUCKETS) == 5
+        ][:60]
+        for k in keys:
+            assert c.call(MUTATION, {"type": SET, "id": k, "value": b"x" * 100}).status == SUCCESS
+        assert c.call(DCP_OPEN, {"name": "w", "buffer_size": 1000}).status == SUCCESS
+        c.send(frame(50, DCP_STREAM_REQUEST, {"vbucket": 5, "to_latest": True}))
+        assert c.reply().status == SUCCESS
+        # Up to the window (one message may overflow it), then nothing until acknowledged.
+        got, size = [], 0
+        while size < 1000:
+            m = c.next()
+            got.append(m)
+            size += len(m.raw) + 4
+        c.sock.settimeout(0.5)
+        try:
+            more = c.sock.recv(1 << 16)
+        except TimeoutError:
+            more = b""
+        assert more == b"" and c.buf == b""
+        c.sock.settimeout(20)
+        # Acknowledging everything read lets the rest come, to the stream's end.
+        total = len(got)
+        while got[-1].opcode != DCP_STREAM_END:
+            c.send(frame(0, DCP_BUFFER_ACK, {"bytes": size}, flags=QUIET))
+            size = 0
+            while size < 1000:
+                m = c.next()
+                got.append(m)
+                size += len(m.raw) + 4
+                if m.opcode == DCP_STREAM_END:
+                    break
+        assert total < len(got)
+        assert [m.payload["key"] for m in got if m.opcode == DCP_MUTATION] == keys
+    finally:
+        c.close()
+        assert node.stop() == 0

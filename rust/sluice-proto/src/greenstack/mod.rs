@@ -37,6 +37,17 @@ pub mod opcode {
     pub const GET_ALL_VB_SEQNOS: u16 = 0x0409;
     /// Sent by the server: `{kind, ...}` (back off, shutting down).
     pub const NOTICE: u16 = 0x0410;
+    /// DCP over Greenstack (sluice's numbers): the client's commands, then the stream
+    /// messages the server sends.
+    pub const DCP_OPEN: u16 = 0x0500;
+    pub const DCP_STREAM_REQUEST: u16 = 0x0501;
+    pub const DCP_SNAPSHOT_MARKER: u16 = 0x0502;
+    pub const DCP_MUTATION: u16 = 0x0503;
+    pub const DCP_DELETION: u16 = 0x0504;
+    pub const DCP_EXPIRATION: u16 = 0x0505;
+    pub const DCP_STREAM_END: u16 = 0x0506;
+    pub const DCP_CLOSE_STREAM: u16 = 0x0507;
+    pub const DCP_BUFFER_ACK: u16 = 0x0508;
 }
 
 /// Statuses by component, as the opcodes. The generic ones are Greenstack's library's.
@@ -53,6 +64,8 @@ pub mod status {
     pub const UNKNOWN_COMMAND: u16 = 0x0009;
     pub const USER_AGENT_BLACKLISTED: u16 = 0x000a;
     pub const NOT_IMPLEMENTED: u16 = 0x000b;
+    /// SCRAM's next step: the reply carries the server-first message (sluice's number).
+    pub const AUTHENTICATION_CONTINUE: u16 = 0x000c;
     // Memcached's, numbered by sluice (volatile).
     pub const KEY_EXISTS: u16 = 0x0400;
     pub const NOT_STORED: u16 = 0x0401;
@@ -64,6 +77,8 @@ pub mod status {
     pub const SYNC_WRITE_AMBIGUOUS: u16 = 0x0407;
     /// The request waited past its flex header's "ignore unless executed before".
     pub const NOT_EXECUTED_IN_TIME: u16 = 0x0408;
+    /// A DCP stream request must start again from `rollback_seqno` (sluice's number).
+    pub const ROLLBACK: u16 = 0x0409;
 }
 
 /// The first flag byte's bits.

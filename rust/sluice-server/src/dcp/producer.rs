@@ -13,7 +13,6 @@ use crate::tls::MaybeTls;
 use bytes::BytesMut;
 use parking_lot::Mutex;
 use sluice_core::bucket::Bucket;
-use sluice_core::failover::{rollback_point, ResumePoint};
 use sluice_core::vbucket::VbState;
 use sluice_proto::dcp::{
     self, opcode, open_flag, stream_end_reason, stream_flag, BufferAcknowledgement, CloseStream,
@@ -31,7 +30,9 @@ use crate::kv::{Flow, Handoff, KvSession};
 use crate::metrics::metric;
 use crate::policy::{Answer, PolicyHost, PolicyKind, Question};
 use crate::stats::ConnectionStats;
-use crate::stream::{turn_order, Encoding, Progress, Stream, StreamSink, Takeover};
+use crate::stream::{
+    turn_order, Encoding, Progress, StartAt, StartRefused, Stream, StreamSink, Takeover,
+};
 use sluice_core::topic::Topic;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
@@ -378,57 +379,32 @@ impl Producer {
                 b"vbucket is not streamable here",
             );
         }
-        let (mut start, mut end) = (sr.start_seqno, sr.end_seqno);
-        let (mut snap_start, mut snap_end) = (sr.snap_start_seqno, sr.snap_end_seqno);
-        let from_latest = sr.flags & stream_flag::FROM_LATEST != 0;
-        if from_latest {
-            start = pos.high_seqno;
-            snap_start = start;
-            snap_end = start;
-        }
-        if sr.flags & (stream_flag::TO_LATEST | stream_flag::DISK_ONLY) != 0 {
-            end = pos.high_seqno;
-        }
-        if start > end {
-            let why = format!("start seqno {start} is past end seqno {end}");
-            return respond(out, req, status::ERANGE, why.as_bytes());
-        }
-        if !(snap_start <= start && start <= snap_end) {
-            let why =
-                format!("start seqno {start} is outside the snapshot [{snap_start}, {snap_end}]");
-            return respond(out, req, status::ERANGE, why.as_bytes());
-        }
-        if !from_latest {
-            let at = ResumePoint {
-                start_seqno: start,
-                vbucket_uuid: sr.vbucket_uuid,
-                snap_start_seqno: snap_start,
-                snap_end_seqno: snap_end,
-            };
-            let ignore_purged = sr.flags & stream_flag::IGNORE_PURGED_TOMBSTONES != 0;
-            if let Some(seqno) = rollback_point(
-                &pos.failover,
-                pos.high_seqno,
-                pos.purge_seqno,
-                at,
-                ignore_purged,
-            ) {
+        let asked = StartAt {
+            start_seqno: sr.start_seqno,
+            end_seqno: sr.end_seqno,
+            vbucket_uuid: sr.vbucket_uuid,
+            snap_start_seqno: sr.snap_start_seqno,
+            snap_end_seqno: sr.snap_end_seqno,
+            from_latest: sr.flags & stream_flag::FROM_LATEST != 0,
+            to_latest: sr.flags & (stream_flag::TO_LATEST | stream_flag::DISK_ONLY) != 0,
+            ignore_purged_tombstones: sr.flags & stream_flag::IGNORE_PURGED_TOMBSTONES != 0,
+        };
+        let (start, end) = match asked.resolve(&pos) {
+            Ok(range) => range,
+            Err(StartRefused::Rollback(seqno)) => {
                 log::info!(
-                    "DCP {}: vbucket {vb} asks for {start} of uuid {:#x}: rollback to {seqno}",
+                    "DCP {}: vbucket {vb} asks for {} of uuid {:#x}: rollback to {seqno}",
                     self.name,
+                    sr.start_seqno,
                     sr.vbucket_uuid
                 );
                 let _ = StreamRequestResponse::Rollback(seqno).encode(out, req.opaque);
                 return;
             }
-        }
-        if start > pos.high_seqno {
-            let why = format!(
-                "start seqno {start} is past the high seqno {}",
-                pos.high_seqno
-            );
-            return respond(out, req, status::ERANGE, why.as_bytes());
-        }
+            Err(StartRefused::OutOfRange(why)) => {
+                return respond(out, req, status::ERANGE, why.as_bytes())
+            }
+        };
         let mut encoding = self.encoding;
         encoding.no_value |= sr.flags & stream_flag::NO_VALUE != 0;
         let stream = match Stream::open(

@@ -4,8 +4,9 @@
 //! lane id; none is a lane too): within a lane replies may come out of order (a GET answers
 //! while a durable write before it waits), a fenced request waits for every earlier one of its
 //! lane and holds back the later ones, and quiet requests answer only failures. `session` runs
-//! one connection; `patch` is MUTATION's JSON merge patch.
+//! one connection; `dcp` its DCP streams; `patch` is MUTATION's JSON merge patch.
 
+mod dcp;
 mod patch;
 mod session;
 
@@ -111,6 +112,9 @@ pub struct GreenstackStats {
     pub notices: AtomicU64,
     /// Requests dropped for waiting past their "ignore unless executed before".
     pub not_executed: AtomicU64,
+    /// DCP streams open over Greenstack, and the changes they sent.
+    pub dcp_streams: AtomicU64,
+    pub dcp_items: AtomicU64,
 }
 
 impl GreenstackStats {
@@ -152,6 +156,18 @@ impl GreenstackStats {
                 "counter",
                 "Greenstack requests dropped for waiting past their \"ignore unless executed before\".",
                 &self.not_executed,
+            ),
+            (
+                "sluice_greenstack_dcp_streams",
+                "gauge",
+                "DCP streams open over Greenstack.",
+                &self.dcp_streams,
+            ),
+            (
+                "sluice_greenstack_dcp_items_total",
+                "counter",
+                "Changes sent by DCP streams over Greenstack.",
+                &self.dcp_items,
             ),
             (
                 "sluice_greenstack_unknown_commands_total",

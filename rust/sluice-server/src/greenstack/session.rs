@@ -28,8 +28,10 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use super::dcp::{DcpProducer, Refusal};
 use super::GreenstackContext;
-use crate::auth::{ADMIN, READ, WRITE};
+use crate::auth::{ADMIN, MECHANISMS, READ, STREAM, WRITE};
+use crate::scram::{self, Mechanism};
 use crate::tls::MaybeTls;
 
 /// The datatype bit of a JSON value (memcached's).
@@ -48,8 +50,18 @@ const FAILED_LOGIN_NOTICE_EVERY: Duration = Duration::from_secs(1);
 /// The least time between two back-off notices to one connection.
 const BACKOFF_NOTICE_EVERY: Duration = Duration::from_secs(1);
 
-/// What a request that answers later hands back: its reply frame and, for a login, the user.
-type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Option<String>)> + Send>>;
+/// What a request that answers later hands back: its reply frame and what a login did.
+type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Login)> + Send>>;
+
+/// What a request did to the connection's login.
+enum Login {
+    None,
+    /// Logged in as this user.
+    User(String),
+}
+
+/// What a refused login is told (whatever was wrong: the user or the password).
+const PLAIN_REFUSED: &str = "the user is unknown or the password does not match";
 
 enum Run {
     Now(Vec<u8>),
@@ -77,7 +89,7 @@ struct Done {
     seq: u64,
     fenced: bool,
     reply: Vec<u8>,
-    login: Option<String>,
+    login: Login,
 }
 
 #[derive(Default)]
@@ -102,7 +114,11 @@ struct Session {
     peer: SocketAddr,
     hello: bool,
     user: Option<String>,
+    /// A SCRAM login between its two steps.
+    scram: Option<scram::Exchange>,
     bucket: Option<Arc<Bucket>>,
+    /// DCP, once the connection opened it.
+    dcp: Option<DcpProducer>,
     lanes: HashMap<Vec<u8>, Lane>,
     tasks: JoinSet<Done>,
     /// Replies waiting for the WAL, in the order their writes were queued (LSNs rising).
@@ -133,7 +149,9 @@ pub(super) async fn run(
         peer,
         hello: false,
         user: None,
+        scram: None,
         bucket: None,
+        dcp: None,
         lanes: HashMap::new(),
         tasks: JoinSet::new(),
         held: Vec::new(),
@@ -196,6 +214,14 @@ pub(super) async fn run(
                 return;
             }
         }
+        // DCP streams send what they have (the bucket's change count read first, so that a
+        // change after the fill wakes the wait below).
+        let changes = s.dcp.as_ref().map(|d| {
+            let b = d.bucket().clone();
+            let seen = b.changes.generation();
+            (b, seen)
+        });
+        let streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(&mut out, FLUSH_AT));
         if send(&mut socket, &mut out, &ctx).await.is_err() {
             return;
         }
@@ -205,7 +231,16 @@ pub(super) async fn run(
             return;
         }
         let full = s.in_flight >= max_in_flight;
-        let waiting = !s.tasks.is_empty() || !s.held.is_empty();
+        let waiting = !s.tasks.is_empty()
+            || !s.held.is_empty()
+            || s.dcp.as_ref().is_some_and(DcpProducer::has_streams);
+        let can_stream = s.dcp.as_ref().is_some_and(DcpProducer::can_send);
+        let changed = async {
+            match &changes {
+                Some((b, seen)) if can_stream => b.changes.changed(*seen).await,
+                _ => std::future::pending().await,
+            }
+        };
         let wal_wait = s.held.last().map(|h| h.lsn);
         let engine = ctx.engine.clone();
         let written = async {
@@ -232,6 +267,9 @@ pub(super) async fn run(
             }
         };
         tokio::select! {
+            // The streams filled the output: send it and fill again.
+            () = std::future::ready(()), if streamed_more => {}
+            _ = changed => {}
             () = deadline => {
                 crate::limits::login_timed_out(&ctx.prelogin, peer);
                 let _ = send(&mut socket, &mut out, &ctx).await;
@@ -325,6 +363,11 @@ impl ReplyTo {
     }
 
     fn reply(&self, st: u16, payload: &[u8]) -> Vec<u8> {
+        self.reply_flagged(st, 0, payload)
+    }
+
+    /// A reply with flag bits besides the response bit (`more`).
+    fn reply_flagged(&self, st: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         if st == status::SUCCESS && self.quiet {
             return out;
@@ -341,7 +384,7 @@ impl ReplyTo {
         FrameOut {
             opaque: self.opaque,
             opcode: self.opcode,
-            flags: 0,
+            flags,
             status: Some(st),
             flex: &flex,
             payload,
@@ -365,6 +408,21 @@ fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
 
 fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
     ReplyTo::of(req).failure(st, why)
+}
+
+/// A DCP command's refusal: its status and message, or "rollback" with `rollback_seqno`.
+fn refusal(req: &Frame<'_>, refused: Refusal) -> Vec<u8> {
+    match refused {
+        Refusal::Status(st, why) => failure(req, st, &why),
+        Refusal::Rollback(seqno) => {
+            let mut p = Vec::new();
+            MapWriter::new(&mut p, 2).uint("rollback_seqno", seqno).str(
+                "message",
+                &format!("roll back to seqno {seqno}, then ask again from there"),
+            );
+            reply(req, status::ROLLBACK, &p)
+        }
+    }
 }
 
 /// A request's `durability` field as a requirement (None: the bucket's default level), or
@@ -393,7 +451,7 @@ fn waited_too_long(f: &Frame<'_>, read_at: Instant) -> Option<String> {
 }
 
 /// The status an engine error answers with (docs/greenstack.md).
-fn status_of(e: &Error) -> u16 {
+pub(super) fn status_of(e: &Error) -> u16 {
     match e {
         Error::NotFound => status::NOT_FOUND,
         Error::Exists => status::KEY_EXISTS,
@@ -475,7 +533,7 @@ impl Session {
                         seq,
                         fenced,
                         reply,
-                        login: None,
+                        login: Login::None,
                     },
                     out,
                 ),
@@ -485,7 +543,7 @@ impl Session {
                         seq,
                         fenced,
                         reply: ok,
-                        login: None,
+                        login: Login::None,
                     },
                     lsn,
                     to,
@@ -570,7 +628,7 @@ impl Session {
 
     /// A request finished: its reply out, its lane told (the fence lifted).
     fn finish(&mut self, d: Done, out: &mut Vec<u8>) {
-        if let Some(user) = d.login {
+        if let Login::User(user) = d.login {
             self.user = Some(user);
         }
         out.extend_from_slice(&d.reply);
@@ -717,11 +775,12 @@ impl Session {
         match f.opcode {
             opcode::HELLO => {
                 self.hello = true;
+                let mechanisms: Vec<&str> = MECHANISMS.split(' ').collect();
                 let mut p = Vec::new();
                 MapWriter::new(&mut p, 3)
                     .str("user_agent", "sluice")
                     .str("user_agent_version", env!("CARGO_PKG_VERSION"))
-                    .strs("sasl_mechanisms", ["PLAIN"].into_iter());
+                    .strs("sasl_mechanisms", mechanisms.into_iter());
                 Run::Now(reply(f, status::SUCCESS, &p))
             }
             opcode::SASL_AUTH => self.sasl_auth(f, &fields),
@@ -743,6 +802,10 @@ impl Session {
             opcode::MUTATION => self.mutation(f),
             opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields),
             opcode::GET_ALL_VB_SEQNOS => Run::Now(self.all_vb_seqnos(f, &fields)),
+            opcode::DCP_OPEN => Run::Now(self.dcp_open(f, &fields)),
+            opcode::DCP_STREAM_REQUEST | opcode::DCP_CLOSE_STREAM | opcode::DCP_BUFFER_ACK => {
+                Run::Now(self.dcp_command(f, &fields))
+            }
             _ => {
                 self.ctx.stats.unknown_commands.fetch_add(1, Relaxed);
                 Run::Now(failure(
@@ -754,8 +817,10 @@ impl Session {
         }
     }
 
-    /// SASL AUTH with PLAIN: the password's hash is checked off the connection's task, after
-    /// the wait failed logins impose (shared with the other fronts).
+    /// SASL AUTH: PLAIN in one step; SCRAM in two (the client-first message, answered
+    /// "authentication continue" with the server-first one; then the client-final message,
+    /// which begins `c=`). A step that checks a secret waits the turn failed logins impose
+    /// (shared with the other fronts) and is checked off the connection's task.
     fn sasl_auth(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
         let (mechanism, challenge) = match (
             fields.required("mechanism", Fields::str),
@@ -766,42 +831,120 @@ impl Session {
                 return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string()))
             }
         };
-        if mechanism != "PLAIN" {
-            return Run::Now(failure(
-                f,
-                status::INVALID_ARGUMENTS,
-                &format!("mechanism {mechanism:?}: this server takes PLAIN"),
-            ));
+        let users = self.ctx.users.current();
+        let scram = match mechanism {
+            "PLAIN" => None,
+            m => match Mechanism::from_sasl_name(m.as_bytes()) {
+                Some(m) => Some(m),
+                None => {
+                    return Run::Now(failure(
+                        f,
+                        status::INVALID_ARGUMENTS,
+                        &format!("mechanism {mechanism:?}: this server takes {MECHANISMS}"),
+                    ))
+                }
+            },
+        };
+        let refused = |why: &str| failure(f, status::AUTHENTICATION_ERROR, why);
+        let Some(m) = scram else {
+            self.user = None;
+            self.scram = None;
+            let user = crate::auth::plain_user(challenge).to_vec();
+            let challenge = challenge.to_vec();
+            return self.check_secret(f, user, refused(PLAIN_REFUSED), move |users| {
+                if users.required() {
+                    users
+                        .authenticate_plain(&challenge)
+                        .map(|u| (u, Vec::new()))
+                } else {
+                    Some((
+                        String::from_utf8_lossy(crate::auth::plain_user(&challenge)).into_owned(),
+                        Vec::new(),
+                    ))
+                }
+            });
+        };
+        if !challenge.starts_with(b"c=") {
+            // A client-first message: a new login forgets the last.
+            self.user = None;
+            self.scram = None;
+            if !users.required() {
+                return Run::Now(match scram::parse_client_first(challenge) {
+                    Ok(first) => {
+                        self.user = Some(first.user);
+                        reply(f, status::SUCCESS, &[])
+                    }
+                    Err(e) => refused(&e.to_string()),
+                });
+            }
+            return Run::Now(match users.scram_start(m, challenge) {
+                Ok((exchange, server_first)) => {
+                    self.scram = Some(exchange);
+                    let mut p = Vec::new();
+                    MapWriter::new(&mut p, 1).bin("challenge", server_first.as_bytes());
+                    reply(f, status::AUTHENTICATION_CONTINUE, &p)
+                }
+                Err(e) => refused(&e.to_string()),
+            });
         }
-        let user = crate::auth::plain_user(challenge).to_vec();
+        let exchange = match self.scram.take() {
+            Some(ex) if ex.mechanism() == m => ex,
+            Some(ex) => {
+                return Run::Now(refused(&format!(
+                    "the SCRAM exchange under way is {}, not {mechanism}",
+                    ex.mechanism().sasl_name()
+                )))
+            }
+            None => {
+                return Run::Now(refused(
+                    "a client-final message with no SCRAM exchange under way: send the client-first one first",
+                ))
+            }
+        };
+        let user = exchange.user().as_bytes().to_vec();
+        let client_final = challenge.to_vec();
+        self.check_secret(f, user, refused(PLAIN_REFUSED), move |users| {
+            let name = exchange.user().to_string();
+            match exchange.finish(&client_final) {
+                // Removed by a reload since the exchange started: no longer a user.
+                Ok(server_final) if users.get(&name).is_some() => {
+                    let mut p = Vec::new();
+                    MapWriter::new(&mut p, 1).bin("challenge", server_final.as_bytes());
+                    Some((name, p))
+                }
+                Ok(_) | Err(_) => None,
+            }
+        })
+    }
+
+    /// A login step that checks a secret: after the wait failed logins impose, `check` runs
+    /// off the async workers and gives the user and the success reply's payload, or None
+    /// (answered `refused`, counted, logged and told to the admins).
+    fn check_secret(
+        &self,
+        f: &Frame<'_>,
+        user: Vec<u8>,
+        refused: Vec<u8>,
+        check: impl FnOnce(&crate::auth::Users) -> Option<(String, Vec<u8>)> + Send + 'static,
+    ) -> Run {
         let ip = self.peer.ip();
         let ctx = self.ctx.clone();
-        let challenge = challenge.to_vec();
-        let ok = reply(f, status::SUCCESS, &[]);
-        let refused = failure(
-            f,
-            status::AUTHENTICATION_ERROR,
-            "the user is unknown or the password does not match",
-        );
+        let to = ReplyTo::of(f);
         Run::Later(Box::pin(async move {
             let Some(wait) = ctx.throttle.turn(&user, ip) else {
                 ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
-                return (refused, None);
+                return (refused, Login::None);
             };
             tokio::time::sleep(wait).await;
             let users = ctx.users.current();
-            let who = if users.required() {
-                tokio::task::spawn_blocking(move || users.authenticate_plain(&challenge))
-                    .await
-                    .ok()
-                    .flatten()
-            } else {
-                Some(String::from_utf8_lossy(&user).into_owned())
-            };
+            let who = tokio::task::spawn_blocking(move || check(&users))
+                .await
+                .ok()
+                .flatten();
             match who {
-                Some(name) => {
+                Some((name, payload)) => {
                     ctx.throttle.succeeded(&user);
-                    (ok, Some(name))
+                    (to.reply(status::SUCCESS, &payload), Login::User(name))
                 }
                 None => {
                     ctx.throttle.failed(&user, ip);
@@ -814,7 +957,7 @@ impl Session {
                             String::from_utf8_lossy(&user)
                         )
                     });
-                    (refused, None)
+                    (refused, Login::None)
                 }
             }
         }))
@@ -1006,10 +1149,73 @@ impl Session {
         Run::Later(Box::pin(async move {
             let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));
             match engine.settled(&bucket, w, timer).await {
-                Ok(_) => (to.reply(status::SUCCESS, &ok_payload), None),
-                Err(e) => (to.failure(status_of(&e), &e.to_string()), None),
+                Ok(_) => (to.reply(status::SUCCESS, &ok_payload), Login::None),
+                Err(e) => (to.failure(status_of(&e), &e.to_string()), Login::None),
             }
         }))
+    }
+
+    /// DCP OPEN `{name, buffer_size?}`: needs the `stream` permission on the selected bucket.
+    fn dcp_open(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+        let bucket = match self.bucket_for(f, STREAM) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        if self.dcp.is_some() {
+            return failure(
+                f,
+                status::INVALID_STATE,
+                "this connection has opened DCP already",
+            );
+        }
+        match DcpProducer::open(self.ctx.clone(), bucket, fields) {
+            Ok(d) => {
+                self.dcp = Some(d);
+                reply(f, status::SUCCESS, &[])
+            }
+            Err(refused) => refusal(f, refused),
+        }
+    }
+
+    /// DCP STREAM REQUEST, CLOSE STREAM and BUFFER ACK, once DCP is open.
+    fn dcp_command(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+        let Some(dcp) = self.dcp.as_mut() else {
+            return failure(f, status::INVALID_STATE, "open DCP first (DCP OPEN)");
+        };
+        let to = ReplyTo::of(f);
+        let done = match f.opcode {
+            opcode::DCP_STREAM_REQUEST => match dcp.stream_request(f.opaque, fields) {
+                Ok(failover_log) => {
+                    let mut p = Vec::new();
+                    sluice_proto::msgpack::write_map_len(&mut p, 1);
+                    sluice_proto::msgpack::write_str(&mut p, "failover_log");
+                    sluice_proto::msgpack::write_array_len(&mut p, failover_log.len() as u32);
+                    for (uuid, seqno) in failover_log {
+                        sluice_proto::msgpack::write_array_len(&mut p, 2);
+                        sluice_proto::msgpack::write_uint(&mut p, uuid);
+                        sluice_proto::msgpack::write_uint(&mut p, seqno);
+                    }
+                    // The stream's messages follow; its STREAM END is the last frame.
+                    return to.reply_flagged(status::SUCCESS, flag::MORE, &p);
+                }
+                Err(refused) => Err(refused),
+            },
+            opcode::DCP_CLOSE_STREAM => {
+                let mut end = Vec::new();
+                match dcp.close_stream(fields, &mut end) {
+                    Ok(()) => {
+                        end.extend_from_slice(&to.reply(status::SUCCESS, &[]));
+                        return end;
+                    }
+                    Err(refused) => Err(refused),
+                }
+            }
+            _ => dcp.buffer_ack(fields),
+        };
+        match done {
+            Ok(()) => to.reply(status::SUCCESS, &[]),
+            Err(refused) => refusal(f, refused),
+        }
     }
 
     /// GET_ALL_VB_SEQNOS `{state?}` ("active" by default): `{vbuckets: [[vbucket, seqno]...]}`.

@@ -13,6 +13,7 @@ use sluice_core::backfill::Backfill;
 use sluice_core::bucket::Bucket;
 use sluice_core::checkpoint::{CheckpointBatch, CursorHandle, CursorId, CursorRead};
 use sluice_core::engine::StreamPosition;
+use sluice_core::failover::{rollback_point, ResumePoint};
 use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::vbucket::VbState;
 use sluice_core::{Engine, Result};
@@ -521,6 +522,82 @@ impl Stream {
             self.pending_pos += 1;
         }
         used
+    }
+}
+
+/// Where a consumer asks a vbucket's stream to start and end, whichever protocol carries the
+/// request (DCP's STREAM_REQ on the memcached port, Greenstack's DCP STREAM REQUEST).
+#[derive(Debug, Clone, Copy)]
+pub struct StartAt {
+    pub start_seqno: u64,
+    pub end_seqno: u64,
+    pub vbucket_uuid: u64,
+    pub snap_start_seqno: u64,
+    pub snap_end_seqno: u64,
+    /// Start at the high seqno, whatever the rest says.
+    pub from_latest: bool,
+    /// End at the high seqno of the moment.
+    pub to_latest: bool,
+    pub ignore_purged_tombstones: bool,
+}
+
+/// Why a stream cannot start where it was asked to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StartRefused {
+    /// The consumer's history diverged from the vbucket's: it goes back to this seqno.
+    Rollback(u64),
+    /// A start past the end, outside its snapshot, or past the high seqno.
+    OutOfRange(String),
+}
+
+impl StartAt {
+    /// The stream's `[start, end]` on a vbucket at `pos`, by DCP's rules (the rollback rule,
+    /// docs/replication.md).
+    pub fn resolve(&self, pos: &StreamPosition) -> std::result::Result<(u64, u64), StartRefused> {
+        let (mut start, mut end) = (self.start_seqno, self.end_seqno);
+        let (mut snap_start, mut snap_end) = (self.snap_start_seqno, self.snap_end_seqno);
+        if self.from_latest {
+            start = pos.high_seqno;
+            snap_start = start;
+            snap_end = start;
+        }
+        if self.to_latest {
+            end = pos.high_seqno;
+        }
+        if start > end {
+            return Err(StartRefused::OutOfRange(format!(
+                "start seqno {start} is past end seqno {end}"
+            )));
+        }
+        if !(snap_start <= start && start <= snap_end) {
+            return Err(StartRefused::OutOfRange(format!(
+                "start seqno {start} is outside the snapshot [{snap_start}, {snap_end}]"
+            )));
+        }
+        if !self.from_latest {
+            let at = ResumePoint {
+                start_seqno: start,
+                vbucket_uuid: self.vbucket_uuid,
+                snap_start_seqno: snap_start,
+                snap_end_seqno: snap_end,
+            };
+            if let Some(seqno) = rollback_point(
+                &pos.failover,
+                pos.high_seqno,
+                pos.purge_seqno,
+                at,
+                self.ignore_purged_tombstones,
+            ) {
+                return Err(StartRefused::Rollback(seqno));
+            }
+        }
+        if start > pos.high_seqno {
+            return Err(StartRefused::OutOfRange(format!(
+                "start seqno {start} is past the high seqno {}",
+                pos.high_seqno
+            )));
+        }
+        Ok((start, end))
     }
 }
 
