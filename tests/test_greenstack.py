@@ -21,7 +21,7 @@ DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
 DCP_OPEN, DCP_STREAM_REQUEST, DCP_SNAPSHOT_MARKER, DCP_MUTATION = 0x0500, 0x0501, 0x0502, 0x0503
 DCP_DELETION, DCP_STREAM_END, DCP_CLOSE_STREAM, DCP_BUFFER_ACK = 0x0504, 0x0506, 0x0507, 0x0508
 RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
-LANE_ID, VBUCKET_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0007, 0x0009
+LANE_ID, PRIORITY, VBUCKET_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0005, 0x0007, 0x0009
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
 KEY_EXISTS, INVALID_ARGUMENTS, NOT_EXECUTED_IN_TIME = 0x0400, 0x0001, 0x0408
 AUTH_CONTINUE, NOT_MY_VBUCKET, ROLLBACK = 0x000C, 0x0403, 0x0409
@@ -582,3 +582,32 @@ def test_dcp_over_greenstack_holds_to_the_clients_window(tmp_path):
     finally:
         c.close()
         assert node.stop() == 0
+
+
+def test_queued_requests_start_by_priority_then_in_order(tmp_path):
+    node = start(tmp_path)
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        c.call(SELECT_BUCKET, {"name": "default"})
+        c.call(MUTATION, {"type": SET, "id": "k", "value": b"v"})
+
+        def get(opaque: int, priority: int | None) -> bytes:
+            flex = b"" if priority is None else struct.pack(">HHB", PRIORITY, 1, priority)
+            return frame(opaque, GET, {"id": "k"}, lane=b"P", flex=flex)
+
+        # Behind a fenced durable write the GETs queue; once it completes they start lowest
+        # priority value first, and in the order read among equals (no priority counts as 128).
+        slow = {"type": SET, "id": "w", "value": b"1", "durability": "persist"}
+        c.send(
+            frame(30, MUTATION, slow, lane=b"P", flags=FENCE),
+            get(31, 200),
+            get(32, 10),
+            get(33, None),
+            get(34, 10),
+            get(35, 129),
+        )
+        assert [c.reply().opaque for _ in range(6)] == [30, 32, 34, 33, 35, 31]
+    finally:
+        c.close()
+        node.stop()

@@ -43,6 +43,8 @@ const MAX_IN_FLIGHT: usize = 4096;
 /// The same before login: what a peer that has not logged in can make the server hold stays
 /// small (its frames are small too).
 const MAX_IN_FLIGHT_PRELOGIN: usize = 16;
+/// The priority of a request whose flex header gives none (lower starts first).
+const DEFAULT_PRIORITY: u8 = 128;
 /// Lanes a connection keeps while idle (their buffers reused by the next request).
 const MAX_LANES: usize = 1024;
 /// The least time between two failed-login notices to one connection.
@@ -99,8 +101,21 @@ struct Lane {
     running: Vec<u64>,
     /// A fenced request runs: nothing else of the lane starts until it finishes.
     fenced: bool,
-    /// Requests waiting to start, with when they were read.
-    queue: VecDeque<(Bytes, Instant)>,
+    /// Requests waiting to start.
+    queue: VecDeque<Queued>,
+    /// Listed in `Session::touched`: it may have requests to start.
+    touched: bool,
+}
+
+/// A request read, waiting for its lane to let it start.
+struct Queued {
+    /// Its place in the order requests were read.
+    seq: u64,
+    /// Its flex header's priority (lower starts first), or DEFAULT_PRIORITY.
+    priority: u8,
+    fenced: bool,
+    read_at: Instant,
+    frame: Bytes,
 }
 
 struct Session {
@@ -120,6 +135,10 @@ struct Session {
     /// DCP, once the connection opened it.
     dcp: Option<DcpProducer>,
     lanes: HashMap<Vec<u8>, Lane>,
+    /// Lanes that may have requests to start.
+    touched: Vec<Vec<u8>>,
+    /// The requests `start_queued` starts in one round (kept for its buffer).
+    batch: Vec<(Vec<u8>, Queued)>,
     tasks: JoinSet<Done>,
     /// Replies waiting for the WAL, in the order their writes were queued (LSNs rising).
     held: Vec<Held>,
@@ -153,6 +172,8 @@ pub(super) async fn run(
         bucket: None,
         dcp: None,
         lanes: HashMap::new(),
+        touched: Vec::new(),
+        batch: Vec::new(),
         tasks: JoinSet::new(),
         held: Vec::new(),
         taken: 0,
@@ -181,15 +202,12 @@ pub(super) async fn run(
             match gs::check(&inbuf, max_frame) {
                 Ok(Check::Complete(n)) => {
                     let frame = inbuf.split_to(n).freeze();
-                    if let Err(e) = s.take(frame, &mut out) {
+                    if let Err(e) = s.take(frame) {
                         ctx.io.protocol_error(
                             "greenstack",
                             format_args!("closing Greenstack connection from {peer}: {e}"),
                         );
                         let _ = send(&mut socket, &mut out, &ctx).await;
-                        return;
-                    }
-                    if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &ctx).await.is_err() {
                         return;
                     }
                 }
@@ -207,7 +225,9 @@ pub(super) async fn run(
                 }
             }
         }
-        // Requests that finished meanwhile answer in the same write.
+        // What was read starts, by priority; requests that finished meanwhile answer in the
+        // same write.
+        s.start_queued(&mut out);
         s.release_written(ctx.engine.wal().written_lsn(), &mut out);
         while let Some(done) = s.tasks.try_join_next() {
             if s.finish_task(done, &mut out).is_err() {
@@ -471,96 +491,124 @@ pub(super) fn status_of(e: &Error) -> u16 {
 }
 
 impl Session {
-    /// A frame read: a request goes to its lane, which starts what it may; a response (this
-    /// server sends no requests yet) is dropped. Err closes the connection.
-    fn take(&mut self, frame: Bytes, out: &mut Vec<u8>) -> Result<(), gs::DecodeError> {
+    /// A frame read: a request goes to its lane's queue (started by `start_queued`); a
+    /// response (to a notice) is dropped. Err closes the connection.
+    fn take(&mut self, frame: Bytes) -> Result<(), gs::DecodeError> {
         let f = Frame::decode(&frame[gs::LENGTH_LEN..])?;
         if f.is_response() {
             return Ok(());
         }
         self.ctx.stats.requests.fetch_add(1, Relaxed);
         let lane = lane_of(&f);
+        let priority = f
+            .flex_value(flex_key::PRIORITY)
+            .map_or(DEFAULT_PRIORITY, |v| v[0]);
+        let fenced = f.has(flag::FENCE);
+        let queued = Queued {
+            seq: self.taken,
+            priority,
+            fenced,
+            read_at: Instant::now(),
+            frame,
+        };
+        self.taken += 1;
         self.in_flight += 1;
-        self.lanes
-            .entry(lane.clone())
-            .or_default()
-            .queue
-            .push_back((frame, Instant::now()));
-        self.pump(&lane, out);
+        let l = self.lanes.entry(lane.clone()).or_default();
+        l.queue.push_back(queued);
+        if !l.touched {
+            l.touched = true;
+            self.touched.push(lane);
+        }
         Ok(())
     }
 
-    /// Starts the requests at the front of `lane`'s queue while the lane lets them; those
-    /// that answer at once are finished here, in order.
-    fn pump(&mut self, lane: &[u8], out: &mut Vec<u8>) {
-        loop {
-            let Some(l) = self.lanes.get_mut(lane) else {
-                return;
-            };
-            let Some((front, _)) = l.queue.front() else {
-                // An idle lane is kept for the next request (its buffers with it); past
-                // MAX_LANES the idle ones go.
-                if self.lanes.len() > MAX_LANES {
-                    self.lanes
-                        .retain(|_, l| !l.running.is_empty() || !l.queue.is_empty());
+    /// Starts every request its lane lets start (not behind a fence still running, and a
+    /// fenced one only once nothing of its lane runs), lowest priority value first, then in
+    /// the order they were read; those that answer at once finish here, which may let more
+    /// start.
+    fn start_queued(&mut self, out: &mut Vec<u8>) {
+        while !self.touched.is_empty() {
+            let mut batch = std::mem::take(&mut self.batch);
+            for lane in std::mem::take(&mut self.touched) {
+                let Some(l) = self.lanes.get_mut(&lane) else {
+                    continue;
+                };
+                l.touched = false;
+                while !l.fenced {
+                    let Some(front) = l.queue.front() else {
+                        break;
+                    };
+                    if front.fenced && !l.running.is_empty() {
+                        break;
+                    }
+                    let q = l.queue.pop_front().expect("looked at above");
+                    // Taken in the order read: `running` stays sorted.
+                    l.running.push(q.seq);
+                    l.fenced = q.fenced;
+                    batch.push((lane.clone(), q));
                 }
-                return;
-            };
-            let fenced = Frame::decode(&front[gs::LENGTH_LEN..]).is_ok_and(|f| f.has(flag::FENCE));
-            if l.fenced || (fenced && !l.running.is_empty()) {
-                return;
             }
-            let (frame, read_at) = l.queue.pop_front().expect("looked at above");
-            let seq = self.taken;
-            self.taken += 1;
-            l.running.push(seq);
-            l.fenced = fenced;
-            let f = Frame::decode(&frame[gs::LENGTH_LEN..]).expect("decoded when taken");
-            let run = match waited_too_long(&f, read_at) {
-                Some(why) => {
-                    self.ctx.stats.not_executed.fetch_add(1, Relaxed);
-                    Run::Now(failure(&f, status::NOT_EXECUTED_IN_TIME, &why))
-                }
-                None => self.execute(&f),
-            };
-            if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
-                self.maybe_backoff(out);
+            batch.sort_unstable_by_key(|(_, q)| (q.priority, q.seq));
+            for (lane, q) in batch.drain(..) {
+                self.start(lane, q, out);
             }
-            match run {
-                Run::Now(reply) => self.finish(
+            self.batch = batch;
+        }
+        // An idle lane is kept for the next request (its buffers with it); past MAX_LANES the
+        // idle ones go.
+        if self.lanes.len() > MAX_LANES {
+            self.lanes
+                .retain(|_, l| !l.running.is_empty() || !l.queue.is_empty());
+        }
+    }
+
+    /// Runs one request its lane let start: its reply now, after the WAL, or from a task.
+    fn start(&mut self, lane: Vec<u8>, q: Queued, out: &mut Vec<u8>) {
+        let f = Frame::decode(&q.frame[gs::LENGTH_LEN..]).expect("decoded when taken");
+        let run = match waited_too_long(&f, q.read_at) {
+            Some(why) => {
+                self.ctx.stats.not_executed.fetch_add(1, Relaxed);
+                Run::Now(failure(&f, status::NOT_EXECUTED_IN_TIME, &why))
+            }
+            None => self.execute(&f),
+        };
+        if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
+            self.maybe_backoff(out);
+        }
+        let (seq, fenced) = (q.seq, q.fenced);
+        match run {
+            Run::Now(reply) => self.finish(
+                Done {
+                    lane,
+                    seq,
+                    fenced,
+                    reply,
+                    login: Login::None,
+                },
+                out,
+            ),
+            Run::AfterWal { lsn, ok, to } => self.held.push(Held {
+                done: Done {
+                    lane,
+                    seq,
+                    fenced,
+                    reply: ok,
+                    login: Login::None,
+                },
+                lsn,
+                to,
+            }),
+            Run::Later(later) => {
+                self.tasks.spawn(async move {
+                    let (reply, login) = later.await;
                     Done {
-                        lane: lane.to_vec(),
+                        lane,
                         seq,
                         fenced,
                         reply,
-                        login: Login::None,
-                    },
-                    out,
-                ),
-                Run::AfterWal { lsn, ok, to } => self.held.push(Held {
-                    done: Done {
-                        lane: lane.to_vec(),
-                        seq,
-                        fenced,
-                        reply: ok,
-                        login: Login::None,
-                    },
-                    lsn,
-                    to,
-                }),
-                Run::Later(later) => {
-                    let lane = lane.to_vec();
-                    self.tasks.spawn(async move {
-                        let (reply, login) = later.await;
-                        Done {
-                            lane,
-                            seq,
-                            fenced,
-                            reply,
-                            login,
-                        }
-                    });
-                }
+                        login,
+                    }
+                });
             }
         }
     }
@@ -590,16 +638,10 @@ impl Session {
     }
 
     fn finish_all(&mut self, done: impl Iterator<Item = Done>, out: &mut Vec<u8>) {
-        let mut lanes = Vec::new();
         for d in done {
-            if !lanes.contains(&d.lane) {
-                lanes.push(d.lane.clone());
-            }
             self.finish(d, out);
         }
-        for lane in lanes {
-            self.pump(&lane, out);
-        }
+        self.start_queued(out);
     }
 
     /// A request's task ended; Err when it panicked: its lane can never finish it, and the
@@ -611,9 +653,8 @@ impl Session {
     ) -> Result<(), ()> {
         match done {
             Ok(d) => {
-                let lane = d.lane.clone();
                 self.finish(d, out);
-                self.pump(&lane, out);
+                self.start_queued(out);
                 Ok(())
             }
             Err(e) => {
@@ -642,6 +683,10 @@ impl Session {
             }
             if d.fenced {
                 l.fenced = false;
+            }
+            if !l.queue.is_empty() && !l.touched {
+                l.touched = true;
+                self.touched.push(d.lane);
             }
         }
     }
