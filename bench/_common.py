@@ -141,7 +141,7 @@ class SluiceNode:
     def __init__(self, data_dir: Path, config: Path, replica_of: str | None = None) -> None:
         cmd = [sys.executable, "-m", "sluice", "serve", "--config", str(config), "--data-dir", str(data_dir)]
         cmd += ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--tank-listen", "127.0.0.1:0"]
-        cmd += ["--greenstack-listen", "127.0.0.1:0"]
+        cmd += ["--greenstack-listen", "127.0.0.1:0", "--iproto-listen", "127.0.0.1:0"]
         if replica_of:
             cmd += ["--replica-of", replica_of]
         self.lines: collections.deque[str] = collections.deque(maxlen=300)

@@ -4,10 +4,15 @@ this machine. Writes bench/results/greenstack.{json,md,png}.
 
     python bench/greenstack_bench.py [--duration 5] [--runs 3]
 
-One server per run (WAL in `write` mode); each load runs over mcbp and over Greenstack on it,
-alternating which goes first: GET/SET mixes, pipelined and not, 16 connections, 100 B values,
-every key written before measuring. The table gives medians and the Greenstack/mcbp ratio
-(above 1: Greenstack is faster).
+Throughput: one server per run (WAL in `write` mode); each load runs over mcbp and over
+Greenstack on it, alternating which goes first: GET/SET mixes, pipelined and not, 16
+connections, 100 B values, every key written before measuring. The table gives medians and the
+Greenstack/mcbp ratio (above 1: Greenstack is faster).
+
+Head-of-line: an active and its replica (WAL in `fsync` mode) per run; 4 connections, pipeline
+8, 90% GET and 10% durable SET (majority, then persist_to_majority). mcbp answers in request
+order, so a GET behind a durable SET waits for it; Greenstack answers each request when it is
+done. The table gives the GETs' latency (from the send of their batch to their reply).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, SluiceNode, pyplot, write_json
+from _common import RESULTS, SluiceNode, pyplot, wait_until, write_json
 
 PROTOCOLS = ("memcached", "greenstack")
 
@@ -31,6 +36,69 @@ def loads() -> list[tuple[str, float, int]]:
         ("50% GET, pipeline 32", 0.5, 32),
         ("90% GET, no pipelining", 0.9, 1),
     ]
+
+
+#: (name, durability level) of the head-of-line loads.
+HEAD_OF_LINE = [
+    ("90% GET, 10% majority SET", "majority"),
+    ("90% GET, 10% persist_to_majority SET", "persist_to_majority"),
+]
+
+
+def replica_follows(address: str) -> bool:
+    """Whether a majority write succeeds on every vbucket (the replica follows them all)."""
+    with sluice.Client(address) as c:
+        try:
+            for vb in range(64):
+                key = next(
+                    f"probe-{i}".encode()
+                    for i in range(10_000)
+                    if sluice.vbucket_of(f"probe-{i}".encode(), 64) == vb
+                )
+                c.set(key, b"x", durability="majority")
+        except sluice.DurabilityImpossibleError:
+            return False
+    return True
+
+
+def head_of_line(args: argparse.Namespace, run: int, results: dict) -> None:
+    """The head-of-line loads on an active with a replica, over both protocols."""
+    with tempfile.TemporaryDirectory() as d:
+        config = Path(d) / "sluice.toml"
+        config.write_text('[wal]\nmode = "fsync"\n[snapshot]\ninterval = 0\n')
+        active = SluiceNode(Path(d) / "active", config)
+        replica = SluiceNode(Path(d) / "replica", config, replica_of=active.address)
+        addresses = {
+            "memcached": active.address,
+            "greenstack": active.ready_line.split("(Greenstack ")[1].split(")")[0],
+        }
+        try:
+            wait_until(lambda: replica_follows(active.address), 60, "the replica to follow every vbucket")
+            for name, level in HEAD_OF_LINE:
+                for protocol in PROTOCOLS if run % 2 == 0 else PROTOCOLS[::-1]:
+                    r = sluice._native.bench(
+                        addresses[protocol],
+                        protocol=protocol,
+                        connections=4,
+                        pipeline=8,
+                        duration=args.duration,
+                        keys=10_000,
+                        value_size=100,
+                        get_ratio=0.9,
+                        threads=2,
+                        durability=level,
+                    )
+                    if r["errors"]:
+                        raise RuntimeError(f"{name} | {protocol}: {r['errors']} requests failed")
+                    results["head_of_line"][name][protocol].append(r)
+                    print(
+                        f"{name} | {protocol} run {run + 1}: {r['ops_per_s']:,.0f} ops/s, GET p50 "
+                        f"{r['read_latency_us']['p50']} us, p99 {r['read_latency_us']['p99']} us",
+                        file=sys.stderr,
+                    )
+        finally:
+            replica.stop()
+            active.stop()
 
 
 def main() -> int:
@@ -46,6 +114,7 @@ def main() -> int:
         "connections": args.connections,
         "keys": args.keys,
         "loads": {name: {p: [] for p in PROTOCOLS} for name, _, _ in loads()},
+        "head_of_line": {name: {p: [] for p in PROTOCOLS} for name, _ in HEAD_OF_LINE},
     }
     for run in range(args.runs):
         with tempfile.TemporaryDirectory() as d:
@@ -80,6 +149,7 @@ def main() -> int:
                         )
             finally:
                 node.stop()
+        head_of_line(args, run, results)
     write(results)
     return 0
 
@@ -103,12 +173,32 @@ def write(results: dict) -> None:
         )
         names.append(name)
         medians.append((m, g))
+    hol = [
+        "| load | mcbp ops/s | Greenstack ops/s | mcbp GET p50 / p99 (us) | Greenstack GET p50 / p99 (us) "
+        "| mcbp p99 / Greenstack p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, per in results["head_of_line"].items():
+        ops = [statistics.median(r["ops_per_s"] for r in per[p]) for p in PROTOCOLS]
+        lat = [
+            [statistics.median(r["read_latency_us"][k] for r in per[p]) for k in ("p50", "p99")]
+            for p in PROTOCOLS
+        ]
+        hol.append(
+            f"| {name} | {ops[0]:,.0f} | {ops[1]:,.0f} | {lat[0][0]:,.0f} / {lat[0][1]:,.0f} | "
+            f"{lat[1][0]:,.0f} / {lat[1][1]:,.0f} | {lat[0][1] / lat[1][1]:.1f} |"
+        )
     md = (
         "# Greenstack against the memcached binary protocol on one sluice server\n\n"
         f"`python bench/greenstack_bench.py --duration {results['duration']} --runs {results['runs']}`: "
         f"`sluice bench`, {results['connections']} connections, {results['keys']:,} keys, 100 B "
         'values, WAL `mode = "write"`, medians of the runs on this 2-core machine (the load '
-        "generator shares it).\n\n" + "\n".join(rows) + "\n"
+        "generator shares it).\n\n" + "\n".join(rows) + "\n\n"
+        "## Head-of-line\n\n"
+        'An active and its replica, WAL `mode = "fsync"`; 4 connections x pipeline 8, 10,000 keys, '
+        "90% GET and 10% durable SET. The GETs' latency, from the send of their batch to their reply: "
+        "over mcbp a GET waits for the durable SETs before it on its connection, over Greenstack it "
+        "does not.\n\n" + "\n".join(hol) + "\n"
     )
     (RESULTS / "greenstack.md").write_text(md)
     print(md)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -24,7 +25,7 @@ RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
 LANE_ID, PRIORITY, VBUCKET_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0005, 0x0007, 0x0009
 SUCCESS, AUTH_ERROR, INVALID_STATE, NO_ACCESS, NOT_FOUND, UNKNOWN_COMMAND = 0, 3, 6, 7, 8, 9
 KEY_EXISTS, INVALID_ARGUMENTS, NOT_EXECUTED_IN_TIME = 0x0400, 0x0001, 0x0408
-AUTH_CONTINUE, NOT_MY_VBUCKET, ROLLBACK = 0x000C, 0x0403, 0x0409
+AUTH_CONTINUE, NOT_INITIALIZED, NOT_MY_VBUCKET, ROLLBACK = 0x000C, 0x0005, 0x0403, 0x0409
 ADD, SET, APPEND, PATCH = 0, 1, 3, 5
 DURABLE = "persist"
 
@@ -611,3 +612,77 @@ def test_queued_requests_start_by_priority_then_in_order(tmp_path):
     finally:
         c.close()
         node.stop()
+
+
+def test_clients_connecting_during_warm_up_are_told_when_it_is_done(tmp_path):
+    """The Greenstack port opens before the data is recovered: a client says HELLO, is told the
+    server is warming up, has its requests answered "not initialized", and is told when warm-up
+    is done; then the same connection works, a frame split across the hand-over included."""
+    node = start(tmp_path)
+    # Enough data that recovering it takes a while (a million WAL records: about half a second).
+    r = sluice._native.bench(
+        node.address,
+        get_ratio=0.0,
+        count=1_500_000,
+        keys=1_500_000,
+        prefill=False,
+        connections=4,
+        pipeline=64,
+    )
+    assert r["errors"] == 0
+    c = Conn(node.greenstack)
+    c.call(HELLO, {})
+    c.call(SELECT_BUCKET, {"name": "default"})
+    assert c.call(MUTATION, {"type": SET, "id": "kept", "value": b"v"}).status == SUCCESS
+    c.close()
+    assert node.stop() == 0
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    restarted: list[Node] = []
+    starting = threading.Thread(
+        target=lambda: restarted.append(
+            Node(
+                tmp_path / "a",
+                "--config",
+                str(tmp_path / "a.toml"),
+                "--greenstack-listen",
+                f"127.0.0.1:{port}",
+            )
+        )
+    )
+    starting.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                c = Conn(f"127.0.0.1:{port}")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the Greenstack port never opened"
+                time.sleep(0.005)
+        hello = c.call(HELLO, {})
+        assert hello.status == SUCCESS
+        warming = c.next()
+        assert (warming.opcode, warming.payload["kind"]) == (NOTICE, "warming_up")
+        assert c.call(SELECT_BUCKET, {"name": "default"}).status == NOT_INITIALIZED
+        assert c.call(GET, {"id": "kept"}).status == NOT_INITIALIZED
+        # Half a frame now, the rest once warm-up is done.
+        select = frame(9, SELECT_BUCKET, {"name": "default"})
+        c.send(select[:5])
+        done = c.next()
+        assert (done.opcode, done.payload["kind"]) == (NOTICE, "warmup_done")
+        assert done.payload["warmup_ms"] > 0
+        c.send(select[5:])
+        assert c.reply().status == SUCCESS
+        got = c.call(GET, {"id": "kept"})
+        assert (got.status, got.payload["value"]) == (SUCCESS, b"v")
+        c.close()
+        starting.join(60)
+        assert restarted, "the node did not start"
+        assert restarted[0].greenstack == f"127.0.0.1:{port}"
+    finally:
+        starting.join(60)
+        for n in restarted:
+            n.stop()

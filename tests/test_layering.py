@@ -22,7 +22,7 @@ ALLOWED = {
     "sluice-proto": set(),
     "sluice-core": {"sluice-proto"},
     "sluice-server": {"sluice-proto", "sluice-core"},
-    "sluice-tools": {"sluice-proto", "sluice-server"},
+    "sluice-tools": {"sluice-proto", "sluice-core", "sluice-server"},
     "sluice-py": {"sluice-proto", "sluice-core", "sluice-server", "sluice-tools"},
 }
 

@@ -17,6 +17,7 @@ __all__ = [
     "SyncWriteAmbiguousError",
     "EmbeddedEngine",
     "EngineSettings",
+    "GreenstackWarmup",
     "ExistsError",
     "InvalidKeyError",
     "ItemView",
@@ -246,6 +247,15 @@ class EmbeddedEngine:
     ) -> bool: ...
 
 @final
+class GreenstackWarmup:
+    """The Greenstack port while the engine opens: connections say HELLO and are told the
+    server is warming up; a Server given it takes them over and tells them warm-up is done."""
+
+    def __new__(cls, address: str) -> GreenstackWarmup: ...
+    @property
+    def address(self) -> str: ...
+
+@final
 class Server:
     """The memcached binary protocol server over an open engine."""
 
@@ -292,6 +302,7 @@ class Server:
         tarantool_upstream_password: str | None = None,
         tarantool_upstream_spaces: list[str] = ...,
         tarantool_upstream_anonymous: bool = True,
+        greenstack_warmup: GreenstackWarmup | None = None,
     ) -> Server: ...
     @property
     def address(self) -> str: ...
@@ -392,6 +403,7 @@ def bench(
     cacert: str | None = None,
     protocol: str = "memcached",
     space: int = 512,
+    durability: str | None = None,
 ) -> dict[str, object]: ...
 def vbucket_positions(
     address: str,

@@ -169,6 +169,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda *_: set_from_a_thread(reload))
     systemd.notify(f"STATUS=recovering {cfg.data_dir}")
+    # Greenstack clients may connect while the data is recovered: they are told the server is
+    # warming up, and when it is done.
+    greenstack = cfg.values["greenstack_listen"]
+    warmup = _native.GreenstackWarmup(greenstack) if greenstack else None
     log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
     engine = _native.EmbeddedEngine(settings)
     try:
@@ -177,7 +181,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
         raise
     try:
-        server = _native.Server(engine, listen, users=cfg.user_list(), **cfg.server_settings())
+        server = _native.Server(
+            engine, listen, users=cfg.user_list(), greenstack_warmup=warmup, **cfg.server_settings()
+        )
     except _native.SluiceError:
         engine.close()
         raise
@@ -965,6 +971,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cacert=args.cacert,
         protocol=args.protocol,
         space=args.space,
+        durability=args.durability,
     )
     if args.json:
         print(json.dumps(r))
@@ -1375,6 +1382,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--value-size", type=int, default=100, help="bytes per value (iproto: of the name field)")
     b.add_argument("--get-ratio", type=float, default=0.9, help="share of reads (GET, SELECT) among requests")
     b.add_argument("--no-prefill", action="store_true", help="do not write every key before measuring")
+    b.add_argument(
+        "--durability",
+        choices=["none", "persist", "majority", "majority_and_persist_active", "persist_to_majority"],
+        help="the level the writes ask for (memcached: majority and the *_persist levels; greenstack: "
+        "any), else the bucket's",
+    )
     b.add_argument("--threads", type=int, default=2, help="client threads")
     b.add_argument(
         "--user",

@@ -35,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<settings::BucketSettings>()?;
     m.add_class::<engine::EmbeddedEngine>()?;
     m.add_class::<server::Server>()?;
+    m.add_class::<server::GreenstackWarmup>()?;
     m.add_class::<items::MutationInfo>()?;
     m.add_class::<items::ItemView>()?;
     m.add_class::<dcp::DcpConsumer>()?;

@@ -27,6 +27,44 @@ pub(crate) use sluice_server::config::defaults::{
     TLS_ADMIN,
 };
 
+/// The Greenstack port while the engine opens: it takes connections, answers HELLO and tells
+/// them the server is warming up; `Server(..., greenstack_warmup=)` takes it over and tells
+/// them warm-up is done.
+#[pyclass(module = "sluice._native", frozen)]
+pub(crate) struct GreenstackWarmup {
+    inner: parking_lot::Mutex<Option<sluice_server::greenstack::Warmup>>,
+    address: String,
+}
+
+#[pymethods]
+impl GreenstackWarmup {
+    #[new]
+    fn new(address: &str) -> PyResult<Self> {
+        let addr = socket_addr("greenstack_listen", address)?;
+        let warmup = sluice_server::greenstack::Warmup::start(addr)
+            .map_err(|e| SluiceError::new_err(format!("cannot listen: {e}")))?;
+        Ok(GreenstackWarmup {
+            address: warmup.local_addr().to_string(),
+            inner: parking_lot::Mutex::new(Some(warmup)),
+        })
+    }
+
+    /// The address bound (a port 0 becomes the real one).
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+}
+
+impl GreenstackWarmup {
+    fn take(&self) -> PyResult<sluice_server::greenstack::Warmup> {
+        self.inner
+            .lock()
+            .take()
+            .ok_or_else(|| SluiceError::new_err("this warm-up was taken over by a Server already"))
+    }
+}
+
 /// The network server (memcached binary protocol) over an open engine.
 #[pyclass(module = "sluice._native", frozen)]
 pub(crate) struct Server {
@@ -119,7 +157,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true, greenstack_warmup=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -163,6 +201,7 @@ impl Server {
         tarantool_upstream_password: Option<String>,
         tarantool_upstream_spaces: Vec<String>,
         tarantool_upstream_anonymous: bool,
+        greenstack_warmup: Option<&GreenstackWarmup>,
     ) -> PyResult<Self> {
         let tls = match (tls_certificate, tls_key) {
             (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
@@ -387,8 +426,14 @@ impl Server {
         };
         let e = engine.engine.clone();
         let host = policies.clone();
+        let warmup = greenstack_warmup.map(GreenstackWarmup::take).transpose()?;
         let server = py
-            .detach(|| sluice_server::Server::start_with(e, config, host))
+            .detach(|| {
+                let warm = warmup
+                    .map(sluice_server::greenstack::Warmup::finish)
+                    .transpose()?;
+                sluice_server::Server::start_with(e, config, host, warm)
+            })
             .map_err(|err| {
                 if err.kind() == std::io::ErrorKind::InvalidInput {
                     ConfigError::new_err(format!("invalid config: {err}"))

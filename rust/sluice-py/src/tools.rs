@@ -147,7 +147,7 @@ pub(crate) fn tap_drain<'py>(
 /// an iproto one (sluice or Tarantool: SELECT and REPLACE in `space`), and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
-#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None, protocol="memcached", space=512))]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None, protocol="memcached", space=512, durability=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_bench<'py>(
     py: Python<'py>,
@@ -167,6 +167,7 @@ pub(crate) fn run_bench<'py>(
     cacert: Option<PathBuf>,
     protocol: &str,
     space: u32,
+    durability: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let protocol = match protocol {
         "memcached" => sluice_tools::bench::Protocol::Memcached,
@@ -185,6 +186,33 @@ pub(crate) fn run_bench<'py>(
         other => {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "protocol {other:?}: memcached, iproto or greenstack"
+            )))
+        }
+    };
+    use sluice_tools::bench::{Durability, Protocol};
+    let durability = match (durability.map(|d| (d, Durability::parse(d))), protocol) {
+        (None, _) => None,
+        (Some((d, None)), _) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "durability {d:?}: none, persist, majority, majority_and_persist_active or persist_to_majority"
+            )))
+        }
+        (Some((_, Some(level))), Protocol::Greenstack) => Some(level),
+        (
+            Some((
+                _,
+                Some(
+                    level @ (Durability::Majority
+                    | Durability::MajorityAndPersistActive
+                    | Durability::PersistToMajority),
+                ),
+            )),
+            Protocol::Memcached,
+        ) => Some(level),
+        (Some((d, Some(_))), _) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "durability {d:?}: the memcached protocol asks for majority, majority_and_persist_active or \
+                 persist_to_majority; iproto for none"
             )))
         }
     };
@@ -220,6 +248,7 @@ pub(crate) fn run_bench<'py>(
         threads,
         user: user.zip(password),
         tls,
+        durability,
     };
     let r = py
         .detach(|| sluice_tools::bench::run(cfg))
@@ -244,6 +273,18 @@ pub(crate) fn run_bench<'py>(
         )?;
     }
     d.set_item("latency_us", lat)?;
+    let reads = PyDict::new(py);
+    for (p, us) in r.read_latency_us {
+        reads.set_item(
+            if p >= 100.0 {
+                "max".to_string()
+            } else {
+                format!("p{p}")
+            },
+            us,
+        )?;
+    }
+    d.set_item("read_latency_us", reads)?;
     Ok(d)
 }
 

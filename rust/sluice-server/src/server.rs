@@ -42,14 +42,17 @@ impl Server {
     /// Binds (errors come back here, not later) and starts serving. A TLS certificate that
     /// cannot be used is an `InvalidInput` error naming the key and the file.
     pub fn start(engine: Arc<Engine>, config: ServerConfig) -> std::io::Result<Server> {
-        Server::start_with(engine, config, Default::default())
+        Server::start_with(engine, config, Default::default(), None)
     }
 
     /// Starts with a policy host the caller keeps (the Python side installs plugins in it).
+    /// `warm`: the Greenstack listener and connections taken while the engine opened
+    /// (`greenstack::Warmup`), used instead of binding `greenstack_listen`.
     pub fn start_with(
         engine: Arc<Engine>,
         config: ServerConfig,
         policies: Arc<crate::policy::PolicyHost>,
+        warm: Option<crate::greenstack::Warmed>,
     ) -> std::io::Result<Server> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads.max(1))
@@ -110,13 +113,18 @@ impl Server {
             None => None,
         };
         let tank_addr = tank_listener.as_ref().map(|l| l.local_addr()).transpose()?;
-        let greenstack_listener = match config.greenstack_listen {
-            Some(a) => {
+        let (warm_listener, warm_connections) = match warm {
+            Some(w) => (Some(w.listener), w.connections),
+            None => (None, Vec::new()),
+        };
+        let greenstack_listener = match (warm_listener, config.greenstack_listen) {
+            (Some(l), _) => Some(l),
+            (None, Some(a)) => {
                 let l = bind("Greenstack listener", "greenstack_listen", a)?;
                 l.set_nonblocking(true)?;
                 Some(l)
             }
-            None => None,
+            (None, None) => None,
         };
         let greenstack_addr = greenstack_listener
             .as_ref()
@@ -339,7 +347,7 @@ impl Server {
             };
             let greenstack_front = async {
                 if let (Some(l), Some(ctx)) = (greenstack_listener, greenstack) {
-                    crate::greenstack::serve(l, ctx, gs_stop, gs_limit).await;
+                    crate::greenstack::serve(l, ctx, gs_stop, gs_limit, warm_connections).await;
                 }
             };
             tokio::join!(plain, tls, iproto, tank_front, greenstack_front);

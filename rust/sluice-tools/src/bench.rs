@@ -21,6 +21,8 @@ use sluice_proto::msgpack;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+pub use sluice_core::config::Durability;
+
 /// What the load speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
@@ -55,6 +57,9 @@ pub struct BenchConfig {
     pub user: Option<(String, String)>,
     /// Connect over TLS (the target's certificate must carry its IP address).
     pub tls: Option<sluice_server::tls::ClientTls>,
+    /// The durability level the writes ask for (memcached: majority and the persist levels, as
+    /// a durability frame info; Greenstack: any level), else the bucket's.
+    pub durability: Option<Durability>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -69,6 +74,8 @@ pub struct BenchReport {
     pub ops_per_s: f64,
     /// (percentile, microseconds): p50, p90, p99, p99.9 and the maximum.
     pub latency_us: Vec<(f64, u64)>,
+    /// The same of the reads alone (a read queued behind a durable write shows here).
+    pub read_latency_us: Vec<(f64, u64)>,
 }
 
 fn key(i: u64, size: usize) -> Vec<u8> {
@@ -88,17 +95,33 @@ impl Rng {
     }
 }
 
-fn push_mcbp(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
+/// memcached's durability frame info for a level (id 1, one byte: 1 majority, 2 majority and
+/// persist on the active, 3 persist to majority); none for the levels it has no code for.
+fn mcbp_durability(level: Option<Durability>) -> Option<[u8; 2]> {
+    let code = match level? {
+        Durability::Majority => 1,
+        Durability::MajorityAndPersistActive => 2,
+        Durability::PersistToMajority => 3,
+        Durability::None | Durability::Persist => return None,
+    };
+    Some([0x11, code])
+}
+
+fn push_mcbp(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8], durability: Option<[u8; 2]>) {
     let h = HeaderFields {
         magic: magic::REQUEST,
         opcode: op,
         ..Default::default()
     };
     let extras: &[u8] = if op == opcode::SET { &[0u8; 8] } else { &[] };
+    let framing: &[u8] = match (&durability, op) {
+        (Some(info), opcode::SET) => info,
+        _ => &[],
+    };
     mcbp::write_frame(
         out,
         &h,
-        &[],
+        framing,
         extras,
         k,
         if op == opcode::SET { value } else { &[] },
@@ -109,6 +132,7 @@ fn push_mcbp(out: &mut Vec<u8>, op: u8, k: &[u8], value: &[u8]) {
 /// Writes the load's requests for one protocol.
 struct Requests {
     protocol: Protocol,
+    durability: Option<Durability>,
     key_size: usize,
     value: Vec<u8>,
     /// The key or tuple of the iproto request being written.
@@ -121,6 +145,7 @@ impl Requests {
     fn new(cfg: &BenchConfig) -> Requests {
         Requests {
             protocol: cfg.protocol,
+            durability: cfg.durability,
             key_size: cfg.key_size,
             value: vec![b'v'; cfg.value_size],
             scratch: Vec::with_capacity(64 + cfg.value_size),
@@ -135,7 +160,13 @@ impl Requests {
         match self.protocol {
             Protocol::Memcached => {
                 let op = if read { opcode::GET } else { opcode::SET };
-                push_mcbp(out, op, &key(i, self.key_size), &self.value)
+                push_mcbp(
+                    out,
+                    op,
+                    &key(i, self.key_size),
+                    &self.value,
+                    mcbp_durability(self.durability),
+                )
             }
             Protocol::Greenstack => {
                 let scratch = &mut self.scratch;
@@ -146,10 +177,11 @@ impl Requests {
                     MapWriter::new(scratch, 1).bin("id", &k);
                     gs::opcode::GET
                 } else {
-                    MapWriter::new(scratch, 3)
-                        .uint("type", 1)
-                        .bin("id", &k)
-                        .bin("value", &self.value);
+                    let mut m = MapWriter::new(scratch, 3 + self.durability.is_some() as u32);
+                    m.uint("type", 1).bin("id", &k).bin("value", &self.value);
+                    if let Some(d) = self.durability {
+                        m.str("durability", d.as_str());
+                    }
                     gs::opcode::MUTATION
                 };
                 FrameOut {
@@ -440,7 +472,15 @@ macro_rules! with_stream {
     }};
 }
 
-async fn worker(shared: Arc<Shared>, seed: u64) -> std::io::Result<(Histogram<u64>, [u64; 5])> {
+/// A connection's latencies (all requests, reads alone) and counts (ops, gets, sets, misses,
+/// errors).
+type Measured = (Histogram<u64>, Histogram<u64>, [u64; 5]);
+
+fn histogram() -> Histogram<u64> {
+    Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds")
+}
+
+async fn worker(shared: Arc<Shared>, seed: u64) -> std::io::Result<Measured> {
     with_stream!(shared.cfg, |sock| load(&shared, seed, &mut sock).await)
 }
 
@@ -448,10 +488,10 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
     shared: &Shared,
     seed: u64,
     sock: &mut S,
-) -> std::io::Result<(Histogram<u64>, [u64; 5])> {
+) -> std::io::Result<Measured> {
     let cfg = &shared.cfg;
     handshake(sock, cfg).await?;
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+    let (mut hist, mut reads) = (histogram(), histogram());
     let mut requests = Requests::new(cfg);
     let mut rng = Rng(seed | 1);
     let (mut gets, mut sets, mut misses, mut errors, mut ops) = (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -477,6 +517,7 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
         sock.flush().await?;
         read_replies(sock, cfg.protocol, &mut inbuf, cfg.pipeline, |reply| {
             ops += 1;
+            let us = t0.elapsed().as_micros().max(1) as u64;
             match outcome(cfg.protocol, reply)? {
                 Outcome::Hit => gets += 1,
                 Outcome::Miss => {
@@ -486,12 +527,25 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
                 Outcome::Stored => sets += 1,
                 Outcome::Error => errors += 1,
             }
-            let _ = hist.record(t0.elapsed().as_micros().max(1) as u64);
+            let _ = hist.record(us);
+            if is_read(cfg.protocol, reply) {
+                let _ = reads.record(us);
+            }
             Ok(())
         })
         .await?;
     }
-    Ok((hist, [ops, gets, sets, misses, errors]))
+    Ok((hist, reads, [ops, gets, sets, misses, errors]))
+}
+
+/// Whether a reply answers a read (memcached: by opcode; the others carry it in the
+/// opaque's or sync's low bit).
+fn is_read(protocol: Protocol, reply: &[u8]) -> bool {
+    match protocol {
+        Protocol::Memcached => reply.get(1) == Some(&opcode::GET),
+        Protocol::Greenstack => reply.get(gs::LENGTH_LEN + 3).is_some_and(|b| b & 1 == 1),
+        Protocol::Iproto { .. } => iproto::decode_response(reply).is_ok_and(|r| r.sync & 1 == 1),
+    }
 }
 
 async fn prefill(cfg: &BenchConfig) -> std::io::Result<()> {
@@ -558,11 +612,14 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
             tokio::time::sleep(sh.cfg.duration).await;
             sh.stop.store(true, Ordering::Relaxed);
         });
-        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+        let (mut hist, mut reads) = (histogram(), histogram());
         let mut totals = [0u64; 5];
         for t in tasks {
-            let (h, c) = t.await.map_err(std::io::Error::other)??;
+            let (h, r, c) = t.await.map_err(std::io::Error::other)??;
             hist.add(&h)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            reads
+                .add(&r)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             for (a, b) in totals.iter_mut().zip(c) {
                 *a += b;
@@ -570,11 +627,13 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
         }
         timer.abort();
         let seconds = start.elapsed().as_secs_f64();
-        let latency_us = [50.0, 90.0, 99.0, 99.9]
-            .iter()
-            .map(|&p| (p, hist.value_at_quantile(p / 100.0)))
-            .chain([(100.0, hist.max())])
-            .collect();
+        let percentiles = |h: &Histogram<u64>| {
+            [50.0, 90.0, 99.0, 99.9]
+                .iter()
+                .map(|&p| (p, h.value_at_quantile(p / 100.0)))
+                .chain([(100.0, h.max())])
+                .collect()
+        };
         Ok(BenchReport {
             ops: totals[0],
             gets: totals[1],
@@ -583,7 +642,8 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
             errors: totals[4],
             seconds,
             ops_per_s: totals[0] as f64 / seconds,
-            latency_us,
+            latency_us: percentiles(&hist),
+            read_latency_us: percentiles(&reads),
         })
     })
 }

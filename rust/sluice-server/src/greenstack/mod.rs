@@ -9,6 +9,9 @@
 mod dcp;
 mod patch;
 mod session;
+mod warmup;
+
+pub use warmup::{WarmConnection, Warmed, Warmup};
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -183,13 +186,43 @@ impl GreenstackStats {
 }
 
 /// Accepts Greenstack connections until the stop signal, under the server's connection
-/// limit, then lets the open ones finish.
+/// limit, then lets the open ones finish. Those taken during warm-up go on first.
 pub async fn serve(
     listener: TcpListener,
     ctx: Arc<GreenstackContext>,
     stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
+    warm: Vec<WarmConnection>,
 ) {
+    let mut warm_sessions = tokio::task::JoinSet::new();
+    for c in warm {
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            ctx.io.connections_rejected.fetch_add(1, Relaxed);
+            log::warn!(
+                "closing Greenstack connection from {} after warm-up: max_connections reached",
+                c.peer
+            );
+            continue;
+        };
+        let socket = match tokio::net::TcpStream::from_std(c.socket) {
+            Ok(s) => s,
+            Err(e) => {
+                log::info!(
+                    "Greenstack connection from {} lost after warm-up: {e}",
+                    c.peer
+                );
+                continue;
+            }
+        };
+        ctx.stats.connections_total.fetch_add(1, Relaxed);
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        warm_sessions.spawn(async move {
+            ctx.stats.connections.fetch_add(1, Relaxed);
+            session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start)).await;
+            ctx.stats.connections.fetch_sub(1, Relaxed);
+            drop(permit);
+        });
+    }
     let io = ctx.io.clone();
     crate::listener::serve(
         listener,
@@ -202,10 +235,11 @@ pub async fn serve(
             ctx.stats.connections_total.fetch_add(1, Relaxed);
             async move {
                 ctx.stats.connections.fetch_add(1, Relaxed);
-                session::run(socket.into(), peer, ctx.clone(), stop).await;
+                session::run(socket.into(), peer, ctx.clone(), stop, None).await;
                 ctx.stats.connections.fetch_sub(1, Relaxed);
             }
         },
     )
-    .await
+    .await;
+    while warm_sessions.join_next().await.is_some() {}
 }

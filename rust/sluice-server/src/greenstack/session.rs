@@ -146,11 +146,21 @@ struct Session {
     in_flight: usize,
 }
 
+/// A connection taken during warm-up, going on as a session: it is told warm-up is done.
+pub(super) struct WarmStart {
+    /// What it sent that was not yet a whole frame.
+    pub inbuf: BytesMut,
+    pub hello: bool,
+    pub next_opaque: u32,
+    pub warmup: Duration,
+}
+
 pub(super) async fn run(
     mut socket: MaybeTls,
     peer: SocketAddr,
     ctx: Arc<GreenstackContext>,
     mut stop: watch::Receiver<bool>,
+    warm: Option<WarmStart>,
 ) {
     // Until it logs in (when users are configured), a connection holds a pre-login slot, its
     // frames are held to the small pre-login limit, and it has a login deadline, as on the
@@ -181,6 +191,14 @@ pub(super) async fn run(
     };
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut out = Vec::new();
+    if let Some(w) = warm {
+        inbuf.extend_from_slice(&w.inbuf);
+        s.hello = w.hello;
+        s.next_opaque = w.next_opaque;
+        s.notice(&mut out, "warmup_done", 1, |m| {
+            m.uint("warmup_ms", w.warmup.as_millis() as u64);
+        });
+    }
     let mut failed_logins = ctx.failed_logins.listen();
     let mut map_changes = ctx.clustermap.subscribe();
     map_changes.borrow_and_update();
@@ -421,12 +439,44 @@ impl ReplyTo {
     }
 }
 
+/// HELLO's reply: who the server is and the SASL mechanisms it takes.
+pub(super) fn hello_reply(f: &Frame<'_>) -> Vec<u8> {
+    let mechanisms: Vec<&str> = MECHANISMS.split(' ').collect();
+    let mut p = Vec::new();
+    MapWriter::new(&mut p, 3)
+        .str("user_agent", "sluice")
+        .str("user_agent_version", env!("CARGO_PKG_VERSION"))
+        .strs("sasl_mechanisms", mechanisms.into_iter());
+    reply(f, status::SUCCESS, &p)
+}
+
+/// A notice: a request of opcode NOTICE, `{kind, ...}` with the `n` fields `fields` writes.
+pub(super) fn write_notice(
+    out: &mut Vec<u8>,
+    opaque: u32,
+    kind: &str,
+    n: u32,
+    fields: impl FnOnce(&mut MapWriter<'_>),
+) {
+    let mut body = Vec::new();
+    fields(MapWriter::new(&mut body, n + 1).str("kind", kind));
+    FrameOut {
+        opaque,
+        opcode: opcode::NOTICE,
+        flags: 0,
+        status: None,
+        flex: &[],
+        payload: &body,
+    }
+    .write(out);
+}
+
 /// A reply to `req`: same opaque and opcode, its lane echoed.
-fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
+pub(super) fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
     ReplyTo::of(req).reply(st, payload)
 }
 
-fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
+pub(super) fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
     ReplyTo::of(req).failure(st, why)
 }
 
@@ -700,17 +750,7 @@ impl Session {
         n: u32,
         fields: impl FnOnce(&mut MapWriter<'_>),
     ) {
-        let mut body = Vec::new();
-        fields(MapWriter::new(&mut body, n + 1).str("kind", kind));
-        FrameOut {
-            opaque: self.next_opaque,
-            opcode: opcode::NOTICE,
-            flags: 0,
-            status: None,
-            flex: &[],
-            payload: &body,
-        }
-        .write(out);
+        write_notice(out, self.next_opaque, kind, n, fields);
         self.next_opaque = self.next_opaque.wrapping_add(1);
         self.ctx.stats.notices.fetch_add(1, Relaxed);
     }
@@ -820,13 +860,7 @@ impl Session {
         match f.opcode {
             opcode::HELLO => {
                 self.hello = true;
-                let mechanisms: Vec<&str> = MECHANISMS.split(' ').collect();
-                let mut p = Vec::new();
-                MapWriter::new(&mut p, 3)
-                    .str("user_agent", "sluice")
-                    .str("user_agent_version", env!("CARGO_PKG_VERSION"))
-                    .strs("sasl_mechanisms", mechanisms.into_iter());
-                Run::Now(reply(f, status::SUCCESS, &p))
+                Run::Now(hello_reply(f))
             }
             opcode::SASL_AUTH => self.sasl_auth(f, &fields),
             opcode::SELECT_BUCKET => Run::Now(self.select_bucket(f, &fields)),
