@@ -89,7 +89,10 @@ def head_of_line(args: argparse.Namespace, run: int, results: dict) -> None:
                         durability=level,
                     )
                     if r["errors"]:
-                        raise RuntimeError(f"{name} | {protocol}: {r['errors']} requests failed")
+                        raise RuntimeError(
+                            f"{name} | {protocol}: {r['errors']} requests failed, the first with "
+                            f"status {r['first_error_status']:#06x}"
+                        )
                     results["head_of_line"][name][protocol].append(r)
                     print(
                         f"{name} | {protocol} run {run + 1}: {r['ops_per_s']:,.0f} ops/s, GET p50 "

@@ -259,6 +259,7 @@ pub(crate) fn run_bench<'py>(
     d.set_item("sets", r.sets)?;
     d.set_item("misses", r.misses)?;
     d.set_item("errors", r.errors)?;
+    d.set_item("first_error_status", r.first_error_status)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item("ops_per_s", r.ops_per_s)?;
     let lat = PyDict::new(py);

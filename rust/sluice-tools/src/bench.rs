@@ -76,6 +76,8 @@ pub struct BenchReport {
     pub latency_us: Vec<(f64, u64)>,
     /// The same of the reads alone (a read queued behind a durable write shows here).
     pub read_latency_us: Vec<(f64, u64)>,
+    /// The status (iproto: error code) of a failed request, when one failed.
+    pub first_error_status: Option<u32>,
 }
 
 fn key(i: u64, size: usize) -> Vec<u8> {
@@ -227,7 +229,8 @@ enum Outcome {
     Hit,
     Miss,
     Stored,
-    Error,
+    /// The status (memcached, Greenstack) or error code (iproto) of a failed request.
+    Error(u32),
 }
 
 fn invalid(e: impl std::fmt::Display) -> std::io::Error {
@@ -254,7 +257,7 @@ fn outcome(protocol: Protocol, reply: &[u8]) -> std::io::Result<Outcome> {
                 (opcode::GET, status::SUCCESS) => Outcome::Hit,
                 (opcode::GET, status::KEY_ENOENT) => Outcome::Miss,
                 (opcode::SET, status::SUCCESS) => Outcome::Stored,
-                _ => Outcome::Error,
+                (_, st) => Outcome::Error(st as u32),
             })
         }
         Protocol::Greenstack => {
@@ -264,14 +267,14 @@ fn outcome(protocol: Protocol, reply: &[u8]) -> std::io::Result<Outcome> {
                 Some(gs::status::SUCCESS) if read => Outcome::Hit,
                 Some(gs::status::SUCCESS) => Outcome::Stored,
                 Some(gs::status::NOT_FOUND) if read => Outcome::Miss,
-                _ => Outcome::Error,
+                st => Outcome::Error(st.unwrap_or(u16::MAX) as u32),
             })
         }
         Protocol::Iproto { .. } => {
             let r = iproto::decode_response(reply).map_err(invalid)?;
             let read = r.sync & 1 == 1;
             Ok(match r.body {
-                Body::Error { .. } => Outcome::Error,
+                Body::Error { code, .. } => Outcome::Error(code),
                 Body::Data { count: 0, .. } if read => Outcome::Miss,
                 _ if read => Outcome::Hit,
                 _ => Outcome::Stored,
@@ -472,9 +475,9 @@ macro_rules! with_stream {
     }};
 }
 
-/// A connection's latencies (all requests, reads alone) and counts (ops, gets, sets, misses,
-/// errors).
-type Measured = (Histogram<u64>, Histogram<u64>, [u64; 5]);
+/// A connection's latencies (all requests, reads alone), counts (ops, gets, sets, misses,
+/// errors) and the status of its first failed request.
+type Measured = (Histogram<u64>, Histogram<u64>, [u64; 5], Option<u32>);
 
 fn histogram() -> Histogram<u64> {
     Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds")
@@ -492,6 +495,7 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
     let cfg = &shared.cfg;
     handshake(sock, cfg).await?;
     let (mut hist, mut reads) = (histogram(), histogram());
+    let mut first_error = None;
     let mut requests = Requests::new(cfg);
     let mut rng = Rng(seed | 1);
     let (mut gets, mut sets, mut misses, mut errors, mut ops) = (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -525,7 +529,10 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
                     misses += 1
                 }
                 Outcome::Stored => sets += 1,
-                Outcome::Error => errors += 1,
+                Outcome::Error(st) => {
+                    errors += 1;
+                    first_error.get_or_insert(st);
+                }
             }
             let _ = hist.record(us);
             if is_read(cfg.protocol, reply) {
@@ -535,7 +542,7 @@ async fn load<S: AsyncRead + AsyncWrite + Unpin>(
         })
         .await?;
     }
-    Ok((hist, reads, [ops, gets, sets, misses, errors]))
+    Ok((hist, reads, [ops, gets, sets, misses, errors], first_error))
 }
 
 /// Whether a reply answers a read (memcached: by opcode; the others carry it in the
@@ -570,7 +577,7 @@ async fn prefill_on<S: AsyncRead + AsyncWrite + Unpin>(
         sock.flush().await?;
         let mut failed = 0;
         read_replies(sock, cfg.protocol, &mut inbuf, n as usize, |reply| {
-            failed += (outcome(cfg.protocol, reply)? == Outcome::Error) as u64;
+            failed += matches!(outcome(cfg.protocol, reply)?, Outcome::Error(_)) as u64;
             Ok(())
         })
         .await?;
@@ -614,8 +621,10 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
         });
         let (mut hist, mut reads) = (histogram(), histogram());
         let mut totals = [0u64; 5];
+        let mut first_error_status = None;
         for t in tasks {
-            let (h, r, c) = t.await.map_err(std::io::Error::other)??;
+            let (h, r, c, e) = t.await.map_err(std::io::Error::other)??;
+            first_error_status = first_error_status.or(e);
             hist.add(&h)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             reads
@@ -644,6 +653,7 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
             ops_per_s: totals[0] as f64 / seconds,
             latency_us: percentiles(&hist),
             read_latency_us: percentiles(&reads),
+            first_error_status,
         })
     })
 }
