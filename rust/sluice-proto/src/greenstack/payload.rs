@@ -26,16 +26,23 @@ fn err(what: String) -> PayloadError {
     PayloadError(what)
 }
 
+/// Fields kept without allocating; a payload with more spills the rest to the heap.
+const INLINE_FIELDS: usize = 16;
+
 /// A payload map's fields, each value kept as its raw msgpack.
 #[derive(Debug, Clone, Default)]
 pub struct Fields<'a> {
-    entries: Vec<(&'a [u8], &'a [u8])>,
+    inline: [(&'a [u8], &'a [u8]); INLINE_FIELDS],
+    len: usize,
+    /// The fields past INLINE_FIELDS.
+    spill: Vec<(&'a [u8], &'a [u8])>,
 }
 
 impl<'a> Fields<'a> {
     pub fn parse(payload: &'a [u8]) -> Result<Fields<'a>, PayloadError> {
+        let mut fields = Fields::default();
         if payload.is_empty() {
-            return Ok(Fields::default());
+            return Ok(fields);
         }
         let bad = |e: msgpack::DecodeError| err(format!("the payload is not a msgpack map: {e}"));
         let mut r = Reader::new(payload);
@@ -45,26 +52,36 @@ impl<'a> Fields<'a> {
                 "a payload of {n} fields: at most {MAX_FIELDS} are read"
             )));
         }
-        let mut entries: Vec<(&[u8], &[u8])> = Vec::with_capacity(n as usize);
         for _ in 0..n {
             let key = r.read_str().map_err(bad)?;
-            if entries.iter().any(|(k, _)| *k == key) {
+            if fields.entries().any(|(k, _)| *k == key) {
                 return Err(err(format!(
                     "field '{}' is given twice",
                     String::from_utf8_lossy(key)
                 )));
             }
             let value = r.read_raw_value(MAX_DEPTH).map_err(bad)?;
-            entries.push((key, value));
+            if fields.len < INLINE_FIELDS {
+                fields.inline[fields.len] = (key, value);
+            } else {
+                fields.spill.push((key, value));
+            }
+            fields.len += 1;
         }
         if !r.is_empty() {
             return Err(err("bytes after the payload's map".into()));
         }
-        Ok(Fields { entries })
+        Ok(fields)
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], &'a [u8])> {
+        self.inline[..self.len.min(INLINE_FIELDS)]
+            .iter()
+            .chain(self.spill.iter())
     }
 
     fn value(&self, name: &str) -> Result<Option<Value<'a>>, PayloadError> {
-        let Some(&(_, raw)) = self.entries.iter().find(|(k, _)| *k == name.as_bytes()) else {
+        let Some(&(_, raw)) = self.entries().find(|(k, _)| *k == name.as_bytes()) else {
             return Ok(None);
         };
         Reader::new(raw)
@@ -216,7 +233,11 @@ pub struct Mutation<'a> {
 
 impl<'a> Mutation<'a> {
     pub fn parse(payload: &'a [u8]) -> Result<Mutation<'a>, PayloadError> {
-        let f = Fields::parse(payload)?;
+        Mutation::from_fields(&Fields::parse(payload)?)
+    }
+
+    /// The request from its payload's fields, already read.
+    pub fn from_fields(f: &Fields<'a>) -> Result<Mutation<'a>, PayloadError> {
         let code = f.required("type", Fields::uint)?;
         let kind = MutationKind::from_code(code).ok_or_else(|| {
             err(format!(

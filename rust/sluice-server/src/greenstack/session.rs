@@ -43,6 +43,9 @@ const MAX_IN_FLIGHT: usize = 4096;
 /// The same before login: what a peer that has not logged in can make the server hold stays
 /// small (its frames are small too).
 const MAX_IN_FLIGHT_PRELOGIN: usize = 16;
+/// How long ready replies wait for the WAL to write the round's writes at level none, to go
+/// out with theirs.
+const HELD_WAIT: Duration = Duration::from_millis(1);
 /// The priority of a request whose flex header gives none (lower starts first).
 const DEFAULT_PRIORITY: u8 = 128;
 /// Lanes a connection keeps while idle (their buffers reused by the next request).
@@ -114,7 +117,8 @@ struct Queued {
     /// Its flex header's priority (lower starts first), or DEFAULT_PRIORITY.
     priority: u8,
     fenced: bool,
-    read_at: Instant,
+    /// When it was read, for a request with an "ignore unless executed before" budget.
+    read_at: Option<Instant>,
     frame: Bytes,
 }
 
@@ -132,9 +136,13 @@ struct Session {
     /// A SCRAM login between its two steps.
     scram: Option<scram::Exchange>,
     bucket: Option<Arc<Bucket>>,
+    /// The user's permissions on `bucket` and the users' generation they were read in.
+    perms: std::cell::Cell<Option<(u64, u8)>>,
+    /// Where a reply's payload is built (kept for its buffer).
+    scratch: Vec<u8>,
     /// DCP, once the connection opened it.
     dcp: Option<DcpProducer>,
-    lanes: HashMap<Vec<u8>, Lane>,
+    lanes: HashMap<Vec<u8>, Lane, foldhash::fast::RandomState>,
     /// Lanes that may have requests to start.
     touched: Vec<Vec<u8>>,
     /// The requests `start_queued` starts in one round (kept for its buffer).
@@ -180,8 +188,10 @@ pub(super) async fn run(
         user: None,
         scram: None,
         bucket: None,
+        perms: Default::default(),
+        scratch: Vec::new(),
         dcp: None,
-        lanes: HashMap::new(),
+        lanes: HashMap::default(),
         touched: Vec::new(),
         batch: Vec::new(),
         tasks: JoinSet::new(),
@@ -260,6 +270,17 @@ pub(super) async fn run(
             (b, seen)
         });
         let streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(&mut out, FLUSH_AT));
+        // Writes at level none answer once the WAL has written them, a few microseconds
+        // away: their replies go in the same write as the round's others (one send, one
+        // wake-up of the client, as on the memcached port), unless the WAL is slow, when the
+        // ready ones go first.
+        if let (Some(lsn), false) = (s.held.last().map(|h| h.lsn), out.is_empty()) {
+            match tokio::time::timeout(HELD_WAIT, ctx.engine.wal().written(lsn)).await {
+                Ok(Ok(())) => s.release_written(u64::MAX, &mut out),
+                Ok(Err(e)) => s.fail_held(&e.to_string(), &mut out),
+                Err(_) => {}
+            }
+        }
         if send(&mut socket, &mut out, &ctx).await.is_err() {
             return;
         }
@@ -554,11 +575,14 @@ impl Session {
             .flex_value(flex_key::PRIORITY)
             .map_or(DEFAULT_PRIORITY, |v| v[0]);
         let fenced = f.has(flag::FENCE);
+        let read_at = f
+            .flex_value(flex_key::IGNORE_UNLESS_EXECUTED_BEFORE)
+            .map(|_| Instant::now());
         let queued = Queued {
             seq: self.taken,
             priority,
             fenced,
-            read_at: Instant::now(),
+            read_at,
             frame,
         };
         self.taken += 1;
@@ -615,12 +639,12 @@ impl Session {
     /// Runs one request its lane let start: its reply now, after the WAL, or from a task.
     fn start(&mut self, lane: Vec<u8>, q: Queued, out: &mut Vec<u8>) {
         let f = Frame::decode(&q.frame[gs::LENGTH_LEN..]).expect("decoded when taken");
-        let run = match waited_too_long(&f, q.read_at) {
+        let run = match q.read_at.and_then(|at| waited_too_long(&f, at)) {
             Some(why) => {
                 self.ctx.stats.not_executed.fetch_add(1, Relaxed);
                 Run::Now(failure(&f, status::NOT_EXECUTED_IN_TIME, &why))
             }
-            None => self.execute(&f),
+            None => self.execute(&f, out),
         };
         if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
             self.maybe_backoff(out);
@@ -721,6 +745,7 @@ impl Session {
     fn finish(&mut self, d: Done, out: &mut Vec<u8>) {
         if let Login::User(user) = d.login {
             self.user = Some(user);
+            self.perms.set(None);
         }
         out.extend_from_slice(&d.reply);
         self.in_flight -= 1;
@@ -837,6 +862,20 @@ impl Session {
         });
     }
 
+    /// The user's permissions on the selected bucket `b`, looked up again only when the
+    /// users were reloaded (or the user or bucket changed, which forget them).
+    fn selected_permissions(&self, b: &Bucket) -> u8 {
+        let generation = self.ctx.users.generation();
+        match self.perms.get() {
+            Some((g, p)) if g == generation => p,
+            _ => {
+                let p = self.permissions(b.name());
+                self.perms.set(Some((generation, p)));
+                p
+            }
+        }
+    }
+
     /// The permissions of the connection's user on `bucket`.
     fn permissions(&self, bucket: &str) -> u8 {
         let users = self.ctx.users.current();
@@ -849,7 +888,9 @@ impl Session {
             .map_or(0, |u| u.permissions(bucket))
     }
 
-    fn execute(&mut self, f: &Frame<'_>) -> Run {
+    /// Runs a request. A reply that is ready at once (GET's) may be appended to `out` here,
+    /// its `Run::Now` then empty.
+    fn execute(&mut self, f: &Frame<'_>, out: &mut Vec<u8>) -> Run {
         if f.opcode != opcode::HELLO && !self.hello {
             return Run::Now(failure(f, status::INVALID_STATE, "say HELLO first"));
         }
@@ -877,8 +918,11 @@ impl Session {
                 MapWriter::new(&mut p, 1).strs("buckets", names.iter().map(String::as_str));
                 Run::Now(reply(f, status::SUCCESS, &p))
             }
-            opcode::GET => Run::Now(self.get(f, &fields)),
-            opcode::MUTATION => self.mutation(f),
+            opcode::GET => {
+                self.get(f, &fields, out);
+                Run::Now(Vec::new())
+            }
+            opcode::MUTATION => self.mutation(f, &fields),
             opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields),
             opcode::GET_ALL_VB_SEQNOS => Run::Now(self.all_vb_seqnos(f, &fields)),
             opcode::DCP_OPEN => Run::Now(self.dcp_open(f, &fields)),
@@ -925,6 +969,8 @@ impl Session {
             },
         };
         let refused = |why: &str| failure(f, status::AUTHENTICATION_ERROR, why);
+        // Whoever logs in next, the permissions are read again.
+        self.perms.set(None);
         let Some(m) = scram else {
             self.user = None;
             self.scram = None;
@@ -1051,6 +1097,7 @@ impl Session {
         match self.ctx.engine.bucket(name) {
             Ok(b) if self.permissions(name) != 0 => {
                 self.bucket = Some(b);
+                self.perms.set(None);
                 reply(f, status::SUCCESS, &[])
             }
             Ok(_) | Err(_) => failure(f, status::NOT_FOUND, &format!("no bucket {name:?}")),
@@ -1062,7 +1109,7 @@ impl Session {
         let Some(b) = &self.bucket else {
             return Err(failure(f, status::INVALID_STATE, "select a bucket first"));
         };
-        if self.permissions(b.name()) & need != need {
+        if self.selected_permissions(b) & need != need {
             return Err(failure(
                 f,
                 status::NO_ACCESS,
@@ -1072,37 +1119,63 @@ impl Session {
         Ok(b.clone())
     }
 
-    fn get(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
+    /// GET `{id}`: the reply goes straight into `out` (the read path allocates nothing).
+    fn get(&mut self, f: &Frame<'_>, fields: &Fields<'_>, out: &mut Vec<u8>) {
         let bucket = match self.bucket_for(f, READ) {
             Ok(b) => b,
-            Err(reply) => return reply,
+            Err(reply) => return out.extend_from_slice(&reply),
         };
         let id = match fields.required("id", Fields::bytes) {
             Ok(id) => id,
-            Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
+            Err(e) => {
+                return out.extend_from_slice(&failure(
+                    f,
+                    status::INVALID_ARGUMENTS,
+                    &e.to_string(),
+                ))
+            }
         };
         match self.ctx.engine.get(&bucket, id) {
             Ok(Some(item)) => {
-                let mut p = Vec::new();
-                MapWriter::new(&mut p, 4)
+                if f.has(flag::QUIET) {
+                    return;
+                }
+                let p = &mut self.scratch;
+                p.clear();
+                MapWriter::new(p, 4)
                     .bin("value", item.value())
                     .uint("flags", item.meta.flags as u64)
                     .uint("cas", item.meta.cas)
                     .uint("datatype", item.meta.datatype as u64);
-                reply(f, status::SUCCESS, &p)
+                let lane = f.flex_value(flex_key::LANE_ID);
+                let flex = lane.map(|value| FlexEntry {
+                    key: flex_key::LANE_ID,
+                    value,
+                });
+                FrameOut {
+                    opaque: f.opaque,
+                    opcode: f.opcode,
+                    flags: 0,
+                    status: Some(status::SUCCESS),
+                    flex: flex.as_slice(),
+                    payload: p,
+                }
+                .write(out);
             }
-            Ok(None) => failure(f, status::NOT_FOUND, "no document of that id"),
-            Err(e) => failure(f, status_of(&e), &e.to_string()),
+            Ok(None) => {
+                out.extend_from_slice(&failure(f, status::NOT_FOUND, "no document of that id"))
+            }
+            Err(e) => out.extend_from_slice(&failure(f, status_of(&e), &e.to_string())),
         }
     }
 
     /// MUTATION: applied now, answered once it meets its durability level.
-    fn mutation(&self, f: &Frame<'_>) -> Run {
+    fn mutation(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
         let bucket = match self.bucket_for(f, WRITE) {
             Ok(b) => b,
             Err(reply) => return Run::Now(reply),
         };
-        let m = match Mutation::parse(f.payload) {
+        let m = match Mutation::from_fields(fields) {
             Ok(m) => m,
             Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
         };
