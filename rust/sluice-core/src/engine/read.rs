@@ -191,6 +191,14 @@ impl Engine {
             .map(|vb| vb.failover.entries().to_vec())
     }
 
+    /// A vbucket's uuid now (its failover log's newest entry), which a write's reply carries
+    /// with its seqno.
+    pub fn vbucket_uuid(&self, bucket: &Bucket, vbid: u16) -> Option<u64> {
+        bucket
+            .lock_vbucket(vbid)
+            .and_then(|vb| vb.failover.entries().first().map(|e| e.uuid))
+    }
+
     /// A vbucket's state, seqnos and failover log read together, for a stream request.
     pub fn stream_position(&self, bucket: &Bucket, vbid: u16) -> Option<StreamPosition> {
         bucket.lock_vbucket(vbid).map(|vb| StreamPosition {

@@ -1279,10 +1279,7 @@ impl Session {
             Ok(w) => w,
             Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
         };
-        let uuid = engine
-            .failover_log(&bucket, w.value.vbucket)
-            .and_then(|l| l.first().map(|e| e.uuid))
-            .unwrap_or(0);
+        let uuid = engine.vbucket_uuid(&bucket, w.value.vbucket).unwrap_or(0);
         let mut ok_payload = Vec::new();
         MapWriter::new(&mut ok_payload, 3)
             .uint("cas", w.value.cas)

@@ -71,12 +71,7 @@ impl KvSession {
         if !self.features.mutation_seqno {
             return Vec::new();
         }
-        let uuid = self
-            .ctx
-            .engine
-            .failover_log(bucket, m.vbucket)
-            .and_then(|l| l.first().map(|e| e.uuid))
-            .unwrap_or(0);
+        let uuid = self.ctx.engine.vbucket_uuid(bucket, m.vbucket).unwrap_or(0);
         let mut x = Vec::with_capacity(16);
         x.extend_from_slice(&uuid.to_be_bytes());
         x.extend_from_slice(&m.seqno.to_be_bytes());

@@ -373,8 +373,7 @@ impl KvSession {
             Err(e) => fail!(reply, xerror, e),
         };
         let uuid = engine
-            .failover_log(&bucket, bucket.vbucket_of(req.key))
-            .and_then(|l| l.first().map(|e| e.uuid))
+            .vbucket_uuid(&bucket, bucket.vbucket_of(req.key))
             .unwrap_or(0);
         // The body is parsed once, on the first spec that needs it.
         let mut parsed: Option<Result<serde_json::Value, SubdocError>> = None;
