@@ -30,8 +30,10 @@ from sluice._native import (
 )
 from sluice.client import Change, Client, RollbackError, Stream
 from sluice.config import Config, load_config
+from sluice.greenstack import AsyncClient, GreenstackClient, GreenstackError
 
 __all__ = [
+    "AsyncClient",
     "BucketSettings",
     "Change",
     "Client",
@@ -44,6 +46,8 @@ __all__ = [
     "EmbeddedEngine",
     "EngineSettings",
     "ExistsError",
+    "GreenstackClient",
+    "GreenstackError",
     "RollbackError",
     "Stream",
     "InvalidKeyError",

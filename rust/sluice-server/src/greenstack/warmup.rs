@@ -96,6 +96,9 @@ async fn accept(
     started: Instant,
 ) -> std::io::Result<Warmed> {
     let mut connections = JoinSet::new();
+    // A connection's task ends when it closes, or when warm-up ends: then it hands its socket
+    // back, whichever branch below sees it end.
+    let mut taken = Vec::new();
     loop {
         tokio::select! {
             _ = done.changed() => break,
@@ -111,16 +114,21 @@ async fn accept(
                 let _ = socket.set_nodelay(true);
                 connections.spawn(warm_session(socket, peer, done.clone()));
             }
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            Some(ended) = connections.join_next(), if !connections.is_empty() => {
+                if let Ok(Some(c)) = ended {
+                    taken.push(c);
+                }
+            }
+        }
+    }
+    while let Some(ended) = connections.join_next().await {
+        if let Ok(Some(c)) = ended {
+            taken.push(c);
         }
     }
     let warmup = started.elapsed();
-    let mut taken = Vec::new();
-    while let Some(c) = connections.join_next().await {
-        if let Ok(Some(mut c)) = c {
-            c.start.warmup = warmup;
-            taken.push(c);
-        }
+    for c in &mut taken {
+        c.start.warmup = warmup;
     }
     Ok(Warmed {
         listener: listener.into_std()?,
