@@ -321,6 +321,14 @@ def wait_or_dump(proc: subprocess.Popen, timeout: float, log: Callable[[], str])
 NUM_VBUCKETS = 16  # of the default bucket of a node from start_node (64 is the default)
 
 
+def fill_for_a_slow_recovery(node: Node) -> None:
+    """Writes enough to `node` that recovering it takes a while (a million and a half WAL
+    records: about half a second here), for tests of what clients see meanwhile."""
+    n = 1_500_000
+    r = sluice._native.bench(node.address, get_ratio=0.0, count=n, keys=n, prefill=False, pipeline=64)
+    assert r["errors"] == 0, r
+
+
 def node_config(tmp_path: Path, name: str, extra: str = "", **bucket: object) -> Path:
     """A node's configuration: the default bucket with `bucket`'s keys, then `extra` (TOML)."""
     lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]

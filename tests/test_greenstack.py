@@ -13,7 +13,7 @@ import time
 
 import msgpack
 import sluice.config
-from helpers import NUM_VBUCKETS, Node, node_config
+from helpers import NUM_VBUCKETS, Node, fill_for_a_slow_recovery, node_config
 from mcbp_wire import Scram
 
 # Opcodes, flags, flex keys and statuses (docs/greenstack.md).
@@ -619,17 +619,7 @@ def test_clients_connecting_during_warm_up_are_told_when_it_is_done(tmp_path):
     server is warming up, has its requests answered "not initialized", and is told when warm-up
     is done; then the same connection works, a frame split across the hand-over included."""
     node = start(tmp_path)
-    # Enough data that recovering it takes a while (a million WAL records: about half a second).
-    r = sluice._native.bench(
-        node.address,
-        get_ratio=0.0,
-        count=1_500_000,
-        keys=1_500_000,
-        prefill=False,
-        connections=4,
-        pipeline=64,
-    )
-    assert r["errors"] == 0
+    fill_for_a_slow_recovery(node)
     c = Conn(node.greenstack)
     c.call(HELLO, {})
     c.call(SELECT_BUCKET, {"name": "default"})

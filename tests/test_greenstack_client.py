@@ -16,7 +16,7 @@ import pytest
 import sluice
 import sluice.config
 from fault_proxy import FaultProxy
-from helpers import NUM_VBUCKETS, Node, node_config
+from helpers import NUM_VBUCKETS, Node, fill_for_a_slow_recovery, node_config
 from mcbp_wire import AUTH_CONTINUE, SASL_AUTH, SASL_STEP, read_response, request
 from sluice.greenstack import (
     AmbiguousWriteError,
@@ -518,17 +518,7 @@ async def kept(address: str) -> None:
 @pytest.mark.timeout(180)
 def test_connecting_while_the_server_warms_up_waits_until_it_runs(tmp_path):
     node = start(tmp_path)
-    # Enough data that recovering it takes a while (about half a second), as in test_greenstack.
-    r = sluice._native.bench(
-        node.address,
-        get_ratio=0.0,
-        count=1_500_000,
-        keys=1_500_000,
-        prefill=False,
-        connections=4,
-        pipeline=64,
-    )
-    assert r["errors"] == 0
+    fill_for_a_slow_recovery(node)
     run(kept(node.greenstack))
     assert node.stop() == 0
     address = f"127.0.0.1:{free_port()}"

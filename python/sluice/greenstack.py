@@ -29,9 +29,12 @@ import socket
 import struct
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import msgpack
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 from sluice._native import (
     ClosedError,
@@ -694,6 +697,36 @@ def _key(key: str | bytes) -> str | bytes:
     return key
 
 
+class RequestOptions(TypedDict, total=False):
+    """How a request runs (docs/greenstack.md, "Execution"), given to any request method."""
+
+    #: The lane (str or bytes): requests of other lanes never wait for this one's.
+    lane: bytes | str | None
+    #: Start once every earlier request of the lane completed; hold back the later ones.
+    fence: bool
+    #: 0-255, lower first among requests waiting to start (128 when absent).
+    priority: int | None
+    #: Not run, NotExecutedInTimeError instead, when it could not start within this many ms.
+    execute_within_ms: int | None
+
+
+class WriteOptions(RequestOptions, total=False):
+    """A write's options besides RequestOptions'."""
+
+    #: None (the bucket's), "none", "persist", "majority", "majority_and_persist_active" or
+    #: "persist_to_majority": the reply comes once the level is met (DurabilityImpossibleError
+    #: when too few replicas follow the vbucket, SyncWriteAmbiguousError when not met in time).
+    durability: str | None
+    #: Return None once the request is written; a failure comes back later, into
+    #: ``quiet_failures`` (a fenced request on the same lane answers after it).
+    quiet: bool
+
+
+def options_flex(options: RequestOptions) -> tuple[tuple[int, bytes], ...]:
+    """The flex header entries a request's options ask for."""
+    return request_flex(options.get("lane"), options.get("priority"), options.get("execute_within_ms"))
+
+
 class AsyncClient:
     """A Greenstack connection to one bucket of a sluice server. Open it with
     :meth:`connect`; close it with :meth:`close` or ``async with``."""
@@ -929,21 +962,17 @@ class AsyncClient:
         opcode: int,
         payload: dict[str, Any] | None = None,
         *,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
         write: bool = False,
         wait: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Frame:
-        flex = request_flex(lane, priority, execute_within_ms)
         conn = await self._connection()
         return await conn.request(
             opcode,
             payload,
             wait=self.timeout if wait is None else wait,
-            flags=FENCE if fence else 0,
-            flex=flex,
+            flags=FENCE if options.get("fence") else 0,
+            flex=options_flex(options),
             write=write,
         )
 
@@ -952,54 +981,30 @@ class AsyncClient:
         opcode: int,
         payload: dict[str, Any],
         *,
-        lane: bytes | str | None,
-        fence: bool,
-        quiet: bool,
-        priority: int | None,
-        execute_within_ms: int | None,
+        quiet: bool = False,
+        durability: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Stored | None:
-        durability = payload.get("durability")
-        if durability is not None and durability not in DURABILITY_LEVELS:
-            raise ValueError(f"durability must be one of {', '.join(DURABILITY_LEVELS)}, not {durability!r}")
+        if durability is not None:
+            if durability not in DURABILITY_LEVELS:
+                levels = ", ".join(DURABILITY_LEVELS)
+                raise ValueError(f"durability must be one of {levels}, not {durability!r}")
+            payload["durability"] = durability
         if quiet:
-            flex = request_flex(lane, priority, execute_within_ms)
             conn = await self._connection()
-            await conn.send_quiet(opcode, payload, key=payload["id"], flags=FENCE if fence else 0, flex=flex)
+            flags = FENCE if options.get("fence") else 0
+            await conn.send_quiet(opcode, payload, key=payload["id"], flags=flags, flex=options_flex(options))
             return None
         # A write at the bucket's default durability may be a durable one.
         wait = self.timeout + (DURABLE_WRITE_WAIT if durability != "none" else 0.0)
-        reply = await self._request(
-            opcode,
-            payload,
-            lane=lane,
-            fence=fence,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-            write=True,
-            wait=wait,
-        )
+        reply = await self._request(opcode, payload, write=True, wait=wait, **options)
         p = reply.payload
         return Stored(int(p.get("cas", 0)), int(p.get("seqno", 0)), int(p.get("vbucket_uuid", 0)))
 
-    async def get(
-        self,
-        key: str | bytes,
-        *,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
-    ) -> Item | None:
+    async def get(self, key: str | bytes, **options: Unpack[RequestOptions]) -> Item | None:
         """The document's value, flags, CAS and datatype; None when there is none."""
         try:
-            reply = await self._request(
-                GET,
-                {"id": _key(key)},
-                lane=lane,
-                fence=fence,
-                priority=priority,
-                execute_within_ms=execute_within_ms,
-            )
+            reply = await self._request(GET, {"id": _key(key)}, **options)
         except NotFoundError:
             return None
         p = reply.payload
@@ -1010,37 +1015,12 @@ class AsyncClient:
         kind: int,
         key: str | bytes,
         value: bytes | bytearray | memoryview | str,
-        *,
-        flags: int | None = None,
-        expiration: int | None = None,
-        cas: int = 0,
-        datatype: int | None = None,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        fields: dict[str, int],
+        options: WriteOptions,
     ) -> Stored | None:
         payload: dict[str, Any] = {"type": kind, "id": _key(key), "value": _value_bytes(value)}
-        for field, given in (
-            ("flags", flags),
-            ("expiration", expiration),
-            ("cas", cas or None),
-            ("datatype", datatype),
-            ("durability", durability),
-        ):
-            if given is not None:
-                payload[field] = given
-        return await self._write(
-            MUTATION,
-            payload,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        payload.update((name, given) for name, given in fields.items() if given)
+        return await self._write(MUTATION, payload, **options)
 
     async def set(
         self,
@@ -1051,41 +1031,18 @@ class AsyncClient:
         expiration: int = 0,
         cas: int = 0,
         datatype: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Stores the document (only over CAS ``cas`` when it is not 0: else ExistsError).
 
         expiration: memcached's: seconds up to 30 days, else a Unix time; 0 never.
         datatype: 1 for a JSON value.
-        durability: None (the bucket's), "none", "majority", "majority_and_persist_active",
-            "persist_to_majority" or "persist": the reply comes once the level is met;
-            DurabilityImpossibleError when too few replicas follow the vbucket,
-            SyncWriteAmbiguousError when it is not met in time.
-        quiet: the call returns once the request is written, with None; a failure comes back
-            later, into ``quiet_failures`` (a fenced request on the same lane answers after
-            it, so by then any failure of it is there).
+        options: as :class:`WriteOptions` (lane, fence, priority, execute_within_ms,
+            durability, quiet).
         Returns the new CAS, the seqno and the vbucket's uuid (None when quiet).
         """
-        return await self._mutation(
-            SET,
-            key,
-            value,
-            flags=flags,
-            expiration=expiration,
-            cas=cas,
-            datatype=datatype,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        fields = {"flags": flags, "expiration": expiration, "cas": cas, "datatype": datatype}
+        return await self._mutation(SET, key, value, fields, options)
 
     async def add(
         self,
@@ -1095,28 +1052,11 @@ class AsyncClient:
         flags: int = 0,
         expiration: int = 0,
         datatype: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Stores the document only when the key holds none (else ExistsError); as :meth:`set`."""
-        return await self._mutation(
-            ADD,
-            key,
-            value,
-            flags=flags,
-            expiration=expiration,
-            datatype=datatype,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        fields = {"flags": flags, "expiration": expiration, "datatype": datatype}
+        return await self._mutation(ADD, key, value, fields, options)
 
     async def replace(
         self,
@@ -1127,29 +1067,11 @@ class AsyncClient:
         expiration: int = 0,
         cas: int = 0,
         datatype: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Stores the document only when the key holds one (else NotFoundError); as :meth:`set`."""
-        return await self._mutation(
-            REPLACE,
-            key,
-            value,
-            flags=flags,
-            expiration=expiration,
-            cas=cas,
-            datatype=datatype,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        fields = {"flags": flags, "expiration": expiration, "cas": cas, "datatype": datatype}
+        return await self._mutation(REPLACE, key, value, fields, options)
 
     async def append(
         self,
@@ -1157,26 +1079,10 @@ class AsyncClient:
         value: bytes | bytearray | memoryview | str,
         *,
         cas: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Adds ``value`` at the end of the stored one (NotStoredError when there is none)."""
-        return await self._mutation(
-            APPEND,
-            key,
-            value,
-            cas=cas,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        return await self._mutation(APPEND, key, value, {"cas": cas}, options)
 
     async def prepend(
         self,
@@ -1184,26 +1090,10 @@ class AsyncClient:
         value: bytes | bytearray | memoryview | str,
         *,
         cas: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Adds ``value`` at the start of the stored one (NotStoredError when there is none)."""
-        return await self._mutation(
-            PREPEND,
-            key,
-            value,
-            cas=cas,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        return await self._mutation(PREPEND, key, value, {"cas": cas}, options)
 
     async def patch(
         self,
@@ -1211,103 +1101,32 @@ class AsyncClient:
         patch: bytes | str | dict[str, Any],
         *,
         cas: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Stored | None:
         """Applies a JSON merge patch (RFC 7386: an object merges key by key, None removes a
         key, anything else replaces) to the stored JSON document, keeping its flags and
         expiration. NotFoundError when there is none; GreenstackError (invalid arguments)
         when the document or the patch is not JSON."""
         body = json.dumps(patch, separators=(",", ":")) if isinstance(patch, dict) else patch
-        return await self._mutation(
-            PATCH,
-            key,
-            body,
-            cas=cas,
-            durability=durability,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        return await self._mutation(PATCH, key, body, {"cas": cas}, options)
 
     async def delete(
-        self,
-        key: str | bytes,
-        *,
-        cas: int = 0,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        self, key: str | bytes, *, cas: int = 0, **options: Unpack[WriteOptions]
     ) -> Stored | None:
         """Deletes the document (NotFoundError when there is none; ExistsError when ``cas`` is
         not 0 and not the document's)."""
-        payload: dict[str, Any] = {"id": _key(key), "cas": cas}
-        if durability is not None:
-            payload["durability"] = durability
-        return await self._write(
-            DELETE,
-            payload,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        return await self._write(DELETE, {"id": _key(key), "cas": cas}, **options)
 
     async def touch(
-        self,
-        key: str | bytes,
-        expiration: int,
-        *,
-        durability: str | None = None,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        quiet: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
+        self, key: str | bytes, expiration: int, **options: Unpack[WriteOptions]
     ) -> Stored | None:
         """Sets the document's expiration (NotFoundError when there is none)."""
-        payload: dict[str, Any] = {"id": _key(key), "expiration": expiration}
-        if durability is not None:
-            payload["durability"] = durability
-        return await self._write(
-            TOUCH,
-            payload,
-            lane=lane,
-            fence=fence,
-            quiet=quiet,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        return await self._write(TOUCH, {"id": _key(key), "expiration": expiration}, **options)
 
-    async def all_vb_seqnos(
-        self,
-        state: str = "active",
-        *,
-        lane: bytes | str | None = None,
-        fence: bool = False,
-        priority: int | None = None,
-        execute_within_ms: int | None = None,
-    ) -> dict[int, int]:
+    async def all_vb_seqnos(self, state: str = "active", **options: Unpack[RequestOptions]) -> dict[int, int]:
         """The high seqno of each vbucket in ``state`` ("active", "replica", "pending",
         "dead")."""
-        reply = await self._request(
-            GET_ALL_VB_SEQNOS,
-            {"state": state},
-            lane=lane,
-            fence=fence,
-            priority=priority,
-            execute_within_ms=execute_within_ms,
-        )
+        reply = await self._request(GET_ALL_VB_SEQNOS, {"state": state}, **options)
         return {int(vb): int(seqno) for vb, seqno in reply.payload.get("vbuckets", [])}
 
     async def list_buckets(self) -> list[str]:

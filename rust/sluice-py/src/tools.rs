@@ -262,30 +262,22 @@ pub(crate) fn run_bench<'py>(
     d.set_item("first_error_status", r.first_error_status)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item("ops_per_s", r.ops_per_s)?;
-    let lat = PyDict::new(py);
-    for (p, us) in r.latency_us {
-        lat.set_item(
-            if p >= 100.0 {
-                "max".to_string()
-            } else {
-                format!("p{p}")
-            },
-            us,
-        )?;
+    d.set_item("latency_us", percentiles(py, &r.latency_us)?)?;
+    d.set_item("read_latency_us", percentiles(py, &r.read_latency_us)?)?;
+    Ok(d)
+}
+
+/// Latency percentiles as `{"p50": us, ..., "max": us}`.
+fn percentiles<'py>(py: Python<'py>, latency_us: &[(f64, u64)]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for &(p, us) in latency_us {
+        let name = if p >= 100.0 {
+            "max".to_string()
+        } else {
+            format!("p{p}")
+        };
+        d.set_item(name, us)?;
     }
-    d.set_item("latency_us", lat)?;
-    let reads = PyDict::new(py);
-    for (p, us) in r.read_latency_us {
-        reads.set_item(
-            if p >= 100.0 {
-                "max".to_string()
-            } else {
-                format!("p{p}")
-            },
-            us,
-        )?;
-    }
-    d.set_item("read_latency_us", reads)?;
     Ok(d)
 }
 
