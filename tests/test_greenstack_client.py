@@ -27,6 +27,7 @@ from sluice.greenstack import (
     GreenstackError,
     NoAccessError,
     NotExecutedInTimeError,
+    Notice,
     ScramClient,
 )
 
@@ -553,3 +554,59 @@ def test_connecting_while_the_server_warms_up_waits_until_it_runs(tmp_path):
         starting.join(60)
         for n in restarted:
             n.stop()
+
+
+@pytest.mark.timeout(180)
+def test_the_client_hears_the_vbucket_map_change_on_a_move_and_a_failover(tmp_path):
+    """A vbucket moved away (`sluice move-vbucket`) and a failover (`sluice promote`) each reach
+    a connected client as a `map_changed` notice with the bucket's new config; the client goes
+    on working on the node that now serves every vbucket."""
+    import json
+
+    from helpers import run_cli, start_node, wait_converged
+
+    a = start_node(tmp_path, "a")
+    b = start_node(tmp_path, "b")
+    replica = start_node(tmp_path, "r", "--replica-of", a.address)
+
+    async def map_changes() -> None:
+        heard: list[Notice] = []
+        async with await AsyncClient.connect(a.greenstack, on_notice=heard.append) as on_a:
+            await on_a.set("before", b"1")
+            moved = await asyncio.to_thread(
+                run_cli, "move-vbucket", "--vb", "5", "--from", a.admin, "--to", b.admin, timeout=60
+            )
+            assert moved.returncode == 0, moved.stderr
+            notice = await next_map_change(on_a, heard)
+            vbmap = json.loads(notice.fields["config"])["vBucketServerMap"]
+            assert vbmap["vBucketMap"][5][0] == vbmap["serverList"].index(f"127.0.0.1:{b.port}")
+        heard.clear()
+        async with await AsyncClient.connect(replica.greenstack, on_notice=heard.append) as on_r:
+            # A replica serves no reads: the vbucket is not active there.
+            with pytest.raises(sluice.NotMyVbucketError):
+                await on_r.get("before")
+            await asyncio.to_thread(wait_converged, a, replica)
+            await asyncio.to_thread(a.stop)
+            promoted = await asyncio.to_thread(run_cli, "promote", "--admin", replica.admin)
+            assert promoted.returncode == 0, promoted.stderr
+            notice = await next_map_change(on_r, heard)
+            config = json.loads(notice.fields["config"])
+            me = config["vBucketServerMap"]["serverList"].index(f"$HOST:{replica.port}")
+            assert {chain[0] for chain in config["vBucketServerMap"]["vBucketMap"]} == {me}
+            # The promoted node serves what it copied, and takes writes, on the same connection.
+            assert (await on_r.get("before")).value == b"1"
+            assert (await on_r.set("after", b"2")).seqno > 0
+
+    async def next_map_change(client: AsyncClient, heard: list[Notice]) -> Notice:
+        deadline = time.monotonic() + 30
+        while not any(n.kind == "map_changed" for n in heard):
+            assert time.monotonic() < deadline, f"no map_changed notice; heard {heard}"
+            await asyncio.sleep(0.02)
+        return next(n for n in heard if n.kind == "map_changed")
+
+    try:
+        run(map_changes(), timeout=150)
+    finally:
+        replica.stop()
+        b.stop()
+        a.stop()
