@@ -283,6 +283,14 @@ fn outcome(protocol: Protocol, reply: &[u8]) -> std::io::Result<Outcome> {
     }
 }
 
+/// Whether a whole Greenstack frame is a response (else a request of the server's own).
+fn is_response(frame: &[u8]) -> bool {
+    // length u32, opaque u32, opcode u16, then the first flag byte.
+    frame
+        .get(gs::LENGTH_LEN + 6)
+        .is_some_and(|flags| flags & gs::flag::RESPONSE != 0)
+}
+
 /// Reads `n` replies into `each`, leaving any bytes past them in `buf`.
 async fn read_replies<S: AsyncRead + Unpin>(
     sock: &mut S,
@@ -296,6 +304,12 @@ async fn read_replies<S: AsyncRead + Unpin>(
         let mut at = 0;
         while n > 0 {
             match reply_len(protocol, &buf[at..])? {
+                // A Greenstack server's own request (a notice) answers nothing of ours.
+                Some(len)
+                    if protocol == Protocol::Greenstack && !is_response(&buf[at..at + len]) =>
+                {
+                    at += len;
+                }
                 Some(len) => {
                     each(&buf[at..at + len])?;
                     at += len;

@@ -43,9 +43,6 @@ const MAX_IN_FLIGHT: usize = 4096;
 /// The same before login: what a peer that has not logged in can make the server hold stays
 /// small (its frames are small too).
 const MAX_IN_FLIGHT_PRELOGIN: usize = 16;
-/// How long ready replies wait for the WAL to write the round's writes at level none, to go
-/// out with theirs.
-const HELD_WAIT: Duration = Duration::from_millis(1);
 /// The priority of a request whose flex header gives none (lower starts first).
 const DEFAULT_PRIORITY: u8 = 128;
 /// Lanes a connection keeps while idle (their buffers reused by the next request).
@@ -270,15 +267,15 @@ pub(super) async fn run(
             (b, seen)
         });
         let streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(&mut out, FLUSH_AT));
-        // Writes at level none answer once the WAL has written them, a few microseconds
-        // away: their replies go in the same write as the round's others (one send, one
-        // wake-up of the client, as on the memcached port), unless the WAL is slow, when the
-        // ready ones go first.
+        // Writes at level none answer once the WAL has written them, microseconds away (the
+        // WAL's own pace, as on the memcached port): the round's other replies wait for them
+        // and all leave in one send, one wake-up of the client. A durable write's reply is a
+        // task of its own and holds nothing back. (No timer bounds the wait: arming one per
+        // round costs more than the wait.)
         if let (Some(lsn), false) = (s.held.last().map(|h| h.lsn), out.is_empty()) {
-            match tokio::time::timeout(HELD_WAIT, ctx.engine.wal().written(lsn)).await {
-                Ok(Ok(())) => s.release_written(u64::MAX, &mut out),
-                Ok(Err(e)) => s.fail_held(&e.to_string(), &mut out),
-                Err(_) => {}
+            match ctx.engine.wal().written(lsn).await {
+                Ok(()) => s.release_written(u64::MAX, &mut out),
+                Err(e) => s.fail_held(&e.to_string(), &mut out),
             }
         }
         if send(&mut socket, &mut out, &ctx).await.is_err() {
