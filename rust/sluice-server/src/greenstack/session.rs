@@ -139,7 +139,12 @@ struct Session {
     scratch: Vec<u8>,
     /// DCP, once the connection opened it.
     dcp: Option<DcpProducer>,
+    /// The root lane (requests that name none), and the others by their ids.
+    root: Lane,
     lanes: HashMap<Vec<u8>, Lane, foldhash::fast::RandomState>,
+    /// Queued requests with a priority of their own: while there are none, the order read is
+    /// the order to start in.
+    prioritized: usize,
     /// Lanes that may have requests to start.
     touched: Vec<Vec<u8>>,
     /// The requests `start_queued` starts in one round (kept for its buffer).
@@ -188,7 +193,9 @@ pub(super) async fn run(
         perms: Default::default(),
         scratch: Vec::new(),
         dcp: None,
+        root: Lane::default(),
         lanes: HashMap::default(),
+        prioritized: 0,
         touched: Vec::new(),
         batch: Vec::new(),
         tasks: JoinSet::new(),
@@ -584,7 +591,14 @@ impl Session {
         };
         self.taken += 1;
         self.in_flight += 1;
-        let l = self.lanes.entry(lane.clone()).or_default();
+        if priority != DEFAULT_PRIORITY {
+            self.prioritized += 1;
+        }
+        let l = if lane.is_empty() {
+            &mut self.root
+        } else {
+            self.lanes.entry(lane.clone()).or_default()
+        };
         l.queue.push_back(queued);
         if !l.touched {
             l.touched = true;
@@ -593,29 +607,74 @@ impl Session {
         Ok(())
     }
 
+    /// A lane by its id (the root lane's is empty).
+    fn lane_mut(&mut self, lane: &[u8]) -> Option<&mut Lane> {
+        if lane.is_empty() {
+            Some(&mut self.root)
+        } else {
+            self.lanes.get_mut(lane)
+        }
+    }
+
+    /// The request at the front of `l`'s queue, taken off it and counted as running, if the
+    /// lane lets it start (not behind a fence still running; a fenced one only once nothing
+    /// of its lane runs).
+    fn next_to_start(l: &mut Lane, prioritized: &mut usize) -> Option<Queued> {
+        let front = l.queue.front()?;
+        if l.fenced || (front.fenced && !l.running.is_empty()) {
+            return None;
+        }
+        let q = l.queue.pop_front().expect("looked at above");
+        // Taken in the order read: `running` stays sorted.
+        l.running.push(q.seq);
+        l.fenced = q.fenced;
+        if q.priority != DEFAULT_PRIORITY {
+            *prioritized -= 1;
+        }
+        Some(q)
+    }
+
     /// Starts every request its lane lets start (not behind a fence still running, and a
     /// fenced one only once nothing of its lane runs), lowest priority value first, then in
     /// the order they were read; those that answer at once finish here, which may let more
     /// start.
     fn start_queued(&mut self, out: &mut Vec<u8>) {
         while !self.touched.is_empty() {
-            let mut batch = std::mem::take(&mut self.batch);
-            for lane in std::mem::take(&mut self.touched) {
-                let Some(l) = self.lanes.get_mut(&lane) else {
-                    continue;
-                };
-                l.touched = false;
-                while !l.fenced {
-                    let Some(front) = l.queue.front() else {
+            // One lane and no priorities (the usual case): its queue's order is the order to
+            // start in, and requests start straight from it.
+            if self.touched.len() == 1 && self.prioritized == 0 {
+                let lane = self.touched.pop().expect("one lane");
+                if let Some(l) = self.lane_mut(&lane) {
+                    l.touched = false;
+                }
+                loop {
+                    let l = if lane.is_empty() {
+                        &mut self.root
+                    } else {
+                        match self.lanes.get_mut(&lane) {
+                            Some(l) => l,
+                            None => break,
+                        }
+                    };
+                    let Some(q) = Session::next_to_start(l, &mut self.prioritized) else {
                         break;
                     };
-                    if front.fenced && !l.running.is_empty() {
-                        break;
+                    self.start(lane.clone(), q, out);
+                }
+                continue;
+            }
+            let mut batch = std::mem::take(&mut self.batch);
+            for lane in std::mem::take(&mut self.touched) {
+                let l = if lane.is_empty() {
+                    &mut self.root
+                } else {
+                    match self.lanes.get_mut(&lane) {
+                        Some(l) => l,
+                        None => continue,
                     }
-                    let q = l.queue.pop_front().expect("looked at above");
-                    // Taken in the order read: `running` stays sorted.
-                    l.running.push(q.seq);
-                    l.fenced = q.fenced;
+                };
+                l.touched = false;
+                while let Some(q) = Session::next_to_start(l, &mut self.prioritized) {
                     batch.push((lane.clone(), q));
                 }
             }
@@ -740,26 +799,39 @@ impl Session {
 
     /// A request finished: its reply out, its lane told (the fence lifted).
     fn finish(&mut self, d: Done, out: &mut Vec<u8>) {
-        if let Login::User(user) = d.login {
+        let Done {
+            lane,
+            seq,
+            fenced,
+            reply,
+            login,
+        } = d;
+        if let Login::User(user) = login {
             self.user = Some(user);
             self.perms.set(None);
         }
-        out.extend_from_slice(&d.reply);
+        out.extend_from_slice(&reply);
         self.in_flight -= 1;
-        if let Some(l) = self.lanes.get_mut(&d.lane) {
-            if let Some(i) = l.running.iter().position(|&s| s == d.seq) {
-                l.running.remove(i);
+        let l = if lane.is_empty() {
+            &mut self.root
+        } else {
+            match self.lanes.get_mut(&lane) {
+                Some(l) => l,
+                None => return,
             }
-            if l.running.first().is_some_and(|&s| s < d.seq) {
-                self.ctx.stats.out_of_order.fetch_add(1, Relaxed);
-            }
-            if d.fenced {
-                l.fenced = false;
-            }
-            if !l.queue.is_empty() && !l.touched {
-                l.touched = true;
-                self.touched.push(d.lane);
-            }
+        };
+        if let Some(i) = l.running.iter().position(|&s| s == seq) {
+            l.running.remove(i);
+        }
+        if l.running.first().is_some_and(|&s| s < seq) {
+            self.ctx.stats.out_of_order.fetch_add(1, Relaxed);
+        }
+        if fenced {
+            l.fenced = false;
+        }
+        if !l.queue.is_empty() && !l.touched {
+            l.touched = true;
+            self.touched.push(lane);
         }
     }
 
