@@ -349,6 +349,12 @@ impl FrameOut<'_> {
     /// Appends the whole frame (length field first) to `out`. Flex values are at most 65535
     /// bytes each (the caller's to keep).
     pub fn write(&self, out: &mut Vec<u8>) {
+        self.write_with(out, |out| out.extend_from_slice(self.payload));
+    }
+
+    /// `write`, the payload written by `payload` straight into `out` (not copied from a
+    /// buffer of its own); `self.payload` is not used.
+    pub fn write_with(&self, out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
         let at = out.len();
         out.extend_from_slice(&[0; LENGTH_LEN]);
         out.extend_from_slice(&self.opaque.to_be_bytes());
@@ -373,7 +379,7 @@ impl FrameOut<'_> {
                 out.extend_from_slice(e.value);
             }
         }
-        out.extend_from_slice(self.payload);
+        payload(out);
         let body = (out.len() - at - LENGTH_LEN) as u32;
         out[at..at + LENGTH_LEN].copy_from_slice(&body.to_be_bytes());
     }

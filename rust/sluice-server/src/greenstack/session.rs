@@ -135,8 +135,6 @@ struct Session {
     bucket: Option<Arc<Bucket>>,
     /// The user's permissions on `bucket` and the users' generation they were read in.
     perms: std::cell::Cell<Option<(u64, u8)>>,
-    /// Where a reply's payload is built (kept for its buffer).
-    scratch: Vec<u8>,
     /// DCP, once the connection opened it.
     dcp: Option<DcpProducer>,
     /// The root lane (requests that name none), and the others by their ids.
@@ -191,7 +189,6 @@ pub(super) async fn run(
         scram: None,
         bucket: None,
         perms: Default::default(),
-        scratch: Vec::new(),
         dcp: None,
         root: Lane::default(),
         lanes: HashMap::default(),
@@ -431,28 +428,28 @@ impl ReplyTo {
 
     /// A reply with flag bits besides the response bit (`more`).
     fn reply_flagged(&self, st: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+        self.reply_with(st, flags, |out| out.extend_from_slice(payload))
+    }
+
+    /// A reply whose payload `payload` writes in place.
+    fn reply_with(&self, st: u16, flags: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
         let mut out = Vec::new();
         if st == status::SUCCESS && self.quiet {
             return out;
         }
-        let flex: Vec<FlexEntry<'_>> = self
-            .lane
-            .as_deref()
-            .map(|value| FlexEntry {
-                key: flex_key::LANE_ID,
-                value,
-            })
-            .into_iter()
-            .collect();
+        let flex = self.lane.as_deref().map(|value| FlexEntry {
+            key: flex_key::LANE_ID,
+            value,
+        });
         FrameOut {
             opaque: self.opaque,
             opcode: self.opcode,
             flags,
             status: Some(st),
-            flex: &flex,
-            payload,
+            flex: flex.as_slice(),
+            payload: &[],
         }
-        .write(&mut out);
+        .write_with(&mut out, payload);
         out
     }
 
@@ -1209,13 +1206,6 @@ impl Session {
                 if f.has(flag::QUIET) {
                     return;
                 }
-                let p = &mut self.scratch;
-                p.clear();
-                MapWriter::new(p, 4)
-                    .bin("value", item.value())
-                    .uint("flags", item.meta.flags as u64)
-                    .uint("cas", item.meta.cas)
-                    .uint("datatype", item.meta.datatype as u64);
                 let lane = f.flex_value(flex_key::LANE_ID);
                 let flex = lane.map(|value| FlexEntry {
                     key: flex_key::LANE_ID,
@@ -1227,9 +1217,15 @@ impl Session {
                     flags: 0,
                     status: Some(status::SUCCESS),
                     flex: flex.as_slice(),
-                    payload: p,
+                    payload: &[],
                 }
-                .write(out);
+                .write_with(out, |p| {
+                    MapWriter::new(p, 4)
+                        .bin("value", item.value())
+                        .uint("flags", item.meta.flags as u64)
+                        .uint("cas", item.meta.cas)
+                        .uint("datatype", item.meta.datatype as u64);
+                });
             }
             Ok(None) => {
                 out.extend_from_slice(&failure(f, status::NOT_FOUND, "no document of that id"))
@@ -1349,14 +1345,16 @@ impl Session {
             Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
         };
         let uuid = engine.vbucket_uuid(&bucket, w.value.vbucket).unwrap_or(0);
-        let mut ok_payload = Vec::new();
-        MapWriter::new(&mut ok_payload, 3)
-            .uint("cas", w.value.cas)
-            .uint("seqno", w.value.seqno)
-            .uint("vbucket_uuid", uuid);
+        let (cas, seqno) = (w.value.cas, w.value.seqno);
+        let stored = move |p: &mut Vec<u8>| {
+            MapWriter::new(p, 3)
+                .uint("cas", cas)
+                .uint("seqno", seqno)
+                .uint("vbucket_uuid", uuid);
+        };
         let to = ReplyTo::of(f);
         if !w.needs_settling() {
-            let ok = to.reply(status::SUCCESS, &ok_payload);
+            let ok = to.reply_with(status::SUCCESS, 0, stored);
             return Run::AfterWal {
                 lsn: w.lsn(),
                 ok,
@@ -1367,7 +1365,7 @@ impl Session {
         Run::Later(Box::pin(async move {
             let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));
             match engine.settled(&bucket, w, timer).await {
-                Ok(_) => (to.reply(status::SUCCESS, &ok_payload), Login::None),
+                Ok(_) => (to.reply_with(status::SUCCESS, 0, stored), Login::None),
                 Err(e) => (to.failure(status_of(&e), &e.to_string()), Login::None),
             }
         }))
