@@ -20,6 +20,7 @@ from helpers import NUM_VBUCKETS, Node, contents, node_config, run_cli, start_no
 from mcbp_wire import (
     GET,
     GET_REPLICA,
+    HELLO,
     SET,
     connect,
     durability_framing,
@@ -289,6 +290,45 @@ def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
         # The replica's silence ends the held write (its timeout, or the replica dropped for
         # missing NOOPs): well after the requests behind it were applied.
         assert answered_after > applied_after + 0.5
+        replica.stop()
+    finally:
+        active.stop()
+
+
+def test_a_client_that_allows_unordered_execution_gets_a_held_writes_reply_last(tmp_path):
+    """HELLO UnorderedExecution (0x0e), as Couchbase's SDKs send it: a majority SET that waits
+    (the replica is stopped) no longer holds back the replies of the SETs behind it; its own
+    comes when it is settled. A client that did not ask keeps its replies in request order."""
+    active = start_node(tmp_path, "a", replicas=1)
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
+    try:
+        unordered, ordered = connect(active), connect(active)
+        unordered.sendall(request(HELLO, b"test", struct.pack(">HH", 0x0E, 0x10)))
+        assert read_response(unordered)["value"] == struct.pack(">HH", 0x0E, 0x10)
+        ordered.sendall(request(HELLO, b"test", struct.pack(">H", 0x10)))
+        assert read_response(ordered)["value"] == struct.pack(">H", 0x10)
+        deadline = time.monotonic() + 30
+        while majority_set(unordered, b"warm", b"v") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        replica.proc.send_signal(19)  # SIGSTOP
+        try:
+            wait_stopped(replica.proc.pid)
+            info = bytes([1]) + struct.pack(">H", 2000)  # majority, 2 s
+            framing = bytes([0x10 | len(info)]) + info
+            behind = b"".join(
+                request(SET, f"behind{i}".encode(), b"x", set_extras(), opaque=2 + i) for i in range(8)
+            )
+            for s in (unordered, ordered):
+                s.sendall(flex_request(SET, framing, b"held", b"v", set_extras(), opaque=1) + behind)
+            first = read_response(unordered)
+            answered = [first] + [read_response(unordered) for _ in range(8)]
+            in_order = [read_response(ordered) for _ in range(9)]
+        finally:
+            replica.proc.send_signal(18)  # SIGCONT
+        assert [r["opaque"] for r in answered] == list(range(2, 10)) + [1]
+        assert answered[-1]["status"] == 0xA3 and all(r["status"] == 0 for r in answered[:-1])
+        assert [r["opaque"] for r in in_order] == list(range(1, 10))
         replica.stop()
     finally:
         active.stop()

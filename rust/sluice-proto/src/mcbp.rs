@@ -193,6 +193,9 @@ pub mod feature {
     pub const DUPLEX: u16 = 0x0c;
     /// With DUPLEX: the server pushes a new cluster map (server request 0x01) when it changes.
     pub const CLUSTERMAP_CHANGE_NOTIFICATION: u16 = 0x0d;
+    /// Replies may come in another order than their requests (a durable write's after the
+    /// replies of the requests behind it).
+    pub const UNORDERED_EXECUTION: u16 = 0x0e;
     pub const ALT_REQUEST_SUPPORT: u16 = 0x10;
     pub const SYNC_REPLICATION: u16 = 0x11;
     /// Keys carry an unsigned LEB128 collection id before the document key.

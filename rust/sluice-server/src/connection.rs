@@ -57,11 +57,13 @@ const FLUSH_AT: usize = 1 << 20;
 const MAX_HELD: usize = 1024;
 
 /// The replies of one connection in request order: those ready to send, then held ones, each
-/// with the ready replies that came after it.
+/// with the ready replies that came after it. A client that negotiated UnorderedExecution has
+/// its held replies wait apart instead, each sent when it is ready.
 #[derive(Default)]
 struct Replies {
     ready: Vec<u8>,
     held: VecDeque<(HeldReply, Vec<u8>)>,
+    unordered: tokio::task::JoinSet<Vec<u8>>,
 }
 
 impl Replies {
@@ -93,11 +95,41 @@ impl Replies {
         }
     }
 
-    /// Waits for every held reply, in order.
+    /// Replies held, in order or apart.
+    fn held_count(&self) -> usize {
+        self.held.len() + self.unordered.len()
+    }
+
+    /// A reply the client let come out of order: it waits apart, the next ones do not.
+    fn hold_apart(&mut self, held: HeldReply) {
+        self.unordered.spawn(held);
+    }
+
+    /// A reply held apart is ready. Err when its task failed (it panicked): the connection
+    /// cannot answer that request and is closed.
+    fn release_apart(&mut self, done: Result<Vec<u8>, tokio::task::JoinError>) -> Result<(), ()> {
+        match done {
+            Ok(reply) => {
+                self.ready.extend_from_slice(&reply);
+                Ok(())
+            }
+            Err(e) => {
+                log::error!("closing a connection: a held reply failed: {e}");
+                Err(())
+            }
+        }
+    }
+
+    /// Waits for every held reply, in order, and those held apart.
     async fn settle_all(&mut self) {
         while let Some((head, _)) = self.held.front_mut() {
             let reply = head.await;
             self.release_head(reply);
+        }
+        while let Some(done) = self.unordered.join_next().await {
+            if self.release_apart(done).is_err() {
+                break;
+            }
         }
     }
 }
@@ -142,7 +174,7 @@ pub async fn run(
                 return crate::text::run(socket, peer, kv, inbuf, max_body, idle, stop).await;
             }
         }
-        while replies.held.len() < MAX_HELD {
+        while replies.held_count() < MAX_HELD {
             let max_body = match prelogin {
                 Some(_) => fronts.max_body.min(PRELOGIN_MAX_BODY),
                 None => fronts.max_body,
@@ -174,6 +206,10 @@ pub async fn run(
                     };
                     match flow {
                         Flow::Continue => {}
+                        // Nothing held in order before it: the client's negotiation applies.
+                        Flow::Hold(held) if session.unordered() && replies.held.is_empty() => {
+                            replies.hold_apart(held)
+                        }
                         Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
                         Flow::Close => {
                             replies.settle_all().await;
@@ -262,8 +298,8 @@ pub async fn run(
             let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
             return;
         }
-        let reading = replies.held.len() < MAX_HELD;
-        let waiting = !replies.held.is_empty();
+        let reading = replies.held_count() < MAX_HELD;
+        let waiting = replies.held_count() > 0;
         let deadline = prelogin.as_ref().map(|_| login_deadline);
         let read = async {
             if !reading {
@@ -284,8 +320,14 @@ pub async fn run(
             }
         };
         let pushes = session.wants_map_pushes();
+        let apart = !replies.unordered.is_empty();
         tokio::select! {
             reply = head => replies.release_head(reply),
+            Some(done) = replies.unordered.join_next(), if apart => {
+                if replies.release_apart(done).is_err() {
+                    return;
+                }
+            }
             Ok(()) = map_changes.changed(), if pushes => session.push_map(&mut replies.ready),
             r = read => match r {
                 Ok(Ok(0)) => {

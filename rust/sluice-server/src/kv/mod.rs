@@ -105,6 +105,7 @@ struct Features {
     tcp_nodelay: bool,
     clustermap_notifications: bool,
     collections: bool,
+    unordered: bool,
 }
 
 /// One connection's protocol state.
@@ -240,6 +241,12 @@ impl KvSession {
         if generation != self.users_generation {
             (self.users, self.users_generation) = self.ctx.users.current_with_generation();
         }
+    }
+
+    /// Whether the client let replies come out of order (HELLO's UnorderedExecution): a
+    /// durable write's reply then does not hold back the replies of the requests behind it.
+    pub fn unordered(&self) -> bool {
+        self.features.unordered
     }
 
     /// Whether the client asked to be sent the new cluster map when it changes (HELLO's
@@ -723,6 +730,7 @@ impl KvSession {
                     !std::mem::replace(&mut f.clustermap_notifications, true)
                 }
                 feature::COLLECTIONS => !std::mem::replace(&mut f.collections, true),
+                feature::UNORDERED_EXECUTION => !std::mem::replace(&mut f.unordered, true),
                 _ => false,
             };
             if known {
