@@ -27,7 +27,7 @@ fn err(what: String) -> PayloadError {
 }
 
 /// Fields kept without allocating; a payload with more spills the rest to the heap.
-const INLINE_FIELDS: usize = 16;
+const INLINE_FIELDS: usize = 8;
 
 /// A payload map's fields, each value kept as its raw msgpack.
 #[derive(Debug, Clone, Default)]

@@ -152,6 +152,15 @@ struct Session {
     held: Vec<Held>,
     taken: u64,
     in_flight: usize,
+    /// Counts kept here and added to the shared ones once per round (an atomic add per
+    /// request would bounce their cache line between the cores).
+    counted: Counted,
+}
+
+#[derive(Default)]
+struct Counted {
+    requests: u64,
+    out_of_order: u64,
 }
 
 /// A connection taken during warm-up, going on as a session: it is told warm-up is done.
@@ -199,6 +208,7 @@ pub(super) async fn run(
         held: Vec::new(),
         taken: 0,
         in_flight: 0,
+        counted: Counted::default(),
     };
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut out = Vec::new();
@@ -231,12 +241,17 @@ pub(super) async fn run(
             match gs::check(&inbuf, max_frame) {
                 Ok(Check::Complete(n)) => {
                     let frame = inbuf.split_to(n).freeze();
-                    if let Err(e) = s.take(frame) {
+                    if let Err(e) = s.take(frame, &mut out) {
                         ctx.io.protocol_error(
                             "greenstack",
                             format_args!("closing Greenstack connection from {peer}: {e}"),
                         );
                         let _ = send(&mut socket, &mut out, &ctx).await;
+                        return;
+                    }
+                    // Requests that start as they are read answer as they go: a long read
+                    // of them is sent in parts.
+                    if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &ctx).await.is_err() {
                         return;
                     }
                 }
@@ -282,6 +297,11 @@ pub(super) async fn run(
                 Err(e) => s.fail_held(&e.to_string(), &mut out),
             }
         }
+        let counted = std::mem::take(&mut s.counted);
+        ctx.stats.requests.fetch_add(counted.requests, Relaxed);
+        ctx.stats
+            .out_of_order
+            .fetch_add(counted.out_of_order, Relaxed);
         if send(&mut socket, &mut out, &ctx).await.is_err() {
             return;
         }
@@ -565,17 +585,34 @@ pub(super) fn status_of(e: &Error) -> u16 {
 impl Session {
     /// A frame read: a request goes to its lane's queue (started by `start_queued`); a
     /// response (to a notice) is dropped. Err closes the connection.
-    fn take(&mut self, frame: Bytes) -> Result<(), gs::DecodeError> {
+    fn take(&mut self, frame: Bytes, out: &mut Vec<u8>) -> Result<(), gs::DecodeError> {
         let f = Frame::decode(&frame[gs::LENGTH_LEN..])?;
         if f.is_response() {
             return Ok(());
         }
-        self.ctx.stats.requests.fetch_add(1, Relaxed);
+        self.counted.requests += 1;
         let lane = lane_of(&f);
         let priority = f
             .flex_value(flex_key::PRIORITY)
             .map_or(DEFAULT_PRIORITY, |v| v[0]);
         let fenced = f.has(flag::FENCE);
+        // Nothing waits that it should wait for, or go after: it starts as it is read.
+        if priority == DEFAULT_PRIORITY && self.prioritized == 0 {
+            let l = if lane.is_empty() {
+                &mut self.root
+            } else {
+                self.lanes.entry(lane.clone()).or_default()
+            };
+            if l.queue.is_empty() && !l.fenced && (!fenced || l.running.is_empty()) {
+                let seq = self.taken;
+                l.running.push(seq);
+                l.fenced = fenced;
+                self.taken += 1;
+                self.in_flight += 1;
+                self.run(lane, &f, seq, fenced, None, out);
+                return Ok(());
+            }
+        }
         let read_at = f
             .flex_value(flex_key::IGNORE_UNLESS_EXECUTED_BEFORE)
             .map(|_| Instant::now());
@@ -692,17 +729,30 @@ impl Session {
     /// Runs one request its lane let start: its reply now, after the WAL, or from a task.
     fn start(&mut self, lane: Vec<u8>, q: Queued, out: &mut Vec<u8>) {
         let f = Frame::decode(&q.frame[gs::LENGTH_LEN..]).expect("decoded when taken");
-        let run = match q.read_at.and_then(|at| waited_too_long(&f, at)) {
+        self.run(lane, &f, q.seq, q.fenced, q.read_at, out);
+    }
+
+    /// Runs request `f`, number `seq` of its lane's running ones, read at `read_at` (when it
+    /// has a budget to start within).
+    fn run(
+        &mut self,
+        lane: Vec<u8>,
+        f: &Frame<'_>,
+        seq: u64,
+        fenced: bool,
+        read_at: Option<Instant>,
+        out: &mut Vec<u8>,
+    ) {
+        let run = match read_at.and_then(|at| waited_too_long(f, at)) {
             Some(why) => {
                 self.ctx.stats.not_executed.fetch_add(1, Relaxed);
-                Run::Now(failure(&f, status::NOT_EXECUTED_IN_TIME, &why))
+                Run::Now(failure(f, status::NOT_EXECUTED_IN_TIME, &why))
             }
-            None => self.execute(&f, out),
+            None => self.execute(f, out),
         };
         if matches!(f.opcode, opcode::MUTATION | opcode::DELETE | opcode::TOUCH) {
             self.maybe_backoff(out);
         }
-        let (seq, fenced) = (q.seq, q.fenced);
         match run {
             Run::Now(reply) => self.finish(
                 Done {
@@ -821,7 +871,7 @@ impl Session {
             l.running.remove(i);
         }
         if l.running.first().is_some_and(|&s| s < seq) {
-            self.ctx.stats.out_of_order.fetch_add(1, Relaxed);
+            self.counted.out_of_order += 1;
         }
         if fenced {
             l.fenced = false;
