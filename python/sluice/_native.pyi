@@ -404,6 +404,7 @@ def bench(
     protocol: str = "memcached",
     space: int = 512,
     durability: str | None = None,
+    unordered: bool = False,
 ) -> dict[str, object]: ...
 def vbucket_positions(
     address: str,

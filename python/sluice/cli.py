@@ -972,6 +972,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         protocol=args.protocol,
         space=args.space,
         durability=args.durability,
+        unordered=args.unordered,
     )
     if args.json:
         print(json.dumps(r))
@@ -1387,6 +1388,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "persist", "majority", "majority_and_persist_active", "persist_to_majority"],
         help="the level the writes ask for (memcached: majority and the *_persist levels; greenstack: "
         "any), else the bucket's",
+    )
+    b.add_argument(
+        "--unordered",
+        action="store_true",
+        help="memcached: say HELLO UnorderedExecution, so that a durable write's reply does not hold "
+        "back the replies behind it",
     )
     b.add_argument("--threads", type=int, default=2, help="client threads")
     b.add_argument(

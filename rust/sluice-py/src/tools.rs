@@ -147,7 +147,7 @@ pub(crate) fn tap_drain<'py>(
 /// an iproto one (sluice or Tarantool: SELECT and REPLACE in `space`), and reports throughput,
 /// outcome counts and latency percentiles.
 #[pyfunction]
-#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None, protocol="memcached", space=512, durability=None))]
+#[pyo3(name = "bench", signature = (target, *, connections=16, pipeline=32, duration=10.0, count=0, keys=100_000, key_size=16, value_size=100, get_ratio=0.9, prefill=true, threads=2, user=None, password=None, cacert=None, protocol="memcached", space=512, durability=None, unordered=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_bench<'py>(
     py: Python<'py>,
@@ -168,6 +168,7 @@ pub(crate) fn run_bench<'py>(
     protocol: &str,
     space: u32,
     durability: Option<&str>,
+    unordered: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let protocol = match protocol {
         "memcached" => sluice_tools::bench::Protocol::Memcached,
@@ -216,6 +217,11 @@ pub(crate) fn run_bench<'py>(
             )))
         }
     };
+    if unordered && !matches!(protocol, Protocol::Memcached) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "unordered is the memcached protocol's HELLO UnorderedExecution (Greenstack's replies are unordered anyway)",
+        ));
+    }
     let tls = cacert
         .map(|ca| sluice_server::tls::ClientTls::trusting("--cacert", &ca))
         .transpose()
@@ -249,6 +255,7 @@ pub(crate) fn run_bench<'py>(
         user: user.zip(password),
         tls,
         durability,
+        unordered,
     };
     let r = py
         .detach(|| sluice_tools::bench::run(cfg))

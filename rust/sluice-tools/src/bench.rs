@@ -60,6 +60,9 @@ pub struct BenchConfig {
     /// The durability level the writes ask for (memcached: majority and the persist levels, as
     /// a durability frame info; Greenstack: any level), else the bucket's.
     pub durability: Option<Durability>,
+    /// memcached: say HELLO UnorderedExecution first, so that a durable write's reply does not
+    /// hold back the replies behind it.
+    pub unordered: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -361,6 +364,44 @@ async fn login<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// memcached: HELLO with UnorderedExecution (and AltRequestSupport, for the durability frame
+/// info); the server must grant UnorderedExecution.
+async fn hello_unordered<S: AsyncRead + AsyncWrite + Unpin>(sock: &mut S) -> std::io::Result<()> {
+    let features: Vec<u8> = [
+        mcbp::feature::UNORDERED_EXECUTION,
+        mcbp::feature::ALT_REQUEST_SUPPORT,
+    ]
+    .iter()
+    .flat_map(|f| f.to_be_bytes())
+    .collect();
+    let h = HeaderFields {
+        magic: magic::REQUEST,
+        opcode: opcode::HELLO,
+        ..Default::default()
+    };
+    let mut req = Vec::new();
+    mcbp::write_frame(&mut req, &h, &[], &[], b"sluice bench", &features).expect("small");
+    sock.write_all(&req).await?;
+    sock.flush().await?;
+    let mut granted = false;
+    read_replies(sock, Protocol::Memcached, &mut Vec::new(), 1, |reply| {
+        let r = mcbp::parse_response(reply).map_err(invalid)?;
+        granted = r
+            .value
+            .chunks_exact(2)
+            .any(|c| u16::from_be_bytes([c[0], c[1]]) == mcbp::feature::UNORDERED_EXECUTION);
+        Ok(())
+    })
+    .await?;
+    if granted {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(
+            "the server did not grant HELLO UnorderedExecution",
+        ))
+    }
+}
+
 /// iproto: reads the greeting, then AUTHs with chap-sha1 when there is a user.
 async fn iproto_login<S: AsyncRead + AsyncWrite + Unpin>(
     sock: &mut S,
@@ -405,6 +446,10 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     cfg: &BenchConfig,
 ) -> std::io::Result<()> {
     match cfg.protocol {
+        Protocol::Memcached if cfg.unordered => {
+            hello_unordered(sock).await?;
+            login(sock, &cfg.user).await
+        }
         Protocol::Memcached => login(sock, &cfg.user).await,
         Protocol::Iproto { .. } => iproto_login(sock, &cfg.user).await,
         Protocol::Greenstack => greenstack_login(sock, &cfg.user).await,
