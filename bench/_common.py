@@ -87,6 +87,27 @@ def pyplot():
     return plt
 
 
+def write_paired_bars(
+    path: Path, names: list[str], pairs: list[tuple[float, float]], labels: tuple[str, str], title: str
+) -> None:
+    """A PNG of two bars per load (thousand ops/s), `labels` naming the pair's sides; nothing
+    when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = range(len(names))
+    for n, (label, color) in enumerate(zip(labels, ("#4C72B0", "#DD8452"), strict=True)):
+        offset = (n - 0.5) * 0.4
+        ax.bar([i + offset for i in x], [p[n] / 1e3 for p in pairs], 0.4, label=label, color=color)
+    ax.set_xticks(list(x), names, fontsize=8)
+    ax.set_ylabel("thousand ops/s (median)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def admin_get(address: str, path: str) -> str:
     """GET `path` on a node's admin endpoint (reads are open on loopback): the body."""
     with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as r:

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, SluiceNode, pyplot, wait_until, write_json
+from _common import RESULTS, SluiceNode, wait_until, write_json, write_paired_bars
 
 PROTOCOLS = ("memcached", "greenstack")
 
@@ -210,20 +210,13 @@ def write(results: dict) -> None:
     )
     (RESULTS / "greenstack.md").write_text(md)
     print(md)
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(9, 4))
-    x = range(len(names))
-    for n, (label, color) in enumerate([("mcbp", "#DD8452"), ("Greenstack", "#4C72B0")]):
-        offset = (n - 0.5) * 0.4
-        ax.bar([i + offset for i in x], [v[n] / 1e3 for v in medians], 0.4, label=label, color=color)
-    ax.set_xticks(list(x), names, fontsize=8)
-    ax.set_ylabel("thousand ops/s (median)")
-    ax.set_title("Greenstack against mcbp, same server, same load")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "greenstack.png", dpi=110)
+    write_paired_bars(
+        RESULTS / "greenstack.png",
+        names,
+        [(g, m) for m, g in medians],
+        ("Greenstack", "mcbp"),
+        "Greenstack against mcbp, same server, same load",
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, pyplot, write_json
+from _common import RESULTS, write_json, write_paired_bars
 from server_bench import start
 
 LOADS = [
@@ -92,20 +92,13 @@ def write(results: dict) -> None:
     )
     (RESULTS / "text.md").write_text(md)
     print(md)
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(9, 4))
-    x = range(len(names))
-    for n, (label, color) in enumerate([("sluice", "#4C72B0"), ("memcached", "#DD8452")]):
-        offset = (n - 0.5) * 0.4
-        ax.bar([i + offset for i in x], [r[n] / 1e3 for r in medians], 0.4, label=label, color=color)
-    ax.set_xticks(list(x), names, fontsize=8)
-    ax.set_ylabel("thousand ops/s (median)")
-    ax.set_title("memcached text protocol (memcaslap): sluice against memcached, same load")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "text.png", dpi=110)
+    write_paired_bars(
+        RESULTS / "text.png",
+        names,
+        medians,
+        ("sluice", "memcached"),
+        "memcached text protocol (memcaslap): sluice against memcached, same load",
+    )
 
 
 if __name__ == "__main__":

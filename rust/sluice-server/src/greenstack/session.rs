@@ -513,6 +513,17 @@ pub(super) fn write_notice(
     .write(out);
 }
 
+/// A named lane, made on its first request: its id is copied then only, not per request.
+fn lane_entry<'l>(
+    lanes: &'l mut HashMap<Vec<u8>, Lane, foldhash::fast::RandomState>,
+    lane: &[u8],
+) -> &'l mut Lane {
+    if !lanes.contains_key(lane) {
+        lanes.insert(lane.to_vec(), Lane::default());
+    }
+    lanes.get_mut(lane).expect("inserted above")
+}
+
 /// A reply to `req`: same opaque and opcode, its lane echoed.
 pub(super) fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
     ReplyTo::of(req).reply(st, payload)
@@ -601,7 +612,7 @@ impl Session {
             let l = if lane.is_empty() {
                 &mut self.root
             } else {
-                self.lanes.entry(lane.clone()).or_default()
+                lane_entry(&mut self.lanes, &lane)
             };
             if l.queue.is_empty() && !l.fenced && (!fenced || l.running.is_empty()) {
                 let seq = self.taken;
@@ -631,7 +642,7 @@ impl Session {
         let l = if lane.is_empty() {
             &mut self.root
         } else {
-            self.lanes.entry(lane.clone()).or_default()
+            lane_entry(&mut self.lanes, &lane)
         };
         l.queue.push_back(queued);
         if !l.touched {
