@@ -9,6 +9,7 @@
 //! applying the requests that follow.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -118,6 +119,26 @@ impl Replies {
                 Err(())
             }
         }
+    }
+
+    /// Releases every held reply that is ready now, without waiting: replies acknowledged
+    /// together leave in one send, not one each. Err as `release_apart`.
+    async fn release_ready(&mut self) -> Result<(), ()> {
+        std::future::poll_fn(|cx| {
+            while let Some((head, _)) = self.held.front_mut() {
+                match std::pin::Pin::new(head).poll(cx) {
+                    std::task::Poll::Ready(reply) => self.release_head(reply),
+                    std::task::Poll::Pending => break,
+                }
+            }
+            while let std::task::Poll::Ready(Some(done)) = self.unordered.poll_join_next(cx) {
+                if self.release_apart(done).is_err() {
+                    return std::task::Poll::Ready(Err(()));
+                }
+            }
+            std::task::Poll::Ready(Ok(()))
+        })
+        .await
     }
 
     /// Waits for every held reply, in order, and those held apart.
@@ -285,6 +306,9 @@ pub async fn run(
                     return;
                 }
             }
+        }
+        if replies.held_count() > 0 && replies.release_ready().await.is_err() {
+            return;
         }
         if send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
             .await

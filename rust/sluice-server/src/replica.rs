@@ -600,18 +600,21 @@ impl ReplicaSession<'_> {
     fn acknowledge(&mut self) {
         let persisted = self.engine.persisted_seqnos(self.bucket);
         let mut lags = self.stats.vbuckets.lock();
+        let mut acks = Vec::new();
         for (vb, s) in self.snapshots.iter_mut() {
             let held = s.consistent();
             let on_disk = held.min(persisted.get(*vb as usize).copied().unwrap_or(0));
             if held > s.acked || on_disk > s.acked_persisted {
                 s.acked = s.acked.max(held);
                 s.acked_persisted = s.acked_persisted.max(on_disk);
-                self.consumer.acknowledge(*vb, s.acked, s.acked_persisted);
+                acks.push((*vb, s.acked, s.acked_persisted));
                 let l = lags.entry(*vb).or_default();
                 l.acked_seqno = s.acked;
                 l.acked_persisted = s.acked_persisted;
             }
         }
+        drop(lags);
+        self.consumer.acknowledge(&acks);
     }
 }
 

@@ -235,16 +235,22 @@ impl Consumer {
         self.write_now(&out)
     }
 
-    /// SEQNO_ACKNOWLEDGED, written at once from the reader's thread (durable writes wait on
-    /// it), under the same lock as the consumer thread's own writes.
-    pub fn acknowledge(&self, vbucket: u16, seqno: u64, persisted: u64) -> bool {
-        let mut out = Vec::new();
-        let _ = SeqnoAcknowledged {
-            vbucket,
-            prepared_seqno: seqno,
-            persisted_seqno: Some(persisted),
+    /// SEQNO_ACKNOWLEDGED for each (vbucket, seqno held, seqno on disk), written at once in
+    /// one send (durable writes wait on them), under the same lock as the consumer thread's
+    /// own writes.
+    pub fn acknowledge(&self, acks: &[(u16, u64, u64)]) -> bool {
+        if acks.is_empty() {
+            return true;
         }
-        .encode(&mut out, 0);
+        let mut out = Vec::with_capacity(acks.len() * 48);
+        for &(vbucket, seqno, persisted) in acks {
+            let _ = SeqnoAcknowledged {
+                vbucket,
+                prepared_seqno: seqno,
+                persisted_seqno: Some(persisted),
+            }
+            .encode(&mut out, 0);
+        }
         self.write_now(&out)
     }
 }
