@@ -37,6 +37,10 @@ pub struct Bucket {
     pub stats: BucketStats,
     /// Wakes stream readers when any of the bucket's vbuckets has new changes.
     pub changes: ChangeSignal,
+    /// Per vbucket, moves (under its lock) on every change a stream reads: items, state,
+    /// history. A stream caught up on a vbucket whose version has not moved has nothing to
+    /// send, which it learns from one load instead of taking locks.
+    versions: Box<[AtomicU64]>,
     /// Replicas following each vbucket and what they acknowledged (durable writes).
     pub acks: ReplicaAcks,
     /// The vbucket eviction visits next (taken modulo the vbucket count).
@@ -63,6 +67,7 @@ impl Bucket {
             checkpoint_mem: AtomicIsize::new(0),
             stats: BucketStats::default(),
             changes: ChangeSignal::default(),
+            versions: (0..vbuckets_len).map(|_| AtomicU64::new(0)).collect(),
             acks: ReplicaAcks::new(vbuckets_len),
             eviction_cursor: AtomicUsize::new(0),
             key_shape,
@@ -90,6 +95,13 @@ impl Bucket {
     }
 
     /// Brings the bucket's memory counters up to date with one vbucket; call with its lock held.
+    /// The vbucket took a change streams read (items, state, history; its lock is held): its
+    /// version moves, and its memory is accounted.
+    pub fn changed(&self, vb: &mut VBucket) {
+        self.touch(vb);
+        self.account(vb);
+    }
+
     pub fn account(&self, vb: &mut VBucket) {
         let total = vb.mem_bytes();
         let cp = vb.checkpoints.mem_bytes();
@@ -98,6 +110,21 @@ impl Bucket {
         self.checkpoint_mem
             .fetch_add(cp as isize - vb.accounted.1 as isize, Ordering::Relaxed);
         vb.accounted = (total, cp);
+    }
+
+    /// The vbucket changed (its lock is held): its version moves.
+    fn touch(&self, vb: &VBucket) {
+        if let Some(v) = self.versions.get(vb.id as usize) {
+            v.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// The vbucket's version: read it before looking at the vbucket; if it has not moved
+    /// since, neither has anything a stream reads from it.
+    pub fn version(&self, vbid: u16) -> u64 {
+        self.versions
+            .get(vbid as usize)
+            .map_or(0, |v| v.load(Ordering::Acquire))
     }
 
     pub fn mem_used(&self) -> usize {

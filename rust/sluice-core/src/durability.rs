@@ -5,12 +5,13 @@
 //! a whole snapshot), and separately once those changes are on its disk. One mutex per bucket:
 //! acknowledgements come once per batch per vbucket, never per item.
 
+use std::future::Future;
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::Durability;
-use crate::signal::ChangeSignal;
 
 /// Couchbase's durability requirement: a level and the time the write may wait for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,11 +67,18 @@ pub struct ReplicaAck {
     pub persisted: u64,
 }
 
+/// One vbucket's replicas, and the async waits for them: an acknowledgement wakes the waits
+/// on its vbucket only, not every durable write in flight.
+#[derive(Default, Clone)]
+struct VbAcks {
+    replicas: Vec<ReplicaAck>,
+    waiters: Vec<Waker>,
+}
+
 pub struct ReplicaAcks {
-    vbuckets: Mutex<Vec<Vec<ReplicaAck>>>,
+    vbuckets: Mutex<Vec<VbAcks>>,
+    /// For blocking waits (`wait`).
     moved: Condvar,
-    /// Moves with `moved`, for async waits.
-    progress: ChangeSignal,
 }
 
 /// Why a wait for replicas ended without them.
@@ -87,18 +95,17 @@ pub enum WaitError {
 impl ReplicaAcks {
     pub fn new(num_vbuckets: u16) -> ReplicaAcks {
         ReplicaAcks {
-            vbuckets: Mutex::new(vec![Vec::new(); num_vbuckets as usize]),
+            vbuckets: Mutex::new(vec![VbAcks::default(); num_vbuckets as usize]),
             moved: Condvar::new(),
-            progress: ChangeSignal::default(),
         }
     }
 
     /// A replica's stream for `vb` started (the replica's name, from DCP's consumer_name).
     pub fn attach(&self, vb: u16, name: &str) {
         let mut all = self.vbuckets.lock();
-        if let Some(list) = all.get_mut(vb as usize) {
-            if !list.iter().any(|a| a.name == name) {
-                list.push(ReplicaAck {
+        if let Some(v) = all.get_mut(vb as usize) {
+            if !v.replicas.iter().any(|a| a.name == name) {
+                v.replicas.push(ReplicaAck {
                     name: name.to_string(),
                     seqno: 0,
                     persisted: 0,
@@ -110,32 +117,37 @@ impl ReplicaAcks {
     /// The replica's stream ended: it no longer counts, and waiters re-check.
     pub fn detach(&self, vb: u16, name: &str) {
         let mut all = self.vbuckets.lock();
-        if let Some(list) = all.get_mut(vb as usize) {
-            list.retain(|a| a.name != name);
-        }
+        let Some(v) = all.get_mut(vb as usize) else {
+            return;
+        };
+        v.replicas.retain(|a| a.name != name);
+        let waiters = std::mem::take(&mut v.waiters);
         drop(all);
-        self.announce();
+        self.announce(waiters);
     }
 
     pub fn ack(&self, vb: u16, name: &str, seqno: u64, persisted: Option<u64>) {
         let mut all = self.vbuckets.lock();
-        let Some(a) = all
-            .get_mut(vb as usize)
-            .and_then(|l| l.iter_mut().find(|a| a.name == name))
-        else {
+        let Some(v) = all.get_mut(vb as usize) else {
+            return;
+        };
+        let Some(a) = v.replicas.iter_mut().find(|a| a.name == name) else {
             return;
         };
         a.seqno = a.seqno.max(seqno);
         if let Some(p) = persisted {
             a.persisted = a.persisted.max(p);
         }
+        let waiters = std::mem::take(&mut v.waiters);
         drop(all);
-        self.announce();
+        self.announce(waiters);
     }
 
-    fn announce(&self) {
+    fn announce(&self, waiters: Vec<Waker>) {
         self.moved.notify_all();
-        self.progress.notify();
+        for w in waiters {
+            w.wake();
+        }
     }
 
     /// Some(outcome) once a wait for `seqno` of `vb` is over.
@@ -163,37 +175,43 @@ impl ReplicaAcks {
 
     /// Completes once `needed` replicas acknowledged `seqno` of `vb` (on disk if `persisted`),
     /// or fewer than that follow it; the caller bounds the wait in time.
-    pub async fn acked(
+    pub fn acked(
         &self,
         vb: u16,
         seqno: u64,
         persisted: bool,
         needed: usize,
-    ) -> Result<(), WaitError> {
-        loop {
-            let seen = self.progress.generation();
-            {
-                let all = self.vbuckets.lock();
-                let list = all.get(vb as usize).map(|l| l.as_slice()).unwrap_or(&[]);
-                if let Some(done) = Self::outcome(list, seqno, persisted, needed) {
-                    return done;
-                }
+    ) -> impl Future<Output = Result<(), WaitError>> + '_ {
+        std::future::poll_fn(move |cx| {
+            let mut all = self.vbuckets.lock();
+            let Some(v) = all.get_mut(vb as usize) else {
+                return Poll::Ready(Self::outcome(&[], seqno, persisted, needed).expect("over"));
+            };
+            if let Some(done) = Self::outcome(&v.replicas, seqno, persisted, needed) {
+                return Poll::Ready(done);
             }
-            self.progress.changed(seen).await;
-        }
+            if !v.waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                v.waiters.push(cx.waker().clone());
+            }
+            Poll::Pending
+        })
     }
 
     pub fn following(&self, vb: u16) -> Vec<ReplicaAck> {
         self.vbuckets
             .lock()
             .get(vb as usize)
-            .cloned()
+            .map(|v| v.replicas.clone())
             .unwrap_or_default()
     }
 
     /// Refuses a write at once when too few replicas follow `vb` to ever meet the level.
     pub fn check(&self, vb: u16, needed: usize) -> Result<(), WaitError> {
-        let following = self.vbuckets.lock().get(vb as usize).map_or(0, |l| l.len());
+        let following = self
+            .vbuckets
+            .lock()
+            .get(vb as usize)
+            .map_or(0, |v| v.replicas.len());
         if following < needed {
             return Err(WaitError::TooFewReplicas { following, needed });
         }
@@ -215,7 +233,7 @@ impl ReplicaAcks {
         let deadline = Instant::now() + timeout;
         let mut all = self.vbuckets.lock();
         loop {
-            let list = all.get(vb as usize).map(|l| l.as_slice()).unwrap_or(&[]);
+            let list = all.get(vb as usize).map_or(&[][..], |v| &v.replicas);
             if let Some(done) = Self::outcome(list, seqno, persisted, needed) {
                 return done;
             }

@@ -14,7 +14,7 @@
 //! A probe connection of its own asks the active for its high seqnos every second, so the lag
 //! reported is against where the active is, not against what this node has received.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -341,6 +341,7 @@ fn follow(
             consumer: &consumer,
             stats: &stats,
             snapshots: BTreeMap::new(),
+            due: BTreeSet::new(),
         };
         let why = session.run(&stop);
         stats.connected.store(false, Ordering::Release);
@@ -372,6 +373,9 @@ struct ReplicaSession<'a> {
     stats: &'a ReplicaStats,
     /// Per vbucket: the snapshot being received and the acknowledgements sent.
     snapshots: BTreeMap<u16, Snap>,
+    /// Vbuckets whose acknowledgement may move: changes arrived, or some held are not on
+    /// disk yet. Only these are looked at after each event.
+    due: BTreeSet<u16>,
 }
 
 #[derive(Default)]
@@ -400,7 +404,7 @@ impl ReplicaSession<'_> {
     fn run(&mut self, stop: &AtomicBool) -> Option<ReplicationError> {
         while !stop.load(Ordering::Acquire) {
             // Short waits while acknowledgements of persistence are still due.
-            let pending = self.snapshots.values().any(|s| s.acked_persisted < s.acked);
+            let pending = !self.due.is_empty();
             let wait = if pending {
                 Duration::from_millis(2)
             } else {
@@ -517,6 +521,7 @@ impl ReplicaSession<'_> {
                     })?;
             }
             let s = self.snapshots.entry(*vb).or_default();
+            self.due.insert(*vb);
             s.seqno = pos.seqno;
             s.start = pos.snap_start;
             s.end = pos.snap_end;
@@ -539,6 +544,7 @@ impl ReplicaSession<'_> {
                 source,
             })?;
         self.snapshots.remove(&vb);
+        self.due.remove(&vb);
         self.stats.vbuckets.lock().remove(&vb);
         log::warn!(
             "replication of bucket {:?}: the active no longer serves vbucket {vb} \
@@ -591,6 +597,7 @@ impl ReplicaSession<'_> {
                     ..Default::default()
                 },
             );
+            self.due.insert(vb);
             self.consumer.resume_at(vb, resume_point(&p));
         }
         Ok(())
@@ -598,12 +605,17 @@ impl ReplicaSession<'_> {
 
     /// Tells the active how far each vbucket is held, and on disk, when that moved.
     fn acknowledge(&mut self) {
-        let persisted = self.engine.persisted_seqnos(self.bucket);
+        if self.due.is_empty() {
+            return;
+        }
         let mut lags = self.stats.vbuckets.lock();
         let mut acks = Vec::new();
-        for (vb, s) in self.snapshots.iter_mut() {
+        self.due.retain(|vb| {
+            let Some(s) = self.snapshots.get_mut(vb) else {
+                return false;
+            };
             let held = s.consistent();
-            let on_disk = held.min(persisted.get(*vb as usize).copied().unwrap_or(0));
+            let on_disk = held.min(self.engine.persisted_seqno(self.bucket, *vb));
             if held > s.acked || on_disk > s.acked_persisted {
                 s.acked = s.acked.max(held);
                 s.acked_persisted = s.acked_persisted.max(on_disk);
@@ -612,7 +624,9 @@ impl ReplicaSession<'_> {
                 l.acked_seqno = s.acked;
                 l.acked_persisted = s.acked_persisted;
             }
-        }
+            // Kept while what it holds is not all on disk (nor acknowledged as such).
+            s.acked_persisted < held
+        });
         drop(lags);
         self.consumer.acknowledge(&acks);
     }
@@ -805,6 +819,7 @@ fn take_over_stream(
         consumer: &consumer,
         stats: &stats,
         snapshots: BTreeMap::new(),
+        due: BTreeSet::new(),
     };
     let mut paused_at = None;
     let mut active_after = None;

@@ -102,7 +102,7 @@ impl Inner {
                 meta,
                 now_ns,
             ));
-            bucket.account(vb);
+            bucket.changed(vb);
         }
         let evicted = changes.len();
         if evicted > 0 {

@@ -151,7 +151,7 @@ impl Engine {
         drop(wal);
         for ((b, _), vb) in &mut locked {
             let bucket = order.iter().find(|o| o.0 == *b).expect("locked").2;
-            bucket.account(vb);
+            bucket.changed(vb);
         }
         drop(locked);
         let mut notified: Vec<u16> = Vec::new();

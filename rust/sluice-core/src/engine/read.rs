@@ -185,6 +185,11 @@ impl Engine {
             .collect()
     }
 
+    /// One vbucket's seqno up to which its changes are on disk (0 for a vbucket not there).
+    pub fn persisted_seqno(&self, bucket: &Bucket, vbid: u16) -> u64 {
+        bucket.lock_vbucket(vbid).map_or(0, |vb| vb.persisted_seqno)
+    }
+
     pub fn failover_log(&self, bucket: &Bucket, vbid: u16) -> Option<Vec<FailoverEntry>> {
         bucket
             .lock_vbucket(vbid)

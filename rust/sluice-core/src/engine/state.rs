@@ -62,6 +62,7 @@ impl Engine {
             ));
         }
         // Streams of the vbucket look at its state when woken.
+        bucket.changed(&mut vb);
         bucket.changes.notify();
         Ok(Written::new((), Durability::None.into(), vb.last_lsn, &[]))
     }
@@ -121,7 +122,7 @@ impl Engine {
         }
         drop(a);
         vb.last_lsn = last;
-        bucket.account(&mut vb);
+        bucket.changed(&mut vb);
         drop(vb);
         bucket.changes.notify();
         self.note_checkpoint_pressure(bucket, last);
@@ -147,6 +148,8 @@ impl Engine {
     }
 
     pub(super) fn log_failover_log(&self, bucket: &Bucket, vb: &mut VBucket) -> Result<()> {
+        // Streams compare the history they opened on.
+        bucket.changed(vb);
         let mut a = self.inner.wal.appender()?;
         vb.last_lsn = a.push(WalPayload::meta(
             bucket.id,

@@ -588,7 +588,7 @@ impl Engine {
             }
             vb.last_lsn = last_lsn;
             written.push((*vbid as u16, vb.high_seqno));
-            bucket.account(vb);
+            bucket.changed(vb);
         }
         drop(locked);
         bucket.changes.notify();
@@ -959,7 +959,7 @@ impl Inner {
         let (cas, seqno) = (change.meta().cas, change.seqno());
         let lsn = self.wal.appender()?.push(WalPayload::Change(change));
         vb.last_lsn = lsn;
-        bucket.account(vb);
+        bucket.changed(vb);
         bucket.changes.notify();
         Ok(MutationResult {
             cas,

@@ -82,6 +82,9 @@ pub struct Stream {
     pending_pos: usize,
     /// Whether a dropped cursor ends the stream (the consumer declared cursor dropping).
     end_when_dropped: bool,
+    /// The vbucket's version when a fill last found nothing to send: until it moves, fills
+    /// return at once (a connection streaming many vbuckets is woken by a change to any).
+    idle_at: Option<u64>,
     /// Items sent by backfill and from memory, for the producer's metrics.
     pub sent_backfill: u64,
     pub sent_memory: u64,
@@ -164,6 +167,7 @@ impl Stream {
             pending: VecDeque::new(),
             pending_pos: 0,
             end_when_dropped,
+            idle_at: None,
             sent_backfill: 0,
             sent_memory: 0,
             acks_as: None,
@@ -283,6 +287,11 @@ impl Stream {
         out: &mut impl StreamSink,
         budget: usize,
     ) -> (usize, Progress) {
+        let version = self.bucket.version(self.vbucket);
+        if self.idle_at == Some(version) && self.takeover == Takeover::Off {
+            return (0, Progress::Idle);
+        }
+        self.idle_at = None;
         let mut used = 0;
         let (state, history) = engine
             .stream_state(&self.bucket, self.vbucket)
@@ -338,12 +347,13 @@ impl Stream {
                                         _ => {}
                                     }
                                 }
-                                let p = if used > 0 {
-                                    Progress::Sent
-                                } else {
-                                    Progress::Idle
-                                };
-                                return (used, p);
+                                if used > 0 {
+                                    return (used, Progress::Sent);
+                                }
+                                if self.takeover == Takeover::Off {
+                                    self.idle_at = Some(version);
+                                }
+                                return (0, Progress::Idle);
                             }
                             Err(reason) => {
                                 used += self.write_end(out, reason);

@@ -13,7 +13,7 @@ use sluice_proto::dcp::{self, open_flag};
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
 use super::flow_control::FlowControl;
-use super::session::{ConsumerSession, MAX_FRAME_BODY, READ_CHUNK};
+use super::session::{ConsumerSession, ReadBuffer, MAX_FRAME_BODY};
 use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, VbucketPosition};
 use crate::tls::SyncWriter;
 
@@ -79,7 +79,7 @@ impl ConsumerSession {
             config: config.clone(),
             events,
             commands,
-            inbuf: Vec::with_capacity(READ_CHUNK * 2),
+            inbuf: ReadBuffer::default(),
             streams: HashMap::new(),
             batch: Batch::new(),
             touched: BTreeSet::new(),
@@ -274,10 +274,10 @@ impl ConsumerSession {
     fn next_frame_blocking(&mut self) -> Result<Vec<u8>, ConsumerError> {
         loop {
             if let Some(n) =
-                mcbp::frame_len(&self.inbuf, MAX_FRAME_BODY).map_err(ConsumerError::Frame)?
+                mcbp::frame_len(self.inbuf.data(), MAX_FRAME_BODY).map_err(ConsumerError::Frame)?
             {
-                let f = self.inbuf[..n].to_vec();
-                self.inbuf.drain(..n);
+                let f = self.inbuf.data()[..n].to_vec();
+                self.inbuf.consume(n);
                 return Ok(f);
             }
             // Setup reads wait `setup_timeout` each: nothing in that time is a dead producer.

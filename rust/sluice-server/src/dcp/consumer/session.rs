@@ -23,6 +23,40 @@ use crate::tls::{SyncReader, SyncWriter};
 pub(super) const MAX_FRAME_BODY: usize = 21 << 20;
 pub(super) const READ_CHUNK: usize = 256 << 10;
 
+/// What was read from the producer and not handled yet. The buffer is zeroed once, when it
+/// grows, not on every read: a read of a few bytes costs a few bytes.
+#[derive(Default)]
+pub(super) struct ReadBuffer {
+    buf: Vec<u8>,
+    filled: usize,
+}
+
+impl ReadBuffer {
+    pub(super) fn data(&self) -> &[u8] {
+        &self.buf[..self.filled]
+    }
+
+    /// One read into the room after the data (at least `READ_CHUNK` of it).
+    fn read_from(&mut self, r: &mut impl Read) -> std::io::Result<usize> {
+        if self.buf.len() < self.filled + READ_CHUNK {
+            self.buf.resize(self.filled + READ_CHUNK, 0);
+        }
+        let n = r.read(&mut self.buf[self.filled..])?;
+        self.filled += n;
+        Ok(n)
+    }
+
+    /// The first `n` bytes were handled.
+    pub(super) fn consume(&mut self, n: usize) {
+        self.buf.copy_within(n..self.filled, 0);
+        self.filled -= n;
+        // A frame larger than the usual room made the buffer grow; give that back.
+        if self.filled == 0 && self.buf.len() > 4 * READ_CHUNK {
+            self.buf = Vec::new();
+        }
+    }
+}
+
 /// The consumer thread's side of one connection: fields are shared with the `handshake`,
 /// `stream` and `flow_control` modules, which add its methods.
 pub(super) struct ConsumerSession {
@@ -31,7 +65,7 @@ pub(super) struct ConsumerSession {
     pub(super) config: ConsumerConfig,
     pub(super) events: SyncSender<Event>,
     pub(super) commands: Receiver<Command>,
-    pub(super) inbuf: Vec<u8>,
+    pub(super) inbuf: ReadBuffer,
     pub(super) streams: HashMap<u16, VbStream>,
     pub(super) batch: Batch,
     pub(super) touched: BTreeSet<u16>,
@@ -43,32 +77,19 @@ impl ConsumerSession {
     /// Reads what the socket has; Ok(0) is a timeout (nothing arrived), an error a closed or
     /// broken connection.
     pub(super) fn read_more(&mut self) -> std::io::Result<usize> {
-        let len = self.inbuf.len();
-        self.inbuf.resize(len + READ_CHUNK, 0);
-        let r = self.sock.read(&mut self.inbuf[len..]);
-        match r {
-            Ok(0) => {
-                self.inbuf.truncate(len);
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the producer closed the connection",
-                ))
-            }
-            Ok(n) => {
-                self.inbuf.truncate(len + n);
-                Ok(n)
-            }
+        match self.inbuf.read_from(&mut self.sock) {
+            Ok(0) => Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the producer closed the connection",
+            )),
+            Ok(n) => Ok(n),
             Err(e)
                 if e.kind() == std::io::ErrorKind::WouldBlock
                     || e.kind() == std::io::ErrorKind::TimedOut =>
             {
-                self.inbuf.truncate(len);
                 Ok(0)
             }
-            Err(e) => {
-                self.inbuf.truncate(len);
-                Err(e)
-            }
+            Err(e) => Err(e),
         }
     }
 
@@ -129,20 +150,20 @@ impl ConsumerSession {
                 return Err(ConsumerError::Silent(dead_after));
             }
             let mut consumed = 0;
-            while let Some(len) = mcbp::frame_len(&self.inbuf[consumed..], MAX_FRAME_BODY)
+            while let Some(len) = mcbp::frame_len(&self.inbuf.data()[consumed..], MAX_FRAME_BODY)
                 .map_err(ConsumerError::BadFrame)?
             {
                 let range = consumed..consumed + len;
                 consumed += len;
                 let frame = std::mem::take(&mut self.inbuf);
-                let r = self.handle(&frame[range]);
+                let r = self.handle(&frame.data()[range]);
                 self.inbuf = frame;
                 r?;
                 if self.batch.len() >= self.config.batch_size && !self.flush() {
                     return Ok(());
                 }
             }
-            self.inbuf.drain(..consumed);
+            self.inbuf.consume(consumed);
             // A short read means the producer has nothing more queued right now.
             if n < READ_CHUNK && !self.flush() {
                 return Ok(());
