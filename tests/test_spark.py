@@ -4,6 +4,7 @@ running stream, and a daemon that is down or silent."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -82,6 +83,10 @@ def test_a_batch_read_from_a_replica_equals_what_was_written(spark, tmp_path):
             .option("timeout", "2")
             .load()
         )
+        # 4,000 changes: fewer than a partition's minimum, so one partition unless told.
+        assert df.rdd.getNumPartitions() == 1
+        three = spark.read.format("sluice").option("nodes", replica.address).option("numPartitions", "3")
+        assert three.load().rdd.getNumPartitions() == 3
         rows = df.collect()
         live = {r.key: bytes(r.value).decode() for r in rows if r.op == "mutation"}
         assert live == {k: v for k, v in expected.items() if v is not None}
@@ -150,6 +155,14 @@ def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spa
         q = run(processingTime="500 milliseconds")
         try:
             wait_until("the first writes in the sink", lambda: len(changes_in(spark, out)) >= 600)
+
+            # The query's progress names the source's latest offset: every vbucket's high seqno.
+            def latest_seqnos() -> int:
+                p = q.lastProgress
+                latest = p and p["sources"][0].get("latestOffset")
+                return sum(v["seqno"] for v in json.loads(latest)["vbuckets"].values()) if latest else 0
+
+            wait_until("the latest offset in the query's progress", lambda: latest_seqnos() >= 600)
             # New writes, overwrites and deletes while the query runs.
             write(node, {f"b{i}": f"two{i}" for i in range(300)})
             write(node, {f"a{i}": None for i in range(0, 600, 10)})
@@ -270,6 +283,19 @@ def test_the_failover_rule():
     assert planning.diverged(log, 150, 99, 40)[0] == 0
     assert planning.diverged(log, 150, 99, 0) is None
     assert planning.uuid_at(log, 110) == 20 and planning.uuid_at(log, 120) == 30
+
+
+def test_partitions_are_chosen_from_the_data_and_the_cores():
+    def ranges(n: int, span: int) -> list:
+        return [("n", planning.VbucketRange(vb, 1, 0, span)) for vb in range(n)]
+
+    # Little data: one partition; enough to share: one per core; a lot: at most a million
+    # changes each; never more partitions than vbucket ranges.
+    assert planning.partitions_for(ranges(1024, 5), cores=8) == 1
+    assert planning.partitions_for(ranges(1024, 1000), cores=8) == 8
+    assert planning.partitions_for(ranges(1024, 100_000), cores=8) == 103
+    assert planning.partitions_for(ranges(4, 10**7), cores=8) == 4
+    assert planning.partitions_for([], cores=8) == 1
 
 
 def test_offsets_are_canonical():

@@ -215,7 +215,8 @@ def _partitions(
     ranges = [
         (sources[vb].node, VbucketRange(vb, start[vb].uuid, start[vb].seqno, end[vb].seqno)) for vb in todo
     ]
-    return [SluicePartition(node, tuple(rs)) for node, rs in planning.group(ranges, opts.num_partitions)]
+    n = opts.num_partitions or planning.partitions_for(ranges)
+    return [SluicePartition(node, tuple(rs)) for node, rs in planning.group(ranges, n)]
 
 
 class SluiceBatchReader(DataSourceReader):
@@ -293,6 +294,14 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends.setdefault(vb, pos)
         out = planning.offset_json(ends)
         return start if out == start else out
+
+    def reportLatestOffset(self) -> dict | None:
+        """Every vbucket at its high seqno as last looked up (by ``latestOffset``, no request of
+        its own): the query's progress shows it as the source's latest offset, how far behind
+        the micro-batches run."""
+        if not self._sources:
+            return None
+        return planning.offset_json({vb: Position(s.high_seqno, s.uuid) for vb, s in self._sources.items()})
 
     def partitions(self, start: dict, end: dict) -> list[SluicePartition]:
         begin = planning.parse_offset(start)

@@ -50,7 +50,7 @@ class Options:
     include_deletes: bool
     user: str | None
     password: str | None
-    num_partitions: int
+    num_partitions: int | None  # None: chosen from the data and the cores
     timeout: float
 
     def node_kwargs(self) -> dict[str, Any]:
@@ -222,6 +222,6 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
         include_deletes=get("includedeletes", _bool, True),
         user=user,
         password=password,
-        num_partitions=get("numpartitions", _positive_int, 8),
+        num_partitions=get("numpartitions", _positive_int, None),
         timeout=get("timeout", _seconds, 10.0),
     )

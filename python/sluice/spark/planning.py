@@ -10,6 +10,7 @@ every time.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,6 +192,23 @@ class VbucketRange:
     uuid: int
     start: int
     end: int
+
+
+#: Changes a partition is given at least (below this a partition's fixed cost, a Python worker
+#: and a connection, outweighs what splitting gains) and at most (so that a large read is spread
+#: over many tasks, as Spark splits files at 128 MiB).
+MIN_ROWS_PER_PARTITION = 10_000
+MAX_ROWS_PER_PARTITION = 1_000_000
+
+
+def partitions_for(ranges: list[tuple[str, VbucketRange]], cores: int | None = None) -> int:
+    """numPartitions when the option is not set, chosen as Spark sizes file splits: the changes
+    spread over the cores (those of this machine unless given), each partition holding between
+    MIN_ and MAX_ROWS_PER_PARTITION of them; never more partitions than vbucket ranges."""
+    span = sum(r.end - r.start for _, r in ranges)
+    cores = cores or os.cpu_count() or 1
+    per_partition = min(MAX_ROWS_PER_PARTITION, max(MIN_ROWS_PER_PARTITION, -(-span // cores)))
+    return max(1, min(len(ranges), -(-span // per_partition)))
 
 
 def group(

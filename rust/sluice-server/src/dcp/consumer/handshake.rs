@@ -180,17 +180,23 @@ impl ConsumerSession {
             .collect())
     }
 
-    /// The vbuckets in `state` (a `VbucketState` code): their high seqnos and failover logs.
+    /// The vbuckets in `state` (a `VbucketState` code): their high seqnos and failover logs,
+    /// the logs asked for all at once (one round trip, not one per vbucket).
     pub(super) fn vbucket_positions(
         &mut self,
         state: u32,
     ) -> Result<Vec<VbucketPosition>, ConsumerError> {
         let seqnos = self.high_seqnos(state)?;
+        let mut reqs = Vec::with_capacity(seqnos.len() * 24);
+        for &(vbucket, _) in &seqnos {
+            reqs.extend_from_slice(&encoded(&dcp::GetFailoverLog { vbucket }, SETUP_OPAQUE)?);
+        }
+        self.send(&reqs)
+            .map_err(|e| ConsumerError::during("GET_FAILOVER_LOG", e))?;
         let mut out = Vec::with_capacity(seqnos.len());
         for (vbucket, high_seqno) in seqnos {
             let what = format!("GET_FAILOVER_LOG of vbucket {vbucket}");
-            let req = encoded(&dcp::GetFailoverLog { vbucket }, SETUP_OPAQUE)?;
-            let v = self.call_frame(dcp::opcode::GET_FAILOVER_LOG, &req, &what)?;
+            let v = self.answer(dcp::opcode::GET_FAILOVER_LOG, &what)?;
             let failover = dcp::decode_failover_log(&v)
                 .map_err(|source| ConsumerError::FailoverLog { vbucket, source })?
                 .into_iter()
@@ -251,6 +257,11 @@ impl ConsumerSession {
     /// Sends one encoded request and waits for its answer (by opcode): its value on success.
     fn call_frame(&mut self, opcode: u8, req: &[u8], what: &str) -> Result<Vec<u8>, ConsumerError> {
         self.send(req).map_err(|e| ConsumerError::during(what, e))?;
+        self.answer(opcode, what)
+    }
+
+    /// The next answer to an `opcode` request sent earlier; its value when it succeeded.
+    fn answer(&mut self, opcode: u8, what: &str) -> Result<Vec<u8>, ConsumerError> {
         loop {
             let f = self
                 .next_frame_blocking()
