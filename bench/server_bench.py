@@ -32,6 +32,7 @@ LOADS = [
     ("50% GET, 100 B, pipeline 32", 0.5, 100, 32),
     ("90% GET, 1 KiB, pipeline 32", 0.9, 1024, 32),
     ("90% GET, 100 B, no pipelining", 0.9, 100, 1),
+    ("100% SET, 100 B, pipeline 32", 0.0, 100, 32),
 ]
 
 
