@@ -80,7 +80,7 @@ impl ConsumerSession {
             events,
             commands,
             inbuf: ReadBuffer::default(),
-            streams: HashMap::new(),
+            streams: HashMap::default(),
             batch: Batch::new(),
             touched: BTreeSet::new(),
             last_message: Instant::now(),

@@ -66,7 +66,8 @@ pub(super) struct ConsumerSession {
     pub(super) events: SyncSender<Event>,
     pub(super) commands: Receiver<Command>,
     pub(super) inbuf: ReadBuffer,
-    pub(super) streams: HashMap<u16, VbStream>,
+    /// Looked up once per message: hashed with foldhash, not SipHash.
+    pub(super) streams: HashMap<u16, VbStream, foldhash::fast::RandomState>,
     pub(super) batch: Batch,
     pub(super) touched: BTreeSet<u16>,
     pub(super) last_message: Instant,
