@@ -540,6 +540,32 @@ def test_dcp_over_greenstack_streams_snapshots_follows_rolls_back_and_closes(tmp
         assert node.stop() == 0
 
 
+def test_a_greenstack_stream_request_needs_the_stream_permission_as_it_is_now(tmp_path):
+    secret = sluice.config.hash_password("s", iterations=1000)
+
+    def users(perms: str) -> str:
+        return f'[users.feed]\npassword_hash = "{secret}"\nbuckets = {{ default = {perms} }}\n'
+
+    cfg = node_config(tmp_path, "a", users('["read", "stream"]'))
+    node = Node(tmp_path / "a", "--config", str(cfg))
+    c = Conn(node.greenstack)
+    try:
+        c.call(HELLO, {})
+        assert c.call(SASL_AUTH, {"mechanism": "PLAIN", "challenge": b"\x00feed\x00s"}).status == SUCCESS
+        assert c.call(SELECT_BUCKET, {"name": "default"}).status == SUCCESS
+        assert c.call(DCP_OPEN, {"name": "feed"}).status == SUCCESS
+        c.send(frame(7, DCP_STREAM_REQUEST, {"vbucket": 3}))
+        assert c.reply().status == SUCCESS
+        # The permission taken away live: the open connection's next stream is refused.
+        node_config(tmp_path, "a", users('["read"]'))
+        node.proc.send_signal(signal.SIGHUP)
+        node.wait_for("users updated now")
+        assert c.call(DCP_STREAM_REQUEST, {"vbucket": 5}).status == NO_ACCESS
+    finally:
+        c.close()
+        assert node.stop() == 0
+
+
 def test_dcp_over_greenstack_holds_to_the_clients_window(tmp_path):
     node = start(tmp_path, "")
     c = Conn(node.greenstack)

@@ -1456,9 +1456,20 @@ impl Session {
 
     /// DCP STREAM REQUEST, CLOSE STREAM and BUFFER ACK, once DCP is open.
     fn dcp_command(&mut self, f: &Frame<'_>, fields: &Fields<'_>) -> Vec<u8> {
-        let Some(dcp) = self.dcp.as_mut() else {
+        let Some(dcp) = self.dcp.as_ref() else {
             return failure(f, status::INVALID_STATE, "open DCP first (DCP OPEN)");
         };
+        // Checked again per stream, not only at OPEN: a users reload that took the permission
+        // away refuses the connection's next streams, as the memcached port does.
+        let bucket = dcp.bucket().name();
+        if f.opcode == opcode::DCP_STREAM_REQUEST && self.permissions(bucket) & STREAM != STREAM {
+            return failure(
+                f,
+                status::NO_ACCESS,
+                &format!("the user lacks the stream permission on bucket {bucket}"),
+            );
+        }
+        let dcp = self.dcp.as_mut().expect("checked above");
         let to = ReplyTo::of(f);
         let done = match f.opcode {
             opcode::DCP_STREAM_REQUEST => match dcp.stream_request(f.opaque, fields) {
