@@ -58,6 +58,19 @@ def majority_set(
     return read_response(sock)["status"]
 
 
+def until_majority_is_met(sock: socket.socket, key: bytes) -> None:
+    """Retries a majority SET until a replica follows and acknowledges it (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while majority_set(sock, key, b"v") != 0:
+        assert time.monotonic() < deadline, "no replica acknowledged a majority write"
+        time.sleep(0.05)
+
+
+def plain_sets_behind(n: int = 8) -> bytes:
+    """`n` pipelined plain SETs of behind0.. with opaques 2.., to follow a held write (opaque 1)."""
+    return b"".join(request(SET, f"behind{i}".encode(), b"x", set_extras(), opaque=2 + i) for i in range(n))
+
+
 def test_a_replica_converges_under_overwrites_and_deletes(tmp_path):
     active = start_node(tmp_path, "a")
     replica = start_node(tmp_path, "b", "--replica-of", active.address)
@@ -179,11 +192,8 @@ def test_majority_writes_survive_a_kill_of_the_active(tmp_path):
     stop = threading.Event()
     try:
         # Before a replica follows, majority is impossible; with one, it is met.
-        deadline = time.monotonic() + 30
         s = connect(active)
-        while majority_set(s, b"probe", b"1") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_majority_is_met(s, b"probe")
 
         def writer(n: int) -> None:
             w = connect(active)
@@ -231,10 +241,7 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         s = connect(active)
         assert majority_set(s, b"k", b"v") == 0xA1  # no replica follows
         replica = start_node(tmp_path, "b", "--replica-of", active.address)
-        deadline = time.monotonic() + 30
-        while majority_set(s, b"k", b"v") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_majority_is_met(s, b"k")
         for level in (2, 3):
             assert majority_set(s, f"level{level}".encode(), b"v", level=level) == 0
         assert majority_set(s, b"k", b"v", level=4) == 0xA0  # no such level
@@ -259,21 +266,12 @@ def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
     replica = start_node(tmp_path, "b", "--replica-of", active.address)
     try:
         s = connect(active)
-        deadline = time.monotonic() + 30
-        while majority_set(s, b"warm", b"v") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_majority_is_met(s, b"warm")
         replica.proc.send_signal(19)  # SIGSTOP
         try:
             wait_stopped(replica.proc.pid)
-            info = bytes([1]) + struct.pack(">H", 3000)  # majority, 3 s
-            framing = bytes([0x10 | len(info)]) + info
-            s.sendall(
-                flex_request(SET, framing, b"held", b"v", set_extras(), opaque=1)
-                + b"".join(
-                    request(SET, f"behind{i}".encode(), b"x", set_extras(), opaque=2 + i) for i in range(8)
-                )
-            )
+            framing = durability_framing(1, 3000)  # majority, 3 s
+            s.sendall(flex_request(SET, framing, b"held", b"v", set_extras(), opaque=1) + plain_sets_behind())
             t0 = time.monotonic()
             reader = bmemcached.Client([active.address])
             while reader.get("behind7") not in (b"x", "x"):
@@ -307,18 +305,12 @@ def test_a_client_that_allows_unordered_execution_gets_a_held_writes_reply_last(
         assert read_response(unordered)["value"] == struct.pack(">HH", 0x0E, 0x10)
         ordered.sendall(request(HELLO, b"test", struct.pack(">H", 0x10)))
         assert read_response(ordered)["value"] == struct.pack(">H", 0x10)
-        deadline = time.monotonic() + 30
-        while majority_set(unordered, b"warm", b"v") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_majority_is_met(unordered, b"warm")
         replica.proc.send_signal(19)  # SIGSTOP
         try:
             wait_stopped(replica.proc.pid)
-            info = bytes([1]) + struct.pack(">H", 2000)  # majority, 2 s
-            framing = bytes([0x10 | len(info)]) + info
-            behind = b"".join(
-                request(SET, f"behind{i}".encode(), b"x", set_extras(), opaque=2 + i) for i in range(8)
-            )
+            framing = durability_framing(1, 2000)  # majority, 2 s
+            behind = plain_sets_behind()
             for s in (unordered, ordered):
                 s.sendall(flex_request(SET, framing, b"held", b"v", set_extras(), opaque=1) + behind)
             first = read_response(unordered)

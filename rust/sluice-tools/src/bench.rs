@@ -333,28 +333,41 @@ async fn read_replies<S: AsyncRead + Unpin>(
     Ok(())
 }
 
+/// memcached: one request on a connection that has nothing else in flight; its reply's status
+/// and value.
+async fn call_once<S: AsyncRead + AsyncWrite + Unpin>(
+    sock: &mut S,
+    opcode: u8,
+    key: &[u8],
+    value: &[u8],
+) -> std::io::Result<(u16, Vec<u8>)> {
+    let h = HeaderFields {
+        magic: magic::REQUEST,
+        opcode,
+        ..Default::default()
+    };
+    let mut req = Vec::new();
+    mcbp::write_frame(&mut req, &h, &[], &[], key, value).expect("small");
+    sock.write_all(&req).await?;
+    sock.flush().await?;
+    let mut answer = (0, Vec::new());
+    read_replies(sock, Protocol::Memcached, &mut Vec::new(), 1, |reply| {
+        let r = mcbp::parse_response(reply).map_err(invalid)?;
+        answer = (r.status, r.value.to_vec());
+        Ok(())
+    })
+    .await?;
+    Ok(answer)
+}
+
 async fn login<S: AsyncRead + AsyncWrite + Unpin>(
     sock: &mut S,
     user: &Option<(String, String)>,
 ) -> std::io::Result<()> {
     let Some((u, p)) = user else { return Ok(()) };
-    let mut req = Vec::new();
     let data = [&b"\0"[..], u.as_bytes(), b"\0", p.as_bytes()].concat();
-    let h = HeaderFields {
-        magic: magic::REQUEST,
-        opcode: opcode::SASL_AUTH,
-        ..Default::default()
-    };
-    mcbp::write_frame(&mut req, &h, &[], &[], b"PLAIN", &data).expect("small");
-    sock.write_all(&req).await?;
-    sock.flush().await?;
-    let mut ok = false;
-    read_replies(sock, Protocol::Memcached, &mut Vec::new(), 1, |reply| {
-        ok = mcbp::parse_response(reply).map_err(invalid)?.status == status::SUCCESS;
-        Ok(())
-    })
-    .await?;
-    if ok {
+    let (st, _) = call_once(sock, opcode::SASL_AUTH, b"PLAIN", &data).await?;
+    if st == status::SUCCESS {
         Ok(())
     } else {
         Err(std::io::Error::new(
@@ -374,26 +387,11 @@ async fn hello_unordered<S: AsyncRead + AsyncWrite + Unpin>(sock: &mut S) -> std
     .iter()
     .flat_map(|f| f.to_be_bytes())
     .collect();
-    let h = HeaderFields {
-        magic: magic::REQUEST,
-        opcode: opcode::HELLO,
-        ..Default::default()
-    };
-    let mut req = Vec::new();
-    mcbp::write_frame(&mut req, &h, &[], &[], b"sluice bench", &features).expect("small");
-    sock.write_all(&req).await?;
-    sock.flush().await?;
-    let mut granted = false;
-    read_replies(sock, Protocol::Memcached, &mut Vec::new(), 1, |reply| {
-        let r = mcbp::parse_response(reply).map_err(invalid)?;
-        granted = r
-            .value
-            .chunks_exact(2)
-            .any(|c| u16::from_be_bytes([c[0], c[1]]) == mcbp::feature::UNORDERED_EXECUTION);
-        Ok(())
-    })
-    .await?;
-    if granted {
+    let (_, granted) = call_once(sock, opcode::HELLO, b"sluice bench", &features).await?;
+    if granted
+        .chunks_exact(2)
+        .any(|c| u16::from_be_bytes([c[0], c[1]]) == mcbp::feature::UNORDERED_EXECUTION)
+    {
         Ok(())
     } else {
         Err(std::io::Error::other(

@@ -524,6 +524,20 @@ fn lane_entry<'l>(
     lanes.get_mut(lane).expect("inserted above")
 }
 
+/// The lane named `lane` (the root lane for the empty name), if it exists; by its fields, so
+/// that a caller may hold the session's other fields at the same time.
+fn lane_in<'l>(
+    root: &'l mut Lane,
+    lanes: &'l mut HashMap<Vec<u8>, Lane, foldhash::fast::RandomState>,
+    lane: &[u8],
+) -> Option<&'l mut Lane> {
+    if lane.is_empty() {
+        Some(root)
+    } else {
+        lanes.get_mut(lane)
+    }
+}
+
 /// A reply to `req`: same opaque and opcode, its lane echoed.
 pub(super) fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
     ReplyTo::of(req).reply(st, payload)
@@ -654,11 +668,7 @@ impl Session {
 
     /// A lane by its id (the root lane's is empty).
     fn lane_mut(&mut self, lane: &[u8]) -> Option<&mut Lane> {
-        if lane.is_empty() {
-            Some(&mut self.root)
-        } else {
-            self.lanes.get_mut(lane)
-        }
+        lane_in(&mut self.root, &mut self.lanes, lane)
     }
 
     /// The request at the front of `l`'s queue, taken off it and counted as running, if the
@@ -692,15 +702,7 @@ impl Session {
                 if let Some(l) = self.lane_mut(&lane) {
                     l.touched = false;
                 }
-                loop {
-                    let l = if lane.is_empty() {
-                        &mut self.root
-                    } else {
-                        match self.lanes.get_mut(&lane) {
-                            Some(l) => l,
-                            None => break,
-                        }
-                    };
+                while let Some(l) = lane_in(&mut self.root, &mut self.lanes, &lane) {
                     let Some(q) = Session::next_to_start(l, &mut self.prioritized) else {
                         break;
                     };
@@ -710,13 +712,8 @@ impl Session {
             }
             let mut batch = std::mem::take(&mut self.batch);
             for lane in std::mem::take(&mut self.touched) {
-                let l = if lane.is_empty() {
-                    &mut self.root
-                } else {
-                    match self.lanes.get_mut(&lane) {
-                        Some(l) => l,
-                        None => continue,
-                    }
+                let Some(l) = lane_in(&mut self.root, &mut self.lanes, &lane) else {
+                    continue;
                 };
                 l.touched = false;
                 while let Some(q) = Session::next_to_start(l, &mut self.prioritized) {
