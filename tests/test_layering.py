@@ -56,6 +56,7 @@ SERVER_LAYERS = [
     {"greenstack"},  # Greenstack's front: lanes, fences, out-of-order replies
     {"topic_replica"},  # a replica's copy of its active's topics, over DCP
     {"replica"},  # following another node through the DCP consumer
+    {"cluster"},  # converging on a cluster map: vbucket states and per-vbucket replication
     {"config", "connection"},  # the server's settings; one connection and its handoffs
     {"admin"},  # the HTTP endpoint that reports on all of the above
     {"server"},  # builds every front's context and runs the listeners

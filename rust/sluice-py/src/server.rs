@@ -339,6 +339,7 @@ impl Server {
                     password: replication_password.clone(),
                     noop_interval: replication_noop_interval,
                     tls: replication_tls.clone(),
+                    vbuckets: None,
                 })
             }
         };
@@ -556,6 +557,65 @@ impl Server {
         };
         let done = py.detach(|| followers.promote()).map_err(to_py)?;
         Ok(done.into_iter().collect())
+    }
+
+    /// Converges on a cluster map: `servers` are the nodes' KV addresses ("HOST:PORT"), `this`
+    /// this node's index among them (None: it is not in the map), `chains` every vbucket's
+    /// active then replicas (indexes into `servers`, -1 for none), `rev` the map's revision,
+    /// served to clients. Returns what changed: {"promoted": [(bucket, vb)], "activated",
+    /// "to_replica", "to_dead", "refused", "streams": [(bucket, active, [vb])]}.
+    fn converge<'py>(
+        &self,
+        py: Python<'py>,
+        rev: i64,
+        servers: Vec<String>,
+        this: Option<usize>,
+        chains: Vec<Vec<i32>>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let mut endpoints = Vec::with_capacity(servers.len());
+        for s in &servers {
+            endpoints.push(
+                sluice_server::clustermap::Endpoint::parse(s, None).ok_or_else(|| {
+                    config_err("cluster map", &format!("bad server address {s:?}"))
+                })?,
+            );
+        }
+        if this.is_some_and(|t| t >= servers.len()) {
+            return Err(config_err(
+                "cluster map",
+                "this node's index is beyond the servers",
+            ));
+        }
+        if let Some(bad) = chains
+            .iter()
+            .flatten()
+            .find(|&&i| i < -1 || i >= servers.len() as i32)
+        {
+            return Err(config_err(
+                "cluster map",
+                &format!("a chain names server {bad}, beyond the servers"),
+            ));
+        }
+        let map = sluice_server::clustermap::Assigned {
+            rev,
+            servers: endpoints,
+            this,
+            chains,
+        };
+        let guard = self.inner.lock();
+        let Some(server) = guard.as_ref() else {
+            return Err(ClosedError::new_err("the server is stopped"));
+        };
+        let done = py.detach(|| server.converge(map)).map_err(to_py)?;
+        drop(guard);
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("promoted", done.promoted)?;
+        d.set_item("activated", done.activated)?;
+        d.set_item("to_replica", done.to_replica)?;
+        d.set_item("to_dead", done.to_dead)?;
+        d.set_item("refused", done.refused)?;
+        d.set_item("streams", done.streams)?;
+        Ok(d)
     }
 
     /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.

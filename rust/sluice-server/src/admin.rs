@@ -811,13 +811,15 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         .engine()
         .bucket(&bucket_name)
         .map_err(|e| e.to_string())?;
-    if let Some(r) = node.followers.running().first() {
+    if let Some(active) = node.followers.follows_everything() {
         return Err(format!(
-            "this node follows {} and replicates every vbucket; a vbucket moves only to a node \
-             that does not (promote it first)",
-            r.config.active
+            "this node follows {active} and replicates every vbucket; a vbucket moves only to a \
+             node that does not (promote it first)"
         ));
     }
+    // A cluster map may have this node follow the vbucket as a replica: the takeover stream
+    // replaces that one.
+    node.followers.release(&bucket_name, vb);
     let (username, password) = node.config.replication_login.clone();
     let config = crate::replica::ReplicaConfig {
         active: source,
@@ -825,6 +827,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         password,
         noop_interval: node.config.replication_noop_interval,
         tls: node.config.replication_tls.clone(),
+        vbuckets: None,
     };
     let r = crate::replica::take_over(
         node.engine(),

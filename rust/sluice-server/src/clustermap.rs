@@ -89,6 +89,33 @@ impl Layout {
     }
 }
 
+/// A map a cluster gives: its revision, its servers (this node's index among them, if it is
+/// one) and every vbucket's chain, the same for every bucket.
+#[derive(Debug, Clone)]
+pub struct Assigned {
+    pub rev: i64,
+    pub servers: Vec<Endpoint>,
+    pub this: Option<usize>,
+    pub chains: Vec<Vec<i32>>,
+}
+
+impl Assigned {
+    fn layout(&self, num_vbuckets: u16) -> Layout {
+        let width = self.chains.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let chains = (0..num_vbuckets as usize)
+            .map(|vb| {
+                let mut c = self.chains.get(vb).cloned().unwrap_or_default();
+                c.resize(width, -1);
+                c
+            })
+            .collect();
+        Layout {
+            servers: self.servers.clone(),
+            chains,
+        }
+    }
+}
+
 struct Served {
     layout: Layout,
     rev: i64,
@@ -117,6 +144,8 @@ pub struct ClusterMap {
     /// would end with a newer rev than the source's and have clients follow its own view.
     arriving: Mutex<std::collections::HashSet<(String, u16)>>,
     served: Mutex<HashMap<String, Served>>,
+    /// A cluster's map, when this node is in one: it replaces the layout the node works out.
+    cluster: Mutex<Option<Assigned>>,
     /// The newest rev of any bucket: connections that asked for pushes watch it.
     changed: watch::Sender<i64>,
 }
@@ -148,6 +177,7 @@ impl ClusterMap {
             moved: Mutex::new(HashMap::new()),
             arriving: Mutex::new(std::collections::HashSet::new()),
             served: Mutex::new(HashMap::new()),
+            cluster: Mutex::new(None),
             changed: watch::channel(0).0,
         }
     }
@@ -189,6 +219,11 @@ impl ClusterMap {
         self.arriving.lock().insert((bucket.to_string(), vb));
     }
 
+    /// Whether vbucket `vb` of `bucket` is being taken over onto this node.
+    pub fn is_arriving(&self, bucket: &str, vb: u16) -> bool {
+        self.arriving.lock().contains(&(bucket.to_string(), vb))
+    }
+
     /// The takeover onto this node failed: the vbucket shows its real state again.
     pub fn not_arriving(&self, bucket: &str, vb: u16) {
         self.arriving.lock().remove(&(bucket.to_string(), vb));
@@ -205,8 +240,21 @@ impl ClusterMap {
         self.changed.subscribe()
     }
 
+    /// Serves a cluster's map from now on, in place of the layout this node works out.
+    pub fn assign(&self, map: Assigned) {
+        *self.cluster.lock() = Some(map);
+    }
+
+    /// The cluster map assigned, if any.
+    pub fn assigned(&self) -> Option<Assigned> {
+        self.cluster.lock().clone()
+    }
+
     /// The layout this node sees for `bucket` now.
     pub fn layout(&self, engine: &Engine, bucket: &Bucket) -> Layout {
+        if let Some(a) = &*self.cluster.lock() {
+            return a.layout(bucket.num_vbuckets());
+        }
         let mut l = Layout {
             servers: vec![self.this_node.clone()],
             chains: Vec::with_capacity(bucket.num_vbuckets() as usize),
@@ -262,7 +310,26 @@ impl ClusterMap {
     /// The layout of `bucket` and its rev, raised when the layout differs from the last one.
     fn current(&self, engine: &Engine, bucket: &Bucket) -> (Layout, i64) {
         let layout = self.layout(engine, bucket);
+        let assigned_rev = self.cluster.lock().as_ref().map(|a| a.rev);
         let mut served = self.served.lock();
+        if let Some(rev) = assigned_rev {
+            // The cluster numbers its maps (etcd's revision of the map).
+            let s = served
+                .entry(bucket.name().to_string())
+                .or_insert_with(|| Served {
+                    layout: Layout::default(),
+                    rev: 0,
+                    config: None,
+                });
+            if s.rev != rev || s.layout != layout {
+                s.rev = rev;
+                s.layout = layout.clone();
+                s.config = None;
+                drop(served);
+                self.changed.send_replace(rev);
+            }
+            return (layout, rev);
+        }
         let newest = served.values().map(|s| s.rev).max().unwrap_or(0);
         let s = served
             .entry(bucket.name().to_string())
@@ -293,13 +360,17 @@ impl ClusterMap {
     }
 
     fn nodes_ext(&self, servers: &[Endpoint]) -> Vec<serde_json::Value> {
+        let this = match &*self.cluster.lock() {
+            Some(a) => a.this,
+            None => Some(0),
+        };
         servers
             .iter()
             .enumerate()
             .map(|(i, s)| {
                 let mut services = serde_json::json!({"kv": s.port});
                 let mut node = serde_json::json!({"hostname": s.host});
-                if i == 0 {
+                if Some(i) == this {
                     if let Some(p) = self.tls_port {
                         services["kvSSL"] = p.into();
                     }
@@ -362,7 +433,10 @@ impl ClusterMap {
 
     /// The cluster-level config (no bucket selected): the nodes this node knows, no vbuckets.
     pub fn cluster_config(&self, engine: &Engine) -> (i64, std::sync::Arc<str>) {
-        let mut servers = vec![self.this_node.clone()];
+        let mut servers = match &*self.cluster.lock() {
+            Some(a) => a.servers.clone(),
+            None => vec![self.this_node.clone()],
+        };
         let mut rev = 0;
         for b in engine.buckets() {
             let (layout, r) = self.current(engine, &b);

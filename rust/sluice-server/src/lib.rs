@@ -14,6 +14,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod cluster;
 pub mod clustermap;
 pub mod config;
 pub mod connection;

@@ -68,6 +68,8 @@ pub enum ReplicationError {
     Connection(String),
     #[error("the active ended the stream of vbucket {vbucket} (reason {reason})")]
     StreamEnded { vbucket: u16, reason: u32 },
+    #[error("the active refused the stream of vbucket {0}: it does not serve it yet")]
+    Refused(u16),
     #[error("the active ended every stream")]
     EveryStreamEnded,
     #[error("vbucket {0} vanished")]
@@ -95,6 +97,10 @@ pub struct ReplicaConfig {
     pub noop_interval: u32,
     /// Connect over TLS, verifying the active's certificate.
     pub tls: Option<crate::tls::ClientTls>,
+    /// The vbuckets to follow from this active, as a cluster map gives them (None: every
+    /// replica vbucket here, as `replica_of` follows). With a map, a stream the active refuses
+    /// is asked for again: the active has not caught up with the map yet.
+    pub vbuckets: Option<Vec<u16>>,
 }
 
 /// How often the replica asks its active for its high seqnos.
@@ -214,6 +220,13 @@ impl Replicator {
         }
     }
 
+    /// Whether this is the replication `config` asks for, of `bucket`.
+    fn runs(&self, bucket: &Bucket, config: &ReplicaConfig) -> bool {
+        self.bucket == bucket.name()
+            && self.config.active == config.active
+            && self.config.vbuckets == config.vbuckets
+    }
+
     /// Stops following; returns once the connection is closed and nothing more is applied.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
@@ -268,11 +281,15 @@ fn resume_point(p: &StreamPosition) -> Position {
     }
 }
 
-/// The vbuckets this node follows, and where each stands, from the engine's own state.
-fn own_state(engine: &Engine, bucket: &Bucket) -> (Vec<u16>, SessionState) {
+/// The vbuckets this node follows (those of `only`, if given, that are replicas here), and
+/// where each stands, from the engine's own state.
+fn own_state(engine: &Engine, bucket: &Bucket, only: Option<&[u16]>) -> (Vec<u16>, SessionState) {
     let mut vbs = Vec::new();
     let mut state = SessionState::default();
     for v in 0..bucket.num_vbuckets() {
+        if only.is_some_and(|o| !o.contains(&v)) {
+            continue;
+        }
         let Some(p) = engine.stream_position(bucket, v) else {
             continue;
         };
@@ -297,7 +314,7 @@ fn follow(
     let mut backoff = Duration::from_millis(50);
     let node = engine.instance().to_string();
     while !stop.load(Ordering::Acquire) {
-        let (vbuckets, state) = own_state(&engine, &bucket);
+        let (vbuckets, state) = own_state(&engine, &bucket, config.vbuckets.as_deref());
         {
             // The lag of every vbucket followed is reported from the start (the probe fills
             // in the active's side); vbuckets no longer followed leave the report.
@@ -342,6 +359,7 @@ fn follow(
             stats: &stats,
             snapshots: BTreeMap::new(),
             due: BTreeSet::new(),
+            by_map: config.vbuckets.is_some(),
         };
         let why = session.run(&stop);
         stats.connected.store(false, Ordering::Release);
@@ -376,6 +394,9 @@ struct ReplicaSession<'a> {
     /// Vbuckets whose acknowledgement may move: changes arrived, or some held are not on
     /// disk yet. Only these are looked at after each event.
     due: BTreeSet<u16>,
+    /// The vbuckets followed are a cluster map's: a refused stream is asked for again (the
+    /// map says the active has it), not given up as moved away.
+    by_map: bool,
 }
 
 #[derive(Default)]
@@ -442,6 +463,9 @@ impl ReplicaSession<'_> {
     fn follow_batch(&mut self, b: &Batch) -> Result<(), ReplicationError> {
         self.apply(b)?;
         for &vb in &b.refused {
+            if self.by_map {
+                return Err(ReplicationError::Refused(vb));
+            }
             self.given_away(vb)?;
         }
         for &(vb, reason) in &b.ended {
@@ -641,6 +665,7 @@ pub struct Followers {
     topics: Mutex<Option<crate::topic_replica::TopicFollower>>,
     /// Names the active while this node follows it, and shows the promotion.
     clustermap: Arc<ClusterMap>,
+    policies: Arc<PolicyHost>,
 }
 
 impl Followers {
@@ -691,7 +716,74 @@ impl Followers {
             replicators: Mutex::new(replicators),
             topics: Mutex::new(topics),
             clustermap,
+            policies: policies.clone(),
         }
+    }
+
+    /// A cluster map's replication: stops the replicators `wanted` has no place for (another
+    /// active, other vbuckets), so that no stream applies to vbuckets whose state is about to
+    /// change. `start_wanted` starts the rest once the states are set.
+    pub fn stop_unwanted(&self, wanted: &[(Arc<Bucket>, ReplicaConfig)]) {
+        let stopped: Vec<Replicator> = {
+            let mut running = self.replicators.lock();
+            let (keep, stop) = std::mem::take(&mut *running)
+                .into_iter()
+                .partition(|r| wanted.iter().any(|(b, c)| r.runs(b, c)));
+            *running = keep;
+            stop
+        };
+        for mut r in stopped {
+            r.stop();
+        }
+    }
+
+    /// Starts the replicators of `wanted` not running yet.
+    pub fn start_wanted(&self, wanted: Vec<(Arc<Bucket>, ReplicaConfig)>) {
+        let mut running = self.replicators.lock();
+        for (b, c) in wanted {
+            if !running.iter().any(|r| r.runs(&b, &c)) {
+                let address = Some(self.clustermap.kv_address());
+                running.push(Replicator::start(
+                    self.engine.clone(),
+                    b,
+                    c,
+                    self.policies.clone(),
+                    address,
+                ));
+            }
+        }
+    }
+
+    /// Whether a replicator follows every replica vbucket (`replica_of`), not a map's share.
+    pub fn follows_everything(&self) -> Option<String> {
+        self.replicators
+            .lock()
+            .iter()
+            .find(|r| r.config.vbuckets.is_none())
+            .map(|r| r.config.active.clone())
+    }
+
+    /// Stops following vbucket `vb` of `bucket` (a takeover onto this node is about to
+    /// stream it); the replicator that followed it goes on with the others.
+    pub fn release(&self, bucket: &str, vb: u16) {
+        let wanted: Vec<(Arc<Bucket>, ReplicaConfig)> = {
+            let running = self.replicators.lock();
+            running
+                .iter()
+                .filter_map(|r| {
+                    let b = self.engine.bucket(&r.bucket).ok()?;
+                    let mut c = r.config.clone();
+                    if r.bucket == bucket {
+                        if let Some(v) = &mut c.vbuckets {
+                            v.retain(|x| *x != vb);
+                        }
+                    }
+                    Some((b, c))
+                })
+                .collect()
+        };
+        self.stop_unwanted(&wanted);
+        self.start_wanted(wanted);
     }
 
     /// The replicators running now (none on an active node or after a promotion).
@@ -794,7 +886,7 @@ fn take_over_stream(
     timeout: Duration,
     clustermap: &ClusterMap,
 ) -> Result<TakeoverReport, ReplicationError> {
-    let (_, state) = own_state(engine, bucket);
+    let (_, state) = own_state(engine, bucket, Some(&[vb]));
     let started = Instant::now();
     let consumer = Consumer::start(ConsumerConfig {
         address: source.active.clone(),
@@ -820,6 +912,7 @@ fn take_over_stream(
         stats: &stats,
         snapshots: BTreeMap::new(),
         due: BTreeSet::new(),
+        by_map: false,
     };
     let mut paused_at = None;
     let mut active_after = None;

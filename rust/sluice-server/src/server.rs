@@ -36,6 +36,7 @@ pub struct Server {
     fronts: Arc<Fronts>,
     followers: Arc<Followers>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
+    replication: crate::cluster::Replication,
 }
 
 impl Server {
@@ -366,6 +367,12 @@ impl Server {
             fronts,
             followers,
             tls,
+            replication: crate::cluster::Replication {
+                username: config.replication_login.0.clone(),
+                password: config.replication_login.1.clone(),
+                noop_interval: config.replication_noop_interval,
+                tls: config.replication_tls.clone(),
+            },
         })
     }
 
@@ -410,6 +417,21 @@ impl Server {
             Some(t) => t.reload().map(|()| true),
             None => Ok(false),
         }
+    }
+
+    /// Converges this node on a cluster's map (see `cluster`).
+    pub fn converge(
+        &self,
+        map: crate::clustermap::Assigned,
+    ) -> sluice_core::Result<crate::cluster::Converged> {
+        let kv = &self.fronts.kv;
+        crate::cluster::converge(
+            &kv.engine,
+            &self.followers,
+            &kv.clustermap,
+            &self.replication,
+            map,
+        )
     }
 
     /// The replicators of a node that follows an active (promote through them).
