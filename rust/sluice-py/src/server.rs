@@ -618,6 +618,34 @@ impl Server {
         Ok(d)
     }
 
+    /// Moves vbucket `vbucket` of `bucket` here from the node at `source` ("HOST:PORT") by a
+    /// takeover stream. Returns {"items", "seconds", "writes_paused_ms", "high_seqno"}.
+    #[pyo3(signature = (bucket, vbucket, source, timeout=60.0))]
+    fn take_over<'py>(
+        &self,
+        py: Python<'py>,
+        bucket: &str,
+        vbucket: u16,
+        source: &str,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let timeout = secs("timeout", timeout)?;
+        let guard = self.inner.lock();
+        let Some(server) = guard.as_ref() else {
+            return Err(ClosedError::new_err("the server is stopped"));
+        };
+        let r = py
+            .detach(|| server.take_over(bucket, vbucket, source, timeout))
+            .map_err(SluiceError::new_err)?;
+        drop(guard);
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("items", r.items)?;
+        d.set_item("seconds", r.seconds)?;
+        d.set_item("writes_paused_ms", r.writes_paused_ms)?;
+        d.set_item("high_seqno", r.high_seqno)?;
+        Ok(d)
+    }
+
     /// Stops accepting, lets connections finish what they hold (up to `grace` seconds), stops.
     #[pyo3(signature = (grace=5.0))]
     fn stop(&self, py: Python<'_>, grace: f64) -> PyResult<()> {

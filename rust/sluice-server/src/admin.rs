@@ -811,33 +811,22 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         .engine()
         .bucket(&bucket_name)
         .map_err(|e| e.to_string())?;
-    if let Some(active) = node.followers.follows_everything() {
-        return Err(format!(
-            "this node follows {active} and replicates every vbucket; a vbucket moves only to a \
-             node that does not (promote it first)"
-        ));
-    }
-    // A cluster map may have this node follow the vbucket as a replica: the takeover stream
-    // replaces that one.
-    node.followers.release(&bucket_name, vb);
     let (username, password) = node.config.replication_login.clone();
-    let config = crate::replica::ReplicaConfig {
-        active: source,
+    let replication = crate::cluster::Replication {
         username,
         password,
         noop_interval: node.config.replication_noop_interval,
         tls: node.config.replication_tls.clone(),
-        vbuckets: None,
     };
-    let r = crate::replica::take_over(
-        node.engine(),
-        &bucket,
-        vb,
-        &config,
-        Duration::from_secs_f64(timeout),
-        &node.fronts.kv.clustermap,
-    )
-    .map_err(|e| e.to_string())?;
+    let member = crate::cluster::Member {
+        engine: node.engine(),
+        followers: &node.followers,
+        clustermap: &node.fronts.kv.clustermap,
+        replication: &replication,
+    };
+    let r = member
+        .take_over(&bucket, vb, &source, Duration::from_secs_f64(timeout))
+        .map_err(|e| e.to_string())?;
     Ok(serde_json::json!({
         "bucket": bucket_name,
         "vbucket": r.vbucket,

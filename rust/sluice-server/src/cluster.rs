@@ -57,104 +57,149 @@ fn role(map: &Assigned, vb: u16) -> VbState {
     }
 }
 
-/// Converges this node on `map`.
-pub fn converge(
-    engine: &Engine,
-    followers: &Followers,
-    clustermap: &ClusterMap,
-    replication: &Replication,
-    map: Assigned,
-) -> sluice_core::Result<Converged> {
-    let mut done = Converged::default();
-    // The streams the map wants, per bucket and active node.
-    let mut wanted: Vec<(Arc<Bucket>, ReplicaConfig)> = Vec::new();
-    for b in engine.buckets() {
-        let mut by_active: BTreeMap<usize, Vec<u16>> = BTreeMap::new();
-        for vb in 0..b.num_vbuckets() {
-            if role(&map, vb) != VbState::Replica {
-                continue;
-            }
-            let active = map.chains[vb as usize][0];
-            if active >= 0 && (active as usize) < map.servers.len() {
-                by_active.entry(active as usize).or_default().push(vb);
-            }
+/// Moves vbucket `vb` of `bucket` from the node at `source` to this one by a takeover stream
+/// (see `replica::take_over`). A replication stream that followed it here (a map's replica)
+/// gives way to the takeover's.
+/// The parts of a node a cluster map changes.
+pub struct Member<'a> {
+    pub engine: &'a Engine,
+    pub followers: &'a Followers,
+    pub clustermap: &'a ClusterMap,
+    pub replication: &'a Replication,
+}
+
+impl Member<'_> {
+    pub fn take_over(
+        &self,
+        bucket: &Arc<Bucket>,
+        vb: u16,
+        source: &str,
+        timeout: std::time::Duration,
+    ) -> Result<crate::replica::TakeoverReport, String> {
+        let Member {
+            engine,
+            followers,
+            clustermap,
+            replication,
+        } = *self;
+        if let Some(active) = followers.follows_everything() {
+            return Err(format!(
+            "this node follows {active} and replicates every vbucket; a vbucket moves only to a \
+             node that does not (promote it first)"
+        ));
         }
-        for (active, vbuckets) in by_active {
-            wanted.push((
-                b.clone(),
-                ReplicaConfig {
-                    active: map.servers[active].server(),
-                    username: replication.username.clone(),
-                    password: replication.password.clone(),
-                    noop_interval: replication.noop_interval,
-                    tls: replication.tls.clone(),
-                    vbuckets: Some(vbuckets),
-                },
-            ));
-        }
+        followers.release(bucket.name(), vb);
+        let config = ReplicaConfig {
+            active: source.to_string(),
+            username: replication.username.clone(),
+            password: replication.password.clone(),
+            noop_interval: replication.noop_interval,
+            tls: replication.tls.clone(),
+            vbuckets: None,
+        };
+        crate::replica::take_over(engine, bucket, vb, &config, timeout, clustermap)
+            .map_err(|e| e.to_string())
     }
-    // No stream may apply to a vbucket while its state changes under it.
-    followers.stop_unwanted(&wanted);
-    for b in engine.buckets() {
-        let mut last = None;
-        for vb in 0..b.num_vbuckets() {
-            if clustermap.is_arriving(b.name(), vb) {
-                continue;
-            }
-            let Some(pos) = engine.stream_position(&b, vb) else {
-                continue;
-            };
-            let want = role(&map, vb);
-            if pos.state == want {
-                continue;
-            }
-            let key = (b.name().to_string(), vb);
-            match (pos.state, want) {
-                (VbState::Replica | VbState::Pending, VbState::Active) => {
-                    done.promoted.push(key);
+
+    /// Converges this node on `map`.
+    pub fn converge(&self, map: Assigned) -> sluice_core::Result<Converged> {
+        let Member {
+            engine,
+            followers,
+            clustermap,
+            replication,
+        } = *self;
+        let mut done = Converged::default();
+        // The streams the map wants, per bucket and active node.
+        let mut wanted: Vec<(Arc<Bucket>, ReplicaConfig)> = Vec::new();
+        for b in engine.buckets() {
+            let mut by_active: BTreeMap<usize, Vec<u16>> = BTreeMap::new();
+            for vb in 0..b.num_vbuckets() {
+                if role(&map, vb) != VbState::Replica {
+                    continue;
                 }
-                (VbState::Dead, VbState::Active) if pos.high_seqno > 0 => {
-                    log::warn!(
+                let active = map.chains[vb as usize][0];
+                if active >= 0 && (active as usize) < map.servers.len() {
+                    by_active.entry(active as usize).or_default().push(vb);
+                }
+            }
+            for (active, vbuckets) in by_active {
+                wanted.push((
+                    b.clone(),
+                    ReplicaConfig {
+                        active: map.servers[active].server(),
+                        username: replication.username.clone(),
+                        password: replication.password.clone(),
+                        noop_interval: replication.noop_interval,
+                        tls: replication.tls.clone(),
+                        vbuckets: Some(vbuckets),
+                    },
+                ));
+            }
+        }
+        // No stream may apply to a vbucket while its state changes under it.
+        followers.stop_unwanted(&wanted);
+        for b in engine.buckets() {
+            let mut last = None;
+            for vb in 0..b.num_vbuckets() {
+                if clustermap.is_arriving(b.name(), vb) {
+                    continue;
+                }
+                let Some(pos) = engine.stream_position(&b, vb) else {
+                    continue;
+                };
+                let want = role(&map, vb);
+                if pos.state == want {
+                    continue;
+                }
+                let key = (b.name().to_string(), vb);
+                match (pos.state, want) {
+                    (VbState::Replica | VbState::Pending, VbState::Active) => {
+                        done.promoted.push(key);
+                    }
+                    (VbState::Dead, VbState::Active) if pos.high_seqno > 0 => {
+                        log::warn!(
                         "cluster map: vbucket {vb} of bucket {:?} is to be active here, but its \
                          copy here is dead with data (high seqno {}); leaving it dead",
                         b.name(),
                         pos.high_seqno
                     );
-                    done.refused.push(key);
-                    continue;
+                        done.refused.push(key);
+                        continue;
+                    }
+                    (_, VbState::Active) => done.activated.push(key),
+                    (_, VbState::Replica) => done.to_replica.push(key),
+                    _ => done.to_dead.push(key),
                 }
-                (_, VbState::Active) => done.activated.push(key),
-                (_, VbState::Replica) => done.to_replica.push(key),
-                _ => done.to_dead.push(key),
+                last = Some(engine.write_vbucket_state(&b, vb, want)?);
             }
-            last = Some(engine.write_vbucket_state(&b, vb, want)?);
+            // One wait per bucket: the last state record written means every earlier one is.
+            if let Some(w) = last {
+                engine.settle(&b, w)?;
+            }
         }
-        // One wait per bucket: the last state record written means every earlier one is.
-        if let Some(w) = last {
-            engine.settle(&b, w)?;
+        done.streams = wanted
+            .iter()
+            .map(|(b, c)| {
+                (
+                    b.name().to_string(),
+                    c.active.clone(),
+                    c.vbuckets.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
+        followers.start_wanted(wanted);
+        if !done.promoted.is_empty() {
+            log::warn!(
+                "cluster map rev {}: {} vbucket(s) promoted to active here (failover)",
+                map.rev,
+                done.promoted.len()
+            );
         }
+        clustermap.assign(map);
+        clustermap.refresh(engine);
+        Ok(done)
     }
-    done.streams = wanted
-        .iter()
-        .map(|(b, c)| {
-            (
-                b.name().to_string(),
-                c.active.clone(),
-                c.vbuckets.clone().unwrap_or_default(),
-            )
-        })
-        .collect();
-    followers.start_wanted(wanted);
-    if !done.promoted.is_empty() {
-        log::warn!(
-            "cluster map rev {}: {} vbucket(s) promoted to active here (failover)",
-            map.rev,
-            done.promoted.len()
-        );
-    }
-    clustermap.assign(map);
-    clustermap.refresh(engine);
-    Ok(done)
 }
 
 #[cfg(test)]

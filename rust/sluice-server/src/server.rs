@@ -424,14 +424,33 @@ impl Server {
         &self,
         map: crate::clustermap::Assigned,
     ) -> sluice_core::Result<crate::cluster::Converged> {
-        let kv = &self.fronts.kv;
-        crate::cluster::converge(
-            &kv.engine,
-            &self.followers,
-            &kv.clustermap,
-            &self.replication,
-            map,
-        )
+        self.member().converge(map)
+    }
+
+    fn member(&self) -> crate::cluster::Member<'_> {
+        crate::cluster::Member {
+            engine: &self.fronts.kv.engine,
+            followers: &self.followers,
+            clustermap: &self.fronts.kv.clustermap,
+            replication: &self.replication,
+        }
+    }
+
+    /// Moves vbucket `vb` of `bucket` here from the node at `source` (see `cluster::take_over`).
+    pub fn take_over(
+        &self,
+        bucket: &str,
+        vb: u16,
+        source: &str,
+        timeout: Duration,
+    ) -> Result<crate::replica::TakeoverReport, String> {
+        let b = self
+            .fronts
+            .kv
+            .engine
+            .bucket(bucket)
+            .map_err(|e| e.to_string())?;
+        self.member().take_over(&b, vb, source, timeout)
     }
 
     /// The replicators of a node that follows an active (promote through them).
