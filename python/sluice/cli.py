@@ -58,6 +58,8 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["greenstack_listen"] = args.greenstack_listen
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
+    if getattr(args, "cluster", None) is not None:
+        overrides["cluster__etcd"] = args.cluster
     for flag, key in (
         ("follow_tarantool", "address"),
         ("follow_tarantool_user", "user"),
@@ -194,6 +196,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.stop()
         engine.close()
         raise _native.ConfigError(f"invalid config: policy: {e}") from None
+    member = None
+    if cfg.values["cluster.etcd"]:
+        from sluice.cluster.member import join
+
+        member = join(
+            cfg.values,
+            server,
+            engine,
+            settings.bucket_names,
+            max(b["num_vbuckets"] for b in cfg.buckets.values()),
+        )
     report = engine.recovery_report()
     for d in report["dropped"]:
         log.warning("--force-recovery dropped %s", d["text"])
@@ -239,6 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             reload.clear()
             cfg = _reload(args, cfg, server, plugins)
     systemd.notify("STOPPING=1", "STATUS=finishing requests and flushing the WAL")
+    if member is not None:
+        member.stop()
     plugins.stop()
     server.stop()
     engine.close()
@@ -1132,6 +1147,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(overrides replication.replica_of; default: none, the node is active)",
     )
     s.add_argument(
+        "--cluster",
+        metavar="URL",
+        help="join the cluster etcd://HOST:PORT/NAME coordinates (overrides cluster.etcd; default: "
+        "none, a node on its own)",
+    )
+    s.add_argument(
         "--follow-tarantool",
         metavar="HOST:PORT",
         help="follow this Tarantool into the spaces of the same names, declared from its own schema "
@@ -1441,6 +1462,10 @@ def build_parser() -> argparse.ArgumentParser:
         "scram_sha512, scram_sha256, scram_sha1 (salted and iterated keys, never the password)",
     )
     uh.set_defaults(func=cmd_user_hash)
+
+    from sluice.cluster.cli import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
 
     c = sub.add_parser("config", help="check a configuration file or print the reference of every key")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")

@@ -131,6 +131,7 @@ class Key:
     native: str | None = None  # keyword of the native settings object, when it differs
     server: bool = False  # a setting of the network server, not of the engine
     plugin: bool = False  # a policy plugin's import path, loaded on the Python side
+    python_only: bool = False  # read by the Python side alone (the cluster's keys)
 
     def value(self, path: str, raw: Any) -> Any:
         v = self.parse(path, raw)
@@ -707,6 +708,111 @@ ENGINE_KEYS += [
     ]
 ]
 
+def _cluster_url(path: str, v: Any) -> str:
+    text = _str(path, v)
+    if text:
+        from sluice.cluster.etcd import parse_cluster_url
+
+        try:
+            parse_cluster_url(text)
+        except ValueError as e:
+            raise _fail(path, str(e)) from None
+    return text
+
+
+# The cluster's keys: read on the Python side, which keeps the node's place in the cluster.
+CLUSTER_KEYS: list[Key] = [
+    Key(
+        "cluster.etcd",
+        _cluster_url,
+        "",
+        "etcd://HOST:PORT[,HOST:PORT]/CLUSTER_NAME (etcds:// for HTTPS): join the cluster of that "
+        'name, coordinated on that etcd (`sluice serve --cluster`). "" (the default): a node on its own.',
+        "URL",
+        python_only=True,
+    ),
+    Key(
+        "cluster.node_name",
+        _str,
+        "",
+        'This node\'s name in the cluster; "" (the default): its advertised KV address.',
+        "string",
+        python_only=True,
+    ),
+    Key(
+        "cluster.advertise",
+        lambda p, v: parse_listen(p, v) if v != "" else "",
+        "",
+        'HOST:PORT other nodes and clients reach this node\'s KV port at; "" (the default): the '
+        "listen address.",
+        "HOST:PORT",
+        python_only=True,
+    ),
+    Key(
+        "cluster.group",
+        _str,
+        "",
+        "Server group (rack, zone) of this node: a vbucket's copies go to different groups where "
+        "there are enough.",
+        "string",
+        python_only=True,
+    ),
+    Key(
+        "cluster.replicas",
+        _int,
+        1,
+        "Replicas of every vbucket (each on another node); majority durability counts over this chain.",
+        "integer",
+        _between(0, 3),
+        python_only=True,
+    ),
+    Key(
+        "cluster.auto_failover_timeout",
+        parse_duration,
+        10.0,
+        "How long a node may be gone (its etcd lease expired) before it is failed over.",
+        "duration",
+        _between(1, 3600),
+        python_only=True,
+    ),
+    Key(
+        "cluster.max_auto_failovers",
+        _int,
+        1,
+        "Automatic failovers done before a person acknowledges them (`sluice cluster "
+        "reset-failovers`); 0 turns automatic failover off.",
+        "integer",
+        _between(0, 100),
+        python_only=True,
+    ),
+    Key(
+        "cluster.etcd_user",
+        _str,
+        "",
+        "User to authenticate to etcd as, if etcd has authentication on.",
+        "string",
+        python_only=True,
+    ),
+    Key(
+        "cluster.etcd_password_file",
+        lambda p, v: _path(p, v) if v != "" else "",
+        "",
+        "File holding the etcd user's password.",
+        "path",
+        python_only=True,
+    ),
+    Key(
+        "cluster.etcd_ca",
+        lambda p, v: _path(p, v) if v != "" else "",
+        "",
+        "CA certificate (PEM) to verify etcd's certificate by, for etcds:// URLs.",
+        "path",
+        python_only=True,
+    ),
+]
+
+ENGINE_KEYS += CLUSTER_KEYS
+
 BUCKET_KEYS: list[Key] = [
     Key(
         "num_vbuckets",
@@ -973,12 +1079,17 @@ class Config:
         kwargs = {
             (k.native or k.name): self.values[k.name]
             for k in ENGINE_KEYS
-            if k.name != "data_dir" and not k.server
+            if k.name != "data_dir" and not k.server and not k.python_only
         }
         # A bucket that holds a space keeps its keys in order, for SELECT's iterators.
         ordered = {sp["bucket"] for sp in self.spaces.values()}
+        buckets = {name: dict(b) for name, b in self.buckets.items()}
+        if self.values["cluster.etcd"]:
+            # Majorities count over each vbucket's chain in the cluster's map.
+            for b in buckets.values():
+                b["replicas"] = self.values["cluster.replicas"]
         buckets = [
-            BucketSettings(name, **b, ordered_keys=name in ordered) for name, b in self.buckets.items()
+            BucketSettings(name, **b, ordered_keys=name in ordered) for name, b in buckets.items()
         ]
         return EngineSettings(
             str(self.values["data_dir"]),

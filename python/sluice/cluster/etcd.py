@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 import ssl
 import threading
 import time
@@ -256,7 +255,7 @@ class Etcd:
                     if events:
                         revision = int(result["header"]["revision"]) + 1
                         yield events, revision - 1
-            except (OSError, ValueError, http.client.HTTPException, socket.timeout):
+            except (TimeoutError, OSError, ValueError, http.client.HTTPException):
                 pass
             finally:
                 conn.close()

@@ -1,0 +1,274 @@
+"""A node's place in a cluster: it registers in etcd under a lease it keeps alive, publishes where
+its vbuckets stand, converges on the vbucket map whenever it changes, carries out the vbucket
+moves the orchestrator asks of it, and stands for orchestrator (the holder of the
+`orchestrator` key, under its lease, runs `Orchestrator`).
+
+Losing etcd stops none of what the node serves: the map last seen stays in force, and the
+threads keep trying until etcd answers again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.cluster.etcd import Etcd, EtcdError, KeyValue
+from sluice.cluster.keys import Keys, dump
+
+log = logging.getLogger("sluice.cluster")
+
+# etcd's shortest lease: shorter asks are raised to it.
+LEASE_TTL = 2
+STATUS_INTERVAL = 0.5
+
+
+@dataclass
+class ClusterSettings:
+    etcd: Etcd
+    cluster: str
+    node: str
+    kv: str
+    group: str = ""
+    replicas: int = 1
+    auto_failover_timeout: float = 10.0
+    max_auto_failovers: int = 1
+    admin: str | None = None
+    num_vbuckets: int = 64
+    buckets: list[str] = field(default_factory=lambda: ["default"])
+
+
+def map_servers(doc: dict[str, Any]) -> list[str]:
+    """The map's node names in server-list order."""
+    return sorted(doc["nodes"])
+
+
+class Member:
+    def __init__(self, server: Any, engine: Any, settings: ClusterSettings) -> None:
+        self.server = server
+        self.engine = engine
+        self.s = settings
+        self.etcd = settings.etcd
+        self.keys = Keys(settings.cluster)
+        self.stop_event = threading.Event()
+        self.lease = 0
+        self.map_revision = 0
+        self._threads: list[threading.Thread] = []
+        self._task_lock = threading.Lock()
+        self._etcd_down_since: float | None = None
+
+    def start(self) -> None:
+        for target, name in (
+            (self._lease_loop, "lease"),
+            (self._watch_loop, "watch"),
+            (self._orchestrator_loop, "orchestrator"),
+        ):
+            t = threading.Thread(target=target, name=f"sluice-cluster-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Leaves the loops; the lease is left to expire (a stopped node is gone like a dead one,
+        and the other nodes fail it over after the timeout)."""
+        self.stop_event.set()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # -- etcd going away and coming back
+
+    def _etcd_failed(self, e: EtcdError) -> None:
+        if self._etcd_down_since is None:
+            self._etcd_down_since = time.monotonic()
+            log.warning("cluster: etcd unreachable (%s); serving on with the map last seen", e)
+
+    def _etcd_ok(self) -> None:
+        if self._etcd_down_since is not None:
+            log.warning("cluster: etcd answers again after %.1f s", time.monotonic() - self._etcd_down_since)
+            self._etcd_down_since = None
+
+    # -- registration and status
+
+    def _register(self) -> None:
+        self.lease, ttl = self.etcd.grant(LEASE_TTL)
+        info = {"kv": self.s.kv, "group": self.s.group, "admin": self.s.admin, "pid": os.getpid()}
+        self.etcd.put(self.keys.node(self.s.node), dump(info), lease=self.lease)
+        log.info("cluster %s: registered as %s (lease TTL %d s)", self.s.cluster, self.s.node, ttl)
+
+    def status(self) -> dict[str, Any]:
+        out = {}
+        for b in self.s.buckets:
+            high = self.engine.high_seqnos(bucket=b)
+            out[b] = {
+                "high": high,
+                "persisted": self.engine.persisted_seqnos(bucket=b),
+                "state": "".join(self.engine.vbucket_state(v, bucket=b)[0] for v in range(len(high))),
+            }
+        return {"buckets": out, "map_revision": self.map_revision, "at": time.time()}
+
+    def _lease_loop(self) -> None:
+        next_keepalive = 0.0
+        while not self.stop_event.is_set():
+            try:
+                if not self.lease:
+                    self._register()
+                now = time.monotonic()
+                if now >= next_keepalive:
+                    if self.etcd.keepalive(self.lease) == 0:
+                        log.warning("cluster: the lease of %s expired; registering again", self.s.node)
+                        self.lease = 0
+                        continue
+                    next_keepalive = now + LEASE_TTL / 4
+                self.etcd.put(self.keys.status(self.s.node), dump(self.status()), lease=self.lease)
+                self._etcd_ok()
+            except EtcdError as e:
+                self._etcd_failed(e)
+            self.stop_event.wait(STATUS_INTERVAL)
+
+    # -- the map and the tasks
+
+    def _watch_loop(self) -> None:
+        revision = 0
+        while not self.stop_event.is_set():
+            try:
+                kvs, revision = self.etcd.get_prefix(self.keys.root)
+            except EtcdError as e:
+                self._etcd_failed(e)
+                self.stop_event.wait(0.5)
+                continue
+            for kv in kvs:
+                self._seen(kv)
+            break
+        for events, _rev in self.etcd.watch(self.keys.root, revision + 1, self.stop_event):
+            for e in events:
+                if e.kind == "put":
+                    self._seen(e.kv)
+
+    def _seen(self, kv: KeyValue) -> None:
+        if kv.key == self.keys.map:
+            self.converge(kv)
+        elif kv.key == self.keys.task(self.s.node):
+            task = kv.json()
+            threading.Thread(target=self._run_task, args=(task,), daemon=True).start()
+
+    def converge(self, kv: KeyValue) -> None:
+        if kv.mod_revision <= self.map_revision:
+            return
+        doc = kv.json()
+        names = map_servers(doc)
+        index = {n: i for i, n in enumerate(names)}
+        chains = [[index[x] if x is not None else -1 for x in c] for c in doc["chains"]]
+        this = index.get(self.s.node)
+        servers = [doc["nodes"][n]["kv"] for n in names]
+        done = self.server.converge(kv.mod_revision, servers, this, chains)
+        self.map_revision = kv.mod_revision
+        changed = {k: len(v) for k, v in done.items() if k != "streams" and v}
+        log.info(
+            "cluster map rev %d: %s; replicating %d vbucket(s) from %d node(s)",
+            kv.mod_revision,
+            ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in changed.items()) or "nothing to change",
+            sum(len(s[2]) for s in done["streams"]),
+            len({s[1] for s in done["streams"]}),
+        )
+
+    def _run_task(self, task: dict[str, Any]) -> None:
+        with self._task_lock:
+            result: dict[str, Any] = {"id": task["id"]}
+            try:
+                if task["kind"] != "takeover":
+                    raise ValueError(f"unknown task {task['kind']!r}")
+                reports = []
+                for b in self.s.buckets:
+                    reports.append(
+                        self.server.take_over(b, task["vbucket"], task["source"], task.get("timeout", 60.0))
+                    )
+                result.update(ok=True, reports=reports)
+            except Exception as e:  # noqa: BLE001 - told to the orchestrator, which decides
+                log.warning("cluster: task %s failed: %s", task, e)
+                result.update(ok=False, error=str(e))
+            for _ in range(20):
+                try:
+                    self.etcd.put(self.keys.result(self.s.node), dump(result))
+                    return
+                except EtcdError as e:
+                    self._etcd_failed(e)
+                    self.stop_event.wait(0.5)
+
+    # -- the orchestrator's election
+
+    def _orchestrator_loop(self) -> None:
+        from sluice.cluster.orchestrator import Orchestrator
+
+        orchestrator: Orchestrator | None = None
+        while not self.stop_event.is_set():
+            try:
+                if self.lease:
+                    current = self.etcd.get(self.keys.orchestrator)
+                    if current is None:
+                        self.etcd.put_if(self.keys.orchestrator, self.s.node, lease=self.lease)
+                        current = self.etcd.get(self.keys.orchestrator)
+                    mine = (
+                        current is not None
+                        and current.value.decode() == self.s.node
+                        and current.lease == self.lease
+                    )
+                    if mine and orchestrator is None:
+                        log.warning("cluster %s: %s is the orchestrator", self.s.cluster, self.s.node)
+                        orchestrator = Orchestrator(self)
+                    elif not mine and orchestrator is not None:
+                        log.warning(
+                            "cluster %s: %s is no longer the orchestrator", self.s.cluster, self.s.node
+                        )
+                        orchestrator = None
+                    if orchestrator is not None and orchestrator.tick():
+                        continue
+            except EtcdError as e:
+                self._etcd_failed(e)
+            self.stop_event.wait(0.25)
+
+    def still_orchestrator(self) -> bool:
+        """Whether this node still holds the orchestrator key (asked between a rebalance's moves)."""
+        current = self.etcd.get(self.keys.orchestrator)
+        return current is not None and current.value.decode() == self.s.node and current.lease == self.lease
+
+
+def join(values: dict[str, Any], server: Any, engine: Any, buckets: list[str], num_vbuckets: int) -> Member:
+    """Joins the cluster `values["cluster.etcd"]` names (a config's values): converges on its map
+    at once if etcd answers (before clients are told the node is ready), then keeps its place."""
+    from sluice.cluster.etcd import parse_cluster_url
+
+    endpoints, name = parse_cluster_url(values["cluster.etcd"])
+    password_file = values["cluster.etcd_password_file"]
+    etcd = Etcd(
+        endpoints,
+        username=values["cluster.etcd_user"] or None,
+        password=open(password_file).read().strip() if password_file else None,  # noqa: SIM115
+        ca_file=str(values["cluster.etcd_ca"]) if values["cluster.etcd_ca"] else None,
+    )
+    kv = values["cluster.advertise"] or server.address
+    member = Member(
+        server,
+        engine,
+        ClusterSettings(
+            etcd=etcd,
+            cluster=name,
+            node=values["cluster.node_name"] or kv,
+            kv=kv,
+            group=values["cluster.group"],
+            replicas=values["cluster.replicas"],
+            auto_failover_timeout=values["cluster.auto_failover_timeout"],
+            max_auto_failovers=values["cluster.max_auto_failovers"],
+            admin=server.admin_address,
+            num_vbuckets=num_vbuckets,
+            buckets=buckets,
+        ),
+    )
+    try:
+        current = etcd.get(member.keys.map)
+        if current is not None:
+            member.converge(current)
+    except EtcdError as e:
+        log.warning("cluster: etcd unreachable at start (%s); serving what this node holds", e)
+    member.start()
+    return member

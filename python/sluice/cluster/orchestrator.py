@@ -1,0 +1,315 @@
+"""The orchestrator: one node at a time (elected through etcd, see `member`) forms the vbucket map,
+fails over nodes whose lease has been gone longer than the timeout, takes failed-over nodes back
+as replicas when they return, and carries out rebalances one vbucket move at a time. Everything
+it decides is written to etcd (the map, the rebalance's progress) before it is relied on, so a
+new orchestrator takes over where the last one stopped."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from sluice.cluster import vbmap
+from sluice.cluster.etcd import EtcdError, KeyValue
+from sluice.cluster.keys import dump
+
+if TYPE_CHECKING:
+    from sluice.cluster.member import Member
+
+log = logging.getLogger("sluice.cluster")
+
+MOVE_TIMEOUT = 120.0
+
+
+class Orchestrator:
+    def __init__(self, member: Member) -> None:
+        from sluice.cluster.member import LEASE_TTL
+
+        self.m = member
+        self.etcd = member.etcd
+        self.keys = member.keys
+        self.s = member.s
+        self.lease_ttl = LEASE_TTL
+        self.absent_since: dict[str, float] = {}
+        self._told_budget: set[str] = set()
+
+    # -- reading and writing the map
+
+    def registered(self) -> dict[str, dict[str, Any]]:
+        kvs, _ = self.etcd.get_prefix(self.keys.node())
+        return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+
+    def read_map(self) -> tuple[dict[str, Any], int] | None:
+        kv = self.etcd.get(self.keys.map)
+        return (kv.json(), kv.mod_revision) if kv else None
+
+    def publish(self, doc: dict[str, Any], revision: int) -> bool:
+        """Writes the map if nobody else changed it since `revision`."""
+        return self.etcd.put_if(self.keys.map, dump(doc), mod_revision=revision) is not None
+
+    def seqnos(self, alive: set[str]) -> dict[str, dict[int, int]]:
+        """Per node alive, per vbucket: the sum over buckets of its high seqnos."""
+        kvs, _ = self.etcd.get_prefix(self.keys.status())
+        out: dict[str, dict[int, int]] = {}
+        for kv in kvs:
+            name = kv.key.rsplit("/", 1)[1]
+            if name not in alive:
+                continue
+            per_vb: dict[int, int] = {}
+            for b in kv.json()["buckets"].values():
+                for vb, h in enumerate(b["high"]):
+                    per_vb[vb] = per_vb.get(vb, 0) + h
+            out[name] = per_vb
+        return out
+
+    # -- one round
+
+    def tick(self) -> bool:
+        """One round; True when it changed something and another should follow at once."""
+        nodes = self.registered()
+        current = self.read_map()
+        if current is None:
+            self.form(nodes)
+            return False
+        doc, revision = current
+        return (
+            self.handle_requests(doc, revision, nodes)
+            or self.fail_over_the_gone(doc, revision, nodes)
+            or self.take_back_the_returned(doc, revision, nodes)
+            or self.rebalance_step(doc, revision, nodes)
+        )
+
+    def form(self, nodes: dict[str, dict[str, Any]]) -> None:
+        me = self.s.node
+        info = nodes.get(me)
+        if info is None:
+            return
+        doc = {
+            "nodes": {me: {"kv": info["kv"], "group": info.get("group", "")}},
+            "wanted": [me],
+            "chains": vbmap.balance([me], self.s.num_vbuckets, self.s.replicas),
+            "replicas": self.s.replicas,
+            "num_vbuckets": self.s.num_vbuckets,
+            "failed": {},
+            "auto_failovers": 0,
+        }
+        if self.etcd.put_if(self.keys.map, dump(doc)) is not None:
+            log.warning("cluster %s formed by %s: every vbucket active on it", self.s.cluster, me)
+
+    # -- failover
+
+    def fail_over_the_gone(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
+        now = time.monotonic()
+        members = [n for n in doc["nodes"] if n not in doc["failed"]]
+        for n in members:
+            if n in nodes:
+                self.absent_since.pop(n, None)
+                self._told_budget.discard(n)
+            else:
+                self.absent_since.setdefault(n, now)
+        # The lease expired `lease_ttl` after the node's last renewal: count from there.
+        wait = max(0.0, self.s.auto_failover_timeout - self.lease_ttl)
+        for n, since in sorted(self.absent_since.items(), key=lambda x: x[1]):
+            if n not in members or now - since < wait:
+                continue
+            if doc.get("auto_failovers", 0) >= self.s.max_auto_failovers:
+                if n not in self._told_budget:
+                    log.warning(
+                        "cluster: %s has been gone %.1f s, but %d automatic failover(s) were done "
+                        "and not acknowledged (`sluice cluster reset-failovers`); not failing it over",
+                        n,
+                        now - since,
+                        doc.get("auto_failovers", 0),
+                    )
+                    self._told_budget.add(n)
+                continue
+            return self.fail_over(doc, revision, n, set(nodes), automatic=True)
+        return False
+
+    def fail_over(
+        self, doc: dict[str, Any], revision: int, node: str, alive: set[str], *, automatic: bool
+    ) -> bool:
+        chains, lost = vbmap.fail_over(doc["chains"], node, self.seqnos(alive), alive)
+        held = vbmap.held_by(doc["chains"], node)
+        promoted = sum(1 for c in doc["chains"] if c and c[0] == node) - len(lost)
+        doc = {**doc, "chains": chains, "failed": {**doc["failed"], node: held}}
+        if automatic:
+            doc["auto_failovers"] = doc.get("auto_failovers", 0) + 1
+        if not self.publish(doc, revision):
+            return False
+        self.absent_since.pop(node, None)
+        log.warning(
+            "cluster: %s failed over%s: %d vbucket(s) promoted on their replicas%s",
+            node,
+            " automatically" if automatic else "",
+            promoted,
+            f", {len(lost)} without a replica to promote" if lost else "",
+        )
+        reb = self.etcd.get(self.keys.rebalance)
+        if reb is not None and reb.json().get("state") == "running":
+            self.set_rebalance(reb, state="failed", error=f"{node} was failed over")
+        return True
+
+    def take_back_the_returned(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
+        for n, held in doc["failed"].items():
+            if n in nodes:
+                chains = vbmap.take_back(doc["chains"], n, held)
+                failed = {k: v for k, v in doc["failed"].items() if k != n}
+                if self.publish({**doc, "chains": chains, "failed": failed}, revision):
+                    log.warning("cluster: %s is back; it is a replica again of what it held", n)
+                return True
+        return False
+
+    # -- requests from `sluice cluster`
+
+    def handle_requests(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
+        kvs, _ = self.etcd.get_prefix(self.keys.request())
+        for kv in kvs:
+            what = kv.key[len(self.keys.request()) :]
+            self.etcd.delete(kv.key)
+            if what.startswith("failover/"):
+                node = what.split("/", 1)[1]
+                if node in doc["nodes"] and node not in doc["failed"]:
+                    alive = set(nodes) - {node}
+                    self.fail_over(doc, revision, node, alive, automatic=False)
+                    return True
+            elif what == "rebalance":
+                self.start_rebalance(doc, revision, nodes)
+                return True
+            elif what == "stop-rebalance":
+                reb = self.etcd.get(self.keys.rebalance)
+                if reb is not None and reb.json().get("state") == "running":
+                    self.set_rebalance(reb, state="stopped")
+                    log.warning("cluster: rebalance stopped on request")
+            elif what == "reset-failovers":
+                self.publish({**doc, "auto_failovers": 0}, revision)
+                return True
+        return False
+
+    # -- rebalance
+
+    def set_rebalance(self, kv: KeyValue, **changes: Any) -> None:
+        self.etcd.put(self.keys.rebalance, dump({**kv.json(), **changes, "updated": time.time()}))
+
+    def start_rebalance(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> None:
+        wanted = [n for n in doc["wanted"] if n not in doc["failed"]]
+        missing = [n for n in wanted if n not in nodes]
+        if missing or not wanted:
+            why = f"not registered: {', '.join(missing)}" if missing else "no node is wanted"
+            self.etcd.put(
+                self.keys.rebalance, dump({"state": "failed", "error": why, "updated": time.time()})
+            )
+            log.warning("cluster: rebalance refused: %s", why)
+            return
+        groups = {n: nodes[n].get("group", "") for n in wanted}
+        target = vbmap.balance(
+            wanted,
+            doc["num_vbuckets"],
+            doc["replicas"],
+            current=doc["chains"],
+            groups=groups if any(groups.values()) else None,
+        )
+        infos = {n: {"kv": nodes[n]["kv"], "group": nodes[n].get("group", "")} for n in wanted}
+        # Every node of the target is in the map (as a server) before anything moves to it.
+        doc = {**doc, "nodes": {**doc["nodes"], **infos}}
+        if not self.publish(doc, revision):
+            return
+        moves = sum(1 for a, b in zip(doc["chains"], target, strict=True) if a != b)
+        self.etcd.put(
+            self.keys.rebalance,
+            dump(
+                {
+                    "state": "running",
+                    "target": target,
+                    "total": moves,
+                    "done": 0,
+                    "pauses_ms": [],
+                    "items": 0,
+                    "started": time.time(),
+                    "updated": time.time(),
+                }
+            ),
+        )
+        log.warning(
+            "cluster: rebalance started: %d vbucket chain(s) to change over %s", moves, ", ".join(wanted)
+        )
+
+    def rebalance_step(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
+        """The next move of the rebalance under way, if any; True when one was made."""
+        kv = self.etcd.get(self.keys.rebalance)
+        if kv is None:
+            return False
+        reb = kv.json()
+        if reb.get("state") != "running":
+            return False
+        target = reb["target"]
+        chains = doc["chains"]
+        todo = [vb for vb in range(len(target)) if chains[vb] != target[vb]]
+        if not todo:
+            wanted = set(doc["wanted"])
+            gone = [n for n in doc["nodes"] if n not in wanted]
+            done = {**doc, "nodes": {n: i for n, i in doc["nodes"].items() if n in wanted}}
+            done["failed"] = {n: v for n, v in doc["failed"].items() if n in wanted}
+            if self.publish(done, revision):
+                self.set_rebalance(kv, state="done", finished=time.time())
+                log.warning(
+                    "cluster: rebalance done: %d move(s)%s",
+                    reb["total"],
+                    f"; removed {', '.join(gone)}" if gone else "",
+                )
+            return False
+        absent = [n for t in target for n in t if n is not None and n not in nodes]
+        if absent:
+            self.set_rebalance(kv, state="failed", error=f"{absent[0]} is gone")
+            log.warning("cluster: rebalance failed: %s is gone", absent[0])
+            return False
+        vb = todo[0]
+        new, old = target[vb], chains[vb]
+        report: dict[str, Any] = {}
+        if new[0] != old[0] and old[0] is not None:
+            ok, report = self.run_task(
+                new[0], {"kind": "takeover", "vbucket": vb, "source": doc["nodes"][old[0]]["kv"]}
+            )
+            if not ok:
+                self.set_rebalance(kv, state="failed", error=f"moving vbucket {vb} to {new[0]}: {report}")
+                log.warning("cluster: rebalance failed moving vbucket %d to %s: %s", vb, new[0], report)
+                return False
+        chains = [list(c) for c in chains]
+        chains[vb] = new
+        while not self.publish({**doc, "chains": chains}, revision):
+            current = self.read_map()
+            if current is None:
+                return False
+            doc, revision = current
+            chains = [list(c) for c in doc["chains"]]
+            chains[vb] = new
+        paused = max((r["writes_paused_ms"] for r in report.get("reports", [])), default=None)
+        items = sum(r["items"] for r in report.get("reports", []))
+        self.set_rebalance(
+            kv,
+            done=reb["done"] + 1,
+            items=reb.get("items", 0) + items,
+            pauses_ms=reb.get("pauses_ms", []) + ([round(paused, 2)] if paused is not None else []),
+        )
+        return True
+
+    def run_task(self, node: str, task: dict[str, Any]) -> tuple[bool, Any]:
+        """Asks `node` to carry out `task` and waits for its result."""
+        task = {**task, "id": uuid.uuid4().hex, "timeout": MOVE_TIMEOUT}
+        self.etcd.put(self.keys.task(node), dump(task))
+        deadline = time.monotonic() + MOVE_TIMEOUT + 10
+        try:
+            while time.monotonic() < deadline and not self.m.stop_event.is_set():
+                r = self.etcd.get(self.keys.result(node))
+                if r is not None and r.json().get("id") == task["id"]:
+                    result = r.json()
+                    return bool(result.get("ok")), result if result.get("ok") else result.get("error")
+                time.sleep(0.02)
+        finally:
+            try:
+                self.etcd.delete(self.keys.task(node))
+            except EtcdError:
+                pass
+        return False, "no answer in time"
