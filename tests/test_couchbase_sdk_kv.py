@@ -168,8 +168,14 @@ class SteadyWriter:
             UnAmbiguousTimeoutException,
         )
 
-        # What an operation in flight to a node that dies, or sent while it is dead, raises.
-        outage = (AmbiguousTimeoutException, RequestCanceledException, UnAmbiguousTimeoutException)
+        # What an operation in flight to a node that dies, or sent while it is dead, raises; a
+        # durable write whose replica died under it is refused as impossible (not done).
+        outage = (
+            AmbiguousTimeoutException,
+            RequestCanceledException,
+            UnAmbiguousTimeoutException,
+            DurabilityImpossibleException,
+        )
 
         i = 0
         while not self.stop.is_set() and i < 200_000:

@@ -49,13 +49,14 @@ class Orchestrator:
         """Writes the map if nobody else changed it since `revision`."""
         return self.etcd.put_if(self.keys.map, dump(doc), mod_revision=revision) is not None
 
-    def seqnos(self, alive: set[str]) -> dict[str, dict[int, int]]:
-        """Per node alive, per vbucket: the sum over buckets of its high seqnos."""
+    def seqnos(self, alive: set[str] | None) -> dict[str, dict[int, int]]:
+        """Per node alive (None: every node), per vbucket: the sum over buckets of its high
+        seqnos."""
         kvs, _ = self.etcd.get_prefix(self.keys.status())
         out: dict[str, dict[int, int]] = {}
         for kv in kvs:
             name = kv.key.rsplit("/", 1)[1]
-            if name not in alive:
+            if alive is not None and name not in alive:
                 continue
             per_vb: dict[int, int] = {}
             for b in kv.json()["buckets"].values():
@@ -247,6 +248,10 @@ class Orchestrator:
         target = reb["target"]
         chains = doc["chains"]
         todo = [vb for vb in range(len(target)) if chains[vb] != target[vb]]
+        if not todo and not self.replicas_caught_up(chains, reb.get("caught_up_from")):
+            if "caught_up_from" not in reb:
+                self.set_rebalance(kv, phase="replicas catching up", caught_up_from=self.highs())
+            return False
         if not todo:
             wanted = set(doc["wanted"])
             gone = [n for n in doc["nodes"] if n not in wanted]
@@ -293,6 +298,35 @@ class Orchestrator:
             items=reb.get("items", 0) + items,
             pauses_ms=reb.get("pauses_ms", []) + ([round(paused, 2)] if paused is not None else []),
         )
+        return True
+
+    def highs(self) -> dict[str, list[int]]:
+        """Per node, per vbucket: the sum over buckets of its high seqnos, as last published."""
+        return {
+            n: [v.get(vb, 0) for vb in range(max(v, default=-1) + 1)] for n, v in self.seqnos(None).items()
+        }
+
+    def replicas_caught_up(self, chains: list[vbmap.Chain], since: dict[str, list[int]] | None) -> bool:
+        """Whether every replica of the map holds its vbucket as a replica, and has reached
+        where its active was when the wait began (`since`, or now)."""
+        kvs, _ = self.etcd.get_prefix(self.keys.status())
+        status = {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+        since = since or self.highs()
+        for vb, chain in enumerate(chains):
+            active = chain[0]
+            for r in chain[1:]:
+                if r is None:
+                    continue
+                st = status.get(r)
+                if st is None:
+                    return False
+                for b in st["buckets"].values():
+                    if b["state"][vb] != "r":
+                        return False
+                high = sum(b["high"][vb] for b in st["buckets"].values())
+                wanted = since.get(active, []) if active else []
+                if vb < len(wanted) and high < wanted[vb]:
+                    return False
         return True
 
     def run_task(self, node: str, task: dict[str, Any]) -> tuple[bool, Any]:

@@ -23,6 +23,11 @@ def _targets(nodes: Sequence[str], total: int, held: Counter[str]) -> dict[str, 
     return {x: base + (1 if i < extra else 0) for i, x in enumerate(order)}
 
 
+def _spread(chain: Chain, groups: Mapping[str, str]) -> int:
+    """How many server groups a chain's copies are in."""
+    return len({groups.get(x) for x in chain if x is not None})
+
+
 def balance(
     nodes: Sequence[str],
     num_vbuckets: int,
@@ -94,8 +99,8 @@ def balance(
             break
         for chain in chains:
             if over in chain[1:] and under not in chain:
-                rest = [y for y in chain if y != over]
-                if not groups or groups.get(under) not in {groups.get(y) for y in rest}:
+                swapped = [under if y == over else y for y in chain]
+                if _spread(swapped, groups) >= _spread(chain, groups):
                     chain[chain.index(over)] = under
                     rcount[over] -= 1
                     rcount[under] += 1

@@ -1,0 +1,356 @@
+"""A cluster of `sluice serve` nodes on a real etcd (Debian's etcd-server, on free ports): the
+map formed and balanced, every key reachable through any node with Couchbase's SDK (map-aware),
+replica reads, a node killed with kill -9 failed over automatically and taken back when it
+returns, rebalance under a steady writer, and nodes that keep serving while etcd is gone. The
+map computation itself is checked on its own first."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from couchbase.durability import DurabilityLevel
+from couchbase_sdk import sdk_cluster
+from helpers import NUM_VBUCKETS, run_cli, start_node
+from sluice.cluster import vbmap
+from sluice.cluster.etcd import Etcd, parse_cluster_url
+from test_couchbase_sdk_kv import USERS, SteadyWriter, replica_login
+from test_permissions import PASSWORD
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
+
+
+# -- the map on its own
+
+
+def test_a_balanced_map_spreads_actives_and_replicas_evenly_and_moves_little():
+    nodes = ["a", "b", "c"]
+    m = vbmap.balance(nodes, 64, 1)
+    counts = vbmap.summary(m)
+    assert sorted(a for a, _ in counts.values()) == [21, 21, 22]
+    assert sorted(r for _, r in counts.values()) == [21, 21, 22]
+    assert all(len(c) == 2 and c[0] != c[1] and None not in c for c in m)
+    # A fourth node: a quarter of the actives move to it, the rest stay where they are.
+    m2 = vbmap.balance([*nodes, "d"], 64, 1, current=m)
+    counts = vbmap.summary(m2)
+    assert {a for a, _ in counts.values()} == {16} and {r for _, r in counts.values()} == {16}
+    moved = sum(1 for x, y in zip(m, m2, strict=True) if x[0] != y[0])
+    assert moved == 16
+    # Two replicas on four nodes in two groups: no vbucket keeps all its copies in one group.
+    groups = {"a": "r1", "b": "r1", "c": "r2", "d": "r2"}
+    m3 = vbmap.balance(["a", "b", "c", "d"], 64, 2, groups=groups)
+    assert all(len({groups[x] for x in c}) == 2 and len(set(c)) == 3 for c in m3)
+    counts = vbmap.summary(m3)
+    assert max(r for _, r in counts.values()) - min(r for _, r in counts.values()) <= 1
+    # More replicas than other nodes: the slots no node can fill stay empty.
+    assert vbmap.balance(["a"], 4, 2) == [["a", None, None]] * 4
+
+
+def test_failover_promotes_the_most_advanced_replica_and_a_returning_node_is_taken_back():
+    chains = [["a", "b", "c"], ["b", "a", "c"], ["a", None, None], ["c", "b", "a"]]
+    seqnos = {"b": {0: 10}, "c": {0: 12}}
+    out, lost = vbmap.fail_over(chains, "a", seqnos, {"b", "c"})
+    assert out == [["c", "b", None], ["b", None, "c"], [None, None, None], ["c", "b", None]]
+    assert lost == [2]
+    back = vbmap.take_back(out, "a", vbmap.held_by(chains, "a"))
+    # A replica again where it held a copy, and the active again where nobody could take over.
+    assert back == [["c", "b", "a"], ["b", "a", "c"], ["a", None, None], ["c", "b", "a"]]
+
+
+# -- etcd and nodes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """A one-member etcd on free ports, in its own data directory."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.client, self.peer = free_port(), free_port()
+        self.url = f"etcd://127.0.0.1:{self.client}/c1"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.log = open(self.data_dir.with_suffix(".log"), "a")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                "etcd",
+                "--name",
+                "e1",
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{self.client}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{self.client}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{self.peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{self.peer}",
+                "--initial-cluster",
+                f"e1=http://127.0.0.1:{self.peer}",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+        )
+        etcd = self.api()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                etcd.get("/ping")
+                return
+            except Exception:
+                assert time.monotonic() < deadline, "etcd did not start"
+                time.sleep(0.1)
+
+    def api(self) -> Etcd:
+        return Etcd(parse_cluster_url(self.url)[0])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = EtcdServer(tmp_path / "etcd")
+    yield server
+    server.stop()
+
+
+def cluster_node(tmp_path, etcd: EtcdServer, name: str, timeout: float = 2.0):
+    extra = (
+        USERS
+        + replica_login(tmp_path)
+        + f'[cluster]\netcd = "{etcd.url}"\nnode_name = "{name}"\nauto_failover_timeout = {timeout}\n'
+    )
+    return start_node(tmp_path, name, extra=extra)
+
+
+def cli(etcd: EtcdServer, *args: str, timeout: float = 120) -> str:
+    r = run_cli("cluster", *args, "--cluster", etcd.url, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def cluster_map(etcd: EtcdServer) -> dict:
+    return json.loads(cli(etcd, "map", "--json"))
+
+
+def wait_map(etcd: EtcdServer, check, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = cluster_map(etcd)
+        if check(m):
+            return m
+        assert time.monotonic() < deadline, f"the map never matched: {m}"
+        time.sleep(0.1)
+
+
+def form(tmp_path, etcd: EtcdServer, names: list[str], timeout: float = 2.0) -> dict:
+    """Starts the nodes, the first forming the cluster, adds the others and rebalances."""
+    nodes = {}
+    for n in names:
+        nodes[n] = cluster_node(tmp_path, etcd, n, timeout)
+        if n == names[0]:
+            wait_map(etcd, lambda m: True)
+    wait_registered(etcd, names)
+    cli(etcd, "add", *names[1:])
+    out = cli(etcd, "rebalance")
+    assert "done" in out and "100%" in out, out
+    return nodes
+
+
+def wait_registered(etcd: EtcdServer, names: list[str]) -> None:
+    api = etcd.api()
+    deadline = time.monotonic() + 30
+    while {kv.key.rsplit("/", 1)[1] for kv in api.get_prefix("/sluice/c1/nodes/")[0]} < set(names):
+        assert time.monotonic() < deadline, "nodes never registered"
+        time.sleep(0.1)
+
+
+def stop_all(nodes) -> None:
+    for n in nodes.values():
+        n.stop()
+
+
+def vbucket_states(node) -> dict[int, str]:
+    return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
+
+
+def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd):
+    nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
+    try:
+        m = cluster_map(etcd)
+        counts = vbmap.summary(m["chains"])
+        assert sorted(counts) == ["n1", "n2", "n3"]
+        assert {a for a, _ in counts.values()} <= {5, 6} and {r for _, r in counts.values()} <= {5, 6}
+        assert all(len(c) == 2 and c[0] != c[1] and None not in c for c in m["chains"])
+        # Each node is active exactly for the vbuckets the map gives it, replica for its
+        # replica vbuckets, dead for the rest.
+        for name, node in nodes.items():
+            states = vbucket_states(node)
+            for vb, chain in enumerate(m["chains"]):
+                want = "active" if chain[0] == name else "replica" if name in chain else "dead"
+                assert states[vb] == want, (name, vb, states[vb], chain)
+        status = cli(etcd, "status")
+        assert "balance: actives per node 5-6, replicas per node 5-6" in status
+        assert "0 vbucket(s) short of a replica" in status
+
+        # Writes at majority through the SDK bootstrapped from n1 (each waits for its vbucket's
+        # replica, on whichever node the map puts it); reads through SDKs bootstrapped from
+        # the others, and replica reads, see them all.
+        from couchbase.durability import ServerDurability
+        from couchbase.options import UpsertOptions
+
+        writer = sdk_cluster(nodes["n1"], "app", PASSWORD)
+        try:
+            coll = writer.bucket("default").default_collection()
+            majority = UpsertOptions(durability=ServerDurability(DurabilityLevel.MAJORITY))
+            for i in range(200):
+                coll.upsert(f"k{i}", {"i": i}, majority)
+        finally:
+            writer.close()
+        for name in ("n2", "n3"):
+            reader = sdk_cluster(nodes[name], "app", PASSWORD)
+            try:
+                coll = reader.bucket("default").default_collection()
+                for i in range(200):
+                    assert coll.get(f"k{i}").content_as[dict] == {"i": i}
+                    replica = coll.get_any_replica(f"k{i}")
+                    assert replica.content_as[dict] == {"i": i}
+            finally:
+                reader.close()
+        # Every node holds exactly its share: the items of its active and replica vbuckets.
+        total = sum(v["items"] for n in nodes.values() for v in n.status()["buckets"][0]["vbuckets"])
+        assert total == 400
+    finally:
+        stop_all(nodes)
+
+
+def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and_rejoins(tmp_path, etcd):
+    timeout = 2.0
+    nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], timeout=timeout)
+    try:
+        sdk = sdk_cluster(nodes["n1"], "app", PASSWORD)
+        try:
+            coll = sdk.bucket("default").default_collection()
+            writer = SteadyWriter(coll, DurabilityLevel.MAJORITY)
+            time.sleep(1.5)
+            before = cluster_map(etcd)
+            lost_actives = [vb for vb, c in enumerate(before["chains"]) if c[0] == "n3"]
+            writer.outage_from = time.monotonic()
+            killed = time.monotonic()
+            nodes["n3"].stop(sig=9)
+            # With one replica, a vbucket whose replica was on n3 cannot reach a majority until
+            # n3 is back: the writer goes on at level none, as an application would.
+            writer.level = None
+            after = wait_map(etcd, lambda m: "n3" in m["failed"], timeout=30)
+            took = time.monotonic() - killed
+            # The lease runs out within its 2 s TTL, then the timeout; a margin for this machine.
+            assert took < timeout + 2 + 3, took
+            for vb in lost_actives:
+                assert after["chains"][vb][0] in ("n1", "n2") and "n3" not in after["chains"][vb]
+            assert after["auto_failovers"] == 1
+            writer.outage_until = time.monotonic() + 5  # the SDK's next map poll
+            time.sleep(6)
+            writer.finish()
+            writer.check(coll)
+            # Writes go on to the vbuckets n3 was active for, on their new actives.
+            promoted = {vb: after["chains"][vb][0] for vb in lost_actives}
+            for vb, name in promoted.items():
+                assert vbucket_states(nodes[name])[vb] == "active"
+
+            # n3 comes back: a replica again of what it held, caught up with the new actives.
+            nodes["n3"] = cluster_node(tmp_path, etcd, "n3", timeout)
+            back = wait_map(etcd, lambda m: "n3" not in m["failed"])
+            held = vbmap.held_by(before["chains"], "n3")
+            assert all("n3" in back["chains"][vb][1:] for vb in held)
+            deadline = time.monotonic() + 60
+            while True:
+                states = vbucket_states(nodes["n3"])
+                mine = {vb: s for vb, s in states.items() if vb in held}
+                highs = {
+                    v["vbucket"]: v["high_seqno"] for v in nodes["n3"].status()["buckets"][0]["vbuckets"]
+                }
+                actives = {}
+                for vb in held:
+                    owner = nodes[back["chains"][vb][0]]
+                    actives[vb] = next(
+                        v["high_seqno"] for v in owner.status()["buckets"][0]["vbuckets"] if v["vbucket"] == vb
+                    )
+                if set(mine.values()) == {"replica"} and all(highs[vb] == actives[vb] for vb in held):
+                    break
+                assert time.monotonic() < deadline, (mine, highs, actives)
+                time.sleep(0.2)
+        finally:
+            sdk.close()
+    finally:
+        stop_all(nodes)
+
+
+def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
+    nodes = form(tmp_path, etcd, ["n1", "n2"])
+    try:
+        sdk = sdk_cluster(nodes["n1"], "app", PASSWORD)
+        try:
+            coll = sdk.bucket("default").default_collection()
+            writer = SteadyWriter(coll)
+            time.sleep(1.0)
+            nodes["n3"] = cluster_node(tmp_path, etcd, "n3")
+            wait_registered(etcd, ["n3"])
+            cli(etcd, "add", "n3")
+            out = cli(etcd, "rebalance")
+            assert "writes paused per vbucket" in out, out
+            m = cluster_map(etcd)
+            assert {a for a, _ in vbmap.summary(m["chains"]).values()} <= {5, 6}
+            cli(etcd, "remove", "n1")
+            cli(etcd, "rebalance")
+            m = cluster_map(etcd)
+            assert "n1" not in m["nodes"] and all("n1" not in c for c in m["chains"])
+            assert {a for a, _ in vbmap.summary(m["chains"]).values()} == {NUM_VBUCKETS // 2}
+            time.sleep(3.0)  # past the SDK's map polls
+            writer.finish()
+            writer.check(coll)
+            assert set(vbucket_states(nodes["n1"]).values()) == {"dead"}
+        finally:
+            sdk.close()
+    finally:
+        stop_all(nodes)
+
+
+def test_nodes_keep_serving_without_etcd_and_no_failover_happens(tmp_path, etcd):
+    nodes = form(tmp_path, etcd, ["n1", "n2"])
+    try:
+        sdk = sdk_cluster(nodes["n2"], "app", PASSWORD)
+        try:
+            coll = sdk.bucket("default").default_collection()
+            etcd.stop()
+            for i in range(100):
+                coll.upsert(f"k{i}", i)
+            assert all(coll.get(f"k{i}").content_as[int] == i for i in range(100))
+            time.sleep(4)  # twice the failover timeout: nobody can fail anyone over
+            etcd.start()
+            time.sleep(3)
+            m = cluster_map(etcd)
+            assert m["failed"] == {} and m["auto_failovers"] == 0
+            for i in range(100, 200):
+                coll.upsert(f"k{i}", i)
+            assert "n1" in nodes["n1"].log() and "etcd answers again" in nodes["n1"].log()
+        finally:
+            sdk.close()
+    finally:
+        stop_all(nodes)
