@@ -37,6 +37,8 @@ PYTHON_ONLY = {
     "policy.retransmit",
     "policy.slow_consumer",
     "policy.filter",
+    # The cluster's keys: the Python side keeps the node's place in the cluster.
+    *(k.name for k in ENGINE_KEYS if k.python_only),
 }
 
 
