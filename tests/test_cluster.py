@@ -290,7 +290,9 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
                 for vb in held:
                     owner = nodes[back["chains"][vb][0]]
                     actives[vb] = next(
-                        v["high_seqno"] for v in owner.status()["buckets"][0]["vbuckets"] if v["vbucket"] == vb
+                        v["high_seqno"]
+                        for v in owner.status()["buckets"][0]["vbuckets"]
+                        if v["vbucket"] == vb
                     )
                 if set(mine.values()) == {"replica"} and all(highs[vb] == actives[vb] for vb in held):
                     break

@@ -708,6 +708,7 @@ ENGINE_KEYS += [
     ]
 ]
 
+
 def _cluster_url(path: str, v: Any) -> str:
     text = _str(path, v)
     if text:
@@ -1088,9 +1089,7 @@ class Config:
             # Majorities count over each vbucket's chain in the cluster's map.
             for b in buckets.values():
                 b["replicas"] = self.values["cluster.replicas"]
-        buckets = [
-            BucketSettings(name, **b, ordered_keys=name in ordered) for name, b in buckets.items()
-        ]
+        buckets = [BucketSettings(name, **b, ordered_keys=name in ordered) for name, b in buckets.items()]
         return EngineSettings(
             str(self.values["data_dir"]),
             buckets=buckets,

@@ -576,7 +576,7 @@ impl Server {
         for s in &servers {
             endpoints.push(
                 sluice_server::clustermap::Endpoint::parse(s, None).ok_or_else(|| {
-                    config_err("cluster map", &format!("bad server address {s:?}"))
+                    SluiceError::new_err(format!("cluster map: bad server address {s:?}"))
                 })?,
             );
         }
@@ -591,10 +591,9 @@ impl Server {
             .flatten()
             .find(|&&i| i < -1 || i >= servers.len() as i32)
         {
-            return Err(config_err(
-                "cluster map",
-                &format!("a chain names server {bad}, beyond the servers"),
-            ));
+            return Err(SluiceError::new_err(format!(
+                "cluster map: a chain names server {bad}, beyond the servers"
+            )));
         }
         let map = sluice_server::clustermap::Assigned {
             rev,
