@@ -331,7 +331,8 @@ def fill_for_a_slow_recovery(node: Node) -> None:
 
 def node_config(tmp_path: Path, name: str, extra: str = "", **bucket: object) -> Path:
     """A node's configuration: the default bucket with `bucket`'s keys, then `extra` (TOML)."""
-    lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {NUM_VBUCKETS}"]
+    vbuckets = bucket.pop("num_vbuckets", NUM_VBUCKETS)
+    lines = ["[snapshot]", "interval = 0", "[buckets.default]", f"num_vbuckets = {vbuckets}"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in bucket.items()]
     p = tmp_path / f"{name}.toml"
     p.write_text("\n".join(lines) + "\n" + extra)

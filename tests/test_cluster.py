@@ -6,6 +6,7 @@ map computation itself is checked on its own first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -14,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from couchbase.durability import DurabilityLevel
+from couchbase.durability import DurabilityLevel, ServerDurability
+from couchbase.options import UpsertOptions
 from couchbase_sdk import sdk_cluster
 from helpers import NUM_VBUCKETS, run_cli, start_node
 from sluice.cluster import vbmap
@@ -131,13 +133,13 @@ def etcd(tmp_path):
     server.stop()
 
 
-def cluster_node(tmp_path, etcd: EtcdServer, name: str, timeout: float = 2.0):
+def cluster_node(tmp_path, etcd: EtcdServer, name: str, timeout: float = 2.0, vbuckets: int = NUM_VBUCKETS):
     extra = (
         USERS
         + replica_login(tmp_path)
         + f'[cluster]\netcd = "{etcd.url}"\nnode_name = "{name}"\nauto_failover_timeout = {timeout}\n'
     )
-    return start_node(tmp_path, name, extra=extra)
+    return start_node(tmp_path, name, extra=extra, num_vbuckets=vbuckets)
 
 
 def cli(etcd: EtcdServer, *args: str, timeout: float = 120) -> str:
@@ -146,25 +148,29 @@ def cli(etcd: EtcdServer, *args: str, timeout: float = 120) -> str:
     return r.stdout
 
 
-def cluster_map(etcd: EtcdServer) -> dict:
-    return json.loads(cli(etcd, "map", "--json"))
+def cluster_map(etcd: EtcdServer) -> dict | None:
+    """The map as etcd holds it (None before the cluster forms)."""
+    kv = etcd.api().get("/sluice/c1/map")
+    return kv.json() if kv else None
 
 
 def wait_map(etcd: EtcdServer, check, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = cluster_map(etcd)
-        if check(m):
+        if m is not None and check(m):
             return m
         assert time.monotonic() < deadline, f"the map never matched: {m}"
         time.sleep(0.1)
 
 
-def form(tmp_path, etcd: EtcdServer, names: list[str], timeout: float = 2.0) -> dict:
+def form(
+    tmp_path, etcd: EtcdServer, names: list[str], timeout: float = 2.0, vbuckets: int = NUM_VBUCKETS
+) -> dict:
     """Starts the nodes, the first forming the cluster, adds the others and rebalances."""
     nodes = {}
     for n in names:
-        nodes[n] = cluster_node(tmp_path, etcd, n, timeout)
+        nodes[n] = cluster_node(tmp_path, etcd, n, timeout, vbuckets)
         if n == names[0]:
             wait_map(etcd, lambda m: True)
     wait_registered(etcd, names)
@@ -187,6 +193,16 @@ def stop_all(nodes) -> None:
         n.stop()
 
 
+@contextlib.contextmanager
+def collection(node):
+    """The default collection through Couchbase's SDK bootstrapped from `node`, as the app user."""
+    sdk = sdk_cluster(node, "app", PASSWORD)
+    try:
+        yield sdk.bucket("default").default_collection()
+    finally:
+        sdk.close()
+
+
 def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
 
@@ -194,7 +210,8 @@ def vbucket_states(node) -> dict[int, str]:
 def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd):
     nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
     try:
-        m = cluster_map(etcd)
+        m = json.loads(cli(etcd, "map", "--json"))
+        assert m["revision"] > 0
         counts = vbmap.summary(m["chains"])
         assert sorted(counts) == ["n1", "n2", "n3"]
         assert {a for a, _ in counts.values()} <= {5, 6} and {r for _, r in counts.values()} <= {5, 6}
@@ -213,27 +230,16 @@ def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd):
         # Writes at majority through the SDK bootstrapped from n1 (each waits for its vbucket's
         # replica, on whichever node the map puts it); reads through SDKs bootstrapped from
         # the others, and replica reads, see them all.
-        from couchbase.durability import ServerDurability
-        from couchbase.options import UpsertOptions
-
-        writer = sdk_cluster(nodes["n1"], "app", PASSWORD)
-        try:
-            coll = writer.bucket("default").default_collection()
+        with collection(nodes["n1"]) as coll:
             majority = UpsertOptions(durability=ServerDurability(DurabilityLevel.MAJORITY))
             for i in range(200):
                 coll.upsert(f"k{i}", {"i": i}, majority)
-        finally:
-            writer.close()
         for name in ("n2", "n3"):
-            reader = sdk_cluster(nodes[name], "app", PASSWORD)
-            try:
-                coll = reader.bucket("default").default_collection()
+            with collection(nodes[name]) as coll:
                 for i in range(200):
                     assert coll.get(f"k{i}").content_as[dict] == {"i": i}
                     replica = coll.get_any_replica(f"k{i}")
                     assert replica.content_as[dict] == {"i": i}
-            finally:
-                reader.close()
         # Every node holds exactly its share: the items of its active and replica vbuckets.
         total = sum(v["items"] for n in nodes.values() for v in n.status()["buckets"][0]["vbuckets"])
         assert total == 400
@@ -245,9 +251,7 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
     timeout = 2.0
     nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], timeout=timeout)
     try:
-        sdk = sdk_cluster(nodes["n1"], "app", PASSWORD)
-        try:
-            coll = sdk.bucket("default").default_collection()
+        with collection(nodes["n1"]) as coll:
             writer = SteadyWriter(coll, DurabilityLevel.MAJORITY)
             time.sleep(1.5)
             before = cluster_map(etcd)
@@ -298,8 +302,6 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
                     break
                 assert time.monotonic() < deadline, (mine, highs, actives)
                 time.sleep(0.2)
-        finally:
-            sdk.close()
     finally:
         stop_all(nodes)
 
@@ -307,9 +309,7 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
 def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
     nodes = form(tmp_path, etcd, ["n1", "n2"])
     try:
-        sdk = sdk_cluster(nodes["n1"], "app", PASSWORD)
-        try:
-            coll = sdk.bucket("default").default_collection()
+        with collection(nodes["n1"]) as coll:
             writer = SteadyWriter(coll)
             time.sleep(1.0)
             nodes["n3"] = cluster_node(tmp_path, etcd, "n3")
@@ -328,8 +328,47 @@ def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
             writer.finish()
             writer.check(coll)
             assert set(vbucket_states(nodes["n1"]).values()) == {"dead"}
-        finally:
-            sdk.close()
+    finally:
+        stop_all(nodes)
+
+
+def rebalance_state(etcd: EtcdServer) -> dict:
+    kv = etcd.api().get("/sluice/c1/rebalance")
+    return kv.json() if kv else {}
+
+
+def test_a_new_orchestrator_finishes_the_rebalance_its_killed_predecessor_began(tmp_path, etcd):
+    # Enough vbuckets that the rebalance is still moving them when its orchestrator dies.
+    vbuckets = 256
+    nodes = form(tmp_path, etcd, ["n1", "n2"], vbuckets=vbuckets)
+    try:
+        with collection(nodes["n2"]) as coll:
+            majority = UpsertOptions(durability=ServerDurability(DurabilityLevel.MAJORITY))
+            for i in range(300):
+                coll.upsert(f"k{i}", {"i": i}, majority)
+        nodes["n3"] = cluster_node(tmp_path, etcd, "n3", vbuckets=vbuckets)
+        wait_registered(etcd, ["n3"])
+        assert etcd.api().get("/sluice/c1/orchestrator").value == b"n1"
+        cli(etcd, "add", "n3")
+        formed = rebalance_state(etcd)["started"]
+        cli(etcd, "rebalance", "--no-wait")
+        deadline = time.monotonic() + 60
+        while rebalance_state(etcd)["started"] == formed or rebalance_state(etcd)["done"] < 5:
+            assert time.monotonic() < deadline, rebalance_state(etcd)
+            time.sleep(0.02)
+        nodes["n1"].stop(sig=9)
+        deadline = time.monotonic() + 120
+        while rebalance_state(etcd).get("state") != "done":
+            assert rebalance_state(etcd).get("state") == "running", rebalance_state(etcd)
+            assert time.monotonic() < deadline, rebalance_state(etcd)
+            time.sleep(0.2)
+        assert etcd.api().get("/sluice/c1/orchestrator").value in (b"n2", b"n3")
+        m = cluster_map(etcd)
+        assert "n1" in m["failed"]
+        assert all(c[0] in ("n2", "n3") and set(c) == {"n2", "n3"} for c in m["chains"])
+        assert {a for a, _ in vbmap.summary(m["chains"]).values()} == {vbuckets // 2}
+        with collection(nodes["n3"]) as coll:
+            assert all(coll.get(f"k{i}").content_as[dict] == {"i": i} for i in range(300))
     finally:
         stop_all(nodes)
 
@@ -337,9 +376,7 @@ def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
 def test_nodes_keep_serving_without_etcd_and_no_failover_happens(tmp_path, etcd):
     nodes = form(tmp_path, etcd, ["n1", "n2"])
     try:
-        sdk = sdk_cluster(nodes["n2"], "app", PASSWORD)
-        try:
-            coll = sdk.bucket("default").default_collection()
+        with collection(nodes["n2"]) as coll:
             etcd.stop()
             for i in range(100):
                 coll.upsert(f"k{i}", i)
@@ -352,7 +389,5 @@ def test_nodes_keep_serving_without_etcd_and_no_failover_happens(tmp_path, etcd)
             for i in range(100, 200):
                 coll.upsert(f"k{i}", i)
             assert "n1" in nodes["n1"].log() and "etcd answers again" in nodes["n1"].log()
-        finally:
-            sdk.close()
     finally:
         stop_all(nodes)

@@ -188,6 +188,8 @@ def cmd_rebalance(args: argparse.Namespace, etcd: Etcd, keys: Keys) -> int:
             reb = kv.json()
             started = True
             line = f"rebalance {reb.get('state')} " + _bar(reb.get("done", 0), reb.get("total", 0))
+            if reb.get("phase") == "waiting":
+                line += f" waiting for {', '.join(reb.get('waiting_for', []))} (gone)"
             if line != last:
                 print(("\r" if tty else "") + line, end="" if tty else "\n", flush=True)
                 last = line

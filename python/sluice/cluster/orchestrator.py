@@ -150,7 +150,11 @@ class Orchestrator:
         )
         reb = self.etcd.get(self.keys.rebalance)
         if reb is not None and reb.json().get("state") == "running":
-            self.set_rebalance(reb, state="failed", error=f"{node} was failed over")
+            # The rebalance goes on over the nodes left.
+            target = self.target(doc, {n: {} for n in doc["wanted"] if n not in doc["failed"]})
+            moves = sum(1 for a, b in zip(doc["chains"], target, strict=True) if a != b)
+            self.set_rebalance(reb, target=target, total=reb.json()["done"] + moves, phase="moving")
+            log.warning("cluster: the rebalance goes on without %s: %d move(s) left", node, moves)
         return True
 
     def take_back_the_returned(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
@@ -204,14 +208,7 @@ class Orchestrator:
             )
             log.warning("cluster: rebalance refused: %s", why)
             return
-        groups = {n: nodes[n].get("group", "") for n in wanted}
-        target = vbmap.balance(
-            wanted,
-            doc["num_vbuckets"],
-            doc["replicas"],
-            current=doc["chains"],
-            groups=groups if any(groups.values()) else None,
-        )
+        target = self.target(doc, nodes)
         infos = {n: {"kv": nodes[n]["kv"], "group": nodes[n].get("group", "")} for n in wanted}
         # Every node of the target is in the map (as a server) before anything moves to it.
         doc = {**doc, "nodes": {**doc["nodes"], **infos}}
@@ -235,6 +232,19 @@ class Orchestrator:
         )
         log.warning(
             "cluster: rebalance started: %d vbucket chain(s) to change over %s", moves, ", ".join(wanted)
+        )
+
+    def target(self, doc: dict[str, Any], nodes: dict[str, Any]) -> list[vbmap.Chain]:
+        """The balanced map over the wanted nodes not failed over, from the map in use."""
+        wanted = [n for n in doc["wanted"] if n not in doc["failed"]]
+        info = {**doc["nodes"], **nodes}
+        groups = {n: info.get(n, {}).get("group", "") for n in wanted}
+        return vbmap.balance(
+            wanted,
+            doc["num_vbuckets"],
+            doc["replicas"],
+            current=doc["chains"],
+            groups=groups if any(groups.values()) else None,
         )
 
     def rebalance_step(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
@@ -265,11 +275,35 @@ class Orchestrator:
                     f"; removed {', '.join(gone)}" if gone else "",
                 )
             return False
-        absent = [n for t in target for n in t if n is not None and n not in nodes]
+        absent = sorted({n for t in target for n in t if n is not None and n not in nodes})
         if absent:
-            self.set_rebalance(kv, state="failed", error=f"{absent[0]} is gone")
-            log.warning("cluster: rebalance failed: %s is gone", absent[0])
+            # It may come back; if it is failed over instead, the target is worked out anew.
+            if reb.get("phase") != "waiting":
+                self.set_rebalance(kv, phase="waiting", waiting_for=absent)
+                log.warning("cluster: rebalance waits: %s gone", ", ".join(absent))
             return False
+        if reb.get("phase") == "waiting":
+            self.set_rebalance(kv, phase="moving", waiting_for=[])
+            return True
+        growing = {
+            vb: chains[vb] + [n for n in target[vb] if n is not None and n not in chains[vb]]
+            for vb in todo
+            if any(n is not None and n not in chains[vb] for n in target[vb])
+        }
+        if growing:
+            # Every copy the target adds becomes a replica, and catches up, before any copy is
+            # dropped or any active moves: a failover meanwhile still finds a whole replica,
+            # and a moving active's new home already holds its data.
+            grown = [growing.get(vb, c) for vb, c in enumerate(chains)]
+            if self.publish({**doc, "chains": grown}, revision):
+                self.set_rebalance(kv, phase="building replicas", caught_up_from=self.highs())
+                log.warning("cluster: rebalance: %d new replica(s) catching up", len(growing))
+            return True
+        if reb.get("phase") == "building replicas":
+            if not self.replicas_caught_up(chains, reb.get("caught_up_from")):
+                return False
+            self.set_rebalance(kv, phase="moving")
+            return True
         vb = todo[0]
         new, old = target[vb], chains[vb]
         report: dict[str, Any] = {}

@@ -811,13 +811,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         .engine()
         .bucket(&bucket_name)
         .map_err(|e| e.to_string())?;
-    let (username, password) = node.config.replication_login.clone();
-    let replication = crate::cluster::Replication {
-        username,
-        password,
-        noop_interval: node.config.replication_noop_interval,
-        tls: node.config.replication_tls.clone(),
-    };
+    let replication = node.config.replication();
     let member = crate::cluster::Member {
         engine: node.engine(),
         followers: &node.followers,

@@ -46,6 +46,20 @@ pub struct Replication {
     pub tls: Option<crate::tls::ClientTls>,
 }
 
+impl Replication {
+    /// Following `active` for `vbuckets` (None: every replica vbucket) with these settings.
+    fn following(&self, active: String, vbuckets: Option<Vec<u16>>) -> ReplicaConfig {
+        ReplicaConfig {
+            active,
+            username: self.username.clone(),
+            password: self.password.clone(),
+            noop_interval: self.noop_interval,
+            tls: self.tls.clone(),
+            vbuckets,
+        }
+    }
+}
+
 fn role(map: &Assigned, vb: u16) -> VbState {
     let Some(this) = map.this.map(|t| t as i32) else {
         return VbState::Dead;
@@ -89,14 +103,7 @@ impl Member<'_> {
         ));
         }
         followers.release(bucket.name(), vb);
-        let config = ReplicaConfig {
-            active: source.to_string(),
-            username: replication.username.clone(),
-            password: replication.password.clone(),
-            noop_interval: replication.noop_interval,
-            tls: replication.tls.clone(),
-            vbuckets: None,
-        };
+        let config = replication.following(source.to_string(), None);
         crate::replica::take_over(engine, bucket, vb, &config, timeout, clustermap)
             .map_err(|e| e.to_string())
     }
@@ -126,14 +133,7 @@ impl Member<'_> {
             for (active, vbuckets) in by_active {
                 wanted.push((
                     b.clone(),
-                    ReplicaConfig {
-                        active: map.servers[active].server(),
-                        username: replication.username.clone(),
-                        password: replication.password.clone(),
-                        noop_interval: replication.noop_interval,
-                        tls: replication.tls.clone(),
-                        vbuckets: Some(vbuckets),
-                    },
+                    replication.following(map.servers[active].server(), Some(vbuckets)),
                 ));
             }
         }

@@ -312,15 +312,16 @@ impl ClusterMap {
         let layout = self.layout(engine, bucket);
         let assigned_rev = self.cluster.lock().as_ref().map(|a| a.rev);
         let mut served = self.served.lock();
+        let newest = served.values().map(|s| s.rev).max().unwrap_or(0);
+        let s = served
+            .entry(bucket.name().to_string())
+            .or_insert_with(|| Served {
+                layout: Layout::default(),
+                rev: 0,
+                config: None,
+            });
         if let Some(rev) = assigned_rev {
             // The cluster numbers its maps (etcd's revision of the map).
-            let s = served
-                .entry(bucket.name().to_string())
-                .or_insert_with(|| Served {
-                    layout: Layout::default(),
-                    rev: 0,
-                    config: None,
-                });
             if s.rev != rev || s.layout != layout {
                 s.rev = rev;
                 s.layout = layout.clone();
@@ -330,14 +331,6 @@ impl ClusterMap {
             }
             return (layout, rev);
         }
-        let newest = served.values().map(|s| s.rev).max().unwrap_or(0);
-        let s = served
-            .entry(bucket.name().to_string())
-            .or_insert_with(|| Served {
-                layout: Layout::default(),
-                rev: 0,
-                config: None,
-            });
         if s.layout != layout && s.rev != 0 && self.active.lock().is_some() {
             // A replica's view changes when its active's does (a vbucket the active gave away
             // goes dead here too): the active's map, raised when it made the change, is the

@@ -61,3 +61,15 @@ pub struct ServerConfig {
     /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).
     pub tarantool_upstream: Option<crate::iproto::follow::FollowConfig>,
 }
+
+impl ServerConfig {
+    /// How this node logs in to and talks with the nodes it replicates from.
+    pub fn replication(&self) -> crate::cluster::Replication {
+        crate::cluster::Replication {
+            username: self.replication_login.0.clone(),
+            password: self.replication_login.1.clone(),
+            noop_interval: self.replication_noop_interval,
+            tls: self.replication_tls.clone(),
+        }
+    }
+}

@@ -367,12 +367,7 @@ impl Server {
             fronts,
             followers,
             tls,
-            replication: crate::cluster::Replication {
-                username: config.replication_login.0.clone(),
-                password: config.replication_login.1.clone(),
-                noop_interval: config.replication_noop_interval,
-                tls: config.replication_tls.clone(),
-            },
+            replication: config.replication(),
         })
     }
 
