@@ -15,14 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
+import sluice
 from couchbase.durability import DurabilityLevel, ServerDurability
 from couchbase.options import UpsertOptions
 from couchbase_sdk import sdk_cluster
+from fault_proxy import FaultProxy
 from helpers import NUM_VBUCKETS, run_cli, start_node
+from mcbp_wire import GET, connect, login, read_response, request
 from sluice.cluster import vbmap
 from sluice.cluster.etcd import Etcd, parse_cluster_url
 from test_couchbase_sdk_kv import USERS, SteadyWriter, replica_login
 from test_permissions import PASSWORD
+from test_replication import majority_set
+
+DURABILITY_IMPOSSIBLE, SYNC_WRITE_AMBIGUOUS = 0xA1, 0xA3
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
 
@@ -74,70 +80,100 @@ def free_port() -> int:
 
 
 class EtcdServer:
-    """A one-member etcd on free ports, in its own data directory."""
+    """An etcd of `members` members on free ports, each in its own data directory."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, members: int = 1) -> None:
         self.data_dir = data_dir
-        self.client, self.peer = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{self.client}/c1"
-        self.proc: subprocess.Popen | None = None
-        self.start()
+        self.clients = [free_port() for _ in range(members)]
+        self.peers = [free_port() for _ in range(members)]
+        self.url = "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.clients) + "/c1"
+        self.procs: list[subprocess.Popen | None] = [None] * members
+        self.logs = [open(data_dir.with_name(f"{data_dir.name}{i}.log"), "a") for i in range(members)]  # noqa: SIM115
+        for i in range(members):
+            self.start_member(i)
+        self.wait_ready()
 
-    def start(self) -> None:
-        self.log = open(self.data_dir.with_suffix(".log"), "a")  # noqa: SIM115
-        self.proc = subprocess.Popen(
+    def start_member(self, i: int) -> None:
+        initial = ",".join(f"e{k}=http://127.0.0.1:{p}" for k, p in enumerate(self.peers))
+        self.procs[i] = subprocess.Popen(
             [
                 "etcd",
                 "--name",
-                "e1",
+                f"e{i}",
                 "--data-dir",
-                str(self.data_dir),
+                str(self.data_dir.with_name(f"{self.data_dir.name}{i}")),
                 "--listen-client-urls",
-                f"http://127.0.0.1:{self.client}",
+                f"http://127.0.0.1:{self.clients[i]}",
                 "--advertise-client-urls",
-                f"http://127.0.0.1:{self.client}",
+                f"http://127.0.0.1:{self.clients[i]}",
                 "--listen-peer-urls",
-                f"http://127.0.0.1:{self.peer}",
+                f"http://127.0.0.1:{self.peers[i]}",
                 "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{self.peer}",
+                f"http://127.0.0.1:{self.peers[i]}",
                 "--initial-cluster",
-                f"e1=http://127.0.0.1:{self.peer}",
+                initial,
             ],
-            stdout=self.log,
-            stderr=self.log,
+            stdout=self.logs[i],
+            stderr=self.logs[i],
         )
+
+    def wait_ready(self) -> None:
         etcd = self.api()
         deadline = time.monotonic() + 30
         while True:
             try:
-                etcd.get("/ping")
+                etcd.put("/ping", "1")
                 return
             except Exception:
                 assert time.monotonic() < deadline, "etcd did not start"
                 time.sleep(0.1)
 
+    def start(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p is None or p.poll() is not None:
+                self.start_member(i)
+        self.wait_ready()
+
     def api(self) -> Etcd:
         return Etcd(parse_cluster_url(self.url)[0])
 
+    def kill_member(self, i: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.log.close()
+        for i in range(len(self.procs)):
+            self.kill_member(i)
+
+    def close(self) -> None:
+        self.stop()
+        for log in self.logs:
+            log.close()
 
 
 @pytest.fixture
 def etcd(tmp_path):
     server = EtcdServer(tmp_path / "etcd")
     yield server
-    server.stop()
+    server.close()
 
 
-def cluster_node(tmp_path, etcd: EtcdServer, name: str, timeout: float = 2.0, vbuckets: int = NUM_VBUCKETS):
+def cluster_node(
+    tmp_path,
+    etcd: EtcdServer,
+    name: str,
+    timeout: float = 2.0,
+    vbuckets: int = NUM_VBUCKETS,
+    url: str | None = None,
+):
+    """A node of the cluster; `url` reaches etcd some other way (through a fault proxy)."""
     extra = (
         USERS
         + replica_login(tmp_path)
-        + f'[cluster]\netcd = "{etcd.url}"\nnode_name = "{name}"\nauto_failover_timeout = {timeout}\n'
+        + f'[cluster]\netcd = "{url or etcd.url}"\nnode_name = "{name}"\n'
+        + f"auto_failover_timeout = {timeout}\n"
     )
     return start_node(tmp_path, name, extra=extra, num_vbuckets=vbuckets)
 
@@ -390,4 +426,74 @@ def test_nodes_keep_serving_without_etcd_and_no_failover_happens(tmp_path, etcd)
                 coll.upsert(f"k{i}", i)
             assert "n1" in nodes["n1"].log() and "etcd answers again" in nodes["n1"].log()
     finally:
+        stop_all(nodes)
+
+
+def test_the_cluster_works_on_with_one_etcd_member_of_three_killed(tmp_path):
+    etcd = EtcdServer(tmp_path / "etcd", members=3)
+    nodes = {}
+    try:
+        nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
+        # The member every node asks first dies: they go on with the other two.
+        etcd.kill_member(0)
+        nodes["n3"].stop(sig=9)
+        m = wait_map(etcd, lambda m: "n3" in m["failed"], timeout=30)
+        assert all(c[0] in ("n1", "n2") for c in m["chains"])
+        with collection(nodes["n1"]) as coll:
+            for i in range(50):
+                coll.upsert(f"k{i}", i)
+            assert all(coll.get(f"k{i}").content_as[int] == i for i in range(50))
+    finally:
+        stop_all(nodes)
+        etcd.close()
+
+
+def test_a_node_cut_off_from_etcd_is_failed_over_and_its_old_actives_refuse_majority_writes(tmp_path, etcd):
+    proxy = FaultProxy(f"127.0.0.1:{etcd.clients[0]}")
+    nodes = form(tmp_path, etcd, ["n1", "n2"])
+    try:
+        nodes["n3"] = cluster_node(tmp_path, etcd, "n3", url=f"etcd://{proxy.address}/c1")
+        wait_registered(etcd, ["n3"])
+        cli(etcd, "add", "n3")
+        cli(etcd, "rebalance")
+        m = cluster_map(etcd)
+        key = next(
+            k
+            for k in (f"key{i}".encode() for i in range(1000))
+            if m["chains"][sluice.vbucket_of(k, NUM_VBUCKETS)][0] == "n3"
+        )
+        vb = sluice.vbucket_of(key, NUM_VBUCKETS)
+        old = connect(nodes["n3"])
+        assert login(old, "app", PASSWORD) == 0
+        assert majority_set(old, key, b"before", timeout_ms=5000) == 0
+        # n3 still serves its peers and clients, but etcd no longer hears from it.
+        proxy.drop(True)
+        m = wait_map(etcd, lambda m: "n3" in m["failed"], timeout=30)
+        new_active = m["chains"][vb][0]
+        assert new_active in ("n1", "n2")
+        deadline = time.monotonic() + 30
+        while vbucket_states(nodes[new_active])[vb] != "active":
+            assert time.monotonic() < deadline, "the new active never took its vbucket"
+            time.sleep(0.05)
+        # n3 never learns of the new map, and still takes its vbucket as active; its replica
+        # now follows the new active, so no majority write is acknowledged on n3 any more.
+        status = majority_set(old, key, b"split", timeout_ms=2000)
+        assert status in (DURABILITY_IMPOSSIBLE, SYNC_WRITE_AMBIGUOUS), hex(status)
+        new = connect(nodes[new_active])
+        assert login(new, "app", PASSWORD) == 0
+        deadline = time.monotonic() + 30
+        while (status := majority_set(new, key, b"after", timeout_ms=2000)) != 0:
+            # The promoted vbucket's replica (n3's place is empty) may be none: a plain write.
+            if status == DURABILITY_IMPOSSIBLE:
+                break
+            assert time.monotonic() < deadline, hex(status)
+            time.sleep(0.1)
+        # What the new active holds is what was acknowledged, never the write n3 refused.
+        new.sendall(request(GET, key))
+        got = read_response(new)
+        assert got["status"] == 0 and got["value"] in (b"before", b"after"), got
+        old.close()
+        new.close()
+    finally:
+        proxy.close()
         stop_all(nodes)
