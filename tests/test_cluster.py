@@ -243,7 +243,7 @@ def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
 
 
-def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd):
+def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd, monkeypatch):
     nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
     try:
         m = json.loads(cli(etcd, "map", "--json"))
@@ -262,6 +262,20 @@ def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd):
         status = cli(etcd, "status")
         assert "balance: actives per node 5-6, replicas per node 5-6" in status
         assert "0 vbucket(s) short of a replica" in status
+        # Each node's /status, /metrics and `sluice status` say what it sees of the cluster.
+        deadline = time.monotonic() + 10
+        while (seen := nodes["n2"].status()["cluster"])["map_revision"] != m["revision"]:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+        assert seen["nodes_up"] == 3 and seen["orchestrator"] == "n1" and seen["failed_over"] == 0
+        assert nodes["n1"].metric("sluice_cluster_orchestrator") == 1
+        assert nodes["n2"].metric("sluice_cluster_orchestrator") == 0
+        assert nodes["n2"].metric("sluice_cluster_map_revision") == m["revision"]
+        assert nodes["n2"].metric("sluice_cluster_rebalance_progress") == 1
+        monkeypatch.setenv("SLUICE_PASSWORD", PASSWORD)  # the operator's, for the CLI
+        shown = run_cli("status", "--admin", nodes["n2"].admin, "--user", "ops")
+        assert f"cluster c1 as n2: map rev {m['revision']}, 3 node(s) up" in shown.stdout, shown.stdout
+        assert "role: replica of the vbuckets the cluster map gives it" in shown.stdout
 
         # Writes at majority through the SDK bootstrapped from n1 (each waits for its vbucket's
         # replica, on whichever node the map puts it); reads through SDKs bootstrapped from

@@ -578,12 +578,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     rep = st.get("replication")
     lags: dict[tuple[str, int], dict] = {}
+    cl = st.get("cluster")
+    if cl:
+        reb = cl.get("rebalance") or {}
+        running = reb.get("state") == "running"
+        print(
+            f"cluster {cl['cluster']} as {cl['node']}: map rev {cl['map_revision']}, "
+            f"{cl['nodes_up']} node(s) up, {cl['failed_over']} failed over, "
+            f"orchestrator {cl['orchestrator'] or 'none'}"
+            + (f"; rebalance {reb['done']}/{reb['total']}" if running else "")
+        )
     if rep:
-        print(f"role: replica of {rep['replica_of']}")
+        print(
+            f"role: replica of {rep['replica_of']}"
+            if rep["replica_of"]
+            else "role: replica of the vbuckets the cluster map gives it"
+        )
         for rb in rep["buckets"]:
             state = "streaming" if rb["connected"] else f"disconnected ({rb['last_error'] or 'connecting'})"
             print(
-                f"  bucket {rb['bucket']}: {state}; {rb['connects']} connection(s), "
+                f"  bucket {rb['bucket']} from {rb['active']}: {state}; {rb['connects']} connection(s), "
                 f"{rb['items']:,} changes applied, {rb['rollbacks']} rollback(s)"
             )
             for v in rb["vbuckets"]:

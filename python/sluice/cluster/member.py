@@ -58,6 +58,9 @@ class Member:
         self._threads: list[threading.Thread] = []
         self._task_lock = threading.Lock()
         self._etcd_down_since: float | None = None
+        # What the watch has seen of the cluster, reported to the server when it changes.
+        self._view: dict[str, Any] = {"up": set(), "orchestrator": "", "rebalance": None, "failed_over": 0}
+        self._reported: dict[str, Any] | None = None
 
     def start(self) -> None:
         for target, name in (
@@ -138,19 +141,50 @@ class Member:
                 self.stop_event.wait(0.5)
                 continue
             for kv in kvs:
-                self._seen(kv)
+                self._seen(kv, deleted=False)
+            self._report()
             break
         for events, _rev in self.etcd.watch(self.keys.root, revision + 1, self.stop_event):
             for e in events:
-                if e.kind == "put":
-                    self._seen(e.kv)
+                self._seen(e.kv, deleted=e.kind == "delete")
+            self._report()
 
-    def _seen(self, kv: KeyValue) -> None:
-        if kv.key == self.keys.map:
+    def _seen(self, kv: KeyValue, *, deleted: bool) -> None:
+        if kv.key.startswith(self.keys.node()):
+            name = kv.key[len(self.keys.node()) :]
+            if deleted:
+                self._view["up"].discard(name)
+            else:
+                self._view["up"].add(name)
+        elif kv.key == self.keys.orchestrator:
+            self._view["orchestrator"] = "" if deleted else kv.value.decode()
+        elif deleted:
+            return
+        elif kv.key == self.keys.rebalance:
+            reb = kv.json()
+            self._view["rebalance"] = {k: reb.get(k) for k in ("state", "done", "total", "phase", "error")}
+        elif kv.key == self.keys.map:
+            self._view["failed_over"] = len(kv.json()["failed"])
             self.converge(kv)
         elif kv.key == self.keys.task(self.s.node):
             task = kv.json()
             threading.Thread(target=self._run_task, args=(task,), daemon=True).start()
+
+    def _report(self) -> None:
+        """Tells the server what this node sees of the cluster (for /status and /metrics)."""
+        v = self._view
+        report = {
+            "cluster": self.s.cluster,
+            "node": self.s.node,
+            "nodes_up": len(v["up"]),
+            "failed_over": v["failed_over"],
+            "orchestrator": v["orchestrator"],
+            "orchestrator_here": int(v["orchestrator"] == self.s.node),
+            "rebalance": v["rebalance"],
+        }
+        if report != self._reported:
+            self.server.report_cluster(dump(report))
+            self._reported = report
 
     def converge(self, kv: KeyValue) -> None:
         if kv.mod_revision <= self.map_revision:

@@ -617,6 +617,21 @@ impl Server {
         Ok(d)
     }
 
+    /// What the cluster side sees of the cluster (a JSON object: nodes_up, failed_over,
+    /// orchestrator, orchestrator_here, rebalance {state, done, total}), shown by /status and
+    /// /metrics.
+    fn report_cluster(&self, report: &str) -> PyResult<()> {
+        let value: serde_json::Value = serde_json::from_str(report)
+            .map_err(|e| SluiceError::new_err(format!("cluster report: {e}")))?;
+        match self.inner.lock().as_ref() {
+            Some(s) => {
+                s.report_cluster(value);
+                Ok(())
+            }
+            None => Err(ClosedError::new_err("the server is stopped")),
+        }
+    }
+
     /// Moves vbucket `vbucket` of `bucket` here from the node at `source` ("HOST:PORT") by a
     /// takeover stream. Returns {"items", "seconds", "writes_paused_ms", "high_seqno"}.
     #[pyo3(signature = (bucket, vbucket, source, timeout=60.0))]

@@ -686,6 +686,7 @@ pub fn metrics(node: &NodeView) -> String {
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);
+    crate::cluster::metrics(&node.fronts.kv.clustermap, &mut o);
     if let Some(t) = &node.tarantool {
         t.metrics(&mut o);
     }
@@ -731,6 +732,10 @@ pub fn status(node: &NodeView) -> serde_json::Value {
         "topics": topics_status(e),
         "replication": replication_status(&node.followers),
         "tarantool_upstream": node.tarantool.as_ref().map(|t| t.describe()),
+        "cluster": map.report().map(|mut r| {
+            r["map_revision"] = map.assigned().map_or(0, |a| a.rev).into();
+            r
+        }),
     })
 }
 
@@ -777,6 +782,7 @@ fn replication_status(followers: &Followers) -> serde_json::Value {
                 .collect();
             json!({
                 "bucket": r.bucket,
+                "active": r.config.active,
                 "connected": r.stats.connected.load(Relaxed),
                 "connects": r.stats.connects.load(Relaxed),
                 "items": r.stats.items.load(Relaxed),
@@ -786,7 +792,12 @@ fn replication_status(followers: &Followers) -> serde_json::Value {
             })
         })
         .collect();
-    json!({"replica_of": reps[0].config.active, "buckets": buckets})
+    // A cluster map's replication has a connection per active node (no single `replica_of`).
+    let replica_of = reps
+        .iter()
+        .find(|r| r.config.vbuckets.is_none())
+        .map(|r| r.config.active.clone());
+    json!({"replica_of": replica_of, "buckets": buckets})
 }
 
 /// POST /takeover?bucket=B&vbucket=N&source=HOST:PORT[&timeout=SECONDS]: moves the vbucket

@@ -202,6 +202,62 @@ impl Member<'_> {
     }
 }
 
+/// The cluster as this node last saw it, for /metrics (nothing when it is in no cluster).
+pub fn metrics(clustermap: &ClusterMap, o: &mut String) {
+    use crate::metrics::metric;
+    use std::fmt::Write;
+    let (Some(map), Some(r)) = (clustermap.assigned(), clustermap.report()) else {
+        return;
+    };
+    let num = |k: &str| r.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+    let reb = r.get("rebalance").cloned().unwrap_or_default();
+    let running = reb.get("state").and_then(|s| s.as_str()) == Some("running");
+    let (done, total) = (
+        reb.get("done").and_then(|v| v.as_f64()).unwrap_or(0.0),
+        reb.get("total").and_then(|v| v.as_f64()).unwrap_or(0.0),
+    );
+    let progress = if running && total > 0.0 {
+        done / total
+    } else {
+        1.0
+    };
+    for (name, help, value) in [
+        (
+            "sluice_cluster_map_revision",
+            "Revision (in etcd) of the vbucket map this node serves.",
+            map.rev as f64,
+        ),
+        (
+            "sluice_cluster_nodes_up",
+            "Nodes registered in etcd (their leases alive).",
+            num("nodes_up"),
+        ),
+        (
+            "sluice_cluster_nodes_failed_over",
+            "Nodes of the map failed over and not back.",
+            num("failed_over"),
+        ),
+        (
+            "sluice_cluster_orchestrator",
+            "1 when this node is the cluster's orchestrator.",
+            num("orchestrator_here"),
+        ),
+        (
+            "sluice_cluster_rebalance_running",
+            "1 while a rebalance runs.",
+            f64::from(u8::from(running)),
+        ),
+        (
+            "sluice_cluster_rebalance_progress",
+            "Share of the running rebalance's moves done (1: none runs).",
+            progress,
+        ),
+    ] {
+        metric(o, name, "gauge", help);
+        let _ = writeln!(o, "{name} {value}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

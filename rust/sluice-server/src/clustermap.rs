@@ -146,6 +146,9 @@ pub struct ClusterMap {
     served: Mutex<HashMap<String, Served>>,
     /// A cluster's map, when this node is in one: it replaces the layout the node works out.
     cluster: Mutex<Option<Assigned>>,
+    /// What the node's cluster side last reported of the cluster (nodes, orchestrator,
+    /// rebalance), for /status and /metrics.
+    report: Mutex<Option<serde_json::Value>>,
     /// The newest rev of any bucket: connections that asked for pushes watch it.
     changed: watch::Sender<i64>,
 }
@@ -178,6 +181,7 @@ impl ClusterMap {
             arriving: Mutex::new(std::collections::HashSet::new()),
             served: Mutex::new(HashMap::new()),
             cluster: Mutex::new(None),
+            report: Mutex::new(None),
             changed: watch::channel(0).0,
         }
     }
@@ -243,6 +247,16 @@ impl ClusterMap {
     /// Serves a cluster's map from now on, in place of the layout this node works out.
     pub fn assign(&self, map: Assigned) {
         *self.cluster.lock() = Some(map);
+    }
+
+    /// Keeps what the cluster side reports of the cluster.
+    pub fn set_report(&self, report: serde_json::Value) {
+        *self.report.lock() = Some(report);
+    }
+
+    /// The cluster's last report, if this node is in a cluster.
+    pub fn report(&self) -> Option<serde_json::Value> {
+        self.report.lock().clone()
     }
 
     /// The cluster map assigned, if any.

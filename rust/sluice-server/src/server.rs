@@ -422,6 +422,11 @@ impl Server {
         self.member().converge(map)
     }
 
+    /// Keeps what the cluster side reports of the cluster, for /status and /metrics.
+    pub fn report_cluster(&self, report: serde_json::Value) {
+        self.fronts.kv.clustermap.set_report(report);
+    }
+
     fn member(&self) -> crate::cluster::Member<'_> {
         crate::cluster::Member {
             engine: &self.fronts.kv.engine,
