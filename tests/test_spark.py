@@ -622,3 +622,36 @@ def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
         assert (0, 3) in got
     finally:
         node.stop()
+
+
+def test_a_cluster_is_read_from_its_map_in_etcd(spark, tmp_path):
+    """Given the cluster's etcd URL, the source plans over the nodes of the map and reads each
+    vbucket once (from a replica where there is one)."""
+    from test_cluster import EtcdServer, collection, form, stop_all
+    from test_permissions import PASSWORD
+
+    etcd = EtcdServer(tmp_path / "etcd")
+    nodes = {}
+    try:
+        nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
+        with collection(nodes["n1"]) as coll:
+            for i in range(500):
+                coll.upsert(f"k{i}", {"i": i})
+        deadline = time.monotonic() + 30
+        rows: list = []
+        while len(rows) < 500:
+            # Replicas may still be applying the last writes.
+            assert time.monotonic() < deadline, len(rows)
+            df = (
+                spark.read.format("sluice")
+                .option("nodes", etcd.url)
+                .option("user", "repl")
+                .option("password", PASSWORD)
+                .load()
+            )
+            rows = df.collect()
+        assert sorted(r.key for r in rows) == sorted(f"k{i}" for i in range(500))
+        assert {json.loads(bytes(r.value))["i"] for r in rows} == set(range(500))
+    finally:
+        stop_all(nodes)
+        etcd.close()

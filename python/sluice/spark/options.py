@@ -37,6 +37,7 @@ class Offsets:
 
 @dataclass(frozen=True)
 class Options:
+    # HOST:PORT of nodes, or one etcd://HOST:PORT/CLUSTER URL (see `current_nodes`).
     nodes: tuple[str, ...]
     bucket: str
     space: str | None  # an iproto space: its bucket, read as typed columns (sluice.spark.space)
@@ -52,6 +53,24 @@ class Options:
     password: str | None
     num_partitions: int | None  # None: chosen from the data and the cores
     timeout: float
+
+    def current_nodes(self) -> tuple[str, ...]:
+        """The nodes to plan over: those given, or the nodes of the cluster's map in etcd now
+        (read again at every planning, so a rebalance's new nodes are found)."""
+        if len(self.nodes) != 1 or not self.nodes[0].startswith(("etcd://", "etcds://")):
+            return self.nodes
+        from sluice.cluster.etcd import Etcd, EtcdError, parse_cluster_url
+        from sluice.cluster.keys import Keys
+
+        endpoints, name = parse_cluster_url(self.nodes[0])
+        try:
+            kv = Etcd(endpoints, timeout=self.timeout).get(Keys(name).map)
+        except EtcdError as e:
+            raise ConfigError(f"sluice data source: cannot read cluster {name}'s map: {e}") from None
+        if kv is None:
+            raise ConfigError(f"sluice data source: cluster {name} has no map yet")
+        doc = kv.json()
+        return tuple(doc["nodes"][n]["kv"] for n in sorted(doc["nodes"]) if n not in doc["failed"])
 
     def node_kwargs(self) -> dict[str, Any]:
         return {"bucket": self.bucket, "username": self.user, "password": self.password, "topic": self.topic}
@@ -87,6 +106,14 @@ def _seconds(name: str, text: str) -> float:
 
 
 def _nodes(name: str, text: str) -> tuple[str, ...]:
+    if text.strip().startswith(("etcd://", "etcds://")):
+        from sluice.cluster.etcd import parse_cluster_url
+
+        try:
+            parse_cluster_url(text.strip())
+        except ValueError as e:
+            raise OptionError(name, str(e)) from None
+        return (text.strip(),)
     nodes = tuple(n.strip() for n in text.split(",") if n.strip())
     if not nodes:
         raise OptionError(name, "must list at least one HOST:PORT")

@@ -56,7 +56,7 @@ def locate(opts: Options) -> dict[int, VbucketSource]:
     found: dict[int, VbucketSource] = {}
     errors: list[str] = []
     states = ("replica", "active") if opts.prefer_replica else ("active",)
-    for node in opts.nodes:
+    for node in opts.current_nodes():
         for state in states:
             try:
                 positions = vbucket_positions(node, state=state, timeout=opts.timeout, **opts.node_kwargs())

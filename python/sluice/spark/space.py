@@ -66,7 +66,7 @@ def describe(opts: Options) -> SpaceSchema:
 
     assert opts.space is not None
     errors = []
-    for node in opts.nodes:
+    for node in opts.current_nodes():
         try:
             conn = KvConnection(node, None, opts.user, opts.password, opts.timeout)
         except (OSError, SluiceError) as e:
