@@ -511,3 +511,76 @@ def test_a_node_cut_off_from_etcd_is_failed_over_and_its_old_actives_refuse_majo
     finally:
         proxy.close()
         stop_all(nodes)
+
+
+def test_a_rebalance_stops_when_asked_and_a_new_one_finishes_the_moves(tmp_path, etcd):
+    vbuckets = 256
+    nodes = form(tmp_path, etcd, ["n1", "n2"], vbuckets=vbuckets)
+    try:
+        nodes["n3"] = cluster_node(tmp_path, etcd, "n3", vbuckets=vbuckets)
+        wait_registered(etcd, ["n3"])
+        cli(etcd, "add", "n3")
+        formed = rebalance_state(etcd)["started"]
+        cli(etcd, "rebalance", "--no-wait")
+        deadline = time.monotonic() + 60
+        while rebalance_state(etcd)["started"] == formed or rebalance_state(etcd)["done"] < 3:
+            assert time.monotonic() < deadline, rebalance_state(etcd)
+            time.sleep(0.02)
+        assert "rebalance stop requested" in cli(etcd, "stop-rebalance")
+        deadline = time.monotonic() + 60
+        while (state := rebalance_state(etcd))["state"] == "running":
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        assert state["state"] == "stopped" and state["done"] < state["total"], state
+        status = cli(etcd, "status")
+        assert "rebalance: stopped" in status, status
+        out = cli(etcd, "rebalance")
+        assert "rebalance done" in out, out
+        m = cluster_map(etcd)
+        assert {a for a, _ in vbmap.summary(m["chains"]).values()} <= {85, 86}
+    finally:
+        stop_all(nodes)
+
+
+def test_a_node_cut_off_from_its_peers_but_not_etcd_takes_no_majority_write_and_is_not_failed_over(
+    tmp_path, etcd
+):
+    nodes = form(tmp_path, etcd, ["n1", "n2"])
+    # Peers and clients reach n3 through the proxy; n3 reaches etcd and its actives directly.
+    port = free_port()
+    proxy = FaultProxy(f"127.0.0.1:{port}")
+    try:
+        extra = f'advertise = "{proxy.address}"\n'
+        node_toml = (
+            USERS
+            + replica_login(tmp_path)
+            + f'[cluster]\netcd = "{etcd.url}"\nnode_name = "n3"\nauto_failover_timeout = 2.0\n'
+            + extra
+        )
+        nodes["n3"] = start_node(tmp_path, "n3", "--listen", f"127.0.0.1:{port}", extra=node_toml)
+        wait_registered(etcd, ["n3"])
+        cli(etcd, "add", "n3")
+        cli(etcd, "rebalance")
+        m = cluster_map(etcd)
+        key = next(
+            k
+            for k in (f"key{i}".encode() for i in range(1000))
+            if m["chains"][sluice.vbucket_of(k, NUM_VBUCKETS)][0] == "n3"
+        )
+        vb = sluice.vbucket_of(key, NUM_VBUCKETS)
+        direct = connect(nodes["n3"])
+        assert login(direct, "app", PASSWORD) == 0
+        assert majority_set(direct, key, b"before", timeout_ms=5000) == 0
+        proxy.drop(True)
+        # Its replica hears nothing more from it: no majority write is acknowledged on n3.
+        status = majority_set(direct, key, b"cut", timeout_ms=1500)
+        assert status in (DURABILITY_IMPOSSIBLE, SYNC_WRITE_AMBIGUOUS), hex(status)
+        time.sleep(4)  # twice the failover timeout: n3's lease is alive, nobody fails it over
+        m = cluster_map(etcd)
+        assert m["failed"] == {} and m["chains"][vb][0] == "n3"
+        replica = m["chains"][vb][1]
+        assert vbucket_states(nodes[replica])[vb] == "replica"
+        direct.close()
+    finally:
+        proxy.close()
+        stop_all(nodes)

@@ -10,7 +10,6 @@ import http.client
 import json
 import ssl
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,7 +103,6 @@ class Etcd:
         self._token: str | None = None
         self._ssl = ssl.create_default_context(cafile=ca_file) if any(e.https for e in endpoints) else None
         self._preferred = 0
-        self._lock = threading.Lock()
 
     # -- transport
 
@@ -248,6 +246,10 @@ class Etcd:
                     if not line:
                         break
                     result = json.loads(line).get("result", {})
+                    if result.get("canceled"):
+                        # The revisions asked for are compacted away (or the watch was refused):
+                        # the caller must read the keys whole again.
+                        raise EtcdError(f"etcd canceled the watch: {result.get('cancel_reason') or result}")
                     events = [
                         Event("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
                         for e in result.get("events", [])
@@ -271,12 +273,3 @@ def parse_cluster_url(url: str) -> tuple[list[Endpoint], str]:
         raise ValueError(f"{url!r}: the path names the cluster: etcd://HOST:PORT/CLUSTER_NAME")
     scheme = "https" if u.scheme == "etcds" else "http"
     return parse_endpoints(",".join(f"{scheme}://{h}" for h in u.netloc.split(","))), name
-
-
-def wait_until(predicate: Any, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return bool(predicate())

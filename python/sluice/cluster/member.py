@@ -132,7 +132,8 @@ class Member:
     # -- the map and the tasks
 
     def _watch_loop(self) -> None:
-        revision = 0
+        """Reads the cluster's keys whole, then follows their changes; starts over when the
+        watch cannot go on (etcd compacted the revisions it needed)."""
         while not self.stop_event.is_set():
             try:
                 kvs, revision = self.etcd.get_prefix(self.keys.root)
@@ -140,14 +141,24 @@ class Member:
                 self._etcd_failed(e)
                 self.stop_event.wait(0.5)
                 continue
-            for kv in kvs:
-                self._seen(kv, deleted=False)
+            self._view["up"] = set()
+            self._apply([(kv, False) for kv in kvs])
+            try:
+                for events, _rev in self.etcd.watch(self.keys.root, revision + 1, self.stop_event):
+                    self._apply([(e.kv, e.kind == "delete") for e in events])
+            except EtcdError as e:
+                log.warning("cluster: watching etcd: %s; reading the cluster's keys again", e)
+
+    def _apply(self, changes: list[tuple[KeyValue, bool]]) -> None:
+        for kv, deleted in changes:
+            try:
+                self._seen(kv, deleted=deleted)
+            except Exception:  # noqa: BLE001 - one bad key or a failed convergence must not stop the watch
+                log.exception("cluster: acting on %s", kv.key)
+        try:
             self._report()
-            break
-        for events, _rev in self.etcd.watch(self.keys.root, revision + 1, self.stop_event):
-            for e in events:
-                self._seen(e.kv, deleted=e.kind == "delete")
-            self._report()
+        except Exception:  # noqa: BLE001 - the server may be stopping
+            log.exception("cluster: reporting to the server")
 
     def _seen(self, kv: KeyValue, *, deleted: bool) -> None:
         if kv.key.startswith(self.keys.node()):
