@@ -601,12 +601,8 @@ impl Server {
             this,
             chains,
         };
-        let guard = self.inner.lock();
-        let Some(server) = guard.as_ref() else {
-            return Err(ClosedError::new_err("the server is stopped"));
-        };
-        let done = py.detach(|| server.converge(map)).map_err(to_py)?;
-        drop(guard);
+        let member = self.member()?;
+        let done = py.detach(|| member.converge(map)).map_err(to_py)?;
         let d = pyo3::types::PyDict::new(py);
         d.set_item("promoted", done.promoted)?;
         d.set_item("activated", done.activated)?;
@@ -644,14 +640,12 @@ impl Server {
         timeout: f64,
     ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let timeout = secs("timeout", timeout)?;
-        let guard = self.inner.lock();
-        let Some(server) = guard.as_ref() else {
-            return Err(ClosedError::new_err("the server is stopped"));
-        };
+        let member = self.member()?;
+        let b = member.engine.bucket(bucket).map_err(to_py)?;
+        // The server is not held meanwhile: the map may change, the node may be stopped.
         let r = py
-            .detach(|| server.take_over(bucket, vbucket, source, timeout))
+            .detach(|| member.take_over(&b, vbucket, source, timeout))
             .map_err(SluiceError::new_err)?;
-        drop(guard);
         let d = pyo3::types::PyDict::new(py);
         d.set_item("items", r.items)?;
         d.set_item("seconds", r.seconds)?;
@@ -669,6 +663,16 @@ impl Server {
             py.detach(move || s.shutdown(grace));
         }
         Ok(())
+    }
+}
+
+impl Server {
+    /// The node's parts a cluster map changes, taken without keeping the server locked.
+    fn member(&self) -> PyResult<sluice_server::cluster::Member> {
+        match self.inner.lock().as_ref() {
+            Some(s) => Ok(s.member()),
+            None => Err(ClosedError::new_err("the server is stopped")),
+        }
     }
 }
 

@@ -824,10 +824,10 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         .map_err(|e| e.to_string())?;
     let replication = node.config.replication();
     let member = crate::cluster::Member {
-        engine: node.engine(),
-        followers: &node.followers,
-        clustermap: &node.fronts.kv.clustermap,
-        replication: &replication,
+        engine: node.engine().clone(),
+        followers: node.followers.clone(),
+        clustermap: node.fronts.kv.clustermap.clone(),
+        replication,
     };
     let r = member
         .take_over(&bucket, vb, &source, Duration::from_secs_f64(timeout))

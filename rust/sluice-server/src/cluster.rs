@@ -39,6 +39,7 @@ pub struct Converged {
 }
 
 /// The replication login, connection settings and address of this node, for the streams.
+#[derive(Clone)]
 pub struct Replication {
     pub username: Option<String>,
     pub password: Option<String>,
@@ -74,15 +75,17 @@ fn role(map: &Assigned, vb: u16) -> VbState {
 /// Moves vbucket `vb` of `bucket` from the node at `source` to this one by a takeover stream
 /// (see `replica::take_over`). A replication stream that followed it here (a map's replica)
 /// gives way to the takeover's.
-/// The parts of a node a cluster map changes.
-pub struct Member<'a> {
-    pub engine: &'a Engine,
-    pub followers: &'a Followers,
-    pub clustermap: &'a ClusterMap,
-    pub replication: &'a Replication,
+/// The parts of a node a cluster map changes (shared handles: a caller may keep one while the
+/// server is used from elsewhere).
+#[derive(Clone)]
+pub struct Member {
+    pub engine: Arc<Engine>,
+    pub followers: Arc<Followers>,
+    pub clustermap: Arc<ClusterMap>,
+    pub replication: Replication,
 }
 
-impl Member<'_> {
+impl Member {
     pub fn take_over(
         &self,
         bucket: &Arc<Bucket>,
@@ -95,7 +98,7 @@ impl Member<'_> {
             followers,
             clustermap,
             replication,
-        } = *self;
+        } = self;
         if let Some(active) = followers.follows_everything() {
             return Err(format!(
             "this node follows {active} and replicates every vbucket; a vbucket moves only to a \
@@ -115,7 +118,7 @@ impl Member<'_> {
             followers,
             clustermap,
             replication,
-        } = *self;
+        } = self;
         let mut done = Converged::default();
         // The streams the map wants, per bucket and active node.
         let mut wanted: Vec<(Arc<Bucket>, ReplicaConfig)> = Vec::new();

@@ -414,43 +414,19 @@ impl Server {
         }
     }
 
-    /// Converges this node on a cluster's map (see `cluster`).
-    pub fn converge(
-        &self,
-        map: crate::clustermap::Assigned,
-    ) -> sluice_core::Result<crate::cluster::Converged> {
-        self.member().converge(map)
-    }
-
     /// Keeps what the cluster side reports of the cluster, for /status and /metrics.
     pub fn report_cluster(&self, report: serde_json::Value) {
         self.fronts.kv.clustermap.set_report(report);
     }
 
-    fn member(&self) -> crate::cluster::Member<'_> {
+    /// The node's parts a cluster map changes, to use without holding the server.
+    pub fn member(&self) -> crate::cluster::Member {
         crate::cluster::Member {
-            engine: &self.fronts.kv.engine,
-            followers: &self.followers,
-            clustermap: &self.fronts.kv.clustermap,
-            replication: &self.replication,
+            engine: self.fronts.kv.engine.clone(),
+            followers: self.followers.clone(),
+            clustermap: self.fronts.kv.clustermap.clone(),
+            replication: self.replication.clone(),
         }
-    }
-
-    /// Moves vbucket `vb` of `bucket` here from the node at `source` (see `cluster::take_over`).
-    pub fn take_over(
-        &self,
-        bucket: &str,
-        vb: u16,
-        source: &str,
-        timeout: Duration,
-    ) -> Result<crate::replica::TakeoverReport, String> {
-        let b = self
-            .fronts
-            .kv
-            .engine
-            .bucket(bucket)
-            .map_err(|e| e.to_string())?;
-        self.member().take_over(&b, vb, source, timeout)
     }
 
     /// The replicators of a node that follows an active (promote through them).
