@@ -167,15 +167,20 @@ def cluster_node(
     timeout: float = 2.0,
     vbuckets: int = NUM_VBUCKETS,
     url: str | None = None,
+    listen: str | None = None,
+    advertise: str | None = None,
 ):
-    """A node of the cluster; `url` reaches etcd some other way (through a fault proxy)."""
+    """A node of the cluster; `url` reaches etcd some other way, `advertise` is where the
+    others reach this node (both through a fault proxy)."""
     extra = (
         USERS
         + replica_login(tmp_path)
         + f'[cluster]\netcd = "{url or etcd.url}"\nnode_name = "{name}"\n'
         + f"auto_failover_timeout = {timeout}\n"
+        + (f'advertise = "{advertise}"\n' if advertise else "")
     )
-    return start_node(tmp_path, name, extra=extra, num_vbuckets=vbuckets)
+    args = ("--listen", listen) if listen else ()
+    return start_node(tmp_path, name, *args, extra=extra, num_vbuckets=vbuckets)
 
 
 def cli(etcd: EtcdServer, *args: str, timeout: float = 120) -> str:
@@ -462,24 +467,30 @@ def test_the_cluster_works_on_with_one_etcd_member_of_three_killed(tmp_path):
         etcd.close()
 
 
+def add_n3_and_write_to_it(etcd: EtcdServer, n3) -> tuple[bytes, int, socket.socket]:
+    """Adds n3, rebalances, and writes at majority, on a connection of n3's own, to a key of a
+    vbucket n3 is active for: (the key, its vbucket, the connection)."""
+    wait_registered(etcd, ["n3"])
+    cli(etcd, "add", "n3")
+    cli(etcd, "rebalance")
+    m = cluster_map(etcd)
+    key = next(
+        k
+        for k in (f"key{i}".encode() for i in range(1000))
+        if m["chains"][sluice.vbucket_of(k, NUM_VBUCKETS)][0] == "n3"
+    )
+    sock = connect(n3)
+    assert login(sock, "app", PASSWORD) == 0
+    assert majority_set(sock, key, b"before", timeout_ms=5000) == 0
+    return key, sluice.vbucket_of(key, NUM_VBUCKETS), sock
+
+
 def test_a_node_cut_off_from_etcd_is_failed_over_and_its_old_actives_refuse_majority_writes(tmp_path, etcd):
     proxy = FaultProxy(f"127.0.0.1:{etcd.clients[0]}")
     nodes = form(tmp_path, etcd, ["n1", "n2"])
     try:
         nodes["n3"] = cluster_node(tmp_path, etcd, "n3", url=f"etcd://{proxy.address}/c1")
-        wait_registered(etcd, ["n3"])
-        cli(etcd, "add", "n3")
-        cli(etcd, "rebalance")
-        m = cluster_map(etcd)
-        key = next(
-            k
-            for k in (f"key{i}".encode() for i in range(1000))
-            if m["chains"][sluice.vbucket_of(k, NUM_VBUCKETS)][0] == "n3"
-        )
-        vb = sluice.vbucket_of(key, NUM_VBUCKETS)
-        old = connect(nodes["n3"])
-        assert login(old, "app", PASSWORD) == 0
-        assert majority_set(old, key, b"before", timeout_ms=5000) == 0
+        key, vb, old = add_n3_and_write_to_it(etcd, nodes["n3"])
         # n3 still serves its peers and clients, but etcd no longer hears from it.
         proxy.drop(True)
         m = wait_map(etcd, lambda m: "n3" in m["failed"], timeout=30)
@@ -550,27 +561,8 @@ def test_a_node_cut_off_from_its_peers_but_not_etcd_takes_no_majority_write_and_
     port = free_port()
     proxy = FaultProxy(f"127.0.0.1:{port}")
     try:
-        extra = f'advertise = "{proxy.address}"\n'
-        node_toml = (
-            USERS
-            + replica_login(tmp_path)
-            + f'[cluster]\netcd = "{etcd.url}"\nnode_name = "n3"\nauto_failover_timeout = 2.0\n'
-            + extra
-        )
-        nodes["n3"] = start_node(tmp_path, "n3", "--listen", f"127.0.0.1:{port}", extra=node_toml)
-        wait_registered(etcd, ["n3"])
-        cli(etcd, "add", "n3")
-        cli(etcd, "rebalance")
-        m = cluster_map(etcd)
-        key = next(
-            k
-            for k in (f"key{i}".encode() for i in range(1000))
-            if m["chains"][sluice.vbucket_of(k, NUM_VBUCKETS)][0] == "n3"
-        )
-        vb = sluice.vbucket_of(key, NUM_VBUCKETS)
-        direct = connect(nodes["n3"])
-        assert login(direct, "app", PASSWORD) == 0
-        assert majority_set(direct, key, b"before", timeout_ms=5000) == 0
+        nodes["n3"] = cluster_node(tmp_path, etcd, "n3", listen=f"127.0.0.1:{port}", advertise=proxy.address)
+        key, vb, direct = add_n3_and_write_to_it(etcd, nodes["n3"])
         proxy.drop(True)
         # Its replica hears nothing more from it: no majority write is acknowledged on n3.
         status = majority_set(direct, key, b"cut", timeout_ms=1500)

@@ -10,10 +10,15 @@ import http.client
 import json
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+# What a member answers while the members elect a leader, or when it lost its own: another try
+# (on another member) may succeed.
+TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests", "not capable")
 
 
 class EtcdError(Exception):
@@ -136,7 +141,11 @@ class Etcd:
         raise EtcdError("etcd unreachable: " + "; ".join(errors))
 
     def call(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
-        for attempt in range(2):
+        """One request; retried (on the next endpoint) while the members elect a leader, and
+        once after logging in again when a token expired."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        authenticated = False
+        while True:
             conn, resp = self._send(path, body, timeout or self.timeout)
             try:
                 raw = resp.read()
@@ -151,11 +160,15 @@ class Etcd:
             if resp.status == 200 and "error" not in answer:
                 return answer
             message = answer.get("message") or answer.get("error") or raw[:200].decode("utf-8", "replace")
-            if self._credentials and attempt == 0 and ("token" in message or "auth" in message):
+            if self._credentials and not authenticated and ("token" in message or "auth" in message):
                 self._authenticate()
+                authenticated = True
+                continue
+            if any(t in message for t in TRANSIENT) and time.monotonic() < deadline:
+                self._preferred = (self._preferred + 1) % len(self.endpoints)
+                time.sleep(0.05)
                 continue
             raise EtcdError(f"etcd: {path}: {message}")
-        raise AssertionError("unreachable")
 
     def _authenticate(self) -> None:
         assert self._credentials is not None

@@ -93,21 +93,15 @@ impl Member {
         source: &str,
         timeout: std::time::Duration,
     ) -> Result<crate::replica::TakeoverReport, String> {
-        let Member {
-            engine,
-            followers,
-            clustermap,
-            replication,
-        } = self;
-        if let Some(active) = followers.follows_everything() {
+        if let Some(active) = self.followers.follows_everything() {
             return Err(format!(
             "this node follows {active} and replicates every vbucket; a vbucket moves only to a \
              node that does not (promote it first)"
         ));
         }
-        followers.release(bucket.name(), vb);
-        let config = replication.following(source.to_string(), None);
-        crate::replica::take_over(engine, bucket, vb, &config, timeout, clustermap)
+        self.followers.release(bucket.name(), vb);
+        let config = self.replication.following(source.to_string(), None);
+        crate::replica::take_over(&self.engine, bucket, vb, &config, timeout, &self.clustermap)
             .map_err(|e| e.to_string())
     }
 
