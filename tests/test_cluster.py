@@ -576,3 +576,25 @@ def test_a_node_cut_off_from_its_peers_but_not_etcd_takes_no_majority_write_and_
     finally:
         proxy.close()
         stop_all(nodes)
+
+
+def test_a_node_failed_over_by_hand_serves_nothing_until_it_restarts_and_is_taken_back(tmp_path, etcd):
+    nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
+    try:
+        before = cluster_map(etcd)
+        assert "failover of n2 requested" in cli(etcd, "failover", "n2")
+        m = wait_map(etcd, lambda m: "n2" in m["failed"])
+        assert all(c[0] in ("n1", "n3") and "n2" not in c for c in m["chains"])
+        assert m["auto_failovers"] == 0
+        deadline = time.monotonic() + 10
+        while set(vbucket_states(nodes["n2"]).values()) != {"dead"}:
+            assert time.monotonic() < deadline, vbucket_states(nodes["n2"])
+            time.sleep(0.05)
+        time.sleep(1.5)  # still running and registered: not taken back
+        assert "n2" in cluster_map(etcd)["failed"]
+        nodes["n2"].stop()
+        nodes["n2"] = cluster_node(tmp_path, etcd, "n2")
+        back = wait_map(etcd, lambda m: "n2" not in m["failed"])
+        assert all("n2" in back["chains"][vb][1:] for vb in vbmap.held_by(before["chains"], "n2"))
+    finally:
+        stop_all(nodes)

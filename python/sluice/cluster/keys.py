@@ -1,7 +1,7 @@
 """Where a cluster keeps its state in etcd, under /sluice/CLUSTER/:
 
-- nodes/NAME: a node's registration (its KV address, group), under the node's lease: the key
-  vanishes when the node stops renewing it;
+- nodes/NAME: a node's registration (its KV address, group, incarnation: new at every start),
+  under the node's lease: the key vanishes when the node stops renewing it;
 - status/NAME: the node's vbuckets (state, high and persisted seqnos), every half second, under
   the same lease; the orchestrator picks the replica to promote from it;
 - orchestrator: the elected orchestrator's name, under its lease;

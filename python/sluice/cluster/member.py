@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,8 @@ class Member:
         self.stop_event = threading.Event()
         self.lease = 0
         self.map_revision = 0
+        # This process's run: a node failed over while it runs is taken back once it restarts.
+        self.incarnation = uuid.uuid4().hex
         self._threads: list[threading.Thread] = []
         self._task_lock = threading.Lock()
         self._etcd_down_since: float | None = None
@@ -95,7 +98,13 @@ class Member:
 
     def _register(self) -> None:
         self.lease, ttl = self.etcd.grant(LEASE_TTL)
-        info = {"kv": self.s.kv, "group": self.s.group, "admin": self.s.admin, "pid": os.getpid()}
+        info = {
+            "kv": self.s.kv,
+            "group": self.s.group,
+            "admin": self.s.admin,
+            "pid": os.getpid(),
+            "incarnation": self.incarnation,
+        }
         self.etcd.put(self.keys.node(self.s.node), dump(info), lease=self.lease)
         log.info("cluster %s: registered as %s (lease TTL %d s)", self.s.cluster, self.s.node, ttl)
 

@@ -38,6 +38,7 @@ class Orchestrator:
     # -- reading and writing the map
 
     def registered(self) -> dict[str, dict[str, Any]]:
+        """The nodes registered now (each with its `incarnation`: a restarted node has a new one)."""
         kvs, _ = self.etcd.get_prefix(self.keys.node())
         return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
 
@@ -130,12 +131,23 @@ class Orchestrator:
         return False
 
     def fail_over(
-        self, doc: dict[str, Any], revision: int, node: str, alive: set[str], *, automatic: bool
+        self,
+        doc: dict[str, Any],
+        revision: int,
+        node: str,
+        alive: set[str],
+        *,
+        automatic: bool,
+        registration: dict[str, Any] | None = None,
     ) -> bool:
+        """Fails `node` over; `registration` is its registration if it is still up."""
         chains, lost = vbmap.fail_over(doc["chains"], node, self.seqnos(alive), alive)
         held = vbmap.held_by(doc["chains"], node)
         promoted = sum(1 for c in doc["chains"] if c and c[0] == node) - len(lost)
-        doc = {**doc, "chains": chains, "failed": {**doc["failed"], node: held}}
+        # A node failed over while it runs (by hand) is taken back only once it registers anew.
+        since = registration.get("incarnation", "") if registration else ""
+        failed = {**doc["failed"], node: {"held": held, "incarnation": since}}
+        doc = {**doc, "chains": chains, "failed": failed}
         if automatic:
             doc["auto_failovers"] = doc.get("auto_failovers", 0) + 1
         if not self.publish(doc, revision):
@@ -158,9 +170,9 @@ class Orchestrator:
         return True
 
     def take_back_the_returned(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
-        for n, held in doc["failed"].items():
-            if n in nodes:
-                chains = vbmap.take_back(doc["chains"], n, held)
+        for n, failed in doc["failed"].items():
+            if n in nodes and nodes[n].get("incarnation") != failed["incarnation"]:
+                chains = vbmap.take_back(doc["chains"], n, failed["held"])
                 failed = {k: v for k, v in doc["failed"].items() if k != n}
                 if self.publish({**doc, "chains": chains, "failed": failed}, revision):
                     log.warning("cluster: %s is back; it is a replica again of what it held", n)
@@ -178,8 +190,11 @@ class Orchestrator:
                 node = what.split("/", 1)[1]
                 if node in doc["nodes"] and node not in doc["failed"]:
                     alive = set(nodes) - {node}
-                    self.fail_over(doc, revision, node, alive, automatic=False)
+                    self.fail_over(doc, revision, node, alive, automatic=False, registration=nodes.get(node))
                     return True
+                log.warning(
+                    "cluster: failover of %s asked for, but it is not in the map or failed over", node
+                )
             elif what == "rebalance":
                 self.start_rebalance(doc, revision, nodes)
                 return True
