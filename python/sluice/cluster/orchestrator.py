@@ -50,10 +50,20 @@ class Orchestrator:
         """Writes the map if nobody else changed it since `revision`."""
         return self.etcd.put_if(self.keys.map, dump(doc), mod_revision=revision) is not None
 
-    def seqnos(self, alive: set[str] | None) -> dict[str, dict[int, int]]:
+    def seqnos(self, alive: set[str] | None, *, fresh: bool = False) -> dict[str, dict[int, int]]:
         """Per node alive (None: every node), per vbucket: the sum over buckets of its high
-        seqnos."""
-        kvs, _ = self.etcd.get_prefix(self.keys.status())
+        seqnos. `fresh`: only statuses published after this call began count (waiting up to
+        2 s for them), so that a failover compares where the replicas stand now that their
+        active is gone, not where they stood half a second before."""
+        kvs, since = self.etcd.get_prefix(self.keys.status())
+        if fresh and alive:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                stale = {kv.key.rsplit("/", 1)[1] for kv in kvs if kv.mod_revision <= since} & alive
+                if not stale:
+                    break
+                time.sleep(0.05)
+                kvs, _ = self.etcd.get_prefix(self.keys.status())
         out: dict[str, dict[int, int]] = {}
         for kv in kvs:
             name = kv.key.rsplit("/", 1)[1]
@@ -141,7 +151,7 @@ class Orchestrator:
         registration: dict[str, Any] | None = None,
     ) -> bool:
         """Fails `node` over; `registration` is its registration if it is still up."""
-        chains, lost = vbmap.fail_over(doc["chains"], node, self.seqnos(alive), alive)
+        chains, lost = vbmap.fail_over(doc["chains"], node, self.seqnos(alive, fresh=True), alive)
         held = vbmap.held_by(doc["chains"], node)
         promoted = sum(1 for c in doc["chains"] if c and c[0] == node) - len(lost)
         # A node failed over while it runs (by hand) is taken back only once it registers anew.
