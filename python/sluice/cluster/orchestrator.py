@@ -173,18 +173,18 @@ class Orchestrator:
         reb = self.etcd.get(self.keys.rebalance)
         if reb is not None and reb.json().get("state") == "running":
             # The rebalance goes on over the nodes left.
-            target = self.target(doc, {n: {} for n in doc["wanted"] if n not in doc["failed"]})
+            target = self.target(doc, {})
             moves = sum(1 for a, b in zip(doc["chains"], target, strict=True) if a != b)
             self.set_rebalance(reb, target=target, total=reb.json()["done"] + moves, phase="moving")
             log.warning("cluster: the rebalance goes on without %s: %d move(s) left", node, moves)
         return True
 
     def take_back_the_returned(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
-        for n, failed in doc["failed"].items():
-            if n in nodes and nodes[n].get("incarnation") != failed["incarnation"]:
-                chains = vbmap.take_back(doc["chains"], n, failed["held"])
-                failed = {k: v for k, v in doc["failed"].items() if k != n}
-                if self.publish({**doc, "chains": chains, "failed": failed}, revision):
+        for n, record in doc["failed"].items():
+            if n in nodes and nodes[n].get("incarnation") != record["incarnation"]:
+                chains = vbmap.take_back(doc["chains"], n, record["held"])
+                rest = {k: v for k, v in doc["failed"].items() if k != n}
+                if self.publish({**doc, "chains": chains, "failed": rest}, revision):
                     log.warning("cluster: %s is back; it is a replica again of what it held", n)
                 return True
         return False
