@@ -11,6 +11,8 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -267,6 +269,55 @@ def collection(node):
         sdk.close()
 
 
+class Tail:
+    """`sluice tail` of the bucket from `node`, from the beginning, as JSON lines: the last
+    value it printed for each key (what a consumer of the stream holds)."""
+
+    def __init__(self, node) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice", "tail", "--address", node.address, "--from", "beginning"]
+            + ["--user", "repl", "--password-stdin"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.proc.stdin.write(PASSWORD + "\n")
+        self.proc.stdin.close()
+        self.values: dict[str, dict] = {}
+        self.vbuckets: set[int] = set()
+        self.reader = threading.Thread(target=self.read)
+        self.reader.start()
+
+    def read(self) -> None:
+        for line in self.proc.stdout:
+            row = json.loads(line)
+            self.vbuckets.add(row["vbucket"])
+            if row["op"] == "mutation":
+                self.values[row["key"]] = json.loads(row["value"])
+            else:
+                self.values.pop(row["key"], None)
+
+    def wait_for(self, writer: SteadyWriter, timeout: float = 30) -> None:
+        """Until the tail shows every write the writer had acknowledged (and no later one)."""
+        want = {k: {"i": i} for k, i in writer.acked.items() if k not in writer.ambiguous}
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = {k: (v, self.values.get(k)) for k, v in want.items() if self.values.get(k) != v}
+            if not missing:
+                return
+            assert self.proc.poll() is None, self.stop()
+            assert time.monotonic() < deadline, (len(missing), list(missing.items())[:5], self.stop())
+            time.sleep(0.2)
+
+    def stop(self) -> str:
+        """Stops it; returns what it said on stderr."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.reader.join(10)
+        return self.proc.stderr.read()
+
+
 def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
 
@@ -328,9 +379,12 @@ def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd, 
 def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and_rejoins(tmp_path, etcd):
     timeout = 2.0
     nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], timeout=timeout)
+    tail = None
     try:
         with collection(nodes["n1"]) as coll:
             writer = SteadyWriter(coll, DurabilityLevel.MAJORITY)
+            # `sluice tail` from n1 streams every vbucket from its active, n3's too.
+            tail = Tail(nodes["n1"])
             time.sleep(1.5)
             before = cluster_map(etcd)
             lost_actives = [vb for vb, c in enumerate(before["chains"]) if c[0] == "n3"]
@@ -351,6 +405,11 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
             time.sleep(6)
             writer.finish()
             writer.check(coll)
+            # The tail went on streaming n3's vbuckets from their promoted replicas.
+            tail.wait_for(writer)
+            assert tail.vbuckets == set(range(NUM_VBUCKETS))
+            said = tail.stop()
+            assert "moved" in said or "cluster map" in said, said
             # Writes go on to the vbuckets n3 was active for, on their new actives.
             promoted = {vb: after["chains"][vb][0] for vb in lost_actives}
             for vb, name in promoted.items():
@@ -381,14 +440,19 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
                 assert time.monotonic() < deadline, (mine, highs, actives)
                 time.sleep(0.2)
     finally:
+        if tail is not None:
+            tail.stop()
         stop_all(nodes)
 
 
 def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
     nodes = form(tmp_path, etcd, ["n1", "n2"])
+    tail = None
     try:
         with collection(nodes["n1"]) as coll:
             writer = SteadyWriter(coll)
+            # A tail started on n1, which the rebalance empties: its vbuckets move under it.
+            tail = Tail(nodes["n1"])
             time.sleep(1.0)
             nodes["n3"] = cluster_node(tmp_path, etcd, "n3")
             wait_registered(etcd, ["n3"])
@@ -406,7 +470,10 @@ def test_rebalance_adds_and_removes_nodes_under_a_steady_writer(tmp_path, etcd):
             writer.finish()
             writer.check(coll)
             assert set(vbucket_states(nodes["n1"]).values()) == {"dead"}
+            tail.wait_for(writer)
     finally:
+        if tail is not None:
+            tail.stop()
         stop_all(nodes)
 
 

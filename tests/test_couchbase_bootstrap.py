@@ -213,9 +213,17 @@ def test_replica_in_the_chains_and_promotion_pushed_to_clients(tmp_path):
 def test_a_moved_vbucket_points_at_its_new_node_with_a_higher_rev(tmp_path):
     a = start_node(tmp_path, "a")
     b = start_node(tmp_path, "b")
+    key = next(k for i in range(10_000) if sluice.vbucket_of(k := f"k{i}".encode(), NUM_VBUCKETS) == 5)
+    stream = sluice.Client(a.address).stream(format="python", start="beginning")
     try:
         with bucket_connection(a) as s:
             before = config(s)
+            assert call(s, request(SET, key, b"on a", set_extras(), vbucket=5))["status"] == 0
+        seen = []
+        deadline = time.monotonic() + 30
+        while not seen:
+            assert time.monotonic() < deadline, "the stream never showed the first write"
+            seen += [c.value for c in stream.poll(1.0) or [] if c.key == key]
         moved = run_cli("move-vbucket", "--vb", "5", "--from", a.admin, "--to", b.admin, timeout=60)
         assert moved.returncode == 0, moved.stderr
         with bucket_connection(a) as s:
@@ -225,7 +233,15 @@ def test_a_moved_vbucket_points_at_its_new_node_with_a_higher_rev(tmp_path):
         assert vbmap["serverList"] == [f"$HOST:{a.port}", f"127.0.0.1:{b.port}"]
         assert vbmap["vBucketMap"][5] == [1]
         assert all(chain == [0] for vb, chain in enumerate(vbmap["vBucketMap"]) if vb != 5)
+        # A stream of a's vbuckets follows vbucket 5 to b, going on where it left off.
+        with bucket_connection(b) as s:
+            assert call(s, request(SET, key, b"on b", set_extras(), vbucket=5))["status"] == 0
+        while b"on b" not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += [c.value for c in stream.poll(1.0) or [] if c.key == key]
+        assert seen == [b"on a", b"on b"]
     finally:
+        stream.close()
         b.stop()
         a.stop()
 

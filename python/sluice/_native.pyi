@@ -360,7 +360,9 @@ class RawBatch:
 
 @final
 class DcpConsumer:
-    """A DCP consumer connection on a native thread."""
+    """DCP streams on native threads (a connection per node streamed from); with
+    ``follow_moves``, each vbucket streams from the active the cluster map names and follows
+    it when it moves, failing after ``move_timeout`` seconds without a node."""
 
     def __new__(
         cls,
@@ -383,6 +385,8 @@ class DcpConsumer:
         cursor_dropping: bool = False,
         setup_timeout: float | None = None,
         topic: str | None = None,
+        follow_moves: bool = True,
+        move_timeout: float = 60.0,
     ) -> DcpConsumer: ...
     def next_event(
         self, timeout: float

@@ -912,6 +912,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             format="python",
             values=not args.no_values,
             skip_empty=False,
+            follow_moves=not args.no_follow,
         )
     except (ValueError, _native.SluiceError) as e:
         print(f"sluice tail: {e}", file=sys.stderr)
@@ -1314,7 +1315,10 @@ def build_parser() -> argparse.ArgumentParser:
         "from now, printing each mutation, deletion and expiration. With --state FILE the position "
         "is saved after every batch printed and a restart continues from it: no duplicates, no "
         "gaps. A progress line goes to stderr while a backfill runs. On a replica node (no active "
-        "vbucket) it streams the vbuckets the node replicates.",
+        "vbucket) it streams the vbuckets the node replicates. On a node of a cluster it streams "
+        "every vbucket of the bucket from its active, wherever the cluster map puts it; a vbucket "
+        "that moves (rebalance, failover, move-vbucket) goes on from its new node where it left "
+        "off (--no-follow: this node alone).",
         **formatter,
     )
     t.add_argument(
@@ -1334,7 +1338,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--vbuckets",
         metavar="LIST",
-        help="e.g. 0,3,8-11 (default: every active vbucket; on a replica node, every replica vbucket)",
+        help="e.g. 0,3,8-11 (default: every active vbucket; on a replica node, every replica vbucket; in a "
+        "cluster, every vbucket)",
     )
     t.add_argument(
         "--from",
@@ -1353,6 +1358,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the bucket holds an iproto space: print each key and tuple (MessagePack) as JSON arrays "
         '("key": [1], "tuple": [1, "ada", 30])',
+    )
+    t.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="stream from this node alone, as it holds the vbuckets: do not follow the cluster map",
     )
     t.add_argument("--max", type=int, default=0, help="stop after printing this many changes (0: no limit)")
     t.add_argument("--user", help="SASL PLAIN user; the password is read from stdin with --password-stdin")

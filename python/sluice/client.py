@@ -350,6 +350,8 @@ class Client:
         skip_empty: bool = True,
         setup_timeout: float | None = None,
         topic: str | None = None,
+        follow_moves: bool = True,
+        move_timeout: float = 60.0,
     ) -> Stream:
         """Opens streams for ``vbuckets`` (default: every active vbucket).
 
@@ -369,6 +371,14 @@ class Client:
             turns each RawBatch into what the stream yields.
         setup_timeout: seconds for connecting and for each setup answer (default: twice the
             NOOP interval, 5 to 30 s).
+        follow_moves: follow the cluster map. In a cluster (the map puts actives on several
+            nodes) each vbucket streams from its active, ``vbuckets`` defaulting to all of the
+            bucket's, and a vbucket that moves (rebalance, failover, ``sluice move-vbucket``)
+            is streamed on from its new active where the reader left it; without a cluster
+            the streams start on this node as asked and only moves are followed. False: this
+            node alone (a replica's copy, say), as the Spark source reads.
+        move_timeout: seconds a moved vbucket may go without a node to stream from (a failover
+            takes the lease's 2 s plus the auto-failover timeout) before the stream fails.
         """
         if start not in ("beginning", "now"):
             raise ValueError(f"start must be 'beginning' or 'now', not {start!r}")
@@ -411,6 +421,8 @@ class Client:
             cursor_dropping=cursor_dropping,
             setup_timeout=setup_timeout,
             topic=topic,
+            follow_moves=follow_moves,
+            move_timeout=move_timeout,
         )
         return Stream(consumer, convert, rollback, skip_empty)
 

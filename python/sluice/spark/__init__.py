@@ -189,6 +189,8 @@ def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | N
         format=convert,
         setup_timeout=opts.timeout,
         topic=opts.topic,
+        # The plan names the node (a replica, often) each range is read from.
+        follow_moves=False,
     ) as stream:
         for batch in stream:
             if batch.num_rows:

@@ -13,7 +13,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::collections::BTreeMap;
 
 use sluice_server::dcp::consumer::{
-    self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState,
+    self, Batch, ConsumerConfig, Event, MapConsumer, Position, RollbackMode, SessionState,
 };
 
 use crate::errors::SluiceError;
@@ -252,10 +252,10 @@ pub fn vbucket_positions(
     .map_err(|e| SluiceError::new_err(e.to_string()))
 }
 
-/// A DCP consumer connection on its own thread.
+/// DCP streams on threads of their own (a connection per node they stream from).
 #[pyclass(module = "sluice._native", frozen)]
 pub struct DcpConsumer {
-    consumer: Mutex<Option<Consumer>>,
+    consumer: Mutex<Option<MapConsumer>>,
     /// The state after the last batch handed to Python.
     state: Mutex<SessionState>,
 }
@@ -273,9 +273,11 @@ impl DcpConsumer {
         name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, end_seqnos=None,
         state=None,
         rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
-        include_values=true, cursor_dropping=false, setup_timeout=None, topic=None))]
+        include_values=true, cursor_dropping=false, setup_timeout=None, topic=None,
+        follow_moves=true, move_timeout=60.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         address: &str,
         bucket: &str,
         username: Option<String>,
@@ -294,6 +296,8 @@ impl DcpConsumer {
         cursor_dropping: bool,
         setup_timeout: Option<f64>,
         topic: Option<String>,
+        follow_moves: bool,
+        move_timeout: f64,
     ) -> PyResult<Self> {
         let state = match state {
             None => SessionState::default(),
@@ -340,13 +344,21 @@ impl DcpConsumer {
             cursor_dropping,
             replica_name: None,
             takeover: false,
+            active_only: false,
             kv_address: None,
             end_refused_streams: false,
             flow_control: None,
             tls: None,
         };
+        if !(move_timeout.is_finite() && move_timeout > 0.0) {
+            return Err(PyValueError::new_err(
+                "move_timeout must be a positive number of seconds",
+            ));
+        }
+        let move_timeout = Duration::from_secs_f64(move_timeout.min(365.0 * 86400.0));
+        let consumer = py.detach(|| MapConsumer::start(config, follow_moves, move_timeout));
         Ok(DcpConsumer {
-            consumer: Mutex::new(Some(Consumer::start(config))),
+            consumer: Mutex::new(Some(consumer)),
             state: Mutex::new(state),
         })
     }
@@ -357,8 +369,8 @@ impl DcpConsumer {
     fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<PyAny>>> {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
         let event = py.detach(|| {
-            let guard = self.consumer.lock();
-            guard.as_ref().map(|c| c.next_event(timeout))
+            let mut guard = self.consumer.lock();
+            guard.as_mut().map(|c| c.next_event(timeout))
         });
         let Some(event) = event else {
             return Ok(Some(("finished",).into_pyobject(py)?.into_any().unbind()));
@@ -383,18 +395,8 @@ impl DcpConsumer {
                         .unbind(),
                 )
             }
-            Some(Event::VbucketState { opaque, .. }) => {
-                // This reader asks for no takeover streams; a producer that hands a vbucket
-                // over anyway is refused.
-                if let Some(c) = self.consumer.lock().as_ref() {
-                    c.respond(
-                        sluice_proto::dcp::opcode::SET_VBUCKET_STATE,
-                        opaque,
-                        sluice_proto::mcbp::status::EINVAL,
-                    );
-                }
-                None
-            }
+            // MapConsumer refuses hand-overs itself: this reader asks for no takeover streams.
+            Some(Event::VbucketState { .. }) => None,
             Some(Event::Finished) => {
                 self.consumer.lock().take();
                 Some(("finished",).into_pyobject(py)?.into_any().unbind())

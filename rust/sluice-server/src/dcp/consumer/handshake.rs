@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::TcpStream;
-use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
 use super::flow_control::FlowControl;
 use super::session::{ConsumerSession, ReadBuffer, MAX_FRAME_BODY};
-use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, VbucketPosition};
+use super::{Batch, Command, ConsumerConfig, ConsumerError, EventSender, VbucketPosition};
 use crate::tls::SyncWriter;
 
 /// An mcbp request frame (the setup's non-DCP requests).
@@ -48,7 +48,19 @@ impl ConsumerSession {
     /// of the socket goes into `shared_socket`, where the reader's thread writes too.
     pub(super) fn connect(
         config: &ConsumerConfig,
-        events: SyncSender<Event>,
+        events: EventSender,
+        commands: Receiver<Command>,
+        shared_socket: &Arc<Mutex<Option<SyncWriter>>>,
+    ) -> Result<ConsumerSession, ConsumerError> {
+        let mut s = ConsumerSession::log_in(config, events, commands, shared_socket)?;
+        s.open_dcp()?;
+        Ok(s)
+    }
+
+    /// Connects, authenticates and selects the bucket: a connection for plain requests.
+    pub(super) fn log_in(
+        config: &ConsumerConfig,
+        events: EventSender,
         commands: Receiver<Command>,
         shared_socket: &Arc<Mutex<Option<SyncWriter>>>,
     ) -> Result<ConsumerSession, ConsumerError> {
@@ -103,6 +115,13 @@ impl ConsumerSession {
             &[],
             "SELECT_BUCKET",
         )?;
+        Ok(s)
+    }
+
+    /// DCP_OPEN as a producer's consumer, and the controls the configuration asks for.
+    fn open_dcp(&mut self) -> Result<(), ConsumerError> {
+        let config = self.config.clone();
+        let s = self;
         let mut flags = open_flag::PRODUCER | open_flag::INCLUDE_DELETE_TIMES;
         if !config.include_values {
             flags |= open_flag::NO_VALUE;
@@ -157,7 +176,7 @@ impl ConsumerSession {
                 log::debug!("the producer does not take this node's KV address: {e}");
             }
         }
-        Ok(s)
+        Ok(())
     }
 
     /// The vbuckets in `state` (a `VbucketState` code) and their high seqnos.
@@ -348,10 +367,9 @@ mod tests {
     }
 
     fn session(config: &ConsumerConfig) -> Result<ConsumerSession, ConsumerError> {
-        let (tx, _rx) = mpsc::sync_channel(1);
         let (_ctx, crx) = mpsc::channel();
         let socket = Arc::new(Mutex::new(None));
-        ConsumerSession::connect(config, tx, crx, &socket)
+        ConsumerSession::connect(config, EventSender::unread(), crx, &socket)
     }
 
     fn hang_up(s: ConsumerSession) {

@@ -13,12 +13,13 @@ mod batch;
 mod error;
 mod flow_control;
 mod handshake;
+mod map_consumer;
 mod saved_state;
 mod session;
 mod stream;
 
 use std::collections::BTreeMap;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -29,6 +30,7 @@ use sluice_proto::mcbp::{self, magic, HeaderFields};
 
 pub use batch::Batch;
 pub use error::ConsumerError;
+pub use map_consumer::MapConsumer;
 pub use saved_state::{Position, SessionState, SessionStateError};
 
 use crate::policy::PolicyHost;
@@ -81,6 +83,9 @@ pub struct ConsumerConfig {
     pub replica_name: Option<String>,
     /// Request takeover streams: the producer hands the vbuckets over once caught up.
     pub takeover: bool,
+    /// Ask for streams only where the vbucket is active (the producer refuses the others with
+    /// NOT_MY_VBUCKET): a reader that follows the cluster map streams from actives only.
+    pub active_only: bool,
     /// This node's KV address, told to a sluice producer (control `sluice_kv_address`) so
     /// that its cluster map names this node in the chains it follows or took over.
     pub kv_address: Option<String>,
@@ -119,6 +124,7 @@ impl Default for ConsumerConfig {
             cursor_dropping: false,
             replica_name: None,
             takeover: false,
+            active_only: false,
             kv_address: None,
             end_refused_streams: false,
             flow_control: None,
@@ -151,14 +157,39 @@ pub enum Event {
 
 pub enum Command {
     Resume(u16),
-    /// Request the vbucket again from this position (the reader rolled back to it).
+    /// Request the vbucket from this position: again (the reader rolled back to it), or for
+    /// the first time on this connection (it moved here).
     ResumeAt(u16, Position),
     Close,
 }
 
+/// Where a consumer thread hands its events: a channel, each event tagged with the connection
+/// it came from (a `MapConsumer` reads its connections to several nodes from one channel).
+#[derive(Clone)]
+pub(crate) struct EventSender {
+    tx: SyncSender<(u32, Event)>,
+    connection: u32,
+}
+
+impl EventSender {
+    /// False when the reader is gone.
+    pub(super) fn send(&self, event: Event) -> bool {
+        self.tx.send((self.connection, event)).is_ok()
+    }
+
+    /// For a one-off connection, which hands nothing over.
+    pub(super) fn unread() -> EventSender {
+        EventSender {
+            tx: mpsc::sync_channel(1).0,
+            connection: 0,
+        }
+    }
+}
+
 /// The reader's end: events in, commands out. Dropping it stops the thread.
 pub struct Consumer {
-    events: Option<Receiver<Event>>,
+    /// None when the events go to a channel the reader owns (`MapConsumer`).
+    events: Option<Receiver<(u32, Event)>>,
     commands: mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
     /// The thread's socket, shut down on drop so that a read or write blocked on a silent
@@ -169,6 +200,15 @@ pub struct Consumer {
 impl Consumer {
     pub fn start(config: ConsumerConfig) -> Consumer {
         let (tx, rx) = mpsc::sync_channel(4);
+        let mut c = Consumer::start_sending(config, EventSender { tx, connection: 0 });
+        c.events = Some(rx);
+        c
+    }
+
+    /// Starts the thread, its events going to `tx`. The reader must drop the channel's
+    /// receiver before dropping this: a thread waiting for room in a full channel stops only
+    /// when the receiver is gone.
+    pub(crate) fn start_sending(config: ConsumerConfig, tx: EventSender) -> Consumer {
         let (ctx, crx) = mpsc::channel();
         let socket = Arc::new(Mutex::new(None));
         let shared_socket = socket.clone();
@@ -184,11 +224,11 @@ impl Consumer {
                     },
                     Err(e) => Event::Failed(e.to_string()),
                 };
-                let _ = tx.send(ev);
+                tx.send(ev);
             })
             .expect("spawn a thread");
         Consumer {
-            events: Some(rx),
+            events: None,
             commands: ctx,
             thread: Some(thread),
             socket,
@@ -198,7 +238,7 @@ impl Consumer {
     /// Waits for the next event, up to `timeout`; None on timeout.
     pub fn next_event(&self, timeout: Duration) -> Option<Event> {
         match self.events.as_ref()?.recv_timeout(timeout) {
-            Ok(e) => Some(e),
+            Ok((_, e)) => Some(e),
             Err(RecvTimeoutError::Timeout) => None,
             Err(RecvTimeoutError::Disconnected) => Some(Event::Finished),
         }
@@ -271,10 +311,9 @@ pub fn vbucket_positions(
     config: &ConsumerConfig,
     state: u32,
 ) -> Result<Vec<VbucketPosition>, ConsumerError> {
-    let (tx, _rx) = mpsc::sync_channel(1);
     let (_ctx, crx) = mpsc::channel();
     let socket = Arc::new(Mutex::new(None));
-    let mut s = ConsumerSession::connect(config, tx, crx, &socket)?;
+    let mut s = ConsumerSession::connect(config, EventSender::unread(), crx, &socket)?;
     let r = s.vbucket_positions(state);
     let _ = s.sock.shutdown(std::net::Shutdown::Both);
     r
@@ -291,10 +330,9 @@ pub struct TopicInfo {
 
 /// The topics of the producer of `config`, on a connection of its own closed afterwards.
 pub fn topics(config: &ConsumerConfig) -> Result<Vec<TopicInfo>, ConsumerError> {
-    let (tx, _rx) = mpsc::sync_channel(1);
     let (_ctx, crx) = mpsc::channel();
     let socket = Arc::new(Mutex::new(None));
-    let mut s = ConsumerSession::connect(config, tx, crx, &socket)?;
+    let mut s = ConsumerSession::connect(config, EventSender::unread(), crx, &socket)?;
     let r = s.stats("topics");
     let _ = s.sock.shutdown(std::net::Shutdown::Both);
     r?.into_iter()
@@ -340,9 +378,8 @@ impl SeqnoProbe {
         let mut session = match self.session.take() {
             Some(s) => s,
             None => {
-                let (tx, _rx) = mpsc::sync_channel(1);
                 let (_ctx, crx) = mpsc::channel();
-                ConsumerSession::connect(&self.config, tx, crx, &self.socket)?
+                ConsumerSession::connect(&self.config, EventSender::unread(), crx, &self.socket)?
             }
         };
         let mut out = BTreeMap::new();

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::Read;
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use sluice_proto::mcbp::{self, magic, HeaderFields};
 
 use super::flow_control::FlowControl;
 use super::stream::VbStream;
-use super::{Batch, Command, ConsumerConfig, ConsumerError, Event};
+use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, EventSender};
 use crate::tls::{SyncReader, SyncWriter};
 
 /// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
@@ -63,7 +63,7 @@ pub(super) struct ConsumerSession {
     pub(super) sock: SyncReader,
     pub(super) writer: Arc<Mutex<Option<SyncWriter>>>,
     pub(super) config: ConsumerConfig,
-    pub(super) events: SyncSender<Event>,
+    pub(super) events: EventSender,
     pub(super) commands: Receiver<Command>,
     pub(super) inbuf: ReadBuffer,
     /// Looked up once per message: hashed with foldhash, not SipHash.
@@ -117,7 +117,7 @@ impl ConsumerSession {
             .into_iter()
             .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
             .collect();
-        self.events.send(Event::Batch(Box::new(b))).is_ok()
+        self.events.send(Event::Batch(Box::new(b)))
     }
 
     pub(super) fn run(&mut self) -> Result<(), ConsumerError> {
@@ -131,10 +131,8 @@ impl ConsumerSession {
                         }
                     }
                     Ok(Command::ResumeAt(vb, pos)) => {
-                        if let Some(s) = self.streams.get_mut(&vb) {
-                            s.pos = pos;
-                            self.request(vb)?;
-                        }
+                        self.streams.insert(vb, VbStream { pos, ended: false });
+                        self.request(vb)?;
                     }
                     Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
                     Err(TryRecvError::Empty) => break,
@@ -238,7 +236,7 @@ impl ConsumerSession {
                 if !self.flush() {
                     return Ok(());
                 }
-                let _ = self.events.send(Event::VbucketState {
+                self.events.send(Event::VbucketState {
                     vbucket: vb,
                     state: m.state,
                     opaque: req.opaque,

@@ -59,6 +59,9 @@ impl ConsumerSession {
         if self.config.takeover {
             flags |= stream_flag::TAKEOVER;
         }
+        if self.config.active_only {
+            flags |= stream_flag::ACTIVE_VB_ONLY;
+        }
         if self.config.from_now && uuid == 0 && start == 0 {
             flags |= stream_flag::FROM_LATEST;
         }
@@ -112,7 +115,7 @@ impl ConsumerSession {
                         if !self.flush() {
                             return Ok(());
                         }
-                        let _ = self.events.send(Event::Rollback {
+                        self.events.send(Event::Rollback {
                             vbucket: vb,
                             seqno,
                             position,
