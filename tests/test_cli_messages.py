@@ -220,3 +220,15 @@ def test_tail_on_an_active_node_is_unchanged(server):
     assert client.set("x", "1")
     r = run_cli("tail", "--address", server.address, "--from", "beginning", "--until-now")
     assert r.returncode == 0 and '"key": "x"' in r.stdout and "replicates" not in r.stderr, r
+
+
+def test_an_unreadable_etcd_password_file_is_named_not_a_traceback(tmp_path):
+    missing = tmp_path / "etcd.pw"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[cluster]\netcd = "etcd://127.0.0.1:1/c1"\netcd_password_file = "{missing}"\n')
+    r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0")
+    assert r.returncode == 2, r.stderr
+    assert f"cluster.etcd_password_file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("cluster", "status", "--cluster", "etcd://127.0.0.1:1/c1", "--etcd-password-file", str(missing))
+    assert r.returncode == 2, r.stderr
+    assert f"--etcd-password-file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr

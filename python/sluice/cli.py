@@ -147,6 +147,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     listen = cfg.values["listen"]
     settings = cfg.to_native()
+    # Read before anything starts: a missing file is a config error naming its key.
+    etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
     for warning in cfg.warnings():
         log.warning("config: %s", warning)
     started = time.monotonic()
@@ -202,6 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         member = join(
             cfg.values,
+            etcd_password,
             server,
             engine,
             settings.bucket_names,

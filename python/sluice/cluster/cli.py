@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from sluice.cluster import vbmap
@@ -21,7 +22,10 @@ def connect(
     url: str, *, user: str | None = None, password_file: str | None = None, ca: str | None = None
 ) -> tuple[Etcd, Keys]:
     endpoints, name = parse_cluster_url(url)
-    password = open(password_file).read().strip() if password_file else None  # noqa: SIM115
+    try:
+        password = Path(password_file).read_text().rstrip("\n") if password_file else None
+    except OSError as e:
+        raise ValueError(f"--etcd-password-file: cannot read {password_file}: {e.strerror}") from None
     return Etcd(endpoints, username=user, password=password, ca_file=ca), Keys(name)
 
 

@@ -287,17 +287,24 @@ class Member:
         return current is not None and current.value.decode() == self.s.node and current.lease == self.lease
 
 
-def join(values: dict[str, Any], server: Any, engine: Any, buckets: list[str], num_vbuckets: int) -> Member:
-    """Joins the cluster `values["cluster.etcd"]` names (a config's values): converges on its map
-    at once if etcd answers (before clients are told the node is ready), then keeps its place."""
+def join(
+    values: dict[str, Any],
+    etcd_password: str | None,
+    server: Any,
+    engine: Any,
+    buckets: list[str],
+    num_vbuckets: int,
+) -> Member:
+    """Joins the cluster `values["cluster.etcd"]` names (a config's values; the password from
+    its `etcd_password_file`): converges on its map at once if etcd answers (before clients are
+    told the node is ready), then keeps its place."""
     from sluice.cluster.etcd import parse_cluster_url
 
     endpoints, name = parse_cluster_url(values["cluster.etcd"])
-    password_file = values["cluster.etcd_password_file"]
     etcd = Etcd(
         endpoints,
         username=values["cluster.etcd_user"] or None,
-        password=open(password_file).read().strip() if password_file else None,  # noqa: SIM115
+        password=etcd_password,
         ca_file=str(values["cluster.etcd_ca"]) if values["cluster.etcd_ca"] else None,
     )
     kv = values["cluster.advertise"] or server.address
