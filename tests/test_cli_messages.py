@@ -229,6 +229,7 @@ def test_an_unreadable_etcd_password_file_is_named_not_a_traceback(tmp_path):
     r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0")
     assert r.returncode == 2, r.stderr
     assert f"cluster.etcd_password_file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("cluster", "status", "--cluster", "etcd://127.0.0.1:1/c1", "--etcd-password-file", str(missing))
+    url = "etcd://127.0.0.1:1/c1"
+    r = run_cli("cluster", "status", "--cluster", url, "--etcd-password-file", str(missing))
     assert r.returncode == 2, r.stderr
     assert f"--etcd-password-file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr
