@@ -220,30 +220,24 @@ def form(
     cli(etcd, "add", *names[1:])
     out = cli(etcd, "rebalance")
     assert "done" in out and "100%" in out, out
-    wait_followed(etcd, nodes)
+    # A rebalance ends once every replica streams from its active: majority writes can count
+    # on them at once.
+    assert_followed(etcd, nodes)
     return nodes
 
 
-def wait_followed(etcd: EtcdServer, nodes: dict, timeout: float = 30) -> None:
-    """Until every vbucket's active sees each replica of its chain follow it. A rebalance ends
-    once its new replicas hold their vbuckets; their streams' registration on the active (what
-    majority writes count) comes a moment after."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = cluster_map(etcd)
-        short = []
-        statuses = {
-            n: node.status()["buckets"][0]["vbuckets"] for n, node in nodes.items() if n in m["nodes"]
-        }
-        for vb, chain in enumerate(m["chains"]):
-            if chain[0] in statuses:
-                following = len(statuses[chain[0]][vb]["followers"])
-                if following < sum(1 for x in chain[1:] if x is not None):
-                    short.append(vb)
-        if not short:
-            return
-        assert time.monotonic() < deadline, f"vbuckets {short} lack a follower"
-        time.sleep(0.05)
+def assert_followed(etcd: EtcdServer, nodes: dict) -> None:
+    """Every vbucket's active sees each replica of its chain follow it (what majority writes
+    count)."""
+    m = cluster_map(etcd)
+    statuses = {n: node.status()["buckets"][0]["vbuckets"] for n, node in nodes.items() if n in m["nodes"]}
+    short = [
+        vb
+        for vb, chain in enumerate(m["chains"])
+        if chain[0] in statuses
+        and len(statuses[chain[0]][vb]["followers"]) < sum(1 for x in chain[1:] if x is not None)
+    ]
+    assert not short, f"vbuckets {short} lack a follower"
 
 
 def wait_registered(etcd: EtcdServer, names: list[str]) -> None:

@@ -288,7 +288,9 @@ def add_parser(sub: Any) -> None:
     rb.add_argument("--no-wait", action="store_true", help="ask for it and return")
     rb.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for it (default: 3600)")
     rb.set_defaults(cluster_func=cmd_rebalance)
-    sr = csub.add_parser("stop-rebalance", parents=[common], help="stop the rebalance after its current move")
+    sr = csub.add_parser(
+        "stop-rebalance", parents=[common], help="stop the rebalance after the moves under way"
+    )
     sr.set_defaults(cluster_func=cmd_request("stop-rebalance", "rebalance stop requested"))
     f = csub.add_parser("failover", parents=[common], help="fail a node over by hand")
     f.add_argument("node", metavar="NODE")

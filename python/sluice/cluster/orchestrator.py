@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.cluster")
 
 MOVE_TIMEOUT = 120.0
+# Actives handed over at once in a rebalance (to distinct nodes), as Couchbase's default moves
+# per node.
+MOVES_AT_ONCE = 4
+# How long a finished rebalance waits for its replicas' streams to register on their actives.
+REGISTER_WAIT = 30.0
 
 
 class Orchestrator:
@@ -287,6 +292,16 @@ class Orchestrator:
             if "caught_up_from" not in reb:
                 self.set_rebalance(kv, phase="replicas catching up", caught_up_from=self.highs())
             return False
+        if not todo and not self.replicas_streaming(chains):
+            # Until then a majority write may find its replica missing (DURABILITY_IMPOSSIBLE);
+            # bounded, as a replica that never comes is the failover's business.
+            since = reb.get("registering_since")
+            if since is None:
+                self.set_rebalance(kv, phase="replicas registering", registering_since=time.time())
+                return False
+            if time.time() - since < REGISTER_WAIT:
+                return False
+            log.warning("cluster: rebalance ends with replicas not yet streaming from their actives")
         if not todo:
             wanted = set(doc["wanted"])
             gone = [n for n in doc["nodes"] if n not in wanted]
@@ -329,34 +344,46 @@ class Orchestrator:
                 return False
             self.set_rebalance(kv, phase="moving")
             return True
-        vb = todo[0]
-        new, old = target[vb], chains[vb]
-        report: dict[str, Any] = {}
-        if new[0] != old[0] and old[0] is not None:
-            ok, report = self.run_task(
-                new[0], {"kind": "takeover", "vbucket": vb, "source": doc["nodes"][old[0]]["kv"]}
-            )
-            if not ok:
-                self.set_rebalance(kv, state="failed", error=f"moving vbucket {vb} to {new[0]}: {report}")
-                log.warning("cluster: rebalance failed moving vbucket %d to %s: %s", vb, new[0], report)
-                return False
-        chains = [list(c) for c in chains]
-        chains[vb] = new
-        while not self.publish({**doc, "chains": chains}, revision):
+        # Chains whose active stays need no handover: changed all at once. Actives move a few
+        # at a time, to distinct nodes (each carries out one task at a time), in parallel.
+        quiet = [vb for vb in todo if target[vb][0] == chains[vb][0] or chains[vb][0] is None]
+        batch: dict[str, int] = {}
+        if not quiet:
+            for vb in todo:
+                if len(batch) < MOVES_AT_ONCE:
+                    batch.setdefault(target[vb][0], vb)
+        results = self.run_tasks(
+            {
+                node: {"kind": "takeover", "vbucket": vb, "source": doc["nodes"][chains[vb][0]]["kv"]}
+                for node, vb in batch.items()
+            }
+        )
+        moved = quiet + [vb for node, vb in batch.items() if results[node][0]]
+        while moved:
+            changed = [list(c) for c in doc["chains"]]
+            for vb in moved:
+                changed[vb] = target[vb]
+            if self.publish({**doc, "chains": changed}, revision):
+                break
             current = self.read_map()
             if current is None:
                 return False
             doc, revision = current
-            chains = [list(c) for c in doc["chains"]]
-            chains[vb] = new
-        paused = max((r["writes_paused_ms"] for r in report.get("reports", [])), default=None)
-        items = sum(r["items"] for r in report.get("reports", []))
-        self.set_rebalance(
-            kv,
-            done=reb["done"] + 1,
-            items=reb.get("items", 0) + items,
-            pauses_ms=reb.get("pauses_ms", []) + ([round(paused, 2)] if paused is not None else []),
-        )
+        # Per move, a report per bucket; its pause is the longest of them.
+        reports = [results[node][1].get("reports", []) for node in batch if results[node][0]]
+        progress = {
+            "done": reb["done"] + len(moved),
+            "items": reb.get("items", 0) + sum(r["items"] for rs in reports for r in rs),
+            "pauses_ms": reb.get("pauses_ms", [])
+            + [round(max(r["writes_paused_ms"] for r in rs), 2) for rs in reports if rs],
+        }
+        failed = sorted((batch[node], node, why) for node, (ok, why) in results.items() if not ok)
+        if failed:
+            error = "; ".join(f"moving vbucket {vb} to {node}: {why}" for vb, node, why in failed)
+            self.set_rebalance(kv, **progress, state="failed", error=error)
+            log.warning("cluster: rebalance failed %s", error)
+            return False
+        self.set_rebalance(kv, **progress)
         return True
 
     def highs(self) -> dict[str, list[int]]:
@@ -365,11 +392,30 @@ class Orchestrator:
             n: [v.get(vb, 0) for vb in range(max(v, default=-1) + 1)] for n, v in self.seqnos(None).items()
         }
 
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        """What each node last published of its vbuckets."""
+        kvs, _ = self.etcd.get_prefix(self.keys.status())
+        return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+
+    def replicas_streaming(self, chains: list[vbmap.Chain]) -> bool:
+        """Whether every active has each replica of its chain streaming from it, as the nodes
+        last published."""
+        status = self.statuses()
+        for vb, chain in enumerate(chains):
+            if chain[0] is None:
+                continue
+            st = status.get(chain[0])
+            if st is None:
+                return False
+            want = sum(1 for r in chain[1:] if r is not None)
+            if any(b["followers"][vb] < want for b in st["buckets"].values()):
+                return False
+        return True
+
     def replicas_caught_up(self, chains: list[vbmap.Chain], since: dict[str, list[int]] | None) -> bool:
         """Whether every replica of the map holds its vbucket as a replica, and has reached
         where its active was when the wait began (`since`, or now)."""
-        kvs, _ = self.etcd.get_prefix(self.keys.status())
-        status = {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+        status = self.statuses()
         since = since or self.highs()
         for vb, chain in enumerate(chains):
             active = chain[0]
@@ -388,21 +434,29 @@ class Orchestrator:
                     return False
         return True
 
-    def run_task(self, node: str, task: dict[str, Any]) -> tuple[bool, Any]:
-        """Asks `node` to carry out `task` and waits for its result."""
-        task = {**task, "id": uuid.uuid4().hex, "timeout": MOVE_TIMEOUT}
-        self.etcd.put(self.keys.task(node), dump(task))
+    def run_tasks(self, tasks: dict[str, dict[str, Any]]) -> dict[str, tuple[bool, Any]]:
+        """Asks each node to carry out its task, all at once, and waits for their results:
+        per node, (True, the result) or (False, why)."""
+        ids = {}
+        for node, task in tasks.items():
+            task = {**task, "id": uuid.uuid4().hex, "timeout": MOVE_TIMEOUT}
+            self.etcd.put(self.keys.task(node), dump(task))
+            ids[node] = task["id"]
+        results: dict[str, tuple[bool, Any]] = {}
         deadline = time.monotonic() + MOVE_TIMEOUT + 10
         try:
-            while time.monotonic() < deadline and not self.m.stop_event.is_set():
-                r = self.etcd.get(self.keys.result(node))
-                if r is not None and r.json().get("id") == task["id"]:
-                    result = r.json()
-                    return bool(result.get("ok")), result if result.get("ok") else result.get("error")
+            while len(results) < len(ids) and time.monotonic() < deadline and not self.m.stop_event.is_set():
+                for node, task_id in ids.items():
+                    r = self.etcd.get(self.keys.result(node)) if node not in results else None
+                    if r is not None and r.json().get("id") == task_id:
+                        result = r.json()
+                        ok = bool(result.get("ok"))
+                        results[node] = (ok, result if ok else result.get("error"))
                 time.sleep(0.02)
         finally:
-            try:
-                self.etcd.delete(self.keys.task(node))
-            except EtcdError:
-                pass
-        return False, "no answer in time"
+            for node in ids:
+                try:
+                    self.etcd.delete(self.keys.task(node))
+                except EtcdError:
+                    pass
+        return {node: results.get(node, (False, "no answer in time")) for node in ids}

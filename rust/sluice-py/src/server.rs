@@ -628,6 +628,16 @@ impl Server {
         }
     }
 
+    /// How many replicas follow each vbucket of `bucket` here: the registered replica streams
+    /// whose acknowledgements majority writes count.
+    fn follower_counts(&self, bucket: &str) -> PyResult<Vec<usize>> {
+        let member = self.member()?;
+        let b = member.engine.bucket(bucket).map_err(to_py)?;
+        Ok((0..b.num_vbuckets())
+            .map(|vb| b.acks.following(vb).len())
+            .collect())
+    }
+
     /// Moves vbucket `vbucket` of `bucket` here from the node at `source` ("HOST:PORT") by a
     /// takeover stream. Returns {"items", "seconds", "writes_paused_ms", "high_seqno"}.
     #[pyo3(signature = (bucket, vbucket, source, timeout=60.0))]
