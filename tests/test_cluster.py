@@ -26,6 +26,7 @@ from helpers import NUM_VBUCKETS, run_cli, start_node
 from mcbp_wire import GET, connect, login, read_response, request
 from sluice.cluster import vbmap
 from sluice.cluster.etcd import Etcd, parse_cluster_url
+from sluice.greenstack import GreenstackClient
 from test_couchbase_sdk_kv import USERS, SteadyWriter, replica_login
 from test_permissions import PASSWORD
 from test_replication import majority_set
@@ -312,6 +313,15 @@ class Tail:
         return self.proc.stderr.read()
 
 
+def after_kv(nodes: dict, m: dict, vb: int) -> str:
+    """The KV address of `vb`'s active in map `m`, as nodes' configs list it."""
+    return nodes[m["chains"][vb][0]].address
+
+
+def port_of(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
 def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
 
@@ -379,6 +389,11 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
             writer = SteadyWriter(coll, DurabilityLevel.MAJORITY)
             # `sluice tail` from n1 streams every vbucket from its active, n3's too.
             tail = Tail(nodes["n1"])
+            # A Greenstack client on n2 hears the failover as a map change.
+            notices = []
+            greenstack = GreenstackClient(
+                nodes["n2"].greenstack, username="app", password=PASSWORD, on_notice=notices.append
+            )
             time.sleep(1.5)
             before = cluster_map(etcd)
             lost_actives = [vb for vb, c in enumerate(before["chains"]) if c[0] == "n3"]
@@ -395,6 +410,19 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
             for vb in lost_actives:
                 assert after["chains"][vb][0] in ("n1", "n2") and "n3" not in after["chains"][vb]
             assert after["auto_failovers"] == 1
+            deadline = time.monotonic() + 10
+            while True:
+                configs = [json.loads(n.fields["config"]) for n in notices if n.kind == "map_changed"]
+                heard = configs[-1]["vBucketServerMap"] if configs else None
+                servers = heard["serverList"] if heard else []
+                if heard and all(
+                    port_of(servers[heard["vBucketMap"][vb][0]]) == port_of(after_kv(nodes, after, vb))
+                    for vb in lost_actives
+                ):
+                    break
+                assert time.monotonic() < deadline, (heard, after["chains"])
+                time.sleep(0.05)
+            greenstack.close()
             writer.outage_until = time.monotonic() + 5  # the SDK's next map poll
             time.sleep(6)
             writer.finish()

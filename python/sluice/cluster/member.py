@@ -8,6 +8,7 @@ threads keep trying until etcd answers again."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -228,21 +229,28 @@ class Member:
             len({s[1] for s in done["streams"]}),
         )
 
+    def _take_over(self, move: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One vbucket taken over in every bucket: its outcome for the orchestrator."""
+        vb, source = move["vbucket"], move["source"]
+        try:
+            reports = [self.server.take_over(b, vb, source, timeout) for b in self.s.buckets]
+            return {"vbucket": vb, "ok": True, "reports": reports}
+        except Exception as e:  # noqa: BLE001 - told to the orchestrator, which decides
+            log.warning("cluster: taking over vbucket %d from %s failed: %s", vb, source, e)
+            return {"vbucket": vb, "ok": False, "error": str(e)}
+
     def _run_task(self, task: dict[str, Any]) -> None:
         with self._task_lock:
             result: dict[str, Any] = {"id": task["id"]}
-            try:
-                if task["kind"] != "takeover":
-                    raise ValueError(f"unknown task {task['kind']!r}")
-                reports = []
-                for b in self.s.buckets:
-                    reports.append(
-                        self.server.take_over(b, task["vbucket"], task["source"], task.get("timeout", 60.0))
-                    )
-                result.update(ok=True, reports=reports)
-            except Exception as e:  # noqa: BLE001 - told to the orchestrator, which decides
-                log.warning("cluster: task %s failed: %s", task, e)
-                result.update(ok=False, error=str(e))
+            if task.get("kind") == "takeover" and task.get("moves"):
+                # The moves run side by side, each on a connection of its own to its source.
+                timeout = task.get("timeout", 60.0)
+                with concurrent.futures.ThreadPoolExecutor(len(task["moves"])) as pool:
+                    moves = list(pool.map(lambda m: self._take_over(m, timeout), task["moves"]))
+                result.update(ok=True, moves=moves)
+            else:
+                log.warning("cluster: unknown task %s", task)
+                result.update(ok=False, error=f"unknown task {task.get('kind')!r}")
             for _ in range(20):
                 try:
                     self.etcd.put(self.keys.result(self.s.node), dump(result))

@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.cluster")
 
 MOVE_TIMEOUT = 120.0
-# Actives handed over at once in a rebalance (to distinct nodes), as Couchbase's default moves
-# per node.
-MOVES_AT_ONCE = 4
+# Actives a node takes over at once in a rebalance (Couchbase's default moves per node).
+MOVES_PER_NODE = 4
 # How long a finished rebalance waits for its replicas' streams to register on their actives.
 REGISTER_WAIT = 30.0
 
@@ -345,20 +344,34 @@ class Orchestrator:
             self.set_rebalance(kv, phase="moving")
             return True
         # Chains whose active stays need no handover: changed all at once. Actives move a few
-        # at a time, to distinct nodes (each carries out one task at a time), in parallel.
+        # at a time per receiving node, every node's in parallel.
         quiet = [vb for vb in todo if target[vb][0] == chains[vb][0] or chains[vb][0] is None]
-        batch: dict[str, int] = {}
+        batch: dict[str, list[int]] = {}
         if not quiet:
             for vb in todo:
-                if len(batch) < MOVES_AT_ONCE:
-                    batch.setdefault(target[vb][0], vb)
+                moves = batch.setdefault(target[vb][0], [])
+                if len(moves) < MOVES_PER_NODE:
+                    moves.append(vb)
         results = self.run_tasks(
             {
-                node: {"kind": "takeover", "vbucket": vb, "source": doc["nodes"][chains[vb][0]]["kv"]}
-                for node, vb in batch.items()
+                node: {
+                    "kind": "takeover",
+                    "moves": [{"vbucket": vb, "source": doc["nodes"][chains[vb][0]]["kv"]} for vb in vbs],
+                }
+                for node, vbs in batch.items()
             }
         )
-        moved = quiet + [vb for node, vb in batch.items() if results[node][0]]
+        outcomes = []  # (vbucket, node, ok, per-bucket reports or why)
+        for node, vbs in batch.items():
+            ok, result = results[node]
+            by_vb = {m["vbucket"]: m for m in result.get("moves", [])} if ok else {}
+            for vb in vbs:
+                m = by_vb.get(vb)
+                if m is None:
+                    outcomes.append((vb, node, False, result if not ok else "no outcome"))
+                else:
+                    outcomes.append((vb, node, m["ok"], m["reports"] if m["ok"] else m["error"]))
+        moved = quiet + [vb for vb, _, ok, _ in outcomes if ok]
         while moved:
             changed = [list(c) for c in doc["chains"]]
             for vb in moved:
@@ -370,14 +383,14 @@ class Orchestrator:
                 return False
             doc, revision = current
         # Per move, a report per bucket; its pause is the longest of them.
-        reports = [results[node][1].get("reports", []) for node in batch if results[node][0]]
+        reports = [r for _, _, ok, r in outcomes if ok]
         progress = {
             "done": reb["done"] + len(moved),
             "items": reb.get("items", 0) + sum(r["items"] for rs in reports for r in rs),
             "pauses_ms": reb.get("pauses_ms", [])
             + [round(max(r["writes_paused_ms"] for r in rs), 2) for rs in reports if rs],
         }
-        failed = sorted((batch[node], node, why) for node, (ok, why) in results.items() if not ok)
+        failed = sorted((vb, node, why) for vb, node, ok, why in outcomes if not ok)
         if failed:
             error = "; ".join(f"moving vbucket {vb} to {node}: {why}" for vb, node, why in failed)
             self.set_rebalance(kv, **progress, state="failed", error=error)
