@@ -31,7 +31,7 @@ from test_couchbase_sdk_kv import USERS, SteadyWriter, replica_login
 from test_permissions import PASSWORD
 from test_replication import majority_set
 
-DURABILITY_IMPOSSIBLE, SYNC_WRITE_AMBIGUOUS = 0xA1, 0xA3
+DURABILITY_IMPOSSIBLE, SYNC_WRITE_AMBIGUOUS, NOT_MY_VBUCKET = 0xA1, 0xA3, 0x07
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
 
@@ -313,6 +313,40 @@ class Tail:
         return self.proc.stderr.read()
 
 
+class StartupProbe:
+    """Connects to a port again and again until a node answers there, then asks for a key of
+    `vbucket` on every connection: the statuses it got, from the first answer on."""
+
+    def __init__(self, port: int, key: bytes, vbucket: int) -> None:
+        self.port, self.key, self.vbucket = port, key, vbucket
+        self.answers: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+        self.thread.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self.stop.is_set() and time.monotonic() < deadline and len(self.answers) < 1000:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+                    if login(s, "app", PASSWORD) != 0:
+                        continue
+                    s.sendall(request(GET, self.key, vbucket=self.vbucket))
+                    self.answers.append(read_response(s)["status"])
+            except OSError:
+                time.sleep(0.001)
+
+    def finish(self) -> list[int]:
+        """Once the node is ready: after one more answer."""
+        seen = len(self.answers)
+        deadline = time.monotonic() + 10
+        while len(self.answers) <= seen and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.stop.set()
+        self.thread.join(30)
+        return self.answers
+
+
 def after_kv(nodes: dict, m: dict, vb: int) -> str:
     """The KV address of `vb`'s active in map `m`, as nodes' configs list it."""
     return nodes[m["chains"][vb][0]].address
@@ -438,7 +472,15 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
                 assert vbucket_states(nodes[name])[vb] == "active"
 
             # n3 comes back: a replica again of what it held, caught up with the new actives.
-            nodes["n3"] = cluster_node(tmp_path, etcd, "n3", timeout)
+            # Its files say it is active for them, but no client that connects as it starts
+            # gets an answer from them: it takes clients once it has converged on the map.
+            port = free_port()
+            vb = lost_actives[0]
+            key = next(k for i in range(9999) if sluice.vbucket_of(k := f"k{i}".encode(), NUM_VBUCKETS) == vb)
+            probe = StartupProbe(port, key, vb)
+            nodes["n3"] = cluster_node(tmp_path, etcd, "n3", timeout, listen=f"127.0.0.1:{port}")
+            answers = probe.finish()
+            assert answers and set(answers) == {NOT_MY_VBUCKET}, answers
             back = wait_map(etcd, lambda m: "n3" not in m["failed"])
             held = vbmap.held_by(before["chains"], "n3")
             assert all("n3" in back["chains"][vb][1:] for vb in held)

@@ -186,7 +186,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     try:
         server = _native.Server(
-            engine, listen, users=cfg.user_list(), greenstack_warmup=warmup, **cfg.server_settings()
+            engine,
+            listen,
+            users=cfg.user_list(),
+            greenstack_warmup=warmup,
+            # A node of a cluster takes clients once it has converged on the map (below).
+            hold_connections=bool(cfg.values["cluster.etcd"]),
+            **cfg.server_settings(),
         )
     except _native.SluiceError:
         engine.close()
@@ -210,6 +216,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             settings.bucket_names,
             max(b["num_vbuckets"] for b in cfg.buckets.values()),
         )
+        # Not before: a node failed over while it was away would serve the actives it held.
+        server.accept_connections()
     report = engine.recovery_report()
     for d in report["dropped"]:
         log.warning("--force-recovery dropped %s", d["text"])

@@ -157,7 +157,7 @@ fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
 impl Server {
     /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true, greenstack_warmup=None))]
+    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true, greenstack_warmup=None, hold_connections=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -202,6 +202,7 @@ impl Server {
         tarantool_upstream_spaces: Vec<String>,
         tarantool_upstream_anonymous: bool,
         greenstack_warmup: Option<&GreenstackWarmup>,
+        hold_connections: bool,
     ) -> PyResult<Self> {
         let tls = match (tls_certificate, tls_key) {
             (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
@@ -424,6 +425,7 @@ impl Server {
             greenstack_listen,
             spaces: spaces_of(spaces),
             tarantool_upstream,
+            hold_connections,
         };
         let e = engine.engine.clone();
         let host = policies.clone();
@@ -458,6 +460,17 @@ impl Server {
             tls_address,
             policies,
         })
+    }
+
+    /// Starts accepting client connections (held with `hold_connections=True`).
+    fn accept_connections(&self) -> PyResult<()> {
+        match self.inner.lock().as_ref() {
+            Some(s) => {
+                s.accept_connections();
+                Ok(())
+            }
+            None => Err(ClosedError::new_err("the server is stopped")),
+        }
     }
 
     /// Installs (True) or removes (False) the plugin for a policy kind ("ack", "retransmit",

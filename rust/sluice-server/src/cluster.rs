@@ -101,8 +101,11 @@ impl Member {
         }
         self.followers.release(bucket.name(), vb);
         let config = self.replication.following(source.to_string(), None);
-        crate::replica::take_over(&self.engine, bucket, vb, &config, timeout, &self.clustermap)
-            .map_err(|e| e.to_string())
+        let r =
+            crate::replica::take_over(&self.engine, bucket, vb, &config, timeout, &self.clustermap)
+                .map_err(|e| e.to_string());
+        self.followers.restore(bucket.name(), vb);
+        r
     }
 
     /// Converges this node on `map`.
@@ -135,6 +138,7 @@ impl Member {
             }
         }
         // No stream may apply to a vbucket while its state changes under it.
+        let changing = followers.changing();
         followers.stop_unwanted(&wanted);
         for b in engine.buckets() {
             let mut last = None;
@@ -186,6 +190,7 @@ impl Member {
             })
             .collect();
         followers.start_wanted(wanted);
+        drop(changing);
         if !done.promoted.is_empty() {
             log::warn!(
                 "cluster map rev {}: {} vbucket(s) promoted to active here (failover)",

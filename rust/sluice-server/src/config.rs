@@ -60,6 +60,10 @@ pub struct ServerConfig {
     pub spaces: Vec<crate::iproto::SpaceConfig>,
     /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).
     pub tarantool_upstream: Option<crate::iproto::follow::FollowConfig>,
+    /// Bind the client listeners but accept no connection until `Server::accept_connections`:
+    /// a node of a cluster first converges on the map, so that no client finds the vbuckets
+    /// it held before it was failed over.
+    pub hold_connections: bool,
 }
 
 impl ServerConfig {

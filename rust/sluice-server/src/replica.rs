@@ -666,6 +666,12 @@ pub struct Followers {
     /// Names the active while this node follows it, and shows the promotion.
     clustermap: Arc<ClusterMap>,
     policies: Arc<PolicyHost>,
+    /// (bucket, vbucket) a takeover onto this node streams: no replicator may follow them
+    /// meanwhile, whatever the map or a concurrent takeover's restart asks.
+    withheld: Mutex<BTreeSet<(String, u16)>>,
+    /// Held while the replicators are changed as a whole (stopped, then started), so that two
+    /// changes do not interleave: one would restart what the other just stopped.
+    changing: Mutex<()>,
 }
 
 impl Followers {
@@ -717,13 +723,42 @@ impl Followers {
             topics: Mutex::new(topics),
             clustermap,
             policies: policies.clone(),
+            withheld: Mutex::new(BTreeSet::new()),
+            changing: Mutex::new(()),
         }
+    }
+
+    /// `wanted` without the withheld vbuckets (a replicator left with none is not wanted).
+    fn without_withheld(
+        &self,
+        wanted: &[(Arc<Bucket>, ReplicaConfig)],
+    ) -> Vec<(Arc<Bucket>, ReplicaConfig)> {
+        let withheld = self.withheld.lock();
+        wanted
+            .iter()
+            .filter_map(|(b, c)| {
+                let mut c = c.clone();
+                if let Some(v) = &mut c.vbuckets {
+                    v.retain(|vb| !withheld.contains(&(b.name().to_string(), *vb)));
+                    if v.is_empty() {
+                        return None;
+                    }
+                }
+                Some((b.clone(), c))
+            })
+            .collect()
+    }
+
+    /// Held by a cluster map's convergence from its `stop_unwanted` to its `start_wanted`.
+    pub fn changing(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.changing.lock()
     }
 
     /// A cluster map's replication: stops the replicators `wanted` has no place for (another
     /// active, other vbuckets), so that no stream applies to vbuckets whose state is about to
     /// change. `start_wanted` starts the rest once the states are set.
     pub fn stop_unwanted(&self, wanted: &[(Arc<Bucket>, ReplicaConfig)]) {
+        let wanted = self.without_withheld(wanted);
         let stopped: Vec<Replicator> = {
             let mut running = self.replicators.lock();
             let (keep, stop) = std::mem::take(&mut *running)
@@ -739,6 +774,7 @@ impl Followers {
 
     /// Starts the replicators of `wanted` not running yet.
     pub fn start_wanted(&self, wanted: Vec<(Arc<Bucket>, ReplicaConfig)>) {
+        let wanted = self.without_withheld(&wanted);
         let mut running = self.replicators.lock();
         for (b, c) in wanted {
             if !running.iter().any(|r| r.runs(&b, &c)) {
@@ -763,27 +799,25 @@ impl Followers {
             .map(|r| r.config.active.clone())
     }
 
-    /// Stops following vbucket `vb` of `bucket` (a takeover onto this node is about to
-    /// stream it); the replicator that followed it goes on with the others.
+    /// Stops following vbucket `vb` of `bucket` until `restore` (a takeover onto this node is
+    /// about to stream it); the replicator that followed it goes on with the others.
     pub fn release(&self, bucket: &str, vb: u16) {
+        let _changing = self.changing.lock();
+        self.withheld.lock().insert((bucket.to_string(), vb));
         let wanted: Vec<(Arc<Bucket>, ReplicaConfig)> = {
             let running = self.replicators.lock();
             running
                 .iter()
-                .filter_map(|r| {
-                    let b = self.engine.bucket(&r.bucket).ok()?;
-                    let mut c = r.config.clone();
-                    if r.bucket == bucket {
-                        if let Some(v) = &mut c.vbuckets {
-                            v.retain(|x| *x != vb);
-                        }
-                    }
-                    Some((b, c))
-                })
+                .filter_map(|r| Some((self.engine.bucket(&r.bucket).ok()?, r.config.clone())))
                 .collect()
         };
         self.stop_unwanted(&wanted);
         self.start_wanted(wanted);
+    }
+
+    /// The takeover of `vb` is over: the map may have it followed again.
+    pub fn restore(&self, bucket: &str, vb: u16) {
+        self.withheld.lock().remove(&(bucket.to_string(), vb));
     }
 
     /// The replicators running now (none on an active node or after a promotion).

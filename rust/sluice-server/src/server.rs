@@ -32,6 +32,8 @@ pub struct Server {
     tank_addr: Option<SocketAddr>,
     greenstack_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
+    /// False while the client listeners wait (`ServerConfig::hold_connections`).
+    accepting: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
     fronts: Arc<Fronts>,
     followers: Arc<Followers>,
@@ -329,7 +331,14 @@ impl Server {
         let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
         let (tank_stop, tank_limit) = (stop_rx.clone(), limit.clone());
         let (gs_stop, gs_limit) = (stop_rx.clone(), limit.clone());
+        let (accepting, mut held) = watch::channel(!config.hold_connections);
+        let mut stopped = stop_rx.clone();
         runtime.spawn(async move {
+            // Connections wait in the listen backlog meanwhile; a stop ends the wait too.
+            tokio::select! {
+                _ = held.wait_for(|open| *open) => {}
+                _ = stopped.wait_for(|stop| *stop) => {}
+            }
             let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
             let tls = async {
                 if let (Some(l), Some(t)) = (tls_listener, tls_) {
@@ -363,6 +372,7 @@ impl Server {
             tank_addr,
             greenstack_addr,
             stop: stop_tx,
+            accepting,
             done: Some(done_rx),
             fronts,
             followers,
@@ -373,6 +383,11 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Starts accepting on the client listeners held by `ServerConfig::hold_connections`.
+    pub fn accept_connections(&self) {
+        self.accepting.send_replace(true);
     }
 
     /// Replaces the users and their permissions (SIGHUP); sessions see them on their next
