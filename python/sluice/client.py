@@ -117,7 +117,8 @@ def to_record_batch(raw: RawBatch) -> Any:
 
 
 class Stream:
-    """An iterator of batches from one DCP connection. Close it (or use ``with``) when done."""
+    """An iterator of batches from DCP streams (a connection per node streamed from). Close it
+    (or use ``with``) when done."""
 
     def __init__(
         self,

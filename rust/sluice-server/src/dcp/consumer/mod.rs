@@ -7,7 +7,8 @@
 //! Here: the reader's end (`Consumer`, its configuration and events) and the one-off
 //! connections (`vbucket_positions`, `SeqnoProbe`). The consumer's thread runs a
 //! `session::ConsumerSession`, set up by `handshake`, with its `stream`s and `flow_control`;
-//! `saved_state` is what a reader resumes from, `batch` what it is handed.
+//! `saved_state` is what a reader resumes from, `batch` what it is handed. `map_consumer`
+//! reads the connections to several nodes as one stream that follows the cluster map.
 
 mod batch;
 mod error;
