@@ -315,35 +315,37 @@ impl MapConsumer {
                 if !b.is_empty() {
                     self.retry = RETRY_FIRST;
                 }
-                if self.follow {
-                    let mut moved = Vec::new();
-                    b.ended.retain(|&(vb, reason)| {
-                        if reason == stream_end_reason::STATE_CHANGED {
-                            moved.push(vb);
-                            return false;
-                        }
-                        true
-                    });
-                    for &(vb, _) in &b.ended {
-                        self.owner.remove(&vb);
+                if !self.follow {
+                    return Some(Event::Batch(b));
+                }
+                let mut moved = Vec::new();
+                b.ended.retain(|&(vb, reason)| {
+                    if reason == stream_end_reason::STATE_CHANGED {
+                        moved.push(vb);
+                        return false;
                     }
-                    let address = self.nodes.get(&id).map_or("", |n| n.address.as_str());
-                    let now = Instant::now();
-                    let mut unplaced = Vec::new();
-                    for vb in moved {
-                        unplaced.push((vb, format!("it changed state on {address}")));
-                    }
-                    for vb in std::mem::take(&mut b.refused) {
-                        unplaced.push((vb, format!("{address} does not serve it as active")));
-                    }
-                    for (vb, why) in unplaced {
-                        log::info!(
-                            "DCP consumer '{}': vbucket {vb} moved ({why}); following the cluster map",
-                            self.config.name
-                        );
-                        self.owner.remove(&vb);
-                        self.unplaced.insert(vb, Unplaced { since: now, why });
-                    }
+                    true
+                });
+                // Those streams are over (their end seqno, or closed): not to be placed.
+                for &(vb, _) in &b.ended {
+                    self.owner.remove(&vb);
+                }
+                let address = self.nodes.get(&id).map_or("", |n| n.address.as_str());
+                let now = Instant::now();
+                let mut unplaced = Vec::new();
+                for vb in moved {
+                    unplaced.push((vb, format!("it changed state on {address}")));
+                }
+                for vb in std::mem::take(&mut b.refused) {
+                    unplaced.push((vb, format!("{address} does not serve it as active")));
+                }
+                for (vb, why) in unplaced {
+                    log::info!(
+                        "DCP consumer '{}': vbucket {vb} moved ({why}); following the cluster map",
+                        self.config.name
+                    );
+                    self.owner.remove(&vb);
+                    self.unplaced.insert(vb, Unplaced { since: now, why });
                 }
                 Some(Event::Batch(b))
             }
@@ -369,9 +371,12 @@ impl MapConsumer {
                 None
             }
             Event::Finished => {
-                // Its streams ended; one resumed there just as it finished is placed again.
+                // Its streams ended; following, one resumed there just as it finished is placed
+                // again.
                 self.nodes.remove(&id);
-                self.orphan(id, "its connection ended");
+                if self.follow {
+                    self.orphan(id, "its connection ended");
+                }
                 None
             }
             Event::Failed(why) => {
