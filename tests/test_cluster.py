@@ -236,7 +236,8 @@ def assert_followed(etcd: EtcdServer, nodes: dict) -> None:
         vb
         for vb, chain in enumerate(m["chains"])
         if chain[0] in statuses
-        and len(statuses[chain[0]][vb]["followers"]) < sum(1 for x in chain[1:] if x is not None)
+        and not {nodes[r].address for r in chain[1:] if r is not None}
+        <= {f["kv_address"] for f in statuses[chain[0]][vb]["followers"]}
     ]
     assert not short, f"vbuckets {short} lack a follower"
 

@@ -117,8 +117,9 @@ class Member:
                 "high": high,
                 "persisted": self.engine.persisted_seqnos(bucket=b),
                 "state": "".join(self.engine.vbucket_state(v, bucket=b)[0] for v in range(len(high))),
-                # Replicas streaming each vbucket from here (what majority writes count).
-                "followers": self.server.follower_counts(b),
+                # The KV addresses of the replicas streaming each vbucket from here (what
+                # majority writes count).
+                "followers": self.server.followers(b),
             }
         return {"buckets": out, "map_revision": self.map_revision, "at": time.time()}
 

@@ -291,7 +291,7 @@ class Orchestrator:
             if "caught_up_from" not in reb:
                 self.set_rebalance(kv, phase="replicas catching up", caught_up_from=self.highs())
             return False
-        if not todo and not self.replicas_streaming(chains):
+        if not todo and not self.replicas_streaming(doc):
             # Until then a majority write may find its replica missing (DURABILITY_IMPOSSIBLE);
             # bounded, as a replica that never comes is the failover's business.
             since = reb.get("registering_since")
@@ -410,18 +410,18 @@ class Orchestrator:
         kvs, _ = self.etcd.get_prefix(self.keys.status())
         return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
 
-    def replicas_streaming(self, chains: list[vbmap.Chain]) -> bool:
+    def replicas_streaming(self, doc: dict[str, Any]) -> bool:
         """Whether every active has each replica of its chain streaming from it, as the nodes
-        last published."""
+        last published (by address: a stream from a copy on its way out does not count)."""
         status = self.statuses()
-        for vb, chain in enumerate(chains):
+        for vb, chain in enumerate(doc["chains"]):
             if chain[0] is None:
                 continue
             st = status.get(chain[0])
             if st is None:
                 return False
-            want = sum(1 for r in chain[1:] if r is not None)
-            if any(b["followers"][vb] < want for b in st["buckets"].values()):
+            want = {doc["nodes"][r]["kv"] for r in chain[1:] if r is not None}
+            if any(not want <= set(b["followers"][vb]) for b in st["buckets"].values()):
                 return False
         return True
 

@@ -641,13 +641,24 @@ impl Server {
         }
     }
 
-    /// How many replicas follow each vbucket of `bucket` here: the registered replica streams
-    /// whose acknowledgements majority writes count.
-    fn follower_counts(&self, bucket: &str) -> PyResult<Vec<usize>> {
+    /// Per vbucket of `bucket` here, the KV addresses of the replicas that follow it: those
+    /// whose streams registered, what majority writes count ("" where a replica did not say).
+    fn followers(&self, bucket: &str) -> PyResult<Vec<Vec<String>>> {
         let member = self.member()?;
         let b = member.engine.bucket(bucket).map_err(to_py)?;
         Ok((0..b.num_vbuckets())
-            .map(|vb| b.acks.following(vb).len())
+            .map(|vb| {
+                b.acks
+                    .following(vb)
+                    .iter()
+                    .map(|f| {
+                        member
+                            .clustermap
+                            .replica_address(&f.name)
+                            .unwrap_or_default()
+                    })
+                    .collect()
+            })
             .collect())
     }
 

@@ -186,10 +186,15 @@ impl ClusterMap {
         }
     }
 
-    /// This node's KV address as bound (a wildcard host stands for the address it is reached
-    /// at), told to the nodes it streams from.
+    /// This node's KV address, told to the nodes it streams from: as the cluster map names it
+    /// (what it advertises), else as bound (a wildcard host stands for the address it is
+    /// reached at).
     pub fn kv_address(&self) -> String {
-        self.listen.to_string()
+        let assigned = self.cluster.lock();
+        match assigned.as_ref().and_then(|a| a.servers.get(a.this?)) {
+            Some(e) => e.server(),
+            None => self.listen.to_string(),
+        }
     }
 
     /// Sets (or, on promotion, clears) the active this node follows.

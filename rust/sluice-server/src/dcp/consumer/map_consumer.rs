@@ -265,12 +265,13 @@ impl MapConsumer {
         self.open(address, vbuckets, false);
     }
 
-    /// Where `vb` resumes: what the reader saw. A stream begun "from now" that has seen no
-    /// document starts from now again (its failover log alone would make it start from the
-    /// beginning of the new node's history).
+    /// Where `vb` resumes: what the reader saw. A stream this consumer began "from now" (the
+    /// state given did not cover it) that has seen no document starts from now again: its
+    /// failover log alone would make it start at the beginning of the new node's history.
     fn resume_position(&self, vb: u16) -> Position {
+        let began_now = self.config.from_now && !self.config.state.vbuckets.contains_key(&vb);
         match self.positions.get(&vb) {
-            Some(p) if !(self.config.from_now && p.seqno == 0) => p.clone(),
+            Some(p) if !(began_now && p.seqno == 0) => p.clone(),
             _ => Position::default(),
         }
     }
@@ -354,7 +355,9 @@ impl MapConsumer {
                 seqno,
                 position,
             } => {
+                // The reader's `resume` goes to this connection, where the stream waits.
                 self.positions.insert(vbucket, position.clone());
+                self.owner.insert(vbucket, id);
                 Some(Event::Rollback {
                     vbucket,
                     seqno,
