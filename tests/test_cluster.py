@@ -547,6 +547,18 @@ def rebalance_state(etcd: EtcdServer) -> dict:
     return kv.json() if kv else {}
 
 
+def start_rebalance_adding(etcd: EtcdServer, name: str, moves_done: int) -> None:
+    """Adds registered node `name` and starts a rebalance without waiting for it; returns once
+    the new rebalance has made `moves_done` moves."""
+    cli(etcd, "add", name)
+    formed = rebalance_state(etcd)["started"]
+    cli(etcd, "rebalance", "--no-wait")
+    deadline = time.monotonic() + 60
+    while rebalance_state(etcd)["started"] == formed or rebalance_state(etcd)["done"] < moves_done:
+        assert time.monotonic() < deadline, rebalance_state(etcd)
+        time.sleep(0.02)
+
+
 def test_a_new_orchestrator_finishes_the_rebalance_its_killed_predecessor_began(tmp_path, etcd):
     # Enough vbuckets that the rebalance is still moving them when its orchestrator dies.
     vbuckets = 256
@@ -559,13 +571,7 @@ def test_a_new_orchestrator_finishes_the_rebalance_its_killed_predecessor_began(
         nodes["n3"] = cluster_node(tmp_path, etcd, "n3", vbuckets=vbuckets)
         wait_registered(etcd, ["n3"])
         assert etcd.api().get("/sluice/c1/orchestrator").value == b"n1"
-        cli(etcd, "add", "n3")
-        formed = rebalance_state(etcd)["started"]
-        cli(etcd, "rebalance", "--no-wait")
-        deadline = time.monotonic() + 60
-        while rebalance_state(etcd)["started"] == formed or rebalance_state(etcd)["done"] < 5:
-            assert time.monotonic() < deadline, rebalance_state(etcd)
-            time.sleep(0.02)
+        start_rebalance_adding(etcd, "n3", moves_done=5)
         nodes["n1"].stop(sig=9)
         deadline = time.monotonic() + 120
         while rebalance_state(etcd).get("state") != "done":
@@ -685,13 +691,7 @@ def test_a_rebalance_stops_when_asked_and_a_new_one_finishes_the_moves(tmp_path,
     try:
         nodes["n3"] = cluster_node(tmp_path, etcd, "n3", vbuckets=vbuckets)
         wait_registered(etcd, ["n3"])
-        cli(etcd, "add", "n3")
-        formed = rebalance_state(etcd)["started"]
-        cli(etcd, "rebalance", "--no-wait")
-        deadline = time.monotonic() + 60
-        while rebalance_state(etcd)["started"] == formed or rebalance_state(etcd)["done"] < 3:
-            assert time.monotonic() < deadline, rebalance_state(etcd)
-            time.sleep(0.02)
+        start_rebalance_adding(etcd, "n3", moves_done=3)
         assert "rebalance stop requested" in cli(etcd, "stop-rebalance")
         deadline = time.monotonic() + 60
         while (state := rebalance_state(etcd))["state"] == "running":
