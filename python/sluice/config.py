@@ -368,7 +368,9 @@ ENGINE_KEYS += [
         "io_threads",
         _int,
         DEFAULTS["io_threads"],
-        "Threads running the network I/O.",
+        "Threads serving client connections, each with its own event loop: a connection stays on "
+        "the thread it was given, as in memcached. Replication and the admin endpoint run on as "
+        "many threads beside them.",
         "integer",
         _between(1, 256),
         server=True,

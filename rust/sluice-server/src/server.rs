@@ -25,6 +25,8 @@ use crate::tap::TapContext;
 
 pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
+    /// The connections' threads; stopped after the runtime whose accept loops hand them work.
+    loops: Option<Arc<crate::listener::IoLoops>>,
     local_addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
     tls_addr: Option<SocketAddr>,
@@ -62,6 +64,7 @@ impl Server {
             .thread_name("sluice-io")
             .enable_all()
             .build()?;
+        let loops = Arc::new(crate::listener::IoLoops::start(config.worker_threads)?);
         let std_listener = bind("KV listener", "listen", config.listen)?;
         std_listener.set_nonblocking(true)?;
         let local_addr = std_listener.local_addr()?;
@@ -331,6 +334,7 @@ impl Server {
         let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
         let (tank_stop, tank_limit) = (stop_rx.clone(), limit.clone());
         let (gs_stop, gs_limit) = (stop_rx.clone(), limit.clone());
+        let io_loops = loops.clone();
         let (accepting, mut held) = watch::channel(!config.hold_connections);
         let mut stopped = stop_rx.clone();
         runtime.spawn(async move {
@@ -339,25 +343,49 @@ impl Server {
                 _ = held.wait_for(|open| *open) => {}
                 _ = stopped.wait_for(|stop| *stop) => {}
             }
-            let plain = accept_loop(listener, fr.clone(), stop_rx.clone(), limit.clone(), None);
+            let loops = io_loops;
+            let plain = accept_loop(
+                listener,
+                fr.clone(),
+                stop_rx.clone(),
+                limit.clone(),
+                loops.clone(),
+                None,
+            );
             let tls = async {
                 if let (Some(l), Some(t)) = (tls_listener, tls_) {
-                    accept_loop(l, fr.clone(), stop_rx.clone(), limit.clone(), Some(t)).await;
+                    accept_loop(
+                        l,
+                        fr.clone(),
+                        stop_rx.clone(),
+                        limit.clone(),
+                        loops.clone(),
+                        Some(t),
+                    )
+                    .await;
                 }
             };
             let iproto = async {
                 if let (Some(l), Some(ctx)) = (iproto_listener, iproto) {
-                    crate::iproto::serve(l, ctx, iproto_stop, iproto_limit).await;
+                    crate::iproto::serve(l, ctx, iproto_stop, iproto_limit, loops.clone()).await;
                 }
             };
             let tank_front = async {
                 if let (Some(l), Some(ctx)) = (tank_listener, tank) {
-                    crate::tank::serve(l, ctx, tank_stop, tank_limit).await;
+                    crate::tank::serve(l, ctx, tank_stop, tank_limit, loops.clone()).await;
                 }
             };
             let greenstack_front = async {
                 if let (Some(l), Some(ctx)) = (greenstack_listener, greenstack) {
-                    crate::greenstack::serve(l, ctx, gs_stop, gs_limit, warm_connections).await;
+                    crate::greenstack::serve(
+                        l,
+                        ctx,
+                        gs_stop,
+                        gs_limit,
+                        loops.clone(),
+                        warm_connections,
+                    )
+                    .await;
                 }
             };
             tokio::join!(plain, tls, iproto, tank_front, greenstack_front);
@@ -365,6 +393,7 @@ impl Server {
         });
         Ok(Server {
             runtime: Some(runtime),
+            loops: Some(loops),
             local_addr,
             admin_addr,
             tls_addr,
@@ -461,6 +490,7 @@ impl Server {
             crate::tap::session::close_parked(&self.fronts.tap);
             rt.shutdown_timeout(Duration::from_millis(100));
         }
+        self.loops.take();
     }
 }
 
@@ -496,6 +526,7 @@ async fn accept_loop(
     fronts: Arc<Fronts>,
     stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
+    loops: Arc<crate::listener::IoLoops>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
 ) {
     let stats = fronts.kv.stats.clone();
@@ -506,7 +537,8 @@ async fn accept_loop(
         stats.clone(),
         stop,
         limit,
-        |socket, peer, stop| {
+        loops,
+        move |socket, peer, stop| {
             stats.connections_total.fetch_add(1, Ordering::Relaxed);
             let (fr, stats) = (fronts.clone(), stats.clone());
             let acceptor = tls.as_ref().map(|t| t.kv_acceptor());

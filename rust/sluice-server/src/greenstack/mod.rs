@@ -192,6 +192,7 @@ pub async fn serve(
     ctx: Arc<GreenstackContext>,
     stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
+    loops: Arc<crate::listener::IoLoops>,
     warm: Vec<WarmConnection>,
 ) {
     let mut warm_sessions = tokio::task::JoinSet::new();
@@ -204,24 +205,28 @@ pub async fn serve(
             );
             continue;
         };
-        let socket = match tokio::net::TcpStream::from_std(c.socket) {
-            Ok(s) => s,
-            Err(e) => {
-                log::info!(
-                    "Greenstack connection from {} lost after warm-up: {e}",
-                    c.peer
-                );
-                continue;
-            }
-        };
         ctx.stats.connections_total.fetch_add(1, Relaxed);
         let (ctx, stop) = (ctx.clone(), stop.clone());
-        warm_sessions.spawn(async move {
-            ctx.stats.connections.fetch_add(1, Relaxed);
-            session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start)).await;
-            ctx.stats.connections.fetch_sub(1, Relaxed);
-            drop(permit);
-        });
+        warm_sessions.spawn_on(
+            async move {
+                // Registered with the event loop of the thread it runs on.
+                let socket = match tokio::net::TcpStream::from_std(c.socket) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        log::info!(
+                            "Greenstack connection from {} lost after warm-up: {e}",
+                            c.peer
+                        );
+                        return;
+                    }
+                };
+                ctx.stats.connections.fetch_add(1, Relaxed);
+                session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start)).await;
+                ctx.stats.connections.fetch_sub(1, Relaxed);
+                drop(permit);
+            },
+            loops.next(),
+        );
     }
     let io = ctx.io.clone();
     crate::listener::serve(
@@ -230,7 +235,8 @@ pub async fn serve(
         io,
         stop,
         limit,
-        |socket, peer, stop| {
+        loops,
+        move |socket, peer, stop| {
             let ctx = ctx.clone();
             ctx.stats.connections_total.fetch_add(1, Relaxed);
             async move {

@@ -178,16 +178,25 @@ pub async fn serve(
     ctx: Arc<TankContext>,
     stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
+    loops: Arc<crate::listener::IoLoops>,
 ) {
     let io = ctx.io.clone();
-    crate::listener::serve(listener, "TANK", io, stop, limit, |socket, peer, stop| {
-        let ctx = ctx.clone();
-        ctx.stats.connections_total.fetch_add(1, Relaxed);
-        async move {
-            ctx.stats.connections.fetch_add(1, Relaxed);
-            session::run(socket.into(), peer, ctx.clone(), stop).await;
-            ctx.stats.connections.fetch_sub(1, Relaxed);
-        }
-    })
+    crate::listener::serve(
+        listener,
+        "TANK",
+        io,
+        stop,
+        limit,
+        loops,
+        move |socket, peer, stop| {
+            let ctx = ctx.clone();
+            ctx.stats.connections_total.fetch_add(1, Relaxed);
+            async move {
+                ctx.stats.connections.fetch_add(1, Relaxed);
+                session::run(socket.into(), peer, ctx.clone(), stop).await;
+                ctx.stats.connections.fetch_sub(1, Relaxed);
+            }
+        },
+    )
     .await
 }
