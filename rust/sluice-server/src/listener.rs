@@ -154,7 +154,10 @@ mod tests {
             assert_eq!(first, second);
             names.push(first.unwrap());
         }
-        assert_eq!(names, ["sluice-io-0", "sluice-io-1", "sluice-io-0", "sluice-io-1"]);
+        assert_eq!(
+            names,
+            ["sluice-io-0", "sluice-io-1", "sluice-io-0", "sluice-io-1"]
+        );
         // Dropping them stops and joins every thread (a hang here fails the test by timeout).
         drop(loops);
     }

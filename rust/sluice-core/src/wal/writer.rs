@@ -337,12 +337,21 @@ const WRITE_CHUNK: usize = 4 << 20;
 /// Queue entries a drained vector keeps room for between batches.
 const MAX_KEPT_ENTRIES: usize = 64 * 1024;
 
+/// In `write` mode, the kernel is asked to start writing a segment's pages back every this
+/// many bytes (sync_file_range, which does not wait for the disk). Left to itself, it lets tens
+/// of megabytes of dirty pages build up and then flushes them at once, and writes stall behind
+/// that flush: replication lag's p99 at half the maximum SET rate was tens of milliseconds,
+/// in bursts. RocksDB's `wal_bytes_per_sync` does the same.
+const WRITEBACK_STEP: u64 = 1 << 20;
+
 struct Segment {
     file: File,
     path: PathBuf,
     first_lsn: u64,
     size: u64,
     records: u64,
+    /// Where the last writeback started (`WRITEBACK_STEP`).
+    written_back: u64,
 }
 
 impl Segment {
@@ -373,6 +382,7 @@ impl Segment {
             first_lsn,
             size: head.len() as u64,
             records: 0,
+            written_back: 0,
         })
     }
 
@@ -396,6 +406,7 @@ impl Segment {
                 if cfg.mode == WalMode::Fsync {
                     timed_sync(&self.file, latency)
                 } else {
+                    self.start_writeback();
                     Ok(())
                 }
             }),
@@ -438,6 +449,25 @@ impl Segment {
         self.file.write_all_at(buf, self.size)?;
         self.size += buf.len() as u64;
         Ok(())
+    }
+
+    /// Starts the kernel's writeback of what was written since the last step, once a step's
+    /// worth has gathered. A hint: a failure changes nothing that was promised.
+    fn start_writeback(&mut self) {
+        if self.size - self.written_back < WRITEBACK_STEP {
+            return;
+        }
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain syscall on a file descriptor this segment owns.
+        unsafe {
+            libc::sync_file_range(
+                self.file.as_raw_fd(),
+                self.written_back as libc::off64_t,
+                (self.size - self.written_back) as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
+        self.written_back = self.size;
     }
 
     /// Writes the EOF marker, syncs, and renames `.inprogress` away. An empty segment is removed.
