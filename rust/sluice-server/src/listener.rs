@@ -7,7 +7,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -25,7 +25,7 @@ pub struct IoLoops {
     handles: Vec<Handle>,
     next: AtomicUsize,
     /// Dropping a sender lets its thread return; joined on drop.
-    threads: Mutex<Vec<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
+    threads: Vec<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
 impl IoLoops {
@@ -52,7 +52,7 @@ impl IoLoops {
         Ok(IoLoops {
             handles,
             next: AtomicUsize::new(0),
-            threads: Mutex::new(threads),
+            threads,
         })
     }
 
@@ -64,8 +64,7 @@ impl IoLoops {
 
 impl Drop for IoLoops {
     fn drop(&mut self) {
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
-        for (quit, thread) in threads {
+        for (quit, thread) in self.threads.drain(..) {
             drop(quit);
             let _ = thread.join();
         }

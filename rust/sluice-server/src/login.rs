@@ -215,13 +215,9 @@ pub async fn sasl_auth(
             _ = stop.changed() => return Flow::Close,
         }
     }
-    // The password hash is slow on purpose (a few milliseconds). On a connection's own I/O
-    // thread it holds that thread's other connections for as long, as memcached's SASL does;
-    // on a shared runtime it parks this worker only.
-    let flow = match tokio::runtime::Handle::current().runtime_flavor() {
-        tokio::runtime::RuntimeFlavor::CurrentThread => session.handle(frame, out),
-        _ => tokio::task::block_in_place(|| session.handle(frame, out)),
-    };
+    // The password hash is slow on purpose (a few milliseconds): it holds the other connections
+    // of this I/O thread for as long, as memcached's SASL does.
+    let flow = session.handle(frame, out);
     if session.authenticated() {
         throttle.succeeded(&user);
     } else if session.scram_user().is_some() {
