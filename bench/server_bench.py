@@ -9,6 +9,10 @@ sluice/memcached ratio. Both servers get the same threads (2) and the same memor
 `--baseline PYTHON` also runs the sluice installed for another interpreter (a virtualenv holding
 an earlier build) in the same rounds, and adds the ratio of this build to it: what a change
 costs, measured side by side.
+
+Where `openssl` is installed, each round also runs sluice with its TLS listener (a certificate
+from a CA made for the run) and drives the TLS port with the same load (`sluice bench --cacert`):
+the table adds what TLS costs against the plain port of the same build.
 """
 
 from __future__ import annotations
@@ -47,7 +51,25 @@ def wait_port(port: int, timeout: float = 30) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def start(kind: str, data: Path, baseline: str | None = None) -> tuple[subprocess.Popen, int]:
+def make_certificate(root: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate it signed for 127.0.0.1: (CA file, certificate, key)."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca, ca_key = root / "ca.pem", root / "ca.key"
+    cert, key, csr, ext = root / "server.pem", root / "server.key", root / "server.csr", root / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
+    for cmd in (
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=sluice bench CA"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert]
+        + ["-days", "2", "-extfile", ext],
+    ):
+        subprocess.run(["openssl", *map(str, cmd)], check=True, capture_output=True)
+    return ca, cert, key
+
+
+def start(
+    kind: str, data: Path, baseline: str | None = None, tls: tuple[Path, Path, Path] | None = None
+) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if kind == "memcached":
         cmd = [
@@ -80,6 +102,15 @@ def start(kind: str, data: Path, baseline: str | None = None) -> tuple[subproces
             "--admin-listen",
             "",
         ]
+        if kind == "tls" and tls is not None:
+            _, cert, key = tls
+            plain, port = port, free_port()
+            config = data / "tls.toml"
+            config.write_text(
+                f'tls_listen = "127.0.0.1:{port}"\n[tls]\ncertificate = "{cert}"\nkey = "{key}"\n'
+            )
+            cmd += ["--config", str(config)]
+            cmd[cmd.index("--listen") + 1] = f"127.0.0.1:{plain}"
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return p, port
@@ -96,6 +127,13 @@ def main() -> int:
     if shutil.which("memcached") is None:
         print("memcached is not installed: apt-get install memcached", file=sys.stderr)
         return 1
+    tls_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-tls-"))
+    tls = None
+    if shutil.which("openssl") is None:
+        print("openssl is not installed: no TLS rows", file=sys.stderr)
+    else:
+        tls = make_certificate(tls_dir)
+        kinds.append("tls")
     results: dict = {
         "duration": args.duration,
         "runs": args.runs,
@@ -107,10 +145,11 @@ def main() -> int:
         for run in range(args.runs):
             for kind in kinds if run % 2 == 0 else kinds[::-1]:
                 with tempfile.TemporaryDirectory() as d:
-                    p, port = start(kind, Path(d), args.baseline)
+                    p, port = start(kind, Path(d), args.baseline, tls)
                     try:
                         r = sluice._native.bench(
                             f"127.0.0.1:{port}",
+                            cacert=str(tls[0]) if kind == "tls" and tls else None,
                             connections=args.connections,
                             pipeline=pipeline,
                             duration=args.duration,
@@ -129,6 +168,7 @@ def main() -> int:
                     file=sys.stderr,
                 )
         results["loads"][name] = per
+    shutil.rmtree(tls_dir, ignore_errors=True)
     write(results)
     return 0
 
@@ -136,10 +176,13 @@ def main() -> int:
 def write(results: dict) -> None:
     write_json(RESULTS / "server.json", results)
     with_baseline = any("baseline" in per for per in results["loads"].values())
+    with_tls = any("tls" in per for per in results["loads"].values())
+    extra = [" baseline ops/s | sluice / baseline |"] if with_baseline else []
+    extra += [" sluice over TLS ops/s | TLS p50 / p99 (us) | TLS / plain |"] if with_tls else []
     rows = [
         "| load | sluice ops/s | memcached ops/s | ratio | sluice p50 / p99 (us) "
-        "| memcached p50 / p99 (us) |" + (" baseline ops/s | sluice / baseline |" if with_baseline else ""),
-        "|---|---|---|---|---|---|" + ("---|---|" if with_baseline else ""),
+        "| memcached p50 / p99 (us) |" + "".join(extra),
+        "|---|---|---|---|---|---|" + "---|---|" * with_baseline + "---|---|---|" * with_tls,
     ]
     names, ratios = [], []
     for name, per in results["loads"].items():
@@ -151,19 +194,25 @@ def write(results: dict) -> None:
             f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "
             f"{ml[0]:,.0f} / {ml[1]:,.0f} |"
         )
-        b = 0.0
+        b = t = 0.0
         if with_baseline:
             b = statistics.median(r["ops_per_s"] for r in per["baseline"])
             row += f" {b:,.0f} | {s / b:.3f} |"
+        if with_tls:
+            t = statistics.median(r["ops_per_s"] for r in per["tls"])
+            tl = [statistics.median(r["latency_us"][k] for r in per["tls"]) for k in ("p50", "p99")]
+            row += f" {t:,.0f} | {tl[0]:,.0f} / {tl[1]:,.0f} | {t / s:.2f} |"
         rows.append(row)
         names.append(name)
-        ratios.append((s, m, b))
+        ratios.append((s, m, b, t))
     flags = f"--duration {results['duration']} --runs {results['runs']}"
     flags += " --baseline PYTHON" if with_baseline else ""
     md = (
         f"# sluice against memcached\n\n`python bench/server_bench.py {flags}`: "
         f"{results['connections']} connections, 100,000 keys, medians of the runs, "
-        "both servers on 2 threads on this 2-core machine (the load generator shares it).\n\n"
+        "both servers on 2 threads on this 2-core machine (the load generator shares it)."
+        + (" TLS: the same sluice on its TLS port, the load over TLS (rustls)." if with_tls else "")
+        + "\n\n"
         + "\n".join(rows)
         + "\n"
     )
@@ -176,6 +225,7 @@ def write(results: dict) -> None:
     x = range(len(names))
     bars = [("sluice", 0, "#4C72B0"), ("memcached", 1, "#DD8452")]
     bars += [("sluice (baseline build)", 2, "#8C8C8C")] if with_baseline else []
+    bars += [("sluice over TLS", 3, "#55A868")] if with_tls else []
     width = 0.8 / len(bars)
     for n, (label, col, color) in enumerate(bars):
         offset = (n - (len(bars) - 1) / 2) * width
