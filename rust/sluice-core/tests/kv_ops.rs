@@ -140,3 +140,26 @@ fn a_vbucket_state_change_is_in_the_wal_once_it_settles_and_survives_a_reopen() 
     let b = engine.bucket("default").unwrap();
     assert_eq!(engine.vbucket_state(&b, 2), Some(VbState::Replica));
 }
+
+#[test]
+fn a_write_reports_the_vbucket_uuid_its_seqno_belongs_to() {
+    use sluice_core::vbucket::VbState;
+    let (_dir, e) = engine();
+    let b = e.bucket("default").unwrap();
+    let first = e.store(&b, &StoreRequest::set(b"k", b"v1")).unwrap();
+    let uuid = e.vbucket_uuid(&b, first.vbucket).unwrap();
+    assert_ne!(uuid, 0);
+    assert_eq!(first.vbucket_uuid, uuid, "the failover log's newest entry");
+    // Made replica, then active again: a new history begins, and the next write says so.
+    e.set_vbucket_state(&b, first.vbucket, VbState::Replica)
+        .unwrap();
+    e.set_vbucket_state(&b, first.vbucket, VbState::Active)
+        .unwrap();
+    let second = e.store(&b, &StoreRequest::set(b"k", b"v2")).unwrap();
+    let now = e.vbucket_uuid(&b, second.vbucket).unwrap();
+    assert_ne!(
+        now, uuid,
+        "taking the vbucket back starts a failover log entry"
+    );
+    assert_eq!(second.vbucket_uuid, now);
+}

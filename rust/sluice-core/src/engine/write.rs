@@ -74,6 +74,9 @@ pub struct MutationResult {
     pub vbucket: u16,
     pub seqno: u64,
     pub lsn: u64,
+    /// The vbucket's uuid (its failover log's newest entry) when the change took `seqno`: what
+    /// a reply carries with the seqno, read under the lock the write holds.
+    pub vbucket_uuid: u64,
 }
 
 /// A write applied in memory and queued for the WAL, not yet acknowledged: its reply waits
@@ -568,9 +571,13 @@ impl Engine {
         let mut last_lsn = 0;
         let mut written = Vec::with_capacity(locked.len());
         let mut changes = Vec::new();
-        for (vbid, vb) in locked.iter_mut() {
+        // Every vbucket has accepted: each is applied, queued and let go in turn. The WAL
+        // writer locks a vbucket to note what it wrote of it (`Catalog::persisted`), so holding
+        // them all to the end would leave it waiting, and this call's wait for the WAL would
+        // then begin with the whole batch still to write instead of the last vbucket's part.
+        for (vbid, mut vb) in locked.drain(..) {
             changes.clear();
-            for &i in &order[starts[*vbid] as usize..starts[*vbid + 1] as usize] {
+            for &i in &order[starts[vbid] as usize..starts[vbid + 1] as usize] {
                 let (k, v) = items[i as usize];
                 // rev_seqno 0: the store assigns the key's next revision during the same lookup.
                 let meta = ItemMeta {
@@ -587,10 +594,9 @@ impl Engine {
                 }
             }
             vb.last_lsn = last_lsn;
-            written.push((*vbid as u16, vb.high_seqno));
-            bucket.changed(vb);
+            written.push((vbid as u16, vb.high_seqno));
+            bucket.changed(&mut vb);
         }
-        drop(locked);
         bucket.changes.notify();
         bucket
             .stats
@@ -966,6 +972,7 @@ impl Inner {
             vbucket: vb.id,
             seqno,
             lsn,
+            vbucket_uuid: vb.failover.entries().first().map_or(0, |e| e.uuid),
         })
     }
 }

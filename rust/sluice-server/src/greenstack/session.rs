@@ -55,6 +55,12 @@ const BACKOFF_NOTICE_EVERY: Duration = Duration::from_secs(1);
 /// What a request that answers later hands back: its reply frame and what a login did.
 type Later = Pin<Box<dyn Future<Output = (Vec<u8>, Login)> + Send>>;
 
+/// The selected bucket behind a handle of the session's own: every request clones it, and
+/// cloning the engine's shared `Arc<Bucket>` from every connection on every I/O thread would
+/// bounce its reference count between the cores (the memcached front's session does the same).
+#[allow(clippy::redundant_allocation)]
+type BucketHandle = Arc<Arc<Bucket>>;
+
 /// What a request did to the connection's login.
 enum Login {
     None,
@@ -132,7 +138,7 @@ struct Session {
     user: Option<String>,
     /// A SCRAM login between its two steps.
     scram: Option<scram::Exchange>,
-    bucket: Option<Arc<Bucket>>,
+    bucket: Option<BucketHandle>,
     /// The user's permissions on `bucket` and the users' generation they were read in.
     perms: std::cell::Cell<Option<(u64, u8)>>,
     /// DCP, once the connection opened it.
@@ -1220,7 +1226,7 @@ impl Session {
         // A bucket the user may not use answers as one that does not exist.
         match self.ctx.engine.bucket(name) {
             Ok(b) if self.permissions(name) != 0 => {
-                self.bucket = Some(b);
+                self.bucket = Some(Arc::new(b));
                 self.perms.set(None);
                 reply(f, status::SUCCESS, &[])
             }
@@ -1229,7 +1235,7 @@ impl Session {
     }
 
     /// The selected bucket if the user has `need` on it; else the failure to answer.
-    fn bucket_for(&self, f: &Frame<'_>, need: u8) -> Result<Arc<Bucket>, Vec<u8>> {
+    fn bucket_for(&self, f: &Frame<'_>, need: u8) -> Result<BucketHandle, Vec<u8>> {
         let Some(b) = &self.bucket else {
             return Err(failure(f, status::INVALID_STATE, "select a bucket first"));
         };
@@ -1394,7 +1400,7 @@ impl Session {
     fn answer_write(
         &self,
         f: &Frame<'_>,
-        bucket: Arc<Bucket>,
+        bucket: BucketHandle,
         written: sluice_core::Result<sluice_core::engine::Written<MutationResult>>,
     ) -> Run {
         let engine = &self.ctx.engine;
@@ -1402,8 +1408,7 @@ impl Session {
             Ok(w) => w,
             Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
         };
-        let uuid = engine.vbucket_uuid(&bucket, w.value.vbucket).unwrap_or(0);
-        let (cas, seqno) = (w.value.cas, w.value.seqno);
+        let (cas, seqno, uuid) = (w.value.cas, w.value.seqno, w.value.vbucket_uuid);
         let stored = move |p: &mut Vec<u8>| {
             MapWriter::new(p, 3)
                 .uint("cas", cas)
@@ -1442,7 +1447,7 @@ impl Session {
                 "this connection has opened DCP already",
             );
         }
-        match DcpProducer::open(self.ctx.clone(), bucket, fields) {
+        match DcpProducer::open(self.ctx.clone(), Arc::clone(&*bucket), fields) {
             Ok(d) => {
                 self.dcp = Some(d);
                 reply(f, status::SUCCESS, &[])

@@ -67,24 +67,18 @@ impl KvSession {
         })))
     }
 
-    pub(super) fn seqno_extras(&self, bucket: &Bucket, m: &MutationResult) -> Vec<u8> {
+    pub(super) fn seqno_extras(&self, m: &MutationResult) -> Vec<u8> {
         if !self.features.mutation_seqno {
             return Vec::new();
         }
-        let uuid = self.ctx.engine.vbucket_uuid(bucket, m.vbucket).unwrap_or(0);
         let mut x = Vec::with_capacity(16);
-        x.extend_from_slice(&uuid.to_be_bytes());
+        x.extend_from_slice(&m.vbucket_uuid.to_be_bytes());
         x.extend_from_slice(&m.seqno.to_be_bytes());
         x
     }
 
-    pub(super) fn mutation_reply(
-        &self,
-        reply: &mut Reply<'_>,
-        bucket: &Bucket,
-        m: &MutationResult,
-    ) {
-        let extras = self.seqno_extras(bucket, m);
+    pub(super) fn mutation_reply(&self, reply: &mut Reply<'_>, m: &MutationResult) {
+        let extras = self.seqno_extras(m);
         reply.send(status::SUCCESS, m.cas, &extras, &[], &[], 0);
     }
 
@@ -124,9 +118,7 @@ impl KvSession {
             durability,
         };
         match engine.write_store(&bucket, &r) {
-            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| {
-                s.mutation_reply(r, &bucket, m)
-            }),
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| s.mutation_reply(r, m)),
             // memcached: ADD on an existing key and REPLACE of a missing one are NOT_STORED
             // only in the text protocol; the binary protocol says EEXISTS / ENOENT.
             Err(e) => fail!(reply, xerror, e),
@@ -157,7 +149,7 @@ impl KvSession {
                     // insists); Couchbase-aware clients (MUTATION_SEQNO) get the
                     // tombstone's CAS.
                     if s.features.mutation_seqno {
-                        s.mutation_reply(r, &bucket, m)
+                        s.mutation_reply(r, m)
                     } else {
                         r.ok()
                     }
@@ -192,7 +184,7 @@ impl KvSession {
             &bucket, req.key, delta, initial, expiry, inc, req.cas, durability,
         ) {
             Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, (m, n)| {
-                let extras = s.seqno_extras(&bucket, m);
+                let extras = s.seqno_extras(m);
                 r.send(status::SUCCESS, m.cas, &extras, &[], &n.to_be_bytes(), 0);
             }),
             Err(e) => fail!(reply, xerror, e),
@@ -218,9 +210,7 @@ impl KvSession {
         }
         let at_end = matches!(req.opcode, op::APPEND | op::APPENDQ);
         match engine.write_concat(&bucket, req.key, req.value, at_end, req.cas, durability) {
-            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| {
-                s.mutation_reply(r, &bucket, m)
-            }),
+            Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| s.mutation_reply(r, m)),
             Err(e) => fail!(reply, xerror, e),
         }
     }

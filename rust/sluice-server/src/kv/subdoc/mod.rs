@@ -469,9 +469,9 @@ impl KvSession {
         if c.specs[0].opcode == op::DELETE {
             // The whole document, alone (see `validate`).
             return match engine.write_delete(&bucket, req.key, req.cas, durability) {
-                Ok(w) => self.answer_write(&bucket, w, reply, false, |s, r, m| {
-                    s.mutation_reply(r, &bucket, m)
-                }),
+                Ok(w) => {
+                    self.answer_write(&bucket, w, reply, false, |s, r, m| s.mutation_reply(r, m))
+                }
                 Err(e) => fail!(reply, xerror, e),
             };
         }
@@ -553,7 +553,7 @@ impl KvSession {
         let multi = c.multi;
         match written {
             Ok(w) => self.answer_write(&bucket.clone(), w, reply, false, move |s, r, (m, _)| {
-                let extras = s.seqno_extras(&bucket, m);
+                let extras = s.seqno_extras(m);
                 let mut body = Vec::new();
                 if multi {
                     for (i, v) in &values {
