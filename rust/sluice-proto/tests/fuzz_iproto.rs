@@ -8,7 +8,9 @@ use std::cell::Cell;
 
 use proptest::prelude::*;
 use sluice_proto::base64;
-use sluice_proto::iproto::tuple::{check_format, extract_key, FieldDef, FieldType, KeyPart};
+use sluice_proto::iproto::tuple::{
+    check_format, check_format_and_extract_key, extract_key, FieldDef, FieldType, KeyPart,
+};
 use sluice_proto::iproto::{frame, json, request, update, xlog, xrow, MAX_DEPTH, MAX_PACKET_SIZE};
 use sluice_proto::msgpack::{write_array_len, write_int, write_str, Reader};
 
@@ -196,7 +198,47 @@ fn check_update(tuple: &[u8], ops: &[u8], index_base: u32) {
     assert!(held <= bound(len), "{held} bytes held for {len} of input");
 }
 
+/// A write's one pass over its tuple answers as the format check and then the key would: the
+/// same key, or the same first error.
+fn check_one_pass_agrees(tuple: &[u8]) -> Result<(), TestCaseError> {
+    let fmt = format();
+    for parts in [
+        vec![KeyPart {
+            field_no: 0,
+            field_type: FieldType::Unsigned,
+        }],
+        vec![
+            KeyPart {
+                field_no: 3,
+                field_type: FieldType::Double,
+            },
+            KeyPart {
+                field_no: 1,
+                field_type: FieldType::String,
+            },
+        ],
+        vec![KeyPart {
+            field_no: 9,
+            field_type: FieldType::Scalar,
+        }],
+    ] {
+        let in_turn = check_format(tuple, &fmt).and_then(|()| extract_key(tuple, &parts));
+        prop_assert_eq!(check_format_and_extract_key(tuple, &fmt, &parts), in_turn);
+    }
+    Ok(())
+}
+
 proptest! {
+    #[test]
+    fn one_pass_key_agrees_on_arbitrary_bytes(tuple in prop::collection::vec(any::<u8>(), 0..128)) {
+        check_one_pass_agrees(&tuple)?;
+    }
+
+    #[test]
+    fn one_pass_key_agrees_on_plausible_tuples(tuple in plausible_tuple()) {
+        check_one_pass_agrees(&tuple)?;
+    }
+
     #[test]
     fn fuzz_frame_and_request_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         check_frame_and_request(&bytes);

@@ -246,22 +246,7 @@ fn invalid_tuple() -> TupleError {
 /// field is nullable), then the first required field the tuple is too short to hold. Fields
 /// past the format are not checked.
 pub fn check_format(tuple: &[u8], format: &[FieldDef]) -> Result<(), TupleError> {
-    let mut fields = Fields::new(tuple)?;
-    let count = fields.len();
-    for (i, def) in format.iter().enumerate().take(count) {
-        let value = fields.next().expect("fewer than count read")?;
-        if !def.field_type.accepts(value, def.is_nullable) {
-            return Err(field_type_error(i as u32, def.field_type));
-        }
-    }
-    fields.finish()?;
-    if let Some(i) = (count..format.len()).find(|&i| !format[i].is_nullable) {
-        return Err(TupleError::new(
-            codes::ER_FIELD_MISSING,
-            format!("Tuple field {} required by space format is missing", i + 1),
-        ));
-    }
-    Ok(())
+    checked(tuple, format, None).map(drop)
 }
 
 fn field_type_error(field_no: u32, expected: FieldType) -> TupleError {
@@ -278,8 +263,29 @@ fn field_type_error(field_no: u32, expected: FieldType) -> TupleError {
 /// The key of a tuple: the MessagePack array of its key parts, each checked against its part's
 /// type (ER_FIELD_MISSING / ER_FIELD_TYPE, as the format check would report them).
 pub fn extract_key(tuple: &[u8], parts: &[KeyPart]) -> Result<Vec<u8>, TupleError> {
+    checked(tuple, &[], Some(parts)).map(Option::unwrap_or_default)
+}
+
+/// `check_format` and then `extract_key`, in one pass over the tuple (as a write needs both):
+/// the format's errors come first, as when the two are called in turn.
+pub fn check_format_and_extract_key(
+    tuple: &[u8],
+    format: &[FieldDef],
+    parts: &[KeyPart],
+) -> Result<Vec<u8>, TupleError> {
+    checked(tuple, format, Some(parts)).map(Option::unwrap_or_default)
+}
+
+/// The one walk behind the three above: the fields checked against `format`, then, with
+/// `parts`, the key built from the fields it names.
+fn checked(
+    tuple: &[u8],
+    format: &[FieldDef],
+    parts: Option<&[KeyPart]>,
+) -> Result<Option<Vec<u8>>, TupleError> {
     // Only the fields up to the key's last are kept: on the stack for the usual short keys.
     let wanted = parts
+        .unwrap_or_default()
         .iter()
         .map(|p| p.field_no as usize + 1)
         .max()
@@ -287,16 +293,31 @@ pub fn extract_key(tuple: &[u8], parts: &[KeyPart]) -> Result<Vec<u8>, TupleErro
     let mut inline: [&[u8]; 8] = [&[]; 8];
     let mut spilled: Vec<&[u8]> = Vec::new();
     let mut iter = Fields::new(tuple)?;
-    let available = iter.len().min(wanted);
-    for i in 0..available {
+    let count = iter.len();
+    let available = count.min(wanted);
+    for i in 0..count.min(wanted.max(format.len())) {
         let field = iter.next().expect("fewer than len read")?;
-        if i < inline.len() {
+        if let Some(def) = format.get(i) {
+            if !def.field_type.accepts(field, def.is_nullable) {
+                return Err(field_type_error(i as u32, def.field_type));
+            }
+        }
+        if i < available.min(inline.len()) {
             inline[i] = field;
-        } else {
+        } else if i < available {
             spilled.push(field);
         }
     }
     iter.finish()?;
+    if let Some(i) = (count..format.len()).find(|&i| !format[i].is_nullable) {
+        return Err(TupleError::new(
+            codes::ER_FIELD_MISSING,
+            format!("Tuple field {} required by space format is missing", i + 1),
+        ));
+    }
+    let Some(parts) = parts else {
+        return Ok(None);
+    };
     let field = |no: usize| -> Option<&[u8]> {
         if no >= available {
             None
@@ -323,7 +344,7 @@ pub fn extract_key(tuple: &[u8], parts: &[KeyPart]) -> Result<Vec<u8>, TupleErro
         }
         key.extend_from_slice(value);
     }
-    Ok(key)
+    Ok(Some(key))
 }
 
 /// Checks a search key against an index's parts. `exact` (a point read, UPDATE, DELETE): the

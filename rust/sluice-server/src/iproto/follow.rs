@@ -983,7 +983,6 @@ impl Change<'_> {
 fn decide<'a>(space: &Space, request: &Request<'a>) -> Result<(Vec<u8>, Change<'a>), Failure> {
     match request {
         Request::Insert { tuple, .. } | Request::Replace { tuple, .. } => {
-            tuple::check_format(tuple, &space.format)?;
             Ok((key_of(space, tuple)?, Change::Store(tuple)))
         }
         Request::Delete { key, .. } => Ok((point_key(space, key)?, Change::Delete)),
@@ -1002,7 +1001,6 @@ fn decide<'a>(space: &Space, request: &Request<'a>) -> Result<(Vec<u8>, Change<'
             index_base,
             ..
         } => {
-            tuple::check_format(tuple, &space.format)?;
             let ops = update::parse_ops(ops, *index_base)?;
             Ok((key_of(space, tuple)?, Change::Upsert(tuple, ops)))
         }

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use sluice_proto::iproto::request::{Request, Scramble};
 use sluice_proto::iproto::{codes, frame, greeting, request, response};
 use tokio::io::AsyncReadExt;
@@ -358,9 +358,12 @@ pub(super) async fn run(
         loop {
             match frame::check(&inbuf, ctx.max_packet) {
                 Ok(Some(n)) => {
-                    let packet = inbuf.split_to(n);
                     let mark = out.len();
-                    if session.handle(&packet, &mut out).await {
+                    // Read in place and stepped over: splitting it off would share the buffer
+                    // (a reference count per packet) for nothing kept past the call.
+                    let write = session.handle(&inbuf[..n], &mut out).await;
+                    inbuf.advance(n);
+                    if write {
                         acks.extend_from_slice(&out[mark..]);
                         out.truncate(mark);
                     }

@@ -46,9 +46,10 @@ pub(super) fn engine_failure(e: Error, space: &str) -> Failure {
     }
 }
 
-/// The encoded primary key of `tuple` in the space, in the engine's one encoding.
+/// The encoded primary key of `tuple`, in the engine's one encoding, once the tuple is checked
+/// against the space's format (one pass over it for both).
 pub(super) fn key_of(space: &Space, tuple: &[u8]) -> Result<Vec<u8>, Failure> {
-    let raw = tuple::extract_key(tuple, &space.parts)?;
+    let raw = tuple::check_format_and_extract_key(tuple, &space.format, &space.parts)?;
     let (key, _) = canonical_key(&raw)?;
     check_key_size(&key)?;
     Ok(key)
@@ -77,7 +78,6 @@ pub(super) fn updated(
     key: &[u8],
 ) -> Result<Vec<u8>, Failure> {
     let new = update::apply_in_format(cur, ops, &space.format)?;
-    tuple::check_format(&new, &space.format)?;
     if key_of(space, &new)? != key {
         return Err(Failure::new(
             codes::ER_CANT_UPDATE_PRIMARY_KEY,
@@ -109,8 +109,7 @@ pub(super) fn upserted(
             e.message
         );
     }
-    let fits = tuple::check_format(&new, &space.format).is_ok()
-        && key_of(space, &new).is_ok_and(|k| k == key);
+    let fits = key_of(space, &new).is_ok_and(|k| k == key);
     if fits {
         return Ok(new);
     }
@@ -169,7 +168,6 @@ impl Session {
         out: &mut Vec<u8>,
     ) -> Outcome {
         let space = self.writable(space_id)?;
-        tuple::check_format(tuple, &space.format)?;
         let key = key_of(&space, tuple)?;
         let r = StoreRequest {
             mode: if add { StoreMode::Add } else { StoreMode::Set },
@@ -269,7 +267,6 @@ impl Session {
         out: &mut Vec<u8>,
     ) -> Outcome {
         let space = self.writable(space_id)?;
-        tuple::check_format(tuple, &space.format)?;
         let key = key_of(&space, tuple)?;
         let ops = update::parse_ops(ops, index_base)?;
         let peer = self.peer;
