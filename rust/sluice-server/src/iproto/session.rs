@@ -156,9 +156,9 @@ impl Session {
         self.ctx.catalog.schema_version
     }
 
-    /// Answers one whole packet; true when the answer acknowledges a write (its reply waits
-    /// for the WAL).
-    async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>) -> bool {
+    /// Answers one whole packet: into `acks` when the answer acknowledges a write (it waits
+    /// for the WAL), else into `out` (sent at once).
+    async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>, acks: &mut Vec<u8>) {
         let generation = self.ctx.users.generation();
         if generation != self.users_generation {
             (self.users, self.users_generation) = self.ctx.users.current_with_generation();
@@ -174,7 +174,7 @@ impl Session {
                     format_args!("iproto request from {}: {}", self.peer, e.message),
                 );
                 response::write_error(out, e.sync.unwrap_or(0), version, e.code, &e.message);
-                return false;
+                return;
             }
         };
         self.requests[super::IprotoStats::request_slot(header.code)] += 1;
@@ -188,19 +188,12 @@ impl Session {
                     format!("Wrong schema version, current: {theirs}, in request: {version}"),
                 );
                 self.fail(out, sync, f);
-                return false;
+                return;
             }
         }
-        // Tarantool answers a write that changed nothing (DELETE of a missing key) after the
-        // writes before it, too: it commits like any other.
-        let write = matches!(
-            req,
-            Request::Insert { .. }
-                | Request::Replace { .. }
-                | Request::Update { .. }
-                | Request::Upsert { .. }
-                | Request::Delete { .. }
-        );
+        // A write's answer goes into `acks`, even one that changed nothing (DELETE of a
+        // missing key): Tarantool answers it after the writes before it, as it commits like
+        // any other. Failures are answered at once.
         let outcome = match req {
             Request::Ping | Request::Nop => {
                 response::write_ok(out, sync, version);
@@ -236,10 +229,10 @@ impl Session {
                 key,
             } => self.select(space_id, index_id, limit, offset, iterator, key, sync, out),
             Request::Insert { space_id, tuple } => {
-                self.store(space_id, tuple, true, sync, out).await
+                self.store(space_id, tuple, true, sync, acks).await
             }
             Request::Replace { space_id, tuple } => {
-                self.store(space_id, tuple, false, sync, out).await
+                self.store(space_id, tuple, false, sync, acks).await
             }
             Request::Update {
                 space_id,
@@ -248,7 +241,7 @@ impl Session {
                 ops,
                 index_base,
             } => {
-                self.update(space_id, index_id, key, ops, index_base, sync, out)
+                self.update(space_id, index_id, key, ops, index_base, sync, acks)
                     .await
             }
             Request::Upsert {
@@ -257,14 +250,14 @@ impl Session {
                 ops,
                 index_base,
             } => {
-                self.upsert(space_id, tuple, ops, index_base, sync, out)
+                self.upsert(space_id, tuple, ops, index_base, sync, acks)
                     .await
             }
             Request::Delete {
                 space_id,
                 index_id,
                 key,
-            } => self.delete(space_id, index_id, key, sync, out).await,
+            } => self.delete(space_id, index_id, key, sync, acks).await,
             Request::Call { name, args, .. } => self.call(name, args, sync, out),
             Request::Eval { expr, args } => self.eval(expr, args, sync, out),
             Request::Execute | Request::Prepare => Err(Failure::new(
@@ -283,12 +276,8 @@ impl Session {
                 format!("Unknown request type {t}"),
             )),
         };
-        match outcome {
-            Ok(()) => write,
-            Err(f) => {
-                self.fail(out, sync, f);
-                false
-            }
+        if let Err(f) = outcome {
+            self.fail(out, sync, f);
         }
     }
 
@@ -358,15 +347,10 @@ pub(super) async fn run(
         loop {
             match frame::check(&inbuf, ctx.max_packet) {
                 Ok(Some(n)) => {
-                    let mark = out.len();
                     // Read in place and stepped over: splitting it off would share the buffer
                     // (a reference count per packet) for nothing kept past the call.
-                    let write = session.handle(&inbuf[..n], &mut out).await;
+                    session.handle(&inbuf[..n], &mut out, &mut acks).await;
                     inbuf.advance(n);
-                    if write {
-                        acks.extend_from_slice(&out[mark..]);
-                        out.truncate(mark);
-                    }
                     if out.len() + acks.len() >= FLUSH_AT
                         && send(&mut socket, &mut out, &mut acks, &mut session)
                             .await
