@@ -94,8 +94,11 @@ pub struct Record<'a> {
     pub body: RecordBody<'a>,
 }
 
+/// Writes a record's fields into `out` up to and including the header of its value, the last
+/// field, and returns the value: the caller puts it right after (copied, or written from where
+/// it is).
 #[allow(clippy::too_many_arguments)]
-fn write_fields(
+fn write_fields<'v>(
     out: &mut Vec<u8>,
     lsn: u64,
     op: u64,
@@ -108,8 +111,8 @@ fn write_fields(
     expiry: u32,
     datatype: u8,
     key: &[u8],
-    value: &[u8],
-) {
+    value: &'v [u8],
+) -> &'v [u8] {
     // The fixed fields go into a stack buffer and then into `out` with one copy: this runs
     // once per change on the WAL thread.
     let mut head = [0u8; 1 + 10 * msgpack::MAX_UINT_LEN + 5];
@@ -130,16 +133,27 @@ fn write_fields(
         at = msgpack::put_uint(&mut head, at, v);
     }
     at = msgpack::put_bin_header(&mut head, at, key.len());
-    out.reserve(at + key.len() + 5 + value.len());
+    let mut value_head = [0u8; 5];
+    let value_head_len = msgpack::put_bin_header(&mut value_head, 0, value.len());
+    out.reserve(at + key.len() + value_head_len);
     out.extend_from_slice(&head[..at]);
     out.extend_from_slice(key);
-    msgpack::write_bin(out, value);
+    out.extend_from_slice(&value_head[..value_head_len]);
+    value
 }
 
-impl Record<'_> {
+impl<'a> Record<'a> {
     pub fn encode(&self, out: &mut Vec<u8>) {
+        let value = self.encode_head(out);
+        out.extend_from_slice(value);
+    }
+
+    /// Encodes the record into `out` but for its value (the last field), which it returns:
+    /// the record's bytes are `out`'s new bytes followed by the value's.
+    pub fn encode_head(&self, out: &mut Vec<u8>) -> &'a [u8] {
         let (b, v, l) = (self.bucket, self.vbucket, self.lsn);
-        match &self.body {
+        // A copy of references and numbers: its slices keep the record's lifetime.
+        match self.body.clone() {
             RecordBody::Change {
                 op,
                 key,
@@ -165,7 +179,7 @@ impl Record<'_> {
                     meta.datatype,
                     key,
                     value,
-                );
+                )
             }
             RecordBody::VbucketState { state, high_seqno } => write_fields(
                 out,
@@ -173,10 +187,10 @@ impl Record<'_> {
                 OP_VBUCKET_STATE,
                 b,
                 v,
-                *high_seqno,
+                high_seqno,
                 0,
                 0,
-                *state as u32,
+                state as u32,
                 0,
                 0,
                 b"",
@@ -206,17 +220,17 @@ impl Record<'_> {
                 0,
                 0,
                 0,
-                *num_vbuckets as u32,
+                num_vbuckets as u32,
                 0,
                 0,
                 name,
                 b"",
             ),
             RecordBody::PurgeSeqno(s) => {
-                write_fields(out, l, OP_PURGE_SEQNO, b, v, *s, 0, 0, 0, 0, 0, b"", b"")
+                write_fields(out, l, OP_PURGE_SEQNO, b, v, s, 0, 0, 0, 0, 0, b"", b"")
             }
             RecordBody::Rollback(s) => {
-                write_fields(out, l, OP_ROLLBACK, b, v, *s, 0, 0, 0, 0, 0, b"", b"")
+                write_fields(out, l, OP_ROLLBACK, b, v, s, 0, 0, 0, 0, 0, b"", b"")
             }
             RecordBody::FailoverReset => {
                 write_fields(out, l, OP_FAILOVER_RESET, b, v, 0, 0, 0, 0, 0, 0, b"", b"")
@@ -240,7 +254,7 @@ impl Record<'_> {
                 0,
                 0,
                 0,
-                *partitions as u32,
+                partitions as u32,
                 0,
                 0,
                 name,
@@ -257,9 +271,9 @@ impl Record<'_> {
                 OP_TOPIC_BUNDLE,
                 b,
                 v,
-                *first_seq,
-                *count,
-                *newest_ms,
+                first_seq,
+                count,
+                newest_ms,
                 0,
                 0,
                 0,
@@ -277,10 +291,10 @@ impl Record<'_> {
                 OP_VBUCKET_SNAPSHOT,
                 b,
                 v,
-                *high_seqno,
-                *purge_seqno,
-                *max_cas,
-                *state as u32,
+                high_seqno,
+                purge_seqno,
+                max_cas,
+                state as u32,
                 0,
                 0,
                 b"",

@@ -72,11 +72,73 @@ pub fn begin_block(out: &mut Vec<u8>) -> usize {
 }
 
 pub fn finish_block(out: &mut [u8], at: usize) {
-    let payload_len = out.len() - at - BLOCK_HEADER_LEN;
-    let crc = crc32c::crc32c(&out[at + BLOCK_HEADER_LEN..]);
+    finish_spliced_block(out, at, &[]);
+}
+
+/// Finishes a block whose payload is `out[at + BLOCK_HEADER_LEN..]` with `spliced` values put
+/// in: each `(pos, value)` goes before `out[pos]` (positions ascending, within the payload).
+/// The values are written from where they are (see `write_spliced_at`), not copied into `out`.
+pub fn finish_spliced_block(out: &mut [u8], at: usize, spliced: &[(usize, &[u8])]) {
+    let from = at + BLOCK_HEADER_LEN;
+    let mut payload_len = out.len() - from;
+    let (mut crc, mut done) = (0, from);
+    for &(pos, value) in spliced {
+        crc = crc32c::crc32c_append(crc32c::crc32c_append(crc, &out[done..pos]), value);
+        payload_len += value.len();
+        done = pos;
+    }
+    let crc = crc32c::crc32c_append(crc, &out[done..]);
     out[at..at + 4].copy_from_slice(&BLOCK_MAGIC.to_be_bytes());
     out[at + 4..at + 8].copy_from_slice(&(payload_len as u32).to_be_bytes());
     out[at + 8..at + 12].copy_from_slice(&crc.to_be_bytes());
+}
+
+/// Writes `buf` with `spliced` values put in (as `finish_spliced_block` reads them) at
+/// `offset` of `file`, in as few `pwritev` calls as the kernel takes.
+pub fn write_spliced_at(
+    file: &std::fs::File,
+    buf: &[u8],
+    spliced: &[(usize, &[u8])],
+    mut offset: u64,
+) -> std::io::Result<()> {
+    use std::io::IoSlice;
+    use std::os::fd::AsRawFd;
+    let mut parts = Vec::with_capacity(2 * spliced.len() + 1);
+    let mut done = 0;
+    for &(pos, value) in spliced {
+        parts.push(IoSlice::new(&buf[done..pos]));
+        parts.push(IoSlice::new(value));
+        done = pos;
+    }
+    parts.push(IoSlice::new(&buf[done..]));
+    let mut parts = &mut parts[..];
+    IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        let n = parts.len().min(1024) as libc::c_int;
+        // SAFETY: IoSlice is ABI-compatible with iovec on Unix, and the slices outlive the
+        // call; the kernel only reads them.
+        let written = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                parts.as_ptr().cast::<libc::iovec>(),
+                n,
+                offset as libc::off_t,
+            )
+        };
+        if written < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        offset += written as u64;
+        IoSlice::advance_slices(&mut parts, written as usize);
+    }
+    Ok(())
 }
 
 /// What the reader found at the current offset.
