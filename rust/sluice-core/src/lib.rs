@@ -25,6 +25,7 @@ pub mod item;
 pub mod item_store;
 pub mod locks;
 pub mod partition_log;
+mod prefault;
 pub mod recovery;
 pub mod signal;
 pub mod snapshot;

@@ -24,6 +24,9 @@ use sluice_proto::tank::{put_varint, DecodeError, Reader};
 
 /// The largest message set a Snappy bundle may expand to.
 const MAX_SET: usize = 64 << 20;
+/// Appends that take a segment into a new step of this many bytes have the next step's pages
+/// faulted in ahead of them (`crate::prefault`).
+const PREFAULT_STEP: usize = 1 << 20;
 
 thread_local! {
     /// `PartitionLog::check`'s buffer for sparse Snappy message sets.
@@ -91,28 +94,6 @@ impl LogConfig {
     }
 }
 
-/// Asks the kernel to back a segment's reserved bytes with huge pages where it can, past its
-/// first 2 MiB. Appends fill a segment front to back, and with 4 KiB pages every 4 KiB appended
-/// took a page fault: a quarter of the CPU a 100 KB produce cost. The first 2 MiB stay in
-/// small pages, so that a partition that holds little keeps a little resident, whatever the
-/// number of partitions. A hint: where transparent huge pages are off, nothing changes.
-fn advise_huge_pages(data: &Vec<u8>) {
-    const HUGE: usize = 2 << 20;
-    let start = data.as_ptr() as usize;
-    let (first, end) = (
-        (start + HUGE).next_multiple_of(HUGE),
-        start + data.capacity(),
-    );
-    if end >= first + HUGE {
-        let len = (end - first) / HUGE * HUGE;
-        // SAFETY: the range lies within the allocation `data` owns; MADV_HUGEPAGE changes
-        // how its pages are backed, never their contents.
-        unsafe {
-            libc::madvise(first as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-        }
-    }
-}
-
 struct Segment {
     /// The sequence number of its first message, and one past its last.
     base_seq: u64,
@@ -129,12 +110,10 @@ impl Segment {
     /// An empty segment whose bytes are reserved up front (`reserve`): appends never move it,
     /// and pages not written to are not resident.
     fn new(base_seq: u64, reserve: usize) -> Segment {
-        let data = Vec::with_capacity(reserve);
-        advise_huge_pages(&data);
         Segment {
             base_seq,
             next_seq: base_seq,
-            data,
+            data: Vec::with_capacity(reserve),
             index: Vec::new(),
             newest_ms: 0,
         }
@@ -406,6 +385,16 @@ impl PartitionLog {
         let before = seg.data.len();
         put_varint(&mut seg.data, bundle.len() as u64);
         seg.data.extend_from_slice(bundle);
+        // Once a segment holds a step, each step it enters has the next one's pages faulted
+        // in ahead of it, off this thread (a segment that holds little keeps little resident).
+        let step = seg.data.len() / PREFAULT_STEP;
+        if step > before / PREFAULT_STEP && step >= 1 {
+            let from = (step + 1) * PREFAULT_STEP;
+            let to = (from + PREFAULT_STEP).min(seg.data.capacity());
+            if from < to {
+                crate::prefault::ahead(seg.data.as_ptr().wrapping_add(from), to - from);
+            }
+        }
         seg.next_seq = first + span;
         seg.newest_ms = seg.newest_ms.max(newest_ms);
         self.bytes += (seg.data.len() - before) as u64;
