@@ -115,17 +115,32 @@ class TankConnection:
 
     def _frame(self) -> tuple[int, bytes]:
         while True:
-            if len(self._buf) >= 5:
-                n = 5 + struct.unpack_from("<I", self._buf, 1)[0]
-                if len(self._buf) >= n:
-                    frame, self._buf = self._buf[:n], self._buf[n:]
-                    if frame[0] != PING:  # the broker's greeting, and nothing to answer
-                        return frame[0], frame[5:]
-                    continue
-            chunk = self._sock.recv(1 << 16)
-            if not chunk:
-                raise TankError("the TANK listener closed the connection")
-            self._buf += chunk
+            while len(self._buf) < 5:
+                self._fill()
+            n = 5 + struct.unpack_from("<I", self._buf, 1)[0]
+            if len(self._buf) >= n:
+                frame, self._buf = self._buf[:n], self._buf[n:]
+            else:
+                # The rest of a frame received straight into one buffer: appending chunks to
+                # what came copied the whole of a 1 MiB consume answer once per 64 KiB read.
+                buf = bytearray(n)
+                buf[: len(self._buf)] = self._buf
+                view = memoryview(buf)[len(self._buf) :]
+                self._buf = b""
+                while view:
+                    got = self._sock.recv_into(view)
+                    if not got:
+                        raise TankError("the TANK listener closed the connection")
+                    view = view[got:]
+                frame = memoryview(buf)
+            if frame[0] != PING:  # the broker's greeting, and nothing to answer
+                return frame[0], bytes(frame[5:])
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(1 << 16)
+        if not chunk:
+            raise TankError("the TANK listener closed the connection")
+        self._buf += chunk
 
     def _call(self, msg_id: int, payload: bytes) -> bytes:
         return self._exchange(msg_id, bytes([msg_id]) + struct.pack("<I", len(payload)) + payload)

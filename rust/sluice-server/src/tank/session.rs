@@ -138,7 +138,14 @@ pub(super) async fn run(
             }
         }
         coalesced = 0;
-        // Produces just handled may answer a waiting consume; a max wait may have passed.
+        // Produces just handled may answer a waiting consume (readers see a bundle once the
+        // WAL holds it: wait for that here, not after sending, so that the produce's answer
+        // and the consume's go out in one write, where a client tails and produces on one
+        // connection as tank-cli's p2c does); a max wait may have passed.
+        if !parked.is_empty() && !out.is_empty() {
+            // A failure is the send's to report, just below.
+            let _ = ctx.engine.wal().written(owed_lsn).await;
+        }
         let now = Instant::now();
         let stopping = *stop.borrow();
         parked.retain_mut(|p| !p.answer(&mut out, now, stopping));
