@@ -140,6 +140,12 @@ class Proc:
         self.out.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def kill_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     if proc.poll() is None:
         try:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, free_port, percentile, pyplot, write_json
+from _common import RESULTS, cpu_seconds, free_port, percentile, pyplot, write_json
 from server_bench import wait_port
 
 KEYS = 100_000
@@ -42,7 +42,6 @@ LOADS = [
 # get, upsert and close of one client kind
 Ops = tuple[Callable[[bytes], object], Callable[[bytes, bytes], object], Callable[[], None]]
 CLIENTS = ["couchbase SDK", "memcached binary"]
-TICKS = os.sysconf("SC_CLK_TCK")
 # Every client logs in as this user (PLAIN for the memcached client and `sluice bench`, the SDK's
 # default mechanism, SCRAM-SHA512, for the SDK), as an application against a node with users does.
 USER, PASSWORD = "bench", "bench-secret"
@@ -67,12 +66,6 @@ def start(data: Path) -> tuple[subprocess.Popen, int]:
     )
     wait_port(port)
     return p, port
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def sdk_ops(port: int) -> Ops:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, write_json, write_paired_bars
+from _common import RESULTS, cpu_seconds, write_json, write_paired_bars
 from server_bench import start
 
 LOADS = [
@@ -56,39 +56,55 @@ def main() -> int:
             print(f"{tool} is not installed: apt-get install memcached libmemcached-tools", file=sys.stderr)
             return 1
     kinds = ["sluice", "memcached"]
-    results: dict = {"duration": args.duration, "runs": args.runs, "loads": {}}
+    results: dict = {"duration": args.duration, "runs": args.runs, "loads": {}, "cpu_us_per_op": {}}
     for name, extra in LOADS:
         per: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for run in range(args.runs):
             for kind in kinds if run % 2 == 0 else kinds[::-1]:
                 with tempfile.TemporaryDirectory() as d:
                     p, port = start(kind, Path(d))
                     try:
+                        before = cpu_seconds(p.pid)
                         tps = memcaslap(port, args.duration, extra)
+                        used = cpu_seconds(p.pid) - before
                     finally:
                         p.terminate()
                         p.wait(timeout=60)
                 per[kind].append(tps)
-                print(f"{name} | {kind} run {run + 1}: {tps:,.0f} ops/s", file=sys.stderr)
+                cpu[kind].append(used / (tps * args.duration) * 1e6)
+                print(
+                    f"{name} | {kind} run {run + 1}: {tps:,.0f} ops/s, {cpu[kind][-1]:.2f} us CPU/op",
+                    file=sys.stderr,
+                )
         results["loads"][name] = per
+        results["cpu_us_per_op"][name] = cpu
     write(results)
     return 0
 
 
 def write(results: dict) -> None:
     write_json(RESULTS / "text.json", results)
-    rows = ["| load | sluice ops/s | memcached ops/s | ratio |", "|---|---|---|---|"]
+    rows = [
+        "| load | sluice ops/s | memcached ops/s | ratio | sluice CPU/op | memcached CPU/op | CPU ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     names, medians = [], []
     for name, per in results["loads"].items():
         s, m = statistics.median(per["sluice"]), statistics.median(per["memcached"])
-        rows.append(f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} |")
+        cs, cm = (statistics.median(results["cpu_us_per_op"][name][k]) for k in ("sluice", "memcached"))
+        rows.append(
+            f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {cs:.2f} µs | {cm:.2f} µs | {cm / cs:.2f} |"
+        )
         names.append(name)
         medians.append((s, m))
     md = (
         "# sluice's text protocol against memcached's\n\n"
         f"`python bench/text_bench.py --duration {results['duration']:g} --runs {results['runs']}`: "
         "memcaslap in text mode (2 threads), medians of the runs, both servers on 2 threads on "
-        "this 2-core machine (the load generator shares it).\n\n" + "\n".join(rows) + "\n"
+        "this 2-core machine (the load generator shares it). CPU/op: the server process's user "
+        "and system time over the run per operation served; CPU ratio above 1: sluice spends "
+        "less per operation.\n\n" + "\n".join(rows) + "\n"
     )
     (RESULTS / "text.md").write_text(md)
     print(md)
