@@ -30,7 +30,19 @@ from sluice._native import (
 )
 from sluice.client import Change, Client, RollbackError, Stream
 from sluice.config import Config, load_config
-from sluice.greenstack import AsyncClient, GreenstackClient, GreenstackError
+
+# Greenstack's clients come with asyncio, a third of this package's import time: imported when
+# first asked for, so that `sluice serve` (and a replica's start) does not pay for them.
+_GREENSTACK = ("AsyncClient", "GreenstackClient", "GreenstackError")
+
+
+def __getattr__(name: str) -> object:
+    if name in _GREENSTACK:
+        from sluice import greenstack
+
+        return getattr(greenstack, name)
+    raise AttributeError(f"module 'sluice' has no attribute {name!r}")
+
 
 __all__ = [
     "AsyncClient",

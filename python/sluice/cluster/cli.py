@@ -9,11 +9,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.cluster import vbmap
-from sluice.cluster.etcd import Etcd, EtcdError, parse_cluster_url
 from sluice.cluster.keys import Keys, dump
+
+# etcd's client (http.client, ssl) is imported when a cluster command runs: every `sluice`
+# command builds this parser, `sluice serve` among them, and a replica's start is timed.
+if TYPE_CHECKING:
+    from sluice.cluster.etcd import Etcd
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -21,6 +25,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 def connect(
     url: str, *, user: str | None = None, password_file: str | None = None, ca: str | None = None
 ) -> tuple[Etcd, Keys]:
+    from sluice.cluster.etcd import Etcd, parse_cluster_url
+
     endpoints, name = parse_cluster_url(url)
     try:
         password = Path(password_file).read_text().rstrip("\n") if password_file else None
@@ -140,6 +146,8 @@ def cmd_map(args: argparse.Namespace, etcd: Etcd, keys: Keys) -> int:
 
 
 def _change_wanted(etcd: Etcd, keys: Keys, add: list[str], remove: list[str]) -> dict[str, Any]:
+    from sluice.cluster.etcd import EtcdError
+
     for _ in range(20):
         kv = etcd.get(keys.map)
         if kv is None:
@@ -241,6 +249,8 @@ def cmd_request(what: str, message: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sluice.cluster.etcd import EtcdError
+
     url = args.cluster or os.environ.get("SLUICE_CLUSTER")
     if not url:
         print("sluice cluster: give --cluster etcd://HOST:PORT/NAME (or set SLUICE_CLUSTER)", file=sys.stderr)
