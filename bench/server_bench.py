@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, free_port, pyplot, write_json
+from _common import RESULTS, cpu_seconds, free_port, pyplot, write_json
 
 LOADS = [
     # name, get ratio, value size, pipeline
@@ -147,6 +147,7 @@ def main() -> int:
                 with tempfile.TemporaryDirectory() as d:
                     p, port = start(kind, Path(d), args.baseline, tls)
                     try:
+                        before = cpu_seconds(p.pid)
                         r = sluice._native.bench(
                             f"127.0.0.1:{port}",
                             cacert=str(tls[0]) if kind == "tls" and tls else None,
@@ -158,13 +159,16 @@ def main() -> int:
                             get_ratio=ratio,
                             threads=2,
                         )
+                        served = r["ops_per_s"] * args.duration
+                        r["server_cpu_us_per_op"] = (cpu_seconds(p.pid) - before) / served * 1e6
                     finally:
                         p.terminate()
                         p.wait(timeout=60)
                 per[kind].append(r)
                 print(
                     f"{name} | {kind} run {run + 1}: {r['ops_per_s']:,.0f} ops/s, "
-                    f"p99 {r['latency_us']['p99']} us, errors {r['errors']}",
+                    f"p99 {r['latency_us']['p99']} us, {r['server_cpu_us_per_op']:.2f} us server CPU/op, "
+                    f"errors {r['errors']}",
                     file=sys.stderr,
                 )
         results["loads"][name] = per
@@ -181,8 +185,8 @@ def write(results: dict) -> None:
     extra += [" sluice over TLS ops/s | TLS p50 / p99 (us) | TLS / plain |"] if with_tls else []
     rows = [
         "| load | sluice ops/s | memcached ops/s | ratio | sluice p50 / p99 (us) "
-        "| memcached p50 / p99 (us) |" + "".join(extra),
-        "|---|---|---|---|---|---|" + "---|---|" * with_baseline + "---|---|---|" * with_tls,
+        "| memcached p50 / p99 (us) | server CPU per op, sluice / memcached (us) |" + "".join(extra),
+        "|---|---|---|---|---|---|---|" + "---|---|" * with_baseline + "---|---|---|" * with_tls,
     ]
     names, ratios = [], []
     for name, per in results["loads"].items():
@@ -190,9 +194,13 @@ def write(results: dict) -> None:
         m = statistics.median(r["ops_per_s"] for r in per["memcached"])
         sl = [statistics.median(r["latency_us"][k] for r in per["sluice"]) for k in ("p50", "p99")]
         ml = [statistics.median(r["latency_us"][k] for r in per["memcached"]) for k in ("p50", "p99")]
+        sc, mc = (
+            statistics.median(r.get("server_cpu_us_per_op", 0.0) for r in per[k])
+            for k in ("sluice", "memcached")
+        )
         row = (
             f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "
-            f"{ml[0]:,.0f} / {ml[1]:,.0f} |"
+            f"{ml[0]:,.0f} / {ml[1]:,.0f} | {sc:.2f} / {mc:.2f} |"
         )
         b = t = 0.0
         if with_baseline:
@@ -210,7 +218,8 @@ def write(results: dict) -> None:
     md = (
         f"# sluice against memcached\n\n`python bench/server_bench.py {flags}`: "
         f"{results['connections']} connections, 100,000 keys, medians of the runs, "
-        "both servers on 2 threads on this 2-core machine (the load generator shares it)."
+        "both servers on 2 threads on this 2-core machine (the load generator shares it). "
+        "Server CPU per op: the server process's user and system time over the run per operation."
         + (" TLS: the same sluice on its TLS port, the load over TLS (rustls)." if with_tls else "")
         + "\n\n"
         + "\n".join(rows)
