@@ -41,6 +41,8 @@ impl IoLoops {
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-io-{i}"))
                 .spawn(move || {
+                    // Every write a connection makes is waited for before its reply.
+                    sluice_core::wal::writer::replies_wait_here();
                     runtime.block_on(async {
                         let _ = quit_rx.await;
                     });

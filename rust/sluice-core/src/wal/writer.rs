@@ -3,7 +3,11 @@
 //! handed out under the queue lock, so the file order is the LSN order.
 //!
 //! In write mode a reply waiting for a small batch may write it itself when the thread is idle
-//! (`WalWriter::written`): the same batch, the same order, under the same lock.
+//! (`WalWriter::written`): the same batch, the same order, under the same lock. Records queued
+//! on a thread whose replies wait for the WAL (`replies_wait_here`) do not wake the writer
+//! thread: their waiter writes them, and the thread, napping on a timer while writes come,
+//! takes what no waiter took within `LEADER_GRACE`. Waking it for every record cost more than
+//! the write (a futex wake, and a thread that then raced the waiter for the batch).
 //!
 //! When a write or sync fails (disk full, I/O error) the batch stays with the writer, which
 //! retries it with back-off; meanwhile `is_failing()` tells the engine to refuse new writes,
@@ -204,6 +208,16 @@ struct QueueState {
     /// With shutdown: stop after writing, without closing the segment (as `kill -9` would).
     crash: bool,
     rotate: bool,
+    /// When the oldest of `pending` was queued without waking the thread (write mode): the
+    /// thread writes it once LEADER_GRACE has passed and no waiter has.
+    queued_at: Option<Instant>,
+    /// Something in `pending` needs the thread now: queued where no waiter writes it, or by a
+    /// waiter that could not write it itself.
+    wanted: bool,
+    /// The thread sleeps without a timer: the next record queued must wake it.
+    writer_idle: bool,
+    /// A waiter's write took the segment a WRITEBACK_STEP past its last writeback.
+    writeback: bool,
 }
 
 struct DurableState {
@@ -326,13 +340,45 @@ impl Appender<'_> {
     }
 }
 
+thread_local! {
+    /// Set on threads whose replies wait for the WAL (`replies_wait_here`).
+    static REPLIES_WAIT_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Declares that on this thread every record queued is waited for (`WalWriter::written`)
+/// before anything depending on it is answered, as a server's connection threads do: records
+/// queued here then leave the writing to that waiter instead of waking the writer thread.
+pub fn replies_wait_here() {
+    REPLIES_WAIT_HERE.with(|w| w.set(true));
+}
+
 impl Drop for Appender<'_> {
     fn drop(&mut self) {
-        if self.was_empty && !self.guard.pending.is_empty() {
+        if self.guard.pending.is_empty() {
+            return;
+        }
+        let q = &mut *self.guard;
+        if self.shared.mode == WalMode::Write && REPLIES_WAIT_HERE.with(|w| w.get()) {
+            if self.was_empty {
+                q.queued_at = Some(Instant::now());
+            }
+            // A thread napping finds the record by its timer; one asleep must be woken.
+            if q.writer_idle {
+                q.writer_idle = false;
+                self.shared.queue_cv.notify_one();
+            }
+        } else if !q.wanted {
+            q.wanted = true;
+            q.writer_idle = false;
             self.shared.queue_cv.notify_one();
         }
     }
 }
+
+/// How long the writer thread leaves a record queued for its waiter to write (write mode).
+const LEADER_GRACE: Duration = Duration::from_micros(500);
+/// Naps of LEADER_GRACE the writer thread takes after a batch before it sleeps until woken.
+const NAPS_BEFORE_SLEEP: u32 = 4;
 
 /// Encoded bytes written per write() call while draining a batch.
 const WRITE_CHUNK: usize = 4 << 20;
@@ -411,7 +457,8 @@ impl Segment {
                 if cfg.mode == WalMode::Fsync {
                     timed_sync(&self.file, latency)
                 } else {
-                    self.start_writeback();
+                    // Writeback is started by the thread (`writeback_due`): it may wait for
+                    // the device, and a waiter writing its own batch serves connections.
                     Ok(())
                 }
             }),
@@ -485,8 +532,12 @@ impl Segment {
 
     /// Starts the kernel's writeback of what was written since the last step, once a step's
     /// worth has gathered. A hint: a failure changes nothing that was promised.
+    fn writeback_due(&self) -> bool {
+        self.size - self.written_back >= WRITEBACK_STEP
+    }
+
     fn start_writeback(&mut self) {
-        if self.size - self.written_back < WRITEBACK_STEP {
+        if !self.writeback_due() {
             return;
         }
         use std::os::fd::AsRawFd;
@@ -533,6 +584,10 @@ impl WalWriter {
                 shutdown: false,
                 crash: false,
                 rotate: false,
+                queued_at: None,
+                wanted: false,
+                writer_idle: false,
+                writeback: false,
             }),
             queue_cv: Condvar::new(),
             durable: Mutex::new(DurableState {
@@ -644,6 +699,16 @@ impl WalWriter {
             return Ok(());
         }
         self.lead(lsn);
+        if self.shared.durable.lock().written < lsn {
+            // Not written by this waiter (another is writing, or the batch is too large for
+            // a waiter, or the writer is failing): the thread's, at once.
+            let mut q = self.shared.queue.lock();
+            if !q.pending.is_empty() && !q.wanted {
+                q.wanted = true;
+                q.writer_idle = false;
+                self.shared.queue_cv.notify_one();
+            }
+        }
         loop {
             let seen = self.shared.progress.generation();
             {
@@ -702,9 +767,12 @@ impl WalWriter {
         // waiter that asked for a sync while this batch was being written must not find it
         // asleep, and a full segment is its to rotate.
         let rotate = w.segment.size >= w.cfg.segment_size;
-        if rotate || sync_due(shared, w.synced) {
+        let writeback = w.segment.writeback_due();
+        if rotate || writeback || sync_due(shared, w.synced) {
             let mut q = shared.queue.lock();
             q.rotate |= rotate;
+            q.writeback |= writeback;
+            q.writer_idle = false;
             shared.queue_cv.notify_one();
         }
     }
@@ -878,7 +946,10 @@ impl Writer {
     /// Takes what is queued as the batch to write (unless a failed batch is still here).
     fn take_queued(&mut self, shared: &Shared) {
         if self.batch.is_empty() {
-            std::mem::swap(&mut shared.queue.lock().pending, &mut self.batch);
+            let mut q = shared.queue.lock();
+            std::mem::swap(&mut q.pending, &mut self.batch);
+            q.queued_at = None;
+            q.wanted = false;
         }
     }
 
@@ -1006,20 +1077,40 @@ fn writer_loop(shared: Arc<Shared>) {
     loop {
         let (shutdown, rotate) = {
             let mut q = shared.queue.lock();
+            let mut naps = 0;
             loop {
                 let (written, synced) = {
                     let d = shared.durable.lock();
                     (d.written, d.synced)
                 };
-                let has_work = !q.pending.is_empty()
+                // Records a waiter is expected to write are the thread's once LEADER_GRACE
+                // has passed (see `Appender::drop`).
+                let due = q.wanted
+                    || shared.mode != WalMode::Write
+                    || q.queued_at.is_none_or(|t| t.elapsed() >= LEADER_GRACE);
+                let has_work = (!q.pending.is_empty() && due)
                     || q.shutdown
                     || q.rotate
+                    || q.writeback
                     || (sync_due(&shared, synced) && written > synced);
                 if has_work {
                     break;
                 }
-                shared.queue_cv.wait(&mut q);
+                if shared.mode != WalMode::Write {
+                    shared.queue_cv.wait(&mut q);
+                } else if let Some(t) = q.queued_at.filter(|_| !q.pending.is_empty()) {
+                    shared.queue_cv.wait_until(&mut q, t + LEADER_GRACE);
+                } else if naps < NAPS_BEFORE_SLEEP {
+                    naps += 1;
+                    shared.queue_cv.wait_for(&mut q, LEADER_GRACE);
+                } else {
+                    q.writer_idle = true;
+                    shared.queue_cv.wait(&mut q);
+                    q.writer_idle = false;
+                    naps = 0;
+                }
             }
+            q.writeback = false;
             (q.shutdown, std::mem::take(&mut q.rotate))
         };
         // A waiter may be writing (see `WalWriter::written`): this waits for it.
@@ -1030,6 +1121,9 @@ fn writer_loop(shared: Arc<Shared>) {
         w.take_queued(&shared);
         if !w.batch.is_empty() && !w.write_until_done(&shared) {
             return;
+        }
+        if w.cfg.mode == WalMode::Write {
+            w.segment.start_writeback();
         }
         if sync_due(&shared, w.synced) && w.written > w.synced {
             // One sync serves every persist waiter of write mode that asked so far.
