@@ -2,8 +2,8 @@
 //! writes it with one write and (in fsync mode) syncs once per batch: group commit. LSNs are
 //! handed out under the queue lock, so the file order is the LSN order.
 //!
-//! In write mode a reply waiting for a small batch may write it itself when the thread is idle
-//! (`WalWriter::written`): the same batch, the same order, under the same lock. Records queued
+//! In write mode a reply waiting for a small batch may write it itself unless a write is under
+//! way (`WalWriter::written`): the same batch, the same order, under the same lock. Records queued
 //! on a thread whose replies wait for the WAL (`replies_wait_here`) do not wake the writer
 //! thread: their waiter writes them, and the thread, napping on a timer while writes come,
 //! takes what no waiter took within `LEADER_GRACE`. Waking it for every record cost more than
@@ -530,12 +530,13 @@ impl Segment {
         Ok(())
     }
 
-    /// Starts the kernel's writeback of what was written since the last step, once a step's
-    /// worth has gathered. A hint: a failure changes nothing that was promised.
+    /// Whether a step's worth has been written since the last writeback started.
     fn writeback_due(&self) -> bool {
         self.size - self.written_back >= WRITEBACK_STEP
     }
 
+    /// Starts the kernel's writeback of what was written since the last step, once a step's
+    /// worth has gathered. A hint: a failure changes nothing that was promised.
     fn start_writeback(&mut self) {
         if !self.writeback_due() {
             return;
