@@ -574,9 +574,10 @@ def test_a_new_orchestrator_finishes_the_rebalance_its_killed_predecessor_began(
         start_rebalance_adding(etcd, "n3", moves_done=5)
         nodes["n1"].stop(sig=9)
         deadline = time.monotonic() + 120
-        while rebalance_state(etcd).get("state") != "done":
-            assert rebalance_state(etcd).get("state") == "running", rebalance_state(etcd)
-            assert time.monotonic() < deadline, rebalance_state(etcd)
+        # One read per turn: the rebalance may finish between two reads.
+        while (state := rebalance_state(etcd)).get("state") != "done":
+            assert state.get("state") == "running", state
+            assert time.monotonic() < deadline, state
             time.sleep(0.2)
         assert etcd.api().get("/sluice/c1/orchestrator").value in (b"n2", b"n3")
         m = cluster_map(etcd)
