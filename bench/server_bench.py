@@ -195,8 +195,7 @@ def write(results: dict) -> None:
         sl = [statistics.median(r["latency_us"][k] for r in per["sluice"]) for k in ("p50", "p99")]
         ml = [statistics.median(r["latency_us"][k] for r in per["memcached"]) for k in ("p50", "p99")]
         sc, mc = (
-            statistics.median(r.get("server_cpu_us_per_op", 0.0) for r in per[k])
-            for k in ("sluice", "memcached")
+            statistics.median(r["server_cpu_us_per_op"] for r in per[k]) for k in ("sluice", "memcached")
         )
         row = (
             f"| {name} | {s:,.0f} | {m:,.0f} | {s / m:.2f} | {sl[0]:,.0f} / {sl[1]:,.0f} | "

@@ -3,6 +3,8 @@
 The storage engine runs in Rust (``sluice._native``); this package configures it and drives it.
 """
 
+from typing import TYPE_CHECKING
+
 from sluice._native import (
     BucketSettings,
     ClosedError,
@@ -30,6 +32,9 @@ from sluice._native import (
 )
 from sluice.client import Change, Client, RollbackError, Stream
 from sluice.config import Config, load_config
+
+if TYPE_CHECKING:  # what type checkers see of the names `__getattr__` imports when asked
+    from sluice.greenstack import AsyncClient, GreenstackClient, GreenstackError
 
 # Greenstack's clients come with asyncio, a third of this package's import time: imported when
 # first asked for, so that `sluice serve` (and a replica's start) does not pay for them.

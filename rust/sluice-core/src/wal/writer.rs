@@ -345,9 +345,11 @@ thread_local! {
     static REPLIES_WAIT_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Declares that on this thread every record queued is waited for (`WalWriter::written`)
-/// before anything depending on it is answered, as a server's connection threads do: records
-/// queued here then leave the writing to that waiter instead of waking the writer thread.
+/// Declares that on this thread records queued are waited for (`WalWriter::written`) before
+/// anything depending on them is answered, as a server's connection threads do: records queued
+/// here then leave the writing to that waiter instead of waking the writer thread. One nobody
+/// waits for (a quiet write with nothing to answer) is written by the thread within about two
+/// LEADER_GRACE.
 pub fn replies_wait_here() {
     REPLIES_WAIT_HERE.with(|w| w.set(true));
 }
