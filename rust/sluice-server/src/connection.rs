@@ -182,6 +182,7 @@ pub async fn run(
     // Map changes, pushed to a client that asked for them (HELLO: Duplex and
     // ClustermapChangeNotification) as Couchbase does.
     let mut map_changes = session.map_changes();
+    let mut stop_changes = crate::armed::watch_changes(stop.clone());
     loop {
         if !sniffed && !inbuf.is_empty() {
             // memcached's sniff: a binary request starts with a magic (0x80, or 0x08 with
@@ -374,7 +375,7 @@ pub async fn run(
                     return;
                 }
             },
-            _ = stop.changed() => {
+            _ = stop_changes.next() => {
                 replies.settle_all().await;
                 let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
                 return;

@@ -13,6 +13,7 @@
 //! May depend on sluice-proto and sluice-core, never on sluice-py.
 
 pub mod admin;
+pub mod armed;
 pub mod auth;
 pub mod cluster;
 pub mod clustermap;

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use sluice_core::bucket::Bucket;
 use sluice_core::config::Durability;
 use sluice_core::durability::Requirement;
@@ -30,6 +30,7 @@ use tokio::task::JoinSet;
 
 use super::dcp::{DcpProducer, Refusal};
 use super::GreenstackContext;
+use crate::armed;
 use crate::auth::{ADMIN, MECHANISMS, READ, STREAM, WRITE};
 use crate::scram::{self, Mechanism};
 use crate::tls::MaybeTls;
@@ -72,22 +73,9 @@ enum Login {
 const PLAIN_REFUSED: &str = "the user is unknown or the password does not match";
 
 enum Run {
+    /// Done: its reply (empty when it was written to the output already, or quiet).
     Now(Vec<u8>),
-    /// A write at durability level none: its reply once the WAL has written `lsn` (every
-    /// such reply of the connection waits on one look at the WAL, not a task each).
-    AfterWal {
-        lsn: u64,
-        ok: Vec<u8>,
-        to: ReplyTo,
-    },
     Later(Later),
-}
-
-/// A reply held until the WAL has written its write.
-struct Held {
-    done: Done,
-    lsn: u64,
-    to: ReplyTo,
 }
 
 /// A request finished: its lane, its place in the order requests were taken, whether it was
@@ -141,6 +129,8 @@ struct Session {
     bucket: Option<BucketHandle>,
     /// The user's permissions on `bucket` and the users' generation they were read in.
     perms: std::cell::Cell<Option<(u64, u8)>>,
+    /// Whether the user administers the node, and the users' generation it was read in.
+    admin: std::cell::Cell<Option<(u64, bool)>>,
     /// DCP, once the connection opened it.
     dcp: Option<DcpProducer>,
     /// The root lane (requests that name none), and the others by their ids.
@@ -154,8 +144,10 @@ struct Session {
     /// The requests `start_queued` starts in one round (kept for its buffer).
     batch: Vec<(Vec<u8>, Queued)>,
     tasks: JoinSet<Done>,
-    /// Replies waiting for the WAL, in the order their writes were queued (LSNs rising).
-    held: Vec<Held>,
+    /// The WAL position of the connection's last write: no reply is sent before the WAL has
+    /// written up to it (`send`), so a write at level none is answered as it is applied and
+    /// its reply leaves with the round's others once the WAL has it, as on the memcached port.
+    owed_lsn: u64,
     taken: u64,
     in_flight: usize,
     /// Counts kept here and added to the shared ones once per round (an atomic add per
@@ -182,7 +174,7 @@ pub(super) async fn run(
     mut socket: MaybeTls,
     peer: SocketAddr,
     ctx: Arc<GreenstackContext>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     warm: Option<WarmStart>,
 ) {
     // Until it logs in (when users are configured), a connection holds a pre-login slot, its
@@ -204,6 +196,7 @@ pub(super) async fn run(
         scram: None,
         bucket: None,
         perms: Default::default(),
+        admin: Default::default(),
         dcp: None,
         root: Lane::default(),
         lanes: HashMap::default(),
@@ -211,7 +204,7 @@ pub(super) async fn run(
         touched: Vec::new(),
         batch: Vec::new(),
         tasks: JoinSet::new(),
-        held: Vec::new(),
+        owed_lsn: 0,
         taken: 0,
         in_flight: 0,
         counted: Counted::default(),
@@ -226,9 +219,13 @@ pub(super) async fn run(
             m.uint("warmup_ms", w.warmup.as_millis() as u64);
         });
     }
-    let mut failed_logins = ctx.failed_logins.listen();
-    let mut map_changes = ctx.clustermap.subscribe();
-    map_changes.borrow_and_update();
+    let mut failed_logins = armed::broadcasts(ctx.failed_logins.listen());
+    let mut map_changes = {
+        let mut rx = ctx.clustermap.subscribe();
+        rx.borrow_and_update();
+        armed::watch_changes(rx)
+    };
+    let mut stop_changes = armed::watch_changes(stop.clone());
 
     loop {
         // Take whole frames while the connection has room for more requests in flight.
@@ -246,18 +243,22 @@ pub(super) async fn run(
         while s.in_flight < max_in_flight {
             match gs::check(&inbuf, max_frame) {
                 Ok(Check::Complete(n)) => {
-                    let frame = inbuf.split_to(n).freeze();
-                    if let Err(e) = s.take(frame, &mut out) {
+                    // Read in place; copied only if it has to wait for its lane.
+                    let taken = s.take(&inbuf[..n], &mut out);
+                    inbuf.advance(n);
+                    if let Err(e) = taken {
                         ctx.io.protocol_error(
                             "greenstack",
                             format_args!("closing Greenstack connection from {peer}: {e}"),
                         );
-                        let _ = send(&mut socket, &mut out, &ctx).await;
+                        let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
                         return;
                     }
                     // Requests that start as they are read answer as they go: a long read
                     // of them is sent in parts.
-                    if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &ctx).await.is_err() {
+                    if out.len() >= FLUSH_AT
+                        && send(&mut socket, &mut out, &ctx, s.owed_lsn).await.is_err()
+                    {
                         return;
                     }
                 }
@@ -270,7 +271,7 @@ pub(super) async fn run(
                         "greenstack",
                         format_args!("closing Greenstack connection from {peer}: {e}"),
                     );
-                    let _ = send(&mut socket, &mut out, &ctx).await;
+                    let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
                     return;
                 }
             }
@@ -278,7 +279,6 @@ pub(super) async fn run(
         // What was read starts, by priority; requests that finished meanwhile answer in the
         // same write.
         s.start_queued(&mut out);
-        s.release_written(ctx.engine.wal().written_lsn(), &mut out);
         while let Some(done) = s.tasks.try_join_next() {
             if s.finish_task(done, &mut out).is_err() {
                 return;
@@ -292,47 +292,26 @@ pub(super) async fn run(
             (b, seen)
         });
         let streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(&mut out, FLUSH_AT));
-        // Writes at level none answer once the WAL has written them, microseconds away (the
-        // WAL's own pace, as on the memcached port): the round's other replies wait for them
-        // and all leave in one send, one wake-up of the client. A durable write's reply is a
-        // task of its own and holds nothing back. (No timer bounds the wait: arming one per
-        // round costs more than the wait.)
-        if let (Some(lsn), false) = (s.held.last().map(|h| h.lsn), out.is_empty()) {
-            match ctx.engine.wal().written(lsn).await {
-                Ok(()) => s.release_written(u64::MAX, &mut out),
-                Err(e) => s.fail_held(&e.to_string(), &mut out),
-            }
-        }
         let counted = std::mem::take(&mut s.counted);
         ctx.stats.requests.fetch_add(counted.requests, Relaxed);
         ctx.stats
             .out_of_order
             .fetch_add(counted.out_of_order, Relaxed);
-        if send(&mut socket, &mut out, &ctx).await.is_err() {
+        if send(&mut socket, &mut out, &ctx, s.owed_lsn).await.is_err() {
             return;
         }
-        if *stop.borrow() && s.tasks.is_empty() && s.held.is_empty() {
+        if *stop.borrow() && s.tasks.is_empty() {
             s.shutdown_notice(&mut out);
-            let _ = send(&mut socket, &mut out, &ctx).await;
+            let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
             return;
         }
         let full = s.in_flight >= max_in_flight;
-        let waiting = !s.tasks.is_empty()
-            || !s.held.is_empty()
-            || s.dcp.as_ref().is_some_and(DcpProducer::has_streams);
+        let waiting = !s.tasks.is_empty() || s.dcp.as_ref().is_some_and(DcpProducer::has_streams);
         let can_stream = s.dcp.as_ref().is_some_and(DcpProducer::can_send);
         let changed = async {
             match &changes {
                 Some((b, seen)) if can_stream => b.changes.changed(*seen).await,
                 _ => std::future::pending().await,
-            }
-        };
-        let wal_wait = s.held.last().map(|h| h.lsn);
-        let engine = ctx.engine.clone();
-        let written = async {
-            match wal_wait {
-                Some(lsn) => engine.wal().written(lsn).await.map_err(|e| e.to_string()),
-                None => std::future::pending().await,
             }
         };
         let idle = ctx.idle_timeout;
@@ -352,28 +331,27 @@ pub(super) async fn run(
                 std::future::pending().await
             }
         };
+        let admin = s.is_admin_cached();
         tokio::select! {
             // The streams filled the output: send it and fill again.
             () = std::future::ready(()), if streamed_more => {}
             _ = changed => {}
             () = deadline => {
                 crate::limits::login_timed_out(&ctx.prelogin, peer);
-                let _ = send(&mut socket, &mut out, &ctx).await;
+                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
                 return;
             }
-            Ok(()) = map_changes.changed() => {
-                let rev = *map_changes.borrow_and_update();
-                s.map_changed_notice(rev, &mut out);
-            }
-            told = failed_logins.recv() => match told {
-                Ok(f) if s.is_admin() => s.failed_login_notice(&f, &mut out),
+            rev = map_changes.next() => match rev {
+                Ok(rev) => s.map_changed_notice(rev, &mut out),
+                // The map lives as long as the server: not before the stop.
+                Err(()) => map_changes.disarm(),
+            },
+            // Only an admin's connection is told; the others let the channel lag behind.
+            told = failed_logins.next(), if admin => match told {
+                Ok(f) => s.failed_login_notice(&f, &mut out),
                 // Lagged behind a burst: the next one says how many there were. (The sender
                 // lives in the context this session holds: it never closes.)
-                Ok(_) | Err(_) => {}
-            },
-            r = written => match r {
-                Ok(()) => s.release_written(u64::MAX, &mut out),
-                Err(why) => s.fail_held(&why, &mut out),
+                Err(_) => {}
             },
             Some(done) = s.tasks.join_next() => {
                 if s.finish_task(done, &mut out).is_err() {
@@ -393,35 +371,30 @@ pub(super) async fn run(
                 }
             },
             // Requests under way finish; nothing new is read.
-            _ = stop.changed() => {
+            _ = stop_changes.next() => {
                 s.shutdown_notice(&mut out);
-                if let Some(lsn) = s.held.last().map(|h| h.lsn) {
-                    match ctx.engine.wal().written(lsn).await {
-                        Ok(()) => s.release_written(u64::MAX, &mut out),
-                        Err(e) => s.fail_held(&e.to_string(), &mut out),
-                    }
-                }
                 while let Some(done) = s.tasks.join_next().await {
                     if s.finish_task(done, &mut out).is_err() {
                         break;
                     }
                 }
-                let _ = send(&mut socket, &mut out, &ctx).await;
+                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
                 return;
             }
         }
     }
 }
 
+/// Sends the replies in `out` once the WAL has written every write they answer (up to
+/// `owed_lsn`). If the WAL stopped without writing them, nothing is sent: the connection closes
+/// unanswered rather than acknowledge what a restart would not have (as on the memcached port).
 async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     ctx: &GreenstackContext,
+    owed_lsn: u64,
 ) -> std::io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
-    }
-    crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await
+    crate::kv::send_acknowledged(socket, out, &ctx.engine, owed_lsn, &ctx.io, FLUSH_AT).await
 }
 
 /// The lane a frame's flex header names (the root lane when none).
@@ -544,6 +517,27 @@ fn lane_in<'l>(
     }
 }
 
+/// A success reply to `f` written into `out` in place (nothing for a quiet request): same
+/// opaque and opcode, its lane echoed, the payload `payload` writes.
+fn write_success(f: &Frame<'_>, out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
+    if f.has(flag::QUIET) {
+        return;
+    }
+    let flex = f.flex_value(flex_key::LANE_ID).map(|value| FlexEntry {
+        key: flex_key::LANE_ID,
+        value,
+    });
+    FrameOut {
+        opaque: f.opaque,
+        opcode: f.opcode,
+        flags: 0,
+        status: Some(status::SUCCESS),
+        flex: flex.as_slice(),
+        payload: &[],
+    }
+    .write_with(out, payload);
+}
+
 /// A reply to `req`: same opaque and opcode, its lane echoed.
 pub(super) fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
     ReplyTo::of(req).reply(st, payload)
@@ -616,7 +610,7 @@ pub(super) fn status_of(e: &Error) -> u16 {
 impl Session {
     /// A frame read: a request goes to its lane's queue (started by `start_queued`); a
     /// response (to a notice) is dropped. Err closes the connection.
-    fn take(&mut self, frame: Bytes, out: &mut Vec<u8>) -> Result<(), gs::DecodeError> {
+    fn take(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Result<(), gs::DecodeError> {
         let f = Frame::decode(&frame[gs::LENGTH_LEN..])?;
         if f.is_response() {
             return Ok(());
@@ -652,7 +646,7 @@ impl Session {
             priority,
             fenced,
             read_at,
-            frame,
+            frame: Bytes::copy_from_slice(frame),
         };
         self.taken += 1;
         self.in_flight += 1;
@@ -778,17 +772,6 @@ impl Session {
                 },
                 out,
             ),
-            Run::AfterWal { lsn, ok, to } => self.held.push(Held {
-                done: Done {
-                    lane,
-                    seq,
-                    fenced,
-                    reply: ok,
-                    login: Login::None,
-                },
-                lsn,
-                to,
-            }),
             Run::Later(later) => {
                 self.tasks.spawn(async move {
                     let (reply, login) = later.await;
@@ -802,37 +785,6 @@ impl Session {
                 });
             }
         }
-    }
-
-    /// The replies held for writes the WAL has written up to `written_lsn` go out; their
-    /// lanes go on.
-    fn release_written(&mut self, written_lsn: u64, out: &mut Vec<u8>) {
-        let n = self.held.partition_point(|h| h.lsn <= written_lsn);
-        if n == 0 {
-            return;
-        }
-        let released: Vec<Held> = self.held.drain(..n).collect();
-        self.finish_all(released.into_iter().map(|h| h.done), out);
-    }
-
-    /// The WAL failed: every held write is answered with why (the engine refuses new writes
-    /// until it recovers).
-    fn fail_held(&mut self, why: &str, out: &mut Vec<u8>) {
-        let failed: Vec<Done> = std::mem::take(&mut self.held)
-            .into_iter()
-            .map(|h| Done {
-                reply: h.to.failure(status::INTERNAL_ERROR, why),
-                ..h.done
-            })
-            .collect();
-        self.finish_all(failed.into_iter(), out);
-    }
-
-    fn finish_all(&mut self, done: impl Iterator<Item = Done>, out: &mut Vec<u8>) {
-        for d in done {
-            self.finish(d, out);
-        }
-        self.start_queued(out);
     }
 
     /// A request's task ended; Err when it panicked: its lane can never finish it, and the
@@ -870,6 +822,7 @@ impl Session {
         if let Login::User(user) = login {
             self.user = Some(user);
             self.perms.set(None);
+            self.admin.set(None);
         }
         out.extend_from_slice(&reply);
         self.in_flight -= 1;
@@ -908,6 +861,19 @@ impl Session {
         write_notice(out, self.next_opaque, kind, n, fields);
         self.next_opaque = self.next_opaque.wrapping_add(1);
         self.ctx.stats.notices.fetch_add(1, Relaxed);
+    }
+
+    /// `is_admin`, looked up again only when the users were reloaded or the user changed.
+    fn is_admin_cached(&self) -> bool {
+        let generation = self.ctx.users.generation();
+        match self.admin.get() {
+            Some((g, a)) if g == generation => a,
+            _ => {
+                let a = self.is_admin();
+                self.admin.set(Some((generation, a)));
+                a
+            }
+        }
     }
 
     /// Whether the connection's user administers the node (the admin permission on some
@@ -1052,8 +1018,8 @@ impl Session {
                 self.get(f, &fields, out);
                 Run::Now(Vec::new())
             }
-            opcode::MUTATION => self.mutation(f, &fields),
-            opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields),
+            opcode::MUTATION => self.mutation(f, &fields, out),
+            opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields, out),
             opcode::GET_ALL_VB_SEQNOS => Run::Now(self.all_vb_seqnos(f, &fields)),
             opcode::DCP_OPEN => Run::Now(self.dcp_open(f, &fields)),
             opcode::DCP_STREAM_REQUEST | opcode::DCP_CLOSE_STREAM | opcode::DCP_BUFFER_ACK => {
@@ -1101,6 +1067,7 @@ impl Session {
         let refused = |why: &str| failure(f, status::AUTHENTICATION_ERROR, why);
         // Whoever logs in next, the permissions are read again.
         self.perms.set(None);
+        self.admin.set(None);
         let Some(m) = scram else {
             self.user = None;
             self.scram = None;
@@ -1228,6 +1195,7 @@ impl Session {
             Ok(b) if self.permissions(name) != 0 => {
                 self.bucket = Some(Arc::new(b));
                 self.perms.set(None);
+                self.admin.set(None);
                 reply(f, status::SUCCESS, &[])
             }
             Ok(_) | Err(_) => failure(f, status::NOT_FOUND, &format!("no bucket {name:?}")),
@@ -1266,31 +1234,13 @@ impl Session {
             }
         };
         match self.ctx.engine.get(&bucket, id) {
-            Ok(Some(item)) => {
-                if f.has(flag::QUIET) {
-                    return;
-                }
-                let lane = f.flex_value(flex_key::LANE_ID);
-                let flex = lane.map(|value| FlexEntry {
-                    key: flex_key::LANE_ID,
-                    value,
-                });
-                FrameOut {
-                    opaque: f.opaque,
-                    opcode: f.opcode,
-                    flags: 0,
-                    status: Some(status::SUCCESS),
-                    flex: flex.as_slice(),
-                    payload: &[],
-                }
-                .write_with(out, |p| {
-                    MapWriter::new(p, 4)
-                        .bin("value", item.value())
-                        .uint("flags", item.meta.flags as u64)
-                        .uint("cas", item.meta.cas)
-                        .uint("datatype", item.meta.datatype as u64);
-                });
-            }
+            Ok(Some(item)) => write_success(f, out, |p| {
+                MapWriter::new(p, 4)
+                    .bin("value", item.value())
+                    .uint("flags", item.meta.flags as u64)
+                    .uint("cas", item.meta.cas)
+                    .uint("datatype", item.meta.datatype as u64);
+            }),
             Ok(None) => {
                 out.extend_from_slice(&failure(f, status::NOT_FOUND, "no document of that id"))
             }
@@ -1299,7 +1249,7 @@ impl Session {
     }
 
     /// MUTATION: applied now, answered once it meets its durability level.
-    fn mutation(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
+    fn mutation(&mut self, f: &Frame<'_>, fields: &Fields<'_>, out: &mut Vec<u8>) -> Run {
         let bucket = match self.bucket_for(f, WRITE) {
             Ok(b) => b,
             Err(reply) => return Run::Now(reply),
@@ -1356,11 +1306,11 @@ impl Session {
                 })
                 .map(|w| w.map(|(r, _)| r)),
         };
-        self.answer_write(f, bucket, written)
+        self.answer_write(f, bucket, written, out)
     }
 
     /// DELETE `{id, cas?, durability?}` and TOUCH `{id, expiration, durability?}`.
-    fn delete_or_touch(&self, f: &Frame<'_>, fields: &Fields<'_>) -> Run {
+    fn delete_or_touch(&mut self, f: &Frame<'_>, fields: &Fields<'_>, out: &mut Vec<u8>) -> Run {
         let bucket = match self.bucket_for(f, WRITE) {
             Ok(b) => b,
             Err(reply) => return Run::Now(reply),
@@ -1392,18 +1342,19 @@ impl Session {
                 Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
             }
         };
-        self.answer_write(f, bucket, written)
+        self.answer_write(f, bucket, written, out)
     }
 
-    /// A write's answer: `{cas, seqno, vbucket_uuid}` once it meets its durability level (on
-    /// a task of its own), or its failure now.
+    /// A write's answer: `{cas, seqno, vbucket_uuid}`, written to `out` now when its level is
+    /// none (sent once the WAL has it, `send`), else once it meets its durability level (on a
+    /// task of its own); or its failure now.
     fn answer_write(
-        &self,
+        &mut self,
         f: &Frame<'_>,
         bucket: BucketHandle,
         written: sluice_core::Result<sluice_core::engine::Written<MutationResult>>,
+        out: &mut Vec<u8>,
     ) -> Run {
-        let engine = &self.ctx.engine;
         let w = match written {
             Ok(w) => w,
             Err(e) => return Run::Now(failure(f, status_of(&e), &e.to_string())),
@@ -1415,16 +1366,13 @@ impl Session {
                 .uint("seqno", seqno)
                 .uint("vbucket_uuid", uuid);
         };
-        let to = ReplyTo::of(f);
         if !w.needs_settling() {
-            let ok = to.reply_with(status::SUCCESS, 0, stored);
-            return Run::AfterWal {
-                lsn: w.lsn(),
-                ok,
-                to,
-            };
+            self.owed_lsn = self.owed_lsn.max(w.lsn());
+            write_success(f, out, stored);
+            return Run::Now(Vec::new());
         }
-        let engine = engine.clone();
+        let to = ReplyTo::of(f);
+        let engine = self.ctx.engine.clone();
         Run::Later(Box::pin(async move {
             let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));
             match engine.settled(&bucket, w, timer).await {

@@ -338,7 +338,7 @@ pub(super) async fn run(
         granted: Default::default(),
     };
     session.refresh_permissions();
-    let mut stop = stop;
+    let mut stop_changes = crate::armed::watch_changes(stop.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     // Replies sent at once, and those that acknowledge writes.
     let mut out = Vec::new();
@@ -404,7 +404,7 @@ pub(super) async fn run(
                     return;
                 }
             },
-            _ = stop.changed() => return,
+            _ = stop_changes.next() => return,
         }
     }
 }

@@ -45,7 +45,7 @@ pub(super) async fn run(
     mut socket: MaybeTls,
     peer: SocketAddr,
     ctx: Arc<TankContext>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     if crate::tls::send_all(&mut socket, &PING_FRAME)
         .await
@@ -60,6 +60,7 @@ pub(super) async fn run(
     // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
     let mut parked: Vec<Parked> = Vec::new();
     let mut coalesced = 0;
+    let mut stop_changes = crate::armed::watch_changes(stop.clone());
     loop {
         loop {
             let (id, payload) = match tank::check(&inbuf, ctx.max_frame) {
@@ -219,7 +220,7 @@ pub(super) async fn run(
                 }
             },
             // The next turn answers what waits and ends.
-            _ = stop.changed() => {}
+            _ = stop_changes.next() => {}
         }
     }
 }

@@ -576,11 +576,12 @@ pub async fn run(
     mut inbuf: BytesMut,
     max_body: usize,
     idle_timeout: Duration,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let stats = ctx.stats.clone();
     let mut session = TextSession::new(ctx.clone(), max_body, peer);
     let mut out: Vec<u8> = Vec::with_capacity(16 << 10);
+    let mut stop_changes = crate::armed::watch_changes(stop.clone());
     loop {
         if ctx.users.current().required() {
             // No SASL in the text protocol: with users configured, it would bypass them.
@@ -637,7 +638,7 @@ pub async fn run(
                     return;
                 }
             },
-            _ = stop.changed() => return,
+            _ = stop_changes.next() => return,
         }
     }
 }
