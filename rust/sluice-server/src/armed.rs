@@ -45,12 +45,9 @@ impl<R, O> Armed<R, O> {
 }
 
 /// A wait for a change of a watch channel's value.
-pub fn watch_changes<T: Send + Sync + 'static>(
+pub fn watch_changes<T: Clone + Send + Sync + 'static>(
     rx: tokio::sync::watch::Receiver<T>,
-) -> Armed<tokio::sync::watch::Receiver<T>, Result<T, ()>>
-where
-    T: Clone,
-{
+) -> Armed<tokio::sync::watch::Receiver<T>, Result<T, ()>> {
     Armed::new(rx, |mut rx| {
         Box::pin(async move {
             let got = match rx.changed().await {

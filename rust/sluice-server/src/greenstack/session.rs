@@ -347,12 +347,13 @@ pub(super) async fn run(
                 Err(()) => map_changes.disarm(),
             },
             // Only an admin's connection is told; the others let the channel lag behind.
-            told = failed_logins.next(), if admin => match told {
-                Ok(f) => s.failed_login_notice(&f, &mut out),
+            told = failed_logins.next(), if admin => {
                 // Lagged behind a burst: the next one says how many there were. (The sender
                 // lives in the context this session holds: it never closes.)
-                Err(_) => {}
-            },
+                if let Ok(f) = told {
+                    s.failed_login_notice(&f, &mut out);
+                }
+            }
             Some(done) = s.tasks.join_next() => {
                 if s.finish_task(done, &mut out).is_err() {
                     return;
