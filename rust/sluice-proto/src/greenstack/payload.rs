@@ -29,13 +29,25 @@ fn err(what: String) -> PayloadError {
 /// Fields kept without allocating; a payload with more spills the rest to the heap.
 const INLINE_FIELDS: usize = 8;
 
-/// A payload map's fields, each value kept as its raw msgpack.
-#[derive(Debug, Clone, Default)]
+/// A payload map's fields, each value decoded once as it is parsed (an array or a map as its
+/// header only, its contents skipped: no field sluice reads is one, and asking for one is an
+/// error naming the type it must be).
+#[derive(Debug, Clone)]
 pub struct Fields<'a> {
-    inline: [(&'a [u8], &'a [u8]); INLINE_FIELDS],
+    inline: [(&'a [u8], Value<'a>); INLINE_FIELDS],
     len: usize,
     /// The fields past INLINE_FIELDS.
-    spill: Vec<(&'a [u8], &'a [u8])>,
+    spill: Vec<(&'a [u8], Value<'a>)>,
+}
+
+impl Default for Fields<'_> {
+    fn default() -> Self {
+        Fields {
+            inline: [(&[], Value::Nil); INLINE_FIELDS],
+            len: 0,
+            spill: Vec::new(),
+        }
+    }
 }
 
 impl<'a> Fields<'a> {
@@ -60,7 +72,13 @@ impl<'a> Fields<'a> {
                     String::from_utf8_lossy(key)
                 )));
             }
-            let value = r.read_raw_value(MAX_DEPTH).map_err(bad)?;
+            let mut ahead = r.clone();
+            let value = ahead.read_value().map_err(bad)?;
+            if matches!(value, Value::Array(_) | Value::Map(_)) {
+                r.read_raw_value(MAX_DEPTH).map_err(bad)?;
+            } else {
+                r = ahead;
+            }
             if fields.len < INLINE_FIELDS {
                 fields.inline[fields.len] = (key, value);
             } else {
@@ -74,20 +92,16 @@ impl<'a> Fields<'a> {
         Ok(fields)
     }
 
-    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], &'a [u8])> {
+    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], Value<'a>)> {
         self.inline[..self.len.min(INLINE_FIELDS)]
             .iter()
             .chain(self.spill.iter())
     }
 
-    fn value(&self, name: &str) -> Result<Option<Value<'a>>, PayloadError> {
-        let Some(&(_, raw)) = self.entries().find(|(k, _)| *k == name.as_bytes()) else {
-            return Ok(None);
-        };
-        Reader::new(raw)
-            .read_value()
-            .map(Some)
-            .map_err(|e| err(format!("field '{name}': {e}")))
+    fn value(&self, name: &str) -> Option<Value<'a>> {
+        self.entries()
+            .find(|(k, _)| *k == name.as_bytes())
+            .map(|&(_, v)| v)
     }
 
     fn typed<T>(
@@ -96,7 +110,7 @@ impl<'a> Fields<'a> {
         expected: &str,
         pick: impl Fn(Value<'a>) -> Option<T>,
     ) -> Result<Option<T>, PayloadError> {
-        match self.value(name)? {
+        match self.value(name) {
             None | Some(Value::Nil) => Ok(None),
             Some(v) => pick(v)
                 .map(Some)
