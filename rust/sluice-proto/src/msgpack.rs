@@ -57,6 +57,7 @@ impl fmt::Display for DecodeError {
 
 impl std::error::Error for DecodeError {}
 
+#[inline]
 pub fn write_uint(out: &mut Vec<u8>, v: u64) {
     let mut b = [0u8; MAX_UINT_LEN];
     let n = put_uint(&mut b, 0, v);
@@ -133,6 +134,7 @@ pub fn write_array_len(out: &mut Vec<u8>, n: u32) {
     }
 }
 
+#[inline]
 pub fn write_map_len(out: &mut Vec<u8>, n: u32) {
     if n < 16 {
         out.push(0x80 | n as u8);
@@ -145,6 +147,7 @@ pub fn write_map_len(out: &mut Vec<u8>, n: u32) {
     }
 }
 
+#[inline]
 pub fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
     let mut h = [0u8; 5];
     let n = put_bin_header(&mut h, 0, b.len());
@@ -152,6 +155,7 @@ pub fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+#[inline]
 pub fn write_str(out: &mut Vec<u8>, s: &str) {
     let n = s.len();
     if n < 32 {

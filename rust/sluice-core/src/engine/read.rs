@@ -30,6 +30,18 @@ impl Engine {
     /// The live item, or None. An expired item found here turns into an EXPIRATION change
     /// (on an active vbucket) and reads as missing.
     pub fn get(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Item>> {
+        self.get_with(bucket, key, |value, meta| Item::new(key, value, *meta))
+    }
+
+    /// `get`, with the live item's value and metadata handed to `read` where they are stored
+    /// (under the vbucket's lock): a reply is written from them without a copy of the item
+    /// made and freed per read.
+    pub fn get_with<R>(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        read: impl FnOnce(&[u8], &ItemMeta) -> R,
+    ) -> Result<Option<R>> {
         validate_key(key)?;
         self.check_open()?;
         let vbid = bucket.vbucket_of(key);
@@ -39,27 +51,30 @@ impl Engine {
         }
         bucket.stats.gets.fetch_add(1, Ordering::Relaxed);
         let now = now_secs();
-        let found = match vb.store.get_referenced(key) {
+        let mut found = None;
+        let v = &mut *vb;
+        let expired = match v.store.get_referenced(key) {
             Some(i) if i.meta().deleted => None,
-            Some(i) if is_expired(&i.meta(), now) => {
-                let meta = i.meta();
-                self.inner.expire_locked(bucket, &mut vb, key, &meta, now)?;
-                bucket
-                    .stats
-                    .expired_on_access
-                    .fetch_add(1, Ordering::Relaxed);
+            Some(i) if is_expired(&i.meta(), now) => Some(i.meta()),
+            Some(i) => {
+                let mut meta = i.meta();
+                // A locked item reads with CAS -1, as Couchbase's: only the lock's holder can
+                // write it.
+                if v.locks.holder(key, Instant::now).is_some() {
+                    meta.cas = u64::MAX;
+                }
+                found = Some(read(i.value(), &meta));
                 None
             }
-            Some(i) => Some(i.to_item()),
             None => None,
         };
-        // A locked item reads with CAS -1, as Couchbase's: only the lock's holder can write it.
-        let found = found.map(|mut it| {
-            if vb.locks.holder(key, Instant::now).is_some() {
-                it.meta.cas = u64::MAX;
-            }
-            it
-        });
+        if let Some(meta) = expired {
+            self.inner.expire_locked(bucket, &mut vb, key, &meta, now)?;
+            bucket
+                .stats
+                .expired_on_access
+                .fetch_add(1, Ordering::Relaxed);
+        }
         if found.is_none() {
             bucket.stats.get_misses.fetch_add(1, Ordering::Relaxed);
         }

@@ -171,23 +171,27 @@ pub struct MapWriter<'o> {
 }
 
 impl<'o> MapWriter<'o> {
+    #[inline]
     pub fn new(out: &'o mut Vec<u8>, n: u32) -> MapWriter<'o> {
         msgpack::write_map_len(out, n);
         MapWriter { out }
     }
 
+    #[inline]
     pub fn str(&mut self, key: &str, v: &str) -> &mut Self {
         msgpack::write_str(self.out, key);
         msgpack::write_str(self.out, v);
         self
     }
 
+    #[inline]
     pub fn bin(&mut self, key: &str, v: &[u8]) -> &mut Self {
         msgpack::write_str(self.out, key);
         msgpack::write_bin(self.out, v);
         self
     }
 
+    #[inline]
     pub fn uint(&mut self, key: &str, v: u64) -> &mut Self {
         msgpack::write_str(self.out, key);
         msgpack::write_uint(self.out, v);

@@ -1234,14 +1234,17 @@ impl Session {
                 ))
             }
         };
-        match self.ctx.engine.get(&bucket, id) {
-            Ok(Some(item)) => write_success(f, out, |p| {
+        let found = self.ctx.engine.get_with(&bucket, id, |value, meta| {
+            write_success(f, out, |p| {
                 MapWriter::new(p, 4)
-                    .bin("value", item.value())
-                    .uint("flags", item.meta.flags as u64)
-                    .uint("cas", item.meta.cas)
-                    .uint("datatype", item.meta.datatype as u64);
-            }),
+                    .bin("value", value)
+                    .uint("flags", meta.flags as u64)
+                    .uint("cas", meta.cas)
+                    .uint("datatype", meta.datatype as u64);
+            })
+        });
+        match found {
+            Ok(Some(())) => {}
             Ok(None) => {
                 out.extend_from_slice(&failure(f, status::NOT_FOUND, "no document of that id"))
             }

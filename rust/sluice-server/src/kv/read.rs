@@ -3,6 +3,7 @@
 use super::reply::Reply;
 use super::{wrong_vbucket, Flow, KvSession};
 use sluice_core::bucket::Bucket;
+use sluice_core::item::ItemMeta;
 use sluice_core::Error;
 use sluice_proto::mcbp::{opcode as op, status, Request};
 
@@ -49,27 +50,33 @@ impl KvSession {
         if wrong_vbucket(req, &bucket) {
             fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
         }
-        let found = if req.opcode == op::GET_REPLICA {
-            engine.get_replica(&bucket, req.key)
+        let key = if matches!(req.opcode, op::GETK | op::GETKQ | op::GET_REPLICA) {
+            req.key
         } else {
-            engine.get(&bucket, req.key)
+            &[]
+        };
+        let session = &*self;
+        // Written from where the item is stored (a replica's read copies it out first).
+        let mut send = |value: &[u8], meta: &ItemMeta| {
+            let datatype = session.datatype(meta.datatype);
+            reply.send(
+                status::SUCCESS,
+                meta.cas,
+                &meta.flags.to_be_bytes(),
+                key,
+                value,
+                datatype,
+            );
+        };
+        let found = if req.opcode == op::GET_REPLICA {
+            engine
+                .get_replica(&bucket, req.key)
+                .map(|found| found.map(|it| send(it.value(), &it.meta)))
+        } else {
+            engine.get_with(&bucket, req.key, send)
         };
         match found {
-            Ok(Some(it)) => {
-                let key = if matches!(req.opcode, op::GETK | op::GETKQ | op::GET_REPLICA) {
-                    req.key
-                } else {
-                    &[]
-                };
-                reply.send(
-                    status::SUCCESS,
-                    it.meta.cas,
-                    &it.meta.flags.to_be_bytes(),
-                    key,
-                    it.value(),
-                    self.datatype(it.meta.datatype),
-                );
-            }
+            Ok(Some(())) => {}
             Ok(None) if quiet => {}
             Ok(None) => {
                 let key = if req.opcode == op::GETK { req.key } else { &[] };
