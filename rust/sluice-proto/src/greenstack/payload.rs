@@ -4,6 +4,8 @@
 //! a duplicated key is an error naming the field; unknown fields are ignored, so either side
 //! may add some. An empty payload reads as an empty map. The schemas are in docs/greenstack.md.
 
+use smallvec::SmallVec;
+
 use crate::msgpack::{self, Reader, Value};
 
 /// How deep a field's value may nest (values sluice reads are flat).
@@ -26,28 +28,15 @@ fn err(what: String) -> PayloadError {
     PayloadError(what)
 }
 
-/// Fields kept without allocating; a payload with more spills the rest to the heap.
+/// Fields kept without allocating; a payload with more spills to the heap.
 const INLINE_FIELDS: usize = 8;
 
 /// A payload map's fields, each value decoded once as it is parsed (an array or a map as its
 /// header only, its contents skipped: no field sluice reads is one, and asking for one is an
 /// error naming the type it must be).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Fields<'a> {
-    inline: [(&'a [u8], Value<'a>); INLINE_FIELDS],
-    len: usize,
-    /// The fields past INLINE_FIELDS.
-    spill: Vec<(&'a [u8], Value<'a>)>,
-}
-
-impl Default for Fields<'_> {
-    fn default() -> Self {
-        Fields {
-            inline: [(&[], Value::Nil); INLINE_FIELDS],
-            len: 0,
-            spill: Vec::new(),
-        }
-    }
+    entries: SmallVec<[(&'a [u8], Value<'a>); INLINE_FIELDS]>,
 }
 
 impl<'a> Fields<'a> {
@@ -79,12 +68,7 @@ impl<'a> Fields<'a> {
             } else {
                 r = ahead;
             }
-            if fields.len < INLINE_FIELDS {
-                fields.inline[fields.len] = (key, value);
-            } else {
-                fields.spill.push((key, value));
-            }
-            fields.len += 1;
+            fields.entries.push((key, value));
         }
         if !r.is_empty() {
             return Err(err("bytes after the payload's map".into()));
@@ -93,9 +77,7 @@ impl<'a> Fields<'a> {
     }
 
     fn entries(&self) -> impl Iterator<Item = &(&'a [u8], Value<'a>)> {
-        self.inline[..self.len.min(INLINE_FIELDS)]
-            .iter()
-            .chain(self.spill.iter())
+        self.entries.iter()
     }
 
     fn value(&self, name: &str) -> Option<Value<'a>> {
