@@ -31,12 +31,12 @@ fn err(what: String) -> PayloadError {
 /// Fields kept without allocating; a payload with more spills to the heap.
 const INLINE_FIELDS: usize = 8;
 
-/// A payload map's fields, each value decoded once as it is parsed (an array or a map as its
-/// header only, its contents skipped: no field sluice reads is one, and asking for one is an
-/// error naming the type it must be).
+/// A payload map's fields, each value kept as its raw msgpack and decoded when asked for. (Kept
+/// decoded instead, the 24-byte values were copied in overlapping pieces that stalled the
+/// stores they were read back from: slower than decoding a scalar again.)
 #[derive(Debug, Clone, Default)]
 pub struct Fields<'a> {
-    entries: SmallVec<[(&'a [u8], Value<'a>); INLINE_FIELDS]>,
+    entries: SmallVec<[(&'a [u8], &'a [u8]); INLINE_FIELDS]>,
 }
 
 impl<'a> Fields<'a> {
@@ -61,13 +61,7 @@ impl<'a> Fields<'a> {
                     String::from_utf8_lossy(key)
                 )));
             }
-            let mut ahead = r.clone();
-            let value = ahead.read_value().map_err(bad)?;
-            if matches!(value, Value::Array(_) | Value::Map(_)) {
-                r.read_raw_value(MAX_DEPTH).map_err(bad)?;
-            } else {
-                r = ahead;
-            }
+            let value = r.read_raw_value(MAX_DEPTH).map_err(bad)?;
             fields.entries.push((key, value));
         }
         if !r.is_empty() {
@@ -76,14 +70,18 @@ impl<'a> Fields<'a> {
         Ok(fields)
     }
 
-    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], Value<'a>)> {
+    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], &'a [u8])> {
         self.entries.iter()
     }
 
-    fn value(&self, name: &str) -> Option<Value<'a>> {
-        self.entries()
-            .find(|(k, _)| *k == name.as_bytes())
-            .map(|&(_, v)| v)
+    fn value(&self, name: &str) -> Result<Option<Value<'a>>, PayloadError> {
+        let Some(&(_, raw)) = self.entries().find(|(k, _)| *k == name.as_bytes()) else {
+            return Ok(None);
+        };
+        Reader::new(raw)
+            .read_value()
+            .map(Some)
+            .map_err(|e| err(format!("field '{name}': {e}")))
     }
 
     fn typed<T>(
@@ -92,7 +90,7 @@ impl<'a> Fields<'a> {
         expected: &str,
         pick: impl Fn(Value<'a>) -> Option<T>,
     ) -> Result<Option<T>, PayloadError> {
-        match self.value(name) {
+        match self.value(name)? {
             None | Some(Value::Nil) => Ok(None),
             Some(v) => pick(v)
                 .map(Some)
