@@ -43,7 +43,7 @@ def test_no_module_cycles(crate: str) -> None:
 # sluice-server's modules, lowest layer first.
 SERVER_LAYERS = [
     # leaves: no other module of the crate
-    {"clustermap", "metrics", "ratelimit", "space", "tls", "stream"},
+    {"armed", "clustermap", "metrics", "ratelimit", "space", "tls", "stream"},
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
     {"stats", "policy", "limits", "upstream"},  # counters, plugins, pre-login bounds, a Tarantool followed
