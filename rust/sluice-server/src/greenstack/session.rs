@@ -434,22 +434,8 @@ impl ReplyTo {
     /// A reply whose payload `payload` writes in place.
     fn reply_with(&self, st: u16, flags: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
         let mut out = Vec::new();
-        if st == status::SUCCESS && self.quiet {
-            return out;
-        }
-        let flex = self.lane.as_deref().map(|value| FlexEntry {
-            key: flex_key::LANE_ID,
-            value,
-        });
-        FrameOut {
-            opaque: self.opaque,
-            opcode: self.opcode,
-            flags,
-            status: Some(st),
-            flex: flex.as_slice(),
-            payload: &[],
-        }
-        .write_with(&mut out, payload);
+        let to = (self.opaque, self.opcode, self.lane.as_deref(), self.quiet);
+        write_reply(&mut out, to, st, flags, payload);
         out
     }
 
@@ -518,25 +504,42 @@ fn lane_in<'l>(
     }
 }
 
-/// A success reply to `f` written into `out` in place (nothing for a quiet request): same
-/// opaque and opcode, its lane echoed, the payload `payload` writes.
-fn write_success(f: &Frame<'_>, out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
-    if f.has(flag::QUIET) {
+/// Writes a reply into `out` to the request of `(opaque, opcode, lane, quiet)`: its lane
+/// echoed, the payload `payload` writes; nothing for a quiet request's success.
+fn write_reply(
+    out: &mut Vec<u8>,
+    (opaque, opcode, lane, quiet): (u32, u16, Option<&[u8]>, bool),
+    st: u16,
+    flags: u8,
+    payload: impl FnOnce(&mut Vec<u8>),
+) {
+    if st == status::SUCCESS && quiet {
         return;
     }
-    let flex = f.flex_value(flex_key::LANE_ID).map(|value| FlexEntry {
+    let flex = lane.map(|value| FlexEntry {
         key: flex_key::LANE_ID,
         value,
     });
     FrameOut {
-        opaque: f.opaque,
-        opcode: f.opcode,
-        flags: 0,
-        status: Some(status::SUCCESS),
+        opaque,
+        opcode,
+        flags,
+        status: Some(st),
         flex: flex.as_slice(),
         payload: &[],
     }
     .write_with(out, payload);
+}
+
+/// A success reply to `f` written into `out` in place (nothing for a quiet request).
+fn write_success(f: &Frame<'_>, out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
+    let to = (
+        f.opaque,
+        f.opcode,
+        f.flex_value(flex_key::LANE_ID),
+        f.has(flag::QUIET),
+    );
+    write_reply(out, to, status::SUCCESS, 0, payload);
 }
 
 /// A reply to `req`: same opaque and opcode, its lane echoed.
