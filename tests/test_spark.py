@@ -183,6 +183,82 @@ def test_streaming_picks_up_new_writes_and_a_restart_writes_each_change_once(spa
         node.stop()
 
 
+def test_read_on_driver_caps_micro_batches_and_a_restart_writes_each_change_once(spark, tmp_path):
+    node = start_node(tmp_path, "a")
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+
+    def run(**trigger):
+        return (
+            spark.readStream.format("sluice")
+            .option("nodes", node.address)
+            .option("startingOffsets", "earliest")
+            .option("readOnDriver", "true")
+            .option("maxRecordsPerBatch", "250")
+            .load()
+            .writeStream.format("parquet")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(**trigger)
+            .start()
+        )
+
+    try:
+        write(node, {f"a{i}": f"one{i}" for i in range(600)})
+        q = run(processingTime="200 milliseconds")
+        try:
+            wait_until("the first writes in the sink", lambda: len(changes_in(spark, out)) >= 600)
+            write(node, {f"b{i}": f"two{i}" for i in range(300)})
+            write(node, {f"a{i}": None for i in range(0, 600, 10)})
+            wait_until(
+                "the new writes in the sink",
+                lambda: {r.key for r in changes_in(spark, out)} >= {f"b{i}" for i in range(300)},
+            )
+            sizes = [p["numInputRows"] for p in q.recentProgress]
+        finally:
+            q.stop()
+        assert max(sizes) <= 250 and sum(1 for n in sizes if n) >= 3, sizes
+        write(node, {f"c{i}": f"three{i}" for i in range(400)})
+        q = run(availableNow=True)
+        assert q.awaitTermination(180)
+        assert q.exception() is None
+        assert_each_change_once_and_none_missing(changes_in(spark, out), node)
+    finally:
+        node.stop()
+
+
+def by_position(row: dict) -> tuple[int, int]:
+    return row["vbucket"], row["seqno"]
+
+
+def test_a_driver_read_replayed_between_offsets_gives_exactly_that_range(tmp_path):
+    """What a restarted query's task reads for a micro-batch the driver had planned."""
+    node = start_node(tmp_path, "a")
+    try:
+        write(node, {f"k{i}": f"v{i}" for i in range(300)})
+        opts = parse(
+            {"nodes": node.address, "readOnDriver": "true", "maxRecordsPerBatch": "120"}, streaming=True
+        )
+        reader = sluice.spark.SluiceDriverStreamReader(opts, None)
+        start = planning.offset_json(
+            {vb: planning.Position(0, s.uuid) for vb, s in planning.locate(opts).items()}
+        )
+        seen: list[str] = []
+        for _ in range(10):
+            batches, end = reader.read(start)
+            rows = [r for b in batches for r in b.to_pylist()]
+            if end == start:
+                assert rows == []
+                break
+            assert 0 < len(rows) <= 120
+            again = [r for b in reader.readBetweenOffsets(start, end) for r in b.to_pylist()]
+            assert sorted(again, key=by_position) == sorted(rows, key=by_position)
+            seen += [r["key"] for r in rows]
+            start = end
+        assert sorted(seen) == sorted(f"k{i}" for i in range(300))
+    finally:
+        node.stop()
+
+
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
 def test_a_failover_under_a_running_stream(spark, tmp_path, fail_on_data_loss):
     active = start_node(tmp_path, "a")
@@ -267,6 +343,8 @@ def test_options_are_checked_by_name(spark):
             parse(options, streaming=False)
     with pytest.raises(OptionError, match="endingOffsets"):
         parse({"endingOffsets": "latest"}, streaming=True)
+    with pytest.raises(OptionError, match="readOnDriver.*streaming reads only"):
+        parse({"readOnDriver": "true"}, streaming=False)
 
 
 def test_the_failover_rule():

@@ -30,11 +30,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pyspark.errors import PySparkNotImplementedError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
     InputPartition,
+    SimpleDataSourceStreamReader,
 )
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -322,6 +324,43 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Nothing to release: the node keeps no state for the query."""
 
 
+class SluiceDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``readOnDriver``: each micro-batch's changes are read by the driver's planner process
+    when Spark asks where the stream stands, and handed to Spark with the plan. A micro-batch
+    then runs no Python task: on small micro-batches that is most of their cost (a Python
+    worker per task, the read plan shipped to it, the Arrow hand-over back). Every change
+    passes through the driver, so a micro-batch is capped at ``maxRecordsPerBatch`` seqnos
+    (:data:`DRIVER_BATCH_SEQNOS` if unset); Spark's own read limits and the latest offset in
+    the query's progress are not offered to this kind of reader. A batch replayed after a
+    restart is read again by one task."""
+
+    def __init__(self, opts: Options, tuples: SpaceSchema | None) -> None:
+        self.planner = SluiceStreamReader(opts, tuples)
+        self.limit = ReadMaxRows(opts.max_records_per_batch or DRIVER_BATCH_SEQNOS)
+
+    def initialOffset(self) -> dict:
+        return self.planner.initialOffset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.planner.prepareForTriggerAvailableNow()
+
+    def read(self, start: dict) -> tuple[Iterator[Any], dict]:
+        end = self.planner.latestOffset(start, self.limit)
+        # A list, not a generator: Spark copies the iterator it keeps for the micro-batch.
+        return iter(list(self.readBetweenOffsets(start, end))), end
+
+    def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[Any]:
+        for part in self.planner.partitions(start, end):
+            yield from self.planner.read(part)
+
+    def commit(self, end: dict) -> None:
+        """Nothing to release: the node keeps no state for the query."""
+
+
+#: The most seqnos a ``readOnDriver`` micro-batch covers when ``maxRecordsPerBatch`` is unset.
+DRIVER_BATCH_SEQNOS = 100_000
+
+
 def _share(backlog: dict[int, int], budget: int | None) -> dict[int, int]:
     """How many seqnos each vbucket advances: all of its backlog, or a share of ``budget`` in
     proportion to it (at least one each while the budget lasts, as Kafka's source splits
@@ -379,7 +418,17 @@ class SluiceDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         self._check_schema(schema)
-        return SluiceStreamReader(*self._options(streaming=True))
+        opts, tuples = self._options(streaming=True)
+        if opts.read_on_driver:
+            # Spark then asks simpleStreamReader (its documented way to choose that reader).
+            raise PySparkNotImplementedError(
+                errorClass="NOT_IMPLEMENTED", messageParameters={"feature": "streamReader"}
+            )
+        return SluiceStreamReader(opts, tuples)
+
+    def simpleStreamReader(self, schema: StructType) -> SimpleDataSourceStreamReader:
+        self._check_schema(schema)
+        return SluiceDriverStreamReader(*self._options(streaming=True))
 
     def _check_schema(self, schema: StructType) -> None:
         if schema == self.schema():
@@ -393,7 +442,7 @@ class SluiceDataSource(DataSource):
         )
 
 
-_MODE_OPTIONS = ("endingoffsets", "maxrecordsperbatch")
+_MODE_OPTIONS = ("endingoffsets", "maxrecordsperbatch", "readondriver")
 
 
 def spark_schema() -> StructType:

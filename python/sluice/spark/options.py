@@ -47,6 +47,7 @@ class Options:
     starting_offsets: Offsets
     ending_offsets: Offsets | None  # batch only
     max_records_per_batch: int | None  # streaming only
+    read_on_driver: bool  # streaming only: micro-batches read by the driver (SluiceDriverStreamReader)
     fail_on_data_loss: bool
     include_deletes: bool
     user: str | None
@@ -184,6 +185,7 @@ _NAMES = (
     "startingOffsets",
     "endingOffsets",
     "maxRecordsPerBatch",
+    "readOnDriver",
     "failOnDataLoss",
     "includeDeletes",
     "user",
@@ -206,8 +208,9 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
 
     if streaming and "endingoffsets" in opts:
         raise OptionError("endingOffsets", "applies to batch reads only")
-    if not streaming and "maxrecordsperbatch" in opts:
-        raise OptionError("maxRecordsPerBatch", "applies to streaming reads only")
+    for key in ("maxrecordsperbatch", "readondriver"):
+        if not streaming and key in opts:
+            raise OptionError(_SPELLING[key], "applies to streaming reads only")
     # As Kafka's source: a batch read starts at the beginning, a new streaming query at the end.
     starting = get(
         "startingoffsets",
@@ -245,6 +248,7 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
         starting_offsets=starting,
         ending_offsets=ending,
         max_records_per_batch=get("maxrecordsperbatch", _positive_int, None),
+        read_on_driver=get("readondriver", _bool, False),
         fail_on_data_loss=get("failondataloss", _bool, True),
         include_deletes=get("includedeletes", _bool, True),
         user=user,
