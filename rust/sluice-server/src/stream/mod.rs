@@ -93,11 +93,14 @@ pub struct Stream {
     pub acks_as: Option<String>,
 }
 
-/// A connection's vbuckets in the order their streams take turns, starting at `turn`.
+/// A connection's vbuckets whose streams may have something to send, in the order they take
+/// turns, starting at `turn`. Idle streams are left out here, by a look at their vbucket's
+/// version: a replica's connection streams every vbucket, and one write wakes it.
 pub fn turn_order(streams: &std::collections::BTreeMap<u16, Stream>, turn: u16) -> Vec<u16> {
     streams
         .range(turn..)
         .chain(streams.range(..turn))
+        .filter(|(_, s)| !s.is_idle())
         .map(|(vb, _)| *vb)
         .collect()
 }
@@ -239,6 +242,12 @@ impl Stream {
         self.pending.clear();
     }
 
+    /// Whether a fill would return at once with nothing: the stream found nothing to send and
+    /// its vbucket has not changed since.
+    pub fn is_idle(&self) -> bool {
+        self.takeover == Takeover::Off && self.idle_at == Some(self.bucket.version(self.vbucket))
+    }
+
     pub fn is_backfilling(&self) -> bool {
         matches!(self.phase, Phase::Backfill(_))
     }
@@ -287,10 +296,10 @@ impl Stream {
         out: &mut impl StreamSink,
         budget: usize,
     ) -> (usize, Progress) {
-        let version = self.bucket.version(self.vbucket);
-        if self.idle_at == Some(version) && self.takeover == Takeover::Off {
+        if self.is_idle() {
             return (0, Progress::Idle);
         }
+        let version = self.bucket.version(self.vbucket);
         self.idle_at = None;
         let mut used = 0;
         let (state, history) = engine
