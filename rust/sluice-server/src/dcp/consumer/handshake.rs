@@ -95,6 +95,7 @@ impl ConsumerSession {
             streams: HashMap::default(),
             batch: Batch::new(),
             touched: BTreeSet::new(),
+            last_touched: None,
             last_message: Instant::now(),
             flow: FlowControl::new(config.buffer_size),
         };

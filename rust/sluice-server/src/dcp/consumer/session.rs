@@ -70,6 +70,9 @@ pub(super) struct ConsumerSession {
     pub(super) streams: HashMap<u16, VbStream, foldhash::fast::RandomState>,
     pub(super) batch: Batch,
     pub(super) touched: BTreeSet<u16>,
+    /// The vbucket last added to `touched`: a stream's messages come in runs, and most of
+    /// them need no look in the set.
+    pub(super) last_touched: Option<u16>,
     pub(super) last_message: Instant,
     pub(super) flow: FlowControl,
 }
@@ -102,6 +105,14 @@ impl ConsumerSession {
         }
     }
 
+    /// Notes that `vb`'s position moved, for the next batch.
+    fn touch(&mut self, vb: u16) {
+        if self.last_touched != Some(vb) {
+            self.touched.insert(vb);
+            self.last_touched = Some(vb);
+        }
+    }
+
     /// Hands the batch (with the positions it moved) to the reader; false when the reader is gone.
     pub(super) fn flush(&mut self) -> bool {
         if self.batch.is_empty()
@@ -113,6 +124,7 @@ impl ConsumerSession {
             return true;
         }
         let mut b = std::mem::replace(&mut self.batch, Batch::new());
+        self.last_touched = None;
         b.positions = std::mem::take(&mut self.touched)
             .into_iter()
             .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
@@ -131,7 +143,7 @@ impl ConsumerSession {
                         }
                     }
                     Ok(Command::ResumeAt(vb, pos)) => {
-                        self.streams.insert(vb, VbStream { pos, ended: false });
+                        self.track(vb, pos);
                         self.request(vb)?;
                     }
                     Ok(Command::Close) | Err(TryRecvError::Disconnected) => return Ok(()),
@@ -208,15 +220,11 @@ impl ConsumerSession {
                     });
                 }
                 s.pos.seqno = d.by_seqno;
-                self.touched.insert(vb);
                 // The producer ends a stream at the end of the snapshot holding its end seqno;
                 // a range read keeps only what lies in the range.
-                if self
-                    .config
-                    .end_seqnos
-                    .get(&vb)
-                    .is_some_and(|&end| d.by_seqno > end)
-                {
+                let past_end = d.by_seqno > s.end;
+                self.touch(vb);
+                if past_end {
                     return Ok(());
                 }
                 self.batch.push(&d);
@@ -227,7 +235,7 @@ impl ConsumerSession {
                     s.pos.snap_start = m.start_seqno;
                     s.pos.snap_end = m.end_seqno;
                     s.pos.disk = m.flags & snapshot_flag::DISK != 0;
-                    self.touched.insert(vb);
+                    self.touch(vb);
                 }
             }
             dcp::opcode::SET_VBUCKET_STATE => {

@@ -14,6 +14,24 @@ pub(super) struct VbStream {
     pub(super) pos: Position,
     /// The producer sent STREAM_END: the position is final.
     pub(super) ended: bool,
+    /// The last seqno a range read keeps (`end_seqnos`), u64::MAX for all: looked up once here
+    /// rather than per message.
+    pub(super) end: u64,
+}
+
+impl ConsumerSession {
+    /// Follows `vb` from `pos` (its position before the request that follows).
+    pub(super) fn track(&mut self, vb: u16, pos: Position) {
+        let end = self.config.end_seqnos.get(&vb).copied().unwrap_or(u64::MAX);
+        self.streams.insert(
+            vb,
+            VbStream {
+                pos,
+                ended: false,
+                end,
+            },
+        );
+    }
 }
 
 fn opaque_of(vb: u16) -> u32 {
@@ -36,7 +54,7 @@ impl ConsumerSession {
         };
         for vb in vbuckets {
             let pos = config.state.vbuckets.get(&vb).cloned().unwrap_or_default();
-            s.streams.insert(vb, VbStream { pos, ended: false });
+            s.track(vb, pos);
             s.request(vb)?;
         }
         s.sock
