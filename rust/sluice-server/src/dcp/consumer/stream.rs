@@ -19,6 +19,10 @@ pub(super) struct VbStream {
     pub(super) end: u64,
 }
 
+fn opaque_of(vb: u16) -> u32 {
+    0x5000_0000 | vb as u32
+}
+
 impl ConsumerSession {
     /// Follows `vb` from `pos` (its position before the request that follows).
     pub(super) fn track(&mut self, vb: u16, pos: Position) {
@@ -32,13 +36,7 @@ impl ConsumerSession {
             },
         );
     }
-}
 
-fn opaque_of(vb: u16) -> u32 {
-    0x5000_0000 | vb as u32
-}
-
-impl ConsumerSession {
     /// Requests every stream of the configuration and switches to the streaming read timeout.
     pub(super) fn open_streams(mut self) -> Result<ConsumerSession, ConsumerError> {
         let config = self.config.clone();
