@@ -100,7 +100,7 @@ def floor_source(items: int, partitions: int):
             self.origin = origin
 
         def initialOffset(self):
-            return {"step": int((time.time() - self.origin) / 0.05)}
+            return self.latestOffset()
 
         def latestOffset(self):
             return {"step": int((time.time() - self.origin) / 0.05)}

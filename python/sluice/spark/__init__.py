@@ -346,6 +346,8 @@ class SluiceDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvai
 
     def read(self, start: dict) -> tuple[Iterator[Any], dict]:
         end = self.planner.latestOffset(start, self.limit)
+        if end == start:  # nothing new: Spark asks again after its polling delay
+            return iter(()), start
         # A list, not a generator: Spark copies the iterator it keeps for the micro-batch.
         return iter(list(self.readBetweenOffsets(start, end))), end
 
