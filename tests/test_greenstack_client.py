@@ -560,7 +560,7 @@ def test_connecting_while_the_server_warms_up_waits_until_it_runs(tmp_path):
 def test_the_client_hears_the_vbucket_map_change_on_a_move_and_a_failover(tmp_path):
     """A vbucket moved away (`sluice move-vbucket`) and a failover (`sluice promote`) each reach
     a connected client as a `map_changed` notice with the bucket's new config; the client goes
-    on working on the node that now serves every vbucket."""
+    on working on the node that now serves what it copied."""
     import json
 
     from helpers import run_cli, start_node, wait_converged
@@ -592,7 +592,12 @@ def test_the_client_hears_the_vbucket_map_change_on_a_move_and_a_failover(tmp_pa
             notice = await next_map_change(on_r, heard)
             config = json.loads(notice.fields["config"])
             me = config["vBucketServerMap"]["serverList"].index(f"$HOST:{replica.port}")
-            assert {chain[0] for chain in config["vBucketServerMap"]["vBucketMap"]} == {me}
+            chains = config["vBucketServerMap"]["vBucketMap"]
+            assert {chain[0] for vb, chain in enumerate(chains) if vb != 5} == {me}
+            # vb 5 left `a` before the failover. A replica that already saw its stream of vb 5
+            # refused holds a dead copy and does not claim it (-1); one that had not yet heard
+            # promotes it like the rest. Which of the two happens is a race the test cannot order.
+            assert chains[5][0] in (me, -1)
             # The promoted node serves what it copied, and takes writes, on the same connection.
             assert (await on_r.get("before")).value == b"1"
             assert (await on_r.set("after", b"2")).seqno > 0
