@@ -25,8 +25,10 @@ CONNECTIONS = 2  # per process
 PIPELINE = 128
 
 WRITER = r"""
-import json, socket, sys
+import json, socket, sys, time
 from mcbp_wire import SET, read_response, request, set_extras
+
+TMPFAIL = 0x86
 
 host, port, tag, value_size, connections, pipeline = (
     sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
@@ -44,10 +46,16 @@ try:
     while True:
         for c, s in enumerate(socks):
             first = acked[c]
-            s.sendall(b"".join(
-                set_frame(b"%s-%d-%08d" % (tag.encode(), c, first + i + 1), i) for i in range(pipeline)))
-            for i in range(pipeline):
-                status = read_response(s)["status"]
+            keys = [b"%s-%d-%08d" % (tag.encode(), c, first + i + 1) for i in range(pipeline)]
+            s.sendall(b"".join(set_frame(k, i) for i, k in enumerate(keys)))
+            statuses = [read_response(s)["status"] for _ in range(pipeline)]
+            for i, status in enumerate(statuses):
+                # TMPFAIL is the server's back-pressure (its WAL is behind): a memcached client
+                # tries again, and so does this one, before counting anything after it.
+                while status == TMPFAIL:
+                    time.sleep(0.01)
+                    s.sendall(set_frame(keys[i], i))
+                    status = read_response(s)["status"]
                 if status != 0:
                     raise SystemExit("status 0x%x" % status)
                 acked[c] = first + i + 1

@@ -1,5 +1,6 @@
 //! A replica's side of replication: per bucket, one DCP connection to the active with a stream
-//! per replica vbucket, on a thread of its own. Batches are applied with the active's seqnos,
+//! per replica vbucket, on a thread of its own (the replicator's); small batches are applied on
+//! the connection's thread as they arrive, which spares a wake-up per batch. Batches are applied with the active's seqnos,
 //! CAS and rev seqnos and logged to this node's WAL; the resume point is always this node's own
 //! state (its failover log and high seqno), so a restart or a cut connection resumes without a
 //! full resync. Rollbacks asked for by the active are carried out on the vbucket before its
@@ -15,7 +16,7 @@
 //! reported is against where the active is, not against what this node has received.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,7 +35,8 @@ use sluice_proto::mcbp::status;
 
 use crate::clustermap::ClusterMap;
 use crate::dcp::consumer::{
-    Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SeqnoProbe, SessionState,
+    Batch, Consumer, ConsumerConfig, ConsumerLink, Event, Position, RollbackMode, SeqnoProbe,
+    SessionState,
 };
 use crate::metrics::metric;
 use crate::policy::PolicyHost;
@@ -332,7 +334,9 @@ fn follow(
             std::thread::sleep(Duration::from_millis(100));
             continue;
         }
-        let consumer = Consumer::start(ConsumerConfig {
+        let handed = Arc::new(AtomicUsize::new(0));
+        let mut shared = None;
+        let consumer_config = ConsumerConfig {
             address: config.active.clone(),
             bucket: bucket.name().to_string(),
             username: config.username.clone(),
@@ -350,18 +354,25 @@ fn follow(
             flow_control: Some(policies.clone()),
             end_refused_streams: true,
             ..ConsumerConfig::default()
-        });
-        stats.connects.fetch_add(1, Ordering::Relaxed);
-        let mut session = ReplicaSession {
-            engine: &engine,
-            bucket: &bucket,
-            consumer: &consumer,
-            stats: &stats,
-            snapshots: BTreeMap::new(),
-            due: BTreeSet::new(),
-            by_map: config.vbuckets.is_some(),
         };
-        let why = session.run(&stop);
+        let consumer = Consumer::start_inline(consumer_config, |link| {
+            let session = Arc::new(Mutex::new(ReplicaSession {
+                engine: engine.clone(),
+                bucket: bucket.clone(),
+                link,
+                stats: stats.clone(),
+                snapshots: BTreeMap::new(),
+                due: BTreeSet::new(),
+                by_map: config.vbuckets.is_some(),
+                failed: None,
+            }));
+            shared = Some(session.clone());
+            let handed = handed.clone();
+            Some(Box::new(move |b| take_inline(&session, &handed, b)))
+        });
+        let session = shared.expect("start_inline makes the reader");
+        stats.connects.fetch_add(1, Ordering::Relaxed);
+        let why = run(&session, &handed, &consumer, &stop);
         stats.connected.store(false, Ordering::Release);
         drop(consumer);
         let Some(why) = why else {
@@ -384,11 +395,20 @@ fn follow(
     }
 }
 
-struct ReplicaSession<'a> {
-    engine: &'a Engine,
-    bucket: &'a Arc<Bucket>,
-    consumer: &'a Consumer,
-    stats: &'a ReplicaStats,
+/// Batches of at most this many changes are applied on the stream connection's thread when
+/// nothing handed to the replicator's thread is waiting: the hop between the two costs about
+/// what applying a few dozen changes does. Bigger ones go to the replicator's thread, where
+/// applying overlaps with reading the next (catch-up, bursts).
+const INLINE_MAX_CHANGES: usize = 64;
+
+/// One connection's replication state, shared by the stream connection's thread (small
+/// batches, applied as they come) and the replicator's thread (big batches, rollbacks, and
+/// the acknowledgements of persistence as the disk catches up).
+struct ReplicaSession {
+    engine: Arc<Engine>,
+    bucket: Arc<Bucket>,
+    link: ConsumerLink,
+    stats: Arc<ReplicaStats>,
     /// Per vbucket: the snapshot being received and the acknowledgements sent.
     snapshots: BTreeMap<u16, Snap>,
     /// Vbuckets whose acknowledgement may move: changes arrived, or some held are not on
@@ -397,6 +417,88 @@ struct ReplicaSession<'a> {
     /// The vbuckets followed are a cluster map's: a refused stream is asked for again (the
     /// map says the active has it), not given up as moved away.
     by_map: bool,
+    /// Why a batch applied on the stream connection's thread failed: the replicator's thread
+    /// ends the connection with it.
+    failed: Option<ReplicationError>,
+}
+
+/// The stream connection's thread offers each batch here first. It is applied at once when
+/// it is small, everything handed over before it is applied, and the replicator's thread is
+/// not busy with the session; else it is handed over (counted in `handed` until applied).
+/// Only while some vbucket's acknowledgement is due does the replicator's thread wait in
+/// short polls (`run`): a batch that makes one due from none is handed over, which wakes it.
+fn take_inline(
+    session: &Mutex<ReplicaSession>,
+    handed: &AtomicUsize,
+    b: Box<Batch>,
+) -> Option<Box<Batch>> {
+    if b.len() <= INLINE_MAX_CHANGES && handed.load(Ordering::Acquire) == 0 {
+        if let Some(mut s) = session.try_lock() {
+            if s.failed.is_some() {
+                return None; // the connection is ending; what follows is read again
+            }
+            if !s.due.is_empty() {
+                match s.follow_batch(&b) {
+                    Ok(()) => s.acknowledge(),
+                    Err(e) => s.failed = Some(e),
+                }
+                return None;
+            }
+        }
+    }
+    handed.fetch_add(1, Ordering::AcqRel);
+    Some(b)
+}
+
+/// The replicator's thread: follows until stopped (None) or the connection fails
+/// (Some(reason)).
+fn run(
+    session: &Mutex<ReplicaSession>,
+    handed: &AtomicUsize,
+    consumer: &Consumer,
+    stop: &AtomicBool,
+) -> Option<ReplicationError> {
+    while !stop.load(Ordering::Acquire) {
+        let wait = {
+            let mut s = session.lock();
+            if let Some(e) = s.failed.take() {
+                return Some(e);
+            }
+            // Short waits while acknowledgements of persistence are still due.
+            if s.due.is_empty() {
+                Duration::from_millis(100)
+            } else {
+                Duration::from_millis(2)
+            }
+        };
+        let event = consumer.next_event(wait);
+        let mut s = session.lock();
+        match event {
+            None => {}
+            Some(Event::Batch(b)) => {
+                let r = s.follow_batch(&b);
+                handed.fetch_sub(1, Ordering::AcqRel);
+                if let Err(e) = r {
+                    return Some(e);
+                }
+            }
+            Some(Event::VbucketState { opaque, .. }) => {
+                // Only takeover streams hand vbuckets over; this connection asked for none.
+                s.link
+                    .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
+            }
+            Some(Event::Rollback { vbucket, seqno, .. }) => {
+                s.stats.connected.store(true, Ordering::Release);
+                if let Err(e) = s.rollback(consumer, Some(handed), vbucket, seqno) {
+                    return Some(e);
+                }
+            }
+            Some(Event::Finished) => return Some(ReplicationError::EveryStreamEnded),
+            Some(Event::Failed(e)) => return Some(ReplicationError::Connection(e)),
+        }
+        s.acknowledge();
+    }
+    None
 }
 
 #[derive(Default)]
@@ -420,47 +522,11 @@ impl Snap {
     }
 }
 
-impl ReplicaSession<'_> {
-    /// Follows until stopped (None) or the connection fails (Some(reason)).
-    fn run(&mut self, stop: &AtomicBool) -> Option<ReplicationError> {
-        while !stop.load(Ordering::Acquire) {
-            // Short waits while acknowledgements of persistence are still due.
-            let pending = !self.due.is_empty();
-            let wait = if pending {
-                Duration::from_millis(2)
-            } else {
-                Duration::from_millis(100)
-            };
-            match self.consumer.next_event(wait) {
-                None => {}
-                Some(Event::Batch(b)) => {
-                    self.stats.connected.store(true, Ordering::Release);
-                    if let Err(e) = self.follow_batch(&b) {
-                        return Some(e);
-                    }
-                }
-                Some(Event::VbucketState { opaque, .. }) => {
-                    // Only takeover streams hand vbuckets over; this connection asked for none.
-                    self.consumer
-                        .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
-                }
-                Some(Event::Rollback { vbucket, seqno, .. }) => {
-                    self.stats.connected.store(true, Ordering::Release);
-                    if let Err(e) = self.rollback(vbucket, seqno) {
-                        return Some(e);
-                    }
-                }
-                Some(Event::Finished) => return Some(ReplicationError::EveryStreamEnded),
-                Some(Event::Failed(e)) => return Some(ReplicationError::Connection(e)),
-            }
-            self.acknowledge();
-        }
-        None
-    }
-
+impl ReplicaSession {
     /// Applies a batch of the replication stream and follows the streams it ended or that
     /// were refused; Err when the connection must start over.
     fn follow_batch(&mut self, b: &Batch) -> Result<(), ReplicationError> {
+        self.stats.connected.store(true, Ordering::Release);
         self.apply(b)?;
         for &vb in &b.refused {
             if self.by_map {
@@ -482,7 +548,7 @@ impl ReplicaSession<'_> {
                  asking for its stream again",
                 self.bucket.name()
             );
-            self.consumer.resume(vb);
+            self.link.resume(vb);
         }
         Ok(())
     }
@@ -516,7 +582,7 @@ impl ReplicaSession<'_> {
                 (op, key, value, meta)
             });
             self.engine
-                .apply_replicated(self.bucket, vb, rows)
+                .apply_replicated(&self.bucket, vb, rows)
                 .map_err(|source| ReplicationError::Apply {
                     vbucket: vb,
                     source,
@@ -538,7 +604,7 @@ impl ReplicaSession<'_> {
                 .collect();
             if !log.is_empty() {
                 self.engine
-                    .adopt_failover_log(self.bucket, *vb, &log)
+                    .adopt_failover_log(&self.bucket, *vb, &log)
                     .map_err(|source| ReplicationError::Vbucket {
                         vbucket: *vb,
                         source,
@@ -562,7 +628,7 @@ impl ReplicaSession<'_> {
     /// readers and writers) and is no longer followed, here or after a restart.
     fn given_away(&mut self, vb: u16) -> Result<(), ReplicationError> {
         self.engine
-            .set_vbucket_state(self.bucket, vb, VbState::Dead)
+            .set_vbucket_state(&self.bucket, vb, VbState::Dead)
             .map_err(|source| ReplicationError::Vbucket {
                 vbucket: vb,
                 source,
@@ -581,16 +647,28 @@ impl ReplicaSession<'_> {
     /// Rolls back `vb` and the others asked for with it: the answers to a session's stream
     /// requests come together, and the rollbacks share one snapshot. Batches of other
     /// vbuckets arriving meanwhile are applied.
-    fn rollback(&mut self, vb: u16, seqno: u64) -> Result<(), ReplicationError> {
+    fn rollback(
+        &mut self,
+        consumer: &Consumer,
+        handed: Option<&AtomicUsize>,
+        vb: u16,
+        seqno: u64,
+    ) -> Result<(), ReplicationError> {
         let mut asked = vec![(vb, seqno)];
         let until = Instant::now() + Duration::from_millis(100);
         while let Some(left) = until.checked_duration_since(Instant::now()) {
-            match self.consumer.next_event(left) {
+            match consumer.next_event(left) {
                 None => break,
                 Some(Event::Rollback { vbucket, seqno, .. }) => asked.push((vbucket, seqno)),
-                Some(Event::Batch(b)) => self.follow_batch(&b)?,
+                Some(Event::Batch(b)) => {
+                    let r = self.follow_batch(&b);
+                    if let Some(h) = handed {
+                        h.fetch_sub(1, Ordering::AcqRel);
+                    }
+                    r?
+                }
                 Some(Event::VbucketState { opaque, .. }) => {
-                    self.consumer
+                    self.link
                         .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
                 }
                 Some(Event::Finished) => return Err(ReplicationError::EveryStreamEnded),
@@ -599,7 +677,7 @@ impl ReplicaSession<'_> {
         }
         let at = self
             .engine
-            .rollback_vbuckets(self.bucket, &asked)
+            .rollback_vbuckets(&self.bucket, &asked)
             .map_err(|source| ReplicationError::Rollback {
                 vbuckets: asked.clone(),
                 source,
@@ -610,7 +688,7 @@ impl ReplicaSession<'_> {
         for (&(vb, _), at) in asked.iter().zip(at) {
             let p = self
                 .engine
-                .stream_position(self.bucket, vb)
+                .stream_position(&self.bucket, vb)
                 .ok_or(ReplicationError::Vanished(vb))?;
             self.snapshots.insert(
                 vb,
@@ -622,7 +700,7 @@ impl ReplicaSession<'_> {
                 },
             );
             self.due.insert(vb);
-            self.consumer.resume_at(vb, resume_point(&p));
+            self.link.resume_at(vb, resume_point(&p));
         }
         Ok(())
     }
@@ -639,7 +717,7 @@ impl ReplicaSession<'_> {
                 return false;
             };
             let held = s.consistent();
-            let on_disk = held.min(self.engine.persisted_seqno(self.bucket, *vb));
+            let on_disk = held.min(self.engine.persisted_seqno(&self.bucket, *vb));
             if held > s.acked || on_disk > s.acked_persisted {
                 s.acked = s.acked.max(held);
                 s.acked_persisted = s.acked_persisted.max(on_disk);
@@ -652,7 +730,7 @@ impl ReplicaSession<'_> {
             s.acked_persisted < held
         });
         drop(lags);
-        self.consumer.acknowledge(&acks);
+        self.link.acknowledge(&acks);
     }
 }
 
@@ -877,7 +955,7 @@ pub struct TakeoverReport {
 /// replica, goes pending when the source does, and active when the source hands over; the
 /// source then goes dead.
 pub fn take_over(
-    engine: &Engine,
+    engine: &Arc<Engine>,
     bucket: &Arc<Bucket>,
     vb: u16,
     source: &ReplicaConfig,
@@ -913,7 +991,7 @@ pub fn take_over(
 
 /// The takeover stream of `take_over`, once this node's copy is a replica.
 fn take_over_stream(
-    engine: &Engine,
+    engine: &Arc<Engine>,
     bucket: &Arc<Bucket>,
     vb: u16,
     source: &ReplicaConfig,
@@ -938,16 +1016,17 @@ fn take_over_stream(
         kv_address: Some(clustermap.kv_address()),
         ..ConsumerConfig::default()
     });
-    let stats = ReplicaStats::default();
     let mut session = ReplicaSession {
-        engine,
-        bucket,
-        consumer: &consumer,
-        stats: &stats,
+        engine: engine.clone(),
+        bucket: bucket.clone(),
+        link: consumer.link().clone(),
+        stats: Arc::new(ReplicaStats::default()),
         snapshots: BTreeMap::new(),
         due: BTreeSet::new(),
         by_map: false,
+        failed: None,
     };
+
     let mut paused_at = None;
     let mut active_after = None;
     let deadline = started + timeout;
@@ -963,7 +1042,9 @@ fn take_over_stream(
                     return Err(ReplicationError::TakeoverEnded(*reason));
                 }
             }
-            Some(Event::Rollback { vbucket, seqno, .. }) => session.rollback(vbucket, seqno)?,
+            Some(Event::Rollback { vbucket, seqno, .. }) => {
+                session.rollback(&consumer, None, vbucket, seqno)?
+            }
             Some(Event::VbucketState {
                 state: st, opaque, ..
             }) => {
@@ -982,7 +1063,9 @@ fn take_over_stream(
                         );
                     }
                 }
-                consumer.respond(dcp::opcode::SET_VBUCKET_STATE, opaque, answer);
+                consumer
+                    .link()
+                    .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, answer);
             }
             Some(Event::Finished) => break,
             Some(Event::Failed(e)) if active_after.is_none() => {
@@ -1006,12 +1089,12 @@ fn take_over_stream(
         "vbucket {vb} of bucket {:?} taken over from {}: {} changes in {:.2} s, writes paused {writes_paused_ms:.1} ms",
         bucket.name(),
         source.active,
-        stats.items.load(Ordering::Relaxed),
+        session.stats.items.load(Ordering::Relaxed),
         started.elapsed().as_secs_f64()
     );
     Ok(TakeoverReport {
         vbucket: vb,
-        items: stats.items.load(Ordering::Relaxed),
+        items: session.stats.items.load(Ordering::Relaxed),
         seconds: started.elapsed().as_secs_f64(),
         writes_paused_ms,
         high_seqno,

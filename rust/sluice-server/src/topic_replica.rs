@@ -246,7 +246,7 @@ fn follow(
                 ));
             }
             Some(Event::VbucketState { opaque, .. }) => {
-                consumer.respond(
+                consumer.link().respond(
                     sluice_proto::dcp::opcode::SET_VBUCKET_STATE,
                     opaque,
                     status::EINVAL,

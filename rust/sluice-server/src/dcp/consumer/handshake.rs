@@ -90,6 +90,7 @@ impl ConsumerSession {
             writer: shared_socket.clone(),
             config: config.clone(),
             events,
+            inline: None,
             commands,
             inbuf: ReadBuffer::default(),
             streams: HashMap::default(),

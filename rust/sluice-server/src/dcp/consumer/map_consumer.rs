@@ -227,7 +227,7 @@ impl MapConsumer {
     /// Requests a vbucket's stream again after a rollback the reader has handled.
     pub fn resume(&self, vbucket: u16) {
         if let Some(n) = self.owner.get(&vbucket).and_then(|c| self.nodes.get(c)) {
-            n.consumer.resume(vbucket);
+            n.consumer.link().resume(vbucket);
         }
     }
 
@@ -369,6 +369,7 @@ impl MapConsumer {
                 // over anyway is refused.
                 if let Some(n) = self.nodes.get(&id) {
                     n.consumer
+                        .link()
                         .respond(dcp_op::SET_VBUCKET_STATE, opaque, status::EINVAL);
                 }
                 None
@@ -475,7 +476,7 @@ impl MapConsumer {
                 Some(id) => {
                     for vb in vbs {
                         let p = self.resume_position(vb);
-                        self.nodes[&id].consumer.resume_at(vb, p);
+                        self.nodes[&id].consumer.link().resume_at(vb, p);
                         self.owner.insert(vb, id);
                     }
                 }

@@ -187,62 +187,30 @@ impl EventSender {
     }
 }
 
-/// The reader's end: events in, commands out. Dropping it stops the thread.
-pub struct Consumer {
-    /// None when the events go to a channel the reader owns (`MapConsumer`).
-    events: Option<Receiver<(u32, Event)>>,
+/// Takes a batch on the consumer's own thread as soon as it is whole, instead of the channel:
+/// None when it took the batch, Some(batch) to hand it to the reader after all. It saves the
+/// reader's wake-up per batch where batches are small and come one by one (a replica under
+/// synchronous writes); the reader keeps the big ones, which then overlap with the reading of
+/// the next. The consumer hands every batch to it, so it alone decides their order.
+pub type InlineReader = Box<dyn FnMut(Box<Batch>) -> Option<Box<Batch>> + Send>;
+
+/// Commands and writes to a consumer's connection, from any thread.
+#[derive(Clone)]
+pub struct ConsumerLink {
     commands: mpsc::Sender<Command>,
-    thread: Option<JoinHandle<()>>,
-    /// The thread's socket, shut down on drop so that a read or write blocked on a silent
-    /// producer returns at once.
+    /// The thread's socket, shut down on drop of the `Consumer` so that a read or write
+    /// blocked on a silent producer returns at once.
     socket: Arc<Mutex<Option<SyncWriter>>>,
 }
 
-impl Consumer {
-    pub fn start(config: ConsumerConfig) -> Consumer {
-        let (tx, rx) = mpsc::sync_channel(4);
-        let mut c = Consumer::start_sending(config, EventSender { tx, connection: 0 });
-        c.events = Some(rx);
-        c
-    }
-
-    /// Starts the thread, its events going to `tx`. The reader must drop the channel's
-    /// receiver before dropping this: a thread waiting for room in a full channel stops only
-    /// when the receiver is gone.
-    pub(crate) fn start_sending(config: ConsumerConfig, tx: EventSender) -> Consumer {
-        let (ctx, crx) = mpsc::channel();
-        let socket = Arc::new(Mutex::new(None));
-        let shared_socket = socket.clone();
-        let thread = std::thread::Builder::new()
-            .name("sluice-dcp-consumer".into())
-            .spawn(move || {
-                let session = ConsumerSession::connect(&config, tx.clone(), crx, &shared_socket)
-                    .and_then(ConsumerSession::open_streams);
-                let ev = match session {
-                    Ok(mut s) => match s.run() {
-                        Ok(()) => Event::Finished,
-                        Err(e) => Event::Failed(e.to_string()),
-                    },
-                    Err(e) => Event::Failed(e.to_string()),
-                };
-                tx.send(ev);
-            })
-            .expect("spawn a thread");
-        Consumer {
-            events: None,
-            commands: ctx,
-            thread: Some(thread),
-            socket,
-        }
-    }
-
-    /// Waits for the next event, up to `timeout`; None on timeout.
-    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
-        match self.events.as_ref()?.recv_timeout(timeout) {
-            Ok((_, e)) => Some(e),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some(Event::Finished),
-        }
+impl ConsumerLink {
+    fn new() -> (ConsumerLink, Receiver<Command>) {
+        let (commands, crx) = mpsc::channel();
+        let link = ConsumerLink {
+            commands,
+            socket: Arc::new(Mutex::new(None)),
+        };
+        (link, crx)
     }
 
     pub fn resume(&self, vbucket: u16) {
@@ -253,8 +221,8 @@ impl Consumer {
         let _ = self.commands.send(Command::ResumeAt(vbucket, position));
     }
 
-    /// Writes a whole frame from the reader's thread, under the lock the consumer thread's
-    /// own writes take; false once the connection is closing.
+    /// Writes a whole frame, under the lock the consumer thread's own writes take; false once
+    /// the connection is closing.
     fn write_now(&self, frame: &[u8]) -> bool {
         match self.socket.lock().as_mut() {
             Some(w) => w.write_all(frame).is_ok(),
@@ -262,7 +230,7 @@ impl Consumer {
         }
     }
 
-    /// Answers a request of the producer (SET_VBUCKET_STATE) from the reader's thread.
+    /// Answers a request of the producer (SET_VBUCKET_STATE).
     pub fn respond(&self, opcode: u8, opaque: u32, st: u16) -> bool {
         let mut out = Vec::new();
         let h = HeaderFields {
@@ -277,8 +245,7 @@ impl Consumer {
     }
 
     /// SEQNO_ACKNOWLEDGED for each (vbucket, seqno held, seqno on disk), written at once in
-    /// one send (durable writes wait on them), under the same lock as the consumer thread's
-    /// own writes.
+    /// one send (durable writes wait on them).
     pub fn acknowledge(&self, acks: &[(u16, u64, u64)]) -> bool {
         if acks.is_empty() {
             return true;
@@ -293,6 +260,90 @@ impl Consumer {
             .encode(&mut out, 0);
         }
         self.write_now(&out)
+    }
+}
+
+/// The reader's end: events in, commands out. Dropping it stops the thread.
+pub struct Consumer {
+    /// None when the events go to a channel the reader owns (`MapConsumer`).
+    events: Option<Receiver<(u32, Event)>>,
+    link: ConsumerLink,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Consumer {
+    pub fn start(config: ConsumerConfig) -> Consumer {
+        Consumer::start_inline(config, |_| None)
+    }
+
+    /// `start`, with the batches offered first to the reader `make` returns (None: none),
+    /// which is given the link to the connection.
+    pub fn start_inline(
+        config: ConsumerConfig,
+        make: impl FnOnce(ConsumerLink) -> Option<InlineReader>,
+    ) -> Consumer {
+        let (tx, rx) = mpsc::sync_channel(4);
+        let (link, crx) = ConsumerLink::new();
+        let inline = make(link.clone());
+        let mut c = Consumer::spawn(config, EventSender { tx, connection: 0 }, link, crx, inline);
+        c.events = Some(rx);
+        c
+    }
+
+    /// Starts the thread, its events going to `tx`. The reader must drop the channel's
+    /// receiver before dropping this: a thread waiting for room in a full channel stops only
+    /// when the receiver is gone.
+    pub(crate) fn start_sending(config: ConsumerConfig, tx: EventSender) -> Consumer {
+        let (link, crx) = ConsumerLink::new();
+        Consumer::spawn(config, tx, link, crx, None)
+    }
+
+    fn spawn(
+        config: ConsumerConfig,
+        tx: EventSender,
+        link: ConsumerLink,
+        crx: Receiver<Command>,
+        inline: Option<InlineReader>,
+    ) -> Consumer {
+        let shared_socket = link.socket.clone();
+        let thread = std::thread::Builder::new()
+            .name("sluice-dcp-consumer".into())
+            .spawn(move || {
+                let session = ConsumerSession::connect(&config, tx.clone(), crx, &shared_socket)
+                    .and_then(|mut s| {
+                        // Before the streams open: their first positions come in a batch.
+                        s.inline = inline;
+                        s.open_streams()
+                    });
+                let ev = match session {
+                    Ok(mut s) => match s.run() {
+                        Ok(()) => Event::Finished,
+                        Err(e) => Event::Failed(e.to_string()),
+                    },
+                    Err(e) => Event::Failed(e.to_string()),
+                };
+                tx.send(ev);
+            })
+            .expect("spawn a thread");
+        Consumer {
+            events: None,
+            link,
+            thread: Some(thread),
+        }
+    }
+
+    /// Waits for the next event, up to `timeout`; None on timeout.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        match self.events.as_ref()?.recv_timeout(timeout) {
+            Ok((_, e)) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Event::Finished),
+        }
+    }
+
+    /// Commands and writes to the connection, from the reader's thread or any other.
+    pub fn link(&self) -> &ConsumerLink {
+        &self.link
     }
 }
 
@@ -404,8 +455,8 @@ impl SeqnoProbe {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
-        let _ = self.commands.send(Command::Close);
-        if let Some(s) = self.socket.lock().take() {
+        let _ = self.link.commands.send(Command::Close);
+        if let Some(s) = self.link.socket.lock().take() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         // A thread waiting for room in the channel sees the reader gone and stops.

@@ -16,7 +16,7 @@ use sluice_proto::mcbp::{self, magic, HeaderFields};
 
 use super::flow_control::FlowControl;
 use super::stream::VbStream;
-use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, EventSender};
+use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, EventSender, InlineReader};
 use crate::tls::{SyncReader, SyncWriter};
 
 /// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
@@ -64,6 +64,8 @@ pub(super) struct ConsumerSession {
     pub(super) writer: Arc<Mutex<Option<SyncWriter>>>,
     pub(super) config: ConsumerConfig,
     pub(super) events: EventSender,
+    /// Offered each batch before the channel.
+    pub(super) inline: Option<InlineReader>,
     pub(super) commands: Receiver<Command>,
     pub(super) inbuf: ReadBuffer,
     /// Looked up once per message: hashed with foldhash, not SipHash.
@@ -129,7 +131,14 @@ impl ConsumerSession {
             .into_iter()
             .filter_map(|vb| self.streams.get(&vb).map(|s| (vb, s.pos.clone())))
             .collect();
-        self.events.send(Event::Batch(Box::new(b)))
+        let mut b = Box::new(b);
+        if let Some(take) = &mut self.inline {
+            match take(b) {
+                None => return true,
+                Some(back) => b = back,
+            }
+        }
+        self.events.send(Event::Batch(b))
     }
 
     pub(super) fn run(&mut self) -> Result<(), ConsumerError> {
