@@ -37,6 +37,10 @@ struct Entry {
     change: Option<Change>,
 }
 
+/// How far ahead of the change it drops `free` prefetches the next to drop: about the number
+/// of misses a core keeps in flight.
+const FREE_PREFETCH_AHEAD: usize = 8;
+
 fn entry_cost(c: &Change) -> usize {
     std::mem::size_of::<Entry>()
         + std::mem::size_of::<crate::item::ChangeHeader>()
@@ -417,6 +421,13 @@ impl CheckpointManager {
             while let Some(e) = cp.entries.front() {
                 if e.seqno > min {
                     break;
+                }
+                if let Some(Entry {
+                    change: Some(ahead),
+                    ..
+                }) = cp.entries.get(FREE_PREFETCH_AHEAD)
+                {
+                    ahead.prefetch();
                 }
                 if let Some(c) = &e.change {
                     let freed = entry_cost(c);

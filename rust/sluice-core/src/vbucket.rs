@@ -118,9 +118,8 @@ impl VBucket {
         self.high_seqno = self.high_seqno.max(meta.by_seqno);
         self.clock.observe(meta.cas);
         let replaced = self.store.upsert(key, value, &mut meta);
-        let change = Change::new(op, self.bucket, self.id, key, value, meta);
-        self.checkpoints
-            .queue(change.clone(), replaced.map(|m| m.by_seqno));
+        let [change, queued] = Change::new_twice(op, self.bucket, self.id, key, value, meta);
+        self.checkpoints.queue(queued, replaced.map(|m| m.by_seqno));
         change
     }
 

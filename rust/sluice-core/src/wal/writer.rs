@@ -318,6 +318,10 @@ pub struct Appender<'a> {
     guard: parking_lot::MutexGuard<'a, QueueState>,
     shared: &'a Shared,
     was_empty: bool,
+    /// Bytes pushed, added to `queued_bytes` once on drop: that counter's line is shared
+    /// with the writer thread, and a locked add per record of a replicated batch cost as much
+    /// as queueing the record.
+    charged: usize,
 }
 
 impl Appender<'_> {
@@ -326,9 +330,7 @@ impl Appender<'_> {
         self.guard.next_lsn += 1;
         if self.shared.mode != WalMode::None {
             let q = Queued { lsn, payload };
-            self.shared
-                .queued_bytes
-                .fetch_add(q.charge(), Ordering::Relaxed);
+            self.charged += q.charge();
             self.guard.pending.push(q);
         }
         lsn
@@ -356,6 +358,12 @@ pub fn replies_wait_here() {
 
 impl Drop for Appender<'_> {
     fn drop(&mut self) {
+        // Under the queue lock still: the writer takes it before it drains and subtracts.
+        if self.charged > 0 {
+            self.shared
+                .queued_bytes
+                .fetch_add(self.charged, Ordering::Relaxed);
+        }
         if self.guard.pending.is_empty() {
             return;
         }
@@ -655,6 +663,7 @@ impl WalWriter {
             guard,
             shared: &self.shared,
             was_empty,
+            charged: 0,
         })
     }
 
