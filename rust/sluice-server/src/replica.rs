@@ -365,10 +365,20 @@ fn follow(
                 due: BTreeSet::new(),
                 by_map: config.vbuckets.is_some(),
                 failed: None,
+                last_lsn: 0,
             }));
             shared = Some(session.clone());
             let handed = handed.clone();
-            Some(Box::new(move |b| take_inline(&session, &handed, b)))
+            let mut marked = false;
+            Some(Box::new(move |b| {
+                if !marked {
+                    // The WAL records of what this thread applies are written by it too
+                    // (`take_inline`), not by a wake-up of the writer thread.
+                    sluice_core::wal::writer::replies_wait_here();
+                    marked = true;
+                }
+                take_inline(&session, &handed, b)
+            }))
         });
         let session = shared.expect("start_inline makes the reader");
         stats.connects.fetch_add(1, Ordering::Relaxed);
@@ -420,6 +430,8 @@ struct ReplicaSession {
     /// Why a batch applied on the stream connection's thread failed: the replicator's thread
     /// ends the connection with it.
     failed: Option<ReplicationError>,
+    /// The WAL record of the last change applied.
+    last_lsn: u64,
 }
 
 /// The stream connection's thread offers each batch here first. It is applied at once when
@@ -439,7 +451,12 @@ fn take_inline(
             }
             if !s.due.is_empty() {
                 match s.follow_batch(&b) {
-                    Ok(()) => s.acknowledge(),
+                    Ok(()) => {
+                        s.acknowledge();
+                        // After the acknowledgement, which majority writes wait for; the
+                        // persistence acknowledgements follow the disk as before.
+                        s.engine.wal().lead(s.last_lsn);
+                    }
                     Err(e) => s.failed = Some(e),
                 }
                 return None;
@@ -581,7 +598,8 @@ impl ReplicaSession {
                 };
                 (op, key, value, meta)
             });
-            self.engine
+            self.last_lsn = self
+                .engine
                 .apply_replicated(&self.bucket, vb, rows)
                 .map_err(|source| ReplicationError::Apply {
                     vbucket: vb,
@@ -1025,6 +1043,7 @@ fn take_over_stream(
         due: BTreeSet::new(),
         by_map: false,
         failed: None,
+        last_lsn: 0,
     };
 
     let mut paused_at = None;

@@ -741,7 +741,9 @@ impl WalWriter {
     /// scheduled (on a busy machine that wake-up is most of a small write's latency). Waiters
     /// that find it busy wait for it as before; failures, syncs, rotation and fsync mode stay
     /// with the thread (a failed batch goes back to the head of the queue for it to retry).
-    fn lead(&self, lsn: u64) {
+    /// A thread that queues records and does not wait for them (a replica applying) calls it
+    /// after `replies_wait_here` to save the writer thread's wake-up per batch.
+    pub fn lead(&self, lsn: u64) {
         let shared = &*self.shared;
         if shared.mode != WalMode::Write
             || shared.failing.load(Ordering::Acquire)
