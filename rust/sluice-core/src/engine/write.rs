@@ -383,13 +383,17 @@ impl Engine {
         let level = w.requirement.level;
         let timeout = self.settle_timeout(bucket, &w);
         let wait = async {
+            let wal = &self.inner.wal;
             if level.persist_active() {
-                self.inner.wal.synced(w.lsn).await?;
-            } else {
-                self.inner.wal.written(w.lsn).await?;
+                // Asked for at once: the device's wait overlaps the replicas'.
+                wal.synced(w.lsn).await?;
             }
             if !level.needs_replicas() {
-                return Ok(());
+                return if level.persist_active() {
+                    Ok(())
+                } else {
+                    wal.written(w.lsn).await
+                };
             }
             let needed = replicas_for_majority(bucket.config.replicas);
             let on_disk = level == Durability::PersistToMajority;
@@ -404,6 +408,12 @@ impl Engine {
                             level.as_str()
                         ))
                     })?;
+            }
+            if !level.persist_active() {
+                // Written once the replicas have it, not before: the records of the writes
+                // that came meanwhile are queued by then, and one write(2) takes them all
+                // (it was one per majority write).
+                wal.written(w.lsn).await?;
             }
             Ok(())
         };
