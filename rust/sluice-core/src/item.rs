@@ -132,25 +132,22 @@ impl Change {
         Change(u.shareable())
     }
 
-    /// `new` with two handles on the one allocation: a write's, for the checkpoint and for the
-    /// WAL queue. `clone` is a locked add, which waits until every store before it, here the
-    /// whole of the fresh allocation and of the item store's copy, has reached the cache: that
-    /// wait was a quarter of a replica's apply. Setting the count is a plain store.
-    pub fn new_twice(
-        op: ChangeOp,
-        bucket: u16,
-        vbucket: u16,
-        key: &[u8],
-        value: &[u8],
-        meta: ItemMeta,
-    ) -> [Change; 2] {
-        let Change(a) = Change::new(op, bucket, vbucket, key, value, meta);
-        // SAFETY: `a` was made shareable just now and no other handle or thread has seen it,
-        // so its count is 1 and nothing reads it meanwhile. triomphe's `ArcInner` is repr(C)
-        // with the count first, at `heap_ptr` (asserted below and by a test). A count of 2
-        // with a bitwise copy of the handle is exactly what `clone` leaves; the handles reach
-        // other threads only through the locks of the checkpoint and the WAL queue, which
-        // order this store before any access there.
+    /// Two handles on the change: a write's, for the checkpoint and for the WAL queue. `clone`
+    /// is a locked add, which waits until every store before it, here the whole of a fresh
+    /// allocation and of the item store's copy, has reached the cache: that wait was a quarter
+    /// of a replica's apply. When this is the only handle, setting the count is a plain store.
+    pub fn into_two(self) -> [Change; 2] {
+        if triomphe::Arc::strong_count(&self.0) != 1 {
+            let other = self.clone();
+            return [self, other];
+        }
+        let Change(a) = self;
+        // SAFETY: `a` is the only handle (count 1, and it is ours by value; triomphe has no
+        // weak references), so no other thread can read or change the count meanwhile.
+        // triomphe's `ArcInner` is repr(C) with the count first, at `heap_ptr` (asserted
+        // below and by a test). A count of 2 with a bitwise copy of the handle is exactly what
+        // `clone` leaves; a handle reaches another thread only through a lock or a channel,
+        // which orders this store before any access there.
         let b = unsafe {
             (*(triomphe::Arc::heap_ptr(&a) as *const std::sync::atomic::AtomicUsize))
                 .store(2, std::sync::atomic::Ordering::Relaxed);
@@ -247,12 +244,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_change_made_twice_is_one_allocation_with_two_owners() {
+    fn a_change_split_in_two_is_one_allocation_with_two_owners() {
         let meta = ItemMeta {
             by_seqno: 7,
             ..Default::default()
         };
-        let [a, b] = Change::new_twice(ChangeOp::Mutation, 1, 2, b"key", b"value", meta);
+        let [a, b] = Change::new(ChangeOp::Mutation, 1, 2, b"key", b"value", meta).into_two();
         assert!(triomphe::Arc::ptr_eq(&a.0, &b.0));
         assert_eq!(triomphe::Arc::strong_count(&a.0), 2);
         assert_eq!(
@@ -263,6 +260,12 @@ mod tests {
         assert_eq!(triomphe::Arc::strong_count(&a.0), 3);
         drop((b, c));
         assert_eq!(triomphe::Arc::strong_count(&a.0), 1);
+        // A change that is shared already is cloned.
+        let kept = a.clone();
+        let [d, e] = a.into_two();
+        assert_eq!(triomphe::Arc::strong_count(&kept.0), 3);
+        drop((d, e));
+        assert_eq!(triomphe::Arc::strong_count(&kept.0), 1);
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl VBucket {
         self.high_seqno = self.high_seqno.max(meta.by_seqno);
         self.clock.observe(meta.cas);
         let replaced = self.store.upsert(key, value, &mut meta);
-        let [change, queued] = Change::new_twice(op, self.bucket, self.id, key, value, meta);
+        let [change, queued] = Change::new(op, self.bucket, self.id, key, value, meta).into_two();
         self.checkpoints.queue(queued, replaced.map(|m| m.by_seqno));
         change
     }
