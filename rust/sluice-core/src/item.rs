@@ -137,7 +137,9 @@ impl Change {
     /// allocation and of the item store's copy, has reached the cache: that wait was a quarter
     /// of a replica's apply. When this is the only handle, setting the count is a plain store.
     pub fn into_two(self) -> [Change; 2] {
-        if triomphe::Arc::strong_count(&self.0) != 1 {
+        // `is_unique` loads the count with Acquire: a handle dropped on another thread just
+        // before is then wholly done with the change before the count is overwritten.
+        if !self.0.is_unique() {
             let other = self.clone();
             return [self, other];
         }

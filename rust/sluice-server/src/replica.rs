@@ -366,6 +366,7 @@ fn follow(
                 by_map: config.vbuckets.is_some(),
                 failed: None,
                 last_lsn: 0,
+                ended: false,
             }));
             shared = Some(session.clone());
             let handed = handed.clone();
@@ -432,6 +433,8 @@ struct ReplicaSession {
     failed: Option<ReplicationError>,
     /// The WAL record of the last change applied.
     last_lsn: u64,
+    /// Set by the replicator's thread when it stops following this connection.
+    ended: bool,
 }
 
 /// The stream connection's thread offers each batch here first. It is applied at once when
@@ -446,8 +449,10 @@ fn take_inline(
 ) -> Option<Box<Batch>> {
     if b.len() <= INLINE_MAX_CHANGES && handed.load(Ordering::Acquire) == 0 {
         if let Some(mut s) = session.try_lock() {
-            if s.failed.is_some() {
-                return None; // the connection is ending; what follows is read again
+            if s.ended || s.failed.is_some() {
+                // Nothing more is applied on this connection: after a failed batch, another
+                // would leave a gap. The next connection resumes from what is held.
+                return None;
             }
             if !s.due.is_empty() {
                 match s.follow_batch(&b) {
@@ -468,7 +473,8 @@ fn take_inline(
 }
 
 /// The replicator's thread: follows until stopped (None) or the connection fails
-/// (Some(reason)).
+/// (Some(reason)). On the way out it marks the session ended under its lock, so that nothing
+/// is applied on the reader's thread afterwards either.
 fn run(
     session: &Mutex<ReplicaSession>,
     handed: &AtomicUsize,
@@ -479,6 +485,7 @@ fn run(
         let wait = {
             let mut s = session.lock();
             if let Some(e) = s.failed.take() {
+                s.ended = true;
                 return Some(e);
             }
             // Short waits while acknowledgements of persistence are still due.
@@ -490,31 +497,33 @@ fn run(
         };
         let event = consumer.next_event(wait);
         let mut s = session.lock();
-        match event {
-            None => {}
+        let why = match event {
+            None => None,
             Some(Event::Batch(b)) => {
                 let r = s.follow_batch(&b);
                 handed.fetch_sub(1, Ordering::AcqRel);
-                if let Err(e) = r {
-                    return Some(e);
-                }
+                r.err()
             }
             Some(Event::VbucketState { opaque, .. }) => {
                 // Only takeover streams hand vbuckets over; this connection asked for none.
                 s.link
                     .respond(dcp::opcode::SET_VBUCKET_STATE, opaque, status::EINVAL);
+                None
             }
             Some(Event::Rollback { vbucket, seqno, .. }) => {
                 s.stats.connected.store(true, Ordering::Release);
-                if let Err(e) = s.rollback(consumer, Some(handed), vbucket, seqno) {
-                    return Some(e);
-                }
+                s.rollback(consumer, Some(handed), vbucket, seqno).err()
             }
-            Some(Event::Finished) => return Some(ReplicationError::EveryStreamEnded),
-            Some(Event::Failed(e)) => return Some(ReplicationError::Connection(e)),
+            Some(Event::Finished) => Some(ReplicationError::EveryStreamEnded),
+            Some(Event::Failed(e)) => Some(ReplicationError::Connection(e)),
+        };
+        if let Some(why) = why {
+            s.ended = true;
+            return Some(why);
         }
         s.acknowledge();
     }
+    session.lock().ended = true;
     None
 }
 
@@ -1044,6 +1053,7 @@ fn take_over_stream(
         by_map: false,
         failed: None,
         last_lsn: 0,
+        ended: false,
     };
 
     let mut paused_at = None;
