@@ -1,10 +1,12 @@
 //! A native DCP consumer: one connection to a producer (sluice or Couchbase), streams for
 //! chosen vbucket, on a thread of its own that answers NOOPs, acknowledges the flow-control
 //! window, follows rollbacks, and hands columnar batches to the reader through a bounded
-//! channel (a slow reader stops the acknowledgements, and so the producer). Each batch carries
-//! the session state after it, so that what the reader has seen is what it resumes from.
+//! channel (a slow reader stops the acknowledgements, and so the producer), or first to an
+//! `InlineReader` that may take it on that thread. Each batch carries the session state after
+//! it, so that what the reader has seen is what it resumes from.
 //!
-//! Here: the reader's end (`Consumer`, its configuration and events) and the one-off
+//! Here: the reader's end (`Consumer`, its configuration and events; `ConsumerLink` for its
+//! commands and writes from any thread) and the one-off
 //! connections (`vbucket_positions`, `SeqnoProbe`). The consumer's thread runs a
 //! `session::ConsumerSession`, set up by `handshake`, with its `stream`s and `flow_control`;
 //! `saved_state` is what a reader resumes from, `batch` what it is handed. `map_consumer`
