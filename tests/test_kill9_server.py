@@ -52,7 +52,9 @@ try:
             for i, status in enumerate(statuses):
                 # TMPFAIL is the server's back-pressure (its WAL is behind): a memcached client
                 # tries again, and so does this one, before counting anything after it.
-                while status == TMPFAIL:
+                tries = 0
+                while status == TMPFAIL and tries < 1000:  # 10 s of back-pressure at most
+                    tries += 1
                     time.sleep(0.01)
                     s.sendall(set_frame(keys[i], i))
                     status = read_response(s)["status"]

@@ -115,6 +115,15 @@ impl ConsumerSession {
         }
     }
 
+    /// Leaves `vb`'s position out of the next batch. `last_touched` goes too: the next
+    /// `touch` of `vb` must put it back.
+    pub(super) fn untouch(&mut self, vb: u16) {
+        self.touched.remove(&vb);
+        if self.last_touched == Some(vb) {
+            self.last_touched = None;
+        }
+    }
+
     /// Hands the batch (with the positions it moved) to the reader; false when the reader is gone.
     pub(super) fn flush(&mut self) -> bool {
         if self.batch.is_empty()

@@ -127,7 +127,7 @@ impl ConsumerSession {
                     }
                     RollbackMode::Ask => {
                         // The reader sees everything before the rollback first.
-                        self.touched.remove(&vb);
+                        self.untouch(vb);
                         if !self.flush() {
                             return Ok(());
                         }
@@ -150,7 +150,7 @@ impl ConsumerSession {
                     String::from_utf8_lossy(r.value)
                 );
                 self.streams.get_mut(&vb).expect("checked").ended = true;
-                self.touched.remove(&vb);
+                self.untouch(vb);
                 self.batch.refused.push(vb);
                 Ok(())
             }
