@@ -19,8 +19,12 @@
 
 use std::collections::VecDeque;
 
+use bytes::Bytes;
 use sluice_proto::tank::bundle::Bundle;
-use sluice_proto::tank::{put_varint, DecodeError, Reader};
+use sluice_proto::tank::{varint, DecodeError, Reader};
+
+mod segment_bytes;
+use segment_bytes::SegmentBytes;
 
 /// The largest message set a Snappy bundle may expand to.
 const MAX_SET: usize = 64 << 20;
@@ -99,7 +103,7 @@ struct Segment {
     base_seq: u64,
     next_seq: u64,
     /// Bundles, each after its varint length.
-    data: Vec<u8>,
+    data: SegmentBytes,
     /// (sequence number - base_seq, offset of the bundle whose first message it is).
     index: Vec<(u32, u32)>,
     /// When its newest bundle arrived (ms since the epoch), for retention by age.
@@ -113,7 +117,7 @@ impl Segment {
         Segment {
             base_seq,
             next_seq: base_seq,
-            data: Vec::with_capacity(reserve),
+            data: SegmentBytes::with_capacity(reserve),
             index: Vec::new(),
             newest_ms: 0,
         }
@@ -126,7 +130,7 @@ impl Segment {
         let (r, at) = self.index[i - 1];
         let (mut at, mut first) = (at as usize, self.base_seq + r as u64);
         loop {
-            let (len, count) = stored_bundle(&self.data[at..]);
+            let (len, count) = stored_bundle(&self.data.as_slice()[at..]);
             if seq < first + count {
                 return (at, first);
             }
@@ -150,6 +154,61 @@ fn stored_bundle(data: &[u8]) -> (usize, u64) {
     (head + len, span)
 }
 
+/// Stored bundles a read found: borrowed while the partition is locked (they deref to their
+/// bytes), or shared past that (`share`) to be sent as they are.
+#[derive(Clone, Copy)]
+pub struct Stored<'a> {
+    data: &'a SegmentBytes,
+    start: usize,
+    end: usize,
+}
+
+impl Stored<'_> {
+    /// The same bytes as a `Bytes` that keeps them alive on its own, without a copy.
+    pub fn share(&self) -> Bytes {
+        self.data.share(self.start..self.end)
+    }
+}
+
+impl std::ops::Deref for Stored<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.data.as_slice()[self.start..self.end]
+    }
+}
+
+impl PartialEq for Stored<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Stored<'_> {}
+
+impl std::fmt::Debug for Stored<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stored({} bytes)", self.len())
+    }
+}
+
+/// Where a read puts the bundles it found: a copy into a buffer, or a shared handle on them.
+pub trait ChunkSink {
+    fn put(&mut self, bundles: Stored<'_>);
+}
+
+impl ChunkSink for Vec<u8> {
+    fn put(&mut self, bundles: Stored<'_>) {
+        self.extend_from_slice(&bundles);
+    }
+}
+
+impl ChunkSink for Vec<Bytes> {
+    fn put(&mut self, bundles: Stored<'_>) {
+        self.push(bundles.share());
+    }
+}
+
 /// What a read found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Read<'a> {
@@ -158,7 +217,7 @@ pub enum Read<'a> {
     Chunk {
         base_seq: u64,
         high_water_mark: u64,
-        bundles: &'a [u8],
+        bundles: Stored<'a>,
     },
     /// The sequence number asked for is the next one to be produced: nothing yet.
     Tail {
@@ -383,7 +442,9 @@ impl PartitionLog {
             seg.index.push(((first - seg.base_seq) as u32, at as u32));
         }
         let before = seg.data.len();
-        put_varint(&mut seg.data, bundle.len() as u64);
+        let mut head = [0u8; 10];
+        seg.data
+            .extend_from_slice(varint(&mut head, bundle.len() as u64));
         seg.data.extend_from_slice(bundle);
         // Once a segment holds a step, each step it enters has the next one's pages faulted
         // in ahead of it, off this thread (a segment that holds little keeps little resident).
@@ -443,14 +504,18 @@ impl PartitionLog {
             && next < visible
             && (end == start || end - start < fetch_size as usize)
         {
-            let (len, count) = stored_bundle(&seg.data[end..]);
+            let (len, count) = stored_bundle(&seg.data.as_slice()[end..]);
             end += len;
             next += count;
         }
         Read::Chunk {
             base_seq,
             high_water_mark,
-            bundles: &seg.data[start..end],
+            bundles: Stored {
+                data: &seg.data,
+                start,
+                end,
+            },
         }
     }
 
@@ -459,9 +524,10 @@ impl PartitionLog {
     pub fn for_each_bundle(&self, mut each: impl FnMut(u64, u64, u64, &[u8])) {
         for seg in &self.segments {
             let (mut at, mut first) = (0, seg.base_seq);
-            while at < seg.data.len() {
-                let (len, count) = stored_bundle(&seg.data[at..]);
-                let mut r = Reader::new(&seg.data[at..at + len]);
+            let data = seg.data.as_slice();
+            while at < data.len() {
+                let (len, count) = stored_bundle(&data[at..]);
+                let mut r = Reader::new(&data[at..at + len]);
                 let n = r
                     .varint_len("a stored bundle")
                     .expect("stored bundles are whole");

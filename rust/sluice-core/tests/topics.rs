@@ -34,7 +34,7 @@ fn read_all(engine: &Engine, topic: &str, partition: u16, mut seq: u64) -> Vec<(
     let t = engine.topic(topic).expect("topic");
     let mut out = Vec::new();
     loop {
-        let mut buf = Vec::new();
+        let mut buf: Vec<u8> = Vec::new();
         match engine
             .read_topic(&t, partition, seq, 1 << 16, &mut buf)
             .unwrap()
@@ -198,6 +198,36 @@ fn retention_drops_old_segments_and_a_reopened_topic_keeps_its_settings() {
 }
 
 #[test]
+fn a_shared_read_is_the_copied_one_and_outlives_retention_dropping_its_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(common::config(dir.path(), WalMode::Write, 4)).unwrap();
+    engine
+        .create_topic(
+            "logs",
+            1,
+            "log.segment.bytes=4096\nlog.retention.bytes=4096",
+        )
+        .unwrap();
+    for i in 0..10 {
+        produce(&engine, "logs", 0, &[format!("{i:0>200}")], false);
+    }
+    let t = engine.topic("logs").unwrap();
+    let (mut copied, mut shared) = (Vec::<u8>::new(), Vec::<bytes::Bytes>::new());
+    let a = engine.read_topic(&t, 0, 1, 1 << 16, &mut copied).unwrap();
+    let b = engine.read_topic(&t, 0, 1, 1 << 16, &mut shared).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(shared.len(), 1);
+    assert_eq!(&shared[0][..], &copied[..]);
+    // The segment read from goes; what was shared from it stays as it was.
+    for i in 10..100 {
+        produce(&engine, "logs", 0, &[format!("{i:0>200}")], false);
+    }
+    assert!(engine.enforce_topic_retention(0) > 0);
+    assert!(read_all(&engine, "logs", 0, 0)[0].0 > 10);
+    assert_eq!(&shared[0][..], &copied[..]);
+}
+
+#[test]
 fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
     use sluice_core::wal::writer::Failpoint;
     let dir = tempfile::tempdir().unwrap();
@@ -210,7 +240,7 @@ fn a_bundle_is_read_only_once_the_wal_file_holds_it() {
     let w = engine
         .produce(&t, 0, None, bundle_of(&messages("b", 3), false).into())
         .unwrap();
-    let mut buf = Vec::new();
+    let mut buf: Vec<u8> = Vec::new();
     match engine.read_topic(&t, 0, 3, 1 << 16, &mut buf).unwrap() {
         TopicRead::Tail {
             high_water_mark,

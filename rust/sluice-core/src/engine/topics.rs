@@ -7,13 +7,13 @@ use std::sync::Arc;
 use super::{Engine, Inner, Written};
 use crate::config::Durability;
 use crate::error::{Error, Result};
-use crate::partition_log::{LogConfig, PartitionLog, Read};
+use crate::partition_log::{ChunkSink, LogConfig, PartitionLog, Read};
 use crate::recovery::RecoveredTopic;
 use crate::topic::{Partition, Topic};
 use crate::wal::writer::{MetaRecord, WalPayload};
 use crate::wal::WalMode;
 
-/// What a read from a partition found; a chunk's bundles were appended to the caller's buffer.
+/// What a read from a partition found; a chunk's bundles went to the caller's `ChunkSink`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TopicRead {
     Chunk {
@@ -184,8 +184,8 @@ impl Engine {
         Ok(w.value)
     }
 
-    /// Reads a partition from `seq` (`PartitionLog::read`), appending a chunk's stored bundles
-    /// to `out`. Bundles the WAL file does not hold yet are not read: a reader never sees a
+    /// Reads a partition from `seq` (`PartitionLog::read`), putting a chunk's stored bundles
+    /// in `out` (a copy into a buffer, or shared as they are: `ChunkSink`). Bundles the WAL file does not hold yet are not read: a reader never sees a
     /// message that a crash could take back and number again.
     pub fn read_topic(
         &self,
@@ -193,7 +193,7 @@ impl Engine {
         partition: u16,
         seq: u64,
         fetch_size: u32,
-        out: &mut Vec<u8>,
+        out: &mut impl ChunkSink,
     ) -> Result<TopicRead> {
         let mut part = topic.lock_partition(partition).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -209,12 +209,13 @@ impl Engine {
                 high_water_mark,
                 bundles,
             } => {
-                out.extend_from_slice(bundles);
-                part.consumed_bytes += bundles.len() as u64;
+                let len = bundles.len();
+                out.put(bundles);
+                part.consumed_bytes += len as u64;
                 TopicRead::Chunk {
                     base_seq,
                     high_water_mark,
-                    len: bundles.len(),
+                    len,
                 }
             }
             Read::Tail {

@@ -1,6 +1,7 @@
 use sluice_proto::tank::bundle::{self, codec, NewMessage};
 
 use super::*;
+use sluice_proto::tank::put_varint;
 
 /// A plain bundle of `n` messages of `size` bytes, stamped `ts`.
 fn bundle_of(n: usize, size: usize, ts: u64) -> Vec<u8> {
@@ -83,11 +84,11 @@ fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
         panic!()
     };
     assert_eq!((base_seq, high_water_mark), (1, 6));
-    assert_eq!(seqs(bundles, base_seq), [1]);
+    assert_eq!(seqs(&bundles, base_seq), [1]);
     let Read::Chunk { bundles, .. } = log.read(1, 20) else {
         panic!()
     };
-    assert_eq!(seqs(bundles, 1), [1, 2, 3, 4]);
+    assert_eq!(seqs(&bundles, 1), [1, 2, 3, 4]);
     // A sequence number inside a bundle: from that bundle's first message.
     let Read::Chunk {
         base_seq, bundles, ..
@@ -96,7 +97,7 @@ fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
         panic!()
     };
     assert_eq!(base_seq, 2);
-    assert_eq!(seqs(bundles, base_seq), [2, 3, 4, 5, 6]);
+    assert_eq!(seqs(&bundles, base_seq), [2, 3, 4, 5, 6]);
     // The next one to be produced, asked for by number or as the tail: nothing yet.
     assert_eq!(log.read(7, 100), tail(6));
     assert_eq!(log.read(u64::MAX, 100), tail(6));
@@ -136,7 +137,7 @@ fn every_sequence_number_is_found_through_the_sparse_index_across_segments() {
             .find(|(f, c)| seq >= *f && seq < f + c)
             .unwrap();
         assert_eq!(base_seq, first, "seq {seq}");
-        let got = seqs(bundles, base_seq);
+        let got = seqs(&bundles, base_seq);
         assert_eq!(got.len() as u64, count, "one whole bundle for fetch size 1");
         assert!(got.contains(&seq));
     }
@@ -253,20 +254,20 @@ fn a_sparse_bundle_is_placed_at_its_own_numbers_and_read_by_them() {
         panic!("a chunk")
     };
     assert_eq!(base_seq, 7);
-    assert_eq!(seqs(bundles, base_seq), vec![7, 9, 12]);
+    assert_eq!(seqs(&bundles, base_seq), vec![7, 9, 12]);
     // 3 to 6 were never produced here: the sparse bundle began a segment, which a read from
     // the gap starts at.
     let Read::Chunk { bundles, .. } = log.read(1, 1 << 20) else {
         panic!("a chunk")
     };
-    assert_eq!(seqs(bundles, 1), vec![1, 2]);
+    assert_eq!(seqs(&bundles, 1), vec![1, 2]);
     let Read::Chunk {
         base_seq, bundles, ..
     } = log.read(3, 1 << 20)
     else {
         panic!("a chunk")
     };
-    assert_eq!(seqs(bundles, base_seq), vec![7, 9, 12, 13]);
+    assert_eq!(seqs(&bundles, base_seq), vec![7, 9, 12, 13]);
     // Behind the end, or numbered out of order: refused.
     let again = sparse_of(&[12, 20]);
     let c = PartitionLog::check(&again).unwrap();

@@ -220,12 +220,20 @@ impl<'a> Reader<'a> {
     }
 }
 
-pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub fn put_varint(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(varint(&mut [0; 10], v));
+}
+
+/// `v` as a varint (LEB128, as TANK writes them), in `buf`.
+pub fn varint(buf: &mut [u8; 10], mut v: u64) -> &[u8] {
+    let mut n = 0;
     while v >= 0x80 {
-        out.push(v as u8 | 0x80);
+        buf[n] = v as u8 | 0x80;
         v >>= 7;
+        n += 1;
     }
-    out.push(v as u8);
+    buf[n] = v as u8;
+    &buf[..=n]
 }
 
 pub fn put_str8(out: &mut Vec<u8>, s: &[u8]) {

@@ -799,12 +799,20 @@ pub async fn send_acknowledged(
     if out.is_empty() {
         return Ok(());
     }
-    if let Err(e) = engine.wal().written(owed_lsn).await {
-        log::warn!("closing a connection with unsent replies: {e}");
+    if let Err(e) = acknowledged(engine, owed_lsn).await {
         out.clear();
-        return Err(std::io::Error::other(e.to_string()));
+        return Err(e);
     }
     crate::tls::write_out(socket, out, &stats.bytes_out, keep).await
+}
+
+/// Waits until the WAL holds every change up to `owed_lsn`, which the replies about to be sent
+/// acknowledge; Err (logged) when it stopped without writing them.
+pub async fn acknowledged(engine: &Engine, owed_lsn: u64) -> std::io::Result<()> {
+    engine.wal().written(owed_lsn).await.map_err(|e| {
+        log::warn!("closing a connection with unsent replies: {e}");
+        std::io::Error::other(e.to_string())
+    })
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! the logs). TANK has no login: the listener is for loopback or a trusted network, as a TANK
 //! broker is.
 
+mod outbox;
 mod session;
 
 use std::sync::atomic::AtomicU64;

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use sluice_core::engine::TopicRead;
 use sluice_core::topic::Topic;
 use sluice_core::Error;
@@ -22,6 +22,7 @@ use sluice_proto::tank::{self, Frame, PING_FRAME};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
+use super::outbox::Outbox;
 use super::TankContext;
 use crate::tls::MaybeTls;
 
@@ -31,6 +32,8 @@ const FLUSH_AT: usize = 256 << 10;
 const MAX_COALESCED_READS: usize = 16;
 /// The least room a read is given.
 const READ_AT_LEAST: usize = 64 << 10;
+/// The most room a read is given for a frame whose length is not known yet (see `last_frame`).
+const READ_AT_MOST: usize = 1 << 20;
 /// A produce entry refused for a reason of this node's (the WAL failing, a full queue).
 const SYSTEM_ERROR: u8 = 0x03;
 /// How often a waiting consume looks at topics other than the first it names.
@@ -55,11 +58,15 @@ pub(super) async fn run(
     }
     ctx.io.bytes_out.fetch_add(PING_FRAME.len() as u64, Relaxed);
     let mut inbuf = BytesMut::with_capacity(16 << 10);
-    let mut out = Vec::new();
+    let mut out = Outbox::default();
     let mut owed_lsn = 0;
     // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
     let mut parked: Vec<Parked> = Vec::new();
     let mut coalesced = 0;
+    // The length of the last frame read: a producer sends bundles of much the same size, and
+    // room for a whole one lets one read take it, where a read into less room would take part
+    // of it that then moves when the buffer grows to the length its header gives.
+    let mut last_frame = 0;
     let mut stop_changes = crate::armed::watch_changes(stop.clone());
     loop {
         loop {
@@ -68,7 +75,8 @@ pub(super) async fn run(
                 Ok(Frame::Incomplete(need)) => {
                     // Room for the whole frame (its length is within max_frame), so that
                     // reads fill it in large steps.
-                    inbuf.reserve(need.max(READ_AT_LEAST).saturating_sub(inbuf.len()));
+                    let room = need.max(last_frame.min(READ_AT_MOST)).max(READ_AT_LEAST);
+                    inbuf.reserve(room.saturating_sub(inbuf.len()));
                     break;
                 }
                 Err(e) => {
@@ -82,6 +90,7 @@ pub(super) async fn run(
             };
             // Frozen: a produced bundle goes to the WAL as a slice of it, not a copy.
             let frame = inbuf.split_to(payload.1).freeze();
+            last_frame = frame.len();
             let req = match Request::decode(id, &frame[payload.0..]) {
                 Ok(r) => r,
                 Err(e) => {
@@ -95,7 +104,7 @@ pub(super) async fn run(
             };
             match req {
                 Request::Ping => {}
-                Request::Produce(p) => produce(&ctx, &frame, &p, &mut out, &mut owed_lsn),
+                Request::Produce(p) => produce(&ctx, &frame, &p, &mut out.buf, &mut owed_lsn),
                 Request::Consume(c) => {
                     let mut p = Parked::new(&ctx, &c);
                     let full = parked.len() >= MAX_WAITING;
@@ -103,9 +112,9 @@ pub(super) async fn run(
                         parked.push(p);
                     }
                 }
-                Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out, &mut owed_lsn),
+                Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out.buf, &mut owed_lsn),
                 Request::DiscoverPartitions { request_id, topic } => {
-                    discover_partitions(&ctx, request_id, topic, &mut out)
+                    discover_partitions(&ctx, request_id, topic, &mut out.buf)
                 }
                 Request::DiscoverTopics { request_id, .. } => {
                     let topics = ctx.engine.topics();
@@ -117,9 +126,9 @@ pub(super) async fn run(
                             .map(|t| (t.name.as_bytes(), true, t.num_partitions()))
                             .collect(),
                     }
-                    .write(&mut out)
+                    .write(&mut out.buf)
                 }
-                Request::Status { request_id } => status(&ctx, request_id, &mut out),
+                Request::Status { request_id } => status(&ctx, request_id, &mut out.buf),
             }
             if out.len() >= FLUSH_AT && send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() {
                 return;
@@ -228,11 +237,18 @@ pub(super) async fn run(
 /// Sends what is answered, once the WAL holds every bundle a produce answer acknowledges.
 async fn send(
     socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
+    out: &mut Outbox,
     owed_lsn: u64,
     ctx: &TankContext,
 ) -> std::io::Result<()> {
-    crate::kv::send_acknowledged(socket, out, &ctx.engine, owed_lsn, &ctx.io, FLUSH_AT).await
+    if out.is_empty() {
+        return Ok(());
+    }
+    if let Err(e) = crate::kv::acknowledged(&ctx.engine, owed_lsn).await {
+        out.clear();
+        return Err(e);
+    }
+    out.write_to(socket, &ctx.io.bytes_out, FLUSH_AT).await
 }
 
 fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
@@ -368,7 +384,7 @@ impl Parked {
     /// at the first look (what is there answers at once, as TANK's broker does), when its min
     /// bytes (one at least) are there, or when `now` is past its deadline or `force` is set;
     /// otherwise nothing is written and it waits.
-    fn answer(&mut self, out: &mut Vec<u8>, now: Instant, force: bool) -> bool {
+    fn answer(&mut self, out: &mut Outbox, now: Instant, force: bool) -> bool {
         // The generation before the look: a produce after it wakes the wait.
         self.seen = self.topics.iter().find_map(|a| a.topic.clone()).map(|t| {
             let g = t.changes.generation();
@@ -376,7 +392,9 @@ impl Parked {
         });
         let ctx = self.ctx.clone();
         self.unwritten_lsn = None;
-        let mut chunks = Vec::new();
+        // Each partition read puts one shared chunk here.
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut chunk_bytes = 0;
         let mut at_tail = false;
         let mut answers = Vec::with_capacity(self.topics.len());
         for Asked {
@@ -407,24 +425,33 @@ impl Parked {
                     // A chunk that starts with a sparse bundle leaves its numbering to that
                     // bundle's header, as TANK's broker answers.
                     Ok(TopicRead::Chunk {
-                        high_water_mark, ..
-                    }) if first_bundle_is_sparse(&chunks[before..]) => {
+                        high_water_mark,
+                        len,
+                        ..
+                    }) if chunks[before..]
+                        .first()
+                        .is_some_and(|c| first_bundle_is_sparse(c)) =>
+                    {
+                        chunk_bytes += len;
                         PartitionAnswer::SparseData {
                             partition: *partition,
                             high_water_mark,
-                            chunk_len: (chunks.len() - before) as u32,
+                            chunk_len: len as u32,
                         }
                     }
                     Ok(TopicRead::Chunk {
                         base_seq,
                         high_water_mark,
-                        ..
-                    }) => PartitionAnswer::Data {
-                        partition: *partition,
-                        base_seq,
-                        high_water_mark,
-                        chunk_len: (chunks.len() - before) as u32,
-                    },
+                        len,
+                    }) => {
+                        chunk_bytes += len;
+                        PartitionAnswer::Data {
+                            partition: *partition,
+                            base_seq,
+                            high_water_mark,
+                            chunk_len: len as u32,
+                        }
+                    }
                     Ok(TopicRead::Tail {
                         high_water_mark,
                         first_available,
@@ -463,20 +490,22 @@ impl Parked {
         let expired = self.deadline.is_some_and(|d| now >= d);
         // Once waiting, a consume waits for its min bytes, not for the first bundle to come
         // (TANK's broker counts what is appended for a waiting consume the same way).
-        if (at_tail || self.counted) && chunks.len() < self.wanted && !expired && !force {
+        if (at_tail || self.counted) && chunk_bytes < self.wanted && !expired && !force {
             self.count_wait(true);
             return false;
         }
         ctx.stats.consumes.fetch_add(1, Relaxed);
         ctx.stats
             .consumed_bytes
-            .fetch_add(chunks.len() as u64, Relaxed);
+            .fetch_add(chunk_bytes as u64, Relaxed);
         ConsumeAnswer {
             request_id: self.request_id,
             topics: answers,
         }
-        .write_headers(out);
-        out.extend_from_slice(&chunks);
+        .write_headers(&mut out.buf);
+        for c in chunks {
+            out.bundles(c);
+        }
         self.count_wait(false);
         true
     }
