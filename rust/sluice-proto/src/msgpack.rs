@@ -59,9 +59,11 @@ impl std::error::Error for DecodeError {}
 
 #[inline]
 pub fn write_uint(out: &mut Vec<u8>, v: u64) {
-    let mut b = [0u8; MAX_UINT_LEN];
-    let n = put_uint(&mut b, 0, v);
-    out.extend_from_slice(&b[..n]);
+    // Encoded in place: a copy of its variable length from a stack buffer is a call to memcpy.
+    let at = out.len();
+    out.resize(at + MAX_UINT_LEN, 0);
+    let end = put_uint(out, at, v);
+    out.truncate(end);
 }
 
 /// Longest encoding of an unsigned integer.
@@ -451,6 +453,10 @@ impl<'a> Reader<'a> {
     /// `max_depth` levels of nesting. Iterative, so hostile nesting costs no stack; every
     /// element needs at least one byte, so it ends within the input's length.
     pub fn skip_value(&mut self, max_depth: usize) -> Result<(), DecodeError> {
+        // A scalar, what most fields are, is one read, without the walk below.
+        if let Some(0x00..=0x7f | 0xa0..=0xdb | 0xe0..=0xff) = self.buf.get(self.pos) {
+            return self.read_value().map(|_| ());
+        }
         // Elements still to read at each open level: the first levels on the stack (every
         // request skips a header, a body and a tuple, so no allocation for them), deeper
         // ones in `spill`.

@@ -42,8 +42,23 @@ pub struct Fields<'a> {
 impl<'a> Fields<'a> {
     pub fn parse(payload: &'a [u8]) -> Result<Fields<'a>, PayloadError> {
         let mut fields = Fields::default();
+        Fields::each(payload, |key, value| {
+            fields.entries.push((key, value));
+            Ok(())
+        })?;
+        Ok(fields)
+    }
+
+    /// Reads a payload map once, in order, handing `each` every key and its raw value, with
+    /// the checks `parse` makes: a map (an empty payload is an empty one), at most
+    /// `MAX_FIELDS` fields, no key twice, nothing after it. For requests read on hot paths,
+    /// which take the fields they know as they go instead of looking each up by name.
+    pub fn each(
+        payload: &'a [u8],
+        mut each: impl FnMut(&'a [u8], &'a [u8]) -> Result<(), PayloadError>,
+    ) -> Result<(), PayloadError> {
         if payload.is_empty() {
-            return Ok(fields);
+            return Ok(());
         }
         let bad = |e: msgpack::DecodeError| err(format!("the payload is not a msgpack map: {e}"));
         let mut r = Reader::new(payload);
@@ -53,86 +68,53 @@ impl<'a> Fields<'a> {
                 "a payload of {n} fields: at most {MAX_FIELDS} are read"
             )));
         }
+        let mut keys: SmallVec<[&[u8]; INLINE_FIELDS]> = SmallVec::new();
         for _ in 0..n {
             let key = r.read_str().map_err(bad)?;
-            if fields.entries().any(|(k, _)| *k == key) {
+            if keys.contains(&key) {
                 return Err(err(format!(
                     "field '{}' is given twice",
                     String::from_utf8_lossy(key)
                 )));
             }
+            keys.push(key);
             let value = r.read_raw_value(MAX_DEPTH).map_err(bad)?;
-            fields.entries.push((key, value));
+            each(key, value)?;
         }
         if !r.is_empty() {
             return Err(err("bytes after the payload's map".into()));
         }
-        Ok(fields)
+        Ok(())
     }
 
-    fn entries(&self) -> impl Iterator<Item = &(&'a [u8], &'a [u8])> {
-        self.entries.iter()
-    }
-
-    fn value(&self, name: &str) -> Result<Option<Value<'a>>, PayloadError> {
-        let Some(&(_, raw)) = self.entries().find(|(k, _)| *k == name.as_bytes()) else {
-            return Ok(None);
-        };
-        Reader::new(raw)
-            .read_value()
-            .map(Some)
-            .map_err(|e| err(format!("field '{name}': {e}")))
-    }
-
-    fn typed<T>(
-        &self,
-        name: &str,
-        expected: &str,
-        pick: impl Fn(Value<'a>) -> Option<T>,
-    ) -> Result<Option<T>, PayloadError> {
-        match self.value(name)? {
-            None | Some(Value::Nil) => Ok(None),
-            Some(v) => pick(v)
-                .map(Some)
-                .ok_or_else(|| err(format!("field '{name}' must be {expected}"))),
-        }
+    /// The raw value of field `name`, if given.
+    fn raw(&self, name: &str) -> Option<Raw<'a>> {
+        self.entries
+            .iter()
+            .find(|(k, _)| *k == name.as_bytes())
+            .map(|&(_, raw)| Raw(raw))
     }
 
     /// A string or binary field (document ids may be either).
     pub fn bytes(&self, name: &str) -> Result<Option<&'a [u8]>, PayloadError> {
-        self.typed(name, "a string or binary", |v| match v {
-            Value::Str(b) | Value::Bin(b) => Some(b),
-            _ => None,
-        })
+        self.raw(name).map_or(Ok(None), |r| r.bytes(name))
     }
 
     pub fn str(&self, name: &str) -> Result<Option<&'a str>, PayloadError> {
-        self.typed(name, "a UTF-8 string", |v| match v {
-            Value::Str(b) => std::str::from_utf8(b).ok(),
-            _ => None,
-        })
+        self.raw(name).map_or(Ok(None), |r| r.str(name))
     }
 
     pub fn uint(&self, name: &str) -> Result<Option<u64>, PayloadError> {
-        self.typed(name, "an unsigned integer", |v| match v {
-            Value::UInt(n) => Some(n),
-            _ => None,
-        })
+        self.raw(name).map_or(Ok(None), |r| r.uint(name))
     }
 
     /// An unsigned integer field that must fit `max`.
     pub fn uint_max(&self, name: &str, max: u64) -> Result<Option<u64>, PayloadError> {
-        match self.uint(name)? {
-            Some(n) if n > max => Err(err(format!("field '{name}' is at most {max}, not {n}"))),
-            v => Ok(v),
-        }
+        self.raw(name).map_or(Ok(None), |r| r.uint_max(name, max))
     }
 
     pub fn bool(&self, name: &str) -> Result<Option<bool>, PayloadError> {
-        self.typed(name, "true or false", |v| match v {
-            Value::Bool(b) => Some(b),
-            _ => None,
-        })
+        self.raw(name).map_or(Ok(None), |r| r.bool(name))
     }
 
     /// A field that must be there.
@@ -141,8 +123,84 @@ impl<'a> Fields<'a> {
         name: &str,
         get: impl Fn(&Self, &str) -> Result<Option<T>, PayloadError>,
     ) -> Result<T, PayloadError> {
-        get(self, name)?.ok_or_else(|| err(format!("field '{name}' is missing")))
+        get(self, name)?.ok_or_else(|| missing(name))
     }
+}
+
+fn missing(name: &str) -> PayloadError {
+    err(format!("field '{name}' is missing"))
+}
+
+/// A field's value as its raw msgpack, decoded as the type asked for (nil reads as not given);
+/// `name` is the field's, for the errors.
+#[derive(Debug, Clone, Copy)]
+struct Raw<'a>(&'a [u8]);
+
+impl<'a> Raw<'a> {
+    fn typed<T>(
+        self,
+        name: &str,
+        expected: &str,
+        pick: impl Fn(Value<'a>) -> Option<T>,
+    ) -> Result<Option<T>, PayloadError> {
+        match Reader::new(self.0)
+            .read_value()
+            .map_err(|e| err(format!("field '{name}': {e}")))?
+        {
+            Value::Nil => Ok(None),
+            v => pick(v)
+                .map(Some)
+                .ok_or_else(|| err(format!("field '{name}' must be {expected}"))),
+        }
+    }
+
+    fn bytes(self, name: &str) -> Result<Option<&'a [u8]>, PayloadError> {
+        self.typed(name, "a string or binary", |v| match v {
+            Value::Str(b) | Value::Bin(b) => Some(b),
+            _ => None,
+        })
+    }
+
+    fn str(self, name: &str) -> Result<Option<&'a str>, PayloadError> {
+        self.typed(name, "a UTF-8 string", |v| match v {
+            Value::Str(b) => std::str::from_utf8(b).ok(),
+            _ => None,
+        })
+    }
+
+    fn uint(self, name: &str) -> Result<Option<u64>, PayloadError> {
+        self.typed(name, "an unsigned integer", |v| match v {
+            Value::UInt(n) => Some(n),
+            _ => None,
+        })
+    }
+
+    fn uint_max(self, name: &str, max: u64) -> Result<Option<u64>, PayloadError> {
+        match self.uint(name)? {
+            Some(n) if n > max => Err(err(format!("field '{name}' is at most {max}, not {n}"))),
+            v => Ok(v),
+        }
+    }
+
+    fn bool(self, name: &str) -> Result<Option<bool>, PayloadError> {
+        self.typed(name, "true or false", |v| match v {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        })
+    }
+}
+
+/// GET's request `{id}`, read once (a hot path).
+pub fn get_id(payload: &[u8]) -> Result<&[u8], PayloadError> {
+    let mut id = None;
+    Fields::each(payload, |key, value| {
+        if key == b"id" {
+            id = Some(Raw(value));
+        }
+        Ok(())
+    })?;
+    id.map_or(Ok(None), |r| r.bytes("id"))?
+        .ok_or_else(|| missing("id"))
 }
 
 /// Writes a payload map of `n` fields; each `field` call writes a key and its value.
@@ -230,27 +288,55 @@ pub struct Mutation<'a> {
 }
 
 impl<'a> Mutation<'a> {
+    /// The request from its payload, read once: each field it knows is taken as the map is
+    /// read (MUTATION is a hot path), then decoded in a fixed order, so that a request with
+    /// several faults gets the same error whichever order its fields came in.
     pub fn parse(payload: &'a [u8]) -> Result<Mutation<'a>, PayloadError> {
-        Mutation::from_fields(&Fields::parse(payload)?)
-    }
-
-    /// The request from its payload's fields, already read.
-    pub fn from_fields(f: &Fields<'a>) -> Result<Mutation<'a>, PayloadError> {
-        let code = f.required("type", Fields::uint)?;
+        let mut raw = [None::<Raw<'a>>; 8];
+        Fields::each(payload, |key, value| {
+            let i = match key {
+                b"type" => 0,
+                b"id" => 1,
+                b"value" => 2,
+                b"flags" => 3,
+                b"expiration" => 4,
+                b"cas" => 5,
+                b"datatype" => 6,
+                b"durability" => 7,
+                _ => return Ok(()),
+            };
+            raw[i] = Some(Raw(value));
+            Ok(())
+        })?;
+        let [ty, id, value, flags, expiration, cas, datatype, durability] = raw;
+        let code = ty
+            .map_or(Ok(None), |r| r.uint("type"))?
+            .ok_or_else(|| missing("type"))?;
         let kind = MutationKind::from_code(code).ok_or_else(|| {
             err(format!(
                 "field 'type': no mutation {code} (0 add .. 5 patch)"
             ))
         })?;
+        let u32_max = u32::MAX as u64;
         Ok(Mutation {
             kind,
-            id: f.required("id", Fields::bytes)?,
-            value: f.bytes("value")?.unwrap_or_default(),
-            flags: f.uint_max("flags", u32::MAX as u64)?.unwrap_or(0) as u32,
-            expiration: f.uint_max("expiration", u32::MAX as u64)?.unwrap_or(0) as u32,
-            cas: f.uint("cas")?.unwrap_or(0),
-            datatype: f.uint_max("datatype", 1)?.unwrap_or(0) as u8,
-            durability: f.str("durability")?,
+            id: id
+                .map_or(Ok(None), |r| r.bytes("id"))?
+                .ok_or_else(|| missing("id"))?,
+            value: value
+                .map_or(Ok(None), |r| r.bytes("value"))?
+                .unwrap_or_default(),
+            flags: flags
+                .map_or(Ok(None), |r| r.uint_max("flags", u32_max))?
+                .unwrap_or(0) as u32,
+            expiration: expiration
+                .map_or(Ok(None), |r| r.uint_max("expiration", u32_max))?
+                .unwrap_or(0) as u32,
+            cas: cas.map_or(Ok(None), |r| r.uint("cas"))?.unwrap_or(0),
+            datatype: datatype
+                .map_or(Ok(None), |r| r.uint_max("datatype", 1))?
+                .unwrap_or(0) as u8,
+            durability: durability.map_or(Ok(None), |r| r.str("durability"))?,
         })
     }
 }
@@ -290,6 +376,84 @@ mod tests {
                 durability: None,
             })
         );
+    }
+
+    #[test]
+    fn a_mutation_reads_the_same_whatever_its_fields_order_and_faults_come_in_a_fixed_order() {
+        let forward = map(
+            |m| {
+                m.uint("type", 2)
+                    .bin("id", b"k")
+                    .bin("value", b"v")
+                    .uint("flags", 7)
+                    .uint("expiration", 30)
+                    .uint("cas", 9)
+                    .str("durability", "majority");
+            },
+            7,
+        );
+        let backward = map(
+            |m| {
+                m.str("durability", "majority")
+                    .uint("cas", 9)
+                    .uint("expiration", 30)
+                    .uint("flags", 7)
+                    .bin("value", b"v")
+                    .bin("id", b"k")
+                    .uint("type", 2);
+            },
+            7,
+        );
+        let m = Mutation::parse(&forward).unwrap();
+        assert_eq!(Mutation::parse(&backward).unwrap(), m);
+        let want = Mutation {
+            kind: MutationKind::Replace,
+            id: b"k",
+            value: b"v",
+            flags: 7,
+            expiration: 30,
+            cas: 9,
+            datatype: 0,
+            durability: Some("majority"),
+        };
+        assert_eq!(m, want);
+        // Two faults: the type's is told first, whichever field came first.
+        let two = map(
+            |m| {
+                m.str("flags", "x").str("type", "set");
+            },
+            2,
+        );
+        assert!(Mutation::parse(&two).unwrap_err().0.contains("'type'"));
+        let twice = map(
+            |m| {
+                m.uint("type", 1).bin("id", b"a").bin("id", b"b");
+            },
+            3,
+        );
+        assert!(Mutation::parse(&twice)
+            .unwrap_err()
+            .0
+            .contains("given twice"));
+    }
+
+    #[test]
+    fn a_get_reads_its_id_and_ignores_other_fields() {
+        let p = map(
+            |m| {
+                m.str("lane_hint", "x").bin("id", b"doc");
+            },
+            2,
+        );
+        assert_eq!(get_id(&p), Ok(&b"doc"[..]));
+        assert!(get_id(&map(|_| {}, 0))
+            .unwrap_err()
+            .0
+            .contains("'id' is missing"));
+        assert!(get_id(b"\x91\x01")
+            .unwrap_err()
+            .0
+            .contains("not a msgpack map"));
     }
 
     #[test]

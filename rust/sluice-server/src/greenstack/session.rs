@@ -20,7 +20,7 @@ use sluice_core::durability::Requirement;
 use sluice_core::engine::{MutationResult, StoreMode, StoreRequest, Update};
 use sluice_core::vbucket::VbState;
 use sluice_core::Error;
-use sluice_proto::greenstack::payload::{Fields, MapWriter, Mutation, MutationKind};
+use sluice_proto::greenstack::payload::{self, Fields, MapWriter, Mutation, MutationKind};
 use sluice_proto::greenstack::{
     self as gs, flag, flex_key, opcode, status, Check, FlexEntry, Frame, FrameOut,
 };
@@ -939,7 +939,7 @@ impl Session {
     /// After a write: when the bucket is above its high watermark, tells the client to back
     /// off (at most once a second), with a delay that grows as memory nears the quota.
     fn maybe_backoff(&mut self, out: &mut Vec<u8>) {
-        let Some(b) = self.bucket.clone() else {
+        let Some(b) = &self.bucket else {
             return;
         };
         if !b.above_high_watermark()
@@ -949,6 +949,7 @@ impl Session {
         {
             return;
         }
+        let b = b.clone();
         self.told_backoff = Some(Instant::now());
         let (used, quota) = (b.mem_used() as u64, b.config.memory_quota as u64);
         let delay_ms = if used >= quota { 1000 } else { 100 };
@@ -994,6 +995,15 @@ impl Session {
         if f.opcode != opcode::HELLO && !self.hello {
             return Run::Now(failure(f, status::INVALID_STATE, "say HELLO first"));
         }
+        // The hot paths read their payloads once, taking their fields as they go.
+        match f.opcode {
+            opcode::GET => {
+                self.get(f, out);
+                return Run::Now(Vec::new());
+            }
+            opcode::MUTATION => return self.mutation(f, out),
+            _ => {}
+        }
         let fields = match Fields::parse(f.payload) {
             Ok(x) => x,
             Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
@@ -1018,11 +1028,6 @@ impl Session {
                 MapWriter::new(&mut p, 1).strs("buckets", names.iter().map(String::as_str));
                 Run::Now(reply(f, status::SUCCESS, &p))
             }
-            opcode::GET => {
-                self.get(f, &fields, out);
-                Run::Now(Vec::new())
-            }
-            opcode::MUTATION => self.mutation(f, &fields, out),
             opcode::DELETE | opcode::TOUCH => self.delete_or_touch(f, &fields, out),
             opcode::GET_ALL_VB_SEQNOS => Run::Now(self.all_vb_seqnos(f, &fields)),
             opcode::DCP_OPEN => Run::Now(self.dcp_open(f, &fields)),
@@ -1207,7 +1212,7 @@ impl Session {
     }
 
     /// The selected bucket if the user has `need` on it; else the failure to answer.
-    fn bucket_for(&self, f: &Frame<'_>, need: u8) -> Result<BucketHandle, Vec<u8>> {
+    fn bucket_for(&self, f: &Frame<'_>, need: u8) -> Result<&BucketHandle, Vec<u8>> {
         let Some(b) = &self.bucket else {
             return Err(failure(f, status::INVALID_STATE, "select a bucket first"));
         };
@@ -1218,16 +1223,12 @@ impl Session {
                 &format!("the user lacks that permission on bucket {}", b.name()),
             ));
         }
-        Ok(b.clone())
+        Ok(b)
     }
 
     /// GET `{id}`: the reply goes straight into `out` (the read path allocates nothing).
-    fn get(&mut self, f: &Frame<'_>, fields: &Fields<'_>, out: &mut Vec<u8>) {
-        let bucket = match self.bucket_for(f, READ) {
-            Ok(b) => b,
-            Err(reply) => return out.extend_from_slice(&reply),
-        };
-        let id = match fields.required("id", Fields::bytes) {
+    fn get(&mut self, f: &Frame<'_>, out: &mut Vec<u8>) {
+        let id = match payload::get_id(f.payload) {
             Ok(id) => id,
             Err(e) => {
                 return out.extend_from_slice(&failure(
@@ -1237,7 +1238,11 @@ impl Session {
                 ))
             }
         };
-        let found = self.ctx.engine.get_with(&bucket, id, |value, meta| {
+        let bucket = match self.bucket_for(f, READ) {
+            Ok(b) => b,
+            Err(reply) => return out.extend_from_slice(&reply),
+        };
+        let found = self.ctx.engine.get_with(bucket, id, |value, meta| {
             write_success(f, out, |p| {
                 MapWriter::new(p, 4)
                     .bin("value", value)
@@ -1256,14 +1261,14 @@ impl Session {
     }
 
     /// MUTATION: applied now, answered once it meets its durability level.
-    fn mutation(&mut self, f: &Frame<'_>, fields: &Fields<'_>, out: &mut Vec<u8>) -> Run {
+    fn mutation(&mut self, f: &Frame<'_>, out: &mut Vec<u8>) -> Run {
+        let m = match Mutation::parse(f.payload) {
+            Ok(m) => m,
+            Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
+        };
         let bucket = match self.bucket_for(f, WRITE) {
             Ok(b) => b,
             Err(reply) => return Run::Now(reply),
-        };
-        let m = match Mutation::from_fields(fields) {
-            Ok(m) => m,
-            Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
         };
         let durability = match durability_of(f, m.durability) {
             Ok(d) => d,
@@ -1278,7 +1283,7 @@ impl Session {
                     _ => StoreMode::Replace,
                 };
                 engine.write_store(
-                    &bucket,
+                    bucket,
                     &StoreRequest {
                         key: m.id,
                         value: m.value,
@@ -1292,7 +1297,7 @@ impl Session {
                 )
             }
             MutationKind::Append | MutationKind::Prepend => engine.write_concat(
-                &bucket,
+                bucket,
                 m.id,
                 m.value,
                 m.kind == MutationKind::Append,
@@ -1300,7 +1305,7 @@ impl Session {
                 durability,
             ),
             MutationKind::Patch => engine
-                .write_update(&bucket, m.id, m.cas, durability, |cur| {
+                .write_update(bucket, m.id, m.cas, durability, |cur| {
                     let cur = cur.ok_or(Error::NotFound)?;
                     let value = super::patch::apply(cur.value(), m.value)
                         .map_err(Error::InvalidArgument)?;
@@ -1313,7 +1318,7 @@ impl Session {
                 })
                 .map(|w| w.map(|(r, _)| r)),
         };
-        self.answer_write(f, bucket, written, out)
+        self.answer_write(f, written, out)
     }
 
     /// DELETE `{id, cas?, durability?}` and TOUCH `{id, expiration, durability?}`.
@@ -1338,18 +1343,18 @@ impl Session {
         let engine = &self.ctx.engine;
         let written = if f.opcode == opcode::DELETE {
             match fields.uint("cas") {
-                Ok(cas) => engine.write_delete(&bucket, id, cas.unwrap_or(0), durability),
+                Ok(cas) => engine.write_delete(bucket, id, cas.unwrap_or(0), durability),
                 Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
             }
         } else {
             match fields.required("expiration", |f, n| f.uint_max(n, u32::MAX as u64)) {
                 Ok(exp) => engine
-                    .write_touch(&bucket, id, exp as u32, durability)
+                    .write_touch(bucket, id, exp as u32, durability)
                     .map(|w| w.map(|(r, _)| r)),
                 Err(e) => return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string())),
             }
         };
-        self.answer_write(f, bucket, written, out)
+        self.answer_write(f, written, out)
     }
 
     /// A write's answer: `{cas, seqno, vbucket_uuid}`, written to `out` now when its level is
@@ -1358,7 +1363,6 @@ impl Session {
     fn answer_write(
         &mut self,
         f: &Frame<'_>,
-        bucket: BucketHandle,
         written: sluice_core::Result<sluice_core::engine::Written<MutationResult>>,
         out: &mut Vec<u8>,
     ) -> Run {
@@ -1380,6 +1384,10 @@ impl Session {
         }
         let to = ReplyTo::of(f);
         let engine = self.ctx.engine.clone();
+        // The bucket the write was made in: the selected one (cloned only for a write that waits).
+        let Some(bucket) = self.bucket.clone() else {
+            return Run::Now(failure(f, status::INVALID_STATE, "select a bucket first"));
+        };
         Run::Later(Box::pin(async move {
             let timer = tokio::time::sleep(engine.settle_timeout(&bucket, &w));
             match engine.settled(&bucket, w, timer).await {
@@ -1402,7 +1410,7 @@ impl Session {
                 "this connection has opened DCP already",
             );
         }
-        match DcpProducer::open(self.ctx.clone(), Arc::clone(&*bucket), fields) {
+        match DcpProducer::open(self.ctx.clone(), Arc::clone(bucket), fields) {
             Ok(d) => {
                 self.dcp = Some(d);
                 reply(f, status::SUCCESS, &[])
@@ -1485,11 +1493,11 @@ impl Session {
         };
         let engine = &self.ctx.engine;
         let seqnos: Vec<(u16, u64)> = engine
-            .high_seqnos(&bucket)
+            .high_seqnos(bucket)
             .into_iter()
             .enumerate()
             .map(|(vb, high)| (vb as u16, high))
-            .filter(|&(vb, _)| engine.vbucket_state(&bucket, vb) == Some(state))
+            .filter(|&(vb, _)| engine.vbucket_state(bucket, vb) == Some(state))
             .collect();
         let mut p = Vec::new();
         sluice_proto::msgpack::write_map_len(&mut p, 1);
