@@ -425,9 +425,20 @@ impl PartitionLog {
     fn place(&mut self, first: u64, bundle: &[u8], span: u64, newest_ms: u64) {
         // A bundle goes to a new segment when it would take the newest past `segment_bytes`
         // (a larger one alone), or past the sequence numbers a segment indexes in a u32.
+        // A segment never grows past the room it reserved: an empty one without room enough
+        // (started for a gap, or reserved before a larger setting) gives way to one with it.
         let entry = bundle.len() + 10;
+        let fits = |s: &Segment| s.data.len() + entry <= s.data.capacity();
+        if self
+            .segments
+            .back()
+            .is_some_and(|s| s.data.is_empty() && !fits(s))
+        {
+            self.segments.pop_back();
+        }
         let roll = self.segments.back().is_none_or(|s| {
             (!s.data.is_empty() && s.data.len() + entry > self.config.segment_bytes)
+                || !fits(s)
                 || first - s.base_seq > u32::MAX as u64
         });
         if roll {

@@ -197,6 +197,36 @@ fn bundles_placed_by_number_may_skip_ahead_but_not_go_back() {
 }
 
 #[test]
+fn a_bundle_larger_than_a_segment_after_a_gap_gets_a_segment_of_its_own_size() {
+    let config = LogConfig {
+        segment_bytes: 1000,
+        ..LogConfig::default()
+    };
+    let mut log = PartitionLog::starting_at(config, 1);
+    let small = bundle_of(1, 10, 1);
+    let big = bundle_of(10, 300, 1);
+    assert!(big.len() > 2 * config.segment_bytes);
+    log.append_at(1, &small, 1, 1).unwrap();
+    // Past a gap (a new, empty segment is started for it), then into a segment that a
+    // setting made since has too little room for.
+    log.append_at(100, &big, 10, 1).unwrap();
+    log.set_config(LogConfig {
+        segment_bytes: 1 << 20,
+        ..config
+    });
+    log.append_at(200, &big, 10, 1).unwrap();
+    log.append(&big, &PartitionLog::check(&big).unwrap(), 1)
+        .unwrap();
+    assert_eq!(log.high_water_mark(), 219);
+    for (from, want) in [(1, 1), (100, 100), (200, 200), (210, 210)] {
+        let Read::Chunk { base_seq, .. } = log.read(from, 1) else {
+            panic!("nothing read from {from}")
+        };
+        assert_eq!(base_seq, want);
+    }
+}
+
+#[test]
 fn bad_bundles_are_refused_and_snappy_ones_counted() {
     assert!(matches!(
         PartitionLog::check(&[0x04]),
