@@ -190,18 +190,23 @@ impl<'a> Raw<'a> {
     }
 }
 
+/// A string or binary value (what `Raw::bytes` takes) read directly, for the plain readings;
+/// None for anything else, nil included, which the general readings tell apart.
+fn plain_bytes<'a>(r: &mut Reader<'a>) -> Option<&'a [u8]> {
+    match r.peek_marker()? {
+        0xa0..=0xbf | 0xd9..=0xdb => r.read_str().ok(),
+        0xc4..=0xc6 => r.read_bin().ok(),
+        _ => None,
+    }
+}
+
 /// GET's request `{id}`, read once (a hot path).
 pub fn get_id(payload: &[u8]) -> Result<&[u8], PayloadError> {
     // The form nearly every GET takes, a map of "id" alone, read without the general walk
     // (anything else, faults included, goes the general way, which tells them).
     if let [0x81, 0xa2, b'i', b'd', value @ ..] = payload {
         let mut r = Reader::new(value);
-        let id = match value.first() {
-            Some(0xa0..=0xbf | 0xd9..=0xdb) => r.read_str().ok(),
-            Some(0xc4..=0xc6) => r.read_bin().ok(),
-            _ => None,
-        };
-        if let Some(id) = id.filter(|_| r.is_empty()) {
+        if let Some(id) = plain_bytes(&mut r).filter(|_| r.is_empty()) {
             return Ok(id);
         }
     }
@@ -322,11 +327,6 @@ impl<'a> Mutation<'a> {
             durability: None,
         };
         let (mut seen, mut kind) = (0u8, None);
-        let bytes = |r: &mut Reader<'a>| match r.peek_marker()? {
-            0xa0..=0xbf | 0xd9..=0xdb => r.read_str().ok(),
-            0xc4..=0xc6 => r.read_bin().ok(),
-            _ => None,
-        };
         for _ in 0..n {
             let key = r.read_str().ok()?;
             let bit = match key {
@@ -336,11 +336,11 @@ impl<'a> Mutation<'a> {
                     1
                 }
                 b"id" => {
-                    m.id = bytes(&mut r)?;
+                    m.id = plain_bytes(&mut r)?;
                     2
                 }
                 b"value" => {
-                    m.value = bytes(&mut r)?;
+                    m.value = plain_bytes(&mut r)?;
                     4
                 }
                 b"flags" => {
@@ -378,9 +378,8 @@ impl<'a> Mutation<'a> {
         Some(m)
     }
 
-    /// The request from its payload, read once: each field it knows is taken as the map is
-    /// read (MUTATION is a hot path), then decoded in a fixed order, so that a request with
-    /// several faults gets the same error whichever order its fields came in.
+    /// The request from its payload, read once (MUTATION is a hot path): the plain way when it
+    /// is well formed, else the general way.
     pub fn parse(payload: &'a [u8]) -> Result<Mutation<'a>, PayloadError> {
         match Mutation::read_plain(payload) {
             Some(m) => Ok(m),
@@ -388,6 +387,8 @@ impl<'a> Mutation<'a> {
         }
     }
 
+    /// Each field it knows is taken as the map is read, then decoded in a fixed order, so that
+    /// a request with several faults gets the same error whichever order its fields came in.
     fn read_general(payload: &'a [u8]) -> Result<Mutation<'a>, PayloadError> {
         let mut raw = [None::<Raw<'a>>; 8];
         Fields::each(payload, |key, value| {
