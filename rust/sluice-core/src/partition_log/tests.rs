@@ -74,7 +74,8 @@ fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
     assert_eq!(append(&mut log, 3, 5, 11), (2, 4));
     assert_eq!(append(&mut log, 2, 5, 12), (5, 6));
     assert_eq!((log.first_available(), log.high_water_mark()), (1, 6));
-    // From the first available, whole bundles until the fetch size is reached.
+    // From the first available, the whole bundles that fit in the fetch size, the first one
+    // whatever its size.
     let Read::Chunk {
         base_seq,
         high_water_mark,
@@ -85,10 +86,20 @@ fn sequence_numbers_start_at_one_and_reads_answer_as_tanks_broker_does() {
     };
     assert_eq!((base_seq, high_water_mark), (1, 6));
     assert_eq!(seqs(&bundles, base_seq), [1]);
-    let Read::Chunk { bundles, .. } = log.read(1, 20) else {
-        panic!()
-    };
-    assert_eq!(seqs(&bundles, 1), [1, 2, 3, 4]);
+    // Stored as TANK sends them: each bundle after its length varint.
+    let stored = |n, ts| bundle_of(n, 5, ts).len() + 1;
+    let two = (stored(1, 10) + stored(3, 11)) as u32;
+    for (fetch_size, want) in [
+        (two - 1, &[1][..]),
+        (two, &[1, 2, 3, 4]),
+        (two + 1, &[1, 2, 3, 4]),
+    ] {
+        let Read::Chunk { bundles, .. } = log.read(1, fetch_size) else {
+            panic!()
+        };
+        assert_eq!(seqs(&bundles, 1), want, "fetch size {fetch_size}");
+        assert!(bundles.len() <= fetch_size as usize || want.len() == 1);
+    }
     // A sequence number inside a bundle: from that bundle's first message.
     let Read::Chunk {
         base_seq, bundles, ..

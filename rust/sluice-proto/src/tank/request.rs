@@ -56,7 +56,7 @@ pub struct ConsumePartition {
     pub partition: u16,
     /// 0: from the first available message; u64::MAX: from the next one published.
     pub seq: u64,
-    /// A soft limit: whole bundles are sent until it is reached.
+    /// Whole bundles are sent while they fit in it; the first one is sent whatever its size.
     pub fetch_size: u32,
 }
 
