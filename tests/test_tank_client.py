@@ -6,14 +6,16 @@ boundary-check answer."""
 
 from __future__ import annotations
 
+import gc
 import json
+import pickle
 import struct
 import threading
 import time
 
 import pytest
 from helpers import Node, run_cli
-from sluice.tank import TAIL, OutOfRange, TankConnection, TankError
+from sluice.tank import TAIL, Message, OutOfRange, TankConnection, TankError
 
 
 @pytest.fixture
@@ -41,6 +43,12 @@ def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node)
             (3, 2_000, None, b"three"),
             (4, 2_000, b"k2", b"four"),
         ]
+        # Messages are the client's NamedTuple, made natively and left out of the cyclic
+        # collector (which otherwise took most of a large consume's time walking them).
+        m = got.messages[1]
+        assert type(m) is Message and m == Message(2, 2_000, b"k1", b"two") == (2, 2_000, b"k1", b"two")
+        assert m._asdict() == {"seq": 2, "ts": 2_000, "key": b"k1", "content": b"two"}
+        assert pickle.loads(pickle.dumps(m)) == m and not gc.is_tracked(m)
         messages, seq = list(got.messages), got.next_seq
         while seq <= 504:
             more = tank.consume("events", seq=seq)

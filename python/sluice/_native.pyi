@@ -4,7 +4,7 @@ tests/test_lint.py (mypy's stubtest)."""
 import os
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 __all__ = [
     "BucketSettings",
@@ -50,6 +50,8 @@ __all__ = [
 ]
 
 __version__: str
+
+_Message = TypeVar("_Message", bound=tuple[Any, ...])
 
 # The default of every configuration key with a Rust counterpart, by config.py's dotted key
 # name (bucket keys as "buckets.KEY"); read-only. The keyword defaults below are these values.
@@ -474,8 +476,8 @@ def tank_consume_frame(
     min_bytes: int,
 ) -> bytes: ...
 def tank_consume_answer(
-    payload: bytes, seqs: list[tuple[int, int]]
-) -> list[tuple[int, str, int, int, list[tuple[int, int, bytes | None, bytes]], int, int]]: ...
+    payload: bytes, seqs: list[tuple[int, int]], message: type[_Message]
+) -> list[tuple[int, str, int, int, list[_Message], int, int]]: ...
 def tap_drain(
     target: str,
     *,

@@ -240,7 +240,7 @@ class TankConnection:
                 )
                 answer = self._exchange(CONSUME, frame)
                 try:
-                    results = _native.tank_consume_answer(answer, list(seqs.items()))
+                    results = _native.tank_consume_answer(answer, list(seqs.items()), Message)
                 except ValueError as e:
                     raise TankError(str(e)) from None
                 grow = {p: needed for p, _, _, _, _, _, needed in results if needed > sizes[p]}
@@ -262,7 +262,7 @@ class TankConnection:
             raise TankError(f"topic {topic!r} has no partition {partition}")
         if kind == "boundary":
             raise OutOfRange(topic, partition, seq, first, hwm)
-        return Fetched(partition, [Message(*m) for m in messages], next_seq, hwm)
+        return Fetched(partition, messages, next_seq, hwm)
 
     def create_topic(self, name: str, partitions: int = 1, settings: str = "") -> None:
         """Creates a topic; TankError says why not (it exists, bad settings...)."""
