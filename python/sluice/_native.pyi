@@ -2,7 +2,7 @@
 tests/test_lint.py (mypy's stubtest)."""
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, final
 
@@ -461,7 +461,7 @@ def tank_produce_frame(
     request_id: int,
     topic: str,
     partition: int,
-    messages: list[tuple[bytes | None, bytes]],
+    messages: Iterable[bytes | bytearray | memoryview | tuple[bytes | None, bytes]],
     *,
     ts_ms: int,
     snappy: bool = False,

@@ -173,16 +173,12 @@ class TankConnection:
         compressed if `snappy`, and returns once the broker acknowledged it (sluice: once its WAL
         holds it). `seq` places the bundle's first message at that sequence number
         (ProduceWithSeqnum, for mirroring); it must not be behind the partition's end."""
-        pairs = [
-            (None, bytes(m)) if isinstance(m, (bytes, bytearray, memoryview)) else (m[0], m[1])
-            for m in messages
-        ]
         try:
             frame = _native.tank_produce_frame(
                 self._next_request_id(),
                 topic,
                 partition,
-                pairs,
+                messages,
                 ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
                 snappy=snappy,
                 base_seq=seq,

@@ -4,7 +4,7 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
 
 use sluice_proto::tank::bundle::{self, codec, Bundle, NewMessage};
 use sluice_proto::tank::request::{
@@ -31,7 +31,9 @@ fn topic_name(topic: &str) -> PyResult<&[u8]> {
 }
 
 /// A Produce frame (ProduceWithSeqnum when `base_seq` is given) of one bundle holding
-/// `messages`, (key or None, content) pairs stamped `ts_ms`, Snappy-compressed if `snappy`.
+/// `messages` stamped `ts_ms`, Snappy-compressed if `snappy`. Each message is its content
+/// (bytes, bytearray or memoryview) or a (key or None, content) pair; bytes are read where
+/// they are, not copied per message.
 #[pyfunction]
 #[pyo3(signature = (request_id, topic, partition, messages, *, ts_ms, snappy=false, base_seq=None))]
 #[allow(clippy::too_many_arguments)]
@@ -40,22 +42,56 @@ pub(crate) fn tank_produce_frame<'py>(
     request_id: u32,
     topic: &str,
     partition: u16,
-    messages: Vec<(Option<Vec<u8>>, Vec<u8>)>,
+    messages: &Bound<'py, PyAny>,
     ts_ms: u64,
     snappy: bool,
     base_seq: Option<u64>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let name = topic_name(topic)?;
-    if messages.is_empty() {
+    let mut held: Vec<(Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>)> = Vec::new();
+    for m in messages.try_iter()? {
+        let m = m?;
+        held.push(match as_bytes(&m)? {
+            Some(content) => (None, content),
+            None => {
+                if !m.len().is_ok_and(|n| n == 2) {
+                    return Err(PyTypeError::new_err(
+                        "a message is bytes or a (key, content) pair",
+                    ));
+                }
+                let (key, content) = (m.get_item(0)?, m.get_item(1)?);
+                let key =
+                    if key.is_none() {
+                        None
+                    } else {
+                        Some(as_bytes(&key)?.ok_or_else(|| {
+                            PyTypeError::new_err("a message key is bytes or None")
+                        })?)
+                    };
+                let content = as_bytes(&content)?
+                    .ok_or_else(|| PyTypeError::new_err("a message's content is bytes"))?;
+                (key, content)
+            }
+        });
+    }
+    if held.is_empty() {
         return Err(PyValueError::new_err("a bundle holds one message or more"));
     }
-    if let Some((k, _)) = messages
+    let new: Vec<NewMessage<'_>> = held
         .iter()
-        .find(|(k, _)| k.as_ref().is_some_and(|k| k.len() > u8::MAX as usize))
+        .map(|(k, c)| NewMessage {
+            ts: ts_ms,
+            key: k.as_ref().map(|k| k.as_bytes()),
+            content: c.as_bytes(),
+        })
+        .collect();
+    if let Some(k) = new
+        .iter()
+        .find_map(|m| m.key.filter(|k| k.len() > u8::MAX as usize))
     {
         return Err(PyValueError::new_err(format!(
             "a message key is at most 255 bytes, not {}",
-            k.as_ref().map_or(0, Vec::len)
+            k.len()
         )));
     }
     if base_seq == Some(0) {
@@ -63,14 +99,6 @@ pub(crate) fn tank_produce_frame<'py>(
             "sequence numbers start at 1: seq=0 places nothing",
         ));
     }
-    let new: Vec<NewMessage<'_>> = messages
-        .iter()
-        .map(|(k, c)| NewMessage {
-            ts: ts_ms,
-            key: k.as_deref(),
-            content: c,
-        })
-        .collect();
     let mut b = Vec::new();
     bundle::write(
         &mut b,
@@ -198,6 +226,18 @@ pub(crate) fn tank_consume_answer<'py>(
         out.push(partition_result(py, part, chunk, seq, &mut set, &message)?);
     }
     Ok(out)
+}
+
+/// `m` as bytes: itself, or a copy of a bytearray or memoryview; None for anything else.
+fn as_bytes<'py>(m: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    if let Ok(b) = m.cast::<PyBytes>() {
+        return Ok(Some(b.clone()));
+    }
+    if m.is_instance_of::<PyByteArray>() || m.is_instance_of::<PyMemoryView>() {
+        let b = m.py().get_type::<PyBytes>().call1((m,))?;
+        return Ok(Some(b.cast_into::<PyBytes>()?));
+    }
+    Ok(None)
 }
 
 /// The client's message type, a tuple subclass of (seq, ts, key, content) without a
