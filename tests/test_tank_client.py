@@ -78,6 +78,23 @@ def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node)
             tank.consume("events", seq=10_000)
         assert (out.value.first_available, out.value.high_water_mark) == (1, 504)
 
+        # Any bytes-like content, and pairs as any two-item sequence; anything else is refused
+        # before a frame is sent.
+        tank.create_topic("shapes")
+        tank.produce("shapes", [bytearray(b"ba"), memoryview(b"mv"), [b"k", b"pair"]], ts_ms=7)
+        got = tank.consume("shapes", seq=0).messages
+        assert got == [(1, 7, None, b"ba"), (2, 7, None, b"mv"), (3, 7, b"k", b"pair")]
+        for bad, why in [
+            (["text"], "bytes or a"),
+            ([(b"k", b"v", b"x")], "bytes or a"),
+            ([("k", b"v")], "key"),
+        ]:
+            with pytest.raises(TypeError, match=why):
+                tank.produce("shapes", bad)
+        with pytest.raises(TankError, match="one message or more"):
+            tank.produce("shapes", [])
+        assert tank.partitions("shapes") == [(1, 3)]
+
     # Per partition in /metrics and `sluice status`.
     def metric(name: str, partition: str) -> float:
         return node.metric(name, topic="events", partition=partition)
