@@ -405,6 +405,32 @@ const MAX_KEPT_ENTRIES: usize = 64 * 1024;
 /// in bursts. RocksDB's `wal_bytes_per_sync` does the same.
 const WRITEBACK_STEP: u64 = 1 << 20;
 
+/// A range of a segment whose writeback is to start. The writer thread starts it after
+/// releasing the writer lock: sync_file_range can wait for the device's queue, and a reply
+/// that finds the lock taken waits for the thread instead of writing its own batch (a 100 KB
+/// TANK produce every tenth bundle, measured as a p90 produce latency near twice the p50).
+/// Only that thread closes segments, so the descriptor is open until it is done.
+struct Writeback {
+    fd: std::os::fd::RawFd,
+    offset: u64,
+    len: u64,
+}
+
+impl Writeback {
+    /// A hint: a failure changes nothing that was promised.
+    fn start(self) {
+        // SAFETY: a plain syscall on a descriptor the writer thread keeps open (see above).
+        unsafe {
+            libc::sync_file_range(
+                self.fd,
+                self.offset as libc::off64_t,
+                self.len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
+    }
+}
+
 struct Segment {
     file: File,
     path: PathBuf,
@@ -545,23 +571,21 @@ impl Segment {
         self.size - self.written_back >= WRITEBACK_STEP
     }
 
-    /// Starts the kernel's writeback of what was written since the last step, once a step's
-    /// worth has gathered. A hint: a failure changes nothing that was promised.
-    fn start_writeback(&mut self) {
+    /// What was written since the last writeback started, once a step's worth has gathered,
+    /// for the thread to hand to the kernel with the writer lock released
+    /// (`Writeback::start`).
+    fn writeback(&mut self) -> Option<Writeback> {
         if !self.writeback_due() {
-            return;
+            return None;
         }
         use std::os::fd::AsRawFd;
-        // SAFETY: a plain syscall on a file descriptor this segment owns.
-        unsafe {
-            libc::sync_file_range(
-                self.file.as_raw_fd(),
-                self.written_back as libc::off64_t,
-                (self.size - self.written_back) as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            );
-        }
+        let range = Writeback {
+            fd: self.file.as_raw_fd(),
+            offset: self.written_back,
+            len: self.size - self.written_back,
+        };
         self.written_back = self.size;
+        Some(range)
     }
 
     /// Writes the EOF marker, syncs, and renames `.inprogress` away. An empty segment is removed.
@@ -1136,9 +1160,11 @@ fn writer_loop(shared: Arc<Shared>) {
         if !w.batch.is_empty() && !w.write_until_done(&shared) {
             return;
         }
-        if w.cfg.mode == WalMode::Write {
-            w.segment.start_writeback();
-        }
+        let writeback = if w.cfg.mode == WalMode::Write {
+            w.segment.writeback()
+        } else {
+            None
+        };
         if sync_due(&shared, w.synced) && w.written > w.synced {
             // One sync serves every persist waiter of write mode that asked so far.
             match timed_sync(&w.segment.file, &shared.sync_latency) {
@@ -1185,6 +1211,9 @@ fn writer_loop(shared: Arc<Shared>) {
         // Nothing counts as synced past the old segment until it is closed, and only this
         // thread syncs, so no sync of the new segment can be announced before it.
         drop(guard);
+        if let Some(range) = writeback {
+            range.start();
+        }
         if let Some((old, upto, dir)) = closing {
             match old.close(&dir) {
                 // Closing syncs the old segment: all it holds is synced now.
