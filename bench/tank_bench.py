@@ -55,9 +55,11 @@ def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str]
     deadline = time.monotonic() + 60
     while True:
         try:
-            cli(tank_dir, address, "status")
+            # Short: a probe that hangs is retried until the deadline says the server did not
+            # start (once, a probe to a just-started server went unanswered for minutes).
+            cli(tank_dir, address, "status", timeout=5)
             return p, address
-        except RuntimeError:
+        except (RuntimeError, subprocess.TimeoutExpired):
             if p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{kind} did not start ({cmd})") from None
             time.sleep(0.1)
