@@ -4,6 +4,7 @@ refuse what they should, logins and buckets apply, durable writes wait for repli
 
 from __future__ import annotations
 
+import gc
 import time
 
 import bmemcached
@@ -39,6 +40,9 @@ def test_set_get_delete_read_back_everywhere(server):
     with sluice.Client(server.address).stream(start="beginning", end="now", format="python") as s:
         for batch in s:
             for c in batch:
+                # A Change made natively and left out of the cyclic collector (`records`).
+                assert type(c) is sluice.Change and not gc.is_tracked(c)
+                assert c == tuple(c) and c._asdict()["key"] == c.key
                 changes[c.key] = (c.op, c.value)
     assert changes == {
         b"user:1": ("deletion", b""),

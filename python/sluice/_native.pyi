@@ -4,7 +4,7 @@ tests/test_lint.py (mypy's stubtest)."""
 import os
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar, final
+from typing import Any, TypeVar, final, overload
 
 __all__ = [
     "BucketSettings",
@@ -52,6 +52,7 @@ __all__ = [
 __version__: str
 
 _Message = TypeVar("_Message", bound=tuple[Any, ...])
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
 
 # The default of every configuration key with a Rust counterpart, by config.py's dotted key
 # name (bucket keys as "buckets.KEY"); read-only. The keyword defaults below are these values.
@@ -357,7 +358,12 @@ class RawBatch:
     def num_rows(self) -> int: ...
     def buffers(self) -> dict[str, bytes]: ...
     def spark_buffers(self, include_deletes: bool) -> dict[str, Any]: ...
-    def rows(self) -> list[tuple[int, int, str, bytes, bytes, int, int, int, int, int]]: ...
+    @overload
+    def rows(
+        self, row_type: None = None
+    ) -> list[tuple[int, int, str, bytes, bytes, int, int, int, int, int]]: ...
+    @overload
+    def rows(self, row_type: type[_Row]) -> list[_Row]: ...
     @property
     def ended(self) -> list[tuple[int, int]]: ...
     @property

@@ -387,7 +387,7 @@ class Client:
             raise ValueError(f"end must be None, 'now' or a dict of seqnos, not {end!r}")
         converters: dict[str, Callable[[RawBatch], Any]] = {
             "arrow": to_record_batch,
-            "python": lambda raw: [Change._make(r) for r in raw.rows()],
+            "python": lambda raw: raw.rows(Change),
         }
         if callable(format):
             convert = format

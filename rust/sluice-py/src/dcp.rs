@@ -8,7 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use std::collections::BTreeMap;
 
@@ -17,6 +17,7 @@ use sluice_server::dcp::consumer::{
 };
 
 use crate::errors::SluiceError;
+use crate::records::RecordType;
 
 /// One batch of documents in columns, with the streams that ended and the rollbacks followed.
 #[pyclass(module = "sluice._native", frozen)]
@@ -164,28 +165,33 @@ impl RawBatch {
         Ok(d)
     }
 
-    /// Rows as tuples: (vbucket, seqno, op, key, value, cas, rev_seqno, flags, expiry, datatype).
-    fn rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Rows as tuples: (vbucket, seqno, op, key, value, cas, rev_seqno, flags, expiry, datatype),
+    /// or as `row_type` (a NamedTuple of those ten, as `sluice.Change`), made natively
+    /// (`records`).
+    #[pyo3(signature = (row_type=None))]
+    fn rows<'py>(
+        &self,
+        py: Python<'py>,
+        row_type: Option<Bound<'py, PyType>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let rows = RecordType::new(py, row_type)?;
         let b = &self.batch;
         let out = PyList::empty(py);
         for i in 0..b.len() {
             let key = &b.keys[b.key_offsets[i] as usize..b.key_offsets[i + 1] as usize];
             let value = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
-            let row = PyTuple::new(
-                py,
-                [
-                    b.vbucket[i].into_pyobject(py)?.into_any(),
-                    b.seqno[i].into_pyobject(py)?.into_any(),
-                    OPS[b.op[i] as usize].into_pyobject(py)?.into_any(),
-                    PyBytes::new(py, key).into_any(),
-                    PyBytes::new(py, value).into_any(),
-                    b.cas[i].into_pyobject(py)?.into_any(),
-                    b.rev_seqno[i].into_pyobject(py)?.into_any(),
-                    b.flags[i].into_pyobject(py)?.into_any(),
-                    b.expiry[i].into_pyobject(py)?.into_any(),
-                    b.datatype[i].into_pyobject(py)?.into_any(),
-                ],
-            )?;
+            let row = rows.make([
+                b.vbucket[i].into_pyobject(py)?.into_any(),
+                b.seqno[i].into_pyobject(py)?.into_any(),
+                OPS[b.op[i] as usize].into_pyobject(py)?.into_any(),
+                PyBytes::new(py, key).into_any(),
+                PyBytes::new(py, value).into_any(),
+                b.cas[i].into_pyobject(py)?.into_any(),
+                b.rev_seqno[i].into_pyobject(py)?.into_any(),
+                b.flags[i].into_pyobject(py)?.into_any(),
+                b.expiry[i].into_pyobject(py)?.into_any(),
+                b.datatype[i].into_pyobject(py)?.into_any(),
+            ])?;
             out.append(row)?;
         }
         Ok(out)

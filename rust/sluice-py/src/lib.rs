@@ -14,6 +14,7 @@ mod engine;
 mod errors;
 mod items;
 mod policy;
+mod records;
 mod server;
 mod settings;
 mod tank;

@@ -4,7 +4,9 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyType};
+
+use crate::records::RecordType;
 
 use sluice_proto::tank::bundle::{self, codec, Bundle, NewMessage};
 use sluice_proto::tank::request::{
@@ -191,7 +193,7 @@ pub(crate) fn tank_consume_answer<'py>(
     seqs: Vec<(u16, u64)>,
     message: Bound<'py, PyType>,
 ) -> PyResult<Vec<Fetched<'py>>> {
-    let message = MessageType::new(message)?;
+    let message = RecordType::new(py, Some(message))?;
     let (answer, mut chunks) = ConsumeAnswer::decode(payload).map_err(bad)?;
     let parts = match answer.topics.first().map(|t| &t.partitions) {
         Some(PartitionsAnswer::Known(parts)) => parts,
@@ -240,65 +242,13 @@ fn as_bytes<'py>(m: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyBytes>>>
     Ok(None)
 }
 
-/// The client's message type, a tuple subclass of (seq, ts, key, content) without a
-/// `__dict__`. Its instances are made here and left out of Python's cyclic garbage
-/// collector: they hold ints, bytes and None, which make no cycles, and a consume of 10,000
-/// messages otherwise starts about 15 collections that walk them (measured: two thirds of
-/// the client's time consuming 1M messages went to the collector).
-struct MessageType<'py> {
-    ty: Bound<'py, PyType>,
-}
-
-impl<'py> MessageType<'py> {
-    fn new(ty: Bound<'py, PyType>) -> PyResult<MessageType<'py>> {
-        let plain_tuple = ty.is_subclass_of::<PyTuple>()?
-            && ty.getattr("__dictoffset__")?.extract::<isize>()? == 0
-            && ty.getattr("__weakrefoffset__")?.extract::<isize>()? == 0;
-        if !plain_tuple {
-            return Err(PyTypeError::new_err(
-                "the message type must be a tuple subclass without __dict__ or __weakref__",
-            ));
-        }
-        Ok(MessageType { ty })
-    }
-
-    fn make(
-        &self,
-        seq: Bound<'py, PyAny>,
-        ts: Bound<'py, PyAny>,
-        key: Bound<'py, PyAny>,
-        content: Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = self.ty.py();
-        // SAFETY: the type is a tuple subclass (checked in `new`), so its allocator makes a
-        // tuple of 4 empty items, each set once here before anyone else sees the object; its
-        // items cannot refer back to it, so untracking it is what CPython does itself for
-        // tuples of atoms. Dealloc untracks with the checked call, so an untracked object is
-        // freed as usual.
-        unsafe {
-            let obj = pyo3::ffi::PyType_GenericAlloc(self.ty.as_type_ptr(), 4);
-            if obj.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            let obj = Bound::from_owned_ptr(py, obj);
-            for (i, item) in [seq, ts, key, content].into_iter().enumerate() {
-                if pyo3::ffi::PyTuple_SetItem(obj.as_ptr(), i as isize, item.into_ptr()) != 0 {
-                    return Err(PyErr::fetch(py));
-                }
-            }
-            pyo3::ffi::PyObject_GC_UnTrack(obj.as_ptr().cast());
-            Ok(obj)
-        }
-    }
-}
-
 fn partition_result<'py>(
     py: Python<'py>,
     part: &PartitionAnswer,
     chunk: &[u8],
     seq: u64,
     set: &mut Vec<u8>,
-    message: &MessageType<'py>,
+    message: &RecordType<'py>,
 ) -> PyResult<Fetched<'py>> {
     let messages = PyList::empty(py);
     let (partition, base, hwm) = match *part {
@@ -354,7 +304,7 @@ fn partition_result<'py>(
                         obj
                     }
                 };
-                messages.append(message.make(
+                messages.append(message.make([
                     PyInt::new(py, m.seq).into_any(),
                     ts.into_any(),
                     match m.key {
@@ -362,7 +312,7 @@ fn partition_result<'py>(
                         None => py.None().into_bound(py),
                     },
                     PyBytes::new(py, m.content).into_any(),
-                )?)?;
+                ])?)?;
             }
             next = m.seq + 1;
         }
