@@ -8,7 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use std::collections::BTreeMap;
 
@@ -175,6 +175,8 @@ impl RawBatch {
         row_type: Option<Bound<'py, PyType>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let rows = RecordType::new(py, row_type)?;
+        // One str per op for the whole batch, not one per row.
+        let ops = OPS.map(|op| PyString::intern(py, op));
         let b = &self.batch;
         let out = PyList::empty(py);
         for i in 0..b.len() {
@@ -183,7 +185,7 @@ impl RawBatch {
             let row = rows.make([
                 b.vbucket[i].into_pyobject(py)?.into_any(),
                 b.seqno[i].into_pyobject(py)?.into_any(),
-                OPS[b.op[i] as usize].into_pyobject(py)?.into_any(),
+                ops[b.op[i] as usize].clone().into_any(),
                 PyBytes::new(py, key).into_any(),
                 PyBytes::new(py, value).into_any(),
                 b.cas[i].into_pyobject(py)?.into_any(),

@@ -52,29 +52,7 @@ pub(crate) fn tank_produce_frame<'py>(
     let name = topic_name(topic)?;
     let mut held: Vec<(Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>)> = Vec::new();
     for m in messages.try_iter()? {
-        let m = m?;
-        held.push(match as_bytes(&m)? {
-            Some(content) => (None, content),
-            None => {
-                if !m.len().is_ok_and(|n| n == 2) {
-                    return Err(PyTypeError::new_err(
-                        "a message is bytes or a (key, content) pair",
-                    ));
-                }
-                let (key, content) = (m.get_item(0)?, m.get_item(1)?);
-                let key =
-                    if key.is_none() {
-                        None
-                    } else {
-                        Some(as_bytes(&key)?.ok_or_else(|| {
-                            PyTypeError::new_err("a message key is bytes or None")
-                        })?)
-                    };
-                let content = as_bytes(&content)?
-                    .ok_or_else(|| PyTypeError::new_err("a message's content is bytes"))?;
-                (key, content)
-            }
-        });
+        held.push(key_and_content(&m?)?);
     }
     if held.is_empty() {
         return Err(PyValueError::new_err("a bundle holds one message or more"));
@@ -228,6 +206,31 @@ pub(crate) fn tank_consume_answer<'py>(
         out.push(partition_result(py, part, chunk, seq, &mut set, &message)?);
     }
     Ok(out)
+}
+
+/// A produced message's key (None when it has none) and content: `m` is its content, or a
+/// (key or None, content) pair as any two-item sequence.
+fn key_and_content<'py>(
+    m: &Bound<'py, PyAny>,
+) -> PyResult<(Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>)> {
+    if let Some(content) = as_bytes(m)? {
+        return Ok((None, content));
+    }
+    if !m.len().is_ok_and(|n| n == 2) {
+        return Err(PyTypeError::new_err(
+            "a message is bytes or a (key, content) pair",
+        ));
+    }
+    let (key, content) = (m.get_item(0)?, m.get_item(1)?);
+    let key = if key.is_none() {
+        None
+    } else {
+        let key = as_bytes(&key)?;
+        Some(key.ok_or_else(|| PyTypeError::new_err("a message key is bytes or None"))?)
+    };
+    let content =
+        as_bytes(&content)?.ok_or_else(|| PyTypeError::new_err("a message's content is bytes"))?;
+    Ok((key, content))
 }
 
 /// `m` as bytes: itself, or a copy of a bytearray or memoryview; None for anything else.
