@@ -94,6 +94,37 @@ pub struct KvContext {
     pub spaces: Arc<[crate::space::SpaceConfig]>,
 }
 
+impl KvContext {
+    /// The front alone over a fresh engine in `dir` (bucket `default` of 4 vbuckets, no WAL):
+    /// for driving `KvSession::handle` in-process, as its tests and the `kv` fuzz target do.
+    pub fn scratch(
+        dir: &std::path::Path,
+        users: crate::auth::Users,
+    ) -> sluice_core::Result<KvContext> {
+        let mut b = sluice_core::BucketConfig::named("default");
+        b.num_vbuckets = 4;
+        let engine = Engine::open(sluice_core::EngineConfig {
+            data_dir: dir.to_path_buf(),
+            wal_mode: sluice_core::wal::WalMode::None,
+            snapshot_interval: std::time::Duration::ZERO,
+            buckets: vec![b],
+            ..Default::default()
+        })?;
+        Ok(KvContext {
+            engine: Arc::new(engine),
+            users: Arc::new(UserTable::new(users)),
+            stats: Default::default(),
+            started: std::time::Instant::now(),
+            tap_applied: Default::default(),
+            clustermap: Arc::new(ClusterMap::new(
+                std::net::SocketAddr::from(([127, 0, 0, 1], 11210)),
+                None,
+            )),
+            spaces: Arc::from([]),
+        })
+    }
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 struct Features {
     mutation_seqno: bool,

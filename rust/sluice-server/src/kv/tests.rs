@@ -3,41 +3,17 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
-use sluice_core::wal::WalMode;
-use sluice_core::{BucketConfig, Engine, EngineConfig};
 use sluice_proto::mcbp::{self, feature, magic, opcode as op, status, HeaderFields};
 
 use super::{Flow, KvContext, KvSession};
-use crate::auth::{Credentials, User, UserTable, Users, READ};
+use crate::auth::{Credentials, User, Users, READ};
 
 // pbkdf2-sha256 of "secret", 1000 rounds (the hash auth's tests check independently).
 const HASH: &str = "pbkdf2-sha256:1000:30313233343536373839616263646566:b622961f2e0500609613c827e86b4a85ac43d8e79e0145165c54ffa7569a365f";
 
 fn context(dir: &std::path::Path, users: Users) -> Arc<KvContext> {
-    let mut b = BucketConfig::named("default");
-    b.num_vbuckets = 4;
-    let engine = Engine::open(EngineConfig {
-        data_dir: dir.to_path_buf(),
-        wal_mode: WalMode::None,
-        snapshot_interval: Duration::ZERO,
-        buckets: vec![b],
-        ..Default::default()
-    })
-    .expect("engine");
-    Arc::new(KvContext {
-        engine: Arc::new(engine),
-        users: Arc::new(UserTable::new(users)),
-        stats: Default::default(),
-        started: std::time::Instant::now(),
-        tap_applied: Default::default(),
-        clustermap: Arc::new(crate::clustermap::ClusterMap::new(
-            "127.0.0.1:11210".parse().unwrap(),
-            None,
-        )),
-        spaces: Arc::from([]),
-    })
+    Arc::new(KvContext::scratch(dir, users).expect("engine"))
 }
 
 fn request(opcode: u8, opaque: u32, extras: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
