@@ -38,7 +38,10 @@ fuzz_target!(|data: &[u8]| {
                 base_seq, bundles, ..
             } = log.read(seq, fetch)
             {
-                assert!(base_seq >= first && base_seq < end, "{base_seq} outside {first}..{end}");
+                assert!(
+                    base_seq >= first && base_seq < end,
+                    "{base_seq} outside {first}..{end}"
+                );
                 let bytes = bundles.share();
                 for b in chunk_bundles(&bytes) {
                     Bundle::parse(b).expect("a stored bundle parses");

@@ -36,7 +36,7 @@ const FLUSH_AT: usize = 1 << 20;
 const MULTIGET_LINE: usize = 1 << 20;
 
 /// What the connection does after a command.
-enum Flow {
+pub enum Flow {
     /// Not all of the command is in the buffer yet.
     More,
     Continue,
@@ -132,8 +132,9 @@ impl TextSession {
         engine.settled(&self.bucket, w, timer).await
     }
 
-    /// Handles the command at the head of `buf`: how many bytes it took, and what next.
-    async fn step(&mut self, buf: &[u8], out: &mut Vec<u8>) -> (usize, Flow) {
+    /// Handles the command at the head of `buf`: how many bytes it took, and what next
+    /// (`Continue` always takes some).
+    pub async fn step(&mut self, buf: &[u8], out: &mut Vec<u8>) -> (usize, Flow) {
         if self.swallow > 0 {
             let n = self.swallow.min(buf.len());
             self.swallow -= n;
