@@ -4,26 +4,12 @@
 //! collections, GET_META and the rest) sees what libFuzzer makes of them.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
-
 use libfuzzer_sys::fuzz_target;
 use sluice_proto::mcbp;
-use sluice_server::auth::Users;
-use sluice_server::kv::{Flow, KvContext, KvSession};
-
-fn context() -> Arc<KvContext> {
-    static CTX: OnceLock<Arc<KvContext>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        let dir = PathBuf::from(format!("/dev/shm/sluice-fuzz-kv-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        Arc::new(KvContext::scratch(&dir, Users::default()).expect("engine"))
-    })
-    .clone()
-}
+use sluice_server::kv::{Flow, KvSession};
 
 fuzz_target!(|data: &[u8]| {
-    let mut session = KvSession::new(context());
+    let mut session = KvSession::new(sluice_fuzz::kv_context("kv"));
     let mut rest = data;
     let mut out = Vec::new();
     while let Ok(Some(n)) = mcbp::frame_len(rest, 1 << 20) {

@@ -4,23 +4,9 @@
 #![no_main]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use sluice_server::auth::Users;
-use sluice_server::kv::KvContext;
 use sluice_server::text::{Flow, TextSession};
-
-fn context() -> Arc<KvContext> {
-    static CTX: OnceLock<Arc<KvContext>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        let dir = PathBuf::from(format!("/dev/shm/sluice-fuzz-text-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        Arc::new(KvContext::scratch(&dir, Users::default()).expect("engine"))
-    })
-    .clone()
-}
 
 fuzz_target!(|data: &[u8]| {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -29,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
         .expect("a runtime");
     rt.block_on(async {
         let peer = SocketAddr::from(([127, 0, 0, 1], 40000));
-        let mut session = TextSession::new(context(), 1 << 20, peer);
+        let mut session = TextSession::new(sluice_fuzz::kv_context("text"), 1 << 20, peer);
         let mut rest = data;
         let mut out = Vec::new();
         loop {

@@ -185,6 +185,19 @@ impl GreenstackStats {
     }
 }
 
+/// Runs one accepted Greenstack connection to its end: what the listener does with each (and
+/// how the `greenstack_session` fuzz target drives the front over loopback sockets).
+pub async fn serve_connection(
+    socket: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    ctx: Arc<GreenstackContext>,
+    stop: watch::Receiver<bool>,
+) {
+    ctx.stats.connections.fetch_add(1, Relaxed);
+    session::run(socket.into(), peer, ctx.clone(), stop, None).await;
+    ctx.stats.connections.fetch_sub(1, Relaxed);
+}
+
 /// Accepts Greenstack connections until the stop signal, under the server's connection
 /// limit, then lets the open ones finish. Those taken during warm-up go on first.
 pub async fn serve(
@@ -239,11 +252,7 @@ pub async fn serve(
         move |socket, peer, stop| {
             let ctx = ctx.clone();
             ctx.stats.connections_total.fetch_add(1, Relaxed);
-            async move {
-                ctx.stats.connections.fetch_add(1, Relaxed);
-                session::run(socket.into(), peer, ctx.clone(), stop, None).await;
-                ctx.stats.connections.fetch_sub(1, Relaxed);
-            }
+            serve_connection(socket, peer, ctx, stop)
         },
     )
     .await;
