@@ -5,8 +5,8 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,6 +71,14 @@ impl Drop for IoLoops {
             let _ = thread.join();
         }
     }
+}
+
+/// Runs one connection's session with `gauge` counting it while it runs (a front's open
+/// connections).
+pub async fn counted(gauge: &AtomicU64, session: impl Future<Output = ()>) {
+    gauge.fetch_add(1, Relaxed);
+    session.await;
+    gauge.fetch_sub(1, Relaxed);
 }
 
 /// Accepts connections on `listener` until the stop signal, refusing those over `limit`

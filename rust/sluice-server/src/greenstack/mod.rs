@@ -193,9 +193,11 @@ pub async fn serve_connection(
     ctx: Arc<GreenstackContext>,
     stop: watch::Receiver<bool>,
 ) {
-    ctx.stats.connections.fetch_add(1, Relaxed);
-    session::run(socket.into(), peer, ctx.clone(), stop, None).await;
-    ctx.stats.connections.fetch_sub(1, Relaxed);
+    crate::listener::counted(
+        &ctx.stats.connections,
+        session::run(socket.into(), peer, ctx.clone(), stop, None),
+    )
+    .await;
 }
 
 /// Accepts Greenstack connections until the stop signal, under the server's connection

@@ -172,6 +172,21 @@ pub fn topic_metrics(engine: &Engine, o: &mut String) {
     }
 }
 
+/// Runs one accepted TANK connection to its end: what the listener does with each (and how the
+/// `tank_session` fuzz target drives the front over loopback sockets).
+pub async fn serve_connection(
+    socket: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    ctx: Arc<TankContext>,
+    stop: watch::Receiver<bool>,
+) {
+    crate::listener::counted(
+        &ctx.stats.connections,
+        session::run(socket.into(), peer, ctx.clone(), stop),
+    )
+    .await;
+}
+
 /// Accepts TANK connections until the stop signal, under the server's connection limit, then
 /// lets the open ones finish.
 pub async fn serve(
@@ -192,11 +207,7 @@ pub async fn serve(
         move |socket, peer, stop| {
             let ctx = ctx.clone();
             ctx.stats.connections_total.fetch_add(1, Relaxed);
-            async move {
-                ctx.stats.connections.fetch_add(1, Relaxed);
-                session::run(socket.into(), peer, ctx.clone(), stop).await;
-                ctx.stats.connections.fetch_sub(1, Relaxed);
-            }
+            serve_connection(socket, peer, ctx, stop)
         },
     )
     .await

@@ -1,0 +1,37 @@
+//! The TANK front whole: any bytes sent on a loopback connection to one session
+//! (`serve_connection`, as the listener runs it) over one engine without a WAL, the client's
+//! side then shut for writing and the replies read. CreateTopic, Produce and ProduceWithSeqnum
+//! with their bundles, Consume with long-poll and min-bytes, discovery and Status all see what
+//! libFuzzer makes of them; topics created by earlier cases stay. A session must end within 10 s
+//! of its connection closing, a long-poll included (`Loopback::exchange`).
+#![no_main]
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use libfuzzer_sys::fuzz_target;
+use sluice_fuzz::Loopback;
+use sluice_server::tank::{serve_connection, TankContext};
+
+fn front() -> &'static (Loopback, Arc<TankContext>) {
+    static FRONT: OnceLock<(Loopback, Arc<TankContext>)> = OnceLock::new();
+    FRONT.get_or_init(|| {
+        let kv = sluice_fuzz::kv_context("tank");
+        let ctx = Arc::new(TankContext {
+            engine: kv.engine.clone(),
+            io: Default::default(),
+            stats: Default::default(),
+            max_frame: 1 << 20,
+            idle_timeout: Duration::ZERO,
+            started_unix: 0,
+        });
+        (Loopback::default(), ctx)
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    let (lb, ctx) = front();
+    lb.exchange(data, |socket, peer, stop| {
+        serve_connection(socket, peer, ctx.clone(), stop)
+    });
+});
