@@ -235,9 +235,8 @@ pub async fn serve(
                         return;
                     }
                 };
-                ctx.stats.connections.fetch_add(1, Relaxed);
-                session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start)).await;
-                ctx.stats.connections.fetch_sub(1, Relaxed);
+                let session = session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start));
+                crate::listener::counted(&ctx.stats.connections, session).await;
                 drop(permit);
             },
             loops.next(),

@@ -229,9 +229,8 @@ pub async fn serve(
             let ctx = ctx.clone();
             ctx.stats.connections_total.fetch_add(1, Relaxed);
             async move {
-                ctx.stats.connections.fetch_add(1, Relaxed);
-                session::run(socket.into(), peer, ctx.clone(), stop).await;
-                ctx.stats.connections.fetch_sub(1, Relaxed);
+                let session = session::run(socket.into(), peer, ctx.clone(), stop);
+                crate::listener::counted(&ctx.stats.connections, session).await;
             }
         },
     )
