@@ -25,7 +25,7 @@ from fault_proxy import FaultProxy
 from helpers import NUM_VBUCKETS, run_cli, start_node
 from mcbp_wire import GET, connect, login, read_response, request
 from sluice.cluster import vbmap
-from sluice.cluster.etcd import Etcd, parse_cluster_url
+from sluice.cluster.etcd import Etcd, EtcdError, parse_cluster_url
 from sluice.greenstack import GreenstackClient
 from test_couchbase_sdk_kv import USERS, SteadyWriter, replica_login
 from test_permissions import PASSWORD
@@ -199,9 +199,13 @@ def cluster_map(etcd: EtcdServer) -> dict | None:
 
 
 def wait_map(etcd: EtcdServer, check, timeout: float = 60) -> dict:
+    """The map once `check` holds; etcd may be unreachable a while (its members electing)."""
     deadline = time.monotonic() + timeout
     while True:
-        m = cluster_map(etcd)
+        try:
+            m = cluster_map(etcd)
+        except EtcdError:
+            m = None
         if m is not None and check(m):
             return m
         assert time.monotonic() < deadline, f"the map never matched: {m}"
@@ -359,6 +363,18 @@ def port_of(address: str) -> str:
 
 def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
+
+
+def wait_converged(nodes: dict, m: dict, timeout: float = 30) -> None:
+    """Every vbucket active on the node the map `m` names for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {name: vbucket_states(nodes[name]) for name in {c[0] for c in m["chains"]}}
+        behind = [vb for vb, c in enumerate(m["chains"]) if states[c[0]][vb] != "active"]
+        if not behind:
+            return
+        assert time.monotonic() < deadline, f"vbuckets {behind} never became active where the map says"
+        time.sleep(0.05)
 
 
 def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd, monkeypatch):
@@ -620,6 +636,9 @@ def test_the_cluster_works_on_with_one_etcd_member_of_three_killed(tmp_path):
         nodes["n3"].stop(sig=9)
         m = wait_map(etcd, lambda m: "n3" in m["failed"], timeout=30)
         assert all(c[0] in ("n1", "n2") for c in m["chains"])
+        # A node hears the new map once its watch reaches a member that answers; until then
+        # it hands clients the map that sends them to n3.
+        wait_converged(nodes, m)
         with collection(nodes["n1"]) as coll:
             for i in range(50):
                 coll.upsert(f"k{i}", i)
