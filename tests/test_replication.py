@@ -258,6 +258,26 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         active.stop()
 
 
+def test_persist_to_majority_is_acknowledged_once_the_replica_synced_the_write(tmp_path):
+    """In `wal.mode = write` a replica's WAL is not synced by itself: a persist_to_majority
+    write waits until the replica synced it, not only wrote it."""
+    active = start_node(tmp_path, "a", replicas=1)
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
+    try:
+        s = connect(active)
+        until_majority_is_met(s, b"k")
+        assert majority_set(s, b"k", b"v", level=1) == 0  # majority: held there, not synced
+        written_before = replica.metric("sluice_wal_lsn", kind="written")
+        assert majority_set(s, b"persisted", b"v", level=3) == 0
+        # The replica's record of the write is newer than anything it wrote before it.
+        assert replica.metric("sluice_wal_lsn", kind="synced") > written_before
+        assert replica.metric("sluice_wal_sync_seconds_count") >= 1
+        s.close()
+    finally:
+        replica.stop()
+        active.stop()
+
+
 def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
     """A majority SET that cannot be acknowledged (the replica is stopped) waits for its
     timeout, but the plain SETs pipelined behind it on the same connection are applied at once

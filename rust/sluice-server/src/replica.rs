@@ -15,7 +15,7 @@
 //! A probe connection of its own asks the active for its high seqnos every second, so the lag
 //! reported is against where the active is, not against what this node has received.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -536,9 +536,38 @@ struct Snap {
     end: u64,
     acked: u64,
     acked_persisted: u64,
+    /// (seqno, WAL LSN) marks of what was applied and is not yet synced, oldest first: the
+    /// seqno is on disk once the WAL is synced through the LSN. At most `UNSYNCED_MARKS`; a
+    /// newer mark replaces the newest when full, which only acknowledges later what it covers.
+    unsynced: VecDeque<(u64, u64)>,
 }
 
+/// Marks kept per vbucket while its WAL records wait for a sync.
+const UNSYNCED_MARKS: usize = 4;
+
 impl Snap {
+    /// Notes that everything up to `seqno` is held in WAL records up to `lsn`.
+    fn applied(&mut self, seqno: u64, lsn: u64) {
+        if self.unsynced.len() >= UNSYNCED_MARKS {
+            self.unsynced.pop_back();
+        }
+        self.unsynced.push_back((seqno, lsn));
+    }
+
+    /// The highest seqno whose records the WAL has synced (through `synced_lsn`), dropping
+    /// the marks that covers.
+    fn on_disk(&mut self, synced_lsn: u64) -> u64 {
+        let mut on_disk = 0;
+        while let Some(&(seqno, lsn)) = self.unsynced.front() {
+            if lsn > synced_lsn {
+                break;
+            }
+            on_disk = seqno;
+            self.unsynced.pop_front();
+        }
+        on_disk
+    }
+
     /// Everything up to here is held consistently: the end of the current snapshot when it
     /// is whole, else the end of the one before it.
     fn consistent(&self) -> u64 {
@@ -644,6 +673,8 @@ impl ReplicaSession {
             s.seqno = pos.seqno;
             s.start = pos.snap_start;
             s.end = pos.snap_end;
+            // The batch's last record is at or past every record of this vbucket in it.
+            s.applied(pos.seqno, self.last_lsn);
             let mut lags = self.stats.vbuckets.lock();
             let l = lags.entry(*vb).or_default();
             l.active_seqno = l.active_seqno.max(pos.snap_end);
@@ -719,34 +750,43 @@ impl ReplicaSession {
                 .engine
                 .stream_position(&self.bucket, vb)
                 .ok_or(ReplicationError::Vanished(vb))?;
-            self.snapshots.insert(
-                vb,
-                Snap {
-                    seqno: at,
-                    start: at,
-                    end: at,
-                    ..Default::default()
-                },
-            );
+            let mut snap = Snap {
+                seqno: at,
+                start: at,
+                end: at,
+                ..Default::default()
+            };
+            // What it was rolled back to is on disk once the WAL is synced as it stands.
+            snap.applied(at, self.engine.wal().last_lsn());
+            self.snapshots.insert(vb, snap);
             self.due.insert(vb);
             self.link.resume_at(vb, resume_point(&p));
         }
         Ok(())
     }
 
-    /// Tells the active how far each vbucket is held, and on disk, when that moved.
+    /// Tells the active how far each vbucket is held, and on disk, when that moved. On disk
+    /// means synced (what `persist_to_majority` promises survives a power loss here too):
+    /// while some of what is held is not, the WAL is asked for a sync through the newest
+    /// record applied, one sync serving every vbucket and batch that asked meanwhile.
     fn acknowledge(&mut self) {
         if self.due.is_empty() {
             return;
         }
+        let wal = self.engine.wal();
+        let synced_lsn = wal.synced_lsn();
         let mut lags = self.stats.vbuckets.lock();
         let mut acks = Vec::new();
+        let mut sync_through = 0;
         self.due.retain(|vb| {
             let Some(s) = self.snapshots.get_mut(vb) else {
                 return false;
             };
             let held = s.consistent();
-            let on_disk = held.min(self.engine.persisted_seqno(&self.bucket, *vb));
+            let on_disk = held.min(s.acked_persisted.max(s.on_disk(synced_lsn)));
+            if let Some(&(_, lsn)) = s.unsynced.back() {
+                sync_through = sync_through.max(lsn);
+            }
             if held > s.acked || on_disk > s.acked_persisted {
                 s.acked = s.acked.max(held);
                 s.acked_persisted = s.acked_persisted.max(on_disk);
@@ -760,6 +800,9 @@ impl ReplicaSession {
         });
         drop(lags);
         self.link.acknowledge(&acks);
+        if sync_through > synced_lsn {
+            wal.ask_sync(sync_through);
+        }
     }
 }
 

@@ -832,8 +832,8 @@ impl WalWriter {
     }
 
     /// In write mode, where batches are not synced by themselves, asks the writer to sync
-    /// through `lsn`; waiters arriving together share one sync.
-    fn ask_sync(&self, lsn: u64) {
+    /// through `lsn` without waiting for it; waiters arriving together share one sync.
+    pub fn ask_sync(&self, lsn: u64) {
         if self.shared.mode == WalMode::Write
             && self.shared.sync_wanted.fetch_max(lsn, Ordering::AcqRel) < lsn
         {
