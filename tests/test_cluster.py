@@ -431,6 +431,21 @@ def test_a_cluster_forms_balanced_and_any_node_serves_every_key(tmp_path, etcd, 
         stop_all(nodes)
 
 
+def test_a_refused_etcd_login_is_an_error_naming_it(etcd):
+    """With auth on, a wrong password is refused once (no login retried over and over), the
+    right one logs in."""
+    api = etcd.api()
+    api.call("/v3/auth/user/add", {"name": "root", "password": "right"})
+    api.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+    api.call("/v3/auth/enable", {})
+    endpoints = parse_cluster_url(etcd.url)[0]
+    with pytest.raises(EtcdError, match="authentication failed"):
+        Etcd(endpoints, username="root", password="wrong").get("/sluice/x")
+    ok = Etcd(endpoints, username="root", password="right")
+    ok.put("/sluice/x", "1")
+    assert ok.get("/sluice/x").value == b"1"
+
+
 def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and_rejoins(tmp_path, etcd):
     timeout = 2.0
     nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], timeout=timeout)

@@ -21,6 +21,12 @@ from typing import Any
 TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests", "not capable")
 
 
+AUTHENTICATE = "/v3/auth/authenticate"
+
+# What a member answers a request whose token expired or is missing: log in (again) and retry.
+LOGIN_NEEDED = ("token", "auth", "user name is empty")
+
+
 class EtcdError(Exception):
     """etcd could not be reached, or refused the request."""
 
@@ -61,13 +67,28 @@ def _prefix_end(prefix: str) -> str:
 
 
 def _kv(d: dict[str, Any]) -> KeyValue:
-    return KeyValue(
-        key=base64.b64decode(d["key"]).decode(),
-        value=base64.b64decode(d.get("value", "")),
-        create_revision=int(d.get("create_revision", 0)),
-        mod_revision=int(d.get("mod_revision", 0)),
-        lease=int(d.get("lease", 0)),
-    )
+    try:
+        return KeyValue(
+            key=base64.b64decode(d["key"]).decode(),
+            value=base64.b64decode(d.get("value", "")),
+            create_revision=int(d.get("create_revision", 0)),
+            mod_revision=int(d.get("mod_revision", 0)),
+            lease=int(d.get("lease", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise EtcdError(f"etcd: a key-value not understood ({e!r}): {str(d)[:200]}") from None
+
+
+def _revision(answer: dict[str, Any]) -> int:
+    """The store's revision an answer was given at."""
+    try:
+        return int(answer["header"]["revision"])
+    except (KeyError, TypeError, ValueError):
+        raise EtcdError(f"etcd: an answer without its revision: {str(answer)[:200]}") from None
+
+
+#: The most of one answer (or one watch line) read: past it the answer is refused, not held.
+MAX_ANSWER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -145,22 +166,31 @@ class Etcd:
         once after logging in again when a token expired."""
         deadline = time.monotonic() + (timeout or self.timeout)
         authenticated = False
+        if self._credentials and self._token is None and path != AUTHENTICATE:
+            self._authenticate()
+            authenticated = True
         while True:
             conn, resp = self._send(path, body, timeout or self.timeout)
             try:
-                raw = resp.read()
+                raw = resp.read(MAX_ANSWER_BYTES + 1)
             except (OSError, http.client.HTTPException) as err:
                 raise EtcdError(f"etcd: {path}: {err}") from None
             finally:
                 conn.close()
+            if len(raw) > MAX_ANSWER_BYTES:
+                raise EtcdError(f"etcd: {path}: an answer over {MAX_ANSWER_BYTES >> 20} MiB")
             try:
                 answer = json.loads(raw or b"{}")
             except ValueError:
-                raise EtcdError(f"etcd: {path}: HTTP {resp.status}: {raw[:200]!r}") from None
+                answer = None
+            if not isinstance(answer, dict):
+                raise EtcdError(f"etcd: {path}: HTTP {resp.status}: {raw[:200]!r}")
             if resp.status == 200 and "error" not in answer:
                 return answer
             message = answer.get("message") or answer.get("error") or raw[:200].decode("utf-8", "replace")
-            if self._credentials and not authenticated and ("token" in message or "auth" in message):
+            # A refused login is the answer itself, not an expired token to log in again for.
+            relogin = path != AUTHENTICATE and not authenticated
+            if self._credentials and relogin and any(t in message for t in LOGIN_NEEDED):
                 self._authenticate()
                 authenticated = True
                 continue
@@ -174,7 +204,9 @@ class Etcd:
         assert self._credentials is not None
         user, password = self._credentials
         self._token = None
-        answer = self.call("/v3/auth/authenticate", {"name": user, "password": password})
+        answer = self.call(AUTHENTICATE, {"name": user, "password": password})
+        if not isinstance(answer.get("token"), str):
+            raise EtcdError(f"etcd: a login answered without a token: {str(answer)[:200]}")
         self._token = answer["token"]
 
     # -- keys
@@ -186,13 +218,13 @@ class Etcd:
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under `prefix`, and the store's revision when read."""
         a = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
-        return [_kv(d) for d in a.get("kvs", [])], int(a["header"]["revision"])
+        return [_kv(d) for d in a.get("kvs", [])], _revision(a)
 
     def put(self, key: str, value: str | bytes, *, lease: int = 0) -> int:
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             body["lease"] = str(lease)
-        return int(self.call("/v3/kv/put", body)["header"]["revision"])
+        return _revision(self.call("/v3/kv/put", body))
 
     def delete(self, key: str) -> None:
         self.call("/v3/kv/deleterange", {"key": _b64(key)})
@@ -210,7 +242,7 @@ class Etcd:
         else:
             compare = {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
         a = self.call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
-        return int(a["header"]["revision"]) if a.get("succeeded") else None
+        return _revision(a) if a.get("succeeded") else None
 
     # -- leases
 
@@ -255,25 +287,46 @@ class Etcd:
                 continue
             try:
                 while not stop.is_set():
-                    line = resp.readline()
+                    line = resp.readline(MAX_ANSWER_BYTES + 1)
                     if not line:
                         break
-                    result = json.loads(line).get("result", {})
+                    if len(line) > MAX_ANSWER_BYTES:
+                        raise EtcdError(f"etcd: a watch event over {MAX_ANSWER_BYTES >> 20} MiB")
+                    result = _watch_result(line)
                     if result.get("canceled"):
                         # The revisions asked for are compacted away (or the watch was refused):
                         # the caller must read the keys whole again.
                         raise EtcdError(f"etcd canceled the watch: {result.get('cancel_reason') or result}")
-                    events = [
-                        Event("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
-                        for e in result.get("events", [])
-                    ]
+                    events = _events(result)
                     if events:
-                        revision = int(result["header"]["revision"]) + 1
+                        revision = _revision(result) + 1
                         yield events, revision - 1
-            except (TimeoutError, OSError, ValueError, http.client.HTTPException):
+            except (TimeoutError, OSError, http.client.HTTPException):
                 pass
             finally:
                 conn.close()
+
+
+def _watch_result(line: bytes) -> dict[str, Any]:
+    """The `result` of one line of a watch's stream."""
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        raise EtcdError(f"etcd: a watch line not understood: {line[:200]!r}") from None
+    result = answer.get("result", {}) if isinstance(answer, dict) else None
+    if not isinstance(result, dict):
+        raise EtcdError(f"etcd: a watch line not understood: {line[:200]!r}")
+    return result
+
+
+def _events(result: dict[str, Any]) -> list[Event]:
+    try:
+        return [
+            Event("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
+            for e in result.get("events", [])
+        ]
+    except (AttributeError, KeyError, TypeError):
+        raise EtcdError(f"etcd: watch events not understood: {str(result)[:200]}") from None
 
 
 def parse_cluster_url(url: str) -> tuple[list[Endpoint], str]:

@@ -163,3 +163,29 @@ fn a_write_reports_the_vbucket_uuid_its_seqno_belongs_to() {
     );
     assert_eq!(second.vbucket_uuid, now);
 }
+
+#[test]
+fn a_replica_adopts_a_long_failover_log_once() {
+    use sluice_core::failover::{FailoverEntry, MAX_FAILOVER_ENTRIES};
+    use sluice_core::vbucket::VbState;
+    let (_dir, e) = engine();
+    let b = e.bucket("default").unwrap();
+    e.set_vbucket_state(&b, 3, VbState::Replica).unwrap();
+    // An active may send more entries than a vbucket keeps.
+    let log: Vec<FailoverEntry> = (0..MAX_FAILOVER_ENTRIES as u64 + 5)
+        .rev()
+        .map(|i| FailoverEntry {
+            uuid: 1000 + i,
+            seqno: i * 10,
+        })
+        .collect();
+    e.adopt_failover_log(&b, 3, &log).unwrap();
+    assert_eq!(
+        e.failover_log(&b, 3).unwrap(),
+        log[..MAX_FAILOVER_ENTRIES].to_vec()
+    );
+    let lsn = e.wal().last_lsn();
+    // The same log again, as every batch of the stream carries it: nothing to log.
+    e.adopt_failover_log(&b, 3, &log).unwrap();
+    assert_eq!(e.wal().last_lsn(), lsn);
+}

@@ -140,10 +140,13 @@ impl Engine {
         let mut vb = bucket
             .lock_vbucket(vbid)
             .ok_or_else(|| Error::InvalidArgument(format!("no vbucket {vbid}")))?;
-        if vb.failover.entries() == entries {
+        // Compared as it would be kept: a longer log than a vbucket keeps would never match
+        // and be logged again with every batch.
+        let kept = &entries[..entries.len().min(crate::failover::MAX_FAILOVER_ENTRIES)];
+        if vb.failover.entries() == kept {
             return Ok(());
         }
-        vb.failover.replace_all(entries.to_vec());
+        vb.failover.replace_all(kept.to_vec());
         self.log_failover_log(bucket, &mut vb)
     }
 

@@ -865,7 +865,8 @@ impl PendingTxn {
     }
 
     fn push_bounded(&mut self, row: &Row<'_>, max: usize) -> Result<(), UpstreamError> {
-        let len = row.body.map_or(0, <[u8]>::len);
+        // A row costs what it holds in memory, body or not: rows without one count too.
+        let len = std::mem::size_of::<PendingRow>() + row.body.map_or(0, <[u8]>::len);
         if self.bytes + len > max {
             return Err(UpstreamError::Local(format!(
                 "a transaction of the upstream holds more than {} MiB of rows before its \
@@ -1038,7 +1039,8 @@ fn check_primary_key(space: &Space, index: &[u8]) -> Result<(), String> {
 fn part_fields(parts: &[u8]) -> Option<Vec<u64>> {
     let mut r = Reader::new(parts);
     let n = r.read_array_len().ok()?;
-    let mut out = Vec::with_capacity(n as usize);
+    // Each part takes at least a byte: a count the bytes cannot hold reserves nothing more.
+    let mut out = Vec::with_capacity((n as usize).min(parts.len()));
     for _ in 0..n {
         let part = r.read_raw_value(sluice_proto::iproto::MAX_DEPTH).ok()?;
         let mut p = Reader::new(part);
@@ -1099,15 +1101,34 @@ mod tests {
         for _ in 0..3 {
             txn.push_bounded(&row, 3 << 20).unwrap();
         }
-        assert_eq!((txn.len(), txn.bytes), (3, 3000));
+        let row_cost = std::mem::size_of::<PendingRow>() + 1000;
+        assert_eq!((txn.len(), txn.bytes), (3, 3 * row_cost));
         let mut big = PendingTxn::default();
         let e = (0..10_000)
             .map(|_| big.push_bounded(&row, 2 << 20))
             .find_map(Result::err)
             .expect("refused past 2 MiB");
         assert!(e.to_string().contains("more than 2 MiB"), "{e}");
-        assert_eq!(big.bytes, 2097000);
+        assert_eq!(big.bytes, (2 << 20) / row_cost * row_cost);
         big.clear();
         assert!(big.is_empty() && big.bytes == 0);
+        // Rows without a body are bounded as well.
+        let empty = Row {
+            header: RowHeader::default(),
+            body: None,
+        };
+        let mut bodiless = PendingTxn::default();
+        let refused = (0..1_000_000).find(|_| bodiless.push_bounded(&empty, 1 << 20).is_err());
+        assert!(refused.is_some_and(|n| n < 1 << 20), "{refused:?}");
+    }
+
+    #[test]
+    fn index_parts_with_a_count_past_their_bytes_are_not_understood() {
+        // An array of 2^32-1 parts in five bytes: nothing is reserved for them.
+        assert_eq!(part_fields(&[0xdd, 0xff, 0xff, 0xff, 0xff]), None);
+        assert_eq!(
+            part_fields(&[0x91, 0x92, 0x00, 0xa3, b'u', b'n', b's']),
+            Some(vec![0])
+        );
     }
 }
