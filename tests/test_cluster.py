@@ -365,7 +365,7 @@ def vbucket_states(node) -> dict[int, str]:
     return {v["vbucket"]: v["state"] for v in node.status()["buckets"][0]["vbuckets"]}
 
 
-def wait_converged(nodes: dict, m: dict, timeout: float = 30) -> None:
+def wait_serving_map(nodes: dict, m: dict, timeout: float = 30) -> None:
     """Every vbucket active on the node the map `m` names for it."""
     deadline = time.monotonic() + timeout
     while True:
@@ -653,7 +653,7 @@ def test_the_cluster_works_on_with_one_etcd_member_of_three_killed(tmp_path):
         assert all(c[0] in ("n1", "n2") for c in m["chains"])
         # A node hears the new map once its watch reaches a member that answers; until then
         # it hands clients the map that sends them to n3.
-        wait_converged(nodes, m)
+        wait_serving_map(nodes, m)
         with collection(nodes["n1"]) as coll:
             for i in range(50):
                 coll.upsert(f"k{i}", i)

@@ -18,9 +18,11 @@ import sluice
 from fault_proxy import FaultProxy
 from helpers import NUM_VBUCKETS, Node, contents, node_config, run_cli, start_node, wait_converged
 from mcbp_wire import (
+    FLUSH,
     GET,
     GET_REPLICA,
     HELLO,
+    NOOP,
     SET,
     connect,
     durability_framing,
@@ -256,6 +258,26 @@ def test_durability_impossible_and_ambiguous(tmp_path):
         replica.stop()
     finally:
         active.stop()
+
+
+def test_a_durability_requirement_on_a_command_that_cannot_meet_one_is_refused(tmp_path):
+    """FLUSH, GET and NOOP with a durability frame info get EINVAL (as Couchbase's servers
+    answer), and are not carried out without it."""
+    node = start_node(tmp_path, "a")
+    try:
+        s = connect(node)
+        s.sendall(request(SET, b"k", b"v", set_extras()))
+        assert read_response(s)["status"] == 0
+        for opcode, key in ((FLUSH, b""), (GET, b"k"), (NOOP, b"")):
+            s.sendall(flex_request(opcode, durability_framing(1), key, b"", b""))
+            got = read_response(s)
+            assert got["status"] == 0x04, (hex(opcode), got)
+            assert b"does not support durability" in got["value"]
+        s.sendall(request(GET, b"k"))
+        assert read_response(s)["value"] == b"v"  # the refused FLUSH flushed nothing
+        s.close()
+    finally:
+        node.stop()
 
 
 def test_persist_to_majority_is_acknowledged_once_the_replica_synced_the_write(tmp_path):

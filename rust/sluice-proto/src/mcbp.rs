@@ -207,6 +207,36 @@ pub mod server_opcode {
     pub const CLUSTERMAP_CHANGE_NOTIFICATION: u8 = 0x01;
 }
 
+/// Whether a request of this opcode may carry a durability requirement: the mutations of a
+/// document (as Couchbase's servers take them, and TOUCH/GAT, whose new expiry sluice makes
+/// durable alike). Any other command refuses one with EINVAL rather than ignore it.
+pub fn supports_durability(op: u8) -> bool {
+    use opcode::*;
+    matches!(
+        op,
+        SET | SETQ
+            | ADD
+            | ADDQ
+            | REPLACE
+            | REPLACEQ
+            | DELETE
+            | DELETEQ
+            | INCREMENT
+            | INCREMENTQ
+            | DECREMENT
+            | DECREMENTQ
+            | APPEND
+            | APPENDQ
+            | PREPEND
+            | PREPENDQ
+            | TOUCH
+            | GAT
+            | GATQ
+            | SUBDOC_DICT_ADD
+            ..=SUBDOC_COUNTER | SUBDOC_MULTI_MUTATION | SUBDOC_REPLACE_BODY_WITH_XATTR
+    )
+}
+
 /// Whether the key of a request is a document's (and, with Collections, carries the collection
 /// id before it): the KV reads and writes, and Couchbase's locking (0x94, 0x95), GET_META
 /// (0xa0, 0xa1) and sub-document (0xc5..=0xd2) commands. Other keys are names (HELLO's agent, a SASL

@@ -464,6 +464,19 @@ impl KvSession {
         let mut durability = None;
         for info in mcbp::frame_infos(req.framing) {
             match info {
+                Ok(FrameInfo::Durability { .. }) if !mcbp::supports_durability(req.opcode) => {
+                    Reply {
+                        out,
+                        req: &req,
+                        map: &*map,
+                    }
+                    .error(
+                        status::EINVAL,
+                        "The requested command does not support durability requirements",
+                        self.features.xerror,
+                    );
+                    return Flow::Continue;
+                }
                 Ok(FrameInfo::Durability { level, timeout_ms }) => match durability_of(level) {
                     Some(d) => {
                         durability = Some(Requirement {
