@@ -87,6 +87,39 @@ def test_wal_failpoint(data_dir, failpoint):
         assert e.get(b"still") is None
 
 
+def test_a_failed_sync_stops_writes_until_a_restart(data_dir):
+    """Write mode: after a sync fails, Linux may have dropped the pages it could not write, so
+    a later sync that succeeds proves nothing. No write is acknowledged as synced again, and
+    none taken, until a restart; what was written is still served, and kept over the restart."""
+    with open_engine(data_dir, wal__mode="write") as e:
+        for i in range(20):
+            e.set(b"k%d" % i, b"v%d" % i, durability="persist")
+        e.set(b"written", b"w")  # level none: written, not synced
+        e.set_wal_failpoint("sync_eio")
+        with pytest.raises(sluice.WalFailedError) as failed:
+            e.set(b"unsynced", b"x", durability="persist")
+        assert "syncing" in str(failed.value) and "until sluice restarts" in str(failed.value)
+        # The device answers again: still nothing is taken, the refusal says why.
+        e.set_wal_failpoint("off")
+        time.sleep(0.3)
+        for call in [
+            lambda: e.set(b"k1", b"new", durability="persist"),
+            lambda: e.set(b"other", b"x"),
+        ]:
+            with pytest.raises(WAL_ERRORS) as info:
+                call()
+            assert "until sluice restarts" in str(info.value)
+        assert e.stats()["wal_failing"] is True
+        assert e.get(b"k1").value == b"v1" and e.get(b"written").value == b"w"
+    with open_engine(data_dir, wal__mode="write") as e:
+        for i in range(20):
+            assert e.get(b"k%d" % i).value == b"v%d" % i
+        assert e.get(b"written").value == b"w"
+        assert e.get(b"other") is None
+        e.set(b"after", b"restart", durability="persist")
+        assert e.stats()["wal_failing"] is False
+
+
 def test_close_while_the_wal_is_failing_is_bounded(data_dir):
     with open_engine(data_dir, wal__mode="write") as e:
         for i in range(20):

@@ -361,12 +361,14 @@ impl EmbeddedEngine {
         py.detach(|| self.engine.run_expiry_pager())
     }
 
-    /// Makes WAL writes fail as a full disk ("enospc") or a broken device ("eio") would, or not ("off").
+    /// Makes WAL writes fail as a full disk ("enospc") or a broken device ("eio") would, the
+    /// next sync of write mode fail ("sync_eio"), or nothing fail ("off").
     fn set_wal_failpoint(&self, name: &str) -> PyResult<()> {
         let fp = match name {
             "off" => Failpoint::Off,
             "enospc" => Failpoint::NoSpace,
             "eio" => Failpoint::IoError,
+            "sync_eio" => Failpoint::SyncError,
             other => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
                     "unknown failpoint {other:?}"

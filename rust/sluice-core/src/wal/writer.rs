@@ -193,12 +193,14 @@ impl Queued {
 /// highest seqno it carried.
 pub type PersistedCallback = Box<dyn Fn(&[(u16, u16, u64)]) + Send>;
 
-/// Failpoints for tests: make the next writes fail as a full disk or a broken device would.
+/// Failpoints for tests: make the next writes fail as a full disk or a broken device would,
+/// or (`SyncError`) the next sync of write mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failpoint {
     Off = 0,
     NoSpace = 1,
     IoError = 2,
+    SyncError = 3,
 }
 
 struct QueueState {
@@ -227,6 +229,10 @@ struct DurableState {
     synced: u64,
     error: Option<String>,
     stopped: bool,
+    /// A sync failed: pages written before it may be lost to a power failure although a later
+    /// sync succeeds (the kernel may have dropped them), so nothing is announced synced, and
+    /// no write taken, until a restart recovers from what the files hold.
+    sync_lost: bool,
 }
 
 struct Shared {
@@ -489,15 +495,17 @@ impl Segment {
         let result = match failpoint {
             Failpoint::NoSpace => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
             Failpoint::IoError => Err(io::Error::from_raw_os_error(libc::EIO)),
-            Failpoint::Off => self.write_blocks(batch, buf, cfg.block_size).and_then(|_| {
-                if cfg.mode == WalMode::Fsync {
-                    timed_sync(&self.file, latency)
-                } else {
-                    // Writeback is started by the thread (`writeback_due`): it may wait for
-                    // the device, and a waiter writing its own batch serves connections.
-                    Ok(())
-                }
-            }),
+            Failpoint::Off | Failpoint::SyncError => {
+                self.write_blocks(batch, buf, cfg.block_size).and_then(|_| {
+                    if cfg.mode == WalMode::Fsync {
+                        timed_sync(&self.file, latency)
+                    } else {
+                        // Writeback is started by the thread (`writeback_due`): it may wait for
+                        // the device, and a waiter writing its own batch serves connections.
+                        Ok(())
+                    }
+                })
+            }
         };
         if result.is_err() {
             self.size = start;
@@ -630,6 +638,7 @@ impl WalWriter {
                 synced: next_lsn - 1,
                 error: None,
                 stopped: false,
+                sync_lost: false,
             }),
             durable_cv: Condvar::new(),
             failing: AtomicBool::new(false),
@@ -1053,9 +1062,12 @@ impl Writer {
         let recovered = {
             let mut d = shared.durable.lock();
             d.written = self.written;
-            d.synced = self.synced;
-            d.error = None;
-            let was = shared.failing.swap(false, Ordering::AcqRel);
+            // After a lost sync, writing again is no recovery: see `report_sync_lost`.
+            let was = !d.sync_lost && {
+                d.synced = self.synced;
+                d.error = None;
+                shared.failing.swap(false, Ordering::AcqRel)
+            };
             shared.announce();
             was
         };
@@ -1105,6 +1117,26 @@ fn report_failure(shared: &Shared, msg: String) {
     if began_failing {
         log::error!("WAL write failed, refusing new writes until it succeeds: {msg}");
     }
+}
+
+/// A sync failed. Linux may have dropped the dirty pages it could not write, so a later sync
+/// that succeeds says nothing of them: what was written since the last good sync may be lost
+/// to a power failure. Nothing is announced synced from here on, and new writes are refused
+/// (waiters told why), until a restart recovers from what the files hold. A process crash
+/// loses nothing written: the page cache still holds it for recovery to read.
+fn report_sync_lost(shared: &Shared, msg: String) {
+    let msg = format!(
+        "{msg}; what was written since the last sync may not be on the device: no write is \
+         taken or acknowledged as synced until sluice restarts"
+    );
+    {
+        let mut d = shared.durable.lock();
+        d.sync_lost = true;
+        d.error = Some(msg.clone());
+        shared.failing.store(true, Ordering::Release);
+        shared.announce();
+    }
+    log::error!("WAL sync failed: {msg}");
 }
 
 /// Past this many bytes queued, a waiter leaves the writing to the writer thread: a reply
@@ -1165,19 +1197,24 @@ fn writer_loop(shared: Arc<Shared>) {
         } else {
             None
         };
-        if sync_due(&shared, w.synced) && w.written > w.synced {
+        if sync_due(&shared, w.synced) && w.written > w.synced && !shared.durable.lock().sync_lost {
             // One sync serves every persist waiter of write mode that asked so far.
-            match timed_sync(&w.segment.file, &shared.sync_latency) {
+            let synced = if shared.failpoint.load(Ordering::Acquire) == Failpoint::SyncError as u8 {
+                Err(io::Error::from_raw_os_error(libc::EIO))
+            } else {
+                timed_sync(&w.segment.file, &shared.sync_latency)
+            };
+            match synced {
                 Ok(()) => {
                     w.synced = w.written;
                     let mut d = shared.durable.lock();
                     d.synced = w.synced;
                     shared.announce();
                 }
-                Err(e) => {
-                    log::error!("WAL sync failed, retrying: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                }
+                Err(e) => report_sync_lost(
+                    &shared,
+                    format!("syncing {}: {e}", w.segment.path.display()),
+                ),
             }
         }
         let next_lsn = w.written + 1;
@@ -1225,7 +1262,8 @@ fn writer_loop(shared: Arc<Shared>) {
                     d.synced = d.synced.max(upto);
                     shared.announce();
                 }
-                Err(e) => log::error!("closing WAL segment: {e}"),
+                // Closing syncs it: what it holds past the last sync may be lost.
+                Err(e) => report_sync_lost(&shared, format!("closing a WAL segment: {e}")),
             }
         }
     }
