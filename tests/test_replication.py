@@ -335,6 +335,47 @@ def test_a_held_durable_write_does_not_hold_up_the_requests_behind_it(tmp_path):
         active.stop()
 
 
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_replies_queued_behind_a_held_write_are_bounded_in_memory(tmp_path):
+    """GETs of a 1 MiB value pipelined behind a durable write that cannot be acknowledged:
+    their replies cannot be sent before it, and the server stops reading once a few MiB of
+    them wait, instead of holding all 100 MiB."""
+    active = start_node(tmp_path, "a", replicas=1)
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
+    try:
+        s = connect(active)
+        until_majority_is_met(s, b"warm")
+        big = b"x" * (1 << 20)
+        s.sendall(request(SET, b"big", big, set_extras()))
+        assert read_response(s)["status"] == 0
+        before = rss_bytes(active.proc.pid)
+        replica.proc.send_signal(19)  # SIGSTOP
+        try:
+            wait_stopped(replica.proc.pid)
+            gets = b"".join(request(GET, b"big", opaque=2 + i) for i in range(100))
+            s.sendall(
+                flex_request(SET, durability_framing(1, 3000), b"held", b"v", set_extras(), opaque=1) + gets
+            )
+            time.sleep(1.0)  # the held write waits; the server reads what it may meanwhile
+            grown = rss_bytes(active.proc.pid) - before
+        finally:
+            replica.proc.send_signal(18)  # SIGCONT
+        assert grown < 40 << 20, f"{grown >> 20} MiB held for the replies behind the write"
+        replies = [read_response(s) for _ in range(101)]
+        assert [r["opaque"] for r in replies] == list(range(1, 102))
+        assert replies[0]["status"] in (0, 0xA3)
+        assert all(r["status"] == 0 and r["value"] == big for r in replies[1:])
+        replica.stop()
+    finally:
+        active.stop()
+
+
 def test_a_client_that_allows_unordered_execution_gets_a_held_writes_reply_last(tmp_path):
     """HELLO UnorderedExecution (0x0e), as Couchbase's SDKs send it: a majority SET that waits
     (the replica is stopped) no longer holds back the replies of the SETs behind it; its own

@@ -57,6 +57,11 @@ const FLUSH_AT: usize = 1 << 20;
 /// pipelining durable writes cannot make the server hold more than this many.
 const MAX_HELD: usize = 1024;
 
+/// Bytes of replies queued behind held ones past which the connection stops reading too: the
+/// GETs of large values pipelined behind a durable write wait in the client's socket, not in
+/// the server's memory.
+const MAX_HELD_BYTES: usize = 8 << 20;
+
 /// The replies of one connection in request order: those ready to send, then held ones, each
 /// with the ready replies that came after it. A client that negotiated UnorderedExecution has
 /// its held replies wait apart instead, each sent when it is ready.
@@ -99,6 +104,19 @@ impl Replies {
     /// Replies held, in order or apart.
     fn held_count(&self) -> usize {
         self.held.len() + self.unordered.len()
+    }
+
+    /// Whether the connection must stop reading until a held reply is sent: too many held, or
+    /// too many bytes of replies waiting behind them.
+    fn full(&self) -> bool {
+        self.held_count() >= MAX_HELD
+            || (!self.held.is_empty()
+                && self
+                    .held
+                    .iter()
+                    .map(|(_, after)| after.len())
+                    .sum::<usize>()
+                    >= MAX_HELD_BYTES)
     }
 
     /// A reply the client let come out of order: it waits apart, the next ones do not.
@@ -196,7 +214,7 @@ pub async fn run(
                 return crate::text::run(socket, peer, kv, inbuf, max_body, idle, stop).await;
             }
         }
-        while replies.held_count() < MAX_HELD {
+        while !replies.full() {
             let max_body = match prelogin {
                 Some(_) => fronts.max_body.min(PRELOGIN_MAX_BODY),
                 None => fronts.max_body,
@@ -323,7 +341,7 @@ pub async fn run(
             let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
             return;
         }
-        let reading = replies.held_count() < MAX_HELD;
+        let reading = !replies.full();
         let waiting = replies.held_count() > 0;
         let deadline = prelogin.as_ref().map(|_| login_deadline);
         let read = async {
