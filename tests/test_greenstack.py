@@ -416,6 +416,22 @@ def test_connections_not_logged_in_are_bounded_as_on_the_memcached_port(tmp_path
         assert 0.3 < time.monotonic() - started < 15
         assert member.call(LIST_BUCKETS).payload == {"buckets": ["default"]}
         assert node.metric("sluice_prelogin_closed_total", reason="login_timeout") >= 2
+        # One that sends without reading its replies is closed at its deadline too.
+        deaf = socket.create_connection((node.host, int(node.greenstack.rsplit(":", 1)[1])), timeout=1.0)
+        conns_before = node.metric("sluice_prelogin_closed_total", reason="login_timeout")
+        requests = frame(1, LIST_BUCKETS, {}) * 20_000
+        try:
+            for _ in range(200):
+                deaf.sendall(requests)
+        except TimeoutError:
+            pass  # the server stopped reading: its replies are not read
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # already closed at the deadline
+        deadline = time.monotonic() + 10
+        while node.metric("sluice_prelogin_closed_total", reason="login_timeout") == conns_before:
+            assert time.monotonic() < deadline, "the connection kept its pre-login slot"
+            time.sleep(0.1)
+        deaf.close()
     finally:
         for c in conns:
             c.close()
@@ -684,6 +700,13 @@ def test_clients_connecting_during_warm_up_are_told_when_it_is_done(tmp_path):
         assert (warming.opcode, warming.payload["kind"]) == (NOTICE, "warming_up")
         assert c.call(SELECT_BUCKET, {"name": "default"}).status == NOT_INITIALIZED
         assert c.call(GET, {"id": "kept"}).status == NOT_INITIALIZED
+        # Another client sends and never reads its answers: warm-up still ends without it.
+        deaf = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+        try:
+            for _ in range(100):
+                deaf.sendall(frame(1, GET, {"id": "kept"}) * 10_000)
+        except (TimeoutError, ConnectionResetError, BrokenPipeError):
+            pass
         # Half a frame now, the rest once warm-up is done.
         select = frame(9, SELECT_BUCKET, {"name": "default"})
         c.send(select[:5])
@@ -695,6 +718,7 @@ def test_clients_connecting_during_warm_up_are_told_when_it_is_done(tmp_path):
         got = c.call(GET, {"id": "kept"})
         assert (got.status, got.payload["value"]) == (SUCCESS, b"v")
         c.close()
+        deaf.close()
         starting.join(60)
         assert restarted, "the node did not start"
         assert restarted[0].greenstack == f"127.0.0.1:{port}"

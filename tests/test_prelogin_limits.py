@@ -89,6 +89,31 @@ def test_a_silent_or_trickling_connection_is_closed_at_the_login_deadline(tmp_pa
         assert node.stop() == 0
 
 
+def test_a_connection_that_never_reads_its_replies_is_closed_at_the_login_deadline(tmp_path):
+    """Before login, a client pipelining requests without reading the replies cannot keep its
+    slot by keeping the server's send blocked: the deadline bounds sending too."""
+    node = start(tmp_path, 'login_timeout = "1s"')
+    try:
+        s = connect(node)
+        s.settimeout(1.0)
+        noops = request(NOOP) * 20_000
+        try:
+            for _ in range(200):  # ~100 MB of requests at most: the buffers fill long before
+                s.sendall(noops)
+        except TimeoutError:
+            pass  # the server stopped reading: its replies are not read
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # already closed at the deadline
+        deadline = time.monotonic() + 10
+        while node.metric("sluice_unauthenticated_connections") != 0:
+            assert time.monotonic() < deadline, "the connection kept its pre-login slot"
+            time.sleep(0.1)
+        assert node.metric("sluice_prelogin_closed_total", reason="login_timeout") == 1
+        s.close()
+    finally:
+        assert node.stop() == 0
+
+
 def test_a_big_frame_before_login_gets_e2big_and_memory_stays_flat(tmp_path):
     node = start(tmp_path, "max_unauthenticated_per_ip = 64")
     try:

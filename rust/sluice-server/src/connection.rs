@@ -192,6 +192,12 @@ pub async fn run(
         Err(_) => return,
     };
     let login_deadline = Instant::now() + fronts.prelogin.limits.login_timeout;
+    // Before login, sending is bounded by the deadline too: a client that never reads its
+    // replies must not keep its pre-login slot.
+    let login = |slot: &Option<_>| {
+        slot.as_ref()
+            .map(|_| (login_deadline, &*fronts.prelogin, peer))
+    };
     let mut session = KvSession::new(fronts.kv.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
@@ -253,9 +259,14 @@ pub async fn run(
                         Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
                         Flow::Close => {
                             replies.settle_all().await;
-                            let _ =
-                                send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
-                                    .await;
+                            let _ = send(
+                                &mut socket,
+                                &mut replies.ready,
+                                &session,
+                                &fronts.kv.stats,
+                                login(&prelogin),
+                            )
+                            .await;
                             return;
                         }
                         Flow::OpenStream => {
@@ -295,9 +306,15 @@ pub async fn run(
                         }
                     }
                     if replies.ready.len() >= FLUSH_AT
-                        && send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
-                            .await
-                            .is_err()
+                        && send(
+                            &mut socket,
+                            &mut replies.ready,
+                            &session,
+                            &fronts.kv.stats,
+                            login(&prelogin),
+                        )
+                        .await
+                        .is_err()
                     {
                         return;
                     }
@@ -321,7 +338,14 @@ pub async fn run(
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);
                     }
-                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
+                    let _ = send(
+                        &mut socket,
+                        &mut replies.ready,
+                        &session,
+                        &fronts.kv.stats,
+                        login(&prelogin),
+                    )
+                    .await;
                     return;
                 }
             }
@@ -329,16 +353,29 @@ pub async fn run(
         if replies.held_count() > 0 && replies.release_ready().await.is_err() {
             return;
         }
-        if send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats)
-            .await
-            .is_err()
+        if send(
+            &mut socket,
+            &mut replies.ready,
+            &session,
+            &fronts.kv.stats,
+            login(&prelogin),
+        )
+        .await
+        .is_err()
         {
             return;
         }
         if *stop.borrow() {
             // Shutting down: requests already read are answered, held ones too.
             replies.settle_all().await;
-            let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
+            let _ = send(
+                &mut socket,
+                &mut replies.ready,
+                &session,
+                &fronts.kv.stats,
+                login(&prelogin),
+            )
+            .await;
             return;
         }
         let reading = !replies.full();
@@ -376,7 +413,7 @@ pub async fn run(
                 Ok(Ok(0)) => {
                     // The client closed its side: what it sent is still answered.
                     replies.settle_all().await;
-                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
+                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats, login(&prelogin)).await;
                     return;
                 }
                 Ok(Ok(n)) => { fronts.kv.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
@@ -395,20 +432,23 @@ pub async fn run(
             },
             _ = stop_changes.next() => {
                 replies.settle_all().await;
-                let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats).await;
+                let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats, login(&prelogin)).await;
                 return;
             }
         }
     }
 }
 
-/// Sends the ready replies once the WAL holds every change they acknowledge.
+/// Sends the ready replies once the WAL holds every change they acknowledge; before login
+/// (`login`: the deadline), only until the login deadline.
 async fn send(
     socket: &mut MaybeTls,
     out: &mut Vec<u8>,
     session: &KvSession,
     stats: &ConnectionStats,
+    login: Option<(Instant, &PreLogin, SocketAddr)>,
 ) -> std::io::Result<()> {
     let (engine, lsn) = (session.engine(), session.owed_lsn());
-    crate::kv::send_acknowledged(socket, out, engine, lsn, stats, FLUSH_AT).await
+    let sending = crate::kv::send_acknowledged(socket, out, engine, lsn, stats, FLUSH_AT);
+    crate::limits::by_login_deadline(login, sending).await
 }

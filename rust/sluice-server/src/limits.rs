@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use sluice_proto::mcbp::FrameError;
@@ -199,6 +199,24 @@ pub fn closing_before_login(prelogin: &PreLogin, peer: SocketAddr, e: &FrameErro
 }
 
 /// Logs (rate-limited) and counts a connection closed at its login deadline.
+/// Runs `io` (a send to a client); before login (`login`: the deadline, limits and peer) only
+/// until the login deadline, after which the connection is to be closed as timed out.
+pub async fn by_login_deadline<T>(
+    login: Option<(Instant, &PreLogin, SocketAddr)>,
+    io: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    let Some((deadline, prelogin, peer)) = login else {
+        return io.await;
+    };
+    match tokio::time::timeout_at(deadline.into(), io).await {
+        Ok(r) => r,
+        Err(_) => {
+            login_timed_out(prelogin, peer);
+            Err(std::io::ErrorKind::TimedOut.into())
+        }
+    }
+}
+
 pub fn login_timed_out(prelogin: &PreLogin, peer: SocketAddr) {
     prelogin.stats.timed_out.fetch_add(1, Relaxed);
     prelogin.log.info(|| {

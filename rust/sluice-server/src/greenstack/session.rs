@@ -185,6 +185,12 @@ pub(super) async fn run(
         Err(_) => return,
     };
     let login_deadline = tokio::time::Instant::now() + ctx.prelogin.limits.login_timeout;
+    // Before login, sending is bounded by the deadline too: a client that never reads its
+    // replies must not keep its pre-login slot.
+    let login = |slot: &Option<_>| {
+        slot.as_ref()
+            .map(|_| (login_deadline.into_std(), &*ctx.prelogin, peer))
+    };
     let mut s = Session {
         ctx: ctx.clone(),
         next_opaque: 1,
@@ -251,13 +257,16 @@ pub(super) async fn run(
                             "greenstack",
                             format_args!("closing Greenstack connection from {peer}: {e}"),
                         );
-                        let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
+                        let _ =
+                            send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
                         return;
                     }
                     // Requests that start as they are read answer as they go: a long read
                     // of them is sent in parts.
                     if out.len() >= FLUSH_AT
-                        && send(&mut socket, &mut out, &ctx, s.owed_lsn).await.is_err()
+                        && send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin))
+                            .await
+                            .is_err()
                     {
                         return;
                     }
@@ -271,7 +280,7 @@ pub(super) async fn run(
                         "greenstack",
                         format_args!("closing Greenstack connection from {peer}: {e}"),
                     );
-                    let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
+                    let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
                     return;
                 }
             }
@@ -297,12 +306,15 @@ pub(super) async fn run(
         ctx.stats
             .out_of_order
             .fetch_add(counted.out_of_order, Relaxed);
-        if send(&mut socket, &mut out, &ctx, s.owed_lsn).await.is_err() {
+        if send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin))
+            .await
+            .is_err()
+        {
             return;
         }
         if *stop.borrow() && s.tasks.is_empty() {
             s.shutdown_notice(&mut out);
-            let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
+            let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
             return;
         }
         let full = s.in_flight >= max_in_flight;
@@ -338,7 +350,7 @@ pub(super) async fn run(
             _ = changed => {}
             () = deadline => {
                 crate::limits::login_timed_out(&ctx.prelogin, peer);
-                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
+                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
                 return;
             }
             rev = map_changes.next() => match rev {
@@ -379,7 +391,7 @@ pub(super) async fn run(
                         break;
                     }
                 }
-                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn).await;
+                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
                 return;
             }
         }
@@ -394,8 +406,11 @@ async fn send(
     out: &mut Vec<u8>,
     ctx: &GreenstackContext,
     owed_lsn: u64,
+    login: Option<(std::time::Instant, &crate::limits::PreLogin, SocketAddr)>,
 ) -> std::io::Result<()> {
-    crate::kv::send_acknowledged(socket, out, &ctx.engine, owed_lsn, &ctx.io, FLUSH_AT).await
+    let sending =
+        crate::kv::send_acknowledged(socket, out, &ctx.engine, owed_lsn, &ctx.io, FLUSH_AT);
+    crate::limits::by_login_deadline(login, sending).await
 }
 
 /// The lane a frame's flex header names (the root lane when none).

@@ -188,7 +188,21 @@ async fn warm_session(
             }
         }
         if !out.is_empty() {
-            socket.write_all(&out).await.ok()?;
+            tokio::select! {
+                r = socket.write_all(&out) => r.ok()?,
+                // Warm-up ended a second ago and the client still does not read its replies:
+                // the server does not wait for it to start, and it is not carried over.
+                _ = async {
+                    let _ = done.wait_for(|&d| d).await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                } => {
+                    log::info!(
+                        "closing Greenstack connection from {peer} at the end of warm-up: it \
+                         does not read its replies"
+                    );
+                    return None;
+                }
+            }
             out.clear();
         }
         if *done.borrow() {
