@@ -284,6 +284,7 @@ impl Upstream {
                     heartbeat = true;
                     stop = matches!(each(None)?, Next::Stop);
                 } else {
+                    in_order(&vclock, &row)?;
                     match each(Some(&row))? {
                         // The row stays in the buffer and comes again.
                         Next::Retry => retry = true,
@@ -369,6 +370,26 @@ fn decode(packet: &[u8]) -> Result<Row<'_>, UpstreamError> {
     Ok(row)
 }
 
+/// A replicated row must come from a replica id Tarantool can have (below 32) and after what
+/// the vclock holds of that id: anything else would be kept as a position no later
+/// SUBSCRIBE can resume from, or apply a row twice.
+fn in_order(vclock: &Vclock, row: &Row<'_>) -> Result<(), UpstreamError> {
+    let (Some(id), Some(lsn)) = (row.header.replica_id, row.header.lsn) else {
+        return Ok(());
+    };
+    if id >= 32 {
+        return Err(protocol(format!(
+            "a row from replica id {id}: ids are below 32"
+        )));
+    }
+    match vclock.get(&id) {
+        Some(&had) if lsn <= had => Err(protocol(format!(
+            "a row of replica {id} with LSN {lsn}, not after {had}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn vclock_of(body: &[u8]) -> Result<Vclock, UpstreamError> {
     client::body_vclock(body)
         .map_err(protocol)?
@@ -397,4 +418,32 @@ fn refusal(row: &Row<'_>) -> UpstreamError {
         }
     }
     UpstreamError::Refused { code, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_proto::iproto::xrow::RowHeader;
+
+    fn row(replica_id: u32, lsn: u64) -> Row<'static> {
+        Row {
+            header: RowHeader {
+                replica_id: Some(replica_id),
+                lsn: Some(lsn),
+                ..RowHeader::default()
+            },
+            body: None,
+        }
+    }
+
+    #[test]
+    fn rows_must_come_after_the_vclock_from_a_possible_replica_id() {
+        let vclock = Vclock::from([(1, 10)]);
+        assert!(in_order(&vclock, &row(1, 11)).is_ok());
+        assert!(in_order(&vclock, &row(2, 1)).is_ok());
+        for (id, lsn) in [(1, 10), (1, 3), (32, 1), (u32::MAX, 1)] {
+            let e = in_order(&vclock, &row(id, lsn)).unwrap_err();
+            assert!(matches!(e, UpstreamError::Protocol(_)), "{e}");
+        }
+    }
 }

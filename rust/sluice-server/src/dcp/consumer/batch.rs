@@ -48,6 +48,11 @@ impl Batch {
         self.seqno.is_empty()
     }
 
+    /// Bytes of keys and values held.
+    pub fn data_bytes(&self) -> usize {
+        self.keys.len() + self.values.len()
+    }
+
     pub(super) fn push(&mut self, d: &DocumentRef<'_>) {
         self.vbucket.push(d.vbucket);
         self.seqno.push(d.by_seqno);

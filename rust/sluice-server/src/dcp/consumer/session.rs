@@ -23,6 +23,10 @@ use crate::tls::{SyncReader, SyncWriter};
 pub(super) const MAX_FRAME_BODY: usize = 21 << 20;
 pub(super) const READ_CHUNK: usize = 256 << 10;
 
+/// Bytes of keys and values past which a batch is handed over, whatever its count: a catch-up
+/// of large documents must not gather `batch_size` of them in memory at once.
+const MAX_BATCH_BYTES: usize = 16 << 20;
+
 /// What was read from the producer and not handled yet. The buffer is zeroed once, when it
 /// grows, not on every read: a read of a few bytes costs a few bytes.
 #[derive(Default)]
@@ -188,7 +192,9 @@ impl ConsumerSession {
                 let r = self.handle(&frame.data()[range]);
                 self.inbuf = frame;
                 r?;
-                if self.batch.len() >= self.config.batch_size && !self.flush() {
+                let full = self.batch.len() >= self.config.batch_size
+                    || self.batch.data_bytes() >= MAX_BATCH_BYTES;
+                if full && !self.flush() {
                     return Ok(());
                 }
             }
