@@ -78,6 +78,14 @@ def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node)
             tank.consume("events", seq=10_000)
         assert (out.value.first_available, out.value.high_water_mark) == (1, 504)
 
+    # Pointed at a port that does not speak TANK (the iproto port greets with "Tarantool ..."):
+    # an error saying so, not a frame length read from those bytes and allocated.
+    with (
+        TankConnection(node.iproto, timeout=5) as wrong,
+        pytest.raises(TankError, match="not a TANK listener"),
+    ):
+        wrong.topics()
+
         # Any bytes-like content, and pairs as any two-item sequence; anything else is refused
         # before a frame is sent.
         tank.create_topic("shapes")

@@ -34,6 +34,11 @@ PRODUCE, CONSUME, PING, DISCOVER_PARTITIONS, CREATE_TOPIC, DISCOVER_TOPICS = (
 # Consume's sequence number for "the next message produced".
 TAIL = 2**64 - 1
 
+# TANK's message ids are small numbers, and no answer comes near 1 GiB: a frame head beyond
+# either is a peer that does not speak TANK (an HTTP port reads as a 790 MB frame).
+MAX_MSG_ID = 0x1F
+MAX_FRAME_BYTES = 1 << 30
+
 # Produce's error byte per partition.
 PRODUCE_ERRORS = {
     0x02: "the request is not valid (a bad bundle, a partition the topic lacks, or a sequence "
@@ -118,6 +123,8 @@ class TankConnection:
             while len(self._buf) < 5:
                 self._fill()
             n = 5 + struct.unpack_from("<I", self._buf, 1)[0]
+            if self._buf[0] > MAX_MSG_ID or n > MAX_FRAME_BYTES:
+                raise TankError(f"not a TANK listener: it sent {bytes(self._buf[:5])!r}")
             if len(self._buf) >= n:
                 frame, self._buf = self._buf[:n], self._buf[n:]
             else:

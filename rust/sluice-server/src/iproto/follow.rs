@@ -353,6 +353,9 @@ impl Follower {
         self.status.inner.lock().vclock = from.clone();
         self.status.set_state("follow", "");
         let mut vclock = from.clone();
+        // The vclock of the rows applied here (every transaction up to its commit row): what
+        // the upstream is told, never the rows of a transaction still waiting for its commit.
+        let applied = parking_lot::Mutex::new(from.clone());
         let idle = self.config.upstream.timeout.max(Duration::from_secs(5));
         let status = self.status.clone();
         let uuid = self.instance_uuid.clone();
@@ -418,9 +421,10 @@ impl Follower {
                     }
                     txn.clear();
                     self.txn_done = 0;
+                    applied.lock().clone_from(&vclock);
                     Ok(Next::Continue)
                 },
-                |handed| acked.acknowledge(&engine, handed),
+                |_handed| acked.acknowledge(&engine, &applied.lock()),
             )
             .await;
         match ended {

@@ -43,6 +43,9 @@ pub(super) type StatPair = (Vec<u8>, Vec<u8>);
 /// The opaque of every setup request.
 const SETUP_OPAQUE: u32 = 0xfeed;
 
+/// Stats a consumer takes from one STAT answer: a producer's groups hold far fewer.
+const MAX_STAT_PAIRS: usize = 100_000;
+
 impl ConsumerSession {
     /// Connects to the producer of `config` and sets the DCP connection up; the writing half
     /// of the socket goes into `shared_socket`, where the reader's thread writes too.
@@ -99,6 +102,7 @@ impl ConsumerSession {
             last_touched: None,
             last_message: Instant::now(),
             flow: FlowControl::new(config.buffer_size),
+            setup_timeout,
         };
         s.sock
             .set_read_timeout(Some(setup_timeout))
@@ -245,16 +249,24 @@ impl ConsumerSession {
         self.call_frame(opcode, &req, what)
     }
 
-    /// STAT `group`: its (key, value) pairs, up to the answer's empty-keyed end.
+    /// STAT `group`: its (key, value) pairs, up to the answer's empty-keyed end (within the
+    /// setup timeout, and `MAX_STAT_PAIRS` of them).
     pub(super) fn stats(&mut self, group: &str) -> Result<Vec<StatPair>, ConsumerError> {
         let what = format!("STAT {group}");
         let req = frame(op::STAT, SETUP_OPAQUE, &[], group.as_bytes(), &[]);
         self.send(&req)
             .map_err(|e| ConsumerError::during(&what, e))?;
         let mut out = Vec::new();
+        let deadline = Instant::now() + self.setup_timeout;
         loop {
+            if out.len() >= MAX_STAT_PAIRS {
+                return Err(ConsumerError::during(
+                    &what,
+                    ConsumerError::BadAnswer(format!("more than {MAX_STAT_PAIRS} stats")),
+                ));
+            }
             let f = self
-                .next_frame_blocking()
+                .next_frame_by(deadline)
                 .map_err(|e| ConsumerError::during(&what, e))?;
             let r = mcbp::parse_response(&f)
                 .map_err(|e| ConsumerError::during(&what, ConsumerError::Frame(e)))?;
@@ -283,9 +295,10 @@ impl ConsumerSession {
 
     /// The next answer to an `opcode` request sent earlier; its value when it succeeded.
     fn answer(&mut self, opcode: u8, what: &str) -> Result<Vec<u8>, ConsumerError> {
+        let deadline = Instant::now() + self.setup_timeout;
         loop {
             let f = self
-                .next_frame_blocking()
+                .next_frame_by(deadline)
                 .map_err(|e| ConsumerError::during(what, e))?;
             let r = mcbp::parse_response(&f)
                 .map_err(|e| ConsumerError::during(what, ConsumerError::Frame(e)))?;
@@ -301,6 +314,15 @@ impl ConsumerSession {
             }
             return Ok(r.value.to_vec());
         }
+    }
+
+    /// The next frame, if one arrives by `deadline`: a producer that trickles frames which
+    /// are not the answer does not hold the setup past it.
+    fn next_frame_by(&mut self, deadline: Instant) -> Result<Vec<u8>, ConsumerError> {
+        if Instant::now() > deadline {
+            return Err(ConsumerError::NoAnswer);
+        }
+        self.next_frame_blocking()
     }
 
     fn next_frame_blocking(&mut self) -> Result<Vec<u8>, ConsumerError> {

@@ -81,6 +81,8 @@ pub(super) struct ConsumerSession {
     pub(super) last_touched: Option<u16>,
     pub(super) last_message: Instant,
     pub(super) flow: FlowControl,
+    /// How long one setup exchange (a request and its whole answer) may take.
+    pub(super) setup_timeout: Duration,
 }
 
 impl ConsumerSession {
