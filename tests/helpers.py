@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -319,6 +320,16 @@ def wait_or_dump(proc: subprocess.Popen, timeout: float, log: Callable[[], str])
 
 
 NUM_VBUCKETS = 16  # of the default bucket of a node from start_node (64 is the default)
+
+
+def send_without_reading(sock: socket.socket, requests: bytes, rounds: int = 200) -> None:
+    """Sends `requests` again and again and never reads, until the peer stops reading too (the
+    socket buffers are full; `sock` needs a timeout), closes, or `rounds` are sent."""
+    try:
+        for _ in range(rounds):
+            sock.sendall(requests)
+    except (TimeoutError, ConnectionResetError, BrokenPipeError):
+        pass
 
 
 def fill_for_a_slow_recovery(node: Node) -> None:

@@ -13,7 +13,7 @@ import time
 
 import msgpack
 import sluice.config
-from helpers import NUM_VBUCKETS, Node, fill_for_a_slow_recovery, node_config
+from helpers import NUM_VBUCKETS, Node, fill_for_a_slow_recovery, node_config, send_without_reading
 from mcbp_wire import Scram
 
 # Opcodes, flags, flex keys and statuses (docs/greenstack.md).
@@ -419,14 +419,7 @@ def test_connections_not_logged_in_are_bounded_as_on_the_memcached_port(tmp_path
         # One that sends without reading its replies is closed at its deadline too.
         deaf = socket.create_connection((node.host, int(node.greenstack.rsplit(":", 1)[1])), timeout=1.0)
         conns_before = node.metric("sluice_prelogin_closed_total", reason="login_timeout")
-        requests = frame(1, LIST_BUCKETS, {}) * 20_000
-        try:
-            for _ in range(200):
-                deaf.sendall(requests)
-        except TimeoutError:
-            pass  # the server stopped reading: its replies are not read
-        except (ConnectionResetError, BrokenPipeError):
-            pass  # already closed at the deadline
+        send_without_reading(deaf, frame(1, LIST_BUCKETS, {}) * 20_000)
         deadline = time.monotonic() + 10
         while node.metric("sluice_prelogin_closed_total", reason="login_timeout") == conns_before:
             assert time.monotonic() < deadline, "the connection kept its pre-login slot"
@@ -702,11 +695,7 @@ def test_clients_connecting_during_warm_up_are_told_when_it_is_done(tmp_path):
         assert c.call(GET, {"id": "kept"}).status == NOT_INITIALIZED
         # Another client sends and never reads its answers: warm-up still ends without it.
         deaf = socket.create_connection(("127.0.0.1", port), timeout=0.5)
-        try:
-            for _ in range(100):
-                deaf.sendall(frame(1, GET, {"id": "kept"}) * 10_000)
-        except (TimeoutError, ConnectionResetError, BrokenPipeError):
-            pass
+        send_without_reading(deaf, frame(1, GET, {"id": "kept"}) * 10_000, rounds=100)
         # Half a frame now, the rest once warm-up is done.
         select = frame(9, SELECT_BUCKET, {"name": "default"})
         c.send(select[:5])

@@ -201,6 +201,25 @@ pub async fn run(
     let mut session = KvSession::new(fronts.kv.clone());
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut replies = Replies::default();
+    // The ready replies, sent (`send`); and the last ones before the connection closes, held
+    // ones settled first.
+    macro_rules! send_ready {
+        () => {
+            send(
+                &mut socket,
+                &mut replies.ready,
+                &session,
+                &fronts.kv.stats,
+                login(&prelogin),
+            )
+        };
+    }
+    macro_rules! send_last {
+        () => {{
+            replies.settle_all().await;
+            let _ = send_ready!().await;
+        }};
+    }
     let idle = fronts.idle_timeout;
     let mut sniffed = false;
     // Map changes, pushed to a client that asked for them (HELLO: Duplex and
@@ -258,15 +277,7 @@ pub async fn run(
                         }
                         Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
                         Flow::Close => {
-                            replies.settle_all().await;
-                            let _ = send(
-                                &mut socket,
-                                &mut replies.ready,
-                                &session,
-                                &fronts.kv.stats,
-                                login(&prelogin),
-                            )
-                            .await;
+                            send_last!();
                             return;
                         }
                         Flow::OpenStream => {
@@ -305,17 +316,7 @@ pub async fn run(
                             }
                         }
                     }
-                    if replies.ready.len() >= FLUSH_AT
-                        && send(
-                            &mut socket,
-                            &mut replies.ready,
-                            &session,
-                            &fronts.kv.stats,
-                            login(&prelogin),
-                        )
-                        .await
-                        .is_err()
-                    {
+                    if replies.ready.len() >= FLUSH_AT && send_ready!().await.is_err() {
                         return;
                     }
                 }
@@ -338,14 +339,7 @@ pub async fn run(
                     if let FrameError::TooBig { .. } = e {
                         session.refuse_too_big(&inbuf, &mut replies.ready);
                     }
-                    let _ = send(
-                        &mut socket,
-                        &mut replies.ready,
-                        &session,
-                        &fronts.kv.stats,
-                        login(&prelogin),
-                    )
-                    .await;
+                    let _ = send_ready!().await;
                     return;
                 }
             }
@@ -353,29 +347,12 @@ pub async fn run(
         if replies.held_count() > 0 && replies.release_ready().await.is_err() {
             return;
         }
-        if send(
-            &mut socket,
-            &mut replies.ready,
-            &session,
-            &fronts.kv.stats,
-            login(&prelogin),
-        )
-        .await
-        .is_err()
-        {
+        if send_ready!().await.is_err() {
             return;
         }
         if *stop.borrow() {
             // Shutting down: requests already read are answered, held ones too.
-            replies.settle_all().await;
-            let _ = send(
-                &mut socket,
-                &mut replies.ready,
-                &session,
-                &fronts.kv.stats,
-                login(&prelogin),
-            )
-            .await;
+            send_last!();
             return;
         }
         let reading = !replies.full();
@@ -412,8 +389,7 @@ pub async fn run(
             r = read => match r {
                 Ok(Ok(0)) => {
                     // The client closed its side: what it sent is still answered.
-                    replies.settle_all().await;
-                    let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats, login(&prelogin)).await;
+                    send_last!();
                     return;
                 }
                 Ok(Ok(n)) => { fronts.kv.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
@@ -431,8 +407,7 @@ pub async fn run(
                 }
             },
             _ = stop_changes.next() => {
-                replies.settle_all().await;
-                let _ = send(&mut socket, &mut replies.ready, &session, &fronts.kv.stats, login(&prelogin)).await;
+                send_last!();
                 return;
             }
         }

@@ -463,19 +463,12 @@ impl KvSession {
         let map = self.map_source();
         let mut durability = None;
         for info in mcbp::frame_infos(req.framing) {
-            match info {
+            let refused = match info {
                 Ok(FrameInfo::Durability { .. }) if !mcbp::supports_durability(req.opcode) => {
-                    Reply {
-                        out,
-                        req: &req,
-                        map: &*map,
-                    }
-                    .error(
+                    Some((
                         status::EINVAL,
-                        "The requested command does not support durability requirements",
-                        self.features.xerror,
-                    );
-                    return Flow::Continue;
+                        "The requested command does not support durability requirements".into(),
+                    ))
                 }
                 Ok(FrameInfo::Durability { level, timeout_ms }) => match durability_of(level) {
                     Some(d) => {
@@ -483,50 +476,29 @@ impl KvSession {
                             level: d,
                             timeout: timeout_ms
                                 .map(|ms| std::time::Duration::from_millis(ms as u64)),
-                        })
+                        });
+                        None
                     }
-                    None => {
-                        Reply {
-                            out,
-                            req: &req,
-                            map: &*map,
-                        }
-                        .error(
-                            status::DURABILITY_INVALID_LEVEL,
-                            "unknown durability level",
-                            self.features.xerror,
-                        );
-                        return Flow::Continue;
-                    }
+                    None => Some((
+                        status::DURABILITY_INVALID_LEVEL,
+                        "unknown durability level".into(),
+                    )),
                 },
-                Ok(FrameInfo::Barrier) => {} // requests already run one after another
-                Ok(other) => {
-                    let why = format!("frame info {other:?} is not supported");
-                    Reply {
-                        out,
-                        req: &req,
-                        map: &*map,
-                    }
-                    .error(
-                        status::UNKNOWN_FRAME_INFO,
-                        &why,
-                        self.features.xerror,
-                    );
-                    return Flow::Continue;
+                Ok(FrameInfo::Barrier) => None, // requests already run one after another
+                Ok(other) => Some((
+                    status::UNKNOWN_FRAME_INFO,
+                    format!("frame info {other:?} is not supported"),
+                )),
+                Err(e) => Some((status::EINVAL, e.to_string())),
+            };
+            if let Some((status, why)) = refused {
+                Reply {
+                    out,
+                    req: &req,
+                    map: &*map,
                 }
-                Err(e) => {
-                    Reply {
-                        out,
-                        req: &req,
-                        map: &*map,
-                    }
-                    .error(
-                        status::EINVAL,
-                        &e.to_string(),
-                        self.features.xerror,
-                    );
-                    return Flow::Continue;
-                }
+                .error(status, &why, self.features.xerror);
+                return Flow::Continue;
             }
         }
         // With Collections, a document key starts with its collection id: checked once here,
