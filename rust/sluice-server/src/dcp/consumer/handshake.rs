@@ -588,4 +588,107 @@ mod tests {
         assert_eq!(frames[frames.len() - 3], state_active);
         assert_eq!(frames[frames.len() - 2], failover_log);
     }
+
+    /// A producer that answers setup requests with success and a STAT with `stat(out)` (then
+    /// holds the connection open until the consumer hangs up).
+    fn stat_producer(
+        stat: impl Fn(&mut TcpStream) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let thread = std::thread::spawn(move || {
+            let (mut sock, _) = listener.accept().unwrap();
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            loop {
+                while let Some(n) = mcbp::frame_len(&buf, 1 << 20).unwrap() {
+                    let frame: Vec<u8> = buf.drain(..n).collect();
+                    let req = mcbp::parse_request(&frame).unwrap();
+                    if req.opcode == op::STAT {
+                        stat(&mut sock);
+                        continue;
+                    }
+                    let h = HeaderFields {
+                        magic: magic::RESPONSE,
+                        opcode: req.opcode,
+                        opaque: req.opaque,
+                        ..Default::default()
+                    };
+                    let mut out = Vec::new();
+                    mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]).unwrap();
+                    if sock.write_all(&out).is_err() {
+                        return;
+                    }
+                }
+                match sock.read(&mut chunk) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+        });
+        (address, thread)
+    }
+
+    fn response(opcode: u8, key: &[u8], value: &[u8]) -> Vec<u8> {
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode,
+            opaque: SETUP_OPAQUE,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        mcbp::write_frame(&mut out, &h, &[], &[], key, value).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_stat_answer_without_end_is_refused_past_its_bound() {
+        let (address, producer) = stat_producer(|sock| {
+            let pair = response(op::STAT, b"key", b"value");
+            let all: Vec<u8> = pair.repeat(MAX_STAT_PAIRS + 1);
+            let _ = sock.write_all(&all);
+        });
+        let config = ConsumerConfig {
+            address,
+            bucket: "beer".into(),
+            setup_timeout: Some(Duration::from_secs(10)),
+            ..ConsumerConfig::default()
+        };
+        let mut s = session(&config).unwrap();
+        let e = s.stats("topics").unwrap_err();
+        assert!(e.to_string().contains("more than 100000 stats"), "{e}");
+        hang_up(s);
+        producer.join().unwrap();
+    }
+
+    #[test]
+    fn a_setup_answer_trickled_past_its_deadline_is_no_answer() {
+        // Frames that are not the answer, one every 50 ms: each read gets something, so only
+        // a deadline for the whole exchange ends the wait.
+        let (address, producer) = stat_producer(|sock| {
+            for _ in 0..200 {
+                if sock.write_all(&response(op::NOOP, b"", b"")).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let config = ConsumerConfig {
+            address,
+            bucket: "beer".into(),
+            setup_timeout: Some(Duration::from_millis(500)),
+            ..ConsumerConfig::default()
+        };
+        let mut s = session(&config).unwrap();
+        let started = Instant::now();
+        let e = s.stats("topics").unwrap_err();
+        assert!(e.to_string().contains("no answer"), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        hang_up(s);
+        producer.join().unwrap();
+    }
 }
