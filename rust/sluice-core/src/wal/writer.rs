@@ -1253,8 +1253,9 @@ fn writer_loop(shared: Arc<Shared>) {
         }
         if let Some((old, upto, dir)) = closing {
             match old.close(&dir) {
-                // Closing syncs the old segment: all it holds is synced now.
-                Ok(()) => {
+                // Closing syncs the old segment: all it holds is synced now (unless a sync
+                // failed before: then a sync that succeeds proves nothing).
+                Ok(()) if !shared.durable.lock().sync_lost => {
                     if let Some(w) = shared.writer.lock().as_mut() {
                         w.synced = w.synced.max(upto);
                     }
@@ -1262,6 +1263,7 @@ fn writer_loop(shared: Arc<Shared>) {
                     d.synced = d.synced.max(upto);
                     shared.announce();
                 }
+                Ok(()) => {}
                 // Closing syncs it: what it holds past the last sync may be lost.
                 Err(e) => report_sync_lost(&shared, format!("closing a WAL segment: {e}")),
             }
