@@ -352,10 +352,10 @@ mod tests {
 
     use super::*;
 
-    /// A producer on a real socket that answers each request with `answer(request)` (status,
-    /// value) and hands back every frame it received once the consumer hangs up.
-    fn fake_producer(
-        answer: impl Fn(&mcbp::Request<'_>) -> (u16, Vec<u8>) + Send + 'static,
+    /// A producer on a real socket that hands each request to `reply` (which writes its
+    /// answer, if any) and hands back every frame it received once the consumer hangs up.
+    fn producer_replying(
+        reply: impl Fn(&mcbp::Request<'_>, &mut TcpStream) + Send + 'static,
     ) -> (String, std::thread::JoinHandle<Vec<Vec<u8>>>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
@@ -367,18 +367,7 @@ mod tests {
             loop {
                 while let Some(n) = mcbp::frame_len(&buf, 1 << 20).unwrap() {
                     let frame: Vec<u8> = buf.drain(..n).collect();
-                    let req = mcbp::parse_request(&frame).unwrap();
-                    let (st, value) = answer(&req);
-                    let h = HeaderFields {
-                        magic: magic::RESPONSE,
-                        opcode: req.opcode,
-                        word: st,
-                        opaque: req.opaque,
-                        ..Default::default()
-                    };
-                    let mut out = Vec::new();
-                    mcbp::write_frame(&mut out, &h, &[], &[], &[], &value).unwrap();
-                    sock.write_all(&out).unwrap();
+                    reply(&mcbp::parse_request(&frame).unwrap(), &mut sock);
                     frames.push(frame);
                 }
                 match sock.read(&mut chunk) {
@@ -388,6 +377,30 @@ mod tests {
             }
         });
         (address, thread)
+    }
+
+    /// A producer that answers each request with `answer(request)` (status, value).
+    fn fake_producer(
+        answer: impl Fn(&mcbp::Request<'_>) -> (u16, Vec<u8>) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<Vec<Vec<u8>>>) {
+        producer_replying(move |req, sock| {
+            let (st, value) = answer(req);
+            let _ = sock.write_all(&response(req.opcode, req.opaque, st, b"", &value));
+        })
+    }
+
+    /// A response frame.
+    fn response(opcode: u8, opaque: u32, st: u16, key: &[u8], value: &[u8]) -> Vec<u8> {
+        let h = HeaderFields {
+            magic: magic::RESPONSE,
+            opcode,
+            word: st,
+            opaque,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        mcbp::write_frame(&mut out, &h, &[], &[], key, value).unwrap();
+        out
     }
 
     fn session(config: &ConsumerConfig) -> Result<ConsumerSession, ConsumerError> {
@@ -589,72 +602,38 @@ mod tests {
         assert_eq!(frames[frames.len() - 2], failover_log);
     }
 
-    /// A producer that answers setup requests with success and a STAT with `stat(out)` (then
-    /// holds the connection open until the consumer hangs up).
+    /// A producer that answers setup requests with success and a STAT with `stat(socket)`.
     fn stat_producer(
         stat: impl Fn(&mut TcpStream) + Send + 'static,
-    ) -> (String, std::thread::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let thread = std::thread::spawn(move || {
-            let (mut sock, _) = listener.accept().unwrap();
-            let mut buf = Vec::new();
-            let mut chunk = [0u8; 4096];
-            loop {
-                while let Some(n) = mcbp::frame_len(&buf, 1 << 20).unwrap() {
-                    let frame: Vec<u8> = buf.drain(..n).collect();
-                    let req = mcbp::parse_request(&frame).unwrap();
-                    if req.opcode == op::STAT {
-                        stat(&mut sock);
-                        continue;
-                    }
-                    let h = HeaderFields {
-                        magic: magic::RESPONSE,
-                        opcode: req.opcode,
-                        opaque: req.opaque,
-                        ..Default::default()
-                    };
-                    let mut out = Vec::new();
-                    mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]).unwrap();
-                    if sock.write_all(&out).is_err() {
-                        return;
-                    }
-                }
-                match sock.read(&mut chunk) {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                }
+    ) -> (String, std::thread::JoinHandle<Vec<Vec<u8>>>) {
+        producer_replying(move |req, sock| {
+            if req.opcode == op::STAT {
+                stat(sock);
+            } else {
+                let ok = response(req.opcode, req.opaque, status::SUCCESS, b"", b"");
+                let _ = sock.write_all(&ok);
             }
-        });
-        (address, thread)
+        })
     }
 
-    fn response(opcode: u8, key: &[u8], value: &[u8]) -> Vec<u8> {
-        let h = HeaderFields {
-            magic: magic::RESPONSE,
-            opcode,
-            opaque: SETUP_OPAQUE,
-            ..Default::default()
-        };
-        let mut out = Vec::new();
-        mcbp::write_frame(&mut out, &h, &[], &[], key, value).unwrap();
-        out
+    /// A setup of `beer` at `address` whose exchanges may take `setup_timeout` each.
+    fn setup_at(address: String, setup_timeout: Duration) -> ConsumerConfig {
+        ConsumerConfig {
+            address,
+            bucket: "beer".into(),
+            setup_timeout: Some(setup_timeout),
+            ..ConsumerConfig::default()
+        }
     }
 
     #[test]
     fn a_stat_answer_without_end_is_refused_past_its_bound() {
         let (address, producer) = stat_producer(|sock| {
-            let pair = response(op::STAT, b"key", b"value");
+            let pair = response(op::STAT, SETUP_OPAQUE, status::SUCCESS, b"key", b"value");
             let all: Vec<u8> = pair.repeat(MAX_STAT_PAIRS + 1);
             let _ = sock.write_all(&all);
         });
-        let config = ConsumerConfig {
-            address,
-            bucket: "beer".into(),
-            setup_timeout: Some(Duration::from_secs(10)),
-            ..ConsumerConfig::default()
-        };
-        let mut s = session(&config).unwrap();
+        let mut s = session(&setup_at(address, Duration::from_secs(10))).unwrap();
         let e = s.stats("topics").unwrap_err();
         assert!(e.to_string().contains("more than 100000 stats"), "{e}");
         hang_up(s);
@@ -667,19 +646,14 @@ mod tests {
         // a deadline for the whole exchange ends the wait.
         let (address, producer) = stat_producer(|sock| {
             for _ in 0..200 {
-                if sock.write_all(&response(op::NOOP, b"", b"")).is_err() {
+                let noop = response(op::NOOP, SETUP_OPAQUE, status::SUCCESS, b"", b"");
+                if sock.write_all(&noop).is_err() {
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
         });
-        let config = ConsumerConfig {
-            address,
-            bucket: "beer".into(),
-            setup_timeout: Some(Duration::from_millis(500)),
-            ..ConsumerConfig::default()
-        };
-        let mut s = session(&config).unwrap();
+        let mut s = session(&setup_at(address, Duration::from_millis(500))).unwrap();
         let started = Instant::now();
         let e = s.stats("topics").unwrap_err();
         assert!(e.to_string().contains("no answer"), "{e}");
