@@ -103,14 +103,24 @@ fn backfill_is_a_consistent_snapshot_while_writers_run() {
         );
         assert!(got.iter().all(|g| g.0 <= end), "nothing past the end seqno");
         // A writer records its change just after the engine returns: wait until every seqno up
-        // to the end (contiguous: only these writers touch the bucket) is in the history.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // to the end (contiguous: only these writers touch the bucket) is in the history. The
+        // lock is let go between looks, so that the writers can record (a mutex is not fair,
+        // and a loop taking it back at once can starve them on two cores).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let want = loop {
-            let h = history.lock().unwrap();
-            let hv = h.get(&vb).cloned().unwrap_or_default();
-            if hv.range(..=end).count() as u64 == end || std::time::Instant::now() > deadline {
-                break expected(&hv, end);
+            {
+                let h = history.lock().unwrap();
+                let hv = h.get(&vb).map(|hv| hv.range(..=end));
+                let recorded = hv.map_or(0, |r| r.count() as u64);
+                if recorded == end {
+                    break h.get(&vb).map(|hv| expected(hv, end)).unwrap_or_default();
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the writers recorded {recorded} of vbucket {vb}'s {end} changes"
+                );
             }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         };
         let n = got.len();
         let got_map: BTreeMap<Vec<u8>, (u64, Option<Vec<u8>>)> =
