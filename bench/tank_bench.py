@@ -4,31 +4,38 @@ tank-cli, in one run on this machine. Writes bench/results/tank.{json,md,png}.
     python bench/tank_bench.py --tank-dir /path/to/TANK [--messages 1000000] [--runs 3]
 
 The broker and tank-cli are built from TANK's public source (see
-shared/reference/tank-captures/README.md: `make -j2 service cli-tool`). Each run starts a
-fresh server of each kind (alternating which goes first), creates a one-partition topic, then:
-`bm p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), the same with `-R` (no
-compression), `bm p2c` (one bundle produced while a consumer tails: until the consumer has it;
-the median of 9), and `consume -S -d 0` (every message back); then sluice's Python client
-(`sluice.tank`) produces N incompressible 100 B messages in plain bundles of 1,000, one request
-at a time, and reads them back. sluice writes its WAL in `write` mode (a produce is answered
-once the WAL holds it); TANK's broker never syncs. The table gives medians of the runs
-and each sluice/TANK ratio of throughput (above 1: sluice is faster).
+shared/reference/tank-captures/README.md: `make -j2 service cli-tool`). Each run starts a fresh
+server of each kind (alternating which goes first), creates a one-partition topic, then: `bm
+p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), `bm p2c` (one bundle produced
+while a consumer tails: until the consumer has it; the median of 9), and `consume -S -d 0`
+(every message back); then sluice's Python client (`sluice.tank`) produces N incompressible 100
+B messages in plain bundles of 1,000, one request at a time, and reads them back. There is no
+plain produce from tank-cli: its `-R` ("do not compress") sets the client's compression
+strategy, which TANK's client never reads, so its bundles are Snappy either way (measured: 5.2
+stored bytes per 100 B message with `-R`); plain bundles come from sluice's client. sluice
+writes its WAL in `write` mode (a produce is answered once the WAL holds it); TANK's broker
+never syncs. The table gives medians of the runs and each sluice/TANK ratio of throughput
+(above 1: sluice is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 from _common import RESULTS, admin_get, free_port, kill_group, pyplot, write_json
 
 KINDS = ("sluice", "tank")
+# Not a throughput: the server's CPU seconds per bundle of the Python client's produce.
+SERVER_CPU = "server CPU per bundle produced"
 # `bm p2c` round trips per run; the run reports their median.
 P2C_ROUNDS = 9
 
@@ -113,7 +120,6 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
             p2c = ("bm", "p2c", "-c", "1000", "-s", "100", "-B", "1000")
             res = {
                 "produce, Snappy": n / took(cli(tank_dir, address, *t, *p2b)),
-                "produce, plain": n / took(cli(tank_dir, address, *t, *p2b, "-R")),
                 # One round trip is well under a millisecond: the median of several.
                 "produce to consume, 1,000": 1
                 / statistics.median(took(cli(tank_dir, address, *t, *p2c)) for _ in range(P2C_ROUNDS)),
@@ -123,7 +129,7 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
             if m is None:
                 raise RuntimeError(f"no consume figures: {out[-500:]}")
             res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
-            res.update(python_client(address, n))
+            res.update(python_client(address, n, p.pid))
             if kind == "sluice":
                 res["resident bytes per message beyond bundles"] = retained_overhead(p, address, before)
             return res
@@ -131,11 +137,25 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
             kill_group(p)
 
 
-def python_client(address: str, n: int) -> dict[str, float]:
-    """sluice's Python client (`sluice.tank`) against either: n incompressible 100 B messages
-    produced in plain bundles of 1,000 (each acknowledged before the next), then read back."""
-    import os
+def shown(name: str, value: float) -> str:
+    """One figure of a run, for the progress lines."""
+    if name == SERVER_CPU:
+        return f"{name} {value * 1e6:.0f} µs"
+    if name.startswith("resident"):
+        return f"{name} {value:.1f}"
+    return f"{name} {value:,.0f}/s"
 
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used, every thread's, user and system."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def python_client(address: str, n: int, server: int) -> dict[str, float]:
+    """sluice's Python client (`sluice.tank`) against either: n incompressible 100 B messages
+    produced in plain bundles of 1,000 (each acknowledged before the next), then read back; and
+    the server's CPU per bundle produced (`server` is its pid)."""
     from sluice.tank import TankConnection
 
     payload = os.urandom(n * 100)
@@ -144,10 +164,12 @@ def python_client(address: str, n: int) -> dict[str, float]:
     ]
     with TankConnection(address, timeout=60) as t:
         t.create_topic("py", 1)
+        cpu = cpu_seconds(server)
         started = time.perf_counter()
         for b in bundles:
             t.produce("py", b)
         produced = time.perf_counter() - started
+        cpu = cpu_seconds(server) - cpu
         started = time.perf_counter()
         seq, got = 0, 0
         while got < n:
@@ -155,7 +177,11 @@ def python_client(address: str, n: int) -> dict[str, float]:
             got += len(f.messages)
             seq = f.next_seq
         consumed = time.perf_counter() - started
-    return {"Python client, produce random": n / produced, "Python client, consume all": got / consumed}
+    return {
+        "Python client, produce random": n / produced,
+        "Python client, consume all": got / consumed,
+        "server CPU per bundle produced": cpu / len(bundles),
+    }
 
 
 def main() -> int:
@@ -176,7 +202,7 @@ def main() -> int:
             r = run_once(kind, args.tank_dir, args.messages)
             per[kind].append(r)
             print(
-                f"run {run + 1} {kind}: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in r.items()),
+                f"run {run + 1} {kind}: " + ", ".join(shown(k, v) for k, v in r.items()),
                 file=sys.stderr,
             )
     results = {"messages": args.messages, "runs": args.runs, "per_run": per}
@@ -186,7 +212,9 @@ def main() -> int:
 
 def write(results: dict) -> None:
     write_json(RESULTS / "tank.json", results)
-    loads = [k for k in results["per_run"]["sluice"][0] if k in results["per_run"]["tank"][0]]
+    loads = [
+        k for k in results["per_run"]["sluice"][0] if k in results["per_run"]["tank"][0] and k != SERVER_CPU
+    ]
     rows = [
         "| load | sluice | TANK | sluice / TANK | median of each run's ratio |",
         "|---|---|---|---|---|",
@@ -212,15 +240,27 @@ def write(results: dict) -> None:
             f"loads (target at most 16): median {statistics.median(overhead):.1f} bytes "
             f"(runs: {', '.join(f'{o:.1f}' for o in overhead)}).\n"
         )
+    cpu = ""
+    if all(SERVER_CPU in r for k in KINDS for r in results["per_run"][k]):
+        per = {k: [r[SERVER_CPU] * 1e6 for r in results["per_run"][k]] for k in KINDS}
+        cpu = (
+            "\nServer CPU per plain 1,000-message bundle the Python client produced (all the "
+            "server's threads; the kernel's own writeback threads not counted): sluice median "
+            f"{statistics.median(per['sluice']):.0f} µs, TANK {statistics.median(per['tank']):.0f} µs "
+            f"(runs: sluice {', '.join(f'{c:.0f}' for c in per['sluice'])}; "
+            f"TANK {', '.join(f'{c:.0f}' for c in per['tank'])}).\n"
+        )
     md = (
         "# sluice's TANK listener against TANK's broker\n\n"
         f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
         f"--runs {results['runs']}`: "
-        "the same tank-cli commands against each, 100 B messages in bundles of 1,000, then the same "
-        "from sluice's Python client with incompressible messages; medians of the runs on this "
+        "the same tank-cli commands against each, 100 B messages in bundles of 1,000 (Snappy: "
+        "tank-cli's `-R` does not turn its compression off), then the same from sluice's Python "
+        "client with incompressible messages in plain bundles; medians of the runs on this "
         "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n"
         + "\n".join(rows)
         + "\n"
+        + cpu
         + memory
     )
     (RESULTS / "tank.md").write_text(md)
@@ -230,9 +270,9 @@ def write(results: dict) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(medians))
-    ax.bar([i - 0.2 for i in x], [m[1] / m[2] for m in medians], 0.4, label="sluice / TANK", color="#4C72B0")
+    ax.bar(list(x), [m[1] / m[2] for m in medians], 0.5, label="sluice / TANK", color="#4C72B0")
     ax.axhline(1.0, color="#DD8452", linestyle="--", label="TANK")
-    ax.set_xticks(list(x), [m[0] for m in medians], fontsize=8)
+    ax.set_xticks(list(x), [textwrap.fill(m[0], 18) for m in medians], fontsize=8)
     ax.set_ylabel("throughput ratio (median)")
     ax.set_title("TANK protocol: sluice against TANK's broker, same tank-cli commands")
     ax.legend()
