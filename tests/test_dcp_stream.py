@@ -235,6 +235,26 @@ def test_arrow_batches(served):
     assert len(stream.ended) == 64 and set(stream.ended.values()) == {0}
 
 
+def test_a_catch_up_of_large_documents_comes_in_batches_of_at_most_16_mib(served):
+    """A batch is handed over once it holds 16 MiB of keys and values, whatever its count: a
+    reader catching up on large documents never holds `batch_size` of them at once, even with a
+    flow-control window that lets the producer send far more."""
+    mib = 1 << 20
+    docs = 64
+    served.engine.set_many([(f"big{i}".encode(), bytes([i]) * mib) for i in range(docs)])
+    sizes = []
+    seen = set()
+    with sluice.Client(served.address).stream(
+        end="now", batch_size=100_000, buffer_size=512 * mib, format=lambda raw: raw
+    ) as stream:
+        for raw in stream:
+            rows = raw.rows()
+            sizes.append(sum(len(r[3]) + len(r[4]) for r in rows))
+            seen.update(r[3] for r in rows if len(r[4]) == mib and r[4] == r[4][:1] * mib)
+    assert seen == {f"big{i}".encode() for i in range(docs)}
+    assert max(sizes) <= 16 * mib + mib + 64, [s / mib for s in sizes]
+
+
 def test_unknown_uuid_rolls_back_to_zero(served):
     served.engine.set_many([(f"r{i}".encode(), b"v") for i in range(50)])
     vb = served.engine.vbucket_of(b"r1")
