@@ -110,10 +110,10 @@ fn backfill_is_a_consistent_snapshot_while_writers_run() {
         let want = loop {
             {
                 let h = history.lock().unwrap();
-                let hv = h.get(&vb).map(|hv| hv.range(..=end));
-                let recorded = hv.map_or(0, |r| r.count() as u64);
+                let hv = h.get(&vb);
+                let recorded = hv.map_or(0, |hv| hv.range(..=end).count() as u64);
                 if recorded == end {
-                    break h.get(&vb).map(|hv| expected(hv, end)).unwrap_or_default();
+                    break hv.map(|hv| expected(hv, end)).unwrap_or_default();
                 }
                 assert!(
                     std::time::Instant::now() < deadline,
