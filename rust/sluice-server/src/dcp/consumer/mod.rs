@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use sluice_proto::dcp::{DcpRequest, SeqnoAcknowledged};
-use sluice_proto::mcbp::{self, magic, HeaderFields};
+use sluice_proto::mcbp;
 
 pub use batch::Batch;
 pub use error::ConsumerError;
@@ -235,14 +235,7 @@ impl ConsumerLink {
     /// Answers a request of the producer (SET_VBUCKET_STATE).
     pub fn respond(&self, opcode: u8, opaque: u32, st: u16) -> bool {
         let mut out = Vec::new();
-        let h = HeaderFields {
-            magic: magic::RESPONSE,
-            opcode,
-            word: st,
-            opaque,
-            ..Default::default()
-        };
-        let _ = mcbp::write_frame(&mut out, &h, &[], &[], &[], &[]);
+        mcbp::write_response(&mut out, opcode, opaque, st, 0, &[]);
         self.write_now(&out)
     }
 
