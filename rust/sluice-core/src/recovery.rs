@@ -184,7 +184,7 @@ impl State {
                     }
                     Err(e) => return Err(bad(e.to_string())),
                 }
-                p.log()
+                p.log
                     .append_at(first_seq, bundle, count, newest_ms)
                     .map_err(|e| bad(e.to_string()))?;
                 p.last_lsn = p.last_lsn.max(rec.lsn);
@@ -481,7 +481,7 @@ impl Salvage {
                         .is_ok_and(|c| c.span == b.count && c.first.is_none_or(|f| f == first));
                     if fits
                         && part
-                            .log()
+                            .log
                             .append_at(first, &b.bytes, b.count, b.newest_ms)
                             .is_ok()
                     {

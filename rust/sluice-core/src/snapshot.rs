@@ -196,10 +196,9 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
             // Copied under the partition's lock, written after it is released. The records
             // carry the last LSN applied to the partition, so WAL replay skips what they hold.
             let (last_lsn, bundles) = {
-                let mut part = topic.lock_partition(p).expect("in range");
+                let part = topic.lock_partition(p).expect("in range");
                 let mut bundles = Vec::new();
-                // `log()` puts the newest bundle in first: `last_lsn` already counts it.
-                part.log().for_each_bundle(|first, count, newest, b| {
+                part.log.for_each_bundle(|first, count, newest, b| {
                     bundles.push((first, count, newest, b.to_vec()))
                 });
                 (part.last_lsn, bundles)

@@ -6,7 +6,6 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::partition_log::{LogConfig, PartitionLog};
@@ -16,9 +15,7 @@ use crate::signal::ChangeSignal;
 /// it holds), its bundles not yet in the WAL file, which readers do not see, and its traffic
 /// since the process started (for metrics).
 pub struct Partition {
-    log: PartitionLog,
-    /// The newest bundle produced, not yet copied into the log (`defer`).
-    deferred: Option<Deferred>,
+    pub log: PartitionLog,
     pub last_lsn: u64,
     /// (the bundle's first sequence number, its LSN), oldest first.
     pub unwritten: VecDeque<(u64, u64)>,
@@ -27,19 +24,10 @@ pub struct Partition {
     pub consumed_bytes: u64,
 }
 
-/// A produced bundle on its way into the log: where it goes and when it arrived.
-struct Deferred {
-    first_seq: u64,
-    span: u64,
-    newest_ms: u64,
-    bundle: Bytes,
-}
-
 impl Partition {
     pub fn new(log: PartitionLog, last_lsn: u64) -> Partition {
         Partition {
             log,
-            deferred: None,
             last_lsn,
             unwritten: VecDeque::new(),
             produced_messages: 0,
@@ -48,59 +36,10 @@ impl Partition {
         }
     }
 
-    /// The log, with every bundle produced to it in place.
-    pub fn log(&mut self) -> &mut PartitionLog {
-        self.settle();
-        &mut self.log
-    }
-
-    /// The sequence number the next bundle produced at the end takes.
-    pub fn next_seq(&self) -> u64 {
-        self.deferred
-            .as_ref()
-            .map_or(self.log.next_seq(), |d| d.first_seq + d.span)
-    }
-
-    /// Takes a bundle `PartitionLog::check` accepted, placed at `first_seq` (at or past
-    /// `next_seq`), taking `span` sequence numbers, into the log. Its copy into the log is
-    /// left for later (`settle`, or whoever looks at the log next): a producer is answered
-    /// once the WAL holds the bundle, and copying 100 KB into memory that is new to the
-    /// process (page faults) took about a third of a produce's time on the connection's
-    /// thread. Only the newest bundle waits, so what waits is bounded by one bundle per
-    /// partition, and the log never falls behind by more. Returns the first and last sequence
-    /// numbers it takes.
-    pub fn defer(
-        &mut self,
-        first_seq: u64,
-        span: u64,
-        newest_ms: u64,
-        bundle: Bytes,
-    ) -> (u64, u64) {
-        self.settle();
-        debug_assert!(first_seq >= self.log.next_seq() && span > 0);
-        self.deferred = Some(Deferred {
-            first_seq,
-            span,
-            newest_ms,
-            bundle,
-        });
-        (first_seq, first_seq + span - 1)
-    }
-
-    /// Copies the deferred bundle, if any, into the log.
-    pub fn settle(&mut self) {
-        if let Some(d) = self.deferred.take() {
-            self.log
-                .append_at(d.first_seq, &d.bundle, d.span, d.newest_ms)
-                .expect("placed at or past the log's end when produced");
-        }
-    }
-
     /// Where the log ends for readers, now that the WAL file holds every LSN up to
     /// `written_lsn`: before the oldest bundle it does not hold yet. With it, the LSN to wait
     /// for to see that bundle. A log written to no WAL (`wal.mode = none`) keeps nothing here.
     pub fn visible(&mut self, written_lsn: u64) -> (u64, Option<u64>) {
-        self.settle();
         while self
             .unwritten
             .front()
@@ -170,14 +109,6 @@ impl Topic {
     /// the topic lacks).
     pub fn high_water_mark(&self, p: u16) -> u64 {
         self.lock_partition(p)
-            .map_or(0, |mut part| part.log().high_water_mark())
-    }
-
-    /// Copies partition `p`'s deferred bundle into its log (`Partition::defer`): what a
-    /// producer's connection does once its answer is sent.
-    pub fn settle(&self, p: u16) {
-        if let Some(mut part) = self.lock_partition(p) {
-            part.settle();
-        }
+            .map_or(0, |part| part.log.high_water_mark())
     }
 }

@@ -747,12 +747,12 @@ fn topics_status(e: &sluice_core::Engine) -> serde_json::Value {
         .map(|t| {
             let partitions: Vec<_> = (0..t.num_partitions())
                 .map(|p| {
-                    let mut part = t.lock_partition(p).expect("in range");
+                    let part = t.lock_partition(p).expect("in range");
                     json!({
                         "partition": p,
-                        "first_seq": part.log().first_available(),
-                        "high_water_mark": part.log().high_water_mark(),
-                        "bytes": part.log().bytes(),
+                        "first_seq": part.log.first_available(),
+                        "high_water_mark": part.log.high_water_mark(),
+                        "bytes": part.log.bytes(),
                         "produced_messages": part.produced_messages,
                         "consumed_bytes": part.consumed_bytes,
                     })

@@ -138,21 +138,20 @@ impl Engine {
                 topic.name
             ))
         })?;
-        let first_seq = checked.first.unwrap_or(part.next_seq());
-        if first_seq < part.next_seq()
+        let first_seq = checked.first.unwrap_or(part.log.next_seq());
+        if first_seq < part.log.next_seq()
             || first_seq
                 .checked_add(checked.span)
                 .is_none_or(|n| n == u64::MAX)
         {
             return Err(bad(format!(
                 "placed at {first_seq}, behind the partition's next sequence number {}",
-                part.next_seq()
+                part.log.next_seq()
             )));
         }
         // Age retention goes by arrival, as TANK's broker goes by its segments' times.
         let now_ms = crate::hlc::now_nanos() / 1_000_000;
         // The WAL first: a writer that refuses leaves the log as it was.
-        let bundle_len = bundle.len();
         let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
             topic.id,
             partition,
@@ -163,10 +162,14 @@ impl Engine {
                 bundle: bundle.clone(),
             },
         ));
-        let seqs = part.defer(first_seq, checked.span, now_ms, bundle);
+        checked.first = Some(first_seq);
+        let seqs = part
+            .log
+            .append(&bundle, &checked, now_ms)
+            .expect("placed at or past the end, checked above");
         part.last_lsn = lsn;
         part.produced_messages += checked.count;
-        part.produced_bytes += bundle_len as u64;
+        part.produced_bytes += bundle.len() as u64;
         if self.inner.wal.mode() != WalMode::None {
             part.unwritten.push_back((seqs.0, lsn));
         }
@@ -200,7 +203,7 @@ impl Engine {
         })?;
         let (visible, unwritten_lsn) = part.visible(self.inner.wal.written_lsn());
         let part = &mut *part;
-        Ok(match part.log().read_visible(seq, fetch_size, visible) {
+        Ok(match part.log.read_visible(seq, fetch_size, visible) {
             Read::Chunk {
                 base_seq,
                 high_water_mark,
@@ -248,7 +251,7 @@ impl Inner {
                 dropped += t
                     .lock_partition(p)
                     .expect("in range")
-                    .log()
+                    .log
                     .enforce_retention(now_ms);
             }
         }
@@ -268,7 +271,7 @@ impl Inner {
                 let config = settings(&t.config);
                 let mut parts = t.partitions;
                 for p in &mut parts {
-                    p.log().set_config(config);
+                    p.log.set_config(config);
                 }
                 Arc::new(Topic::new(t.id, t.name, t.config, config, parts))
             })

@@ -94,7 +94,7 @@ impl TopicStream {
         encoding: Encoding,
     ) -> Result<TopicStream, Refused> {
         let hwm = match topic.lock_partition(sr.vbucket) {
-            Some(mut p) => p.log().high_water_mark(),
+            Some(p) => p.log.high_water_mark(),
             None => {
                 return Err(Refused::Status(
                     sluice_proto::mcbp::status::NOT_MY_VBUCKET,

@@ -108,25 +108,25 @@ pub fn topic_metrics(engine: &Engine, o: &mut String) {
     if topics.is_empty() {
         return;
     }
-    type Field = fn(&mut sluice_core::topic::Partition) -> u64;
+    type Field = fn(&sluice_core::topic::Partition) -> u64;
     let families: [(&str, &str, &str, Field); 5] = [
         (
             "sluice_topic_first_seq",
             "gauge",
             "The oldest sequence number a partition keeps (its next one when it keeps none).",
-            |p| p.log().first_available(),
+            |p| p.log.first_available(),
         ),
         (
             "sluice_topic_high_water_mark",
             "gauge",
             "A partition's last sequence number (0 before the first message).",
-            |p| p.log().high_water_mark(),
+            |p| p.log.high_water_mark(),
         ),
         (
             "sluice_topic_bytes",
             "gauge",
             "Bundle bytes a partition keeps.",
-            |p| p.log().bytes(),
+            |p| p.log.bytes(),
         ),
         (
             "sluice_topic_produced_messages_total",
@@ -145,13 +145,13 @@ pub fn topic_metrics(engine: &Engine, o: &mut String) {
     let mut lines = vec![String::new(); families.len()];
     for t in &topics {
         for p in 0..t.num_partitions() {
-            let mut part = t.lock_partition(p).expect("in range");
+            let part = t.lock_partition(p).expect("in range");
             for (i, (name, _, _, field)) in families.iter().enumerate() {
                 let _ = writeln!(
                     lines[i],
                     "{name}{{topic=\"{}\",partition=\"{p}\"}} {}",
                     label_value(&t.name),
-                    field(&mut part)
+                    field(&part)
                 );
             }
         }

@@ -60,9 +60,6 @@ pub(super) async fn run(
     let mut inbuf = BytesMut::with_capacity(16 << 10);
     let mut out = Outbox::default();
     let mut owed_lsn = 0;
-    // Partitions produced to since the last send, whose newest bundles the send's answer
-    // acknowledges before they are copied into their logs (`Partition::defer`).
-    let mut produced: Vec<(Arc<Topic>, u16)> = Vec::new();
     // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
     let mut parked: Vec<Parked> = Vec::new();
     let mut coalesced = 0;
@@ -107,9 +104,7 @@ pub(super) async fn run(
             };
             match req {
                 Request::Ping => {}
-                Request::Produce(p) => {
-                    produce(&ctx, &frame, &p, &mut out.buf, &mut owed_lsn, &mut produced)
-                }
+                Request::Produce(p) => produce(&ctx, &frame, &p, &mut out.buf, &mut owed_lsn),
                 Request::Consume(c) => {
                     let mut p = Parked::new(&ctx, &c);
                     let full = parked.len() >= MAX_WAITING;
@@ -166,10 +161,6 @@ pub(super) async fn run(
         parked.retain_mut(|p| !p.answer(&mut out, now, stopping));
         if send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() || stopping {
             return;
-        }
-        // While the producer reads its answer and sends its next bundle.
-        for (topic, p) in produced.drain(..) {
-            topic.settle(p);
         }
         // A connection with a consume waiting is quiet on purpose: no idle timeout then.
         let idle = if parked.is_empty() {
@@ -268,15 +259,13 @@ fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
 
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
 /// and a topic this node copies from its active one 0xfe (read-only), as TANK's broker answers.
-/// `frame`: the request's bytes, which the bundles of `p` are slices of. Partitions produced to
-/// go into `produced`, to be settled once the answer is sent.
+/// `frame`: the request's bytes, which the bundles of `p` are slices of.
 fn produce(
     ctx: &TankContext,
     frame: &bytes::Bytes,
     p: &Produce<'_>,
     out: &mut Vec<u8>,
     owed_lsn: &mut u64,
-    produced: &mut Vec<(Arc<Topic>, u16)>,
 ) {
     let mut errors = Vec::with_capacity(p.entries());
     for t in &p.topics {
@@ -303,12 +292,6 @@ fn produce(
                 ) {
                     Ok(w) => {
                         *owed_lsn = (*owed_lsn).max(w.lsn());
-                        if produced
-                            .last()
-                            .is_none_or(|(t, p)| !Arc::ptr_eq(t, &topic) || *p != part.partition)
-                        {
-                            produced.push((topic.clone(), part.partition));
-                        }
                         let (first, last) = w.value;
                         ctx.stats
                             .produced_messages
@@ -593,8 +576,8 @@ fn discover_partitions(ctx: &TankContext, request_id: u32, name: &[u8], out: &mu
         .map(|t| {
             (0..t.num_partitions())
                 .map(|p| {
-                    let mut part = t.lock_partition(p).expect("in range");
-                    let (first, hwm) = (part.log().first_available(), part.log().high_water_mark());
+                    let part = t.lock_partition(p).expect("in range");
+                    let (first, hwm) = (part.log.first_available(), part.log.high_water_mark());
                     // A partition that holds nothing: TANK's broker answers 0 and 0.
                     (if first > hwm { 0 } else { first }, hwm)
                 })
