@@ -9,7 +9,11 @@ server of each kind (alternating which goes first), creates a one-partition topi
 p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), `bm p2c` (one bundle produced
 while a consumer tails: until the consumer has it; the median of 9), and `consume -S -d 0`
 (every message back); then sluice's Python client (`sluice.tank`) produces N incompressible 100
-B messages in plain bundles of 1,000, one request at a time, and reads them back. There is no
+B messages in plain bundles of 1,000, one request at a time, and reads them back; and last, with
+a server of each kind up at once, the same client produces those bundles to both in turns of 50
+bundles, alternating which goes first (on this shared machine the rate of whole runs drifts by
+tens of percent from minute to minute; turns a few milliseconds long take what drift there is
+alike). There is no
 plain produce from tank-cli: its `-R` ("do not compress") sets the client's compression
 strategy, which TANK's client never reads, so its bundles are Snappy either way (measured: 5.2
 stored bytes per 100 B message with `-R`); plain bundles come from sluice's client. sluice
@@ -38,6 +42,9 @@ KINDS = ("sluice", "tank")
 SERVER_CPU = "server CPU per bundle produced"
 # `bm p2c` round trips per run; the run reports their median.
 P2C_ROUNDS = 9
+# Bundles the Python client produces to one server before it turns to the other (`interleaved`).
+TURN = 50
+INTERLEAVED = "Python client, produce random, interleaved"
 
 
 def seconds(text: str) -> float:
@@ -48,13 +55,16 @@ def seconds(text: str) -> float:
     return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[m.group(2)]
 
 
-def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str, str]:
+    """A server of `kind` with its data under `work`: the process, its TANK address and
+    (sluice's) admin address. sluice's other fronts are off or on ports of their own, so
+    nothing else on the machine holds a port it wants."""
+    address = f"127.0.0.1:{free_port()}"
+    admin = f"127.0.0.1:{free_port()}"
     if kind == "sluice":
         cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
-        cmd += ["--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{port + 1}", "--iproto-listen", ""]
-        cmd += ["--tank-listen", address]
+        cmd += ["--listen", "127.0.0.1:0", "--admin-listen", admin, "--iproto-listen", ""]
+        cmd += ["--greenstack-listen", "", "--tank-listen", address]
     else:
         (work / "t").mkdir()
         cmd = [str(tank_dir / "tank"), "-p", str(work / "t"), "-l", address]
@@ -65,7 +75,7 @@ def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str]
             # Short: a probe that hangs is retried until the deadline says the server did not
             # start (once, a probe to a just-started server went unanswered for minutes).
             cli(tank_dir, address, "status", timeout=5)
-            return p, address
+            return p, address, admin
         except (RuntimeError, subprocess.TimeoutExpired):
             if p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{kind} did not start ({cmd})") from None
@@ -95,11 +105,10 @@ def rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def retained_overhead(p: subprocess.Popen, address: str, before: int) -> float:
+def retained_overhead(p: subprocess.Popen, admin: str, before: int) -> float:
     """sluice's resident bytes per retained message beyond the bundles' bytes, after the loads
     (its memory grew by `rss - before`; `sluice_topic_bytes` are the bundles kept)."""
-    host, _, port = address.rpartition(":")
-    metrics = admin_get(f"{host}:{int(port) + 1}", "/metrics")
+    metrics = admin_get(admin, "/metrics")
     kept = messages = 0.0
     for line in metrics.splitlines():
         if line.startswith("sluice_topic_bytes{"):
@@ -111,7 +120,7 @@ def retained_overhead(p: subprocess.Popen, address: str, before: int) -> float:
 
 def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
-        p, address = start(kind, Path(d), tank_dir)
+        p, address, admin = start(kind, Path(d), tank_dir)
         try:
             cli(tank_dir, address, "-t", "bench", "create_topic", "1")
             before = rss(p.pid) if kind == "sluice" else 0
@@ -131,7 +140,7 @@ def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
             res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
             res.update(python_client(address, n, p.pid))
             if kind == "sluice":
-                res["resident bytes per message beyond bundles"] = retained_overhead(p, address, before)
+                res["resident bytes per message beyond bundles"] = retained_overhead(p, admin, before)
             return res
         finally:
             kill_group(p)
@@ -158,10 +167,7 @@ def python_client(address: str, n: int, server: int) -> dict[str, float]:
     the server's CPU per bundle produced (`server` is its pid)."""
     from sluice.tank import TankConnection
 
-    payload = os.urandom(n * 100)
-    bundles = [
-        [payload[i * 100 : (i + 1) * 100] for i in range(b, min(b + 1000, n))] for b in range(0, n, 1000)
-    ]
+    bundles = random_bundles(n)
     with TankConnection(address, timeout=60) as t:
         t.create_topic("py", 1)
         cpu = cpu_seconds(server)
@@ -182,6 +188,41 @@ def python_client(address: str, n: int, server: int) -> dict[str, float]:
         "Python client, consume all": got / consumed,
         "server CPU per bundle produced": cpu / len(bundles),
     }
+
+
+def random_bundles(n: int) -> list[list[bytes]]:
+    """n incompressible 100 B messages in bundles of 1,000."""
+    payload = os.urandom(n * 100)
+    return [[payload[i * 100 : (i + 1) * 100] for i in range(b, min(b + 1000, n))] for b in range(0, n, 1000)]
+
+
+def interleaved(tank_dir: Path, n: int, sluice_first: bool) -> dict[str, float]:
+    """The Python client's produce of n messages to each kind, with both servers up at once and
+    the client turning from one to the other every TURN bundles (each acknowledged before the
+    next), the first of each turn alternating. Returns each kind's mean µs per bundle."""
+    from sluice.tank import TankConnection
+
+    bundles = random_bundles(n)
+    order = KINDS if sluice_first else KINDS[::-1]
+    with tempfile.TemporaryDirectory() as d:
+        servers = {k: start(k, Path(d), tank_dir) for k in order}
+        try:
+            conns = {k: TankConnection(servers[k][1], timeout=60) for k in order}
+            spent = dict.fromkeys(KINDS, 0.0)
+            for c in conns.values():
+                c.create_topic("py", 1)
+            for i in range(0, len(bundles), TURN):
+                for k in order if (i // TURN) % 2 == 0 else order[::-1]:
+                    started = time.perf_counter()
+                    for b in bundles[i : i + TURN]:
+                        conns[k].produce("py", b)
+                    spent[k] += time.perf_counter() - started
+            for c in conns.values():
+                c.close()
+        finally:
+            for p, *_ in servers.values():
+                kill_group(p)
+    return {k: spent[k] / len(bundles) * 1e6 for k in KINDS}
 
 
 def main() -> int:
@@ -205,7 +246,16 @@ def main() -> int:
                 f"run {run + 1} {kind}: " + ", ".join(shown(k, v) for k, v in r.items()),
                 file=sys.stderr,
             )
-    results = {"messages": args.messages, "runs": args.runs, "per_run": per}
+    turns = []
+    for run in range(args.runs):
+        r = interleaved(args.tank_dir, args.messages, run % 2 == 0)
+        turns.append(r)
+        print(
+            f"interleaved {run + 1}: sluice {r['sluice']:.0f} µs per bundle, TANK {r['tank']:.0f} µs "
+            f"(sluice / TANK {r['tank'] / r['sluice']:.2f})",
+            file=sys.stderr,
+        )
+    results = {"messages": args.messages, "runs": args.runs, "per_run": per, "interleaved": turns}
     write(results)
     return 0
 
@@ -250,6 +300,17 @@ def write(results: dict) -> None:
             f"(runs: sluice {', '.join(f'{c:.0f}' for c in per['sluice'])}; "
             f"TANK {', '.join(f'{c:.0f}' for c in per['tank'])}).\n"
         )
+    inter = ""
+    if results.get("interleaved"):
+        us = {k: statistics.median(r[k] for r in results["interleaved"]) for k in KINDS}
+        ratios = [r["tank"] / r["sluice"] for r in results["interleaved"]]
+        inter = (
+            f"\n{INTERLEAVED}: the same bundles produced with a server of each kind up at once, the "
+            f"client turning from one to the other every {TURN} bundles: sluice median "
+            f"{us['sluice']:.0f} µs per bundle, TANK {us['tank']:.0f} µs, sluice / TANK "
+            f"{statistics.median(ratios):.2f} (runs: {', '.join(f'{x:.2f}' for x in ratios)}).\n"
+        )
+        medians.append((INTERLEAVED, 1 / us["sluice"], 1 / us["tank"]))
     md = (
         "# sluice's TANK listener against TANK's broker\n\n"
         f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
@@ -260,6 +321,7 @@ def write(results: dict) -> None:
         "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n"
         + "\n".join(rows)
         + "\n"
+        + inter
         + cpu
         + memory
     )
