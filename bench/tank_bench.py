@@ -5,21 +5,22 @@ tank-cli, in one run on this machine. Writes bench/results/tank.{json,md,png}.
 
 The broker and tank-cli are built from TANK's public source (see
 shared/reference/tank-captures/README.md: `make -j2 service cli-tool`). Each run starts a fresh
-server of each kind (alternating which goes first), creates a one-partition topic, then: `bm
-p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), `bm p2c` (one bundle produced
-while a consumer tails: until the consumer has it; the median of 9), and `consume -S -d 0`
-(every message back); then sluice's Python client (`sluice.tank`) produces N incompressible 100
-B messages in plain bundles of 1,000, one request at a time, and reads them back; and last, with
-a server of each kind up at once, the same client produces those bundles to both in turns of 50
-bundles, alternating which goes first (on this shared machine the rate of whole runs drifts by
-tens of percent from minute to minute; turns a few milliseconds long take what drift there is
-alike). There is no
-plain produce from tank-cli: its `-R` ("do not compress") sets the client's compression
-strategy, which TANK's client never reads, so its bundles are Snappy either way (measured: 5.2
-stored bytes per 100 B message with `-R`); plain bundles come from sluice's client. sluice
-writes its WAL in `write` mode (a produce is answered once the WAL holds it); TANK's broker
-never syncs. The table gives medians of the runs and each sluice/TANK ratio of throughput
-(above 1: sluice is faster).
+server of each kind, both up at once, creates a one-partition topic on each, and runs each load
+against one and then the other (which goes first alternates from run to run) before the next
+load: `bm p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), `bm p2c` (one bundle
+produced while a consumer tails: until the consumer has it; the median of 9), `consume -S -d 0`
+(every message back), and sluice's Python client (`sluice.tank`) producing N incompressible 100
+B messages in plain bundles of 1,000, one request at a time, and reading them back. Last, with
+fresh servers, the same client produces those bundles to both in turns of 50 bundles. On this
+shared machine the rate of a load drifts by tens of percent from minute to minute: figures taken
+seconds apart, or turns a few milliseconds long, take what drift there is alike.
+
+There is no plain produce from tank-cli: its `-R` ("do not compress") sets the client's
+compression strategy, which TANK's client never reads, so its bundles are Snappy either way
+(measured: 5.2 stored bytes per 100 B message with `-R`); plain bundles come from sluice's
+client. sluice writes its WAL in `write` mode (a produce is answered once the WAL holds it);
+TANK's broker never syncs. The table gives medians of the runs and each sluice/TANK ratio of
+throughput (above 1: sluice is faster).
 """
 
 from __future__ import annotations
@@ -118,32 +119,54 @@ def retained_overhead(p: subprocess.Popen, admin: str, before: int) -> float:
     return (rss(p.pid) - before - kept) / messages
 
 
-def run_once(kind: str, tank_dir: Path, n: int) -> dict[str, float]:
+def run_pair(tank_dir: Path, n: int, order: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """One run: a fresh server of each kind, both up at once, and each load run against one and
+    then the other (in `order`) before the next load, so that the two figures of a load are
+    taken seconds apart. Returns each kind's figures."""
+    t = ("-t", "bench")
+    p2b = ("bm", "p2b", "-c", str(n), "-s", "100", "-B", "1000")
+    p2c = ("bm", "p2c", "-c", "1000", "-s", "100", "-B", "1000")
+
+    def produce(address: str, _pid: int) -> dict[str, float]:
+        return {"produce, Snappy": n / took(cli(tank_dir, address, *t, *p2b))}
+
+    def round_trip(address: str, _pid: int) -> dict[str, float]:
+        # One round trip is well under a millisecond: the median of several.
+        trips = [took(cli(tank_dir, address, *t, *p2c)) for _ in range(P2C_ROUNDS)]
+        return {"produce to consume, 1,000": 1 / statistics.median(trips)}
+
+    def consume(address: str, _pid: int) -> dict[str, float]:
+        out = cli(tank_dir, address, *t, "consume", "-S", "-d", "0")
+        m = re.search(r"([\d,]+) messages consumed in (\S+?),", out)
+        if m is None:
+            raise RuntimeError(f"no consume figures: {out[-500:]}")
+        return {"consume all": int(m.group(1).replace(",", "")) / seconds(m.group(2))}
+
+    def python(address: str, pid: int) -> dict[str, float]:
+        return python_client(address, n, pid)
+
     with tempfile.TemporaryDirectory() as d:
-        p, address, admin = start(kind, Path(d), tank_dir)
+        servers = {}
         try:
-            cli(tank_dir, address, "-t", "bench", "create_topic", "1")
-            before = rss(p.pid) if kind == "sluice" else 0
-            t = ("-t", "bench")
-            p2b = ("bm", "p2b", "-c", str(n), "-s", "100", "-B", "1000")
-            p2c = ("bm", "p2c", "-c", "1000", "-s", "100", "-B", "1000")
-            res = {
-                "produce, Snappy": n / took(cli(tank_dir, address, *t, *p2b)),
-                # One round trip is well under a millisecond: the median of several.
-                "produce to consume, 1,000": 1
-                / statistics.median(took(cli(tank_dir, address, *t, *p2c)) for _ in range(P2C_ROUNDS)),
-            }
-            out = cli(tank_dir, address, *t, "consume", "-S", "-d", "0")
-            m = re.search(r"([\d,]+) messages consumed in (\S+?),", out)
-            if m is None:
-                raise RuntimeError(f"no consume figures: {out[-500:]}")
-            res["consume all"] = int(m.group(1).replace(",", "")) / seconds(m.group(2))
-            res.update(python_client(address, n, p.pid))
-            if kind == "sluice":
-                res["resident bytes per message beyond bundles"] = retained_overhead(p, admin, before)
+            for kind in order:
+                servers[kind] = start(kind, Path(d), tank_dir)
+            res: dict[str, dict[str, float]] = {kind: {} for kind in order}
+            before = {}
+            for kind, (p, address, _) in servers.items():
+                cli(tank_dir, address, *t, "create_topic", "1")
+                before[kind] = rss(p.pid)
+            for load in (produce, round_trip, consume, python):
+                for kind in order:
+                    p, address, _ = servers[kind]
+                    res[kind].update(load(address, p.pid))
+            p, _, admin = servers["sluice"]
+            res["sluice"]["resident bytes per message beyond bundles"] = retained_overhead(
+                p, admin, before["sluice"]
+            )
             return res
         finally:
-            kill_group(p)
+            for p, *_ in servers.values():
+                kill_group(p)
 
 
 def shown(name: str, value: float) -> str:
@@ -239,8 +262,8 @@ def main() -> int:
             return 1
     per: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
     for run in range(args.runs):
-        for kind in KINDS if run % 2 == 0 else KINDS[::-1]:
-            r = run_once(kind, args.tank_dir, args.messages)
+        pair = run_pair(args.tank_dir, args.messages, KINDS if run % 2 == 0 else KINDS[::-1])
+        for kind, r in pair.items():
             per[kind].append(r)
             print(
                 f"run {run + 1} {kind}: " + ", ".join(shown(k, v) for k, v in r.items()),
@@ -317,8 +340,9 @@ def write(results: dict) -> None:
         f"--runs {results['runs']}`: "
         "the same tank-cli commands against each, 100 B messages in bundles of 1,000 (Snappy: "
         "tank-cli's `-R` does not turn its compression off), then the same from sluice's Python "
-        "client with incompressible messages in plain bundles; medians of the runs on this "
-        "2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n"
+        "client with incompressible messages in plain bundles; in each run both servers are up "
+        "and each load runs against one and then the other before the next; medians of the runs "
+        "on this 2-core machine (the clients share it); sluice's WAL in `write` mode.\n\n"
         + "\n".join(rows)
         + "\n"
         + inter
