@@ -1,7 +1,8 @@
 """The crates depend one way (proto <- core <- server <- tools <- py); within each crate no two
-modules import each other, directly or around a loop (tests/import_graph.py); and the server's
-modules sit in layers, each importing only from the layers below: the protocol-neutral streams
-know no front, the KV front no stream front, and no front the server that starts them."""
+modules import each other, directly or around a loop (tests/import_graph.py), nor do two files
+of one module, nor two files of the Python package; and the server's modules sit in layers, each
+importing only from the layers below: the protocol-neutral streams know no front, the KV front
+no stream front, and no front the server that starts them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from import_graph import cycles, graph
+from import_graph import cycles, file_cycles, graph
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,6 +41,14 @@ def test_no_module_cycles(crate: str) -> None:
     assert cycles(graph(ROOT / "rust" / crate)) == []
 
 
+def test_no_file_imports_another_in_a_circle() -> None:
+    """One file per node, so that two files of one module (iproto/select.rs and iproto/write.rs,
+    say) that use each other show, which the graph of top-level modules folds away: for every
+    crate, and for python/sluice."""
+    found = file_cycles(ROOT)
+    assert found == [], "files importing each other:\n" + "\n".join(found)
+
+
 # sluice-server's modules, lowest layer first.
 SERVER_LAYERS = [
     # leaves: no other module of the crate
@@ -47,10 +56,12 @@ SERVER_LAYERS = [
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
     {"stats", "policy", "limits", "upstream"},  # counters, plugins, pre-login bounds, a Tarantool followed
+    {"request"},  # the request layer every front shares: replies after the WAL, permissions
     {"listener"},  # the accept loop of the fronts on listeners of their own
-    {"kv"},  # the memcached binary protocol's KV front, which every connection starts in
-    # fronts a connection is handed to (SASL, change streams, memcached's text protocol)
-    {"login", "dcp", "tap", "text"},
+    {"driver"},  # the one connection driver every front's sessions run in
+    {"kv"},  # the memcached front: binary KV and sub-document, and memcached's text protocol
+    # what a memcached connection is handed to (SASL, change streams)
+    {"login", "dcp", "tap"},
     {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
     {"tank"},  # TANK's front: topics (no login)
     {"greenstack"},  # Greenstack's front: lanes, fences, out-of-order replies

@@ -7,12 +7,11 @@
 #![no_main]
 
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use sluice_fuzz::Loopback;
+use sluice_server::driver::Port;
 use sluice_server::greenstack::{serve_connection, GreenstackContext};
-use sluice_server::limits::{LoginLimits, PreLogin};
 use sluice_server::login::LoginThrottle;
 
 fn front() -> &'static (Loopback, Arc<GreenstackContext>) {
@@ -22,12 +21,14 @@ fn front() -> &'static (Loopback, Arc<GreenstackContext>) {
         let ctx = Arc::new(GreenstackContext {
             engine: kv.engine.clone(),
             users: kv.users.clone(),
-            io: Default::default(),
+            port: Port::scratch(
+                "greenstack",
+                "Greenstack connection",
+                kv.engine.clone(),
+                kv.users.clone(),
+            ),
             stats: Default::default(),
             throttle: Arc::new(LoginThrottle::default()),
-            prelogin: Arc::new(PreLogin::new(LoginLimits::default())),
-            max_frame: 1 << 20,
-            idle_timeout: Duration::ZERO,
             failed_logins: Default::default(),
             clustermap: kv.clustermap.clone(),
         });

@@ -7,10 +7,10 @@
 #![no_main]
 
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use sluice_fuzz::Loopback;
+use sluice_server::driver::Port;
 use sluice_server::tank::{serve_connection, TankContext};
 
 fn front() -> &'static (Loopback, Arc<TankContext>) {
@@ -19,10 +19,8 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
         let kv = sluice_fuzz::kv_context("tank");
         let ctx = Arc::new(TankContext {
             engine: kv.engine.clone(),
-            io: Default::default(),
+            port: Port::scratch("tank", "TANK connection", kv.engine.clone(), kv.users.clone()),
             stats: Default::default(),
-            max_frame: 1 << 20,
-            idle_timeout: Duration::ZERO,
             started_unix: 0,
         });
         (Loopback::default(), ctx)

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 
 use libfuzzer_sys::fuzz_target;
-use sluice_server::text::{Flow, TextSession};
+use sluice_server::kv::text::{Flow, TextSession};
 
 fuzz_target!(|data: &[u8]| {
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -14,32 +14,16 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.cluster.etcd import Etcd, EtcdError, KeyValue
 from sluice.cluster.keys import Keys, dump
+from sluice.cluster.orchestrator import Orchestrator
+from sluice.cluster.settings import LEASE_TTL, ClusterSettings
 
 log = logging.getLogger("sluice.cluster")
 
-# etcd's shortest lease: shorter asks are raised to it.
-LEASE_TTL = 2
 STATUS_INTERVAL = 0.5
-
-
-@dataclass
-class ClusterSettings:
-    etcd: Etcd
-    cluster: str
-    node: str
-    kv: str
-    group: str = ""
-    replicas: int = 1
-    auto_failover_timeout: float = 10.0
-    max_auto_failovers: int = 1
-    admin: str | None = None
-    num_vbuckets: int = 64
-    buckets: list[str] = field(default_factory=lambda: ["default"])
 
 
 def map_servers(doc: dict[str, Any]) -> list[str]:
@@ -263,8 +247,6 @@ class Member:
     # -- the orchestrator's election
 
     def _orchestrator_loop(self) -> None:
-        from sluice.cluster.orchestrator import Orchestrator
-
         orchestrator: Orchestrator | None = None
         while not self.stop_event.is_set():
             try:

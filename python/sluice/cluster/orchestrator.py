@@ -7,16 +7,15 @@ new orchestrator takes over where the last one stopped."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sluice.cluster import vbmap
-from sluice.cluster.etcd import EtcdError, KeyValue
-from sluice.cluster.keys import dump
-
-if TYPE_CHECKING:
-    from sluice.cluster.member import Member
+from sluice.cluster.etcd import Etcd, EtcdError, KeyValue
+from sluice.cluster.keys import Keys, dump
+from sluice.cluster.settings import LEASE_TTL, ClusterSettings
 
 log = logging.getLogger("sluice.cluster")
 
@@ -27,10 +26,18 @@ MOVES_PER_NODE = 4
 REGISTER_WAIT = 30.0
 
 
-class Orchestrator:
-    def __init__(self, member: Member) -> None:
-        from sluice.cluster.member import LEASE_TTL
+class Host(Protocol):
+    """What the orchestrator uses of the member that runs it (a `member.Member`), named here
+    rather than imported: the member imports this module to start the orchestrator."""
 
+    etcd: Etcd
+    keys: Keys
+    s: ClusterSettings
+    stop_event: threading.Event
+
+
+class Orchestrator:
+    def __init__(self, member: Host) -> None:
         self.m = member
         self.etcd = member.etcd
         self.keys = member.keys

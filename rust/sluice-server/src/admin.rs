@@ -665,7 +665,7 @@ pub fn metrics(node: &NodeView) -> String {
     let mut o = String::with_capacity(16 << 10);
     let f = &node.fronts;
     f.kv.stats.metrics(&mut o);
-    f.prelogin.metrics(&mut o);
+    f.port.prelogin.metrics(&mut o);
     f.dcp.stats.metrics(&mut o);
     f.tap.stats.metrics(
         &mut o,

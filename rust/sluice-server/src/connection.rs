@@ -11,23 +11,18 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use bytes::BytesMut;
+use sluice_proto::dcp::opcode as dcp_op;
 use sluice_proto::mcbp::{self, FrameError};
-use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use crate::dcp::producer::DcpContext;
+use crate::driver::{Check, Conn, End, Ended, Fault, Flow as DriverFlow, Frame, Out};
 use crate::kv::{Flow, Handoff, HeldReply, KvContext, KvSession};
-use crate::limits::{PreLogin, PRELOGIN_MAX_BODY};
 use crate::login::LoginThrottle;
-use crate::stats::ConnectionStats;
 use crate::tap::TapContext;
-use crate::tls::MaybeTls;
-use sluice_proto::dcp::opcode as dcp_op;
 
 /// What a client connection works with, built once by the server: the KV front every
 /// connection starts in, the stream fronts it may be handed to, and the bounds before login.
@@ -35,7 +30,8 @@ pub struct Fronts {
     pub kv: Arc<KvContext>,
     pub dcp: Arc<DcpContext>,
     pub tap: Arc<TapContext>,
-    pub prelogin: Arc<PreLogin>,
+    /// What the driver holds the memcached port's connections (plain and TLS) to.
+    pub port: Arc<crate::driver::Port>,
     /// Failed SASL (and iproto AUTH) attempts, which slow the next ones down.
     pub throttle: Arc<LoginThrottle>,
     /// The iproto front, when `iproto_listen` is set (its counters show in /metrics).
@@ -44,14 +40,7 @@ pub struct Fronts {
     pub tank: Option<Arc<crate::tank::TankContext>>,
     /// The Greenstack front, when `greenstack_listen` is set.
     pub greenstack: Option<Arc<crate::greenstack::GreenstackContext>>,
-    /// Largest request body accepted; larger frames get E2BIG and the connection closes.
-    pub max_body: usize,
-    /// A connection silent for this long is closed; zero means never.
-    pub idle_timeout: Duration,
 }
-
-/// Replies are written once this much is pending, even mid-batch.
-const FLUSH_AT: usize = 1 << 20;
 
 /// Held replies past which the connection stops reading until the oldest is sent: a client
 /// pipelining durable writes cannot make the server hold more than this many.
@@ -62,43 +51,42 @@ const MAX_HELD: usize = 1024;
 /// the server's memory.
 const MAX_HELD_BYTES: usize = 8 << 20;
 
-/// The replies of one connection in request order: those ready to send, then held ones, each
-/// with the ready replies that came after it. A client that negotiated UnorderedExecution has
-/// its held replies wait apart instead, each sent when it is ready.
+/// The replies of one connection held behind durable writes, in request order: each held one
+/// with the replies that came after it. Replies before the first held one go straight into the
+/// driver's output. A client that negotiated UnorderedExecution has its held replies wait apart
+/// instead, each sent when it is ready.
 #[derive(Default)]
 struct Replies {
-    ready: Vec<u8>,
     held: VecDeque<(HeldReply, Vec<u8>)>,
     unordered: tokio::task::JoinSet<Vec<u8>>,
+    /// Replies released (with those behind them) and not yet in the output: they go before
+    /// the next reply written.
+    woken: Vec<u8>,
+    /// The cluster map changed and the client asked to be told.
+    push_map: bool,
+    /// A reply held apart failed (its task panicked): the connection cannot answer that
+    /// request and is closed.
+    failed: bool,
 }
 
 impl Replies {
-    /// Where the next reply goes: behind the last held one, if any.
-    fn tail(&mut self) -> &mut Vec<u8> {
+    /// Where the next reply goes: behind the last held one, if any, else into `ready` (after
+    /// what was released).
+    fn tail<'a>(&'a mut self, ready: &'a mut Vec<u8>) -> &'a mut Vec<u8> {
+        if !self.woken.is_empty() {
+            ready.append(&mut self.woken);
+        }
         match self.held.back_mut() {
             Some((_, after)) => after,
-            None => &mut self.ready,
+            None => ready,
         }
     }
 
-    /// The oldest held reply is ready: it and the replies behind it join the ready ones.
+    /// The oldest held reply is ready: it and the replies behind it are released.
     fn release_head(&mut self, reply: Vec<u8>) {
         let (_, after) = self.held.pop_front().expect("a held reply");
-        self.ready.extend_from_slice(&reply);
-        self.ready.extend_from_slice(&after);
-    }
-
-    /// Before a producer takes over the connection and its output: every held reply is ready
-    /// and the WAL holds what the replies acknowledge. False if it never will (the WAL stopped).
-    async fn hand_over(&mut self, session: &KvSession) -> bool {
-        self.settle_all().await;
-        match session.engine().wal().written(session.owed_lsn()).await {
-            Ok(()) => true,
-            Err(e) => {
-                log::warn!("closing a connection with unsent replies: {e}");
-                false
-            }
-        }
+        self.woken.extend_from_slice(&reply);
+        self.woken.extend_from_slice(&after);
     }
 
     /// Replies held, in order or apart.
@@ -124,24 +112,20 @@ impl Replies {
         self.unordered.spawn(held);
     }
 
-    /// A reply held apart is ready. Err when its task failed (it panicked): the connection
-    /// cannot answer that request and is closed.
-    fn release_apart(&mut self, done: Result<Vec<u8>, tokio::task::JoinError>) -> Result<(), ()> {
+    /// A reply held apart is ready, or its task failed.
+    fn done_apart(&mut self, done: Result<Vec<u8>, tokio::task::JoinError>) {
         match done {
-            Ok(reply) => {
-                self.ready.extend_from_slice(&reply);
-                Ok(())
-            }
+            Ok(reply) => self.woken.extend_from_slice(&reply),
             Err(e) => {
                 log::error!("closing a connection: a held reply failed: {e}");
-                Err(())
+                self.failed = true;
             }
         }
     }
 
-    /// Releases every held reply that is ready now, without waiting: replies acknowledged
-    /// together leave in one send, not one each. Err as `release_apart`.
-    async fn release_ready(&mut self) -> Result<(), ()> {
+    /// Releases every held reply that is ready now, without waiting, into `ready`: replies
+    /// acknowledged together leave in one send, not one each. Err: a reply apart failed.
+    async fn release_ready(&mut self, ready: &mut Vec<u8>) -> Result<(), ()> {
         std::future::poll_fn(|cx| {
             while let Some((head, _)) = self.held.front_mut() {
                 match std::pin::Pin::new(head).poll(cx) {
@@ -150,25 +134,33 @@ impl Replies {
                 }
             }
             while let std::task::Poll::Ready(Some(done)) = self.unordered.poll_join_next(cx) {
-                if self.release_apart(done).is_err() {
-                    return std::task::Poll::Ready(Err(()));
-                }
+                self.done_apart(done);
             }
-            std::task::Poll::Ready(Ok(()))
+            std::task::Poll::Ready(())
         })
-        .await
+        .await;
+        ready.append(&mut self.woken);
+        if self.failed {
+            Err(())
+        } else {
+            Ok(())
+        }
     }
 
-    /// Waits for every held reply, in order, and those held apart.
-    async fn settle_all(&mut self) {
+    /// Waits for every held reply, in order, and those held apart, into `ready`.
+    async fn settle_all(&mut self, ready: &mut Vec<u8>) -> Result<(), ()> {
         while let Some((head, _)) = self.held.front_mut() {
             let reply = head.await;
             self.release_head(reply);
         }
         while let Some(done) = self.unordered.join_next().await {
-            if self.release_apart(done).is_err() {
-                break;
-            }
+            self.done_apart(done);
+        }
+        ready.append(&mut self.woken);
+        if self.failed {
+            Err(())
+        } else {
+            Ok(())
         }
     }
 }
@@ -179,251 +171,200 @@ enum Stream {
     Tap(sluice_proto::tap::TapConnect, u32),
 }
 
-pub async fn run(
-    mut socket: MaybeTls,
-    peer: SocketAddr,
+/// A memcached binary connection, as the driver runs it: the KV session, its replies held
+/// behind durable writes, and the stream a request opened.
+struct Binary {
+    session: KvSession,
+    replies: Replies,
     fronts: Arc<Fronts>,
-    mut stop: watch::Receiver<bool>,
-) {
-    // Until it logs in (when users are configured), a connection holds a pre-login slot and
-    // gets the small frame limit and the login deadline (see `limits`).
-    let mut prelogin = match crate::limits::admit(&fronts.prelogin, &fronts.kv.users, peer) {
-        Ok(slot) => slot,
-        Err(_) => return,
-    };
-    let login_deadline = Instant::now() + fronts.prelogin.limits.login_timeout;
-    // Before login, sending is bounded by the deadline too: a client that never reads its
-    // replies must not keep its pre-login slot.
-    let login = |slot: &Option<_>| {
-        slot.as_ref()
-            .map(|_| (login_deadline, &*fronts.prelogin, peer))
-    };
-    let mut session = KvSession::new(fronts.kv.clone());
-    let mut inbuf = BytesMut::with_capacity(16 << 10);
-    let mut replies = Replies::default();
-    // The ready replies, sent (`send`); and the last ones before the connection closes, held
-    // ones settled first.
-    macro_rules! send_ready {
-        () => {
-            send(
-                &mut socket,
-                &mut replies.ready,
-                &session,
-                &fronts.kv.stats,
-                login(&prelogin),
-            )
-        };
-    }
-    macro_rules! send_last {
-        () => {{
-            replies.settle_all().await;
-            let _ = send_ready!().await;
-        }};
-    }
-    let idle = fronts.idle_timeout;
-    let mut sniffed = false;
-    // Map changes, pushed to a client that asked for them (HELLO: Duplex and
-    // ClustermapChangeNotification) as Couchbase does.
-    let mut map_changes = session.map_changes();
-    let mut stop_changes = crate::armed::watch_changes(stop.clone());
-    loop {
-        if !sniffed && !inbuf.is_empty() {
-            // memcached's sniff: a binary request starts with a magic (0x80, or 0x08 with
-            // frame infos; the other high bytes get the binary front's error), anything else
-            // is the text protocol.
-            sniffed = true;
-            if inbuf[0] < 0x80 && inbuf[0] != mcbp::magic::ALT_REQUEST {
-                let kv = fronts.kv.clone();
-                let (max_body, idle) = (fronts.max_body, fronts.idle_timeout);
-                drop(prelogin);
-                return crate::text::run(socket, peer, kv, inbuf, max_body, idle, stop).await;
+    peer: SocketAddr,
+    stop: watch::Receiver<bool>,
+    /// The login deadline while the connection has not logged in (a SASL attempt's throttle
+    /// wait ends there).
+    login_deadline: Option<Instant>,
+    /// Map changes, pushed to a client that asked for them (HELLO: Duplex and
+    /// ClustermapChangeNotification) as Couchbase does.
+    map_changes: watch::Receiver<i64>,
+    /// Set by the request that opened a change stream: the connection is handed to it.
+    stream: Option<Stream>,
+    /// The frame limit the last check applied (E2BIG's reply names it).
+    too_big: bool,
+}
+
+impl crate::driver::Session for Binary {
+    fn check(&mut self, buf: &[u8], max_frame: usize) -> Check {
+        match mcbp::frame_len(buf, max_frame) {
+            Ok(Some(n)) => Check::Frame(n),
+            Ok(None) => Check::Need(0),
+            Err(e) => {
+                self.too_big = matches!(e, FrameError::TooBig { .. });
+                Check::Bad(Fault::new(self.too_big, e))
             }
         }
-        while !replies.full() {
-            let max_body = match prelogin {
-                Some(_) => fronts.max_body.min(PRELOGIN_MAX_BODY),
-                None => fronts.max_body,
-            };
-            match mcbp::frame_len(&inbuf, max_body) {
-                Ok(Some(n)) => {
-                    let frame = inbuf.split_to(n);
-                    let flow = if session.is_sasl_attempt(&frame) {
-                        let deadline = prelogin.as_ref().map(|_| login_deadline);
-                        let out = replies.tail();
-                        let ip = peer.ip();
-                        let f = crate::login::sasl_auth(
-                            &mut session,
-                            &frame,
-                            ip,
-                            &fronts.prelogin,
-                            &fronts.throttle,
-                            deadline,
-                            &mut stop,
-                            out,
-                        );
-                        let flow = f.await;
-                        if session.authenticated() {
-                            prelogin = None;
-                        }
-                        flow
-                    } else {
-                        session.handle(&frame, replies.tail())
-                    };
-                    match flow {
-                        Flow::Continue => {}
-                        // Nothing held in order before it: the client's negotiation applies.
-                        Flow::Hold(held) if session.unordered() && replies.held.is_empty() => {
-                            replies.hold_apart(held)
-                        }
-                        Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
-                        Flow::Close => {
-                            send_last!();
-                            return;
-                        }
-                        Flow::OpenStream => {
-                            let req = mcbp::parse_request(&frame).expect("the KV front parsed it");
-                            let out = replies.tail();
-                            let stream = if req.opcode == dcp_op::OPEN {
-                                crate::dcp::producer::open(&session, &req, out).map(Stream::Dcp)
-                            } else {
-                                crate::tap::producer::open(&session, &req, out)
-                                    .map(|c| Stream::Tap(c, req.opaque))
-                            };
-                            if let Some(stream) = stream {
-                                if !replies.hand_over(&session).await {
-                                    return;
-                                }
-                                let conn = Handoff {
-                                    out: std::mem::take(&mut replies.ready),
-                                    socket,
-                                    inbuf,
-                                    session,
-                                    peer,
-                                    stop,
-                                };
-                                return match stream {
-                                    Stream::Dcp(open) => {
-                                        let dcp = fronts.dcp.clone();
-                                        Box::pin(crate::dcp::producer::run(conn, open, dcp)).await
-                                    }
-                                    Stream::Tap(connect, opaque) => {
-                                        let tap = fronts.tap.clone();
-                                        let p =
-                                            crate::tap::producer::run(conn, connect, opaque, tap);
-                                        Box::pin(p).await
-                                    }
-                                };
-                            }
-                        }
-                    }
-                    if replies.ready.len() >= FLUSH_AT && send_ready!().await.is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    if prelogin.is_some() {
-                        fronts
-                            .kv
-                            .stats
-                            .protocol_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                        crate::limits::closing_before_login(&fronts.prelogin, peer, &e);
-                    } else {
-                        fronts.kv.stats.protocol_error(
-                            "KV",
-                            format_args!("closing connection from {peer}: {e}"),
-                        );
-                    }
-                    replies.settle_all().await;
-                    if let FrameError::TooBig { .. } = e {
-                        session.refuse_too_big(&inbuf, &mut replies.ready);
-                    }
-                    let _ = send_ready!().await;
-                    return;
+    }
+
+    async fn handle(&mut self, frame: &mut Frame<'_>, out: &mut Out) -> DriverFlow {
+        let frame = frame.bytes();
+        let replies = &mut self.replies;
+        let tail = replies.tail(&mut out.acked.buf);
+        let flow = if self.session.is_sasl_attempt(frame) {
+            let f = crate::login::sasl_auth(
+                &mut self.session,
+                frame,
+                self.peer.ip(),
+                &self.fronts.port.prelogin,
+                &self.fronts.throttle,
+                self.login_deadline,
+                &mut self.stop,
+                tail,
+            );
+            let flow = f.await;
+            if self.session.authenticated() {
+                self.login_deadline = None;
+            }
+            flow
+        } else {
+            self.session.handle(frame, tail)
+        };
+        match flow {
+            Flow::Continue => {}
+            // Nothing held in order before it: the client's negotiation applies.
+            Flow::Hold(held) if self.session.unordered() && replies.held.is_empty() => {
+                replies.hold_apart(held)
+            }
+            Flow::Hold(held) => replies.held.push_back((held, Vec::new())),
+            Flow::Close => return DriverFlow::Close,
+            Flow::OpenStream => {
+                let req = mcbp::parse_request(frame).expect("the KV front parsed it");
+                let tail = replies.tail(&mut out.acked.buf);
+                self.stream = if req.opcode == dcp_op::OPEN {
+                    crate::dcp::producer::open(&self.session, &req, tail).map(Stream::Dcp)
+                } else {
+                    crate::tap::producer::open(&self.session, &req, tail)
+                        .map(|c| Stream::Tap(c, req.opaque))
+                };
+                if self.stream.is_some() {
+                    return DriverFlow::Handoff;
                 }
             }
         }
-        if replies.held_count() > 0 && replies.release_ready().await.is_err() {
-            return;
+        DriverFlow::Continue
+    }
+
+    fn owed_lsn(&self) -> u64 {
+        self.session.owed_lsn()
+    }
+
+    fn logged_in(&self) -> bool {
+        self.session.authenticated()
+    }
+
+    fn refuse(&mut self, _fault: &Fault, buf: &[u8], out: &mut Out) {
+        if self.too_big {
+            self.session.refuse_too_big(buf, &mut out.acked.buf);
         }
-        if send_ready!().await.is_err() {
-            return;
-        }
-        if *stop.borrow() {
-            // Shutting down: requests already read are answered, held ones too.
-            send_last!();
-            return;
-        }
-        let reading = !replies.full();
-        let waiting = replies.held_count() > 0;
-        let deadline = prelogin.as_ref().map(|_| login_deadline);
-        let read = async {
-            if !reading {
-                std::future::pending().await
-            } else if let Some(deadline) = deadline {
-                // From accept, so that a trickle of bytes does not move it.
-                tokio::time::timeout_at(deadline.into(), socket.read_buf(&mut inbuf)).await
-            } else if idle.is_zero() || waiting {
-                Ok(socket.read_buf(&mut inbuf).await)
-            } else {
-                tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
-            }
-        };
+    }
+
+    fn reading(&self) -> bool {
+        !self.replies.full()
+    }
+
+    /// Held replies: the connection goes on reading meanwhile, with no idle timeout.
+    fn waiting(&self) -> bool {
+        self.replies.held_count() > 0
+    }
+
+    async fn wake(&mut self) {
+        let pushes = self.session.wants_map_pushes();
+        let replies = &mut self.replies;
+        let apart = !replies.unordered.is_empty();
         let head = async {
             match replies.held.front_mut() {
                 Some((head, _)) => head.await,
                 None => std::future::pending().await,
             }
         };
-        let pushes = session.wants_map_pushes();
-        let apart = !replies.unordered.is_empty();
         tokio::select! {
             reply = head => replies.release_head(reply),
-            Some(done) = replies.unordered.join_next(), if apart => {
-                if replies.release_apart(done).is_err() {
-                    return;
-                }
+            Some(done) = replies.unordered.join_next(), if apart => replies.done_apart(done),
+            Ok(()) = self.map_changes.changed(), if pushes => replies.push_map = true,
+        }
+    }
+
+    async fn settle(&mut self, out: &mut Out, end: Option<End>) -> DriverFlow {
+        let buf = &mut out.acked.buf;
+        buf.append(&mut self.replies.woken);
+        if std::mem::take(&mut self.replies.push_map) {
+            self.session.push_map(buf);
+        }
+        if self.replies.failed {
+            return DriverFlow::Close;
+        }
+        let settled = match end {
+            // Shutting down, closing, handing over: every held reply is answered.
+            Some(End::Stop | End::Eof | End::Close | End::Handoff) => {
+                self.replies.settle_all(buf).await
             }
-            Ok(()) = map_changes.changed(), if pushes => session.push_map(&mut replies.ready),
-            r = read => match r {
-                Ok(Ok(0)) => {
-                    // The client closed its side: what it sent is still answered.
-                    send_last!();
-                    return;
-                }
-                Ok(Ok(n)) => { fronts.kv.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
-                Ok(Err(e)) => {
-                    log::debug!("connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) if deadline.is_some() => {
-                    crate::limits::login_timed_out(&fronts.prelogin, peer);
-                    return;
-                }
-                Err(_) => {
-                    log::info!("closing connection from {peer}: idle for {:?}", idle);
-                    return;
-                }
-            },
-            _ = stop_changes.next() => {
-                send_last!();
-                return;
-            }
+            None if self.replies.held_count() > 0 => self.replies.release_ready(buf).await,
+            None => Ok(()),
+        };
+        match settled {
+            Ok(()) => DriverFlow::Continue,
+            Err(()) => DriverFlow::Close,
         }
     }
 }
 
-/// Sends the ready replies once the WAL holds every change they acknowledge; before login
-/// (`login`: the deadline), only until the login deadline.
-async fn send(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    session: &KvSession,
-    stats: &ConnectionStats,
-    login: Option<(Instant, &PreLogin, SocketAddr)>,
-) -> std::io::Result<()> {
-    let (engine, lsn) = (session.engine(), session.owed_lsn());
-    let sending = crate::kv::send_acknowledged(socket, out, engine, lsn, stats, FLUSH_AT);
-    crate::limits::by_login_deadline(login, sending).await
+/// Runs one connection of the memcached port: the text protocol or the binary one, by its
+/// first byte as memcached sniffs it; a binary connection may be handed to a change stream.
+pub async fn run(mut conn: Conn, fronts: Arc<Fronts>) {
+    if !conn.first_bytes().await {
+        return;
+    }
+    // A binary request starts with a magic (0x80, or 0x08 with frame infos; the other high
+    // bytes get the binary front's error), anything else is the text protocol.
+    let first = conn.inbuf[0];
+    if first < 0x80 && first != mcbp::magic::ALT_REQUEST {
+        return crate::kv::text::run(conn, fronts.kv.clone()).await;
+    }
+    let session = KvSession::new(fronts.kv.clone());
+    let mut b = Binary {
+        map_changes: session.map_changes(),
+        session,
+        replies: Replies::default(),
+        fronts: fronts.clone(),
+        peer: conn.peer,
+        stop: conn.stop.clone(),
+        login_deadline: conn.login_deadline(),
+        stream: None,
+        too_big: false,
+    };
+    let Ended::Handoff(out) = crate::driver::run(&mut conn, &mut b).await else {
+        return;
+    };
+    let Conn {
+        socket,
+        inbuf,
+        peer,
+        stop,
+        ..
+    } = conn;
+    let handoff = Handoff {
+        out,
+        socket,
+        inbuf,
+        session: b.session,
+        peer,
+        stop,
+    };
+    match b.stream.expect("a handoff opened a stream") {
+        Stream::Dcp(open) => {
+            let dcp = fronts.dcp.clone();
+            Box::pin(crate::dcp::producer::run(handoff, open, dcp)).await
+        }
+        Stream::Tap(connect, opaque) => {
+            let tap = fronts.tap.clone();
+            Box::pin(crate::tap::producer::run(handoff, connect, opaque, tap)).await
+        }
+    }
 }

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use sluice_proto::mcbp::FrameError;
 
 use crate::auth::UserTable;
 use crate::ratelimit::RateLimitedLog;
@@ -189,8 +188,13 @@ pub fn admit(
 }
 
 /// Logs (rate-limited) and counts a connection closed before login for a bad frame.
-pub fn closing_before_login(prelogin: &PreLogin, peer: SocketAddr, e: &FrameError) {
-    if let FrameError::TooBig { .. } = e {
+pub fn closing_before_login(
+    prelogin: &PreLogin,
+    peer: SocketAddr,
+    too_big: bool,
+    e: &dyn std::fmt::Display,
+) {
+    if too_big {
         prelogin.stats.too_big.fetch_add(1, Relaxed);
     }
     prelogin

@@ -164,19 +164,33 @@ impl Server {
                     .collect()
             })
             .unwrap_or_default();
+        let port = |kind, noun, max_frame| {
+            Arc::new(crate::driver::Port {
+                kind,
+                noun,
+                engine: engine.clone(),
+                users: users.clone(),
+                prelogin: prelogin.clone(),
+                io: stats.clone(),
+                max_frame,
+                idle_timeout: config.idle_timeout,
+            })
+        };
+        let kv_port = port("KV", "connection", config.max_body);
         let iproto = iproto_addr.map(|listen| {
             Arc::new(crate::iproto::IprotoContext {
                 engine: engine.clone(),
                 users: users.clone(),
                 catalog: catalog.clone(),
-                io: stats.clone(),
+                port: port(
+                    "iproto",
+                    "iproto connection",
+                    crate::iproto::MAX_PACKET.max(config.max_body),
+                ),
                 stats: Default::default(),
                 throttle: throttle.clone(),
-                prelogin: prelogin.clone(),
                 instance_uuid: crate::iproto::instance_uuid(engine.instance()),
                 listen,
-                max_packet: crate::iproto::MAX_PACKET.max(config.max_body),
-                idle_timeout: config.idle_timeout,
                 started: std::time::Instant::now(),
                 followed,
             })
@@ -184,10 +198,8 @@ impl Server {
         let tank = tank_addr.map(|_| {
             Arc::new(crate::tank::TankContext {
                 engine: engine.clone(),
-                io: stats.clone(),
+                port: port("tank", "TANK connection", config.max_body),
                 stats: Default::default(),
-                max_frame: config.max_body,
-                idle_timeout: config.idle_timeout,
                 started_unix: std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs() as u32),
@@ -197,12 +209,9 @@ impl Server {
             Arc::new(crate::greenstack::GreenstackContext {
                 engine: engine.clone(),
                 users: users.clone(),
-                io: stats.clone(),
+                port: port("greenstack", "Greenstack connection", config.max_body),
                 stats: Default::default(),
                 throttle: throttle.clone(),
-                prelogin: prelogin.clone(),
-                max_frame: config.max_body,
-                idle_timeout: config.idle_timeout,
                 failed_logins: Default::default(),
                 clustermap: clustermap.clone(),
             })
@@ -252,13 +261,11 @@ impl Server {
             kv,
             dcp,
             tap,
-            prelogin,
+            port: kv_port,
             throttle,
             iproto: iproto.clone(),
             tank: tank.clone(),
             greenstack: greenstack.clone(),
-            max_body: config.max_body,
-            idle_timeout: config.idle_timeout,
         });
         engine.set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies.clone())));
         let followers = Arc::new(Followers::start(
@@ -556,7 +563,11 @@ async fn accept_loop(
                     },
                 };
                 if let Some(socket) = socket {
-                    connection::run(socket, peer, fr, stop).await;
+                    let port = fr.port.clone();
+                    crate::driver::serve_connection(socket, peer, stop, port, |conn| {
+                        connection::run(conn, fr)
+                    })
+                    .await;
                 }
                 stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
             }

@@ -133,7 +133,7 @@ impl DcpProducer {
             false,
             &pos,
         )
-        .map_err(|e| Refusal::Status(super::session::status_of(&e), e.to_string()))?;
+        .map_err(|e| Refusal::Status(super::reply::status_of(&e), e.to_string()))?;
         self.streams.insert(vb, stream);
         self.ctx.stats.dcp_streams.fetch_add(1, Relaxed);
         Ok(pos.failover.iter().map(|e| (e.uuid, e.seqno)).collect())

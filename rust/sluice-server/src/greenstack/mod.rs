@@ -8,6 +8,7 @@
 
 mod dcp;
 mod patch;
+mod reply;
 mod session;
 mod warmup;
 
@@ -23,25 +24,19 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::auth::UserTable;
-use crate::limits::PreLogin;
 use crate::login::LoginThrottle;
 use crate::metrics::metric;
-use crate::stats::ConnectionStats;
 
 /// What Greenstack sessions work with, built by the server.
 pub struct GreenstackContext {
     pub engine: Arc<Engine>,
     /// The same users as the other fronts' (SIGHUP replaces them for all).
     pub users: Arc<UserTable>,
-    pub io: Arc<ConnectionStats>,
+    /// What the connection driver holds this port's connections to.
+    pub port: Arc<crate::driver::Port>,
     pub stats: GreenstackStats,
     /// Failed logins slow the next ones, shared with SASL on the memcached front.
     pub throttle: Arc<LoginThrottle>,
-    pub prelogin: Arc<PreLogin>,
-    /// The largest frame body taken.
-    pub max_frame: usize,
-    /// A connection silent this long is closed; zero never.
-    pub idle_timeout: Duration,
     /// Failed Greenstack logins of the last minute, told to the connections of admins.
     pub failed_logins: FailedLogins,
     /// The vbucket map: a change is told to the connections with a bucket selected.
@@ -186,18 +181,29 @@ impl GreenstackStats {
 }
 
 /// Runs one accepted Greenstack connection to its end: what the listener does with each (and
-/// how the `greenstack_session` fuzz target drives the front over loopback sockets).
+/// how the `greenstack_session` fuzz target drives the front over loopback sockets). `warm`:
+/// one taken during warm-up.
 pub async fn serve_connection(
     socket: tokio::net::TcpStream,
     peer: std::net::SocketAddr,
     ctx: Arc<GreenstackContext>,
     stop: watch::Receiver<bool>,
 ) {
-    crate::listener::counted(
-        &ctx.stats.connections,
-        session::run(socket.into(), peer, ctx.clone(), stop, None),
-    )
-    .await;
+    serve_one(socket, peer, ctx, stop, None).await
+}
+
+async fn serve_one(
+    socket: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    ctx: Arc<GreenstackContext>,
+    stop: watch::Receiver<bool>,
+    warm: Option<session::WarmStart>,
+) {
+    let port = ctx.port.clone();
+    let session = crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
+        session::run(conn, ctx.clone(), warm)
+    });
+    crate::listener::counted(&ctx.stats.connections, session).await;
 }
 
 /// Accepts Greenstack connections until the stop signal, under the server's connection
@@ -213,7 +219,7 @@ pub async fn serve(
     let mut warm_sessions = tokio::task::JoinSet::new();
     for c in warm {
         let Ok(permit) = limit.clone().try_acquire_owned() else {
-            ctx.io.connections_rejected.fetch_add(1, Relaxed);
+            ctx.port.io.connections_rejected.fetch_add(1, Relaxed);
             log::warn!(
                 "closing Greenstack connection from {} after warm-up: max_connections reached",
                 c.peer
@@ -235,14 +241,13 @@ pub async fn serve(
                         return;
                     }
                 };
-                let session = session::run(socket.into(), c.peer, ctx.clone(), stop, Some(c.start));
-                crate::listener::counted(&ctx.stats.connections, session).await;
+                serve_one(socket, c.peer, ctx, stop, Some(c.start)).await;
                 drop(permit);
             },
             loops.next(),
         );
     }
-    let io = ctx.io.clone();
+    let io = ctx.port.io.clone();
     crate::listener::serve(
         listener,
         "Greenstack",

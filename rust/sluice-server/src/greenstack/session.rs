@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use sluice_core::bucket::Bucket;
 use sluice_core::config::Durability;
 use sluice_core::durability::Requirement;
@@ -21,19 +21,17 @@ use sluice_core::engine::{MutationResult, StoreMode, StoreRequest, Update};
 use sluice_core::vbucket::VbState;
 use sluice_core::Error;
 use sluice_proto::greenstack::payload::{self, Fields, MapWriter, Mutation, MutationKind};
-use sluice_proto::greenstack::{
-    self as gs, flag, flex_key, opcode, status, Check, FlexEntry, Frame, FrameOut,
-};
-use tokio::io::AsyncReadExt;
+use sluice_proto::greenstack::{self as gs, flag, flex_key, opcode, status, Check, Frame};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::dcp::{DcpProducer, Refusal};
+use super::reply::{failure, hello_reply, reply, status_of, write_notice, write_success, ReplyTo};
 use super::GreenstackContext;
 use crate::armed;
 use crate::auth::{ADMIN, MECHANISMS, READ, STREAM, WRITE};
+use crate::driver::{Conn, End, Flow, Frame as DriverFrame, Out};
 use crate::scram::{self, Mechanism};
-use crate::tls::MaybeTls;
 
 /// The datatype bit of a JSON value (memcached's).
 const DATATYPE_JSON: u8 = 0x01;
@@ -170,33 +168,180 @@ pub(super) struct WarmStart {
     pub warmup: Duration,
 }
 
-pub(super) async fn run(
-    mut socket: MaybeTls,
-    peer: SocketAddr,
-    ctx: Arc<GreenstackContext>,
-    stop: watch::Receiver<bool>,
+/// The connection's waits besides its requests: the changes its DCP streams wait for, failed
+/// logins (told to an admin), map changes, and what they produced for the next send.
+struct Waits {
+    failed_logins: armed::Armed<
+        tokio::sync::broadcast::Receiver<super::FailedLogin>,
+        Result<super::FailedLogin, tokio::sync::broadcast::error::RecvError>,
+    >,
+    map_changes: armed::Armed<watch::Receiver<i64>, Result<i64, ()>>,
+    /// The selected bucket's change count read before the DCP streams last filled the output:
+    /// a change after it wakes the connection.
+    changes: Option<(Arc<Bucket>, u64)>,
+    /// The streams filled the output: send it and fill again.
+    streamed_more: bool,
+    /// Replies and notices produced by a wake, for the next send.
+    woken: Vec<u8>,
+    /// A request's task failed: the connection closes.
+    failed: bool,
+}
+
+/// One Greenstack connection: its session and its waits.
+pub(super) struct Connection {
+    s: Session,
+    waits: Waits,
     warm: Option<WarmStart>,
-) {
-    // Until it logs in (when users are configured), a connection holds a pre-login slot, its
-    // frames are held to the small pre-login limit, and it has a login deadline, as on the
-    // memcached front (`limits`).
-    let mut prelogin = match crate::limits::admit(&ctx.prelogin, &ctx.users, peer) {
-        Ok(slot) => slot,
-        Err(_) => return,
-    };
-    let login_deadline = tokio::time::Instant::now() + ctx.prelogin.limits.login_timeout;
-    // Before login, sending is bounded by the deadline too: a client that never reads its
-    // replies must not keep its pre-login slot.
-    let login = |slot: &Option<_>| {
-        slot.as_ref()
-            .map(|_| (login_deadline.into_std(), &*ctx.prelogin, peer))
-    };
-    let mut s = Session {
+    /// Users were configured when it connected: until it logs in, it may have few requests
+    /// in flight.
+    login_required: bool,
+}
+
+impl crate::driver::Session for Connection {
+    const FLUSH_AT: usize = FLUSH_AT;
+
+    fn check(&mut self, buf: &[u8], max_frame: usize) -> crate::driver::Check {
+        use crate::driver::{Check as Driver, Fault};
+        match gs::check(buf, max_frame) {
+            Ok(Check::Complete(n)) => Driver::Frame(n),
+            Ok(Check::Incomplete(need)) => Driver::Need(need),
+            Err(e) => Driver::Bad(Fault::new(matches!(e, gs::DecodeError::TooLarge { .. }), e)),
+        }
+    }
+
+    /// A request goes to its lane (read in place; copied only if it has to wait for it).
+    async fn handle(&mut self, frame: &mut DriverFrame<'_>, out: &mut Out) -> Flow {
+        match self.s.take(frame.bytes(), &mut out.acked.buf) {
+            Ok(()) => Flow::Continue,
+            Err(e) => {
+                self.s.ctx.port.io.protocol_error(
+                    "greenstack",
+                    format_args!("closing Greenstack connection from {}: {e}", self.s.peer),
+                );
+                Flow::Close
+            }
+        }
+    }
+
+    fn owed_lsn(&self) -> u64 {
+        self.s.owed_lsn
+    }
+
+    fn logged_in(&self) -> bool {
+        self.s.user.is_some()
+    }
+
+    /// A connection taken during warm-up is told warm-up is done.
+    fn greet(&mut self, out: &mut Out) {
+        if let Some(w) = self.warm.take() {
+            self.s.hello = w.hello;
+            self.s.next_opaque = w.next_opaque;
+            self.s.notice(&mut out.acked.buf, "warmup_done", 1, |m| {
+                m.uint("warmup_ms", w.warmup.as_millis() as u64);
+            });
+        }
+    }
+
+    /// While the connection has room for more requests in flight (fewer before login).
+    fn reading(&self) -> bool {
+        let max = match self.login_required && self.s.user.is_none() {
+            true => MAX_IN_FLIGHT_PRELOGIN,
+            false => MAX_IN_FLIGHT,
+        };
+        self.s.in_flight < max
+    }
+
+    /// Requests under way or streams open: the client may be silent.
+    fn waiting(&self) -> bool {
+        !self.s.tasks.is_empty() || self.s.dcp.as_ref().is_some_and(DcpProducer::has_streams)
+    }
+
+    async fn wake(&mut self) {
+        let Connection { s, waits, .. } = self;
+        if waits.streamed_more {
+            return;
+        }
+        let can_stream = s.dcp.as_ref().is_some_and(DcpProducer::can_send);
+        let changed = async {
+            match &waits.changes {
+                Some((b, seen)) if can_stream => b.changes.changed(*seen).await,
+                _ => std::future::pending().await,
+            }
+        };
+        let admin = s.is_admin_cached();
+        let out = &mut waits.woken;
+        tokio::select! {
+            _ = changed => {}
+            rev = waits.map_changes.next() => match rev {
+                Ok(rev) => s.map_changed_notice(rev, out),
+                // The map lives as long as the server: not before the stop.
+                Err(()) => waits.map_changes.disarm(),
+            },
+            // Only an admin's connection is told; the others let the channel lag behind.
+            told = waits.failed_logins.next(), if admin => {
+                // Lagged behind a burst: the next one says how many there were. (The sender
+                // lives in the context this session holds: it never closes.)
+                if let Ok(f) = told {
+                    s.failed_login_notice(&f, out);
+                }
+            }
+            Some(done) = s.tasks.join_next() => {
+                if s.finish_task(done, out).is_err() {
+                    waits.failed = true;
+                }
+            }
+        }
+    }
+
+    /// What was read starts, by priority; requests that finished meanwhile answer in the same
+    /// write; the DCP streams send what they have. At the stop, the client is told, and the
+    /// requests under way finish (nothing new is read).
+    async fn settle(&mut self, out: &mut Out, end: Option<End>) -> Flow {
+        let Connection { s, waits, .. } = self;
+        let buf = &mut out.acked.buf;
+        buf.append(&mut waits.woken);
+        s.start_queued(buf);
+        while let Some(done) = s.tasks.try_join_next() {
+            if s.finish_task(done, buf).is_err() {
+                return Flow::Close;
+            }
+        }
+        if end == Some(End::Stop) {
+            s.shutdown_notice(buf);
+            while let Some(done) = s.tasks.join_next().await {
+                if s.finish_task(done, buf).is_err() {
+                    break;
+                }
+            }
+        }
+        // The bucket's change count read first, so that a change after the fill wakes the wait.
+        waits.changes = s.dcp.as_ref().map(|d| {
+            let b = d.bucket().clone();
+            let seen = b.changes.generation();
+            (b, seen)
+        });
+        waits.streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(buf, FLUSH_AT));
+        let counted = std::mem::take(&mut s.counted);
+        s.ctx.stats.requests.fetch_add(counted.requests, Relaxed);
+        s.ctx
+            .stats
+            .out_of_order
+            .fetch_add(counted.out_of_order, Relaxed);
+        match waits.failed {
+            true => Flow::Close,
+            false => Flow::Continue,
+        }
+    }
+}
+
+/// Runs one connection: `warm`, one taken during warm-up, goes on from what it sent then.
+pub(super) async fn run(mut conn: Conn, ctx: Arc<GreenstackContext>, warm: Option<WarmStart>) {
+    let s = Session {
         ctx: ctx.clone(),
         next_opaque: 1,
         told_backoff: None,
         told_failed_login: None,
-        peer,
+        peer: conn.peer,
         hello: false,
         user: None,
         scram: None,
@@ -215,283 +360,34 @@ pub(super) async fn run(
         in_flight: 0,
         counted: Counted::default(),
     };
-    let mut inbuf = BytesMut::with_capacity(16 << 10);
-    let mut out = Vec::new();
-    if let Some(w) = warm {
-        inbuf.extend_from_slice(&w.inbuf);
-        s.hello = w.hello;
-        s.next_opaque = w.next_opaque;
-        s.notice(&mut out, "warmup_done", 1, |m| {
-            m.uint("warmup_ms", w.warmup.as_millis() as u64);
-        });
+    if let Some(w) = &warm {
+        conn.inbuf.extend_from_slice(&w.inbuf);
     }
-    let mut failed_logins = armed::broadcasts(ctx.failed_logins.listen());
-    let mut map_changes = {
-        let mut rx = ctx.clustermap.subscribe();
-        rx.borrow_and_update();
-        armed::watch_changes(rx)
+    let waits = Waits {
+        failed_logins: armed::broadcasts(ctx.failed_logins.listen()),
+        map_changes: {
+            let mut rx = ctx.clustermap.subscribe();
+            rx.borrow_and_update();
+            armed::watch_changes(rx)
+        },
+        changes: None,
+        streamed_more: false,
+        woken: Vec::new(),
+        failed: false,
     };
-    let mut stop_changes = armed::watch_changes(stop.clone());
-
-    loop {
-        // Take whole frames while the connection has room for more requests in flight.
-        if prelogin.is_some() && s.user.is_some() {
-            prelogin = None;
-        }
-        let max_frame = match prelogin {
-            Some(_) => ctx.max_frame.min(crate::limits::PRELOGIN_MAX_BODY),
-            None => ctx.max_frame,
-        };
-        let max_in_flight = match prelogin {
-            Some(_) => MAX_IN_FLIGHT_PRELOGIN,
-            None => MAX_IN_FLIGHT,
-        };
-        while s.in_flight < max_in_flight {
-            match gs::check(&inbuf, max_frame) {
-                Ok(Check::Complete(n)) => {
-                    // Read in place; copied only if it has to wait for its lane.
-                    let taken = s.take(&inbuf[..n], &mut out);
-                    inbuf.advance(n);
-                    if let Err(e) = taken {
-                        ctx.io.protocol_error(
-                            "greenstack",
-                            format_args!("closing Greenstack connection from {peer}: {e}"),
-                        );
-                        let _ =
-                            send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
-                        return;
-                    }
-                    // Requests that start as they are read answer as they go: a long read
-                    // of them is sent in parts.
-                    if out.len() >= FLUSH_AT
-                        && send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin))
-                            .await
-                            .is_err()
-                    {
-                        return;
-                    }
-                }
-                Ok(Check::Incomplete(need)) => {
-                    inbuf.reserve(need.saturating_sub(inbuf.len()));
-                    break;
-                }
-                Err(e) => {
-                    ctx.io.protocol_error(
-                        "greenstack",
-                        format_args!("closing Greenstack connection from {peer}: {e}"),
-                    );
-                    let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
-                    return;
-                }
-            }
-        }
-        // What was read starts, by priority; requests that finished meanwhile answer in the
-        // same write.
-        s.start_queued(&mut out);
-        while let Some(done) = s.tasks.try_join_next() {
-            if s.finish_task(done, &mut out).is_err() {
-                return;
-            }
-        }
-        // DCP streams send what they have (the bucket's change count read first, so that a
-        // change after the fill wakes the wait below).
-        let changes = s.dcp.as_ref().map(|d| {
-            let b = d.bucket().clone();
-            let seen = b.changes.generation();
-            (b, seen)
-        });
-        let streamed_more = s.dcp.as_mut().is_some_and(|d| d.fill(&mut out, FLUSH_AT));
-        let counted = std::mem::take(&mut s.counted);
-        ctx.stats.requests.fetch_add(counted.requests, Relaxed);
-        ctx.stats
-            .out_of_order
-            .fetch_add(counted.out_of_order, Relaxed);
-        if send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        if *stop.borrow() && s.tasks.is_empty() {
-            s.shutdown_notice(&mut out);
-            let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
-            return;
-        }
-        let full = s.in_flight >= max_in_flight;
-        let waiting = !s.tasks.is_empty() || s.dcp.as_ref().is_some_and(DcpProducer::has_streams);
-        let can_stream = s.dcp.as_ref().is_some_and(DcpProducer::can_send);
-        let changed = async {
-            match &changes {
-                Some((b, seen)) if can_stream => b.changes.changed(*seen).await,
-                _ => std::future::pending().await,
-            }
-        };
-        let idle = ctx.idle_timeout;
-        let read = async {
-            if full {
-                std::future::pending().await
-            } else if idle.is_zero() || waiting {
-                Ok(socket.read_buf(&mut inbuf).await)
-            } else {
-                tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
-            }
-        };
-        let deadline = async {
-            if prelogin.is_some() {
-                tokio::time::sleep_until(login_deadline).await
-            } else {
-                std::future::pending().await
-            }
-        };
-        let admin = s.is_admin_cached();
-        tokio::select! {
-            // The streams filled the output: send it and fill again.
-            () = std::future::ready(()), if streamed_more => {}
-            _ = changed => {}
-            () = deadline => {
-                crate::limits::login_timed_out(&ctx.prelogin, peer);
-                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
-                return;
-            }
-            rev = map_changes.next() => match rev {
-                Ok(rev) => s.map_changed_notice(rev, &mut out),
-                // The map lives as long as the server: not before the stop.
-                Err(()) => map_changes.disarm(),
-            },
-            // Only an admin's connection is told; the others let the channel lag behind.
-            told = failed_logins.next(), if admin => {
-                // Lagged behind a burst: the next one says how many there were. (The sender
-                // lives in the context this session holds: it never closes.)
-                if let Ok(f) = told {
-                    s.failed_login_notice(&f, &mut out);
-                }
-            }
-            Some(done) = s.tasks.join_next() => {
-                if s.finish_task(done, &mut out).is_err() {
-                    return;
-                }
-            }
-            r = read => match r {
-                Ok(Ok(0)) => return,
-                Ok(Ok(n)) => { ctx.io.bytes_in.fetch_add(n as u64, Relaxed); }
-                Ok(Err(e)) => {
-                    log::debug!("Greenstack connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) => {
-                    log::info!("closing Greenstack connection from {peer}: idle for {idle:?}");
-                    return;
-                }
-            },
-            // Requests under way finish; nothing new is read.
-            _ = stop_changes.next() => {
-                s.shutdown_notice(&mut out);
-                while let Some(done) = s.tasks.join_next().await {
-                    if s.finish_task(done, &mut out).is_err() {
-                        break;
-                    }
-                }
-                let _ = send(&mut socket, &mut out, &ctx, s.owed_lsn, login(&prelogin)).await;
-                return;
-            }
-        }
-    }
-}
-
-/// Sends the replies in `out` once the WAL has written every write they answer (up to
-/// `owed_lsn`). If the WAL stopped without writing them, nothing is sent: the connection closes
-/// unanswered rather than acknowledge what a restart would not have (as on the memcached port).
-async fn send(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    ctx: &GreenstackContext,
-    owed_lsn: u64,
-    login: Option<(std::time::Instant, &crate::limits::PreLogin, SocketAddr)>,
-) -> std::io::Result<()> {
-    let sending =
-        crate::kv::send_acknowledged(socket, out, &ctx.engine, owed_lsn, &ctx.io, FLUSH_AT);
-    crate::limits::by_login_deadline(login, sending).await
+    let login_required = conn.before_login();
+    let mut c = Connection {
+        s,
+        waits,
+        warm,
+        login_required,
+    };
+    crate::driver::run(&mut conn, &mut c).await;
 }
 
 /// The lane a frame's flex header names (the root lane when none).
 fn lane_of(f: &Frame<'_>) -> Vec<u8> {
     f.flex_value(flex_key::LANE_ID).unwrap_or_default().to_vec()
-}
-
-/// What a reply to a request carries over from it: opaque, opcode, lane, and whether it is
-/// quiet (its success is not answered).
-struct ReplyTo {
-    opaque: u32,
-    opcode: u16,
-    lane: Option<Vec<u8>>,
-    quiet: bool,
-}
-
-impl ReplyTo {
-    fn of(req: &Frame<'_>) -> ReplyTo {
-        ReplyTo {
-            opaque: req.opaque,
-            opcode: req.opcode,
-            lane: req.flex_value(flex_key::LANE_ID).map(<[u8]>::to_vec),
-            quiet: req.has(flag::QUIET),
-        }
-    }
-
-    fn reply(&self, st: u16, payload: &[u8]) -> Vec<u8> {
-        self.reply_flagged(st, 0, payload)
-    }
-
-    /// A reply with flag bits besides the response bit (`more`).
-    fn reply_flagged(&self, st: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-        self.reply_with(st, flags, |out| out.extend_from_slice(payload))
-    }
-
-    /// A reply whose payload `payload` writes in place.
-    fn reply_with(&self, st: u16, flags: u8, payload: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
-        let mut out = Vec::new();
-        let to = (self.opaque, self.opcode, self.lane.as_deref(), self.quiet);
-        write_reply(&mut out, to, st, flags, payload);
-        out
-    }
-
-    /// A failure's reply: the status and `{"message": why}`.
-    fn failure(&self, st: u16, why: &str) -> Vec<u8> {
-        let mut p = Vec::new();
-        MapWriter::new(&mut p, 1).str("message", why);
-        self.reply(st, &p)
-    }
-}
-
-/// HELLO's reply: who the server is and the SASL mechanisms it takes.
-pub(super) fn hello_reply(f: &Frame<'_>) -> Vec<u8> {
-    let mechanisms: Vec<&str> = MECHANISMS.split(' ').collect();
-    let mut p = Vec::new();
-    MapWriter::new(&mut p, 3)
-        .str("user_agent", "sluice")
-        .str("user_agent_version", env!("CARGO_PKG_VERSION"))
-        .strs("sasl_mechanisms", mechanisms.into_iter());
-    reply(f, status::SUCCESS, &p)
-}
-
-/// A notice: a request of opcode NOTICE, `{kind, ...}` with the `n` fields `fields` writes.
-pub(super) fn write_notice(
-    out: &mut Vec<u8>,
-    opaque: u32,
-    kind: &str,
-    n: u32,
-    fields: impl FnOnce(&mut MapWriter<'_>),
-) {
-    let mut body = Vec::new();
-    fields(MapWriter::new(&mut body, n + 1).str("kind", kind));
-    FrameOut {
-        opaque,
-        opcode: opcode::NOTICE,
-        flags: 0,
-        status: None,
-        flex: &[],
-        payload: &body,
-    }
-    .write(out);
 }
 
 /// A named lane, made on its first request: its id is copied then only, not per request.
@@ -517,53 +413,6 @@ fn lane_in<'l>(
     } else {
         lanes.get_mut(lane)
     }
-}
-
-/// Writes a reply into `out` to the request of `(opaque, opcode, lane, quiet)`: its lane
-/// echoed, the payload `payload` writes; nothing for a quiet request's success.
-fn write_reply(
-    out: &mut Vec<u8>,
-    (opaque, opcode, lane, quiet): (u32, u16, Option<&[u8]>, bool),
-    st: u16,
-    flags: u8,
-    payload: impl FnOnce(&mut Vec<u8>),
-) {
-    if st == status::SUCCESS && quiet {
-        return;
-    }
-    let flex = lane.map(|value| FlexEntry {
-        key: flex_key::LANE_ID,
-        value,
-    });
-    FrameOut {
-        opaque,
-        opcode,
-        flags,
-        status: Some(st),
-        flex: flex.as_slice(),
-        payload: &[],
-    }
-    .write_with(out, payload);
-}
-
-/// A success reply to `f` written into `out` in place (nothing for a quiet request).
-fn write_success(f: &Frame<'_>, out: &mut Vec<u8>, payload: impl FnOnce(&mut Vec<u8>)) {
-    let to = (
-        f.opaque,
-        f.opcode,
-        f.flex_value(flex_key::LANE_ID),
-        f.has(flag::QUIET),
-    );
-    write_reply(out, to, status::SUCCESS, 0, payload);
-}
-
-/// A reply to `req`: same opaque and opcode, its lane echoed.
-pub(super) fn reply(req: &Frame<'_>, st: u16, payload: &[u8]) -> Vec<u8> {
-    ReplyTo::of(req).reply(st, payload)
-}
-
-pub(super) fn failure(req: &Frame<'_>, st: u16, why: &str) -> Vec<u8> {
-    ReplyTo::of(req).failure(st, why)
 }
 
 /// A DCP command's refusal: its status and message, or "rollback" with `rollback_seqno`.
@@ -604,26 +453,6 @@ fn waited_too_long(f: &Frame<'_>, read_at: Instant) -> Option<String> {
     (waited > budget).then(|| {
         format!("not run: it waited {waited} ms to start, and was to start within {budget} ms")
     })
-}
-
-/// The status an engine error answers with (docs/greenstack.md).
-pub(super) fn status_of(e: &Error) -> u16 {
-    match e {
-        Error::NotFound => status::NOT_FOUND,
-        Error::Exists => status::KEY_EXISTS,
-        Error::NotStored => status::NOT_STORED,
-        Error::TooBig { .. } => status::TOO_BIG,
-        Error::NotMyVbucket(_) => status::NOT_MY_VBUCKET,
-        Error::Locked | Error::LockedTmpFail => status::LOCKED,
-        Error::TempFail(_) => status::TEMPORARY_FAILURE,
-        Error::DurabilityImpossible(_) => status::DURABILITY_IMPOSSIBLE,
-        Error::SyncWriteAmbiguous(_) => status::SYNC_WRITE_AMBIGUOUS,
-        Error::NoSuchBucket(_) => status::NOT_FOUND,
-        Error::InvalidKey(_) | Error::InvalidArgument(_) | Error::NotNumeric => {
-            status::INVALID_ARGUMENTS
-        }
-        _ => status::INTERNAL_ERROR,
-    }
 }
 
 impl Session {
@@ -994,14 +823,11 @@ impl Session {
 
     /// The permissions of the connection's user on `bucket`.
     fn permissions(&self, bucket: &str) -> u8 {
-        let users = self.ctx.users.current();
-        if !users.required() {
-            return u8::MAX;
-        }
-        self.user
-            .as_deref()
-            .and_then(|n| users.get(n))
-            .map_or(0, |u| u.permissions(bucket))
+        let who = match &self.user {
+            Some(name) => crate::request::Principal::User(name),
+            None => crate::request::Principal::Nobody,
+        };
+        crate::request::permissions(&self.ctx.users.current(), who, bucket)
     }
 
     /// Runs a request. A reply that is ready at once (GET's) may be appended to `out` here,
@@ -1178,7 +1004,7 @@ impl Session {
         let to = ReplyTo::of(f);
         Run::Later(Box::pin(async move {
             let Some(wait) = ctx.throttle.turn(&user, ip) else {
-                ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                ctx.port.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
                 return (refused, Login::None);
             };
             tokio::time::sleep(wait).await;
@@ -1196,7 +1022,7 @@ impl Session {
                     ctx.throttle.failed(&user, ip);
                     ctx.failed_logins
                         .record(&String::from_utf8_lossy(&user), ip);
-                    ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                    ctx.port.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
                     ctx.throttle.log.warn(|| {
                         format!(
                             "failed Greenstack login for user {:?} from {ip}",

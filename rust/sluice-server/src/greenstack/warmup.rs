@@ -14,7 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use super::session::{failure, hello_reply, write_notice, WarmStart};
+use super::reply::{failure, hello_reply, write_notice};
+use super::session::WarmStart;
 
 /// Connections taken during warm-up; past this many, more are closed at once.
 const MAX_WARM_CONNECTIONS: usize = 1024;

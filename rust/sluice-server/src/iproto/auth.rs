@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use sluice_proto::iproto::{codes, response};
 
-use super::session::{Failure, Outcome, Session};
+use super::failure::{Failure, Outcome};
+use super::session::Session;
 use crate::auth::{ChapOutcome, GUEST};
 
 impl Session {
@@ -24,7 +25,12 @@ impl Session {
         let name = String::from_utf8_lossy(user).into_owned();
         let ip = self.peer.ip();
         let Some(wait) = self.ctx.throttle.turn(user, ip) else {
-            self.ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+            self.ctx
+                .port
+                .prelogin
+                .stats
+                .auth_failures
+                .fetch_add(1, Relaxed);
             return Err(Failure::new(
                 codes::ER_PASSWORD_MISMATCH,
                 format!("Incorrect password supplied for user '{name}'"),
@@ -59,7 +65,12 @@ impl Session {
             }
             failed => {
                 self.ctx.throttle.failed(user, ip);
-                self.ctx.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                self.ctx
+                    .port
+                    .prelogin
+                    .stats
+                    .auth_failures
+                    .fetch_add(1, Relaxed);
                 self.ctx
                     .throttle
                     .log

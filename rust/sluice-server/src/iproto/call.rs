@@ -16,8 +16,9 @@ use sluice_core::SelectIterator;
 use sluice_proto::iproto::{codes, response};
 use sluice_proto::msgpack::{write_bool, write_map_len, write_str, write_uint, Reader, Value};
 
+use super::failure::{Failure, Outcome};
 use super::select::{canonical_key, iterator_of};
-use super::session::{Failure, Outcome, Session};
+use super::session::Session;
 use crate::auth::READ;
 
 const MAX_DEPTH: usize = 32;
@@ -236,7 +237,7 @@ impl Session {
         self.ctx
             .engine
             .count(&s.bucket, iterator, &key)
-            .map_err(|e| super::write::engine_failure(e, &s.name))
+            .map_err(|e| super::failure::engine_failure(e, &s.name))
     }
 }
 

@@ -32,9 +32,9 @@ use sluice_proto::iproto::xrow::{Row, RowHeader};
 use sluice_proto::msgpack::Reader;
 use tokio::sync::watch;
 
+use super::failure::Failure;
 use super::schema::{Catalog, Space};
 use super::select::canonical_key;
-use super::session::Failure;
 use super::write::{key_of, updated, upserted};
 use crate::metrics::{metric, single};
 use crate::upstream::{Next, Upstream, UpstreamConfig, UpstreamError};

@@ -13,6 +13,7 @@
 
 mod auth;
 mod call;
+mod failure;
 pub mod follow;
 pub mod schema;
 mod select;
@@ -27,17 +28,15 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use sluice_core::Engine;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::auth::UserTable;
-use crate::limits::PreLogin;
 use crate::login::LoginThrottle;
 use crate::metrics::metric;
-use crate::stats::ConnectionStats;
 
 pub use schema::{Catalog, Space};
 
@@ -65,19 +64,14 @@ pub struct IprotoContext {
     /// The same users as the memcached front's (SIGHUP replaces them for both).
     pub users: Arc<UserTable>,
     pub catalog: Arc<Catalog>,
-    /// The connection counters every front counts into (bytes, protocol errors).
-    pub io: Arc<ConnectionStats>,
+    /// What the connection driver holds this port's connections to.
+    pub port: Arc<crate::driver::Port>,
     pub stats: IprotoStats,
     /// Failed logins slow the next ones, shared with SASL (`login`).
     pub throttle: Arc<LoginThrottle>,
-    /// Its counters of failed logins (`sluice_auth_failures_total`).
-    pub prelogin: Arc<PreLogin>,
     /// The engine's instance id as a UUID, in the greeting and `box.info`.
     pub instance_uuid: String,
     pub listen: SocketAddr,
-    pub max_packet: usize,
-    /// A connection silent this long is closed; zero never.
-    pub idle_timeout: Duration,
     pub started: Instant,
     /// Spaces followed from a Tarantool (`[tarantool_upstream]`): read-only here, as on a
     /// Tarantool replica.
@@ -217,7 +211,7 @@ pub async fn serve(
     limit: Arc<Semaphore>,
     loops: Arc<crate::listener::IoLoops>,
 ) {
-    let io = ctx.io.clone();
+    let io = ctx.port.io.clone();
     crate::listener::serve(
         listener,
         "iproto",
@@ -229,7 +223,11 @@ pub async fn serve(
             let ctx = ctx.clone();
             ctx.stats.connections_total.fetch_add(1, Relaxed);
             async move {
-                let session = session::run(socket.into(), peer, ctx.clone(), stop);
+                let port = ctx.port.clone();
+                let session =
+                    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
+                        session::run(conn, ctx.clone())
+                    });
                 crate::listener::counted(&ctx.stats.connections, session).await;
             }
         },

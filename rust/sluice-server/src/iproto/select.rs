@@ -9,8 +9,9 @@ use sluice_proto::msgpack::{
     write_uint, Reader, Value,
 };
 
+use super::failure::{no_such_index, Failure, Outcome};
 use super::schema::View;
-use super::session::{Failure, Outcome, Session};
+use super::session::Session;
 use crate::auth::{READ, WRITE};
 
 /// Nesting depth allowed inside a key part.
@@ -116,7 +117,7 @@ impl Session {
             });
         if let Err(e) = read {
             out.truncate(start);
-            return Err(super::write::engine_failure(e, &space.name));
+            return Err(super::failure::engine_failure(e, &space.name));
         }
         data.finish(out);
         Ok(())
@@ -178,13 +179,6 @@ impl Session {
             )),
         }
     }
-}
-
-pub(super) fn no_such_index(index_id: u32, space: &str) -> Failure {
-    Failure::new(
-        codes::ER_NO_SUCH_INDEX_ID,
-        format!("No index #{index_id} is defined in space '{space}'"),
-    )
 }
 
 fn unsupported_iterator(space: &str) -> Failure {

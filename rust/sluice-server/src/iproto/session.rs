@@ -1,75 +1,23 @@
 //! One iproto connection: the greeting with a fresh salt, then packets read into a buffer,
 //! checked whole (`frame::check`), decoded and answered, SYNC echoed and the schema version in
 //! every reply. As Tarantool answers them: reads, pings and errors at once, the replies of
-//! writes that succeeded once the WAL holds them (`kv::send_acknowledged`), so a read is not
+//! writes that succeeded once the WAL holds them (the driver's `Out::acked`), so a read is not
 //! held up by the WAL write of a request before it on the same connection, and the writes'
 //! replies keep their order among themselves. A write with a durability level waits for it
 //! before its reply.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use bytes::{Buf, BytesMut};
 use sluice_proto::iproto::request::{Request, Scramble};
 use sluice_proto::iproto::{codes, frame, greeting, request, response};
-use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
+use super::failure::{Failure, Outcome};
 use super::schema::Space;
 use super::IprotoContext;
 use crate::auth::GUEST;
-use crate::tls::MaybeTls;
-
-/// Replies are written once this much is pending, even mid-batch.
-const FLUSH_AT: usize = 1 << 20;
-
-/// An error reply: Tarantool's code and message, or ER_ACCESS_DENIED with the FIELDS
-/// (access type, object type, object name) connectors show and the user denied.
-#[derive(Debug)]
-pub(super) struct Failure {
-    pub code: u32,
-    pub message: String,
-    /// Boxed: every handler returns a `Result<_, Failure>`, and the common error is small.
-    pub access: Option<Box<[String; 4]>>,
-}
-
-impl Failure {
-    pub fn new(code: u32, message: impl Into<String>) -> Failure {
-        Failure {
-            code,
-            message: message.into(),
-            access: None,
-        }
-    }
-
-    /// `Read access to space 'users' is denied for user 'guest'`, as Tarantool words it.
-    pub fn access_denied(
-        access: &str,
-        object_type: &str,
-        object_name: &str,
-        user: &str,
-    ) -> Failure {
-        Failure {
-            code: codes::ER_ACCESS_DENIED,
-            message: String::new(),
-            access: Some(Box::new([
-                access.to_string(),
-                object_type.to_string(),
-                object_name.to_string(),
-                user.to_string(),
-            ])),
-        }
-    }
-}
-
-impl From<sluice_proto::iproto::tuple::TupleError> for Failure {
-    fn from(e: sluice_proto::iproto::tuple::TupleError) -> Failure {
-        Failure::new(e.code, e.message)
-    }
-}
-
-pub(super) type Outcome = Result<(), Failure>;
+use crate::driver::{Check, Conn, End, Fault, Flow, Frame, Out};
 
 /// A declared space behind a handle of the session's own: requests clone it, and cloning the
 /// catalog's shared `Arc<Space>` from every connection on every core would bounce its
@@ -109,15 +57,11 @@ impl Session {
     /// The permission bits of this session's user on `bucket`: every one on a node with no
     /// users; guest's (`[users.guest]`, none if absent) before AUTH.
     pub fn permissions(&self, bucket: &str) -> u8 {
-        let users = &self.users;
-        if !users.required() {
-            return u8::MAX;
-        }
-        let user = match &self.user {
-            Some(name) => users.get(name),
-            None => users.guest(),
+        let who = match &self.user {
+            Some(name) => crate::request::Principal::User(name),
+            None => crate::request::Principal::Guest,
         };
-        user.map_or(0, |u| u.permissions(bucket))
+        crate::request::permissions(&self.users, who, bucket)
     }
 
     /// Recomputes `granted`: after a login, and when a reload replaced the users.
@@ -169,7 +113,7 @@ impl Session {
             Ok(decoded) => decoded,
             Err(e) => {
                 self.ctx.stats.error(e.code);
-                self.ctx.io.protocol_error(
+                self.ctx.port.io.protocol_error(
                     "iproto",
                     format_args!("iproto request from {}: {}", self.peer, e.message),
                 );
@@ -299,25 +243,68 @@ impl Session {
     }
 }
 
+impl crate::driver::Session for Session {
+    fn check(&mut self, buf: &[u8], max_frame: usize) -> Check {
+        match frame::check(buf, max_frame) {
+            Ok(Some(n)) => Check::Frame(n),
+            Ok(None) => Check::Need(0),
+            Err(e) => Check::Bad(Fault::new(matches!(e, frame::FrameError::TooBig { .. }), e)),
+        }
+    }
+
+    /// Reads, pings and errors go out at once; a write's answer once the WAL holds it.
+    async fn handle(&mut self, frame: &mut Frame<'_>, out: &mut Out) -> Flow {
+        let (now, acked) = (&mut out.now, &mut out.acked.buf);
+        Session::handle(self, frame.bytes(), now, acked).await;
+        Flow::Continue
+    }
+
+    fn owed_lsn(&self) -> u64 {
+        self.owed_lsn
+    }
+
+    /// After an AUTH, or at once where anonymous clients are served as guest.
+    fn logged_in(&self) -> bool {
+        self.user.is_some() || crate::request::guest_served(&self.users)
+    }
+
+    fn greet(&mut self, out: &mut Out) {
+        let hello = greeting::encode(
+            super::TARANTOOL_VERSION,
+            &self.ctx.instance_uuid,
+            &self.salt,
+        );
+        out.now.extend_from_slice(&hello);
+    }
+
+    /// A length prefix that is no unsigned integer, or too large: Tarantool answers and
+    /// closes, as here.
+    fn refuse(&mut self, _fault: &Fault, _buf: &[u8], out: &mut Out) {
+        let f = Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
+        self.fail(&mut out.now, 0, f);
+    }
+
+    fn settle(
+        &mut self,
+        _out: &mut Out,
+        _end: Option<End>,
+    ) -> impl std::future::Future<Output = Flow> + Send {
+        self.ctx.stats.add_requests(&mut self.requests);
+        std::future::ready(Flow::Continue)
+    }
+}
+
 /// Runs one connection until the client closes it, the server stops, a length prefix is
 /// unusable, or it stays silent past the idle timeout.
-pub(super) async fn run(
-    mut socket: MaybeTls,
-    peer: SocketAddr,
-    ctx: Arc<IprotoContext>,
-    stop: watch::Receiver<bool>,
-) {
+pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
     let mut salt = [0u8; 32];
     if getrandom::fill(&mut salt).is_err() {
-        log::error!("closing iproto connection from {peer}: no randomness for its salt");
+        log::error!(
+            "closing iproto connection from {}: no randomness for its salt",
+            conn.peer
+        );
         return;
     }
-    let hello = greeting::encode(super::TARANTOOL_VERSION, &ctx.instance_uuid, &salt);
-    if crate::tls::send_all(&mut socket, &hello).await.is_err() {
-        return;
-    }
-    ctx.io.bytes_out.fetch_add(hello.len() as u64, Relaxed);
-    let idle = ctx.idle_timeout;
     let (users, users_generation) = ctx.users.current_with_generation();
     let spaces = ctx
         .catalog
@@ -331,102 +318,12 @@ pub(super) async fn run(
         users_generation,
         user: None,
         salt,
-        peer,
+        peer: conn.peer,
         owed_lsn: 0,
-        stop: stop.clone(),
+        stop: conn.stop.clone(),
         requests: Default::default(),
         granted: Default::default(),
     };
     session.refresh_permissions();
-    let mut stop_changes = crate::armed::watch_changes(stop.clone());
-    let mut inbuf = BytesMut::with_capacity(16 << 10);
-    // Replies sent at once, and those that acknowledge writes.
-    let mut out = Vec::new();
-    let mut acks = Vec::new();
-    loop {
-        loop {
-            match frame::check(&inbuf, ctx.max_packet) {
-                Ok(Some(n)) => {
-                    // Read in place and stepped over: splitting it off would share the buffer
-                    // (a reference count per packet) for nothing kept past the call.
-                    session.handle(&inbuf[..n], &mut out, &mut acks).await;
-                    inbuf.advance(n);
-                    if out.len() + acks.len() >= FLUSH_AT
-                        && send(&mut socket, &mut out, &mut acks, &mut session)
-                            .await
-                            .is_err()
-                    {
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    // A length prefix that is no unsigned integer, or too large: Tarantool
-                    // answers and closes, as here.
-                    ctx.io.protocol_error(
-                        "iproto",
-                        format_args!("closing iproto connection from {peer}: {e}"),
-                    );
-                    let f =
-                        Failure::new(codes::ER_INVALID_MSGPACK, "Invalid MsgPack - packet length");
-                    session.fail(&mut out, 0, f);
-                    let _ = send(&mut socket, &mut out, &mut acks, &mut session).await;
-                    return;
-                }
-            }
-        }
-        if send(&mut socket, &mut out, &mut acks, &mut session)
-            .await
-            .is_err()
-        {
-            return;
-        }
-        if *stop.borrow() {
-            return;
-        }
-        let read = async {
-            if idle.is_zero() {
-                Ok(socket.read_buf(&mut inbuf).await)
-            } else {
-                tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
-            }
-        };
-        tokio::select! {
-            r = read => match r {
-                Ok(Ok(0)) => return,
-                Ok(Ok(n)) => { ctx.io.bytes_in.fetch_add(n as u64, Relaxed); }
-                Ok(Err(e)) => {
-                    log::debug!("iproto connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) => {
-                    log::info!("closing iproto connection from {peer}: idle for {idle:?}");
-                    return;
-                }
-            },
-            _ = stop_changes.next() => return,
-        }
-    }
-}
-
-/// Sends the replies that wait for nothing, then those of writes once the WAL holds every
-/// change they acknowledge.
-async fn send(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    acks: &mut Vec<u8>,
-    session: &mut Session,
-) -> std::io::Result<()> {
-    let ctx = &session.ctx;
-    ctx.stats.add_requests(&mut session.requests);
-    crate::tls::write_out(socket, out, &ctx.io.bytes_out, FLUSH_AT).await?;
-    crate::kv::send_acknowledged(
-        socket,
-        acks,
-        &ctx.engine,
-        session.owed_lsn,
-        &ctx.io,
-        FLUSH_AT,
-    )
-    .await
+    crate::driver::run(&mut conn, &mut session).await;
 }

@@ -7,44 +7,15 @@
 use sluice_core::{Error, StoreMode, StoreRequest, Update, Written};
 use sluice_proto::iproto::{codes, response, tuple, update};
 
-use super::more_codes;
+use super::failure::{engine_failure, no_such_index};
+use super::failure::{Failure, Outcome};
 use super::schema::Space;
-use super::select::{canonical_key, no_such_index};
-use super::session::{Failure, Outcome, Session};
+use super::select::canonical_key;
+use super::session::Session;
 use crate::auth::WRITE;
 
 /// The longest encoded primary key: the engine's key limit.
 pub const MAX_KEY: usize = 250;
-
-/// An engine error in Tarantool's terms.
-pub(super) fn engine_failure(e: Error, space: &str) -> Failure {
-    match e {
-        Error::Exists => Failure::new(
-            codes::ER_TUPLE_FOUND,
-            format!("Duplicate key exists in unique index 'primary' in space '{space}'"),
-        ),
-        Error::NotMyVbucket(_) => Failure::new(
-            codes::ER_READONLY,
-            "Can't modify data because this instance is in read-only mode.",
-        ),
-        Error::TooBig { size, max } => Failure::new(
-            more_codes::ER_MEMTX_MAX_TUPLE_SIZE,
-            format!(
-                "Failed to allocate {size} bytes for tuple: tuple is too large (the bucket's \
-                 max_item_size is {max})"
-            ),
-        ),
-        Error::TempFail(why) => Failure::new(more_codes::ER_MEMORY_ISSUE, why),
-        Error::WalFailed(why) => Failure::new(
-            more_codes::ER_WAL_IO,
-            format!("Failed to write to disk: {why}"),
-        ),
-        Error::SyncWriteAmbiguous(why) | Error::DurabilityImpossible(why) => {
-            Failure::new(more_codes::ER_SYNC_QUORUM_TIMEOUT, why)
-        }
-        other => Failure::new(more_codes::ER_SYSTEM, other.to_string()),
-    }
-}
 
 /// The encoded primary key of `tuple`, in the engine's one encoding, once the tuple is checked
 /// against the space's format (one pass over it for both).

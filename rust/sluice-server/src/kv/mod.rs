@@ -41,6 +41,7 @@ mod sasl;
 mod stat;
 mod subdoc;
 mod tap_in;
+pub mod text;
 mod write;
 
 pub use read::{all_vb_seqnos, wanted_state};
@@ -798,37 +799,6 @@ fn unknown_collection(why: &str) -> String {
         "{{\"manifest_uid\":\"0\",\"error\":{{\"context\":{}}}}}",
         reply::json_string(why)
     )
-}
-
-/// Sends the ready replies of a connection once the WAL holds every change they acknowledge
-/// (`owed_lsn`). If the WAL stopped without writing them, nothing is sent: the connection closes
-/// unanswered rather than acknowledge what a restart would not have. Binary and text
-/// connections alike.
-pub async fn send_acknowledged(
-    socket: &mut crate::tls::MaybeTls,
-    out: &mut Vec<u8>,
-    engine: &Engine,
-    owed_lsn: u64,
-    stats: &ConnectionStats,
-    keep: usize,
-) -> std::io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
-    }
-    if let Err(e) = acknowledged(engine, owed_lsn).await {
-        out.clear();
-        return Err(e);
-    }
-    crate::tls::write_out(socket, out, &stats.bytes_out, keep).await
-}
-
-/// Waits until the WAL holds every change up to `owed_lsn`, which the replies about to be sent
-/// acknowledge; Err (logged) when it stopped without writing them.
-pub async fn acknowledged(engine: &Engine, owed_lsn: u64) -> std::io::Result<()> {
-    engine.wal().written(owed_lsn).await.map_err(|e| {
-        log::warn!("closing a connection with unsent replies: {e}");
-        std::io::Error::other(e.to_string())
-    })
 }
 
 #[cfg(test)]

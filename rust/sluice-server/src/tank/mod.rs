@@ -3,29 +3,24 @@
 //! the logs). TANK has no login: the listener is for loopback or a trusted network, as a TANK
 //! broker is.
 
-mod outbox;
 mod session;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
 
 use sluice_core::Engine;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::metrics::{label_value, metric};
-use crate::stats::ConnectionStats;
 
 /// What TANK sessions work with.
 pub struct TankContext {
     pub engine: Arc<Engine>,
-    pub io: Arc<ConnectionStats>,
+    /// What the connection driver holds this port's connections to.
+    pub port: Arc<crate::driver::Port>,
     pub stats: TankStats,
-    /// The largest frame payload taken.
-    pub max_frame: usize,
-    pub idle_timeout: Duration,
     /// When the server started, for Status.
     pub started_unix: u32,
 }
@@ -180,11 +175,14 @@ pub async fn serve_connection(
     ctx: Arc<TankContext>,
     stop: watch::Receiver<bool>,
 ) {
-    crate::listener::counted(
-        &ctx.stats.connections,
-        session::run(socket.into(), peer, ctx.clone(), stop),
-    )
-    .await;
+    let port = ctx.port.clone();
+    let session = crate::driver::serve_connection(socket.into(), peer, stop, port, |mut conn| {
+        let mut session = session::Session::new(ctx.clone(), peer);
+        async move {
+            crate::driver::run(&mut conn, &mut session).await;
+        }
+    });
+    crate::listener::counted(&ctx.stats.connections, session).await;
 }
 
 /// Accepts TANK connections until the stop signal, under the server's connection limit, then
@@ -196,7 +194,7 @@ pub async fn serve(
     limit: Arc<Semaphore>,
     loops: Arc<crate::listener::IoLoops>,
 ) {
-    let io = ctx.io.clone();
+    let io = ctx.port.io.clone();
     crate::listener::serve(
         listener,
         "TANK",

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use sluice_core::engine::TopicRead;
 use sluice_core::topic::Topic;
 use sluice_core::Error;
@@ -19,12 +19,9 @@ use sluice_proto::tank::response::{
     TopicsInfo,
 };
 use sluice_proto::tank::{self, Frame, PING_FRAME};
-use tokio::io::AsyncReadExt;
-use tokio::sync::watch;
 
-use super::outbox::Outbox;
 use super::TankContext;
-use crate::tls::MaybeTls;
+use crate::driver::{Check, End, Fault, Flow, Frame as DriverFrame, Out, Outbox};
 
 /// Answers are sent once this many bytes wait.
 const FLUSH_AT: usize = 256 << 10;
@@ -44,131 +41,141 @@ const MAX_WAITING: usize = 256;
 /// The version a Status answer reports: the broker whose bytes the protocol was checked against.
 const TANK_VERSION: u32 = 400;
 
-pub(super) async fn run(
-    mut socket: MaybeTls,
-    peer: SocketAddr,
+/// One TANK connection's state.
+pub(super) struct Session {
     ctx: Arc<TankContext>,
-    stop: watch::Receiver<bool>,
-) {
-    if crate::tls::send_all(&mut socket, &PING_FRAME)
-        .await
-        .is_err()
-    {
-        return;
+    /// The last WAL record a produce answered so far wrote.
+    owed_lsn: u64,
+    /// Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
+    parked: Vec<Parked>,
+    /// The frame `check` found: its message id and payload range.
+    next: (u8, (usize, usize)),
+    /// The length of the last frame read: a producer sends bundles of much the same size, and
+    /// room for a whole one lets one read take it, where a read into less room would take part
+    /// of it that then moves when the buffer grows to the length its header gives.
+    last_frame: usize,
+    /// Whether an anonymous client is served here (no users, or `[users.guest]`).
+    served: bool,
+    peer: SocketAddr,
+}
+
+impl Session {
+    pub(super) fn new(ctx: Arc<TankContext>, peer: SocketAddr) -> Session {
+        let served = crate::request::guest_served(&ctx.port.users.current());
+        Session {
+            ctx,
+            owed_lsn: 0,
+            parked: Vec::new(),
+            next: (0, (0, 0)),
+            last_frame: 0,
+            served,
+            peer,
+        }
     }
-    ctx.io.bytes_out.fetch_add(PING_FRAME.len() as u64, Relaxed);
-    let mut inbuf = BytesMut::with_capacity(16 << 10);
-    let mut out = Outbox::default();
-    let mut owed_lsn = 0;
-    // Consumes waiting at a tail, oldest first; the connection goes on reading meanwhile.
-    let mut parked: Vec<Parked> = Vec::new();
-    let mut coalesced = 0;
-    // The length of the last frame read: a producer sends bundles of much the same size, and
-    // room for a whole one lets one read take it, where a read into less room would take part
-    // of it that then moves when the buffer grows to the length its header gives.
-    let mut last_frame = 0;
-    let mut stop_changes = crate::armed::watch_changes(stop.clone());
-    loop {
-        loop {
-            let (id, payload) = match tank::check(&inbuf, ctx.max_frame) {
-                Ok(Frame::Complete { id, payload }) => (id, payload),
-                Ok(Frame::Incomplete(need)) => {
-                    // Room for the whole frame (its length is within max_frame), so that
-                    // reads fill it in large steps.
-                    let room = need.max(last_frame.min(READ_AT_MOST)).max(READ_AT_LEAST);
-                    inbuf.reserve(room.saturating_sub(inbuf.len()));
-                    break;
-                }
-                Err(e) => {
-                    ctx.io.protocol_error(
-                        "tank",
-                        format_args!("closing TANK connection from {peer}: {e}"),
-                    );
-                    let _ = send(&mut socket, &mut out, owed_lsn, &ctx).await;
-                    return;
-                }
-            };
-            // Frozen: a produced bundle goes to the WAL as a slice of it, not a copy.
-            let frame = inbuf.split_to(payload.1).freeze();
-            last_frame = frame.len();
-            let req = match Request::decode(id, &frame[payload.0..]) {
-                Ok(r) => r,
-                Err(e) => {
-                    ctx.io.protocol_error(
-                        "tank",
-                        format_args!("closing TANK connection from {peer}: message {id:#04x}: {e}"),
-                    );
-                    let _ = send(&mut socket, &mut out, owed_lsn, &ctx).await;
-                    return;
-                }
-            };
-            match req {
-                Request::Ping => {}
-                Request::Produce(p) => produce(&ctx, &frame, &p, &mut out.buf, &mut owed_lsn),
-                Request::Consume(c) => {
-                    let mut p = Parked::new(&ctx, &c);
-                    let full = parked.len() >= MAX_WAITING;
-                    if !p.answer(&mut out, Instant::now(), full) {
-                        parked.push(p);
-                    }
-                }
-                Request::CreateTopic(c) => create_topic(&ctx, &c, &mut out.buf, &mut owed_lsn),
-                Request::DiscoverPartitions { request_id, topic } => {
-                    discover_partitions(&ctx, request_id, topic, &mut out.buf)
-                }
-                Request::DiscoverTopics { request_id, .. } => {
-                    let topics = ctx.engine.topics();
-                    TopicsInfo {
-                        request_id,
-                        cluster_aware: false,
-                        topics: topics
-                            .iter()
-                            .map(|t| (t.name.as_bytes(), true, t.num_partitions()))
-                            .collect(),
-                    }
-                    .write(&mut out.buf)
-                }
-                Request::Status { request_id } => status(&ctx, request_id, &mut out.buf),
+}
+
+impl crate::driver::Session for Session {
+    const FLUSH_AT: usize = FLUSH_AT;
+
+    fn check(&mut self, buf: &[u8], max_frame: usize) -> Check {
+        match tank::check(buf, max_frame) {
+            Ok(Frame::Complete { id, payload }) => {
+                self.next = (id, payload);
+                Check::Frame(payload.1)
             }
-            if out.len() >= FLUSH_AT && send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() {
-                return;
+            // Room for the whole frame (its length is within max_frame), so that reads fill
+            // it in large steps.
+            Ok(Frame::Incomplete(need)) => Check::Need(
+                need.max(self.last_frame.min(READ_AT_MOST))
+                    .max(READ_AT_LEAST),
+            ),
+            Err(e) => Check::Bad(Fault::new(
+                matches!(e, tank::DecodeError::TooLarge { .. }),
+                e,
+            )),
+        }
+    }
+
+    async fn handle(&mut self, frame: &mut DriverFrame<'_>, out: &mut Out) -> Flow {
+        let ctx = &self.ctx;
+        let (id, payload) = self.next;
+        // Taken: a produced bundle goes to the WAL as a slice of it, not a copy.
+        let frame = frame.take();
+        self.last_frame = frame.len();
+        let req = match Request::decode(id, &frame[payload.0..]) {
+            Ok(r) => r,
+            Err(e) => {
+                ctx.port.io.protocol_error(
+                    "tank",
+                    format_args!(
+                        "closing TANK connection from {}: message {id:#04x}: {e}",
+                        self.peer
+                    ),
+                );
+                return Flow::Close;
             }
-        }
-        // Requests already in the socket share the WAL wait of those just handled: a producer
-        // that pipelines is answered per WAL write rather than per read.
-        if !out.is_empty() && out.len() < FLUSH_AT && coalesced < MAX_COALESCED_READS {
-            match socket.try_read_buf(&mut inbuf) {
-                Ok(0) => {}
-                Ok(n) => {
-                    ctx.io.bytes_in.fetch_add(n as u64, Relaxed);
-                    coalesced += 1;
-                    continue;
-                }
-                Err(_) => {}
-            }
-        }
-        coalesced = 0;
-        // Produces just handled may answer a waiting consume (readers see a bundle once the
-        // WAL holds it: wait for that here, not after sending, so that the produce's answer
-        // and the consume's go out in one write, where a client tails and produces on one
-        // connection as tank-cli's p2c does); a max wait may have passed.
-        if !parked.is_empty() && !out.is_empty() {
-            // A failure is the send's to report, just below.
-            let _ = ctx.engine.wal().written(owed_lsn).await;
-        }
-        let now = Instant::now();
-        let stopping = *stop.borrow();
-        parked.retain_mut(|p| !p.answer(&mut out, now, stopping));
-        if send(&mut socket, &mut out, owed_lsn, &ctx).await.is_err() || stopping {
-            return;
-        }
-        // A connection with a consume waiting is quiet on purpose: no idle timeout then.
-        let idle = if parked.is_empty() {
-            ctx.idle_timeout
-        } else {
-            Duration::ZERO
         };
-        let next_look = parked
+        let buf = &mut out.acked.buf;
+        match req {
+            Request::Ping => {}
+            Request::Produce(p) => produce(ctx, &frame, &p, buf, &mut self.owed_lsn),
+            Request::Consume(c) => {
+                let mut p = Parked::new(ctx, &c);
+                let full = self.parked.len() >= MAX_WAITING;
+                if !p.answer(&mut out.acked, Instant::now(), full) {
+                    self.parked.push(p);
+                }
+            }
+            Request::CreateTopic(c) => create_topic(ctx, &c, buf, &mut self.owed_lsn),
+            Request::DiscoverPartitions { request_id, topic } => {
+                discover_partitions(ctx, request_id, topic, buf)
+            }
+            Request::DiscoverTopics { request_id, .. } => {
+                let topics = ctx.engine.topics();
+                TopicsInfo {
+                    request_id,
+                    cluster_aware: false,
+                    topics: topics
+                        .iter()
+                        .map(|t| (t.name.as_bytes(), true, t.num_partitions()))
+                        .collect(),
+                }
+                .write(buf)
+            }
+            Request::Status { request_id } => status(ctx, request_id, buf),
+        }
+        Flow::Continue
+    }
+
+    fn owed_lsn(&self) -> u64 {
+        self.owed_lsn
+    }
+
+    /// TANK has no login: a connection is served at once where anonymous clients are.
+    fn logged_in(&self) -> bool {
+        self.served
+    }
+
+    /// A Ping on accept, as TANK's broker sends.
+    fn greet(&mut self, out: &mut Out) {
+        out.now.extend_from_slice(&PING_FRAME);
+    }
+
+    /// A connection with a consume waiting is quiet on purpose.
+    fn waiting(&self) -> bool {
+        !self.parked.is_empty()
+    }
+
+    fn coalesced_reads(&self) -> usize {
+        MAX_COALESCED_READS
+    }
+
+    /// A produce to the first topic a waiting consume names, the WAL writing a bundle one
+    /// found appended but not yet written, or a max wait passing.
+    fn wake(&mut self) -> impl std::future::Future<Output = ()> + Send {
+        let now = Instant::now();
+        let next_look = self
+            .parked
             .iter()
             .map(|p| {
                 p.deadline
@@ -176,12 +183,10 @@ pub(super) async fn run(
             })
             .min()
             .map(|d| d.min(POLL));
-        let seen = parked.first().and_then(|p| p.seen.clone());
-        // A produce to the first topic a waiting consume names, or the WAL writing a bundle one
-        // found appended but not yet written, wakes the wait.
-        let unwritten = parked.iter().filter_map(|p| p.unwritten_lsn).min();
-        let engine = ctx.engine.clone();
-        let woken = async {
+        let seen = self.parked.first().and_then(|p| p.seen.clone());
+        let unwritten = self.parked.iter().filter_map(|p| p.unwritten_lsn).min();
+        let engine = self.ctx.engine.clone();
+        async move {
             let Some(d) = next_look else {
                 return std::future::pending().await;
             };
@@ -206,49 +211,28 @@ pub(super) async fn run(
                 }
             })
             .await;
-        };
-        let read = async {
-            if idle.is_zero() {
-                Ok(socket.read_buf(&mut inbuf).await)
-            } else {
-                tokio::time::timeout(idle, socket.read_buf(&mut inbuf)).await
-            }
-        };
-        tokio::select! {
-            _ = woken => {}
-            r = read => match r {
-                Ok(Ok(0)) => return,
-                Ok(Ok(n)) => { ctx.io.bytes_in.fetch_add(n as u64, Relaxed); }
-                Ok(Err(e)) => {
-                    log::debug!("TANK connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) => {
-                    log::info!("closing TANK connection from {peer}: idle for {idle:?}");
-                    return;
-                }
-            },
-            // The next turn answers what waits and ends.
-            _ = stop_changes.next() => {}
         }
     }
-}
 
-/// Sends what is answered, once the WAL holds every bundle a produce answer acknowledges.
-async fn send(
-    socket: &mut MaybeTls,
-    out: &mut Outbox,
-    owed_lsn: u64,
-    ctx: &TankContext,
-) -> std::io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
+    /// Answers the waiting consumes that can be: produces just handled may answer one
+    /// (readers see a bundle once the WAL holds it: wait for that here, not after sending, so
+    /// that the produce's answer and the consume's go out in one write, where a client tails
+    /// and produces on one connection as tank-cli's p2c does); a max wait may have passed. At
+    /// the server's stop, every one is answered with what there is.
+    async fn settle(&mut self, out: &mut Out, end: Option<End>) -> Flow {
+        if self.parked.is_empty() {
+            return Flow::Continue;
+        }
+        if !out.is_empty() {
+            // A failure is the send's to report.
+            let _ = self.ctx.engine.wal().written(self.owed_lsn).await;
+        }
+        let now = Instant::now();
+        let force = end == Some(End::Stop);
+        self.parked
+            .retain_mut(|p| !p.answer(&mut out.acked, now, force));
+        Flow::Continue
     }
-    if let Err(e) = crate::kv::acknowledged(&ctx.engine, owed_lsn).await {
-        out.clear();
-        return Err(e);
-    }
-    out.write_to(socket, &ctx.io.bytes_out, FLUSH_AT).await
 }
 
 fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
@@ -504,7 +488,7 @@ impl Parked {
         }
         .write_headers(&mut out.buf);
         for c in chunks {
-            out.bundles(c);
+            out.shared(c);
         }
         self.count_wait(false);
         true

@@ -3,12 +3,7 @@
 
 use std::time::Instant;
 
-use sluice_proto::dcp;
-
-use super::handshake::encoded;
-use super::session::ConsumerSession;
-use super::ConsumerError;
-use crate::policy::{AckStats, Answer, Pending, PolicyKind, Question};
+use crate::policy::Pending;
 
 /// The smallest buffer an AckPolicy may set: room for a few ordinary frames.
 const MIN_BUFFER_SIZE: u32 = 64 << 10;
@@ -17,15 +12,15 @@ const MIN_BUFFER_SIZE: u32 = 64 << 10;
 /// received bytes are acknowledged at once (a fifth of the buffer unless an AckPolicy says).
 pub(super) struct FlowControl {
     /// 0: no flow control (nothing is acknowledged).
-    buffer_size: u32,
-    ack_bytes: usize,
+    pub(super) buffer_size: u32,
+    pub(super) ack_bytes: usize,
     /// Received (headers included) and not acknowledged yet.
-    unacked: usize,
-    received_total: u64,
-    acked_total: u64,
-    last_ack: Instant,
+    pub(super) unacked: usize,
+    pub(super) received_total: u64,
+    pub(super) acked_total: u64,
+    pub(super) last_ack: Instant,
     /// The AckPolicy's answer to the last acknowledgement, not in yet.
-    advice: Option<Pending>,
+    pub(super) advice: Option<Pending>,
 }
 
 impl FlowControl {
@@ -50,20 +45,20 @@ impl FlowControl {
 
     /// How many bytes to acknowledge now, if any: once a step's worth has come in, or whatever
     /// has when `force`d (the socket went quiet: the producer may be waiting for room).
-    fn due(&self, force: bool) -> Option<u32> {
+    pub(super) fn due(&self, force: bool) -> Option<u32> {
         let ready = force || self.unacked >= self.ack_bytes;
         (self.buffer_size > 0 && self.unacked > 0 && ready)
             .then(|| self.unacked.min(u32::MAX as usize) as u32)
     }
 
-    fn acknowledged(&mut self, bytes: u32) {
+    pub(super) fn acknowledged(&mut self, bytes: u32) {
         self.unacked -= bytes as usize;
         self.acked_total += bytes as u64;
     }
 
     /// Takes an AckPolicy's answer: the step, at most the buffer, and the buffer, at least
     /// `MIN_BUFFER_SIZE`. Some(size): the buffer changed and the producer must be told.
-    fn advised(&mut self, interval: u32, window: u32) -> Option<u32> {
+    pub(super) fn advised(&mut self, interval: u32, window: u32) -> Option<u32> {
         let window = window.max(MIN_BUFFER_SIZE);
         self.ack_bytes = (interval as usize).clamp(1, window as usize);
         if window != self.buffer_size && self.buffer_size > 0 {
@@ -75,77 +70,11 @@ impl FlowControl {
     }
 }
 
-impl ConsumerSession {
-    /// Sends BUFFER_ACKNOWLEDGEMENT when one is due (`FlowControl::due`), after taking in the
-    /// AckPolicy's answer to the previous one.
-    pub(super) fn acknowledge(&mut self, force: bool) -> Result<(), ConsumerError> {
-        self.take_advice()?;
-        if let Some(bytes) = self.flow.due(force) {
-            self.send(&encoded(&dcp::BufferAcknowledgement { bytes }, 0)?)?;
-            self.flow.acknowledged(bytes);
-            self.ask_advice();
-        }
-        Ok(())
-    }
-
-    /// Puts the acknowledgement to the AckPolicy plugin, if one is installed and no question
-    /// is out already; the answer is taken on a later round (`take_advice`).
-    fn ask_advice(&mut self) {
-        let Some(host) = &self.config.flow_control else {
-            return;
-        };
-        if self.flow.advice.is_some() || !host.installed(PolicyKind::Ack) {
-            return;
-        }
-        let f = &mut self.flow;
-        let stats = AckStats {
-            protocol: "dcp",
-            connection: self.config.name.clone(),
-            rtt: std::mem::replace(&mut f.last_ack, Instant::now())
-                .elapsed()
-                .as_secs_f64(),
-            unacked: f.unacked as u64,
-            acked_total: f.acked_total,
-            sent_total: f.received_total,
-            interval: f.ack_bytes.min(u32::MAX as usize) as u32,
-            window: f.buffer_size,
-        };
-        f.advice = Some(host.pose(PolicyKind::Ack, Question::Ack(stats)));
-    }
-
-    /// Applies the AckPolicy's answer once it is in: a new buffer size goes to the producer
-    /// as the control `connection_buffer_size`.
-    fn take_advice(&mut self) -> Result<(), ConsumerError> {
-        let (Some(host), Some(p)) = (&self.config.flow_control, &self.flow.advice) else {
-            return Ok(());
-        };
-        let Some(answer) = p.try_answer(host) else {
-            return Ok(());
-        };
-        self.flow.advice = None;
-        let Answer::Ack { interval, window } = answer else {
-            return Ok(());
-        };
-        if let Some(window) = self.flow.advised(interval, window) {
-            log::info!(
-                "DCP consumer '{}': the AckPolicy sets the buffer to {window} bytes, \
-                 acknowledged every {} bytes",
-                self.config.name,
-                self.flow.ack_bytes
-            );
-            let control = dcp::Control {
-                key: b"connection_buffer_size".to_vec(),
-                value: window.to_string().into_bytes(),
-            };
-            self.send(&encoded(&control, 0)?)?;
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::frames::encoded;
     use super::*;
+    use sluice_proto::dcp;
 
     #[test]
     fn acknowledges_a_fifth_of_the_buffer_at_a_time() {

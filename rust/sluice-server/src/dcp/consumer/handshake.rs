@@ -13,6 +13,7 @@ use sluice_proto::dcp::{self, open_flag};
 use sluice_proto::mcbp::{self, magic, opcode as op, status, HeaderFields};
 
 use super::flow_control::FlowControl;
+use super::frames::encoded;
 use super::session::{ConsumerSession, ReadBuffer, MAX_FRAME_BODY};
 use super::{Batch, Command, ConsumerConfig, ConsumerError, EventSender, VbucketPosition};
 use crate::tls::SyncWriter;
@@ -28,13 +29,6 @@ fn frame(opcode: u8, opaque: u32, extras: &[u8], key: &[u8], value: &[u8]) -> Ve
     };
     let _ = mcbp::write_frame(&mut out, &h, &[], extras, key, value);
     out
-}
-
-/// A typed DCP request as its frame.
-pub(super) fn encoded(r: &impl dcp::DcpRequest, opaque: u32) -> Result<Vec<u8>, ConsumerError> {
-    let mut out = Vec::new();
-    r.encode(&mut out, opaque).map_err(ConsumerError::Encode)?;
-    Ok(out)
 }
 
 /// A STAT answer's key and value.

@@ -12,9 +12,11 @@
 //! `saved_state` is what a reader resumes from, `batch` what it is handed. `map_consumer`
 //! reads the connections to several nodes as one stream that follows the cluster map.
 
+mod acks;
 mod batch;
 mod error;
 mod flow_control;
+mod frames;
 mod handshake;
 mod map_consumer;
 mod saved_state;

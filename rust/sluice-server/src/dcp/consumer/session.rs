@@ -15,9 +15,18 @@ use sluice_proto::dcp::{
 use sluice_proto::mcbp::{self, magic, HeaderFields};
 
 use super::flow_control::FlowControl;
-use super::stream::VbStream;
 use super::{Batch, Command, ConsumerConfig, ConsumerError, Event, EventSender, InlineReader};
 use crate::tls::{SyncReader, SyncWriter};
+
+/// A vbucket's stream as the session follows it.
+pub(super) struct VbStream {
+    pub(super) pos: super::Position,
+    /// The producer sent STREAM_END: the position is final.
+    pub(super) ended: bool,
+    /// The last seqno a range read keeps (`end_seqnos`), u64::MAX for all: looked up once here
+    /// rather than per message.
+    pub(super) end: u64,
+}
 
 /// Largest frame accepted from the producer (a 20 MiB document plus its header and key).
 pub(super) const MAX_FRAME_BODY: usize = 21 << 20;

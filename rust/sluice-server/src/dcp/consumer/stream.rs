@@ -6,18 +6,9 @@ use sluice_proto::dcp::{
 };
 use sluice_proto::mcbp::{self, opcode as op, status};
 
-use super::handshake::encoded;
-use super::session::ConsumerSession;
+use super::frames::encoded;
+use super::session::{ConsumerSession, VbStream};
 use super::{ConsumerError, Event, Position, RollbackMode, POLL};
-
-pub(super) struct VbStream {
-    pub(super) pos: Position,
-    /// The producer sent STREAM_END: the position is final.
-    pub(super) ended: bool,
-    /// The last seqno a range read keeps (`end_seqnos`), u64::MAX for all: looked up once here
-    /// rather than per message.
-    pub(super) end: u64,
-}
 
 fn opaque_of(vb: u16) -> u32 {
     0x5000_0000 | vb as u32

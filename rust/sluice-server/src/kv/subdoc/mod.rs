@@ -9,6 +9,7 @@
 //! extended attributes here, so a lookup of one finds nothing and a mutation of one is
 //! NOT_SUPPORTED.
 
+mod error;
 mod ops;
 mod path;
 

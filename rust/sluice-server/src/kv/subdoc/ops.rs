@@ -3,72 +3,10 @@
 //! leaves the stored document alone). Semantics and errors as kv_engine's `docs/SubDocument.md`.
 
 use serde_json::{Map, Value};
-use sluice_proto::mcbp::status;
 use sluice_proto::mcbp::subdoc::MAX_PATH_DEPTH;
 
+pub use super::error::SubdocError;
 use super::path::Segment;
-
-/// A path-level failure, answered as the matching SUBDOC status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SubdocError {
-    PathEnoent,
-    PathMismatch,
-    PathEinval,
-    PathE2big,
-    DocE2deep,
-    ValueCantinsert,
-    DocNotJson,
-    NumErange,
-    DeltaEinval,
-    PathEexists,
-    ValueEtoodeep,
-    UnknownVattr,
-    CantModifyVattr,
-    /// The document is over MAX_DOC_BYTES.
-    DocTooBig,
-}
-
-impl SubdocError {
-    pub fn status(self) -> u16 {
-        match self {
-            SubdocError::PathEnoent => status::SUBDOC_PATH_ENOENT,
-            SubdocError::PathMismatch => status::SUBDOC_PATH_MISMATCH,
-            SubdocError::PathEinval => status::SUBDOC_PATH_EINVAL,
-            SubdocError::PathE2big => status::SUBDOC_PATH_E2BIG,
-            SubdocError::DocE2deep => status::SUBDOC_DOC_E2DEEP,
-            SubdocError::ValueCantinsert => status::SUBDOC_VALUE_CANTINSERT,
-            SubdocError::DocNotJson => status::SUBDOC_DOC_NOTJSON,
-            SubdocError::NumErange => status::SUBDOC_NUM_ERANGE,
-            SubdocError::DeltaEinval => status::SUBDOC_DELTA_EINVAL,
-            SubdocError::PathEexists => status::SUBDOC_PATH_EEXISTS,
-            SubdocError::ValueEtoodeep => status::SUBDOC_VALUE_ETOODEEP,
-            SubdocError::UnknownVattr => status::SUBDOC_XATTR_UNKNOWN_VATTR,
-            SubdocError::CantModifyVattr => status::SUBDOC_XATTR_CANT_MODIFY_VATTR,
-            SubdocError::DocTooBig => status::E2BIG,
-        }
-    }
-
-    pub fn message(self) -> &'static str {
-        match self {
-            SubdocError::PathEnoent => "the path does not exist in the document",
-            SubdocError::PathMismatch => "the path does not match the document's structure",
-            SubdocError::PathEinval => "the path does not parse, or does not suit the command",
-            SubdocError::PathE2big => "the path is over 1024 bytes or 32 components",
-            SubdocError::DocE2deep => "the document is nested too deeply",
-            SubdocError::ValueCantinsert => "the value cannot be inserted there",
-            SubdocError::DocNotJson => "the document is not JSON",
-            SubdocError::NumErange => "the number does not fit a signed 64-bit integer",
-            SubdocError::DeltaEinval => "the delta is not a non-zero signed 64-bit integer",
-            SubdocError::PathEexists => "the path exists already",
-            SubdocError::ValueEtoodeep => "the value would nest the document too deeply",
-            SubdocError::UnknownVattr => "no such virtual extended attribute",
-            SubdocError::CantModifyVattr => "virtual extended attributes cannot be changed",
-            SubdocError::DocTooBig => {
-                "sub-document commands work on documents up to 2 MiB; read or write it whole"
-            }
-        }
-    }
-}
 
 type Result<T> = std::result::Result<T, SubdocError>;
 

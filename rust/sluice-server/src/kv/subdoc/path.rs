@@ -5,7 +5,7 @@
 
 use sluice_proto::mcbp::subdoc::{MAX_PATH_DEPTH, MAX_PATH_LEN};
 
-use super::ops::SubdocError;
+use super::error::SubdocError;
 
 /// One component of a path.
 #[derive(Debug, Clone, PartialEq, Eq)]

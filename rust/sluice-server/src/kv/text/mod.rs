@@ -11,26 +11,18 @@
 //! `parse` reads lines and the classic commands' arguments, `meta` runs the meta commands.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
 use sluice_core::bucket::Bucket;
 use sluice_core::item::Item;
 use sluice_core::{Error, StoreMode, StoreRequest, Written};
-use tokio::io::AsyncReadExt;
-use tokio::sync::watch;
 
-use crate::kv::KvContext;
-use crate::tls::MaybeTls;
+use super::KvContext;
+use crate::driver::{Check, Conn, Flow as DriverFlow, Frame, Out};
 use parse::{Line, StoreVerb, BAD_FORMAT};
 
 mod meta;
 pub mod parse;
-
-/// Replies are written once this much is pending, even mid-batch.
-const FLUSH_AT: usize = 1 << 20;
 
 /// A multi-get's line may be this long even when max_body is smaller (4,000 keys of 250 bytes).
 const MULTIGET_LINE: usize = 1 << 20;
@@ -47,8 +39,12 @@ pub enum Flow {
 pub struct TextSession {
     ctx: Arc<KvContext>,
     bucket: Arc<Bucket>,
-    /// The last WAL record a reply given so far acknowledges (see `kv::send_acknowledged`).
+    /// The last WAL record a reply given so far acknowledges (the driver sends the replies
+    /// once the WAL holds it).
     owed_lsn: u64,
+    /// The users' generation last checked (a node that has users refuses the text protocol);
+    /// `u64::MAX` until the first command.
+    users_generation: u64,
     /// Bytes of a refused value still to be skipped as they arrive.
     swallow: usize,
     /// Largest value accepted: the bucket's max_item_size within the server's max_body.
@@ -113,6 +109,7 @@ impl TextSession {
             ctx,
             bucket,
             owed_lsn: 0,
+            users_generation: u64::MAX,
             swallow: 0,
             max_value,
             max_multiget: max_body.max(MULTIGET_LINE),
@@ -570,93 +567,58 @@ const MAX_GET_REPLY: usize = 64 << 20;
 
 /// Runs a text connection whose first bytes are in `inbuf`, until the client quits or closes,
 /// the server stops, or the connection is idle for `idle_timeout` (zero: never).
-pub async fn run(
-    mut socket: MaybeTls,
-    peer: SocketAddr,
-    ctx: Arc<KvContext>,
-    mut inbuf: BytesMut,
-    max_body: usize,
-    idle_timeout: Duration,
-    stop: watch::Receiver<bool>,
-) {
-    let stats = ctx.stats.clone();
-    let mut session = TextSession::new(ctx.clone(), max_body, peer);
-    let mut out: Vec<u8> = Vec::with_capacity(16 << 10);
-    let mut stop_changes = crate::armed::watch_changes(stop.clone());
-    loop {
-        if ctx.users.current().required() {
-            // No SASL in the text protocol: with users configured, it would bypass them.
-            log::info!(
-                "closing a text-protocol connection from {peer}: this node has users, and \
-                 memcached's text protocol cannot authenticate (use the binary protocol)"
-            );
-            line(
-                &mut out,
-                "CLIENT_ERROR authentication required: this node has users; use the binary \
-                 protocol with SASL PLAIN",
-            );
-            let _ = send(&mut socket, &mut out, &session).await;
-            return;
+impl crate::driver::Session for TextSession {
+    /// Commands are lines, some with a data block after them: the session parses as it goes
+    /// (`step`), taking what it can of what is buffered.
+    fn check(&mut self, buf: &[u8], _max_frame: usize) -> Check {
+        match buf.len() {
+            0 => Check::Need(0),
+            n => Check::Frame(n),
         }
-        loop {
-            let (took, flow) = session.step(&inbuf, &mut out).await;
-            inbuf.advance(took);
-            match flow {
-                Flow::More => break,
-                Flow::Continue => {}
-                Flow::Close => {
-                    let _ = send(&mut socket, &mut out, &session).await;
-                    return;
-                }
-            }
-            if out.len() >= FLUSH_AT && send(&mut socket, &mut out, &session).await.is_err() {
-                return;
+    }
+
+    async fn handle(&mut self, frame: &mut Frame<'_>, out: &mut Out) -> DriverFlow {
+        let out = &mut out.acked.buf;
+        let generation = self.ctx.users.generation();
+        if generation != self.users_generation {
+            self.users_generation = generation;
+            if self.ctx.users.current().required() {
+                // No SASL in the text protocol: with users configured, it would bypass them.
+                log::info!(
+                    "closing a text-protocol connection from {}: this node has users, and \
+                     memcached's text protocol cannot authenticate (use the binary protocol)",
+                    self.peer
+                );
+                line(
+                    out,
+                    "CLIENT_ERROR authentication required: this node has users; use the binary \
+                     protocol with SASL PLAIN",
+                );
+                frame.consumed(0);
+                return DriverFlow::Close;
             }
         }
-        if send(&mut socket, &mut out, &session).await.is_err() {
-            return;
+        let (took, flow) = self.step(frame.bytes(), out).await;
+        frame.consumed(took);
+        match flow {
+            Flow::More | Flow::Continue => DriverFlow::Continue,
+            Flow::Close => DriverFlow::Close,
         }
-        if *stop.borrow() {
-            return;
-        }
-        let read = async {
-            if idle_timeout.is_zero() {
-                Ok(socket.read_buf(&mut inbuf).await)
-            } else {
-                tokio::time::timeout(idle_timeout, socket.read_buf(&mut inbuf)).await
-            }
-        };
-        tokio::select! {
-            r = read => match r {
-                Ok(Ok(0)) => return,
-                Ok(Ok(n)) => { stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed); }
-                Ok(Err(e)) => {
-                    log::debug!("connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) => {
-                    log::info!("closing connection from {peer}: idle for {idle_timeout:?}");
-                    return;
-                }
-            },
-            _ = stop_changes.next() => return,
-        }
+    }
+
+    fn owed_lsn(&self) -> u64 {
+        self.owed_lsn
+    }
+
+    /// No login: with users configured the text protocol is refused (`handle`).
+    fn logged_in(&self) -> bool {
+        true
     }
 }
 
-async fn send(
-    socket: &mut MaybeTls,
-    out: &mut Vec<u8>,
-    session: &TextSession,
-) -> std::io::Result<()> {
-    let ctx = &session.ctx;
-    crate::kv::send_acknowledged(
-        socket,
-        out,
-        &ctx.engine,
-        session.owed_lsn,
-        &ctx.stats,
-        FLUSH_AT,
-    )
-    .await
+/// Runs a text-protocol connection until the client closes it or the server stops.
+pub async fn run(mut conn: Conn, ctx: Arc<KvContext>) {
+    let max_body = conn.port.max_frame;
+    let mut session = TextSession::new(ctx, max_body, conn.peer);
+    crate::driver::run(&mut conn, &mut session).await;
 }

@@ -1,6 +1,6 @@
-//! What a TANK connection has to send, in order: answers written into a buffer, and the
-//! stored bundles of consume answers shared from their segments as they are (one vectored
-//! write sends both), so that a consume of a megabyte copies nothing in user space.
+//! What a connection has to send, in order: replies written into a buffer, and stored bytes
+//! (a TANK consume's bundles) shared from their segments as they are (one vectored write sends
+//! both), so that a consume of a megabyte copies nothing in user space.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -11,12 +11,12 @@ use tokio::io::AsyncWriteExt;
 
 use crate::tls::MaybeTls;
 
-/// Bundles shorter than this are copied into the buffer: below it a copy costs less than
+/// Stored pieces shorter than this are copied into the buffer: below it a copy costs less than
 /// another piece of the write.
 const SHARED_FROM: usize = 16 << 10;
 
 #[derive(Default)]
-pub(super) struct Outbox {
+pub struct Outbox {
     /// Written since the last shared piece; what the small answers are written into.
     pub buf: Vec<u8>,
     /// What goes before `buf`, in order; never an empty piece.
@@ -34,8 +34,8 @@ impl Outbox {
         self.len() == 0
     }
 
-    /// Appends stored bundles.
-    pub fn bundles(&mut self, b: Bytes) {
+    /// Appends stored bytes (bundles), shared rather than copied when they are large.
+    pub fn shared(&mut self, b: Bytes) {
         if b.len() < SHARED_FROM {
             self.buf.extend_from_slice(&b);
             return;
@@ -53,6 +53,11 @@ impl Outbox {
             self.pieces.push_back(Bytes::copy_from_slice(&self.buf));
             self.buf.clear();
         }
+    }
+
+    /// Whether stored pieces wait (besides the buffer).
+    pub fn has_pieces(&self) -> bool {
+        !self.pieces.is_empty()
     }
 
     /// Drops everything unsent.
@@ -126,10 +131,10 @@ mod tests {
     fn pieces_come_out_in_order_however_they_are_advanced() {
         let mut o = Outbox::default();
         o.buf.extend_from_slice(b"head1");
-        o.bundles(Bytes::from(vec![b'a'; SHARED_FROM]));
+        o.shared(Bytes::from(vec![b'a'; SHARED_FROM]));
         o.buf.extend_from_slice(b"head2");
-        o.bundles(Bytes::from_static(b"small"));
-        o.bundles(Bytes::from(vec![b'b'; SHARED_FROM + 1]));
+        o.shared(Bytes::from_static(b"small"));
+        o.shared(Bytes::from(vec![b'b'; SHARED_FROM + 1]));
         o.seal();
         let mut want = b"head1".to_vec();
         want.extend(vec![b'a'; SHARED_FROM]);
