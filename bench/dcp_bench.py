@@ -22,6 +22,7 @@ This machine is shared and noisy: every figure is the median of --runs runs, all
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -167,7 +168,7 @@ def drain(consumer: DcpConsumer) -> tuple[int, float]:
 
 def run_once(source: str, value_size: int, consumers: int, items: int) -> dict:
     with tempfile.TemporaryDirectory() as d, open_engine(d, items) as engine:
-        server = Server(engine, "127.0.0.1:0", admin_listen="127.0.0.1:0")
+        server = Server(engine, json.dumps({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}))
         pin = None
         try:
             if source == "memory":

@@ -12,12 +12,10 @@ from sluice.config import BUCKET_KEYS, ENGINE_KEYS, Key
 
 # Keys the native settings have no default for: addresses and files the Rust side takes as
 # "absent" (None), resolved on the Python side ("auto", ""), and the policy plugins' import paths.
+# (A registered front's `<name>_listen` has its default from the front's declaration.)
 PYTHON_ONLY = {
     "listen",
     "admin_listen",
-    "iproto_listen",
-    "tank_listen",
-    "greenstack_listen",
     "tls_listen",
     "tls.certificate",
     "tls.key",

@@ -18,10 +18,14 @@ from mcbp_wire import login
 
 # max_connections is above max_unauthenticated: anonymous connections can never take the last
 # slots.
-LIMITS = """max_connections = 12
-max_unauthenticated = 8
-max_unauthenticated_per_ip = 6
-login_timeout = "20s"""
+LIMITS = "\n".join(
+    [
+        "max_connections = 12",
+        "max_unauthenticated = 8",
+        "max_unauthenticated_per_ip = 6",
+        'login_timeout = "20s"',
+    ]
+)
 
 
 def start(tmp_path: Path, *, guest: bool = False) -> Node:

@@ -55,10 +55,12 @@ SERVER_LAYERS = [
     {"armed", "clustermap", "metrics", "ratelimit", "space", "tls", "stream"},
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
-    {"stats", "policy", "limits", "upstream"},  # counters, plugins, pre-login bounds, a Tarantool followed
+    # counters, plugins, pre-login bounds, a Tarantool followed, failed logins slowed
+    {"stats", "policy", "limits", "upstream", "throttle"},
     {"request"},  # the request layer every front shares: replies after the WAL, permissions
     {"listener"},  # the accept loop of the fronts on listeners of their own
     {"driver"},  # the one connection driver every front's sessions run in
+    {"front"},  # the registry's terms: what a front declares and is built from
     {"kv"},  # the memcached front: binary KV and sub-document, and memcached's text protocol
     # what a memcached connection is handed to (SASL, change streams)
     {"login", "dcp", "tap"},
@@ -69,6 +71,7 @@ SERVER_LAYERS = [
     {"replica"},  # following another node through the DCP consumer
     {"cluster"},  # converging on a cluster map: vbucket states and per-vbucket replication
     {"config", "connection"},  # the server's settings; one connection and its handoffs
+    {"settings"},  # the settings as they cross from Python, checked once
     {"admin"},  # the HTTP endpoint that reports on all of the above
     {"server"},  # builds every front's context and runs the listeners
 ]

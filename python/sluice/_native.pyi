@@ -57,6 +57,7 @@ _Row = TypeVar("_Row", bound=tuple[Any, ...])
 # The default of every configuration key with a Rust counterpart, by config.py's dotted key
 # name (bucket keys as "buckets.KEY"); read-only. The keyword defaults below are these values.
 DEFAULTS: Mapping[str, Any]
+FRONTS: list[dict[str, Any]]
 
 class SluiceError(Exception): ...
 class InvalidKeyError(SluiceError): ...
@@ -263,50 +264,7 @@ class Server:
     """The memcached binary protocol server over an open engine."""
 
     def __new__(
-        cls,
-        engine: EmbeddedEngine,
-        listen: str,
-        *,
-        admin_listen: str | None = None,
-        users: list[tuple[str, dict[str, str], dict[str, list[str]]]] = ...,
-        max_connections: int = ...,
-        idle_timeout: float = ...,
-        io_threads: int = ...,
-        replica_of: str | None = None,
-        replication_user: str | None = None,
-        replication_password: str | None = None,
-        replication_noop_interval: int = ...,
-        tap_ack_interval: int = ...,
-        tap_ack_window: int = ...,
-        tap_grace_period: float = ...,
-        tap_backoff: float = ...,
-        tap_ttl: int = ...,
-        tap_max_sessions: int = ...,
-        tap_max_unacked_bytes: int = ...,
-        max_unauthenticated: int = ...,
-        max_unauthenticated_per_ip: int = ...,
-        login_timeout: float = ...,
-        policy_timeout: float = ...,
-        tls_listen: str | None = None,
-        tls_certificate: str | None = None,
-        tls_key: str | None = None,
-        tls_client_ca: str | None = None,
-        tls_admin: bool = ...,
-        replication_tls: bool = ...,
-        replication_ca: str | None = None,
-        replication_certificate: str | None = None,
-        replication_key: str | None = None,
-        iproto_listen: str | None = None,
-        tank_listen: str | None = None,
-        greenstack_listen: str | None = None,
-        spaces: list[tuple[str, int, str, list[tuple[str, str, bool]], list[int]]] = ...,
-        tarantool_upstream: str | None = None,
-        tarantool_upstream_user: str | None = None,
-        tarantool_upstream_password: str | None = None,
-        tarantool_upstream_spaces: list[str] = ...,
-        tarantool_upstream_anonymous: bool = True,
-        greenstack_warmup: GreenstackWarmup | None = None,
-        hold_connections: bool = False,
+        cls, engine: EmbeddedEngine, settings: str, *, greenstack_warmup: GreenstackWarmup | None = None
     ) -> Server: ...
     @property
     def address(self) -> str: ...
@@ -315,11 +273,7 @@ class Server:
     @property
     def tls_address(self) -> str | None: ...
     @property
-    def iproto_address(self) -> str | None: ...
-    @property
-    def tank_address(self) -> str | None: ...
-    @property
-    def greenstack_address(self) -> str | None: ...
+    def fronts(self) -> dict[str, str]: ...
     def reload_tls(self) -> bool: ...
     def set_users(self, users: list[tuple[str, dict[str, str], dict[str, list[str]]]]) -> None: ...
     def promote(self) -> dict[str, list[int]]: ...

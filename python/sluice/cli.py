@@ -50,12 +50,10 @@ def _load(args: argparse.Namespace) -> Config:
         overrides["listen"] = args.listen
     if getattr(args, "admin_listen", None) is not None:
         overrides["admin_listen"] = args.admin_listen
-    if getattr(args, "iproto_listen", None) is not None:
-        overrides["iproto_listen"] = args.iproto_listen
-    if getattr(args, "tank_listen", None) is not None:
-        overrides["tank_listen"] = args.tank_listen
-    if getattr(args, "greenstack_listen", None) is not None:
-        overrides["greenstack_listen"] = args.greenstack_listen
+    for front in _native.FRONTS:
+        key = f"{front['name']}_listen"
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of
     if getattr(args, "cluster", None) is not None:
@@ -132,20 +130,22 @@ def _create_topics(engine: _native.EmbeddedEngine, cfg: Config) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _declare_followed_spaces(_load(args))
     tls_listen = cfg.server_settings()["tls_listen"]
-    for key in ("listen", "admin_listen", "tls_listen", "iproto_listen", "greenstack_listen"):
+    logins = [f"{f['name']}_listen" for f in _native.FRONTS if f["login"]]
+    for key in ("listen", "admin_listen", "tls_listen", *logins):
         address = tls_listen if key == "tls_listen" else cfg.values[key]
         if address and not is_loopback(address) and not cfg.users and not args.insecure:
             raise _native.ConfigError(
                 f"invalid config: {key}: {address} is beyond loopback and no user is configured "
                 "([users.NAME]); pass --insecure to serve it anyway"
             )
-    tank = cfg.values["tank_listen"]
-    if tank and not is_loopback(tank) and not args.insecure:
-        raise _native.ConfigError(
-            f"invalid config: tank_listen: {tank} is beyond loopback, and TANK has no login; "
-            "pass --insecure to serve it anyway"
-        )
-    listen = cfg.values["listen"]
+    for front in _native.FRONTS:
+        key = f"{front['name']}_listen"
+        address = cfg.values[key]
+        if not front["login"] and address and not is_loopback(address) and not args.insecure:
+            raise _native.ConfigError(
+                f"invalid config: {key}: {address} is beyond loopback, and {front['title']} has no "
+                "login; pass --insecure to serve it anyway"
+            )
     settings = cfg.to_native()
     # Read before anything starts: a missing file is a config error naming its key.
     etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
@@ -185,15 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
         raise
     try:
-        server = _native.Server(
-            engine,
-            listen,
-            users=cfg.user_list(),
-            greenstack_warmup=warmup,
-            # A node of a cluster takes clients once it has converged on the map (below).
-            hold_connections=bool(cfg.values["cluster.etcd"]),
-            **cfg.server_settings(),
-        )
+        # A node of a cluster takes clients once it has converged on the map (below).
+        server = _native.Server(engine, cfg.server_json(), greenstack_warmup=warmup)
     except _native.SluiceError:
         engine.close()
         raise
@@ -224,8 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if report["moved_aside"]:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
+    fronts = "".join(f" ({f['title']} {server.fronts.get(f['name'], 'off')})" for f in _native.FRONTS)
     log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s) (iproto %s) (TANK %s) (Greenstack %s)%s; "
+        "sluice ready: listening on %s (admin %s) (TLS %s)%s%s; "
         "%d items in %d bucket(s) %s, recovered in %.3f s (snapshot LSN %d, %d WAL records%s), "
         "ready %.3f s after start",
         server.address,
@@ -237,9 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         or server.admin_address
         or "off",
         server.tls_address or "off",
-        server.iproto_address or "off",
-        server.tank_address or "off",
-        server.greenstack_address or "off",
+        fronts,
         f", replica of {cfg.values['replication.replica_of']}"
         if cfg.values["replication.replica_of"]
         else "",
@@ -1151,21 +1143,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help=f'overrides admin_listen ("" turns it off; default: {_default("admin_listen")})',
     )
-    s.add_argument(
-        "--iproto-listen",
-        metavar="HOST:PORT",
-        help=f'overrides iproto_listen ("" turns it off; default: {_default("iproto_listen")})',
-    )
-    s.add_argument(
-        "--tank-listen",
-        metavar="HOST:PORT",
-        help=f'overrides tank_listen ("" turns it off; default: {_default("tank_listen")})',
-    )
-    s.add_argument(
-        "--greenstack-listen",
-        metavar="HOST:PORT",
-        help=f'overrides greenstack_listen ("" turns it off; default: {_default("greenstack_listen")})',
-    )
+    for front in _native.FRONTS:
+        key = f"{front['name']}_listen"
+        s.add_argument(
+            f"--{front['name']}-listen",
+            metavar="HOST:PORT",
+            help=f'overrides {key} ("" turns it off; default: {_default(key)})',
+        )
     s.add_argument(
         "--replica-of",
         metavar="HOST:PORT",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sluice._native import DEFAULTS, BucketSettings, ConfigError, EngineSettings
+from sluice._native import DEFAULTS, FRONTS, BucketSettings, ConfigError, EngineSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,35 +289,22 @@ ENGINE_KEYS += [
         "HOST:PORT",
         server=True,
     ),
-    Key(
-        "iproto_listen",
-        lambda p, v: parse_listen(p, v) if v != "" else "",
-        "127.0.0.1:3301",
-        'Address of the Tarantool iproto listener (README "Tarantool\'s iproto"): the spaces of '
-        '[spaces.NAME] for tarantool-python, net.box and other connectors. "" turns it off. Beyond '
-        "loopback it needs users (or --insecure).",
-        "HOST:PORT",
-        server=True,
-    ),
-    Key(
-        "tank_listen",
-        lambda p, v: parse_listen(p, v) if v != "" else "",
-        "127.0.0.1:11011",
-        'Address of the TANK listener (README "TANK"): topics produced to and consumed from by '
-        'tank-cli and TANK clients. TANK has no login: beyond loopback it needs --insecure. "" '
-        "turns it off.",
-        "HOST:PORT",
-        server=True,
-    ),
-    Key(
-        "greenstack_listen",
-        lambda p, v: parse_listen(p, v) if v != "" else "",
-        "127.0.0.1:11220",
-        "Address of the Greenstack listener (docs/greenstack.md): HELLO, login, buckets, GET and "
-        'MUTATION on lanes with out-of-order replies. "" turns it off. Beyond loopback it needs '
-        "users (or --insecure).",
-        "HOST:PORT",
-        server=True,
+    # Each registered front's listener, as the front declares it (sluice._native.FRONTS).
+    *(
+        Key(
+            f"{front['name']}_listen",
+            lambda p, v: parse_listen(p, v) if v != "" else "",
+            front["default_listen"],
+            front["doc"]
+            + (
+                ' "" turns it off. Beyond loopback it needs users (or --insecure).'
+                if front["login"]
+                else f' {front["title"]} has no login: beyond loopback it needs --insecure. "" turns it off.'
+            ),
+            "HOST:PORT",
+            server=True,
+        )
+        for front in FRONTS
     ),
     Key(
         "max_connections",
@@ -1016,16 +1004,20 @@ class Config:
         return [w for name, u in self.users.items() if name != GUEST for w in _user_warnings(name, u)]
 
     def server_settings(self) -> dict[str, Any]:
-        """Keyword arguments of `sluice._native.Server` besides the engine and address."""
-        out = {
-            (k.native or k.name): self.values[k.name]
-            for k in ENGINE_KEYS
-            if k.server and not k.plugin and k.name != "listen"
-        }
+        """The settings of `sluice._native.Server`, which it takes as JSON (`server_json`) and
+        checks once: the server's keys by their native names, the users and spaces, and each
+        registered front's listener under `listeners` ("" when it is off)."""
+        fronts = {f"{f['name']}_listen": f["name"] for f in FRONTS}
+        out: dict[str, Any] = {"listeners": {}}
+        for k in ENGINE_KEYS:
+            if not k.server or k.plugin:
+                continue
+            if k.name in fronts:
+                out["listeners"][fronts[k.name]] = self.values[k.name]
+            else:
+                out[k.native or k.name] = self.values[k.name]
+        out["users"] = self.user_list()
         out["replica_of"] = out["replica_of"] or None
-        out["iproto_listen"] = out["iproto_listen"] or None
-        out["tank_listen"] = out["tank_listen"] or None
-        out["greenstack_listen"] = out["greenstack_listen"] or None
         out["spaces"] = self.space_list()
         out["replication_user"] = out["replication_user"] or None
         for k in (
@@ -1050,7 +1042,13 @@ class Config:
         for name in out["tarantool_upstream_spaces"]:
             if name not in self.spaces:
                 raise _fail("tarantool_upstream.spaces", f"no space {name!r} is configured ([spaces.{name}])")
+        # A node of a cluster takes clients once it has converged on the map.
+        out["hold_connections"] = bool(self.values["cluster.etcd"])
         return out
+
+    def server_json(self) -> str:
+        """`server_settings` as the JSON `sluice._native.Server` takes."""
+        return json.dumps(self.server_settings())
 
     def space_list(self) -> list[tuple[str, int, str, list[tuple[str, str, bool]], list[int]]]:
         """The spaces as `sluice._native.Server` takes them: (name, id, bucket, [(field name,

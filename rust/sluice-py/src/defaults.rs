@@ -7,10 +7,10 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyDictMethods, PyMappingProxy};
 
-use crate::server::{
-    IDLE_TIMEOUT, IO_THREADS, LOGIN_DEFAULTS, MAX_CONNECTIONS, POLICY_TIMEOUT,
-    REPLICATION_NOOP_INTERVAL, REPLICATION_TLS, TAP_DEFAULTS, TLS_ADMIN,
-};
+use pyo3::types::PyList;
+use sluice_server::server::FRONTS;
+use sluice_server::settings::Settings;
+
 use crate::settings::{BUCKET_DEFAULTS, ENGINE_DEFAULTS};
 
 /// A read-only mapping {key: default}.
@@ -38,28 +38,34 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
     d.set_item("checkpoint.max_items", engine.checkpoint.max_items)?;
     d.set_item("checkpoint.period", engine.checkpoint.period.as_secs_f64())?;
 
-    d.set_item("max_connections", MAX_CONNECTIONS)?;
-    d.set_item("idle_timeout", IDLE_TIMEOUT.as_secs_f64())?;
-    d.set_item("io_threads", IO_THREADS)?;
-    let login = &*LOGIN_DEFAULTS;
-    d.set_item("max_unauthenticated", login.max_unauthenticated)?;
+    let server = Settings::default();
+    d.set_item("max_connections", server.max_connections)?;
+    d.set_item("idle_timeout", server.idle_timeout)?;
+    d.set_item("io_threads", server.io_threads)?;
+    d.set_item("max_unauthenticated", server.max_unauthenticated)?;
     d.set_item(
         "max_unauthenticated_per_ip",
-        login.max_unauthenticated_per_ip,
+        server.max_unauthenticated_per_ip,
     )?;
-    d.set_item("login_timeout", login.login_timeout.as_secs_f64())?;
-    d.set_item("tls.admin", TLS_ADMIN)?;
-    d.set_item("replication.noop_interval", REPLICATION_NOOP_INTERVAL)?;
-    d.set_item("replication.tls", REPLICATION_TLS)?;
-    let tap = &*TAP_DEFAULTS;
-    d.set_item("tap.ack_interval", tap.ack_interval)?;
-    d.set_item("tap.ack_window", tap.ack_window)?;
-    d.set_item("tap.grace_period", tap.grace_period.as_secs_f64())?;
-    d.set_item("tap.backoff", tap.backoff.as_secs_f64())?;
-    d.set_item("tap.ttl", tap.ttl)?;
-    d.set_item("tap.max_sessions", tap.max_sessions)?;
-    d.set_item("tap.max_unacked_bytes", tap.max_unacked_bytes)?;
-    d.set_item("policy.timeout", POLICY_TIMEOUT.as_secs_f64())?;
+    d.set_item("login_timeout", server.login_timeout)?;
+    d.set_item("tls.admin", server.tls_admin)?;
+    d.set_item(
+        "replication.noop_interval",
+        server.replication_noop_interval,
+    )?;
+    d.set_item("replication.tls", server.replication_tls)?;
+    d.set_item("tap.ack_interval", server.tap_ack_interval)?;
+    d.set_item("tap.ack_window", server.tap_ack_window)?;
+    d.set_item("tap.grace_period", server.tap_grace_period)?;
+    d.set_item("tap.backoff", server.tap_backoff)?;
+    d.set_item("tap.ttl", server.tap_ttl)?;
+    d.set_item("tap.max_sessions", server.tap_max_sessions)?;
+    d.set_item("tap.max_unacked_bytes", server.tap_max_unacked_bytes)?;
+    d.set_item("policy.timeout", server.policy_timeout)?;
+    for r in FRONTS {
+        let f = &r.declaration;
+        d.set_item(format!("{}_listen", f.name), f.default_listen)?;
+    }
 
     let bucket = &*BUCKET_DEFAULTS;
     d.set_item("buckets.num_vbuckets", bucket.num_vbuckets)?;
@@ -78,4 +84,22 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
     )?;
     d.set_item("buckets.eviction", bucket.eviction.as_str())?;
     Ok(PyMappingProxy::new(py, d.as_mapping()))
+}
+
+/// `FRONTS`: what each registered front declares (name, title, default_listen, doc, login),
+/// in the server's order: config.py makes its `<name>_listen` key and the CLI its
+/// `--<name>-listen` flag from it.
+pub(crate) fn fronts(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let list = PyList::empty(py);
+    for r in FRONTS {
+        let f = &r.declaration;
+        let d = PyDict::new(py);
+        d.set_item("name", f.name)?;
+        d.set_item("title", f.title)?;
+        d.set_item("default_listen", f.default_listen)?;
+        d.set_item("doc", f.doc)?;
+        d.set_item("login", f.login)?;
+        list.append(d)?;
+    }
+    Ok(list)
 }

@@ -56,6 +56,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tuples::tuple_columns, m)?)?;
     errors::register(m)?;
     m.add("DEFAULTS", defaults::defaults(m.py())?)?;
+    m.add("FRONTS", defaults::fronts(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,31 +1,15 @@
 //! `Server`: the network server (memcached binary protocol, DCP, TAP, admin HTTP) over an open
 //! engine, with its users and the policy plugins' side of the host.
 
-use std::path::PathBuf;
-use std::sync::{Arc, LazyLock};
-use std::time::Duration;
+use std::sync::Arc;
 
 use pyo3::prelude::*;
-use sluice_server::limits::LoginLimits;
 use sluice_server::policy::PolicyHost;
-use sluice_server::tap::producer::TapConfig;
 
 use crate::engine::EmbeddedEngine;
 use crate::errors::{config_err, to_py, ClosedError, ConfigError, SluiceError};
 use crate::policy;
 use crate::settings::{secs, socket_addr, BUCKET_DEFAULTS};
-
-/// sluice-server's defaults, the one definition of each: the keyword defaults of `Server` and
-/// `DEFAULTS`, which config.py reads, both come from here.
-pub(crate) static TAP_DEFAULTS: LazyLock<TapConfig> = LazyLock::new(TapConfig::default);
-pub(crate) static LOGIN_DEFAULTS: LazyLock<LoginLimits> = LazyLock::new(LoginLimits::default);
-pub(crate) static POLICY_TIMEOUT: LazyLock<Duration> =
-    LazyLock::new(|| PolicyHost::default().timeout());
-
-pub(crate) use sluice_server::config::defaults::{
-    IDLE_TIMEOUT, IO_THREADS, MAX_CONNECTIONS, REPLICATION_NOOP_INTERVAL, REPLICATION_TLS,
-    TLS_ADMIN,
-};
 
 /// The Greenstack port while the engine opens: it takes connections, answers HELLO and tells
 /// them the server is warming up; `Server(..., greenstack_warmup=)` takes it over and tells
@@ -72,330 +56,34 @@ pub(crate) struct Server {
     address: String,
     admin_address: Option<String>,
     tls_address: Option<String>,
-    iproto_address: Option<String>,
-    tank_address: Option<String>,
-    greenstack_address: Option<String>,
+    /// The registered fronts that listen: name -> "HOST:PORT" bound.
+    fronts: std::collections::BTreeMap<String, String>,
     policies: Arc<PolicyHost>,
 }
 
-/// (name, id, bucket, [(field name, type, is_nullable)], [0-based key fields]) from the
-/// validated configuration (config.py's `Config.space_list`).
-type SpaceSpec = (String, u32, String, Vec<(String, String, bool)>, Vec<u32>);
+type UserSpec = sluice_server::settings::UserSpec;
 
-fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<sluice_server::iproto::SpaceConfig> {
-    specs
-        .into_iter()
-        .map(
-            |(name, id, bucket, format, primary_key)| sluice_server::iproto::SpaceConfig {
-                name,
-                id,
-                bucket,
-                format: format
-                    .into_iter()
-                    .map(
-                        |(name, field_type, is_nullable)| sluice_server::iproto::FieldConfig {
-                            name,
-                            field_type,
-                            is_nullable,
-                        },
-                    )
-                    .collect(),
-                primary_key,
-            },
-        )
-        .collect()
-}
-
-type UserSpec = (
-    String,
-    std::collections::HashMap<String, String>,
-    std::collections::HashMap<String, Vec<String>>,
-);
-
-/// (name, {credential key: value}, {bucket: [permission, ...]}) from the validated
-/// configuration; the credential keys are those of [users.NAME] (password_hash, scram_sha512,
-/// scram_sha256, scram_sha1).
+/// The users as `sluice_server` checks them; a refusal names its key.
 fn users_of(specs: Vec<UserSpec>) -> PyResult<sluice_server::auth::Users> {
-    let mut users = Vec::with_capacity(specs.len());
-    for (name, given, buckets) in specs {
-        let mut credentials = sluice_server::auth::Credentials::default();
-        for (key, value) in given {
-            credentials
-                .add(&key, &value)
-                .map_err(|e| config_err(&format!("users.{name}.{key}"), e))?;
-        }
-        // guest (iproto's unauthenticated sessions) has permissions only.
-        if credentials.is_empty() && name != sluice_server::auth::GUEST {
-            return Err(config_err(
-                &format!("users.{name}"),
-                "no credentials: put the output of `sluice user hash` under it",
-            ));
-        }
-        let mut perms = std::collections::HashMap::new();
-        for (bucket, names) in buckets {
-            let mut bits = 0;
-            for p in names {
-                bits |= sluice_server::auth::permission(&p).ok_or_else(|| {
-                    config_err(
-                        &format!("users.{name}.buckets.{bucket}"),
-                        format!("unknown permission {p:?}"),
-                    )
-                })?;
-            }
-            perms.insert(bucket, bits);
-        }
-        users.push(sluice_server::auth::User {
-            name,
-            credentials,
-            buckets: perms,
-        });
-    }
-    Ok(sluice_server::auth::Users::new(users))
+    sluice_server::settings::users_of(specs).map_err(|e| ConfigError::new_err(e.to_string()))
 }
 
 #[pymethods]
 impl Server {
-    /// Binds `listen` ("HOST:PORT", port 0 for any) and starts serving; binding errors raise here.
+    /// Starts serving with `settings`, the server's settings as JSON (config.py's
+    /// `Config.server_settings`; keys it leaves out take their defaults), checked here once;
+    /// a refused one raises ConfigError naming its key, a listener that cannot bind
+    /// SluiceError. `greenstack_warmup`: the Greenstack port opened while the engine recovered.
     #[new]
-    #[pyo3(signature = (engine, listen, *, admin_listen=None, users=Vec::new(), max_connections=MAX_CONNECTIONS, idle_timeout=IDLE_TIMEOUT.as_secs_f64(), io_threads=IO_THREADS, replica_of=None, replication_user=None, replication_password=None, replication_noop_interval=REPLICATION_NOOP_INTERVAL, tap_ack_interval=TAP_DEFAULTS.ack_interval, tap_ack_window=TAP_DEFAULTS.ack_window, tap_grace_period=TAP_DEFAULTS.grace_period.as_secs_f64(), tap_backoff=TAP_DEFAULTS.backoff.as_secs_f64(), tap_ttl=TAP_DEFAULTS.ttl, tap_max_sessions=TAP_DEFAULTS.max_sessions, tap_max_unacked_bytes=TAP_DEFAULTS.max_unacked_bytes, max_unauthenticated=LOGIN_DEFAULTS.max_unauthenticated, max_unauthenticated_per_ip=LOGIN_DEFAULTS.max_unauthenticated_per_ip, login_timeout=LOGIN_DEFAULTS.login_timeout.as_secs_f64(), policy_timeout=POLICY_TIMEOUT.as_secs_f64(), tls_listen=None, tls_certificate=None, tls_key=None, tls_client_ca=None, tls_admin=TLS_ADMIN, replication_tls=REPLICATION_TLS, replication_ca=None, replication_certificate=None, replication_key=None, iproto_listen=None, tank_listen=None, greenstack_listen=None, spaces=Vec::new(), tarantool_upstream=None, tarantool_upstream_user=None, tarantool_upstream_password=None, tarantool_upstream_spaces=Vec::new(), tarantool_upstream_anonymous=true, greenstack_warmup=None, hold_connections=false))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (engine, settings, *, greenstack_warmup=None))]
     fn new(
         py: Python<'_>,
         engine: &EmbeddedEngine,
-        listen: &str,
-        admin_listen: Option<&str>,
-        users: Vec<UserSpec>,
-        max_connections: usize,
-        idle_timeout: f64,
-        io_threads: usize,
-        replica_of: Option<&str>,
-        replication_user: Option<String>,
-        replication_password: Option<String>,
-        replication_noop_interval: u32,
-        tap_ack_interval: u32,
-        tap_ack_window: u32,
-        tap_grace_period: f64,
-        tap_backoff: f64,
-        tap_ttl: u8,
-        tap_max_sessions: usize,
-        tap_max_unacked_bytes: usize,
-        max_unauthenticated: usize,
-        max_unauthenticated_per_ip: usize,
-        login_timeout: f64,
-        policy_timeout: f64,
-        tls_listen: Option<&str>,
-        tls_certificate: Option<PathBuf>,
-        tls_key: Option<PathBuf>,
-        tls_client_ca: Option<PathBuf>,
-        tls_admin: bool,
-        replication_tls: bool,
-        replication_ca: Option<PathBuf>,
-        replication_certificate: Option<PathBuf>,
-        replication_key: Option<PathBuf>,
-        iproto_listen: Option<&str>,
-        tank_listen: Option<&str>,
-        greenstack_listen: Option<&str>,
-        spaces: Vec<SpaceSpec>,
-        tarantool_upstream: Option<&str>,
-        tarantool_upstream_user: Option<String>,
-        tarantool_upstream_password: Option<String>,
-        tarantool_upstream_spaces: Vec<String>,
-        tarantool_upstream_anonymous: bool,
+        settings: &str,
         greenstack_warmup: Option<&GreenstackWarmup>,
-        hold_connections: bool,
     ) -> PyResult<Self> {
-        let tls = match (tls_certificate, tls_key) {
-            (Some(certificate), Some(key)) => Some(sluice_server::tls::TlsSettings {
-                certificate,
-                key,
-                client_ca: tls_client_ca,
-                admin: tls_admin,
-            }),
-            (None, None) => {
-                if tls_client_ca.is_some() {
-                    return Err(config_err(
-                        "tls.client_ca",
-                        "needs tls.certificate and tls.key (the TLS listener's own certificate)",
-                    ));
-                }
-                None
-            }
-            (Some(_), None) => return Err(config_err("tls.key", "required with tls.certificate")),
-            (None, Some(_)) => return Err(config_err("tls.certificate", "required with tls.key")),
-        };
-        let tls_listen = tls_listen
-            .filter(|a| !a.is_empty())
-            .map(|a| socket_addr("tls_listen", a))
-            .transpose()?;
-        if tls_listen.is_some() && tls.is_none() {
-            return Err(config_err(
-                "tls_listen",
-                "set, but no certificate is configured (tls.certificate, tls.key)",
-            ));
-        }
-        let replication_tls = if replication_tls {
-            let ca = replication_ca.ok_or_else(|| {
-                config_err(
-                    "replication.ca",
-                    "required with replication.tls: the CA the active's certificate must chain to",
-                )
-            })?;
-            let identity = match (&replication_certificate, &replication_key) {
-                (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
-                (None, None) => None,
-                (Some(_), None) => {
-                    return Err(config_err(
-                        "replication.key",
-                        "required with replication.certificate",
-                    ))
-                }
-                (None, Some(_)) => {
-                    return Err(config_err(
-                        "replication.certificate",
-                        "required with replication.key",
-                    ))
-                }
-            };
-            Some(
-                sluice_server::tls::ClientTls::load("replication", &ca, identity)
-                    .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))?,
-            )
-        } else {
-            for (key, v) in [
-                ("replication.ca", &replication_ca),
-                ("replication.certificate", &replication_certificate),
-                ("replication.key", &replication_key),
-            ] {
-                if v.is_some() {
-                    return Err(config_err(key, "set, but replication.tls is false"));
-                }
-            }
-            None
-        };
-        if tap_ack_interval == 0 {
-            return Err(config_err("tap.ack_interval", "must be at least 1"));
-        }
-        if tap_ack_window == 0 {
-            return Err(config_err("tap.ack_window", "must be at least 1"));
-        }
-        if !(1..=sluice_core::item::MAX_TAP_HOPS).contains(&tap_ttl) {
-            return Err(config_err("tap.ttl", "must be 1 to 31 hops"));
-        }
-        let tap = TapConfig {
-            ack_interval: tap_ack_interval,
-            ack_window: tap_ack_window,
-            grace_period: secs("tap.grace_period", tap_grace_period)?,
-            backoff: secs("tap.backoff", tap_backoff)?,
-            ttl: tap_ttl,
-            max_sessions: tap_max_sessions,
-            max_unacked_bytes: tap_max_unacked_bytes,
-        };
-        if tap_max_sessions == 0 {
-            return Err(config_err("tap.max_sessions", "must be at least 1"));
-        }
-        if tap_max_unacked_bytes < 64 << 10 {
-            return Err(config_err(
-                "tap.max_unacked_bytes",
-                "must be at least 64 KiB",
-            ));
-        }
-        if max_unauthenticated == 0 {
-            return Err(config_err("max_unauthenticated", "must be at least 1"));
-        }
-        if max_unauthenticated_per_ip == 0 {
-            return Err(config_err(
-                "max_unauthenticated_per_ip",
-                "must be at least 1",
-            ));
-        }
-        let login = LoginLimits {
-            max_unauthenticated,
-            max_unauthenticated_per_ip,
-            login_timeout: secs("login_timeout", login_timeout)?,
-        };
-        if login.login_timeout.is_zero() {
-            return Err(config_err("login_timeout", "must be more than 0"));
-        }
-        let policies = Arc::new(PolicyHost::default());
-        policies.set_timeout(secs("policy.timeout", policy_timeout)?);
-        if !(1..=10800).contains(&replication_noop_interval) {
-            return Err(config_err(
-                "replication.noop_interval",
-                "must be 1 to 10800 seconds",
-            ));
-        }
-        let replica_of = match replica_of.filter(|a| !a.is_empty()) {
-            None => None,
-            Some(a) => {
-                socket_addr("replication.replica_of", a)?;
-                if !engine.engine.config().replica {
-                    return Err(config_err(
-                        "replication.replica_of",
-                        "the engine was not opened as a replica (EngineSettings replica=True)",
-                    ));
-                }
-                Some(sluice_server::replica::ReplicaConfig {
-                    active: a.to_string(),
-                    username: replication_user.clone(),
-                    password: replication_password.clone(),
-                    noop_interval: replication_noop_interval,
-                    tls: replication_tls.clone(),
-                    vbuckets: None,
-                })
-            }
-        };
-        let addr = socket_addr("listen", listen)?;
-        let admin_listen = admin_listen
-            .filter(|a| !a.is_empty())
-            .map(|a| socket_addr("admin_listen", a))
-            .transpose()?;
-        let iproto_listen = iproto_listen
-            .filter(|a| !a.is_empty())
-            .map(|a| socket_addr("iproto_listen", a))
-            .transpose()?;
-        let tank_listen = tank_listen
-            .filter(|a| !a.is_empty())
-            .map(|a| socket_addr("tank_listen", a))
-            .transpose()?;
-        let greenstack_listen = greenstack_listen
-            .filter(|a| !a.is_empty())
-            .map(|a| socket_addr("greenstack_listen", a))
-            .transpose()?;
-        if max_connections == 0 {
-            return Err(config_err("max_connections", "must be at least 1"));
-        }
-        let tarantool_upstream = match tarantool_upstream.filter(|a| !a.is_empty()) {
-            None => None,
-            Some(a) => {
-                socket_addr("tarantool_upstream.address", a)?;
-                for name in &tarantool_upstream_spaces {
-                    if !spaces.iter().any(|s| &s.0 == name) {
-                        return Err(config_err(
-                            "tarantool_upstream.spaces",
-                            format!("no space {name:?} is configured ([spaces.{name}])"),
-                        ));
-                    }
-                }
-                if spaces.is_empty() {
-                    return Err(config_err(
-                        "tarantool_upstream.address",
-                        "no space to follow into: declare the followed spaces in [spaces.NAME]",
-                    ));
-                }
-                let user = tarantool_upstream_user
-                    .filter(|u| !u.is_empty())
-                    .map(|u| (u, tarantool_upstream_password.unwrap_or_default()));
-                Some(sluice_server::iproto::follow::FollowConfig {
-                    upstream: sluice_server::upstream::UpstreamConfig {
-                        address: a.to_string(),
-                        user,
-                        timeout: std::time::Duration::from_secs(10),
-                    },
-                    spaces: tarantool_upstream_spaces,
-                    anonymous: tarantool_upstream_anonymous,
-                })
-            }
-        };
+        let config_error =
+            |e: sluice_server::settings::SettingsError| ConfigError::new_err(e.to_string());
         let max_item = engine
             .engine
             .buckets()
@@ -403,39 +91,28 @@ impl Server {
             .map(|b| b.config.max_item_size)
             .max()
             .unwrap_or(BUCKET_DEFAULTS.max_item_size);
-        let config = sluice_server::ServerConfig {
-            listen: addr,
-            admin_listen,
-            max_connections,
-            // The largest value plus room for key, extras and framing extras.
-            max_body: max_item + 1024,
-            idle_timeout: secs("idle_timeout", idle_timeout)?,
-            worker_threads: io_threads.max(1),
-            users: users_of(users)?,
-            replica_of,
-            replication_login: (replication_user, replication_password),
-            replication_noop_interval,
-            replication_tls,
-            tap,
-            login,
-            tls_listen,
-            tls,
-            iproto_listen,
-            tank_listen,
-            greenstack_listen,
-            spaces: spaces_of(spaces),
-            tarantool_upstream,
-            hold_connections,
-        };
+        let checked = sluice_server::settings::Settings::from_json(settings)
+            .and_then(|s| s.check(max_item, engine.engine.config().replica))
+            .map_err(config_error)?;
+        let policies = Arc::new(PolicyHost::default());
+        policies.set_timeout(checked.policy_timeout);
+        let config = checked.config;
         let e = engine.engine.clone();
         let host = policies.clone();
         let warmup = greenstack_warmup.map(GreenstackWarmup::take).transpose()?;
         let server = py
             .detach(|| {
-                let warm = warmup
-                    .map(sluice_server::greenstack::Warmup::finish)
-                    .transpose()?;
-                sluice_server::Server::start_with(e, config, host, warm)
+                let prebound = match warmup {
+                    Some(w) => vec![w.into_prebound()?],
+                    None => Vec::new(),
+                };
+                sluice_server::Server::start_with(
+                    e,
+                    config,
+                    host,
+                    prebound,
+                    sluice_server::server::FRONTS,
+                )
             })
             .map_err(|err| {
                 if err.kind() == std::io::ErrorKind::InvalidInput {
@@ -447,13 +124,13 @@ impl Server {
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
         let tls_address = server.tls_addr().map(|a| a.to_string());
-        let iproto_address = server.iproto_addr().map(|a| a.to_string());
-        let tank_address = server.tank_addr().map(|a| a.to_string());
-        let greenstack_address = server.greenstack_addr().map(|a| a.to_string());
+        let fronts = server
+            .fronts()
+            .iter()
+            .map(|r| (r.declaration.name.to_string(), r.addr.to_string()))
+            .collect();
         Ok(Server {
-            iproto_address,
-            tank_address,
-            greenstack_address,
+            fronts,
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
@@ -519,22 +196,11 @@ impl Server {
         Ok(())
     }
 
-    /// "HOST:PORT" of the iproto listener, if it runs.
+    /// "HOST:PORT" of each registered front that listens, by its name ("iproto", "tank",
+    /// "greenstack").
     #[getter]
-    fn iproto_address(&self) -> Option<&str> {
-        self.iproto_address.as_deref()
-    }
-
-    /// "HOST:PORT" of the TANK listener, if it runs.
-    #[getter]
-    fn tank_address(&self) -> Option<&str> {
-        self.tank_address.as_deref()
-    }
-
-    /// "HOST:PORT" of the Greenstack listener, if it runs.
-    #[getter]
-    fn greenstack_address(&self) -> Option<&str> {
-        self.greenstack_address.as_deref()
+    fn fronts(&self) -> std::collections::BTreeMap<String, String> {
+        self.fronts.clone()
     }
 
     /// "HOST:PORT" of the TLS KV listener, if it runs.

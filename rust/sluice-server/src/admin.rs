@@ -166,6 +166,8 @@ impl Refusal {
 /// counters, the engine, the users), the replicators, the settings and the certificate in use.
 pub struct NodeView {
     pub fronts: Arc<Fronts>,
+    /// The registered fronts that run.
+    pub registered: Arc<[crate::front::Running]>,
     pub followers: Arc<Followers>,
     /// As started: the addresses are the ones bound.
     pub config: ServerConfig,
@@ -674,14 +676,8 @@ pub fn metrics(node: &NodeView) -> String {
     );
     f.dcp.policies.metrics(&mut o);
     crate::tank::topic_metrics(node.engine(), &mut o);
-    if let Some(gs) = &f.greenstack {
-        gs.stats.metrics(&mut o);
-    }
-    if let Some(tank) = &f.tank {
-        tank.stats.metrics(&mut o);
-    }
-    if let Some(iproto) = &f.iproto {
-        iproto.stats.metrics(&mut o);
+    for r in node.registered.iter() {
+        r.front.metrics(&mut o);
     }
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
@@ -725,6 +721,7 @@ pub fn status(node: &NodeView) -> serde_json::Value {
         "uptime_s": node.fronts.kv.started.elapsed().as_secs(),
         "listen": node.config.listen.to_string(),
         "tls_listen": node.config.tls_listen.map(|a| a.to_string()),
+        "fronts": node.registered.iter().map(|r| (r.declaration.name.to_string(), json!({"listen": r.addr.to_string(), "status": r.front.status()}))).collect::<serde_json::Map<_, _>>(),
         "admin_https": node.tls.as_ref().is_some_and(|t| t.settings().admin),
         "connections": node.fronts.kv.stats.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},

@@ -50,12 +50,9 @@ pub struct ServerConfig {
     /// The certificate and key of the TLS listener (and of the admin endpoint when
     /// `tls.admin`).
     pub tls: Option<crate::tls::TlsSettings>,
-    /// Tarantool's iproto listener, if any.
-    pub iproto_listen: Option<SocketAddr>,
-    /// TANK's listener, if any (topics).
-    pub tank_listen: Option<SocketAddr>,
-    /// Greenstack's listener, if any.
-    pub greenstack_listen: Option<SocketAddr>,
+    /// The registered fronts' listeners (`<name>_listen`), by front name; a front not named
+    /// does not listen.
+    pub listeners: std::collections::BTreeMap<String, SocketAddr>,
     /// The spaces iproto serves (`[spaces.NAME]`), each in its bucket.
     pub spaces: Vec<crate::iproto::SpaceConfig>,
     /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).

@@ -21,8 +21,8 @@ use tokio::sync::watch;
 use crate::dcp::producer::DcpContext;
 use crate::driver::{Check, Conn, End, Ended, Fault, Flow as DriverFlow, Frame, Out};
 use crate::kv::{Flow, Handoff, HeldReply, KvContext, KvSession};
-use crate::login::LoginThrottle;
 use crate::tap::TapContext;
+use crate::throttle::LoginThrottle;
 
 /// What a client connection works with, built once by the server: the KV front every
 /// connection starts in, the stream fronts it may be handed to, and the bounds before login.
@@ -34,12 +34,6 @@ pub struct Fronts {
     pub port: Arc<crate::driver::Port>,
     /// Failed SASL (and iproto AUTH) attempts, which slow the next ones down.
     pub throttle: Arc<LoginThrottle>,
-    /// The iproto front, when `iproto_listen` is set (its counters show in /metrics).
-    pub iproto: Option<Arc<crate::iproto::IprotoContext>>,
-    /// The TANK front, when `tank_listen` is set.
-    pub tank: Option<Arc<crate::tank::TankContext>>,
-    /// The Greenstack front, when `greenstack_listen` is set.
-    pub greenstack: Option<Arc<crate::greenstack::GreenstackContext>>,
 }
 
 /// Held replies past which the connection stops reading until the oldest is sent: a client

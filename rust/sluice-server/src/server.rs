@@ -17,6 +17,7 @@ use crate::clustermap::ClusterMap;
 use crate::config::ServerConfig;
 use crate::connection::{self, Fronts};
 use crate::dcp::producer::DcpContext;
+use crate::front::{Declaration, Front, Prebound, Registration, Running, Shared};
 use crate::kv::KvContext;
 use crate::limits::PreLogin;
 use crate::replica::Followers;
@@ -30,9 +31,8 @@ pub struct Server {
     local_addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
     tls_addr: Option<SocketAddr>,
-    iproto_addr: Option<SocketAddr>,
-    tank_addr: Option<SocketAddr>,
-    greenstack_addr: Option<SocketAddr>,
+    /// The registered fronts that listen, with the addresses bound.
+    running: Arc<[Running]>,
     stop: watch::Sender<bool>,
     /// False while the client listeners wait (`ServerConfig::hold_connections`).
     accepting: watch::Sender<bool>,
@@ -43,21 +43,30 @@ pub struct Server {
     replication: crate::cluster::Replication,
 }
 
+/// The fronts this build serves besides the memcached port, a line each. A front declares
+/// everything else itself (`front::Registration`).
+pub static FRONTS: &[&Registration] = &[
+    &crate::iproto::FRONT,
+    &crate::tank::FRONT,
+    &crate::greenstack::FRONT,
+];
+
 impl Server {
     /// Binds (errors come back here, not later) and starts serving. A TLS certificate that
     /// cannot be used is an `InvalidInput` error naming the key and the file.
     pub fn start(engine: Arc<Engine>, config: ServerConfig) -> std::io::Result<Server> {
-        Server::start_with(engine, config, Default::default(), None)
+        Server::start_with(engine, config, Default::default(), Vec::new(), FRONTS)
     }
 
     /// Starts with a policy host the caller keeps (the Python side installs plugins in it).
-    /// `warm`: the Greenstack listener and connections taken while the engine opened
-    /// (`greenstack::Warmup`), used instead of binding `greenstack_listen`.
+    /// `prebound`: listeners fronts bound while the engine opened (Greenstack's warm-up), used
+    /// instead of binding theirs. `fronts`: the registered fronts (`FRONTS`, or more).
     pub fn start_with(
         engine: Arc<Engine>,
         config: ServerConfig,
         policies: Arc<crate::policy::PolicyHost>,
-        warm: Option<crate::greenstack::Warmed>,
+        prebound: Vec<Prebound>,
+        fronts: &[&'static Registration],
     ) -> std::io::Result<Server> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads.max(1))
@@ -98,44 +107,29 @@ impl Server {
                 (None, _) => None,
             };
         let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
-        let iproto_listener = match config.iproto_listen {
-            Some(a) => {
-                let l = bind("iproto listener", "iproto_listen", a)?;
-                l.set_nonblocking(true)?;
-                Some(l)
-            }
-            None => None,
-        };
-        let iproto_addr = iproto_listener
-            .as_ref()
-            .map(|l| l.local_addr())
-            .transpose()?;
-        let tank_listener = match config.tank_listen {
-            Some(a) => {
-                let l = bind("TANK listener", "tank_listen", a)?;
-                l.set_nonblocking(true)?;
-                Some(l)
-            }
-            None => None,
-        };
-        let tank_addr = tank_listener.as_ref().map(|l| l.local_addr()).transpose()?;
-        let (warm_listener, warm_connections) = match warm {
-            Some(w) => (Some(w.listener), w.connections),
-            None => (None, Vec::new()),
-        };
-        let greenstack_listener = match (warm_listener, config.greenstack_listen) {
-            (Some(l), _) => Some(l),
-            (None, Some(a)) => {
-                let l = bind("Greenstack listener", "greenstack_listen", a)?;
-                l.set_nonblocking(true)?;
-                Some(l)
-            }
-            (None, None) => None,
-        };
-        let greenstack_addr = greenstack_listener
-            .as_ref()
-            .map(|l| l.local_addr())
-            .transpose()?;
+        // Each registered front's listener: the one it bound already, or its configured address.
+        let mut prebound = prebound;
+        let mut bound = Vec::new();
+        for r in fronts {
+            let d = &r.declaration;
+            let pre = prebound
+                .iter()
+                .position(|p| p.name == d.name)
+                .map(|i| prebound.swap_remove(i));
+            let Some(addr) = config.listeners.get(d.name).copied() else {
+                continue;
+            };
+            let (listener, warm) = match pre {
+                Some(p) => (p.listener, Some(p.warm)),
+                None => {
+                    let what = format!("{} listener", d.title);
+                    let l = bind(&what, &format!("{}_listen", d.name), addr)?;
+                    l.set_nonblocking(true)?;
+                    (l, None)
+                }
+            };
+            bound.push((*r, listener.local_addr()?, listener, warm));
+        }
         // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
         let catalog = crate::iproto::Catalog::build(&engine, &config.spaces)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -144,6 +138,11 @@ impl Server {
         config.listen = local_addr;
         config.admin_listen = admin_addr;
         config.tls_listen = tls_addr;
+        for (r, addr, _, _) in &bound {
+            config
+                .listeners
+                .insert(r.declaration.name.to_string(), *addr);
+        }
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         // Each front gets what it works with; none sees the others' state.
@@ -151,19 +150,9 @@ impl Server {
         let clustermap = Arc::new(ClusterMap::new(local_addr, tls_addr));
         let users = Arc::new(UserTable::new(config.users.clone()));
         let prelogin = Arc::new(PreLogin::new(config.login.clone()));
-        let throttle = Arc::new(crate::login::LoginThrottle::default());
+        let throttle = Arc::new(crate::throttle::LoginThrottle::default());
         let catalog = Arc::new(catalog);
         let follow = config.tarantool_upstream.clone();
-        let followed: std::collections::HashSet<u32> = follow
-            .as_ref()
-            .map(|f| {
-                catalog
-                    .spaces()
-                    .filter(|(_, s)| f.spaces.is_empty() || f.spaces.contains(&s.name))
-                    .map(|(id, _)| id)
-                    .collect()
-            })
-            .unwrap_or_default();
         let port = |kind, noun, max_frame| {
             Arc::new(crate::driver::Port {
                 kind,
@@ -177,45 +166,6 @@ impl Server {
             })
         };
         let kv_port = port("KV", "connection", config.max_body);
-        let iproto = iproto_addr.map(|listen| {
-            Arc::new(crate::iproto::IprotoContext {
-                engine: engine.clone(),
-                users: users.clone(),
-                catalog: catalog.clone(),
-                port: port(
-                    "iproto",
-                    "iproto connection",
-                    crate::iproto::MAX_PACKET.max(config.max_body),
-                ),
-                stats: Default::default(),
-                throttle: throttle.clone(),
-                instance_uuid: crate::iproto::instance_uuid(engine.instance()),
-                listen,
-                started: std::time::Instant::now(),
-                followed,
-            })
-        });
-        let tank = tank_addr.map(|_| {
-            Arc::new(crate::tank::TankContext {
-                engine: engine.clone(),
-                port: port("tank", "TANK connection", config.max_body),
-                stats: Default::default(),
-                started_unix: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs() as u32),
-            })
-        });
-        let greenstack = greenstack_addr.map(|_| {
-            Arc::new(crate::greenstack::GreenstackContext {
-                engine: engine.clone(),
-                users: users.clone(),
-                port: port("greenstack", "Greenstack connection", config.max_body),
-                stats: Default::default(),
-                throttle: throttle.clone(),
-                failed_logins: Default::default(),
-                clustermap: clustermap.clone(),
-            })
-        });
         let tarantool_follower = follow.map(|f| {
             let status = Arc::new(crate::iproto::follow::FollowStatus::new(
                 &f.upstream.address,
@@ -232,7 +182,7 @@ impl Server {
         });
         let kv = Arc::new(KvContext {
             engine: engine.clone(),
-            users,
+            users: users.clone(),
             stats: stats.clone(),
             started: std::time::Instant::now(),
             tap_applied: Default::default(),
@@ -250,7 +200,7 @@ impl Server {
         });
         let tap = Arc::new(TapContext {
             engine: engine.clone(),
-            io: stats,
+            io: stats.clone(),
             config: config.tap.clone(),
             sessions: Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions)),
             stats: Default::default(),
@@ -262,11 +212,36 @@ impl Server {
             dcp,
             tap,
             port: kv_port,
-            throttle,
-            iproto: iproto.clone(),
-            tank: tank.clone(),
-            greenstack: greenstack.clone(),
+            throttle: throttle.clone(),
         });
+        // The registered fronts, each built from the node's shared pieces and its own port.
+        let mut running = Vec::new();
+        let mut registered = Vec::new();
+        for (r, addr, listener, warm) in bound {
+            let d = r.declaration;
+            let shared = Shared {
+                engine: &engine,
+                users: &users,
+                throttle: &throttle,
+                clustermap: &clustermap,
+                spaces: &config.spaces,
+                followed: config.tarantool_upstream.as_ref().map(|f| &f.spaces[..]),
+                listen: addr,
+                stop: &stop_rx,
+                runtime: runtime.handle(),
+            };
+            let front = (r.build)(
+                &shared,
+                port(d.kind, d.noun, (r.max_frame)(config.max_body)),
+            )?;
+            running.push(Running {
+                declaration: d,
+                front: front.clone(),
+                addr,
+            });
+            registered.push((d, front, listener, warm));
+        }
+        let running: Arc<[Running]> = running.into();
         engine.set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies.clone())));
         let followers = Arc::new(Followers::start(
             engine.clone(),
@@ -294,6 +269,7 @@ impl Server {
             }
             let view = Arc::new(NodeView {
                 fronts: fronts.clone(),
+                registered: running.clone(),
                 followers: followers.clone(),
                 config: config.clone(),
                 tls: tls.clone(),
@@ -314,33 +290,16 @@ impl Server {
             }
             None => None,
         };
-        let iproto_listener = match iproto_listener {
-            Some(l) => {
-                let _enter = runtime.enter();
-                Some(TcpListener::from_std(l)?)
-            }
-            None => None,
-        };
-        let tank_listener = match tank_listener {
-            Some(l) => {
-                let _enter = runtime.enter();
-                Some(TcpListener::from_std(l)?)
-            }
-            None => None,
-        };
-        let greenstack_listener = match greenstack_listener {
-            Some(l) => {
-                let _enter = runtime.enter();
-                Some(TcpListener::from_std(l)?)
-            }
-            None => None,
+        let registered = {
+            let _enter = runtime.enter();
+            registered
+                .into_iter()
+                .map(|(d, front, l, warm)| Ok((d, front, TcpListener::from_std(l)?, warm)))
+                .collect::<std::io::Result<Vec<_>>>()?
         };
         let (fr, tls_) = (fronts.clone(), tls.clone());
         // One limit for every listener: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
-        let (iproto_stop, iproto_limit) = (stop_rx.clone(), limit.clone());
-        let (tank_stop, tank_limit) = (stop_rx.clone(), limit.clone());
-        let (gs_stop, gs_limit) = (stop_rx.clone(), limit.clone());
         let io_loops = loops.clone();
         let (accepting, mut held) = watch::channel(!config.hold_connections);
         let mut stopped = stop_rx.clone();
@@ -372,30 +331,19 @@ impl Server {
                     .await;
                 }
             };
-            let iproto = async {
-                if let (Some(l), Some(ctx)) = (iproto_listener, iproto) {
-                    crate::iproto::serve(l, ctx, iproto_stop, iproto_limit, loops.clone()).await;
-                }
-            };
-            let tank_front = async {
-                if let (Some(l), Some(ctx)) = (tank_listener, tank) {
-                    crate::tank::serve(l, ctx, tank_stop, tank_limit, loops.clone()).await;
-                }
-            };
-            let greenstack_front = async {
-                if let (Some(l), Some(ctx)) = (greenstack_listener, greenstack) {
-                    crate::greenstack::serve(
-                        l,
-                        ctx,
-                        gs_stop,
-                        gs_limit,
-                        loops.clone(),
-                        warm_connections,
-                    )
-                    .await;
-                }
-            };
-            tokio::join!(plain, tls, iproto, tank_front, greenstack_front);
+            let others = registered.into_iter().map(|(d, front, l, warm)| {
+                serve_front(
+                    d,
+                    front,
+                    l,
+                    warm,
+                    stop_rx.clone(),
+                    limit.clone(),
+                    loops.clone(),
+                    stats.clone(),
+                )
+            });
+            tokio::join!(plain, tls, join_all(others));
             let _ = done_tx.send(());
         });
         Ok(Server {
@@ -404,9 +352,7 @@ impl Server {
             local_addr,
             admin_addr,
             tls_addr,
-            iproto_addr,
-            tank_addr,
-            greenstack_addr,
+            running,
             stop: stop_tx,
             accepting,
             done: Some(done_rx),
@@ -436,19 +382,9 @@ impl Server {
         self.admin_addr
     }
 
-    /// The TANK listener's address, if it runs.
-    pub fn tank_addr(&self) -> Option<SocketAddr> {
-        self.tank_addr
-    }
-
-    /// The Greenstack listener's address, if it runs.
-    pub fn greenstack_addr(&self) -> Option<SocketAddr> {
-        self.greenstack_addr
-    }
-
-    /// The iproto listener's address, if it runs.
-    pub fn iproto_addr(&self) -> Option<SocketAddr> {
-        self.iproto_addr
+    /// The registered fronts that run, where each listens.
+    pub fn fronts(&self) -> &[Running] {
+        &self.running
     }
 
     /// The TLS KV listener's address, if it runs.
@@ -585,4 +521,83 @@ fn bind(
 ) -> std::io::Result<std::net::TcpListener> {
     std::net::TcpListener::bind(address)
         .map_err(|e| std::io::Error::new(e.kind(), format!("{what} {address} ({key}): {e}")))
+}
+
+/// Accepts connections of a registered front until the stop signal, under the server's
+/// connection limit, each admitted by the driver and served by the front; those it took before
+/// the server started (`warm`) go on first.
+#[allow(clippy::too_many_arguments)]
+async fn serve_front(
+    d: Declaration,
+    front: Arc<dyn Front>,
+    listener: TcpListener,
+    warm: Option<Box<dyn std::any::Any + Send>>,
+    stop: watch::Receiver<bool>,
+    limit: Arc<Semaphore>,
+    loops: Arc<crate::listener::IoLoops>,
+    io: Arc<ConnectionStats>,
+) {
+    let mut resumed = tokio::task::JoinSet::new();
+    for r in warm
+        .map(|w| front.clone().resume(w, stop.clone()))
+        .unwrap_or_default()
+    {
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            io.connections_rejected.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "closing {} from {} after warm-up: max_connections reached",
+                d.noun,
+                r.peer
+            );
+            continue;
+        };
+        front.accepted();
+        resumed.spawn_on(
+            async move {
+                // Registered with the event loop of the thread it runs on.
+                match tokio::net::TcpStream::from_std(r.socket) {
+                    Ok(s) => (r.run)(s).await,
+                    Err(e) => log::info!("{} from {} lost after warm-up: {e}", d.noun, r.peer),
+                }
+                drop(permit);
+            },
+            loops.next(),
+        );
+    }
+    let port_front = front.clone();
+    crate::listener::serve(
+        listener,
+        d.title,
+        io,
+        stop,
+        limit,
+        loops,
+        move |socket, peer, stop| {
+            let front = port_front.clone();
+            front.accepted();
+            async move {
+                let port = front.port();
+                crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
+                    front.serve(conn)
+                })
+                .await
+            }
+        },
+    )
+    .await;
+    while resumed.join_next().await.is_some() {}
+}
+
+/// Waits for every future of `all`.
+async fn join_all<F: std::future::Future<Output = ()>>(all: impl Iterator<Item = F>) {
+    let mut all: Vec<_> = all.map(Box::pin).collect();
+    std::future::poll_fn(|cx| {
+        all.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if all.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await
 }

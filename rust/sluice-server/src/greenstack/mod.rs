@@ -19,13 +19,18 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+
 use sluice_core::Engine;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
 use crate::auth::UserTable;
-use crate::login::LoginThrottle;
+use crate::driver::Conn;
+use crate::front::{Declaration, Front, Registration, Resumed, Shared};
 use crate::metrics::metric;
+use crate::throttle::LoginThrottle;
 
 /// What Greenstack sessions work with, built by the server.
 pub struct GreenstackContext {
@@ -180,87 +185,103 @@ impl GreenstackStats {
     }
 }
 
-/// Runs one accepted Greenstack connection to its end: what the listener does with each (and
-/// how the `greenstack_session` fuzz target drives the front over loopback sockets). `warm`:
-/// one taken during warm-up.
+/// The Greenstack front's registration (`server::FRONTS`).
+pub static FRONT: Registration = Registration {
+    declaration: Declaration {
+        name: "greenstack",
+        title: "Greenstack",
+        default_listen: "127.0.0.1:11220",
+        doc: "Address of the Greenstack listener (docs/greenstack.md): HELLO, login, buckets, GET \
+              and MUTATION on lanes with out-of-order replies.",
+        login: true,
+        kind: "greenstack",
+        noun: "Greenstack connection",
+    },
+    max_frame: |max_body| max_body,
+    build,
+};
+
+fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+    Ok(Arc::new(GreenstackContext {
+        engine: shared.engine.clone(),
+        users: shared.users.clone(),
+        port,
+        stats: Default::default(),
+        throttle: shared.throttle.clone(),
+        failed_logins: Default::default(),
+        clustermap: shared.clustermap.clone(),
+    }))
+}
+
+impl GreenstackContext {
+    /// Runs one admitted connection; `warm`: one taken during warm-up.
+    async fn run(self: Arc<Self>, conn: Conn, warm: Option<session::WarmStart>) {
+        let ctx = self.clone();
+        crate::listener::counted(&ctx.stats.connections, session::run(conn, self, warm)).await
+    }
+}
+
+impl Front for GreenstackContext {
+    fn serve(self: Arc<Self>, conn: Conn) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(self.run(conn, None))
+    }
+
+    fn port(&self) -> Arc<crate::driver::Port> {
+        self.port.clone()
+    }
+
+    fn accepted(&self) {
+        self.stats.connections_total.fetch_add(1, Relaxed);
+    }
+
+    fn metrics(&self, out: &mut String) {
+        self.stats.metrics(out)
+    }
+
+    /// The connections taken during warm-up go on as sessions, told warm-up is done.
+    fn resume(
+        self: Arc<Self>,
+        warm: Box<dyn Any + Send>,
+        stop: watch::Receiver<bool>,
+    ) -> Vec<Resumed> {
+        let Ok(connections) = warm.downcast::<Vec<WarmConnection>>() else {
+            return Vec::new();
+        };
+        connections
+            .into_iter()
+            .map(|c| {
+                let (ctx, stop, peer, start) = (self.clone(), stop.clone(), c.peer, c.start);
+                Resumed {
+                    socket: c.socket,
+                    peer,
+                    run: Box::new(move |socket| {
+                        Box::pin(async move {
+                            let port = ctx.port.clone();
+                            crate::driver::serve_connection(
+                                socket.into(),
+                                peer,
+                                stop,
+                                port,
+                                |conn| ctx.run(conn, Some(start)),
+                            )
+                            .await
+                        })
+                    }),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Runs one accepted Greenstack connection to its end, as the server does (how the
+/// `greenstack_session` fuzz target drives the front over loopback sockets).
 pub async fn serve_connection(
     socket: tokio::net::TcpStream,
     peer: std::net::SocketAddr,
     ctx: Arc<GreenstackContext>,
     stop: watch::Receiver<bool>,
 ) {
-    serve_one(socket, peer, ctx, stop, None).await
-}
-
-async fn serve_one(
-    socket: tokio::net::TcpStream,
-    peer: std::net::SocketAddr,
-    ctx: Arc<GreenstackContext>,
-    stop: watch::Receiver<bool>,
-    warm: Option<session::WarmStart>,
-) {
+    ctx.accepted();
     let port = ctx.port.clone();
-    let session = crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
-        session::run(conn, ctx.clone(), warm)
-    });
-    crate::listener::counted(&ctx.stats.connections, session).await;
-}
-
-/// Accepts Greenstack connections until the stop signal, under the server's connection
-/// limit, then lets the open ones finish. Those taken during warm-up go on first.
-pub async fn serve(
-    listener: TcpListener,
-    ctx: Arc<GreenstackContext>,
-    stop: watch::Receiver<bool>,
-    limit: Arc<Semaphore>,
-    loops: Arc<crate::listener::IoLoops>,
-    warm: Vec<WarmConnection>,
-) {
-    let mut warm_sessions = tokio::task::JoinSet::new();
-    for c in warm {
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            ctx.port.io.connections_rejected.fetch_add(1, Relaxed);
-            log::warn!(
-                "closing Greenstack connection from {} after warm-up: max_connections reached",
-                c.peer
-            );
-            continue;
-        };
-        ctx.stats.connections_total.fetch_add(1, Relaxed);
-        let (ctx, stop) = (ctx.clone(), stop.clone());
-        warm_sessions.spawn_on(
-            async move {
-                // Registered with the event loop of the thread it runs on.
-                let socket = match tokio::net::TcpStream::from_std(c.socket) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        log::info!(
-                            "Greenstack connection from {} lost after warm-up: {e}",
-                            c.peer
-                        );
-                        return;
-                    }
-                };
-                serve_one(socket, c.peer, ctx, stop, Some(c.start)).await;
-                drop(permit);
-            },
-            loops.next(),
-        );
-    }
-    let io = ctx.port.io.clone();
-    crate::listener::serve(
-        listener,
-        "Greenstack",
-        io,
-        stop,
-        limit,
-        loops,
-        move |socket, peer, stop| {
-            let ctx = ctx.clone();
-            ctx.stats.connections_total.fetch_add(1, Relaxed);
-            serve_connection(socket, peer, ctx, stop)
-        },
-    )
-    .await;
-    while warm_sessions.join_next().await.is_some() {}
+    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| ctx.serve(conn)).await
 }

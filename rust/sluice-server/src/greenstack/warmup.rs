@@ -89,6 +89,17 @@ impl Warmup {
         self.runtime.shutdown_background();
         Ok(warmed)
     }
+
+    /// Ends warm-up, its listener and connections handed to the server as the Greenstack
+    /// front's (`Server::start_with`).
+    pub fn into_prebound(self) -> std::io::Result<crate::front::Prebound> {
+        let warmed = self.finish()?;
+        Ok(crate::front::Prebound {
+            name: super::FRONT.declaration.name,
+            listener: warmed.listener,
+            warm: Box::new(warmed.connections),
+        })
+    }
 }
 
 async fn accept(

@@ -1,6 +1,6 @@
 //! AUTH: chap-sha1 against the users' `chap_sha1` (sha1(sha1(password))), with this
 //! connection's salt. A failure is counted and slows the next attempts for the same name and
-//! address (`login::LoginThrottle`, shared with SASL); the connection stays open and keeps
+//! address (`throttle::LoginThrottle`, shared with SASL); the connection stays open and keeps
 //! the user it had (guest until an AUTH succeeds), as Tarantool's does.
 
 use std::sync::atomic::Ordering::Relaxed;

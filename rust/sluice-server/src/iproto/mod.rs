@@ -30,13 +30,16 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::future::Future;
+use std::pin::Pin;
+
 use sluice_core::Engine;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
 
 use crate::auth::UserTable;
-use crate::login::LoginThrottle;
+use crate::driver::Conn;
+use crate::front::{Declaration, Front, Registration, Shared};
 use crate::metrics::metric;
+use crate::throttle::LoginThrottle;
 
 pub use schema::{Catalog, Space};
 
@@ -202,37 +205,71 @@ impl IprotoStats {
     }
 }
 
-/// Accepts iproto connections until the stop signal, under the server's connection limit
-/// (shared with the memcached listeners), then lets the open ones finish what they hold.
-pub async fn serve(
-    listener: TcpListener,
-    ctx: Arc<IprotoContext>,
-    stop: watch::Receiver<bool>,
-    limit: Arc<Semaphore>,
-    loops: Arc<crate::listener::IoLoops>,
-) {
-    let io = ctx.port.io.clone();
-    crate::listener::serve(
-        listener,
-        "iproto",
-        io,
-        stop,
-        limit,
-        loops,
-        move |socket, peer, stop| {
-            let ctx = ctx.clone();
-            ctx.stats.connections_total.fetch_add(1, Relaxed);
-            async move {
-                let port = ctx.port.clone();
-                let session =
-                    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
-                        session::run(conn, ctx.clone())
-                    });
-                crate::listener::counted(&ctx.stats.connections, session).await;
-            }
-        },
-    )
-    .await
+/// The iproto front's registration (`server::FRONTS`).
+pub static FRONT: Registration = Registration {
+    declaration: Declaration {
+        name: "iproto",
+        title: "iproto",
+        default_listen: "127.0.0.1:3301",
+        doc:
+            "Address of the Tarantool iproto listener (README \"Tarantool's iproto\"): the spaces \
+              of [spaces.NAME] for tarantool-python, net.box and other connectors.",
+        login: true,
+        kind: "iproto",
+        noun: "iproto connection",
+    },
+    max_frame: |max_body| MAX_PACKET.max(max_body),
+    build,
+};
+
+fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+    let engine = shared.engine;
+    // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
+    let catalog = Catalog::build(engine, shared.spaces)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let followed = shared
+        .followed
+        .map(|names| {
+            catalog
+                .spaces()
+                .filter(|(_, s)| names.is_empty() || names.contains(&s.name))
+                .map(|(id, _)| id)
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Arc::new(IprotoContext {
+        engine: engine.clone(),
+        users: shared.users.clone(),
+        catalog: Arc::new(catalog),
+        port,
+        stats: Default::default(),
+        throttle: shared.throttle.clone(),
+        instance_uuid: instance_uuid(engine.instance()),
+        listen: shared.listen,
+        started: Instant::now(),
+        followed,
+    }))
+}
+
+impl Front for IprotoContext {
+    fn serve(self: Arc<Self>, conn: Conn) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let ctx = self.clone();
+            crate::listener::counted(&ctx.stats.connections, session::run(conn, self)).await
+        })
+    }
+
+    fn port(&self) -> Arc<crate::driver::Port> {
+        self.port.clone()
+    }
+
+    fn accepted(&self) {
+        self.stats.connections_total.fetch_add(1, Relaxed);
+    }
+
+    fn metrics(&self, out: &mut String) {
+        self.stats.metrics(out)
+    }
 }
 
 #[cfg(test)]

@@ -9,10 +9,13 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use sluice_core::Engine;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use std::future::Future;
+use std::pin::Pin;
 
+use sluice_core::Engine;
+
+use crate::driver::Conn;
+use crate::front::{Declaration, Front, Registration, Shared};
 use crate::metrics::{label_value, metric};
 
 /// What TANK sessions work with.
@@ -167,46 +170,67 @@ pub fn topic_metrics(engine: &Engine, o: &mut String) {
     }
 }
 
-/// Runs one accepted TANK connection to its end: what the listener does with each (and how the
-/// `tank_session` fuzz target drives the front over loopback sockets).
+/// The TANK front's registration (`server::FRONTS`).
+pub static FRONT: Registration = Registration {
+    declaration: Declaration {
+        name: "tank",
+        title: "TANK",
+        default_listen: "127.0.0.1:11011",
+        doc: "Address of the TANK listener (README \"TANK\"): topics produced to and consumed \
+              from by tank-cli and TANK clients.",
+        login: false,
+        kind: "tank",
+        noun: "TANK connection",
+    },
+    max_frame: |max_body| max_body,
+    build,
+};
+
+fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+    Ok(Arc::new(TankContext {
+        engine: shared.engine.clone(),
+        port,
+        stats: Default::default(),
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as u32),
+    }))
+}
+
+impl Front for TankContext {
+    fn serve(self: Arc<Self>, conn: Conn) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let mut session = session::Session::new(self.clone(), conn.peer);
+            let run = async move {
+                let mut conn = conn;
+                crate::driver::run(&mut conn, &mut session).await;
+            };
+            crate::listener::counted(&self.stats.connections, run).await
+        })
+    }
+
+    fn port(&self) -> Arc<crate::driver::Port> {
+        self.port.clone()
+    }
+
+    fn accepted(&self) {
+        self.stats.connections_total.fetch_add(1, Relaxed);
+    }
+
+    fn metrics(&self, out: &mut String) {
+        self.stats.metrics(out)
+    }
+}
+
+/// Runs one accepted TANK connection to its end, as the server does (how the `tank_session`
+/// fuzz target drives the front over loopback sockets).
 pub async fn serve_connection(
     socket: tokio::net::TcpStream,
     peer: std::net::SocketAddr,
     ctx: Arc<TankContext>,
-    stop: watch::Receiver<bool>,
+    stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    ctx.accepted();
     let port = ctx.port.clone();
-    let session = crate::driver::serve_connection(socket.into(), peer, stop, port, |mut conn| {
-        let mut session = session::Session::new(ctx.clone(), peer);
-        async move {
-            crate::driver::run(&mut conn, &mut session).await;
-        }
-    });
-    crate::listener::counted(&ctx.stats.connections, session).await;
-}
-
-/// Accepts TANK connections until the stop signal, under the server's connection limit, then
-/// lets the open ones finish.
-pub async fn serve(
-    listener: TcpListener,
-    ctx: Arc<TankContext>,
-    stop: watch::Receiver<bool>,
-    limit: Arc<Semaphore>,
-    loops: Arc<crate::listener::IoLoops>,
-) {
-    let io = ctx.port.io.clone();
-    crate::listener::serve(
-        listener,
-        "TANK",
-        io,
-        stop,
-        limit,
-        loops,
-        move |socket, peer, stop| {
-            let ctx = ctx.clone();
-            ctx.stats.connections_total.fetch_add(1, Relaxed);
-            serve_connection(socket, peer, ctx, stop)
-        },
-    )
-    .await
+    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| ctx.serve(conn)).await
 }
