@@ -20,3 +20,35 @@ def server(tmp_path: Path):
     node = Node(tmp_path / "node")
     yield node
     assert node.stop() == 0, "".join(node.lines)[-2000:]
+
+
+# The suite runs in worker processes side by side (pytest-xdist, `--dist loadgroup`, set in
+# pyproject.toml). A file's tests stay together on one worker (module fixtures such as Spark's
+# session or a shared node are built once, and a file's tests keep their order); the tests that
+# run cargo share one group, so two builds never compete for the two cores and the target
+# directory; the heaviest files are handed out first, so the longest one does not start last.
+CARGO = {"test_lint.py", "test_packaging.py"}
+HEAVY_FIRST = [
+    "test_spark.py",
+    "test_cluster.py",
+    "test_packaging.py",
+    "test_lint.py",
+    "test_kill9_server.py",
+    "test_replication.py",
+    "test_couchbase_sdk_kv.py",
+    "test_greenstack.py",
+    "test_greenstack_client.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        if not any(m.name == "xdist_group" for m in item.iter_markers()):
+            item.add_marker(pytest.mark.xdist_group("cargo" if name in CARGO else name))
+
+    def rank(item: pytest.Item) -> int:
+        name = Path(str(item.fspath)).name
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)

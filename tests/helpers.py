@@ -194,6 +194,22 @@ def write_users_config(path: Path, bob_perms: str) -> None:
     )
 
 
+# `sluice serve` arguments that keep a node off every default port (tests run side by side):
+# the client port and the admin endpoint on free ports, the other fronts off.
+NO_DEFAULT_PORTS = (
+    "--listen",
+    "127.0.0.1:0",
+    "--admin-listen",
+    "127.0.0.1:0",
+    "--iproto-listen",
+    "",
+    "--tank-listen",
+    "",
+    "--greenstack-listen",
+    "",
+)
+
+
 class Node:
     """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded."""
 

@@ -185,6 +185,10 @@ def test_second_serve_on_the_same_data_dir_exits_1(data_dir, serve):
         "",
         "--iproto-listen",
         "",
+        "--tank-listen",
+        "",
+        "--greenstack-listen",
+        "",
         timeout=30,
     )
     assert r.returncode == 1
@@ -226,6 +230,10 @@ def test_serve_refuses_damage_unless_forced(data_dir, serve):
         "--admin-listen",
         "",
         "--iproto-listen",
+        "",
+        "--tank-listen",
+        "",
+        "--greenstack-listen",
         "",
         timeout=30,
     )

@@ -75,6 +75,12 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
         "127.0.0.1:0",
         "--admin-listen",
         server.admin,
+        "--iproto-listen",
+        "",
+        "--tank-listen",
+        "",
+        "--greenstack-listen",
+        "",
     )
     assert r.returncode == 1
     assert f"admin listener {server.admin} (admin_listen): Address already in use" in r.stderr, r.stderr
@@ -87,6 +93,10 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
         "--admin-listen",
         "",
         "--iproto-listen",
+        "",
+        "--tank-listen",
+        "",
+        "--greenstack-listen",
         "",
     )
     assert r.returncode == 1

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import Node, run_cli
+from helpers import NO_DEFAULT_PORTS, Node, run_cli
 
 FRAMES = Path(__file__).resolve().parent.parent / "rust/sluice-proto/tests/data/tank_frames.txt"
 
@@ -238,7 +238,7 @@ def test_topics_declared_in_the_config_are_created_at_start(tmp_path):
     node.stop()
     bad = tmp_path / "bad.toml"
     bad.write_text('[topics.logs]\nsettings = "log.retention.fortnights = 2"\n')
-    r = run_cli("serve", "--config", str(bad), "--data-dir", str(tmp_path / "d2"), "--tank-listen", "")
+    r = run_cli("serve", "--config", str(bad), "--data-dir", str(tmp_path / "d2"), *NO_DEFAULT_PORTS)
     assert r.returncode == 2, r.stderr
     assert "topics.logs.settings: log.retention.fortnights: not a topic setting" in r.stderr
 

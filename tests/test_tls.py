@@ -26,7 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from helpers import NUM_VBUCKETS, Node, node_config, run_cli, write_users_config
+from helpers import NO_DEFAULT_PORTS, NUM_VBUCKETS, Node, node_config, run_cli, write_users_config
 from mcbp_wire import GET, NOOP, SET, login, read_response, request, set_extras
 
 
@@ -214,7 +214,7 @@ def test_a_bad_tls_configuration_is_refused_with_the_key(tmp_path, pki, toml, re
     cert, key = pki.issue("server", 1)
     cfg = tmp_path / "bad.toml"
     cfg.write_text(toml.format(cert=cert, key=key, missing=tmp_path / "missing.pem"))
-    r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0")
+    r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), *NO_DEFAULT_PORTS)
     assert r.returncode == 2, r.stderr
     assert reason in r.stderr, r.stderr
 
