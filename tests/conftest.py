@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from sluice import _native
 
 
 @pytest.fixture
@@ -20,6 +22,34 @@ def server(tmp_path: Path):
     node = Node(tmp_path / "node")
     yield node
     assert node.stop() == 0, "".join(node.lines)[-2000:]
+
+
+@pytest.fixture
+def clocked_server(tmp_path: Path):
+    """`server` with fault injection on (SLUICE_ERRINJ): a test moves its clock on with
+    `node.inject("clock_offset_secs", N)` rather than sleeping through an expiry."""
+    from helpers import Node
+
+    node = Node(tmp_path / "node", env=dict(os.environ, SLUICE_ERRINJ=""))
+    yield node
+    assert node.stop() == 0, "".join(node.lines)[-2000:]
+
+
+@pytest.fixture
+def clock():
+    """Moves the wall clock of this process's engines on (the `clock_offset_secs` injection
+    point), and back when the test ends."""
+
+    class Clock:
+        offset = 0
+
+        def advance(self, seconds: int) -> None:
+            self.offset += seconds
+            _native.errinj_set("clock_offset_secs", self.offset)
+
+    c = Clock()
+    yield c
+    _native.errinj_set("clock_offset_secs", 0)
 
 
 # The suite runs in worker processes side by side (pytest-xdist, `--dist loadgroup`, set in
@@ -41,6 +71,8 @@ HEAVY_FIRST = [
 ]
 
 
+# Before xdist's own hook, which reads the groups.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         name = Path(str(item.fspath)).name
