@@ -228,6 +228,7 @@ class Node:
             cmd += ["--tank-listen", "127.0.0.1:0"]
         if "--greenstack-listen" not in args:
             cmd += ["--greenstack-listen", "127.0.0.1:0"]
+        self.data_dir = data_dir
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -268,6 +269,15 @@ class Node:
             if text in line:
                 return line
         raise AssertionError(f"no {text!r} within {timeout} s: {''.join(self.lines)[-3000:]}")
+
+    def inject(self, name: str, value: int) -> dict[str, int]:
+        """Sets a fault injection point (`POST /errinj`) of a node started with SLUICE_ERRINJ;
+        answers every point's value."""
+        token = (self.data_dir / "admin.token").read_text().strip()
+        headers = {"Authorization": f"Bearer {token}", "X-Sluice-Request": "1"}
+        code, _, body = admin_post(self, f"/errinj?name={name}&value={value}", headers)
+        assert code == 200, body
+        return json.loads(body)
 
     def metrics(self) -> str:
         """GET /metrics: the Prometheus text."""

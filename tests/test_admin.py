@@ -281,3 +281,19 @@ def test_bad_requests_get_bounded_answers(server):
     # A body within the limit is read (and ignored) before the answer.
     ok = exchange(b"POST /promote HTTP/1.1\r\nX-Sluice-Request: 1\r\nContent-Length: 5\r\n\r\nab" + b"cde")
     assert ok.startswith(b"HTTP/1.1 200") and b'"promoted"' in ok
+
+
+def test_fault_injection_is_off_unless_the_node_was_started_with_it(tmp_path, clocked_server):
+    server = Node(tmp_path / "plain")
+    token = (server.data_dir / "admin.token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}", "X-Sluice-Request": "1"}
+    code, _, body = admin_post(server, "/errinj?name=clock_offset_secs&value=5", headers)
+    assert code == 404 and "SLUICE_ERRINJ" in body
+    assert clocked_server.inject("clock_offset_secs", 5)["clock_offset_secs"] == 5
+    token = (clocked_server.data_dir / "admin.token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}", "X-Sluice-Request": "1"}
+    code, _, body = admin_post(clocked_server, "/errinj?name=no_such_point&value=1", headers)
+    assert code == 400 and "wal_write_delay_ms" in body
+    # Setting one needs the admin's credentials like any other change.
+    assert admin_post(clocked_server, "/errinj?name=clock_offset_secs&value=0")[0] in (401, 403)
+    assert server.stop() == 0

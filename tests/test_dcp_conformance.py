@@ -166,7 +166,9 @@ def test_stream_request_answers(server, mc):
     c.close()
 
 
-def test_message_extras_and_snapshots(server, mc):
+def test_message_extras_and_snapshots(clocked_server):
+    server = clocked_server
+    mc = bmemcached.Client([server.address])
     ks = keys_in(2, 4)
     for k in ks:
         mc.set(k, "value-" + k)
@@ -200,7 +202,7 @@ def test_message_extras_and_snapshots(server, mc):
     seqnos = [m["seqno"] for m in msgs if m["op"] == MUTATION]
     assert seqnos == [6, 7]
     # The item expires; reading it makes the EXPIRATION (20 bytes of extras).
-    time.sleep(2.2)
+    server.inject("clock_offset_secs", 3)
     assert mc.get(ks[2]) is None
     m = [x for x in c.collect(lambda m: any(x["op"] == EXPIRATION for x in m)) if x["op"] == EXPIRATION]
     assert m[0]["seqno"] == 8 and m[0]["key"] == ks[2].encode() and m[0]["delete_time"] > 0

@@ -127,7 +127,7 @@ def test_rev_seqno_and_tombstones(engine):
     assert engine.get_meta(b"r").deleted is False
 
 
-def test_relative_expiry(engine):
+def test_relative_expiry(engine, clock):
     start = time.time()
     m = engine.set(b"short", b"v", expiry=1)
     engine.set(b"long", b"v", expiry=30 * 86400)  # the largest relative value
@@ -137,7 +137,7 @@ def test_relative_expiry(engine):
     assert abs(engine.get(b"long").expiry - (start + 30 * 86400)) <= 2
     assert engine.get(b"never").expiry == 0
 
-    time.sleep(2.2)
+    clock.advance(3)
     high = engine.high_seqnos()[m.vbucket]
     assert engine.get(b"short") is None
     # Reading it turned it into an EXPIRATION change with its own seqno: a tombstone.

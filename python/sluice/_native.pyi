@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "CorruptionError",
     "DEFAULTS",
+    "FRONTS",
     "DcpConsumer",
     "DurabilityImpossibleError",
     "SyncWriteAmbiguousError",
@@ -36,6 +37,11 @@ __all__ = [
     "WalFailedError",
     "__version__",
     "bench",
+    "errinj_enable",
+    "errinj_set",
+    "errinj_values",
+    "greenstack_decode",
+    "greenstack_frame",
     "msgpack_json",
     "tank_consume_answer",
     "tank_consume_frame",
@@ -417,6 +423,21 @@ def tarantool_schema(
     password: str | None = None,
     timeout: float = 10.0,
 ) -> tuple[list[str], list[str]]: ...
+def errinj_set(name: str, value: int) -> None: ...
+def errinj_enable(spec: str) -> None: ...
+def errinj_values() -> dict[str, int]: ...
+def greenstack_frame(
+    opaque: int,
+    opcode: int,
+    payload: Mapping[str, Any] | None = None,
+    *,
+    flags: int = 0,
+    status: int | None = None,
+    flex: list[tuple[int, bytes]] = ...,
+) -> bytes: ...
+def greenstack_decode(
+    body: bytes,
+) -> tuple[int, int, int, int | None, dict[int, bytes], dict[str, Any]]: ...
 def tank_produce_frame(
     request_id: int,
     topic: str,

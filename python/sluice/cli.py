@@ -128,6 +128,15 @@ def _create_topics(engine: _native.EmbeddedEngine, cfg: Config) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Fault injection for tests (docs/architecture.md): points set at start, and changeable
+    # through the admin endpoint's POST /errinj from then on. Off unless the variable is set.
+    errinj = os.environ.get("SLUICE_ERRINJ")
+    if errinj is not None:
+        try:
+            _native.errinj_enable(errinj)
+        except ValueError as e:
+            raise _native.ConfigError(f"invalid config: SLUICE_ERRINJ: {e}") from None
+        log.warning("fault injection is on (SLUICE_ERRINJ): %s", _native.errinj_values())
     cfg = _declare_followed_spaces(_load(args))
     tls_listen = cfg.server_settings()["tls_listen"]
     logins = [f"{f['name']}_listen" for f in _native.FRONTS if f["login"]]

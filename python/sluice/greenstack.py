@@ -31,11 +31,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
-import msgpack
-
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+from sluice import _native
 from sluice._native import (
     ClosedError,
     DurabilityImpossibleError,
@@ -73,8 +72,7 @@ DELETE, TOUCH, GET_ALL_VB_SEQNOS, NOTICE = 0x0407, 0x0408, 0x0409, 0x0410
 STREAM_MESSAGES = range(DCP_SNAPSHOT_MARKER, DCP_STREAM_END + 1)
 
 # The first flag byte's bits.
-RESPONSE, FLEX, FENCE, MORE, QUIET, NEXT_FLAG_BYTE = 0x01, 0x02, 0x04, 0x08, 0x10, 0x80
-MAX_FLAG_BYTES = 4
+RESPONSE, FLEX, FENCE, MORE, QUIET = 0x01, 0x02, 0x04, 0x08, 0x10
 
 # Flex header keys.
 LANE_ID, PRIORITY, VBUCKET_ID, IGNORE_UNLESS_EXECUTED_BEFORE = 0x0000, 0x0005, 0x0007, 0x0009
@@ -251,69 +249,17 @@ def encode_frame(
     status: int | None = None,
     flex: tuple[tuple[int, bytes], ...] = (),
 ) -> bytes:
-    """One frame: a request, or a reply when ``status`` is given."""
-    entries = b"".join(struct.pack(">HH", key, len(value)) + value for key, value in flex)
-    if entries:
-        flags |= FLEX
-    if status is not None:
-        flags |= RESPONSE
-    body = struct.pack(">IHB", opaque, opcode, flags)
-    if status is not None:
-        body += struct.pack(">H", status)
-    if entries:
-        body += struct.pack(">I", len(entries)) + entries
-    if payload:
-        body += msgpack.packb(payload, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
+    """One frame: a request, or a reply when ``status`` is given (the server's own codec,
+    `sluice._native.greenstack_frame`)."""
+    return _native.greenstack_frame(opaque, opcode, payload, flags=flags, status=status, flex=list(flex))
 
 
 def decode_frame(body: bytes) -> Frame:
-    """A frame's body (what follows its length field)."""
-    if len(body) < 7:
-        raise ProtocolViolation(f"a frame of {len(body)} bytes, shorter than the smallest")
-    opaque, opcode, flags = struct.unpack_from(">IHB", body)
-    at, flag_byte = 7, flags
-    for _ in range(MAX_FLAG_BYTES - 1):
-        if not flag_byte & NEXT_FLAG_BYTE:
-            break
-        if at >= len(body):
-            raise ProtocolViolation("a flag byte announced and missing")
-        flag_byte, at = body[at], at + 1
-    else:
-        if flag_byte & NEXT_FLAG_BYTE:
-            raise ProtocolViolation(f"more than {MAX_FLAG_BYTES} flag bytes")
-    status = None
-    if flags & RESPONSE:
-        if at + 2 > len(body):
-            raise ProtocolViolation("a reply without its status")
-        (status,) = struct.unpack_from(">H", body, at)
-        at += 2
-    flex: dict[int, bytes] = {}
-    if flags & FLEX:
-        if at + 4 > len(body):
-            raise ProtocolViolation("a flex header without its length")
-        (n,) = struct.unpack_from(">I", body, at)
-        entries, at = body[at + 4 : at + 4 + n], at + 4 + n
-        if at > len(body):
-            raise ProtocolViolation("a flex header longer than its frame")
-        i = 0
-        while i < len(entries):
-            if i + 4 > len(entries):
-                raise ProtocolViolation("a flex entry cut short")
-            key, length = struct.unpack_from(">HH", entries, i)
-            if i + 4 + length > len(entries):
-                raise ProtocolViolation("a flex entry running past its header")
-            flex[key] = entries[i + 4 : i + 4 + length]
-            i += 4 + length
-    payload: dict[str, Any] = {}
-    if at < len(body):
-        try:
-            decoded = msgpack.unpackb(body[at:], raw=False)
-        except ValueError as e:
-            raise ProtocolViolation(f"a payload that is not msgpack: {e}") from e
-        if not isinstance(decoded, dict):
-            raise ProtocolViolation(f"a payload that is not a map but {type(decoded).__name__}")
-        payload = decoded
+    """A frame's body (what follows its length field), read by the server's own codec."""
+    try:
+        opaque, opcode, flags, status, flex, payload = _native.greenstack_decode(body)
+    except ValueError as e:
+        raise ProtocolViolation(str(e)) from None
     return Frame(opaque, opcode, flags, status, flex, payload, 4 + len(body))
 
 

@@ -8,18 +8,24 @@ pub struct HybridClock {
     last: u64,
 }
 
+/// The wall clock in nanoseconds, moved by the `clock_offset_secs` injection point.
 pub fn now_nanos() -> u64 {
-    SystemTime::now()
+    let offset = crate::errinj::CLOCK_OFFSET_SECS.get();
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    now.saturating_add_signed(offset.saturating_mul(1_000_000_000))
 }
 
+/// The wall clock in seconds, moved by the `clock_offset_secs` injection point.
 pub fn now_secs() -> u32 {
-    SystemTime::now()
+    let offset = crate::errinj::CLOCK_OFFSET_SECS.get();
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as u32)
-        .unwrap_or(0)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    now.saturating_add_signed(offset) as u32
 }
 
 impl HybridClock {

@@ -16,6 +16,7 @@ pub mod config;
 pub mod dump;
 pub mod durability;
 pub mod engine;
+pub mod errinj;
 pub mod error;
 pub mod failover;
 pub mod hash;

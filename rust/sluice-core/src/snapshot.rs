@@ -49,6 +49,9 @@ impl BlockWriter {
         self.out.write_all(&self.buf)?;
         self.buf.clear();
         self.at = xlog::begin_block(&mut self.buf);
+        if let Some(delay) = crate::errinj::SNAPSHOT_BLOCK_DELAY_MS.millis() {
+            std::thread::sleep(delay);
+        }
         Ok(())
     }
 }

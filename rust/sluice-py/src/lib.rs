@@ -11,7 +11,9 @@
 mod dcp;
 mod defaults;
 mod engine;
+mod errinj;
 mod errors;
+mod greenstack;
 mod items;
 mod policy;
 mod records;
@@ -49,6 +51,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::tarantool_tail, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tarantool_schema, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
+    m.add_function(wrap_pyfunction!(errinj::errinj_set, m)?)?;
+    m.add_function(wrap_pyfunction!(errinj::errinj_enable, m)?)?;
+    m.add_function(wrap_pyfunction!(errinj::errinj_values, m)?)?;
+    m.add_function(wrap_pyfunction!(greenstack::greenstack_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(greenstack::greenstack_decode, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_produce_frame, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_consume_frame, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_consume_answer, m)?)?;

@@ -621,11 +621,11 @@ fn parse_head(head: &[u8]) -> Result<Request, &'static str> {
 async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &Admin) -> Answer {
     let change = match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/metrics" | "/status") => false,
-        ("POST", "/promote" | "/takeover") => true,
-        (_, "/metrics" | "/status" | "/promote" | "/takeover") => {
+        ("POST", "/promote" | "/takeover" | "/errinj") => true,
+        (_, "/metrics" | "/status" | "/promote" | "/takeover" | "/errinj") => {
             return Answer::text(
                 405,
-                "GET /metrics, GET /status, POST /promote, POST /takeover\n",
+                "GET /metrics, GET /status, POST /promote, POST /takeover, POST /errinj\n",
             )
         }
         _ => return Answer::text(404, "try /metrics or /status\n"),
@@ -644,6 +644,7 @@ async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &A
             a
         }
         "/status" => Answer::json(tokio::task::block_in_place(|| status(node))),
+        "/errinj" => errinj(req),
         "/promote" => match tokio::task::spawn_blocking(move || nv.followers.promote()).await {
             Ok(Ok(done)) => Answer::json(serde_json::json!({
                 "promoted": done.iter().map(|(b, v)| serde_json::json!({"bucket": b, "vbuckets": v})).collect::<Vec<_>>()
@@ -659,6 +660,31 @@ async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &A
                 Err(e) => Answer::text(500, format!("{e}\n")),
             }
         }
+    }
+}
+
+/// `POST /errinj?name=NAME&value=N`: sets a fault injection point (`sluice_core::errinj`), on a
+/// node started with `SLUICE_ERRINJ` only; answers every point's value.
+fn errinj(req: &Request) -> Answer {
+    use sluice_core::errinj;
+    if !errinj::enabled() {
+        return Answer::text(
+            404,
+            "fault injection is off on this node (start it with SLUICE_ERRINJ set)\n",
+        );
+    }
+    let (Some(name), Some(value)) = (req.arg("name"), req.arg("value")) else {
+        return Answer::text(400, "give name=NAME&value=INTEGER\n");
+    };
+    let Ok(value) = value.parse::<i64>() else {
+        return Answer::text(400, format!("value {value:?} is not an integer\n"));
+    };
+    match errinj::set(&name, value) {
+        Ok(()) => Answer::json(serde_json::json!(errinj::values()
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(
+        ))),
+        Err(why) => Answer::text(400, format!("{why}\n")),
     }
 }
 

@@ -1002,6 +1002,9 @@ impl Writer {
 
     /// Writes the batch (once; the caller decides about retries), then publishes it.
     fn write_batch(&mut self, shared: &Shared) -> io::Result<()> {
+        if let Some(delay) = crate::errinj::WAL_WRITE_DELAY_MS.millis() {
+            std::thread::sleep(delay);
+        }
         let fp = match shared.failpoint.load(Ordering::Acquire) {
             1 => Failpoint::NoSpace,
             2 => Failpoint::IoError,

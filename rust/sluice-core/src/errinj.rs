@@ -1,0 +1,116 @@
+//! Named fault injection points, as Tarantool's errinj: values a test sets while a node runs,
+//! read where the fault would happen. Each is off (0) unless set, and reading one is a relaxed
+//! atomic load, so they stay in release builds. A process has one table: an embedded engine
+//! (`sluice._native.errinj_set`), a server started with `SLUICE_ERRINJ` set (`sluice serve`
+//! reads `NAME=VALUE,...` from it at start, and the admin endpoint's `POST /errinj` changes
+//! them afterwards), or a Rust test. The WAL's failures (ENOSPC, EIO, a failed sync) are the
+//! engine's own failpoint (`Engine::set_wal_failpoint`), one per engine.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
+
+/// Whether this process takes injections from outside (a server started with `SLUICE_ERRINJ`):
+/// the admin endpoint refuses `POST /errinj` otherwise.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Lets the admin endpoint change the points (set at start, never undone).
+pub fn enable() {
+    ENABLED.store(true, Relaxed);
+}
+
+pub fn enabled() -> bool {
+    ENABLED.load(Relaxed)
+}
+
+/// One injection point: its name, what it does, and its value now.
+pub struct Injection {
+    pub name: &'static str,
+    pub doc: &'static str,
+    value: AtomicI64,
+}
+
+impl Injection {
+    const fn new(name: &'static str, doc: &'static str) -> Injection {
+        Injection {
+            name,
+            doc,
+            value: AtomicI64::new(0),
+        }
+    }
+
+    pub fn get(&self) -> i64 {
+        self.value.load(Relaxed)
+    }
+
+    pub fn set(&self, value: i64) {
+        self.value.store(value, Relaxed);
+    }
+
+    /// The value as a duration in milliseconds, None when off (0 or below).
+    pub fn millis(&self) -> Option<std::time::Duration> {
+        u64::try_from(self.get())
+            .ok()
+            .filter(|&ms| ms > 0)
+            .map(std::time::Duration::from_millis)
+    }
+}
+
+/// Seconds added to the wall clock every time reading of the engine takes (`hlc`): expiry,
+/// TTLs, lock times, CAS. A test moves time on instead of sleeping through it.
+pub static CLOCK_OFFSET_SECS: Injection = Injection::new(
+    "clock_offset_secs",
+    "seconds added to the wall clock the engine reads (expiry, CAS, lock times)",
+);
+
+/// The WAL writer waits this long before it writes each batch: replies that acknowledge writes
+/// wait with it, reads do not.
+pub static WAL_WRITE_DELAY_MS: Injection = Injection::new(
+    "wal_write_delay_ms",
+    "milliseconds the WAL writer waits before writing each batch",
+);
+
+/// A snapshot waits this long after each block it writes: writes go on meanwhile.
+pub static SNAPSHOT_BLOCK_DELAY_MS: Injection = Injection::new(
+    "snapshot_block_delay_ms",
+    "milliseconds a snapshot waits after each block it writes",
+);
+
+/// Every injection point, by name.
+pub static ALL: &[&Injection] = &[
+    &CLOCK_OFFSET_SECS,
+    &WAL_WRITE_DELAY_MS,
+    &SNAPSHOT_BLOCK_DELAY_MS,
+];
+
+/// Sets the point named `name`; Err names the points there are.
+pub fn set(name: &str, value: i64) -> Result<(), String> {
+    match ALL.iter().find(|i| i.name == name) {
+        Some(i) => {
+            i.set(value);
+            Ok(())
+        }
+        None => Err(format!(
+            "no injection point {name:?} (there are: {})",
+            ALL.iter().map(|i| i.name).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
+/// Sets points from `NAME=VALUE,NAME=VALUE` (the `SLUICE_ERRINJ` variable's form).
+pub fn set_all(spec: &str) -> Result<(), String> {
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, value) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not NAME=VALUE"))?;
+        let value = value
+            .trim()
+            .parse()
+            .map_err(|_| format!("{part:?}: the value is not an integer"))?;
+        set(name.trim(), value)?;
+    }
+    Ok(())
+}
+
+/// Every point with its value now.
+pub fn values() -> Vec<(&'static str, i64)> {
+    ALL.iter().map(|i| (i.name, i.get())).collect()
+}
