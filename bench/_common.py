@@ -165,8 +165,11 @@ def kill_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 class SluiceNode:
     """`python -m sluice serve` on free ports; stderr read on a thread (as tests/helpers.Node)."""
 
-    def __init__(self, data_dir: Path, config: Path, replica_of: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "sluice", "serve", "--config", str(config), "--data-dir", str(data_dir)]
+    def __init__(
+        self, data_dir: Path, config: Path, replica_of: str | None = None, python: str = sys.executable
+    ) -> None:
+        """`python`: the interpreter whose sluice runs (an earlier build in a virtualenv)."""
+        cmd = [python, "-m", "sluice", "serve", "--config", str(config), "--data-dir", str(data_dir)]
         cmd += ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--tank-listen", "127.0.0.1:0"]
         cmd += ["--greenstack-listen", "127.0.0.1:0", "--iproto-listen", "127.0.0.1:0"]
         if replica_of:

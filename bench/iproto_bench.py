@@ -41,9 +41,12 @@ def loads(value_size: int) -> list[tuple[str, float, int]]:
 
 
 def measure(kind: str, work: Path, args: argparse.Namespace, ratio: float, pipeline: int) -> dict:
-    """One run of one load against a fresh server of `kind`."""
-    if kind == "sluice":
-        node = SluiceNode(work / "data", sluice_config(work / "sluice.toml", wal_mode="write"))
+    """One run of one load against a fresh server of `kind` (with `--baseline`, the second kind
+    is that interpreter's sluice, an earlier build, instead of Tarantool)."""
+    if kind == "sluice" or args.baseline:
+        python = args.baseline if kind != "sluice" else sys.executable
+        config = sluice_config(work / "sluice.toml", wal_mode="write")
+        node = SluiceNode(work / "data", config, python=python)
         address = node.ready_line.split("(iproto ")[1].split(")")[0]
         stop = node.stop
     else:
@@ -75,11 +78,17 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--value-size", type=int, default=100, help="bytes of each tuple's name field")
+    ap.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="compare with the sluice of this interpreter (an earlier build) instead of Tarantool",
+    )
     args = ap.parse_args()
     if shutil.which("tarantool") is None:
         print("tarantool is not installed: apt-get install tarantool", file=sys.stderr)
         return 1
     results: dict = {
+        "baseline": args.baseline,
         "duration": args.duration,
         "runs": args.runs,
         "connections": args.connections,
@@ -107,10 +116,13 @@ def main() -> int:
 
 
 def write(results: dict) -> None:
-    write_json(RESULTS / "iproto.json", results)
+    # With --baseline the second server is an earlier build of sluice, not Tarantool.
+    other, stem = (
+        ("earlier build", "iproto_vs_baseline") if results.get("baseline") else ("Tarantool", "iproto")
+    )
+    write_json(RESULTS / f"{stem}.json", results)
     rows = [
-        "| load | sluice ops/s | Tarantool ops/s | ratio | sluice p50 / p99 (us) "
-        "| Tarantool p50 / p99 (us) |",
+        f"| load | sluice ops/s | {other} ops/s | ratio | sluice p50 / p99 (us) | {other} p50 / p99 (us) |",
         "|---|---|---|---|---|---|",
     ]
     names, medians = [], []
@@ -128,30 +140,32 @@ def write(results: dict) -> None:
     flags = f"--duration {results['duration']} --runs {results['runs']}"
     if results["value_size"] != 100:
         flags += f" --value-size {results['value_size']}"
+    if results.get("baseline"):
+        flags += f" --baseline {results['baseline']}"
     md = (
-        f"# sluice against Tarantool 2.6 over iproto\n\n`python bench/iproto_bench.py {flags}`: "
+        f"# sluice against {other} over iproto\n\n`python bench/iproto_bench.py {flags}`: "
         f"`sluice bench --protocol iproto`, {results['connections']} connections, "
         f"{results['keys']:,} keys, chap-sha1 AUTH, space `users` (memtx TREE primary on "
         'Tarantool), WAL written without fsync per write on both (sluice `[wal] mode = "write"`, '
         "Tarantool `wal_mode = 'write'`), medians of the runs, on this 2-core machine (the load "
         "generator shares it).\n\n" + "\n".join(rows) + "\n"
     )
-    (RESULTS / "iproto.md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     x = range(len(names))
-    for n, (label, color) in enumerate([("sluice", "#4C72B0"), ("Tarantool 2.6", "#DD8452")]):
+    for n, (label, color) in enumerate([("sluice", "#4C72B0"), (other, "#DD8452")]):
         offset = (n - 0.5) * 0.4
         ax.bar([i + offset for i in x], [m[n] / 1e3 for m in medians], 0.4, label=label, color=color)
     ax.set_xticks(list(x), names, fontsize=8)
     ax.set_ylabel("thousand ops/s (median)")
-    ax.set_title("iproto: sluice against Tarantool 2.6, same load")
+    ax.set_title(f"iproto: sluice against {other}, same load")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "iproto.png", dpi=110)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
 
 
 if __name__ == "__main__":

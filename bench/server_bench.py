@@ -101,6 +101,13 @@ def start(
             f"127.0.0.1:{port}",
             "--admin-listen",
             "",
+            # Off: a baseline and this build may be up at once.
+            "--iproto-listen",
+            "",
+            "--tank-listen",
+            "",
+            "--greenstack-listen",
+            "",
         ]
         if kind == "tls" and tls is not None:
             _, cert, key = tls

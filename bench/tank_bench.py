@@ -39,6 +39,8 @@ from pathlib import Path
 from _common import RESULTS, admin_get, free_port, kill_group, pyplot, write_json
 
 KINDS = ("sluice", "tank")
+# `--baseline PYTHON`: the interpreter whose sluice (an earlier build) stands in for TANK.
+BASELINE: str | None = None
 # Not a throughput: the server's CPU seconds per bundle of the Python client's produce.
 SERVER_CPU = "server CPU per bundle produced"
 # `bm p2c` round trips per run; the run reports their median.
@@ -62,8 +64,10 @@ def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str,
     nothing else on the machine holds a port it wants."""
     address = f"127.0.0.1:{free_port()}"
     admin = f"127.0.0.1:{free_port()}"
-    if kind == "sluice":
-        cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
+    if kind == "sluice" or BASELINE:
+        # With --baseline, the second kind is an earlier build of sluice instead of TANK.
+        python = BASELINE if kind != "sluice" and BASELINE else sys.executable
+        cmd = [python, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
         cmd += ["--listen", "127.0.0.1:0", "--admin-listen", admin, "--iproto-listen", ""]
         cmd += ["--greenstack-listen", "", "--tank-listen", address]
     else:
@@ -253,7 +257,14 @@ def main() -> int:
     ap.add_argument("--tank-dir", type=Path, required=True, help="where TANK's tank and tank-cli were built")
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="compare with the sluice of this interpreter (an earlier build) instead of TANK's broker",
+    )
     args = ap.parse_args()
+    global BASELINE
+    BASELINE = args.baseline
     for tool in ("tank", "tank-cli"):
         if not (args.tank_dir / tool).exists():
             print(
@@ -284,7 +295,9 @@ def main() -> int:
 
 
 def write(results: dict) -> None:
-    write_json(RESULTS / "tank.json", results)
+    # With --baseline, "tank" is an earlier build of sluice: the same tables, named for it.
+    stem = "tank_vs_baseline" if BASELINE else "tank"
+    write_json(RESULTS / f"{stem}.json", results)
     loads = [
         k for k in results["per_run"]["sluice"][0] if k in results["per_run"]["tank"][0] and k != SERVER_CPU
     ]
@@ -335,8 +348,13 @@ def write(results: dict) -> None:
         )
         medians.append((INTERLEAVED, 1 / us["sluice"], 1 / us["tank"]))
     md = (
-        "# sluice's TANK listener against TANK's broker\n\n"
-        f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
+        (
+            f"# sluice's TANK listener against an earlier build of it ({BASELINE}): in the tables "
+            "below, 'TANK' is that build\n\n"
+            if BASELINE
+            else "# sluice's TANK listener against TANK's broker\n\n"
+        )
+        + f"`python bench/tank_bench.py --tank-dir TANK --messages {results['messages']} "
         f"--runs {results['runs']}`: "
         "the same tank-cli commands against each, 100 B messages in bundles of 1,000 (Snappy: "
         "tank-cli's `-R` does not turn its compression off), then the same from sluice's Python "
@@ -349,7 +367,7 @@ def write(results: dict) -> None:
         + cpu
         + memory
     )
-    (RESULTS / "tank.md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
     plt = pyplot()
     if plt is None:
@@ -363,7 +381,7 @@ def write(results: dict) -> None:
     ax.set_title("TANK protocol: sluice against TANK's broker, same tank-cli commands")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "tank.png", dpi=110)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -6,457 +6,46 @@ Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import faulthandler
 import getpass
 import json
 import logging
-import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
-from sluice import _native, systemd
+from sluice import _native
+from sluice.admin_client import (
+    UsageError,
+    admin_address,
+    admin_auth,
+    admin_call,
+    basic_auth,
+    refusal,
+    unreachable,
+)
 from sluice.config import (
-    ENGINE_KEYS,
-    Config,
     example_toml,
-    is_loopback,
     load_config,
     reference,
-    spaces_from_tarantool,
     user_credentials,
 )
-from sluice.policy import PluginError, PluginRunner
+from sluice.options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, default_of
+from sluice.serve import cmd_serve
+from sluice.tail import cmd_tail
 
 log = logging.getLogger("sluice")
-
-# The file a running node keeps its admin bearer token in, in its data directory (admin.rs).
-TOKEN_FILE = "admin.token"
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-def _load(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config) if args.config else Config.from_dict({}, source="<embedded defaults>")
-    overrides = {}
-    if getattr(args, "data_dir", None):
-        overrides["data_dir"] = args.data_dir
-    if getattr(args, "force_recovery", False):
-        overrides["force_recovery"] = True
-    if getattr(args, "listen", None):
-        overrides["listen"] = args.listen
-    if getattr(args, "admin_listen", None) is not None:
-        overrides["admin_listen"] = args.admin_listen
-    for front in _native.FRONTS:
-        key = f"{front['name']}_listen"
-        if getattr(args, key, None) is not None:
-            overrides[key] = getattr(args, key)
-    if getattr(args, "replica_of", None) is not None:
-        overrides["replication__replica_of"] = args.replica_of
-    if getattr(args, "cluster", None) is not None:
-        overrides["cluster__etcd"] = args.cluster
-    for flag, key in (
-        ("follow_tarantool", "address"),
-        ("follow_tarantool_user", "user"),
-        ("follow_tarantool_password_file", "password_file"),
-        ("follow_spaces", "spaces"),
-    ):
-        if getattr(args, flag, None) is not None:
-            overrides[f"tarantool_upstream__{key}"] = getattr(args, flag)
-    return cfg.with_overrides(**overrides) if overrides else cfg
-
-
-def _declare_followed_spaces(cfg: Config) -> Config:
-    """Declares the followed spaces the configuration leaves out from the Tarantool's own
-    schema (`Config.spaces_to_learn`), read once at start."""
-    wanted = cfg.spaces_to_learn()
-    if wanted is None:
-        return cfg
-    address = cfg.values["tarantool_upstream.address"]
-    user = cfg.values["tarantool_upstream.user"] or None
-    try:
-        space_rows, index_rows = _native.tarantool_schema(
-            address, user=user, password=cfg.secret("tarantool_upstream.password_file")
-        )
-    except _native.SluiceError as e:
-        raise _native.ConfigError(
-            f"invalid config: tarantool_upstream: the spaces to follow are not declared ([spaces.NAME]) "
-            f"and cannot be read from the Tarantool: {e}"
-        ) from None
-    tables, skipped = spaces_from_tarantool(
-        [json.loads(t) for t in space_rows], [json.loads(t) for t in index_rows], wanted
-    )
-    for name, why in sorted(skipped.items()):
-        if name in wanted:
-            raise _native.ConfigError(f"invalid config: tarantool_upstream.spaces: space {name!r}: {why}")
-        log.warning("the Tarantool's space %r is not followed: %s", name, why)
-    if not tables:
-        raise _native.ConfigError(
-            f"invalid config: tarantool_upstream: the Tarantool at {address} has no space to follow"
-        )
-    for name, table in sorted(tables.items()):
-        fields = ", ".join(f"{f['name']} {f['type']}" for f in table["format"])
-        log.info("following the Tarantool's space %r (id %d): %s", name, table["id"], fields)
-    return cfg.with_spaces(tables)
-
-
-def _create_topics(engine: _native.EmbeddedEngine, cfg: Config) -> None:
-    """Creates the [topics.NAME] the data directory does not hold yet. A topic that exists
-    keeps what it was created with; a different partition count or settings get a warning."""
-    have = {name: (partitions, settings) for name, partitions, settings in engine.topics()}
-    for name, t in cfg.topics.items():
-        if name in have:
-            if have[name] != (t["partitions"], t["settings"]):
-                log.warning(
-                    "topic %r exists with %d partition(s) and settings %r; its [topics.%s] "
-                    "(%d, %r) applies only to a new topic",
-                    name,
-                    *have[name],
-                    name,
-                    t["partitions"],
-                    t["settings"],
-                )
-            continue
-        try:
-            engine.create_topic(name, t["partitions"], t["settings"])
-        except _native.ConfigError as e:
-            why = str(e).split(": ", 2)[-1]  # after "invalid argument: topic NAME: "
-            raise _native.ConfigError(f"invalid config: topics.{name}.settings: {why}") from None
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    # Fault injection for tests (docs/architecture.md): points set at start, and changeable
-    # through the admin endpoint's POST /errinj from then on. Off unless the variable is set.
-    errinj = os.environ.get("SLUICE_ERRINJ")
-    if errinj is not None:
-        try:
-            _native.errinj_enable(errinj)
-        except ValueError as e:
-            raise _native.ConfigError(f"invalid config: SLUICE_ERRINJ: {e}") from None
-        log.warning("fault injection is on (SLUICE_ERRINJ): %s", _native.errinj_values())
-    cfg = _declare_followed_spaces(_load(args))
-    tls_listen = cfg.server_settings()["tls_listen"]
-    logins = [f"{f['name']}_listen" for f in _native.FRONTS if f["login"]]
-    for key in ("listen", "admin_listen", "tls_listen", *logins):
-        address = tls_listen if key == "tls_listen" else cfg.values[key]
-        if address and not is_loopback(address) and not cfg.users and not args.insecure:
-            raise _native.ConfigError(
-                f"invalid config: {key}: {address} is beyond loopback and no user is configured "
-                "([users.NAME]); pass --insecure to serve it anyway"
-            )
-    for front in _native.FRONTS:
-        key = f"{front['name']}_listen"
-        address = cfg.values[key]
-        if not front["login"] and address and not is_loopback(address) and not args.insecure:
-            raise _native.ConfigError(
-                f"invalid config: {key}: {address} is beyond loopback, and {front['title']} has no "
-                "login; pass --insecure to serve it anyway"
-            )
-    settings = cfg.to_native()
-    # Read before anything starts: a missing file is a config error naming its key.
-    etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
-    for warning in cfg.warnings():
-        log.warning("config: %s", warning)
-    started = time.monotonic()
-    # A fatal signal (SIGABRT from a supervisor or a test whose stop timed out, a crash) prints
-    # every thread's Python stack to stderr: where a stop hangs shows in the log.
-    faulthandler.enable(all_threads=True)
-    # Handlers go in before anything is announced: a SIGTERM sent right after the ready line
-    # (or during recovery) must still flush the WAL and exit 0, not kill the process.
-    stop = threading.Event()
-
-    def set_from_a_thread(event: threading.Event) -> None:
-        # A handler runs on the main thread, which may be inside `stop.wait()` holding the
-        # event's lock (it is not reentrant): setting it there can deadlock, so a thread does.
-        threading.Thread(target=event.set, daemon=True).start()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, flushing the WAL and stopping", signal.Signals(signum).name)
-        set_from_a_thread(stop)
-
-    reload = threading.Event()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, lambda *_: set_from_a_thread(reload))
-    systemd.notify(f"STATUS=recovering {cfg.data_dir}")
-    # Greenstack clients may connect while the data is recovered: they are told the server is
-    # warming up, and when it is done.
-    greenstack = cfg.values["greenstack_listen"]
-    warmup = _native.GreenstackWarmup(greenstack) if greenstack else None
-    log.info("opening %s (config %s, wal.mode %s)", cfg.data_dir, cfg.source, settings.wal_mode)
-    engine = _native.EmbeddedEngine(settings)
-    try:
-        _create_topics(engine, cfg)
-    except _native.ConfigError:
-        engine.close()
-        raise
-    try:
-        # A node of a cluster takes clients once it has converged on the map (below).
-        server = _native.Server(engine, cfg.server_json(), greenstack_warmup=warmup)
-    except _native.SluiceError:
-        engine.close()
-        raise
-    plugins = PluginRunner(server)
-    try:
-        plugins.apply(cfg.plugins())
-    except PluginError as e:
-        server.stop()
-        engine.close()
-        raise _native.ConfigError(f"invalid config: policy: {e}") from None
-    member = None
-    if cfg.values["cluster.etcd"]:
-        from sluice.cluster.member import join
-
-        member = join(
-            cfg.values,
-            etcd_password,
-            server,
-            engine,
-            settings.bucket_names,
-            max(b["num_vbuckets"] for b in cfg.buckets.values()),
-        )
-        # Not before: a node failed over while it was away would serve the actives it held.
-        server.accept_connections()
-    report = engine.recovery_report()
-    for d in report["dropped"]:
-        log.warning("--force-recovery dropped %s", d["text"])
-    if report["moved_aside"]:
-        log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
-    items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
-    fronts = "".join(f" ({f['title']} {server.fronts.get(f['name'], 'off')})" for f in _native.FRONTS)
-    log.info(
-        "sluice ready: listening on %s (admin %s) (TLS %s)%s%s; "
-        "%d items in %d bucket(s) %s, recovered in %.3f s (snapshot LSN %d, %d WAL records%s), "
-        "ready %.3f s after start",
-        server.address,
-        (
-            f"https://{server.admin_address}"
-            if cfg.values["tls.certificate"] and cfg.values["tls.admin"]
-            else None
-        )
-        or server.admin_address
-        or "off",
-        server.tls_address or "off",
-        fronts,
-        f", replica of {cfg.values['replication.replica_of']}"
-        if cfg.values["replication.replica_of"]
-        else "",
-        items,
-        len(settings.bucket_names),
-        ",".join(settings.bucket_names),
-        report["seconds"],
-        report["snapshot_lsn"],
-        report["wal_records"],
-        (", after an unclean shutdown" if report["unclean_shutdown"] else "")
-        + (f", {len(report['dropped'])} damaged part(s) dropped" if report["dropped"] else ""),
-        time.monotonic() - started,
-    )
-    systemd.notify("READY=1", f"STATUS=serving on {server.address}, {items} items", f"MAINPID={os.getpid()}")
-    ping = systemd.watchdog_interval()
-    while not stop.wait(min(ping or 1.0, 1.0)):
-        if ping:
-            engine.stats()  # a liveness check through the engine's locks before vouching for it
-            systemd.notify("WATCHDOG=1")
-        if reload.is_set():
-            reload.clear()
-            cfg = _reload(args, cfg, server, plugins)
-    systemd.notify("STOPPING=1", "STATUS=finishing requests and flushing the WAL")
-    if member is not None:
-        member.stop()
-    plugins.stop()
-    server.stop()
-    engine.close()
-    log.info("stopped cleanly")
-    return EXIT_OK
-
-
-def _reload(
-    args: argparse.Namespace, current: Config, server: _native.Server, plugins: PluginRunner
-) -> Config:
-    """SIGHUP: re-reads the configuration. Users and their permissions change at once, policy
-    plugins are re-imported and replaced, policy.timeout applies, and the TLS certificate and
-    key files are read again (a pair that fails to load keeps the one in use); every other
-    change is logged as waiting for a restart; a file that no longer validates is reported and
-    ignored."""
-    try:
-        new = _load(args)
-        plugins.apply(new.plugins(), reload=True)
-    except (_native.ConfigError, PluginError) as e:
-        log.error("reload: the configuration is not valid, keeping the running one: %s", e)
-        return current
-    try:
-        if server.reload_tls():
-            log.warning("reload: TLS certificate and key read again; new connections get them")
-    except _native.ConfigError as e:
-        log.error("reload: keeping the TLS certificate in use: %s", e)
-    live = {k.name for k in ENGINE_KEYS if k.plugin} | {"policy.timeout"}
-    server.policy_set_timeout(new.values["policy.timeout"])
-    current = dataclasses.replace(current, values={**current.values, **{k: new.values[k] for k in live}})
-    if new.users != current.users:
-        server.set_users(new.user_list())
-        for warning in new.warnings():
-            log.warning("reload: %s", warning)
-        added, removed = (
-            sorted(set(new.users) - set(current.users)),
-            sorted(set(current.users) - set(new.users)),
-        )
-        changed = sorted(u for u in set(new.users) & set(current.users) if new.users[u] != current.users[u])
-        log.warning(
-            "reload: users updated now (added %s; removed %s; changed %s)",
-            added or "none",
-            removed or "none",
-            changed or "none",
-        )
-        current = dataclasses.replace(current, users=new.users)
-    changed = [k for k in new.values if new.values[k] != current.values.get(k)]
-    changed += [
-        f"buckets.{b}"
-        for b in set(new.buckets) | set(current.buckets)
-        if new.buckets.get(b) != current.buckets.get(b)
-    ]
-    if changed:
-        log.warning("reload: %s changed; these take effect after a restart", ", ".join(sorted(changed)))
-    else:
-        log.info("reload: the configuration is unchanged")
-    return current
-
-
-def _admin_address(args: argparse.Namespace, command: str) -> str | None:
-    """The admin endpoint's URL base: --admin as given (http:// unless it says https://), else
-    admin_listen of the configuration, over HTTPS when the configuration serves it so."""
-    admin = args.admin
-    if not admin:
-        cfg = _load(args)
-        admin = cfg.values["admin_listen"]
-        if admin and cfg.values["tls.certificate"] and cfg.values["tls.admin"]:
-            admin = f"https://{admin}"
-    if not admin:
-        print(
-            f"sluice {command}: admin_listen is off in the configuration; pass --admin HOST:PORT",
-            file=sys.stderr,
-        )
-    return admin or None
-
-
-class _UsageError(Exception):
-    """A command-line mistake found while preparing a command (exit 2)."""
-
-
-def _basic_auth(args: argparse.Namespace) -> str | None:
-    """The Authorization header for --user: the password from SLUICE_PASSWORD, else a prompt
-    on a terminal, else the first line of stdin."""
-    import base64
-
-    if not args.user:
-        return None
-    password = os.environ.get("SLUICE_PASSWORD")
-    if password is None:
-        if sys.stdin.isatty():
-            password = getpass.getpass(f"password of {args.user}: ")
-        else:
-            password = sys.stdin.readline().rstrip("\n")
-    raw = f"{args.user}:{password}".encode()
-    return "Basic " + base64.b64encode(raw).decode("ascii")
-
-
-def _admin_auth(args: argparse.Namespace) -> str | None:
-    """The Authorization header for the node this command changes or reads: --user's password,
-    else the bearer token the node keeps in its data directory (--token-file, else admin.token
-    in --data-dir or the configuration's data_dir, when that file is there and readable)."""
-    basic = _basic_auth(args)
-    if basic or args.user:
-        return basic
-    if args.token_file:
-        path = Path(args.token_file)
-    else:
-        path = Path(_load(args).data_dir) / TOKEN_FILE
-    try:
-        token = path.read_text().strip()
-    except OSError as e:
-        if args.token_file:
-            raise _UsageError(f"--token-file: cannot read {path}: {e.strerror}") from None
-        return None
-    return f"Bearer {token}" if token else None
-
-
-def _admin_call(
-    admin: str,
-    path: str,
-    timeout: float,
-    method: str = "GET",
-    auth: str | None = None,
-    cacert: str | None = None,
-) -> dict:
-    """JSON from the admin endpoint (HOST:PORT, http://HOST:PORT or https://HOST:PORT; HTTPS
-    verifies the node's certificate against `cacert`, else the system's CAs); raises OSError
-    (URLError) when the node cannot be reached or its certificate is not trusted, HTTPError when
-    it answers with an error. Every request says it is no browser's (X-Sluice-Request), which
-    POSTs need (README "Admin endpoint")."""
-    import json
-    import ssl
-    import urllib.request
-
-    body = b"" if method == "POST" else None
-    headers = {"X-Sluice-Request": "1"}
-    if auth:
-        headers["Authorization"] = auth
-    base = admin if "://" in admin else f"http://{admin}"
-    context = ssl.create_default_context(cafile=cacert) if base.startswith("https://") else None
-    req = urllib.request.Request(f"{base}{path}", method=method, data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
-        return json.load(r)
-
-
-def _refusal(e: Exception) -> str:
-    """What the node said when it answered with an error, with a hint for a missing login."""
-    why = e.read().decode(errors="replace").strip()
-    if e.code == 401:
-        why += (
-            " (pass --user NAME with the password in SLUICE_PASSWORD or at the prompt, or "
-            "--data-dir/--token-file to use the node's admin.token)"
-        )
-    return why
-
-
-def _answers_binary_protocol(address: str, timeout: float = 3.0) -> bool:
-    """Whether HOST:PORT answers a memcached binary NOOP: a KV port, not an admin endpoint."""
-    import socket
-    import struct
-
-    host, _, port = address.removeprefix("http://").removeprefix("https://").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
-            s.sendall(struct.pack(">BBHBBHIIQ", 0x80, 0x0A, 0, 0, 0, 0, 0, 0, 0))  # NOOP
-            reply = s.recv(24)
-    except (OSError, ValueError):
-        return False
-    return reply[:2] == b"\x81\x0a"
-
-
-def _unreachable(admin: str, e: Exception) -> str:
-    """Why the admin endpoint at `admin` gave no answer, with a hint when it is a KV port."""
-    why = getattr(e, "reason", e)
-    if _answers_binary_protocol(admin):
-        return (
-            f"{admin} is a KV port (it answers the memcached binary protocol), not an admin endpoint: "
-            f"pass the node's admin_listen address (default {_default('admin_listen')})"
-        )
-    return f"cannot reach the admin endpoint at {admin}: {why}"
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     import http.client
     import urllib.error
 
-    admin = _admin_address(args, "promote")
+    admin = admin_address(args, "promote")
     if not admin:
         return EXIT_USAGE
-    auth = _admin_auth(args)
+    auth = admin_auth(args)
     try:
-        st = _admin_call(admin, "/status", args.timeout, auth=auth, cacert=args.cacert)
+        st = admin_call(admin, "/status", args.timeout, auth=auth, cacert=args.cacert)
         # A node that follows no active and holds no replica vbucket has nothing to promote:
         # most likely --admin (or admin_listen of the configuration) names the active.
         replicas = [v for b in st["buckets"] for v in b["vbuckets"] if v["state"] == "replica"]
@@ -468,12 +57,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_FAILURE
-        done = _admin_call(admin, "/promote", args.timeout, method="POST", auth=auth, cacert=args.cacert)
+        done = admin_call(admin, "/promote", args.timeout, method="POST", auth=auth, cacert=args.cacert)
     except urllib.error.HTTPError as e:
-        print(f"sluice promote: the node refused: {_refusal(e)}", file=sys.stderr)
+        print(f"sluice promote: the node refused: {refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        print(f"sluice promote: {_unreachable(admin, e)}", file=sys.stderr)
+        print(f"sluice promote: {unreachable(admin, e)}", file=sys.stderr)
         return EXIT_FAILURE
     for b in done["promoted"]:
         print(f"bucket {b['bucket']}: {len(b['vbuckets'])} vbucket(s) promoted to active")
@@ -487,18 +76,18 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.parse
 
-    basic = _basic_auth(args)
-    auth = basic or _admin_auth(args)
+    basic = basic_auth(args)
+    auth = basic or admin_auth(args)
     status = {}
     # Both nodes are asked first: a KV port given by mistake is found before anything moves.
     for role, admin, login in (("source", args.source, basic), ("target", args.target, auth)):
         try:
-            status[role] = _admin_call(admin, "/status", args.timeout, auth=login, cacert=args.cacert)
+            status[role] = admin_call(admin, "/status", args.timeout, auth=login, cacert=args.cacert)
         except urllib.error.HTTPError as e:
-            print(f"sluice move-vbucket: the {role} {admin} refused: {_refusal(e)}", file=sys.stderr)
+            print(f"sluice move-vbucket: the {role} {admin} refused: {refusal(e)}", file=sys.stderr)
             return EXIT_FAILURE
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            print(f"sluice move-vbucket: the {role}: {_unreachable(admin, e)}", file=sys.stderr)
+            print(f"sluice move-vbucket: the {role}: {unreachable(admin, e)}", file=sys.stderr)
             return EXIT_FAILURE
     source_kv = args.source_address or status["source"]["listen"]
     query = urllib.parse.urlencode(
@@ -506,14 +95,14 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
     )
     try:
         # The target gives up at --timeout; the socket waits a little longer to hear it say so.
-        r = _admin_call(
+        r = admin_call(
             args.target, f"/takeover?{query}", args.timeout + 10, method="POST", auth=auth, cacert=args.cacert
         )
     except urllib.error.HTTPError as e:
-        print(f"sluice move-vbucket: the takeover failed: {_refusal(e)}", file=sys.stderr)
+        print(f"sluice move-vbucket: the takeover failed: {refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        print(f"sluice move-vbucket: the target: {_unreachable(args.target, e)}", file=sys.stderr)
+        print(f"sluice move-vbucket: the target: {unreachable(args.target, e)}", file=sys.stderr)
         return EXIT_FAILURE
     print(
         f"vbucket {r['vbucket']} of bucket {r['bucket']} moved from the node at {source_kv} "
@@ -559,13 +148,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Prints the node's /status as tables a person can read."""
     import urllib.error
 
-    admin = _admin_address(args, "status")
+    admin = admin_address(args, "status")
     if not admin:
         return EXIT_USAGE
     try:
-        st = _admin_call(admin, "/status", args.timeout, auth=_admin_auth(args), cacert=args.cacert)
+        st = admin_call(admin, "/status", args.timeout, auth=admin_auth(args), cacert=args.cacert)
     except urllib.error.HTTPError as e:
-        print(f"sluice status: the node refused: {_refusal(e)}", file=sys.stderr)
+        print(f"sluice status: the node refused: {refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
@@ -701,299 +290,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _parse_vbuckets(text: str) -> list[int]:
-    """ "0,3,8-11" -> [0, 3, 8, 9, 10, 11]."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad vbucket list item {part!r} (use 0,3,8-11)")
-        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
-    return out
-
-
-def _text_or_base64(name: str, data: bytes, row: dict) -> None:
-    import base64
-
-    try:
-        row[name] = data.decode("utf-8")
-    except UnicodeDecodeError:
-        row[name + "_base64"] = base64.b64encode(data).decode("ascii")
-
-
-def _tuple_json(data: bytes) -> object:
-    """A MessagePack value (an iproto tuple or key) as JSON-able objects: bytes (a varbinary, a
-    string that is not UTF-8) become {"base64": ...}, a UUID or decimal its text, another
-    extension {"ext": type, "base64": ...}; a map key that is a number, boolean or nil its JSON
-    text, one that is bytes or a container "base64:" and its MessagePack bytes."""
-    import json
-
-    return json.loads(_native.msgpack_json(data))
-
-
-class _BackfillProgress:
-    """Progress of the backfills on stderr: a line at most every `every` seconds while one runs,
-    and one when they have finished: none runs and the stream is idle or over (a vbucket whose
-    backfill has not begun yet must not make the others look done)."""
-
-    def __init__(self, every: float = 1.0) -> None:
-        self.every = every
-        self.last = -every
-        self.finished_reported = False
-
-    def update(self, positions: dict, idle: bool = False) -> None:
-        disk = [(seq, a, b) for seq, a, b, is_disk in positions.values() if is_disk]
-        if not disk:
-            return
-        total = sum(b - a + 1 for _, a, b in disk)
-        done = sum(max(0, min(seq, b) - a + 1) for seq, a, b in disk)
-        running = sum(1 for seq, _, b in disk if seq < b)
-        now = time.monotonic()
-        if running:
-            self.finished_reported = False
-            if now - self.last < self.every:
-                return
-            pct = 100 * done / total
-            line = f"backfill: {running} vbuckets running, {done:,} of {total:,} seqnos ({pct:.0f}%)"
-        elif not self.finished_reported and idle:
-            self.finished_reported = True
-            line = f"backfill: done, {total:,} seqnos from {len(disk)} vbuckets"
-        else:
-            return
-        self.last = now
-        print(line, file=sys.stderr, flush=True)
-
-
-def _replica_vbuckets_if_no_active(
-    address: str, bucket: str, user: str | None, password: str | None
-) -> list[int] | None:
-    """None (every active vbucket) when the node has an active vbucket in `bucket`; else the
-    vbuckets it holds as a replica, announced on stderr."""
-    login = {"bucket": bucket, "username": user, "password": password}
-    if _native.vbucket_positions(address, state="active", **login):
-        return None
-    replicas = sorted(vb for vb, _, _ in _native.vbucket_positions(address, state="replica", **login))
-    if replicas:
-        print(
-            f"sluice tail: {address} has no active vbucket in bucket {bucket!r} (a replica node): "
-            f"streaming the {len(replicas)} vbucket(s) it replicates",
-            file=sys.stderr,
-            flush=True,
-        )
-        return replicas
-    return None
-
-
-def cmd_tail_topic(args: argparse.Namespace) -> int:
-    """Follows a topic's partitions over TANK's protocol and prints their messages."""
-    import json
-
-    from sluice.client import write_atomically
-    from sluice.tank import TAIL, OutOfRange, TankConnection, TankError
-
-    misplaced = [
-        flag
-        for flag, given in (
-            ("--vbuckets", args.vbuckets),
-            ("--tuples", args.tuples),
-            ("--user", args.user),
-            ("--password-stdin", args.password_stdin),
-            ("--bucket", args.bucket != "default"),
-        )
-        if given
-    ]
-    if misplaced:
-        print(f"sluice tail: {', '.join(misplaced)} are for buckets, not --topic", file=sys.stderr)
-        return EXIT_USAGE
-    address = args.address or _load(args).values["tank_listen"]
-    if not address:
-        print("sluice tail: no TANK listener (tank_listen is off): give --address", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        saved = json.loads(Path(args.state).read_text()) if args.state and Path(args.state).exists() else {}
-        positions = {int(p): int(seq) for p, seq in saved.get("partitions", {}).items()}
-    except (ValueError, OSError, AttributeError) as e:
-        print(f"sluice tail: --state {args.state}: not a topic position file ({e})", file=sys.stderr)
-        return EXIT_USAGE
-    printed = 0
-    out = sys.stdout
-    try:
-        with TankConnection(address) as tank:
-            ranges = tank.partitions(args.topic) if args.topic in dict(tank.topics()) else None
-            if ranges is None:
-                print(f"sluice tail: topic {args.topic!r} is unknown at {address}", file=sys.stderr)
-                return EXIT_FAILURE
-            try:
-                wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(ranges))
-            except ValueError as e:
-                print(f"sluice tail: --partitions: {e}", file=sys.stderr)
-                return EXIT_USAGE
-            start = 0 if args.start == "beginning" else TAIL
-            seqs = {p: positions.get(p, start) for p in wanted if p < len(ranges)}
-            if len(seqs) != len(wanted):
-                print(f"sluice tail: topic {args.topic!r} has {len(ranges)} partition(s)", file=sys.stderr)
-                return EXIT_USAGE
-            # --until-now: each partition's high-water mark at the start.
-            until = {p: ranges[p][1] for p in seqs} if args.until_now else None
-            if until is not None:
-                seqs = {p: s for p, s in seqs.items() if s != TAIL and until[p] and s <= until[p]}
-            header = False
-            while seqs:
-                try:
-                    fetched = tank.consume_partitions(args.topic, seqs, max_wait=1.0, min_bytes=1)
-                except OutOfRange as e:
-                    # Retention dropped messages this position had not read: go on from the oldest.
-                    print(f"sluice tail: {e}; going on from {e.first_available}", file=sys.stderr)
-                    seqs[e.partition] = e.first_available
-                    continue
-                for f in fetched:
-                    for m in f.messages:
-                        if until is not None and m.seq > until[f.partition]:
-                            break
-                        if args.format == "json":
-                            row = {"partition": f.partition, "seq": m.seq, "ts": m.ts}
-                            if m.key is not None:
-                                _text_or_base64("key", m.key, row)
-                            if not args.no_values:
-                                _text_or_base64("content", m.content, row)
-                            out.write(json.dumps(row) + "\n")
-                        else:
-                            if not header:
-                                out.write(f"{'partition':>9}  {'seq':>12}  {'ts':>13}  key  content\n")
-                                header = True
-                            key = (m.key or b"").decode("utf-8", "backslashreplace")
-                            text = "" if args.no_values else m.content.decode("utf-8", "backslashreplace")
-                            out.write(f"{f.partition:>9}  {m.seq:>12}  {m.ts:>13}  {key or '-'}  {text}\n")
-                        printed += 1
-                        if args.max and printed >= args.max:
-                            return EXIT_OK
-                    seqs[f.partition] = positions[f.partition] = f.next_seq
-                    if until is not None and f.next_seq > until[f.partition]:
-                        del seqs[f.partition]
-                out.flush()
-                if args.state:
-                    write_atomically(args.state, json.dumps({"topic": args.topic, "partitions": positions}))
-    except TankError as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        pass
-    except BrokenPipeError:
-        sys.stderr.close()
-    return EXIT_OK
-
-
-def cmd_tail(args: argparse.Namespace) -> int:
-    """Follows a bucket's DCP stream (or with --topic, a topic's partitions) and prints its
-    changes."""
-    import json
-
-    from sluice.client import Client
-
-    if args.topic:
-        return cmd_tail_topic(args)
-
-    try:
-        vbuckets = _parse_vbuckets(args.vbuckets) if args.vbuckets else None
-    except ValueError as e:
-        print(f"sluice tail: --vbuckets: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    address = args.address or _load(args).values["listen"]
-    password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
-    client = Client(address, bucket=args.bucket, username=args.user, password=password)
-    if vbuckets is None:
-        # "Every active vbucket" of a replica node is none: there, tail follows the vbuckets it
-        # replicates instead (the copy it serves, as the Spark source reads replicas), and says so.
-        try:
-            vbuckets = _replica_vbuckets_if_no_active(address, args.bucket, args.user, password)
-        except _native.SluiceError as e:
-            print(f"sluice tail: {e}", file=sys.stderr)
-            return EXIT_FAILURE
-    state = args.state if args.state and Path(args.state).exists() else None
-    progress = _BackfillProgress()
-    printed = 0
-    table_header = False
-    try:
-        stream = client.stream(
-            vbuckets,
-            start=args.start,
-            end="now" if args.until_now else None,
-            state=state,
-            rollback="resume",
-            format="python",
-            values=not args.no_values,
-            skip_empty=False,
-            follow_moves=not args.no_follow,
-        )
-    except (ValueError, _native.SluiceError) as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    out = sys.stdout
-    try:
-        with stream:
-            for batch in stream:
-                for c in batch:
-                    if args.tuples:
-                        try:
-                            key = _tuple_json(c.key)
-                            tup = _tuple_json(c.value) if c.op == "mutation" and not args.no_values else None
-                        except ValueError as e:
-                            print(
-                                f"sluice tail: --tuples: vbucket {c.vbucket} seqno {c.seqno} is not an "
-                                f"iproto tuple ({e}): is {args.bucket!r} the bucket of a space?",
-                                file=sys.stderr,
-                            )
-                            return EXIT_FAILURE
-                    if args.format == "json":
-                        row = {"vbucket": c.vbucket, "seqno": c.seqno, "op": c.op}
-                        if args.tuples:
-                            row["key"] = key
-                            if tup is not None:
-                                row["tuple"] = tup
-                        else:
-                            _text_or_base64("key", c.key, row)
-                        if not args.no_values and c.op == "mutation" and not args.tuples:
-                            _text_or_base64("value", c.value, row)
-                        row.update(cas=c.cas, rev_seqno=c.rev_seqno, flags=c.flags, expiry=c.expiry)
-                        out.write(json.dumps(row) + "\n")
-                    else:
-                        if not table_header:
-                            out.write(f"{'vbucket':>7}  {'seqno':>12}  {'op':<10}  {'rev':>6}  key\n")
-                            table_header = True
-                        if args.tuples:
-                            text = json.dumps(key) + ("  " + json.dumps(tup) if tup is not None else "")
-                        else:
-                            text = c.key.decode("utf-8", "backslashreplace")
-                        out.write(f"{c.vbucket:>7}  {c.seqno:>12}  {c.op:<10}  {c.rev_seqno:>6}  {text}\n")
-                    printed += 1
-                    if args.max and printed >= args.max:
-                        break
-                out.flush()
-                for vb, seqno in stream.rollbacks:
-                    print(f"sluice tail: vbucket {vb} rolled back to seqno {seqno}", file=sys.stderr)
-                stream.rollbacks.clear()
-                if args.state:
-                    stream.save_state(args.state)
-                progress.update(stream.positions(), idle=not batch)
-                if args.max and printed >= args.max:
-                    break
-            progress.update(stream.positions(), idle=True)
-    except _native.SluiceError as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        pass
-    except BrokenPipeError:
-        # A reader like `head` went away: what was printed is in the state file already.
-        sys.stderr.close()
-    return EXIT_OK
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     """Drives a memcached binary protocol server (sluice or memcached) or an iproto one (sluice or
     Tarantool) and prints the result."""
-    import json
 
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
     r = _native.bench(
@@ -1066,10 +365,10 @@ def cmd_wal_dump(args: argparse.Namespace) -> int:
 
 def cmd_tarantool_tail(args: argparse.Namespace) -> int:
     if args.max < 0:
-        raise _UsageError("--max must be 0 (no limit) or more")
+        raise UsageError("--max must be 0 (no limit) or more")
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
     if args.user is None and password is not None:
-        raise _UsageError("--password-stdin goes with --user")
+        raise UsageError("--password-stdin goes with --user")
     # Ctrl-C ends the tail at once, as it ends `tail -f`: the native loop holds no Python state.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.stdout.flush()
@@ -1106,11 +405,6 @@ def cmd_config_reference(_args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _default(key: str) -> object:
-    """The default of a top-level configuration key, as help texts show it."""
-    return next(k.default for k in ENGINE_KEYS if k.name == key)
-
-
 class _ShowDefaults(argparse.HelpFormatter):
     """Help that ends each option with its default, unless it has none (None, a flag's False)
     or its text already says it."""
@@ -1135,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="open the data directory and serve it over the network",
         description="Recover the data directory, serve the memcached binary protocol, and run "
         "until SIGTERM or Ctrl-C; then finish in-flight requests, flush the WAL and exit 0. "
-        f"Without --config, embedded defaults: {_default('listen')}, admin endpoint "
-        f"{_default('admin_listen')}, data in ./{_default('data_dir')}, no TLS listener (tls_listen "
+        f"Without --config, embedded defaults: {default_of('listen')}, admin endpoint "
+        f"{default_of('admin_listen')}, data in ./{default_of('data_dir')}, no TLS listener (tls_listen "
         f"serves one once tls.certificate is set), one bucket 'default' of "
         f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets. Two nodes on one machine need "
         "their own --listen, --admin-listen and --data-dir.",
@@ -1144,20 +438,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
     s.add_argument(
-        "--data-dir", metavar="DIR", help=f"overrides data_dir (default: ./{_default('data_dir')})"
+        "--data-dir", metavar="DIR", help=f"overrides data_dir (default: ./{default_of('data_dir')})"
     )
-    s.add_argument("--listen", metavar="HOST:PORT", help=f"overrides listen (default: {_default('listen')})")
+    s.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"overrides listen (default: {default_of('listen')})"
+    )
     s.add_argument(
         "--admin-listen",
         metavar="HOST:PORT",
-        help=f'overrides admin_listen ("" turns it off; default: {_default("admin_listen")})',
+        help=f'overrides admin_listen ("" turns it off; default: {default_of("admin_listen")})',
     )
     for front in _native.FRONTS:
         key = f"{front['name']}_listen"
         s.add_argument(
             f"--{front['name']}-listen",
             metavar="HOST:PORT",
-            help=f'overrides {key} ("" turns it off; default: {_default(key)})',
+            help=f'overrides {key} ("" turns it off; default: {default_of(key)})',
         )
     s.add_argument(
         "--replica-of",
@@ -1267,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
         "goes pending (writes get a temporary failure), drains and hands over with SET_VBUCKET_STATE; "
         "the target goes active and the source dead (writes there get NOT_MY_VBUCKET). Prints how "
         "long writes to the vbucket paused. --from and --to are the nodes' admin endpoints "
-        f"(admin_listen, default {_default('admin_listen')}), not their KV ports.",
+        f"(admin_listen, default {default_of('admin_listen')}), not their KV ports.",
         **formatter,
     )
     mv.add_argument("--vb", type=int, required=True, metavar="N", help="the vbucket to move")
@@ -1526,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     except _native.ConfigError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except _UsageError as e:
+    except UsageError as e:
         print(f"sluice {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except _native.SluiceError as e:
