@@ -3,12 +3,20 @@
 //! may log in (SASL PLAIN) and selects a bucket; its requests run on lanes (the flex header's
 //! lane id; none is a lane too): within a lane replies may come out of order (a GET answers
 //! while a durable write before it waits), a fenced request waits for every earlier one of its
-//! lane and holds back the later ones, and quiet requests answer only failures. `session` runs
-//! one connection; `dcp` its DCP streams; `patch` is MUTATION's JSON merge patch.
+//! lane and holds back the later ones, and quiet requests answer only failures. `connection`
+//! runs one connection in the driver; `session` is its state and lane scheduler, with one file
+//! per request family (`sasl`, `kv`, `dcp_requests`, `notices`); `dcp` its DCP streams;
+//! `reply` the reply and notice frames; `patch` is MUTATION's JSON merge patch; `warmup` the
+//! port while the engine recovers.
 
+mod connection;
 mod dcp;
+mod dcp_requests;
+mod kv;
+mod notices;
 mod patch;
 mod reply;
+mod sasl;
 mod session;
 mod warmup;
 
@@ -217,7 +225,7 @@ impl GreenstackContext {
     /// Runs one admitted connection; `warm`: one taken during warm-up.
     async fn run(self: Arc<Self>, conn: Conn, warm: Option<session::WarmStart>) {
         let ctx = self.clone();
-        crate::listener::counted(&ctx.stats.connections, session::run(conn, self, warm)).await
+        crate::listener::counted(&ctx.stats.connections, connection::run(conn, self, warm)).await
     }
 }
 
