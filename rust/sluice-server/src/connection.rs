@@ -186,6 +186,7 @@ struct Binary {
 }
 
 impl crate::driver::Session for Binary {
+    #[inline]
     fn check(&mut self, buf: &[u8], max_frame: usize) -> Check {
         match mcbp::frame_len(buf, max_frame) {
             Ok(Some(n)) => Check::Frame(n),

@@ -130,17 +130,21 @@ pub enum End {
 }
 
 /// One whole frame, in place in the connection's buffer: read as a slice, or taken as shared
-/// bytes (a produced bundle goes to the WAL as a slice of the buffer, not a copy).
+/// bytes (a produced bundle goes to the WAL as a slice of the buffer, not a copy). The frames
+/// of one read are stepped over together, once the batch is handled (`start` is where this one
+/// begins), rather than the buffer being advanced per frame.
 pub struct Frame<'a> {
     buf: &'a mut BytesMut,
+    start: usize,
     len: usize,
     taken: Option<Bytes>,
 }
 
 impl<'a> Frame<'a> {
-    fn new(buf: &'a mut BytesMut, len: usize) -> Frame<'a> {
+    fn new(buf: &'a mut BytesMut, start: usize, len: usize) -> Frame<'a> {
         Frame {
             buf,
+            start,
             len,
             taken: None,
         }
@@ -149,7 +153,7 @@ impl<'a> Frame<'a> {
     pub fn bytes(&self) -> &[u8] {
         match &self.taken {
             Some(b) => b,
-            None => &self.buf[..self.len],
+            None => &self.buf[self.start..self.start + self.len],
         }
     }
 
@@ -158,6 +162,7 @@ impl<'a> Frame<'a> {
         if let Some(b) = &self.taken {
             return b.clone();
         }
+        self.buf.advance(self.start);
         let b = self.buf.split_to(self.len).freeze();
         self.taken = Some(b.clone());
         b
@@ -170,12 +175,13 @@ impl<'a> Frame<'a> {
         self.len = n.min(self.len);
     }
 
-    /// Steps over the frame in the buffer, unless it was taken; how many bytes that was.
-    fn done(self) -> usize {
-        if self.taken.is_none() {
-            self.buf.advance(self.len);
+    /// Where the next frame starts in the buffer, and how many bytes this one took.
+    fn done(self) -> (usize, usize) {
+        match self.taken {
+            // Split off with everything before it.
+            Some(_) => (0, self.len),
+            None => (self.start + self.len, self.len),
         }
-        self.len
     }
 }
 
@@ -464,20 +470,28 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
     let mut stop_changes = crate::armed::watch_changes(conn.stop.clone());
     let mut coalesced = 0;
     loop {
+        // Bytes of the buffer handled in this batch, stepped over once it ends.
+        let mut pos = 0;
+        let mut max_frame = conn.max_frame();
         while s.reading() {
             if conn.before_login() && s.logged_in() {
                 conn.slot = None;
+                max_frame = conn.max_frame();
             }
-            match s.check(&conn.inbuf, conn.max_frame()) {
+            match s.check(&conn.inbuf[pos..], max_frame) {
                 Check::Frame(n) => {
-                    let mut frame = Frame::new(&mut conn.inbuf, n);
+                    let mut frame = Frame::new(&mut conn.inbuf, pos, n);
                     let flow = s.handle(&mut frame, &mut out).await;
-                    let took = frame.done();
+                    let took;
+                    (pos, took) = frame.done();
                     match flow {
                         Flow::Continue if took == 0 => break,
                         Flow::Continue => {}
                         Flow::Close => return finish(conn, s, out, End::Close).await,
-                        Flow::Handoff => return hand_over(conn, s, out).await,
+                        Flow::Handoff => {
+                            conn.inbuf.advance(pos);
+                            return hand_over(conn, s, out).await;
+                        }
                     }
                     if out.len() >= S::FLUSH_AT && conn.send(&mut out, s.owed_lsn()).await.is_err()
                     {
@@ -485,18 +499,21 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
                     }
                 }
                 Check::Need(n) => {
+                    conn.inbuf.advance(pos);
+                    pos = 0;
                     conn.inbuf.reserve(n.saturating_sub(conn.inbuf.len()));
                     break;
                 }
                 Check::Bad(fault) => {
                     conn.refused(&fault);
                     s.settle(&mut out, Some(End::Close)).await;
-                    s.refuse(&fault, &conn.inbuf, &mut out);
+                    s.refuse(&fault, &conn.inbuf[pos..], &mut out);
                     let _ = conn.send(&mut out, s.owed_lsn()).await;
                     return Ended::Closed;
                 }
             }
         }
+        conn.inbuf.advance(pos);
         if conn.before_login() && s.logged_in() {
             conn.slot = None;
         }
