@@ -269,6 +269,10 @@ impl crate::driver::Session for Binary {
         self.replies.held_count() > 0
     }
 
+    fn wakes(&self) -> bool {
+        self.replies.held_count() > 0 || self.session.wants_map_pushes()
+    }
+
     async fn wake(&mut self) {
         let pushes = self.session.wants_map_pushes();
         let replies = &mut self.replies;

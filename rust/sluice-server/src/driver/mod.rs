@@ -248,6 +248,12 @@ pub trait Session: Send {
         false
     }
 
+    /// Whether anything besides requests may make output now (`wake` is waited on only then:
+    /// a connection with nothing held is woken by its socket alone).
+    fn wakes(&self) -> bool {
+        false
+    }
+
     /// Resolves when something besides a request makes output (a held reply settled, a
     /// long-poll's data, a notice); `settle` then moves it into `Out`. Cancel-safe.
     fn wake(&mut self) -> impl Future<Output = ()> + Send {
@@ -402,27 +408,30 @@ impl Conn {
             login_deadline,
             ..
         } = self;
-        let (idle, peer) = (port.idle_timeout, *peer);
+        let idle = port.idle_timeout;
         let deadline = slot.as_ref().map(|_| *login_deadline);
-        let read = async {
+        let read = if !reading {
+            // Not reading: the deadline still ends a connection that never logs in.
             match deadline {
-                // Not reading: the deadline still ends a connection that never logs in.
-                Some(d) if !reading => {
+                Some(d) => {
                     tokio::time::sleep_until(d.into()).await;
                     Err(())
                 }
-                _ if !reading => std::future::pending().await,
-                Some(d) => tokio::time::timeout_at(d.into(), socket.read_buf(inbuf))
-                    .await
-                    .map_err(|_| ()),
-                None if idle.is_zero() || waiting => Ok(socket.read_buf(inbuf).await),
-                None => tokio::time::timeout(idle, socket.read_buf(inbuf))
-                    .await
-                    .map_err(|_| ()),
+                None => std::future::pending().await,
             }
+        } else if let Some(d) = deadline {
+            tokio::time::timeout_at(d.into(), socket.read_buf(inbuf))
+                .await
+                .map_err(|_| ())
+        } else if idle.is_zero() || waiting {
+            Ok(socket.read_buf(inbuf).await)
+        } else {
+            tokio::time::timeout(idle, socket.read_buf(inbuf))
+                .await
+                .map_err(|_| ())
         };
-        let noun = port.noun;
-        match read.await {
+        let (noun, peer) = (port.noun, *peer);
+        match read {
             Ok(Ok(0)) => Read::Eof,
             Ok(Ok(n)) => {
                 port.io.bytes_in.fetch_add(n as u64, Relaxed);
@@ -531,9 +540,9 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
         if conn.send(&mut out, s.owed_lsn()).await.is_err() || stopping || flow == Flow::Close {
             return Ended::Closed;
         }
-        let (reading, waiting) = (s.reading(), s.waiting());
+        let (reading, waiting, wakes) = (s.reading(), s.waiting(), s.wakes());
         tokio::select! {
-            () = s.wake() => {}
+            () = s.wake(), if wakes => {}
             r = conn.read(reading, waiting) => match r {
                 Read::Data => {}
                 Read::Eof => return finish(conn, s, out, End::Eof).await,

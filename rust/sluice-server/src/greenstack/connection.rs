@@ -106,6 +106,11 @@ impl crate::driver::Session for Connection {
         !self.s.tasks.is_empty() || self.s.dcp.as_ref().is_some_and(DcpProducer::has_streams)
     }
 
+    /// Always: notices (map changes, failed logins) may come whatever the connection does.
+    fn wakes(&self) -> bool {
+        true
+    }
+
     async fn wake(&mut self) {
         let Connection { s, waits, .. } = self;
         if waits.streamed_more {

@@ -170,6 +170,10 @@ impl crate::driver::Session for Session {
         MAX_COALESCED_READS
     }
 
+    fn wakes(&self) -> bool {
+        !self.parked.is_empty()
+    }
+
     /// A produce to the first topic a waiting consume names, the WAL writing a bundle one
     /// found appended but not yet written, or a max wait passing.
     fn wake(&mut self) -> impl std::future::Future<Output = ()> + Send {
