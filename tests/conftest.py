@@ -53,7 +53,8 @@ def clock():
 
 
 # The suite runs in worker processes side by side (pytest-xdist, `--dist loadgroup`, set in
-# pyproject.toml). A file's tests stay together on one worker (module fixtures such as Spark's
+# pyproject.toml). The heavy files' tests are marked `slow` (Spark, clusters on etcd, kill -9
+# loads, builds): `-m "not slow"` runs the rest in about a minute. A file's tests stay together on one worker (module fixtures such as Spark's
 # session or a shared node are built once, and a file's tests keep their order); the tests that
 # run cargo share one group, so two builds never compete for the two cores and the target
 # directory; the heaviest files are handed out first, so the longest one does not start last.
@@ -78,6 +79,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = Path(str(item.fspath)).name
         if not any(m.name == "xdist_group" for m in item.iter_markers()):
             item.add_marker(pytest.mark.xdist_group("cargo" if name in CARGO else name))
+        if name in HEAVY_FIRST:
+            item.add_marker(pytest.mark.slow)
 
     def rank(item: pytest.Item) -> int:
         name = Path(str(item.fspath)).name
