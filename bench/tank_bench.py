@@ -67,7 +67,8 @@ def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str,
     if kind == "sluice" or BASELINE:
         # With --baseline, the second kind is an earlier build of sluice instead of TANK.
         python = BASELINE if kind != "sluice" and BASELINE else sys.executable
-        cmd = [python, "-m", "sluice", "serve", "--data-dir", str(work / "d")]
+        data = work / ("d" if kind == "sluice" else "baseline")
+        cmd = [python, "-m", "sluice", "serve", "--data-dir", str(data)]
         cmd += ["--listen", "127.0.0.1:0", "--admin-listen", admin, "--iproto-listen", ""]
         cmd += ["--greenstack-listen", "", "--tank-listen", address]
     else:

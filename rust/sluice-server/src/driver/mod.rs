@@ -541,7 +541,10 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
             return Ended::Closed;
         }
         let (reading, waiting, wakes) = (s.reading(), s.waiting(), s.wakes());
+        // In order: no branch starves another here (each ends the wait, and the loop comes back),
+        // and a fixed order spares the random start a select draws per wait.
         tokio::select! {
+            biased;
             () = s.wake(), if wakes => {}
             r = conn.read(reading, waiting) => match r {
                 Read::Data => {}
