@@ -53,11 +53,12 @@ def clock():
 
 
 # The suite runs in worker processes side by side (pytest-xdist, `--dist loadgroup`, set in
-# pyproject.toml). The heavy files' tests are marked `slow` (Spark, clusters on etcd, kill -9
-# loads, builds): `-m "not slow"` runs the rest in about a minute. A file's tests stay together on one worker (module fixtures such as Spark's
+# pyproject.toml). A file's tests stay together on one worker (module fixtures such as Spark's
 # session or a shared node are built once, and a file's tests keep their order); the tests that
 # run cargo share one group, so two builds never compete for the two cores and the target
 # directory; the heaviest files are handed out first, so the longest one does not start last.
+# Their tests are marked `slow` (Spark, clusters on etcd, kill -9 loads, builds): `-m "not slow"`
+# runs the rest in about a minute and a half.
 CARGO = {"test_lint.py", "test_packaging.py"}
 HEAVY_FIRST = [
     "test_spark.py",
