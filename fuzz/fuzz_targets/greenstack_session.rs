@@ -1,5 +1,5 @@
 //! The Greenstack front whole: any bytes sent on a loopback connection to one session
-//! (`serve_connection`, as the listener runs it) over one engine without a WAL, the client's
+//! (`front::serve_accepted`, as the server runs it) over one engine without a WAL, the client's
 //! side then shut for writing and the replies read. Lanes, fences, priority, quiet, HELLO,
 //! SASL, bucket selection, mutations (JSON merge patches among them), GET_ALL_VB_SEQNOS and
 //! DCP over Greenstack all see what libFuzzer makes of them. A session must end within 10 s of
@@ -11,8 +11,9 @@ use std::sync::{Arc, OnceLock};
 use libfuzzer_sys::fuzz_target;
 use sluice_fuzz::Loopback;
 use sluice_server::driver::Port;
-use sluice_server::greenstack::{serve_connection, GreenstackContext};
-use sluice_server::login::LoginThrottle;
+use sluice_server::front::serve_accepted;
+use sluice_server::greenstack::GreenstackContext;
+use sluice_server::throttle::LoginThrottle;
 
 fn front() -> &'static (Loopback, Arc<GreenstackContext>) {
     static FRONT: OnceLock<(Loopback, Arc<GreenstackContext>)> = OnceLock::new();
@@ -39,6 +40,6 @@ fn front() -> &'static (Loopback, Arc<GreenstackContext>) {
 fuzz_target!(|data: &[u8]| {
     let (lb, ctx) = front();
     lb.exchange(data, |socket, peer, stop| {
-        serve_connection(socket, peer, ctx.clone(), stop)
+        serve_accepted(ctx.clone(), socket, peer, stop)
     });
 });

@@ -1,5 +1,5 @@
 //! The TANK front whole: any bytes sent on a loopback connection to one session
-//! (`serve_connection`, as the listener runs it) over one engine without a WAL, the client's
+//! (`front::serve_accepted`, as the server runs it) over one engine without a WAL, the client's
 //! side then shut for writing and the replies read. CreateTopic, Produce and ProduceWithSeqnum
 //! with their bundles, Consume with long-poll and min-bytes, discovery and Status all see what
 //! libFuzzer makes of them; topics created by earlier cases stay. A session must end within 10 s
@@ -11,7 +11,8 @@ use std::sync::{Arc, OnceLock};
 use libfuzzer_sys::fuzz_target;
 use sluice_fuzz::Loopback;
 use sluice_server::driver::Port;
-use sluice_server::tank::{serve_connection, TankContext};
+use sluice_server::front::serve_accepted;
+use sluice_server::tank::TankContext;
 
 fn front() -> &'static (Loopback, Arc<TankContext>) {
     static FRONT: OnceLock<(Loopback, Arc<TankContext>)> = OnceLock::new();
@@ -19,7 +20,12 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
         let kv = sluice_fuzz::kv_context("tank");
         let ctx = Arc::new(TankContext {
             engine: kv.engine.clone(),
-            port: Port::scratch("tank", "TANK connection", kv.engine.clone(), kv.users.clone()),
+            port: Port::scratch(
+                "tank",
+                "TANK connection",
+                kv.engine.clone(),
+                kv.users.clone(),
+            ),
             stats: Default::default(),
             started_unix: 0,
         });
@@ -30,6 +36,6 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
 fuzz_target!(|data: &[u8]| {
     let (lb, ctx) = front();
     lb.exchange(data, |socket, peer, stop| {
-        serve_connection(socket, peer, ctx.clone(), stop)
+        serve_accepted(ctx.clone(), socket, peer, stop)
     });
 });

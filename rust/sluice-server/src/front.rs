@@ -123,3 +123,17 @@ pub struct Prebound {
     pub listener: std::net::TcpListener,
     pub warm: Box<dyn Any + Send>,
 }
+
+/// Runs one accepted connection of `front` to its end: counted, admitted by the driver under
+/// the front's port, then served. What the server does with every connection of a registered
+/// front (and how the fuzz targets drive one over loopback sockets).
+pub async fn serve_accepted(
+    front: Arc<dyn Front>,
+    socket: tokio::net::TcpStream,
+    peer: SocketAddr,
+    stop: watch::Receiver<bool>,
+) {
+    front.accepted();
+    let port = front.port();
+    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| front.serve(conn)).await
+}

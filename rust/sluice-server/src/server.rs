@@ -564,7 +564,6 @@ async fn serve_front(
             loops.next(),
         );
     }
-    let port_front = front.clone();
     crate::listener::serve(
         listener,
         d.title,
@@ -572,17 +571,7 @@ async fn serve_front(
         stop,
         limit,
         loops,
-        move |socket, peer, stop| {
-            let front = port_front.clone();
-            front.accepted();
-            async move {
-                let port = front.port();
-                crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| {
-                    front.serve(conn)
-                })
-                .await
-            }
-        },
+        move |socket, peer, stop| crate::front::serve_accepted(front.clone(), socket, peer, stop),
     )
     .await;
     while resumed.join_next().await.is_some() {}

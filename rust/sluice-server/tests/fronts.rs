@@ -8,12 +8,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_core::{BucketConfig, Engine, EngineConfig};
 use sluice_server::driver::{self, Check, Conn, Fault, Flow, Frame, Out, Port, Session};
 use sluice_server::front::{Declaration, Front, Registration, Shared};
 use sluice_server::server::FRONTS;
-use sluice_server::settings::Settings;
 use sluice_server::Server;
+
+mod common;
 
 /// The test-only front: each line is answered with itself; lines longer than the frame limit
 /// close the connection. It has no login: on a node with users its connections are anonymous,
@@ -112,24 +112,12 @@ impl Node {
 /// settings (JSON members).
 fn start(extra: &str) -> Node {
     let dir = tempfile::tempdir().unwrap();
-    let mut bucket = BucketConfig::named("default");
-    bucket.num_vbuckets = 4;
-    let engine = Engine::open(EngineConfig {
-        data_dir: dir.path().to_path_buf(),
-        snapshot_interval: Duration::ZERO,
-        buckets: vec![bucket],
-        ..Default::default()
-    })
-    .unwrap();
+    let engine = common::engine(dir.path());
     let json = format!(
         r#"{{"listen": "127.0.0.1:0", "io_threads": 1, "listeners": {{"iproto": "127.0.0.1:0",
             "tank": "127.0.0.1:0", "greenstack": "127.0.0.1:0", "echo": "127.0.0.1:0"}}{extra}}}"#
     );
-    let config = Settings::from_json(&json)
-        .unwrap()
-        .check(1 << 20, false)
-        .unwrap()
-        .config;
+    let config = common::config(&json);
     let mut fronts: Vec<&'static Registration> = FRONTS.to_vec();
     fronts.push(&ECHO);
     let server = Server::start_with(

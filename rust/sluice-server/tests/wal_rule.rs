@@ -9,9 +9,10 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_core::{errinj, BucketConfig, Engine, EngineConfig};
-use sluice_server::settings::Settings;
+use sluice_core::errinj;
 use sluice_server::Server;
+
+mod common;
 
 fn request(opcode: u8, opaque: u32, extras: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
     let body = extras.len() + key.len() + value.len();
@@ -52,20 +53,8 @@ fn response(s: &mut TcpStream) -> (u32, u16) {
 #[test]
 fn a_write_is_answered_once_the_wal_holds_it_and_a_read_meanwhile_is_not_held_up() {
     let dir = tempfile::tempdir().unwrap();
-    let mut bucket = BucketConfig::named("default");
-    bucket.num_vbuckets = 4;
-    let engine = Engine::open(EngineConfig {
-        data_dir: dir.path().to_path_buf(),
-        snapshot_interval: Duration::ZERO,
-        buckets: vec![bucket],
-        ..Default::default()
-    })
-    .unwrap();
-    let config = Settings::from_json(r#"{"listen": "127.0.0.1:0", "io_threads": 2}"#)
-        .unwrap()
-        .check(1 << 20, false)
-        .unwrap()
-        .config;
+    let engine = common::engine(dir.path());
+    let config = common::config(r#"{"listen": "127.0.0.1:0", "io_threads": 2}"#);
     let server = Server::start(Arc::new(engine), config).unwrap();
     let connect = || {
         let s = TcpStream::connect(server.local_addr()).unwrap();

@@ -280,16 +280,3 @@ impl Front for GreenstackContext {
             .collect()
     }
 }
-
-/// Runs one accepted Greenstack connection to its end, as the server does (how the
-/// `greenstack_session` fuzz target drives the front over loopback sockets).
-pub async fn serve_connection(
-    socket: tokio::net::TcpStream,
-    peer: std::net::SocketAddr,
-    ctx: Arc<GreenstackContext>,
-    stop: watch::Receiver<bool>,
-) {
-    ctx.accepted();
-    let port = ctx.port.clone();
-    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| ctx.serve(conn)).await
-}

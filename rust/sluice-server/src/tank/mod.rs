@@ -221,16 +221,3 @@ impl Front for TankContext {
         self.stats.metrics(out)
     }
 }
-
-/// Runs one accepted TANK connection to its end, as the server does (how the `tank_session`
-/// fuzz target drives the front over loopback sockets).
-pub async fn serve_connection(
-    socket: tokio::net::TcpStream,
-    peer: std::net::SocketAddr,
-    ctx: Arc<TankContext>,
-    stop: tokio::sync::watch::Receiver<bool>,
-) {
-    ctx.accepted();
-    let port = ctx.port.clone();
-    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| ctx.serve(conn)).await
-}
