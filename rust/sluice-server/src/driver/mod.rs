@@ -541,16 +541,18 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
             return Ended::Closed;
         }
         let (reading, waiting, wakes) = (s.reading(), s.waiting(), s.wakes());
-        // In order: no branch starves another here (each ends the wait, and the loop comes back),
-        // and a fixed order spares the random start a select draws per wait.
+        // In a fixed order (no random start drawn per wait), the socket first: a wake that is
+        // always ready (a stream with more to send) cannot starve the client's requests, and
+        // what the others would bring is settled every turn anyway (held replies released,
+        // the stop read) while the socket keeps the connection busy.
         tokio::select! {
             biased;
-            () = s.wake(), if wakes => {}
             r = conn.read(reading, waiting) => match r {
                 Read::Data => {}
                 Read::Eof => return finish(conn, s, out, End::Eof).await,
                 Read::Gone => return Ended::Closed,
             },
+            () = s.wake(), if wakes => {}
             // The next turn answers what was read and ends.
             _ = stop_changes.next() => {}
         }
