@@ -5,6 +5,7 @@ majority, and a proxy injecting network faults between the two."""
 from __future__ import annotations
 
 import random
+import signal
 import re
 import socket
 import struct
@@ -724,3 +725,28 @@ def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
         link.close()
         b.stop()
         a.stop()
+
+
+def test_a_paused_replica_keeps_its_streams(tmp_path):
+    """A replica stopped and resumed (SIGSTOP and SIGCONT: a debugger, a cgroup freeze) goes on
+    on the same DCP connection: Linux ends a read with a timeout that the stop interrupted with
+    EINTR, which is a read to try again, not a lost connection."""
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "b", "--replica-of", active.address)
+    try:
+        c = bmemcached.Client([active.address])
+        c.set_multi({f"k{i}": b"v" for i in range(2_000)})
+        wait_converged(active, replica)
+        for _ in range(3):
+            replica.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)
+            replica.proc.send_signal(signal.SIGCONT)
+            time.sleep(0.5)
+        c.set_multi({f"k{i}": b"w" for i in range(2_000)})
+        wait_converged(active, replica)
+        assert contents(active) == contents(replica)
+        log = replica.log()
+        assert "DCP connection lost" not in log and "Interrupted system call" not in log, log[-3000:]
+    finally:
+        replica.stop()
+        active.stop()

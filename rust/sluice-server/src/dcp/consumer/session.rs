@@ -96,21 +96,26 @@ pub(super) struct ConsumerSession {
 
 impl ConsumerSession {
     /// Reads what the socket has; Ok(0) is a timeout (nothing arrived), an error a closed or
-    /// broken connection.
+    /// broken connection. A read the kernel interrupted is read again: Linux ends a read with a
+    /// timeout with EINTR when the process was stopped and resumed (SIGSTOP and SIGCONT: a
+    /// debugger, a cgroup freeze), signal handler or not, and the connection is as good as before.
     pub(super) fn read_more(&mut self) -> std::io::Result<usize> {
-        match self.inbuf.read_from(&mut self.sock) {
-            Ok(0) => Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the producer closed the connection",
-            )),
-            Ok(n) => Ok(n),
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::TimedOut =>
-            {
-                Ok(0)
-            }
-            Err(e) => Err(e),
+        loop {
+            return match self.inbuf.read_from(&mut self.sock) {
+                Ok(0) => Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the producer closed the connection",
+                )),
+                Ok(n) => Ok(n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                {
+                    Ok(0)
+                }
+                Err(e) => Err(e),
+            };
         }
     }
 
