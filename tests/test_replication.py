@@ -5,8 +5,8 @@ majority, and a proxy injecting network faults between the two."""
 from __future__ import annotations
 
 import random
-import signal
 import re
+import signal
 import socket
 import struct
 import threading
