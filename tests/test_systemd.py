@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import wait_or_dump
+from helpers import NO_DEFAULT_PORTS, wait_or_dump
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,17 +43,7 @@ def test_ready_status_watchdog_and_stopping(tmp_path):
                 "serve",
                 "--data-dir",
                 str(tmp_path / "d"),
-                "--listen",
-                "127.0.0.1:0",
-                # Every other listener on a port of its own: tests run side by side.
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--iproto-listen",
-                "",
-                "--tank-listen",
-                "",
-                "--greenstack-listen",
-                "",
+                *NO_DEFAULT_PORTS,
             ],
             env=env,
             stdout=subprocess.DEVNULL,
