@@ -20,8 +20,6 @@ fn front() -> &'static (Loopback, Arc<GreenstackContext>) {
     FRONT.get_or_init(|| {
         let kv = sluice_fuzz::kv_context("greenstack");
         let ctx = Arc::new(GreenstackContext {
-            engine: kv.engine.clone(),
-            users: kv.users.clone(),
             port: Port::scratch(
                 "greenstack",
                 "Greenstack connection",

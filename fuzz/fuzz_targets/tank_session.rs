@@ -19,7 +19,6 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
     FRONT.get_or_init(|| {
         let kv = sluice_fuzz::kv_context("tank");
         let ctx = Arc::new(TankContext {
-            engine: kv.engine.clone(),
             port: Port::scratch(
                 "tank",
                 "TANK connection",

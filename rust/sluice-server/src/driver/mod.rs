@@ -577,12 +577,7 @@ async fn hand_over<S: Session>(conn: &mut Conn, s: &mut S, mut out: Out) -> Ende
         return Ended::Closed;
     }
     let mut left = std::mem::take(&mut out.now);
-    // What the session handed over in pieces is copied once, at the handoff.
-    left.extend_from_slice(&out.acked.buf);
-    debug_assert!(
-        !out.acked.has_pieces(),
-        "a session hands over only written replies"
-    );
+    out.acked.drain_into(&mut left);
     Ended::Handoff(left)
 }
 

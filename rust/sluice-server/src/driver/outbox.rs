@@ -55,9 +55,14 @@ impl Outbox {
         }
     }
 
-    /// Whether stored pieces wait (besides the buffer).
-    pub fn has_pieces(&self) -> bool {
-        !self.pieces.is_empty()
+    /// Appends everything unsent to `out`, in order, and empties the outbox: what a connection
+    /// handed to another owner still has to send.
+    pub fn drain_into(&mut self, out: &mut Vec<u8>) {
+        for piece in self.pieces.drain(..) {
+            out.extend_from_slice(&piece);
+        }
+        out.append(&mut self.buf);
+        self.queued = 0;
     }
 
     /// Drops everything unsent.
@@ -154,6 +159,21 @@ mod tests {
             step = step * 3 + 1;
         }
         assert_eq!(got, want);
+        assert!(o.is_empty());
+    }
+
+    #[test]
+    fn what_is_handed_over_keeps_its_order() {
+        let mut o = Outbox::default();
+        o.buf.extend_from_slice(b"head");
+        o.shared(Bytes::from(vec![b'a'; SHARED_FROM]));
+        o.buf.extend_from_slice(b"tail");
+        let mut out = b"first".to_vec();
+        o.drain_into(&mut out);
+        let mut want = b"firsthead".to_vec();
+        want.extend(vec![b'a'; SHARED_FROM]);
+        want.extend_from_slice(b"tail");
+        assert_eq!(out, want);
         assert!(o.is_empty());
     }
 }

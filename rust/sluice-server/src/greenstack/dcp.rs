@@ -103,7 +103,7 @@ impl DcpProducer {
                 format!("a stream of vbucket {vb} is open on this connection"),
             ));
         }
-        let engine = &self.ctx.engine;
+        let engine = &self.ctx.port.engine;
         let pos = engine
             .stream_position(&self.bucket, vb)
             .filter(|p| p.state != sluice_core::vbucket::VbState::Dead)
@@ -193,7 +193,7 @@ impl DcpProducer {
     /// Appends the streams' messages, taking turns, until `out` holds `limit` bytes, the
     /// window is full or nothing is left to send. Returns whether anything was written.
     pub(super) fn fill(&mut self, out: &mut Vec<u8>, limit: usize) -> bool {
-        let engine = self.ctx.engine.clone();
+        let engine = self.ctx.port.engine.clone();
         let mut wrote = false;
         let mut idle_round = false;
         while !idle_round && out.len() < limit && self.window() > 0 && !self.streams.is_empty() {
@@ -232,7 +232,7 @@ impl DcpProducer {
     }
 
     fn retire(&self, s: &mut Stream) {
-        s.close(&self.ctx.engine);
+        s.close(&self.ctx.port.engine);
         self.ctx.stats.dcp_streams.fetch_sub(1, Relaxed);
     }
 }

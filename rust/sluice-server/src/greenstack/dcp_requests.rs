@@ -108,7 +108,7 @@ impl Session {
             },
             Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
         };
-        let engine = &self.ctx.engine;
+        let engine = &self.ctx.port.engine;
         let seqnos: Vec<(u16, u64)> = engine
             .high_seqnos(bucket)
             .into_iter()

@@ -21,7 +21,7 @@ impl Session {
             Err(e) => return failure(f, status::INVALID_ARGUMENTS, &e.to_string()),
         };
         // A bucket the user may not use answers as one that does not exist.
-        match self.ctx.engine.bucket(name) {
+        match self.ctx.port.engine.bucket(name) {
             Ok(b) if self.permissions(name) != 0 => {
                 self.bucket = Some(Arc::new(b));
                 self.perms.set(None);
@@ -63,7 +63,7 @@ impl Session {
             Ok(b) => b,
             Err(reply) => return out.extend_from_slice(&reply),
         };
-        let found = self.ctx.engine.get_with(bucket, id, |value, meta| {
+        let found = self.ctx.port.engine.get_with(bucket, id, |value, meta| {
             write_success(f, out, |p| {
                 MapWriter::new(p, 4)
                     .bin("value", value)
@@ -95,7 +95,7 @@ impl Session {
             Ok(d) => d,
             Err(reply) => return Run::Now(reply),
         };
-        let engine = &self.ctx.engine;
+        let engine = &self.ctx.port.engine;
         let written = match m.kind {
             MutationKind::Add | MutationKind::Set | MutationKind::Replace => {
                 let mode = match m.kind {
@@ -166,7 +166,7 @@ impl Session {
             Ok(d) => d,
             Err(reply) => return Run::Now(reply),
         };
-        let engine = &self.ctx.engine;
+        let engine = &self.ctx.port.engine;
         let written = if f.opcode == opcode::DELETE {
             match fields.uint("cas") {
                 Ok(cas) => engine.write_delete(bucket, id, cas.unwrap_or(0), durability),
@@ -209,7 +209,7 @@ impl Session {
             return Run::Now(Vec::new());
         }
         let to = ReplyTo::of(f);
-        let engine = self.ctx.engine.clone();
+        let engine = self.ctx.port.engine.clone();
         // The bucket the write was made in: the selected one (cloned only for a write that waits).
         let Some(bucket) = self.bucket.clone() else {
             return Run::Now(failure(f, status::INVALID_STATE, "select a bucket first"));

@@ -31,10 +31,8 @@ use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 
-use sluice_core::Engine;
 use tokio::sync::watch;
 
-use crate::auth::UserTable;
 use crate::driver::Conn;
 use crate::front::{Declaration, Front, Registration, Resumed, Shared};
 use crate::metrics::metric;
@@ -42,9 +40,6 @@ use crate::throttle::LoginThrottle;
 
 /// What Greenstack sessions work with, built by the server.
 pub struct GreenstackContext {
-    pub engine: Arc<Engine>,
-    /// The same users as the other fronts' (SIGHUP replaces them for all).
-    pub users: Arc<UserTable>,
     /// What the connection driver holds this port's connections to.
     pub port: Arc<crate::driver::Port>,
     pub stats: GreenstackStats,
@@ -211,8 +206,6 @@ pub static FRONT: Registration = Registration {
 
 fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
     Ok(Arc::new(GreenstackContext {
-        engine: shared.engine.clone(),
-        users: shared.users.clone(),
         port,
         stats: Default::default(),
         throttle: shared.throttle.clone(),

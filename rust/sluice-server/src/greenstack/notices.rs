@@ -29,7 +29,7 @@ impl Session {
 
     /// `is_admin`, looked up again only when the users were reloaded or the user changed.
     pub(super) fn is_admin_cached(&self) -> bool {
-        let generation = self.ctx.users.generation();
+        let generation = self.ctx.port.users.generation();
         match self.admin.get() {
             Some((g, a)) if g == generation => a,
             _ => {
@@ -43,7 +43,7 @@ impl Session {
     /// Whether the connection's user administers the node (the admin permission on some
     /// bucket): the failed logins of others are told to such connections.
     pub(super) fn is_admin(&self) -> bool {
-        let users = self.ctx.users.current();
+        let users = self.ctx.port.users.current();
         users.required()
             && self
                 .user
@@ -76,7 +76,7 @@ impl Session {
             return;
         };
         let (rev, config) = {
-            let (r, c) = self.ctx.clustermap.bucket_config(&self.ctx.engine, &b);
+            let (r, c) = self.ctx.clustermap.bucket_config(&self.ctx.port.engine, &b);
             (r.max(rev), c)
         };
         self.notice(out, "map_changed", 3, |m| {

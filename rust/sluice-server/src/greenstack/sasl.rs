@@ -27,7 +27,7 @@ impl Session {
                 return Run::Now(failure(f, status::INVALID_ARGUMENTS, &e.to_string()))
             }
         };
-        let users = self.ctx.users.current();
+        let users = self.ctx.port.users.current();
         let scram = match mechanism {
             "PLAIN" => None,
             m => match Mechanism::from_sasl_name(m.as_bytes()) {
@@ -135,7 +135,7 @@ impl Session {
                 return (refused, Login::None);
             };
             tokio::time::sleep(wait).await;
-            let users = ctx.users.current();
+            let users = ctx.port.users.current();
             let who = tokio::task::spawn_blocking(move || check(&users))
                 .await
                 .ok()

@@ -481,7 +481,7 @@ impl Session {
     /// The user's permissions on the selected bucket `b`, looked up again only when the
     /// users were reloaded (or the user or bucket changed, which forget them).
     pub(super) fn selected_permissions(&self, b: &Bucket) -> u8 {
-        let generation = self.ctx.users.generation();
+        let generation = self.ctx.port.users.generation();
         match self.perms.get() {
             Some((g, p)) if g == generation => p,
             _ => {
@@ -498,7 +498,7 @@ impl Session {
             Some(name) => crate::request::Principal::User(name),
             None => crate::request::Principal::Nobody,
         };
-        crate::request::permissions(&self.ctx.users.current(), who, bucket)
+        crate::request::permissions(&self.ctx.port.users.current(), who, bucket)
     }
 
     /// Runs a request. A reply that is ready at once (GET's) may be appended to `out` here,
@@ -530,6 +530,7 @@ impl Session {
             opcode::LIST_BUCKETS => {
                 let names: Vec<String> = self
                     .ctx
+                    .port
                     .engine
                     .buckets()
                     .iter()

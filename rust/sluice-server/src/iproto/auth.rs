@@ -42,7 +42,7 @@ impl Session {
                 _ = self.stop.changed() => {}
             }
         }
-        let users = self.ctx.users.current();
+        let users = self.ctx.port.users.current();
         let outcome = match (scramble, mechanism) {
             // An unknown user first, as Tarantool checks.
             _ if users.required() && name != GUEST && users.get(&name).is_none() => {

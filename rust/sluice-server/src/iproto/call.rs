@@ -143,7 +143,7 @@ impl Session {
 
     fn info(&self, o: &mut Vec<u8>) {
         let ctx = &self.ctx;
-        let ro = ctx.engine.config().replica;
+        let ro = ctx.port.engine.config().replica;
         write_map_len(o, 9);
         write_str(o, "version");
         write_str(
@@ -235,6 +235,7 @@ impl Session {
         }
         let (key, _) = canonical_key(&key)?;
         self.ctx
+            .port
             .engine
             .count(&s.bucket, iterator, &key)
             .map_err(|e| super::failure::engine_failure(e, &s.name))

@@ -33,9 +33,6 @@ use std::time::Instant;
 use std::future::Future;
 use std::pin::Pin;
 
-use sluice_core::Engine;
-
-use crate::auth::UserTable;
 use crate::driver::Conn;
 use crate::front::{Declaration, Front, Registration, Shared};
 use crate::metrics::metric;
@@ -63,9 +60,6 @@ pub const MAX_PACKET: usize = 64 << 20;
 
 /// What the iproto front works with, shared by its connections: built by the server.
 pub struct IprotoContext {
-    pub engine: Arc<Engine>,
-    /// The same users as the memcached front's (SIGHUP replaces them for both).
-    pub users: Arc<UserTable>,
     pub catalog: Arc<Catalog>,
     /// What the connection driver holds this port's connections to.
     pub port: Arc<crate::driver::Port>,
@@ -238,8 +232,6 @@ fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result
         })
         .unwrap_or_default();
     Ok(Arc::new(IprotoContext {
-        engine: engine.clone(),
-        users: shared.users.clone(),
         catalog: Arc::new(catalog),
         port,
         stats: Default::default(),

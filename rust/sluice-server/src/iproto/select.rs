@@ -109,12 +109,13 @@ impl Session {
         // The reply is written as the items are read; a failed read takes it back.
         let start = out.len();
         let mut data = response::DataWriter::begin(out, sync, version);
-        let read = self
-            .ctx
-            .engine
-            .select_values(&space.bucket, it, &key, offset, limit, |value| {
-                data.push_raw(out, value)
-            });
+        let read =
+            self.ctx
+                .port
+                .engine
+                .select_values(&space.bucket, it, &key, offset, limit, |value| {
+                    data.push_raw(out, value)
+                });
         if let Err(e) = read {
             out.truncate(start);
             return Err(super::failure::engine_failure(e, &space.name));

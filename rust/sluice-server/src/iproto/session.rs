@@ -103,9 +103,9 @@ impl Session {
     /// Answers one whole packet: into `acks` when the answer acknowledges a write (it waits
     /// for the WAL), else into `out` (sent at once).
     async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>, acks: &mut Vec<u8>) {
-        let generation = self.ctx.users.generation();
+        let generation = self.ctx.port.users.generation();
         if generation != self.users_generation {
-            (self.users, self.users_generation) = self.ctx.users.current_with_generation();
+            (self.users, self.users_generation) = self.ctx.port.users.current_with_generation();
             self.refresh_permissions();
         }
         let version = self.schema_version();
@@ -305,7 +305,7 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
         );
         return;
     }
-    let (users, users_generation) = ctx.users.current_with_generation();
+    let (users, users_generation) = ctx.port.users.current_with_generation();
     let spaces = ctx
         .catalog
         .spaces()

@@ -105,7 +105,7 @@ impl Session {
         if !w.needs_settling() {
             return Ok(w.value);
         }
-        let engine = self.ctx.engine.clone();
+        let engine = self.ctx.port.engine.clone();
         let timer = tokio::time::sleep(engine.settle_timeout(&space.bucket, &w));
         engine
             .settled(&space.bucket, w, timer)
@@ -146,6 +146,7 @@ impl Session {
         };
         let w = self
             .ctx
+            .port
             .engine
             .write_store(&space.bucket, &r)
             .map_err(|e| engine_failure(e, &space.name))?;
@@ -192,6 +193,7 @@ impl Session {
         let mut refused = None;
         let written = self
             .ctx
+            .port
             .engine
             .write_update(&space.bucket, &key, 0, None, |cur| {
                 let Some(cur) = cur else {
@@ -244,6 +246,7 @@ impl Session {
         let mut refused = None;
         let written = self
             .ctx
+            .port
             .engine
             .write_update(&space.bucket, &key, 0, None, |cur| {
                 let value = match cur {
@@ -286,6 +289,7 @@ impl Session {
         let key = self.exact_key(&space, index_id, key)?;
         let w = self
             .ctx
+            .port
             .engine
             .write_take(&space.bucket, &key, None)
             .map_err(|e| engine_failure(e, &space.name))?;

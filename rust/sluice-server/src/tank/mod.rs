@@ -20,7 +20,6 @@ use crate::metrics::{label_value, metric};
 
 /// What TANK sessions work with.
 pub struct TankContext {
-    pub engine: Arc<Engine>,
     /// What the connection driver holds this port's connections to.
     pub port: Arc<crate::driver::Port>,
     pub stats: TankStats,
@@ -186,9 +185,8 @@ pub static FRONT: Registration = Registration {
     build,
 };
 
-fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+fn build(_shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
     Ok(Arc::new(TankContext {
-        engine: shared.engine.clone(),
         port,
         stats: Default::default(),
         started_unix: std::time::SystemTime::now()

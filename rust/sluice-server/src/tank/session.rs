@@ -131,7 +131,7 @@ impl crate::driver::Session for Session {
                 discover_partitions(ctx, request_id, topic, buf)
             }
             Request::DiscoverTopics { request_id, .. } => {
-                let topics = ctx.engine.topics();
+                let topics = ctx.port.engine.topics();
                 TopicsInfo {
                     request_id,
                     cluster_aware: false,
@@ -189,7 +189,7 @@ impl crate::driver::Session for Session {
             .map(|d| d.min(POLL));
         let seen = self.parked.first().and_then(|p| p.seen.clone());
         let unwritten = self.parked.iter().filter_map(|p| p.unwritten_lsn).min();
-        let engine = self.ctx.engine.clone();
+        let engine = self.ctx.port.engine.clone();
         async move {
             let Some(d) = next_look else {
                 return std::future::pending().await;
@@ -229,7 +229,7 @@ impl crate::driver::Session for Session {
         }
         if !out.is_empty() {
             // A failure is the send's to report.
-            let _ = self.ctx.engine.wal().written(self.owed_lsn).await;
+            let _ = self.ctx.port.engine.wal().written(self.owed_lsn).await;
         }
         let now = Instant::now();
         let force = end == Some(End::Stop);
@@ -242,7 +242,7 @@ impl crate::driver::Session for Session {
 fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
     std::str::from_utf8(name)
         .ok()
-        .and_then(|n| ctx.engine.topic(n))
+        .and_then(|n| ctx.port.engine.topic(n))
 }
 
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
@@ -272,7 +272,7 @@ fn produce(
         }
         for part in &t.partitions {
             errors.push(
-                match ctx.engine.produce(
+                match ctx.port.engine.produce(
                     &topic,
                     part.partition,
                     part.base_seq,
@@ -403,9 +403,10 @@ impl Parked {
             let mut known = Vec::with_capacity(parts.len());
             for (partition, seq, fetch_size) in parts.iter_mut() {
                 let before = chunks.len();
-                let read = ctx
-                    .engine
-                    .read_topic(topic, *partition, *seq, *fetch_size, &mut chunks);
+                let read =
+                    ctx.port
+                        .engine
+                        .read_topic(topic, *partition, *seq, *fetch_size, &mut chunks);
                 known.push(match read {
                     Err(_) => PartitionAnswer::UnknownPartition {
                         partition: *partition,
@@ -532,7 +533,7 @@ impl Drop for Parked {
 fn create_topic(ctx: &TankContext, c: &CreateTopic<'_>, out: &mut Vec<u8>, owed_lsn: &mut u64) {
     let error = match (std::str::from_utf8(c.topic), std::str::from_utf8(c.config)) {
         (Ok(name), Ok(config)) if !name.is_empty() && c.partitions > 0 => {
-            match ctx.engine.write_topic(name, c.partitions, config) {
+            match ctx.port.engine.write_topic(name, c.partitions, config) {
                 Ok(w) => {
                     *owed_lsn = (*owed_lsn).max(w.lsn());
                     create_error::OK
@@ -581,7 +582,7 @@ fn discover_partitions(ctx: &TankContext, request_id: u32, name: &[u8], out: &mu
 }
 
 fn status(ctx: &TankContext, request_id: u32, out: &mut Vec<u8>) {
-    let topics = ctx.engine.topics();
+    let topics = ctx.port.engine.topics();
     let partitions: u32 = topics.iter().map(|t| t.num_partitions() as u32).sum();
     StatusInfo {
         request_id,
