@@ -15,7 +15,16 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import flip_byte, layout, open_engine, run_cli, segments, wait_or_dump, wal_dump
+from helpers import (
+    NO_DEFAULT_PORTS,
+    flip_byte,
+    layout,
+    open_engine,
+    run_cli,
+    segments,
+    wait_or_dump,
+    wal_dump,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -179,16 +188,7 @@ def test_second_serve_on_the_same_data_dir_exits_1(data_dir, serve):
         "serve",
         "--data-dir",
         str(data_dir),
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "",
-        "--iproto-listen",
-        "",
-        "--tank-listen",
-        "",
-        "--greenstack-listen",
-        "",
+        *NO_DEFAULT_PORTS,
         timeout=30,
     )
     assert r.returncode == 1
@@ -225,16 +225,7 @@ def test_serve_refuses_damage_unless_forced(data_dir, serve):
         "serve",
         "--data-dir",
         str(data_dir),
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "",
-        "--iproto-listen",
-        "",
-        "--tank-listen",
-        "",
-        "--greenstack-listen",
-        "",
+        *NO_DEFAULT_PORTS,
         timeout=30,
     )
     assert r.returncode == 1
