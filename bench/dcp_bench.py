@@ -168,7 +168,9 @@ def drain(consumer: DcpConsumer) -> tuple[int, float]:
 
 def run_once(source: str, value_size: int, consumers: int, items: int) -> dict:
     with tempfile.TemporaryDirectory() as d, open_engine(d, items) as engine:
-        server = Server(engine, json.dumps({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}))
+        server = Server(
+            engine, json.dumps({"listeners": {"listen": "127.0.0.1:0"}, "admin_listen": "127.0.0.1:0"})
+        )
         pin = None
         try:
             if source == "memory":

@@ -238,10 +238,15 @@ class Node:
         ready = self.wait_for("sluice ready")
         self.address = ready.split("listening on ")[1].split(" ")[0]
         self.admin = ready.split("(admin ")[1].split(")")[0]
-        # "off" when the node serves no iproto.
-        self.iproto = ready.split("(iproto ")[1].split(")")[0]
-        self.tank = ready.split("(TANK ")[1].split(")")[0]
-        self.greenstack = ready.split("(Greenstack ")[1].split(")")[0]
+        # "off" when the node serves no iproto; a front's TLS port follows its own: "(iproto
+        # HOST:PORT, TLS HOST:PORT)".
+        fronts = {
+            title: ready.split(f"({title} ")[1].split(")")[0].split(", TLS ")
+            for title in ("iproto", "TANK", "Greenstack")
+        }
+        self.iproto, self.tank, self.greenstack = (fronts[t][0] for t in ("iproto", "TANK", "Greenstack"))
+        #: The TLS ports of the fronts that have one, by title.
+        self.tls_fronts = {t: a[1] for t, a in fronts.items() if len(a) > 1}
         host, _, port = self.address.rpartition(":")
         self.host, self.port = host, int(port)
 

@@ -100,7 +100,7 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
         "",
     )
     assert r.returncode == 1
-    assert f"KV listener {server.address} (listen): Address already in use" in r.stderr, r.stderr
+    assert f"memcached listener {server.address} (listen): Address already in use" in r.stderr, r.stderr
 
 
 def test_promote_on_a_node_that_follows_no_one_says_so(server):

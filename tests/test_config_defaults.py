@@ -14,9 +14,7 @@ from sluice.config import BUCKET_KEYS, ENGINE_KEYS, Key
 # "absent" (None), resolved on the Python side ("auto", ""), and the policy plugins' import paths.
 # (A registered front's `<name>_listen` has its default from the front's declaration.)
 PYTHON_ONLY = {
-    "listen",
     "admin_listen",
-    "tls_listen",
     "tls.certificate",
     "tls.key",
     "tls.client_ca",

@@ -34,7 +34,7 @@ class Served:
             }
         )
         self.engine = sluice.open_engine(cfg)
-        settings = json.dumps({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"})
+        settings = json.dumps({"listeners": {"listen": "127.0.0.1:0"}, "admin_listen": "127.0.0.1:0"})
         self.server = sluice._native.Server(self.engine, settings)
         self.address = self.server.address
         self.host, port = self.address.rsplit(":", 1)

@@ -60,17 +60,18 @@ SERVER_LAYERS = [
     {"request"},  # the request layer every front shares: replies after the WAL, permissions
     {"listener"},  # the accept loop of the fronts on listeners of their own
     {"driver"},  # the one connection driver every front's sessions run in
-    {"front"},  # the registry's terms: what a front declares and is built from
-    {"kv"},  # the memcached front: binary KV and sub-document, and memcached's text protocol
+    {"kv"},  # the memcached front's requests: binary KV and sub-document, and the text protocol
     # what a memcached connection is handed to (SASL, change streams)
     {"login", "dcp", "tap"},
-    {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
-    {"tank"},  # TANK's front: topics (no login)
-    {"greenstack"},  # Greenstack's front: lanes, fences, out-of-order replies
     {"topic_replica"},  # a replica's copy of its active's topics, over DCP
     {"replica"},  # following another node through the DCP consumer
     {"cluster"},  # converging on a cluster map: vbucket states and per-vbucket replication
-    {"config", "connection"},  # the server's settings; one connection and its handoffs
+    {"config"},  # the server's settings
+    {"front"},  # the registry's terms: what a front declares and is built from
+    {"connection"},  # the memcached port as a front: one connection and its handoffs
+    {"iproto"},  # Tarantool's iproto front (its AUTH shares login's throttle)
+    {"tank"},  # TANK's front: topics (no login)
+    {"greenstack"},  # Greenstack's front: lanes, fences, out-of-order replies
     {"settings"},  # the settings as they cross from Python, checked once
     {"admin"},  # the HTTP endpoint that reports on all of the above
     {"server"},  # builds every front's context and runs the listeners

@@ -16,6 +16,7 @@ import json
 import signal
 import socket
 import ssl
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -316,5 +317,90 @@ def test_admin_over_https_with_sluice_status_and_cacert(tmp_path, pki):
         with pytest.raises((OSError, http.client.HTTPException)):
             urllib.request.urlopen(f"http://{node.admin.removeprefix('https://')}/status", timeout=10)
         assert https_status(node, pki.ca_file)["tls_listen"] == "{}:{}".format(*tls_address(node))
+    finally:
+        assert node.stop() == 0, "".join(node.lines)[-2000:]
+
+
+def test_every_front_speaks_tls_on_a_port_of_its_own(tmp_path, pki):
+    """iproto, TANK and Greenstack each get a TLS listener with the node's certificate: a
+    handshake with openssl s_client verifies it on every port, and each front's own clients
+    work through it: sluice's Client (items and a DCP stream), GreenstackClient, TankConnection
+    and tarantool-python's SSL transport."""
+    tarantool = pytest.importorskip("tarantool")
+    from iproto_helpers import SPACES, USERS, host_port, user_table
+    from sluice import Client, GreenstackClient
+    from sluice.tank import TankConnection
+
+    cert, key = pki.issue("server", 2001)
+    cfg = tmp_path / "sluice.toml"
+    cfg.write_text(
+        'tls_listen = "127.0.0.1:0"\niproto_tls_listen = "127.0.0.1:0"\ntank_tls_listen = "127.0.0.1:0"\n'
+        'greenstack_tls_listen = "127.0.0.1:0"\n'
+        f'[tls]\ncertificate = "{cert}"\nkey = "{key}"\nadmin = false\n'
+        + SPACES
+        + USERS
+        + "[buckets.default]\nnum_vbuckets = 4\n"
+        + user_table("root", "root-secret", '{ "*" = ["read", "write", "stream", "admin"] }')
+    )
+    node = Node(tmp_path / "d", "--config", str(cfg))
+    try:
+        fronts = node.status()["fronts"]
+        tls = {name: f["tls_listen"] for name, f in fronts.items()}
+        assert set(tls) == {"memcached", "iproto", "tank", "greenstack"}, fronts
+        assert all(tls.values()), fronts
+        assert len(set(tls.values()) | {f["listen"] for f in fronts.values()}) == 8, "a port each"
+        assert node.tls_fronts == {
+            "iproto": tls["iproto"],
+            "TANK": tls["tank"],
+            "Greenstack": tls["greenstack"],
+        }
+        for name, address in tls.items():
+            r = subprocess.run(
+                [
+                    "openssl",
+                    "s_client",
+                    "-connect",
+                    address,
+                    "-CAfile",
+                    str(pki.ca_file),
+                    "-verify_return_error",
+                ],
+                input="",
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert "Verify return code: 0 (ok)" in r.stdout, (name, r.stdout[-2000:], r.stderr[-2000:])
+        ca = str(pki.ca_file)
+        with Client(tls["memcached"], username="root", password="root-secret", cafile=ca) as c:
+            c.set(b"k", b"over tls")
+            assert c.get(b"k").value == b"over tls"
+            with c.stream(start="beginning", end="now", format="python") as stream:
+                keys = [change.key for batch in stream for change in batch]
+            assert b"k" in keys
+        with GreenstackClient(tls["greenstack"], username="root", password="root-secret", cafile=ca) as g:
+            g.set(b"g", b"greenstack over tls")
+            assert g.get(b"g").value == b"greenstack over tls"
+        with TankConnection(tls["tank"], cafile=ca) as t:
+            t.create_topic("events", partitions=1)
+            t.produce("events", [b"one", b"two"])
+            assert [m.content for m in t.consume("events", 0, 0).messages] == [b"one", b"two"]
+        host, port = host_port(tls["iproto"])
+        conn = tarantool.Connection(
+            host, port, user="app", password="secret", transport="ssl", ssl_ca_file=ca
+        )
+        try:
+            conn.insert("users", (1, "ada", 36))
+            assert conn.select("users", 1).data == [[1, "ada", 36]]
+        finally:
+            conn.close()
+        # Plain text on a TLS port gets no protocol answer, and the port goes on.
+        with socket.create_connection(host_port(tls["tank"]), timeout=10) as raw:
+            raw.sendall(b"\x00" * 16)
+            answer = b""
+            while chunk := raw.recv(4096):
+                answer += chunk
+            assert answer == b"" or answer[0] == 0x15, answer[:8]
+        node.wait_for("closing TLS TANK connection")
     finally:
         assert node.stop() == 0, "".join(node.lines)[-2000:]

@@ -35,6 +35,6 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
 fuzz_target!(|data: &[u8]| {
     let (lb, ctx) = front();
     lb.exchange(data, |socket, peer, stop| {
-        serve_accepted(ctx.clone(), socket, peer, stop)
+        serve_accepted(ctx.clone(), socket.into(), peer, stop)
     });
 });

@@ -441,19 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", metavar="DIR", help=f"overrides data_dir (default: ./{default_of('data_dir')})"
     )
     s.add_argument(
-        "--listen", metavar="HOST:PORT", help=f"overrides listen (default: {default_of('listen')})"
-    )
-    s.add_argument(
         "--admin-listen",
         metavar="HOST:PORT",
         help=f'overrides admin_listen ("" turns it off; default: {default_of("admin_listen")})',
     )
     for front in _native.FRONTS:
-        key = f"{front['name']}_listen"
+        key = front["listen_key"]
+        off = "" if front["kv_port"] else '"" turns it off; '
         s.add_argument(
-            f"--{front['name']}-listen",
+            "--" + key.replace("_", "-"),
             metavar="HOST:PORT",
-            help=f'overrides {key} ("" turns it off; default: {default_of(key)})',
+            help=f"overrides {key} ({off}default: {default_of(key)})",
         )
     s.add_argument(
         "--replica-of",

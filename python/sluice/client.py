@@ -229,6 +229,7 @@ class Client:
         password: str | None = None,
         name: str | None = None,
         timeout: float = 10.0,
+        cafile: str | None = None,
     ) -> None:
         self.address = address
         self.bucket = bucket
@@ -236,11 +237,16 @@ class Client:
         self.password = password
         self.name = name or f"sluice-client:{os.getpid()}:{time.time_ns()}"
         self.timeout = timeout
+        #: The CAs (PEM) a TLS port's certificate must chain to: set, every connection (items
+        #: and streams) is TLS, and ``address`` is the TLS port (``tls_listen``).
+        self.cafile = cafile
         self._kv: KvConnection | None = None
 
     def _connection(self) -> KvConnection:
         if self._kv is None:
-            self._kv = KvConnection(self.address, self.bucket, self.username, self.password, self.timeout)
+            self._kv = KvConnection(
+                self.address, self.bucket, self.username, self.password, self.timeout, self.cafile
+            )
         return self._kv
 
     def _store(
@@ -424,6 +430,7 @@ class Client:
             topic=topic,
             follow_moves=follow_moves,
             move_timeout=move_timeout,
+            cafile=self.cafile,
         )
         return Stream(consumer, convert, rollback, skip_empty)
 

@@ -51,6 +51,7 @@ from sluice._native import (
 )
 from sluice.client import Change
 from sluice.kv import Stored
+from sluice.tls import client_context, server_name
 
 log = logging.getLogger(__name__)
 
@@ -417,10 +418,12 @@ class _Connection:
         on_notice: Callable[[Notice], None] | None,
         on_quiet_failure: Callable[[QuietFailure], None],
         on_closed: Callable[[_Connection], None],
+        cafile: str | None = None,
     ) -> _Connection:
         host, _, port = address.rpartition(":")
+        tls = {"ssl": client_context(cafile), "server_hostname": server_name(address)} if cafile else {}
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port), limit=1 << 20), timeout
+            asyncio.open_connection(host.strip("[]"), int(port), limit=1 << 20, **tls), timeout
         )
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -689,6 +692,7 @@ class AsyncClient:
         reconnect: bool,
         on_notice: Callable[[Notice], Any] | None,
         notice_queue_size: int,
+        cafile: str | None = None,
     ) -> None:
         if mechanism is not None and mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}, not {mechanism!r}")
@@ -700,6 +704,7 @@ class AsyncClient:
         self.timeout = timeout
         self.reconnect = reconnect
         self.on_notice = on_notice
+        self.cafile = cafile
         #: The mechanism of the latest login (None: none made).
         self.logged_in_with: str | None = None
         #: What the server's HELLO said of itself.
@@ -732,6 +737,7 @@ class AsyncClient:
         reconnect: bool = True,
         on_notice: Callable[[Notice], Any] | None = None,
         notice_queue_size: int = 1000,
+        cafile: str | None = None,
     ) -> AsyncClient:
         """Connects: HELLO, a login when ``username`` is given, and SELECT BUCKET (none when
         ``bucket`` is None).
@@ -747,6 +753,8 @@ class AsyncClient:
             is run as a task of its own.
         notice_queue_size: notices :meth:`notices` holds for a consumer that lags; past it the
             oldest are dropped (and counted in ``notices_dropped``).
+        cafile: connect inside TLS (to ``greenstack_tls_listen``): the server's certificate must
+            chain to the CAs in this PEM file and name the host connected to.
         """
         client = cls(
             address,
@@ -758,6 +766,7 @@ class AsyncClient:
             reconnect=reconnect,
             on_notice=on_notice,
             notice_queue_size=notice_queue_size,
+            cafile=cafile,
         )
         client._conn = await client._open_connection(main=True)
         return client
@@ -773,6 +782,7 @@ class AsyncClient:
             self._notice if main else None,
             self._quiet_failure,
             self._connection_closed,
+            self.cafile,
         )
         try:
             hello = await conn.request(

@@ -11,7 +11,6 @@ met (README "Durable writes"); a level that cannot be met is
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import threading
 from typing import NamedTuple
@@ -29,6 +28,7 @@ from sluice._native import (
     TempFailError,
     TooBigError,
 )
+from sluice.tls import connect
 
 # Request magics: plain, and with framing extras (alt request).
 REQUEST, ALT_REQUEST = 0x80, 0x08
@@ -72,7 +72,8 @@ class Item(NamedTuple):
 
 class KvConnection:
     """One connection to a node's KV port; requests are sent one at a time (a lock). With
-    ``bucket`` None no bucket is selected (STAT spaces needs none)."""
+    ``bucket`` None no bucket is selected (STAT spaces needs none). With ``cafile`` it is a TLS
+    connection (to the TLS port) whose certificate must chain to those CAs."""
 
     def __init__(
         self,
@@ -81,13 +82,12 @@ class KvConnection:
         username: str | None,
         password: str | None,
         timeout: float,
+        cafile: str | None = None,
     ) -> None:
-        host, _, port = address.rpartition(":")
         self.address = address
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = connect(address, timeout, cafile)
         try:
             features = struct.pack(">HHH", FEATURE_XERROR, FEATURE_SELECT_BUCKET, FEATURE_MUTATION_SEQNO)
             self.request(HELLO, key=b"sluice-client", value=features)

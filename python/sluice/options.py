@@ -25,13 +25,12 @@ def load_for(args: argparse.Namespace) -> Config:
         overrides["data_dir"] = args.data_dir
     if getattr(args, "force_recovery", False):
         overrides["force_recovery"] = True
-    if getattr(args, "listen", None):
-        overrides["listen"] = args.listen
     if getattr(args, "admin_listen", None) is not None:
         overrides["admin_listen"] = args.admin_listen
     for front in _native.FRONTS:
-        key = f"{front['name']}_listen"
-        if getattr(args, key, None) is not None:
+        key = front["listen_key"]
+        # The KV port always listens: an empty --listen is no override.
+        if getattr(args, key, None) is not None and (getattr(args, key) or not front["kv_port"]):
             overrides[key] = getattr(args, key)
     if getattr(args, "replica_of", None) is not None:
         overrides["replication__replica_of"] = args.replica_of

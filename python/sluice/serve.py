@@ -97,23 +97,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise _native.ConfigError(f"invalid config: SLUICE_ERRINJ: {e}") from None
         log.warning("fault injection is on (SLUICE_ERRINJ): %s", _native.errinj_values())
     cfg = _declare_followed_spaces(load_for(args))
-    tls_listen = cfg.server_settings()["tls_listen"]
-    logins = [f"{f['name']}_listen" for f in _native.FRONTS if f["login"]]
-    for key in ("listen", "admin_listen", "tls_listen", *logins):
-        address = tls_listen if key == "tls_listen" else cfg.values[key]
-        if address and not is_loopback(address) and not cfg.users and not args.insecure:
-            raise _native.ConfigError(
-                f"invalid config: {key}: {address} is beyond loopback and no user is configured "
-                "([users.NAME]); pass --insecure to serve it anyway"
-            )
+    server_settings = cfg.server_settings()
+    listeners = {**server_settings["listeners"], **server_settings["tls_listeners"]}
     for front in _native.FRONTS:
-        key = f"{front['name']}_listen"
-        address = cfg.values[key]
-        if not front["login"] and address and not is_loopback(address) and not args.insecure:
-            raise _native.ConfigError(
-                f"invalid config: {key}: {address} is beyond loopback, and {front['title']} has no "
-                "login; pass --insecure to serve it anyway"
-            )
+        for key in (front["listen_key"], front["tls_listen_key"]):
+            address = listeners[key]
+            if not address or is_loopback(address) or args.insecure:
+                continue
+            if not front["login"]:
+                raise _native.ConfigError(
+                    f"invalid config: {key}: {address} is beyond loopback, and {front['title']} has no "
+                    "login; pass --insecure to serve it anyway"
+                )
+            if not cfg.users:
+                raise _native.ConfigError(
+                    f"invalid config: {key}: {address} is beyond loopback and no user is configured "
+                    "([users.NAME]); pass --insecure to serve it anyway"
+                )
+    admin = cfg.values["admin_listen"]
+    if admin and not is_loopback(admin) and not cfg.users and not args.insecure:
+        raise _native.ConfigError(
+            f"invalid config: admin_listen: {admin} is beyond loopback and no user is configured "
+            "([users.NAME]); pass --insecure to serve it anyway"
+        )
     settings = cfg.to_native()
     # Read before anything starts: a missing file is a config error naming its key.
     etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
@@ -185,7 +191,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if report["moved_aside"]:
         log.warning("moved aside as damaged: %s", ", ".join(report["moved_aside"]))
     items = sum(engine.stats(bucket=b)["items"] for b in settings.bucket_names)
-    fronts = "".join(f" ({f['title']} {server.fronts.get(f['name'], 'off')})" for f in _native.FRONTS)
+    fronts = "".join(
+        f" ({f['title']} {server.fronts.get(f['name'], 'off')}"
+        + (f", TLS {server.tls_fronts[f['name']]}" if f["name"] in server.tls_fronts else "")
+        + ")"
+        for f in _native.FRONTS
+        if not f["kv_port"]
+    )
     log.info(
         "sluice ready: listening on %s (admin %s) (TLS %s)%s%s; "
         "%d items in %d bucket(s) %s, recovered in %.3f s (snapshot LSN %d, %d WAL records%s), "

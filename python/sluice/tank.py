@@ -14,13 +14,13 @@ time.
 
 from __future__ import annotations
 
-import socket
 import struct
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from sluice import _native
+from sluice.tls import connect
 
 PRODUCE, CONSUME, PING, DISCOVER_PARTITIONS, CREATE_TOPIC, DISCOVER_TOPICS = (
     0x01,
@@ -100,10 +100,13 @@ Produced = bytes | tuple[bytes | None, bytes]
 class TankConnection:
     """One connection to a TANK listener; each call sends a request and waits for its answer."""
 
-    def __init__(self, address: str = "127.0.0.1:11011", timeout: float = 10.0) -> None:
-        host, _, port = address.rpartition(":")
+    def __init__(
+        self, address: str = "127.0.0.1:11011", timeout: float = 10.0, *, cafile: str | None = None
+    ) -> None:
+        """``cafile``: connect to the TLS listener (``tank_tls_listen``), whose certificate must
+        chain to the CAs in that PEM file."""
         try:
-            self._sock = socket.create_connection((host, int(port)), timeout=timeout)
+            self._sock = connect(address, timeout, cafile)
         except OSError as e:
             raise TankError(f"cannot reach the TANK listener at {address}: {e}") from None
         self._buf = b""

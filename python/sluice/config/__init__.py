@@ -203,14 +203,18 @@ class Config:
     def server_settings(self) -> dict[str, Any]:
         """The settings of `sluice._native.Server`, which it takes as JSON (`server_json`) and
         checks once: the server's keys by their native names, the users and spaces, and each
-        registered front's listener under `listeners` ("" when it is off)."""
-        fronts = {f"{f['name']}_listen": f["name"] for f in FRONTS}
-        out: dict[str, Any] = {"listeners": {}}
+        registered front's listeners by their keys under `listeners` and `tls_listeners` ("" when
+        off; a TLS key's "auto" resolved)."""
+        plain = {f["listen_key"] for f in FRONTS}
+        tls = {f["tls_listen_key"]: f for f in FRONTS}
+        out: dict[str, Any] = {"listeners": {}, "tls_listeners": {}}
         for k in ENGINE_KEYS:
             if not k.server or k.plugin:
                 continue
-            if k.name in fronts:
-                out["listeners"][fronts[k.name]] = self.values[k.name]
+            if k.name in plain:
+                out["listeners"][k.name] = self.values[k.name]
+            elif k.name in tls:
+                out["tls_listeners"][k.name] = self.values[k.name]
             else:
                 out[k.native or k.name] = self.values[k.name]
         out["users"] = self.user_list()
@@ -226,9 +230,9 @@ class Config:
             "replication_key",
         ):
             out[k] = str(out[k]) if out[k] else None
-        if out["tls_listen"] == "auto":
-            out["tls_listen"] = "127.0.0.1:11207" if out["tls_certificate"] else None
-        out["tls_listen"] = out["tls_listen"] or None
+        for key, front in tls.items():
+            if out["tls_listeners"][key] == "auto":
+                out["tls_listeners"][key] = front["default_tls_listen"] if out["tls_certificate"] else ""
         for native, key in (
             ("replication_password", "replication.password_file"),
             ("tarantool_upstream_password", "tarantool_upstream.password_file"),

@@ -122,15 +122,51 @@ ENGINE_KEYS: list[Key] = [
 ]
 
 
+def _front_listen_doc(front: dict[str, Any]) -> str:
+    """A front's listener key's documentation, from what it declares."""
+    if front["kv_port"]:
+        off = ""
+    else:
+        off = ' "" turns it off.'
+    if front["login"]:
+        return front["doc"] + off + " Beyond loopback it needs users (or --insecure)."
+    return front["doc"] + f" {front['title']} has no login: beyond loopback it needs --insecure." + off
+
+
+def _front_tls_listen_doc(front: dict[str, Any]) -> str:
+    """A front's TLS listener key's documentation, from what it declares."""
+    auto = (
+        f'"auto" (the default): {front["default_tls_listen"]} when tls.certificate is set, off otherwise; '
+        if front["default_tls_listen"]
+        else ""
+    )
+    return (
+        f"Address of the {front['title']} listener inside TLS (tls.certificate, tls.key, tls.client_ca): "
+        f'the same protocol on a port of its own. {auto}"" turns it off. Beyond loopback it needs users '
+        "(or --insecure)."
+    )
+
+
+def _parse_tls_listen(front: dict[str, Any]) -> Callable[[str, Any], str]:
+    auto = ("", "auto") if front["default_tls_listen"] else ("",)
+    return lambda p, v: parse_listen(p, v) if v not in auto else v
+
+
 ENGINE_KEYS += [
-    Key(
-        "listen",
-        parse_listen,
-        "127.0.0.1:11210",
-        "Address of the memcached binary protocol listener. Beyond loopback, `sluice serve` needs "
-        "--insecure until authentication is configured.",
-        "HOST:PORT",
-        server=True,
+    # Each registered front's listener, as the front declares it (sluice._native.FRONTS); the
+    # memcached port's is `listen`.
+    *(
+        Key(
+            front["listen_key"],
+            (lambda p, v: parse_listen(p, v))
+            if front["kv_port"]
+            else (lambda p, v: parse_listen(p, v) if v != "" else ""),
+            front["default_listen"],
+            _front_listen_doc(front),
+            "HOST:PORT",
+            server=True,
+        )
+        for front in FRONTS
     ),
     Key(
         "admin_listen",
@@ -141,23 +177,6 @@ ENGINE_KEYS += [
         "users (or --insecure).",
         "HOST:PORT",
         server=True,
-    ),
-    # Each registered front's listener, as the front declares it (sluice._native.FRONTS).
-    *(
-        Key(
-            f"{front['name']}_listen",
-            lambda p, v: parse_listen(p, v) if v != "" else "",
-            front["default_listen"],
-            front["doc"]
-            + (
-                ' "" turns it off. Beyond loopback it needs users (or --insecure).'
-                if front["login"]
-                else f' {front["title"]} has no login: beyond loopback it needs --insecure. "" turns it off.'
-            ),
-            "HOST:PORT",
-            server=True,
-        )
-        for front in FRONTS
     ),
     Key(
         "max_connections",
@@ -216,15 +235,18 @@ ENGINE_KEYS += [
         _between(1, 256),
         server=True,
     ),
-    Key(
-        "tls_listen",
-        lambda p, v: parse_listen(p, v) if v not in ("", "auto") else v,
-        "auto",
-        'Address of the TLS memcached listener (Couchbase\'s convention: 11207 next to 11210). "auto" '
-        '(the default): 127.0.0.1:11207 when tls.certificate is set, off otherwise; "" turns it off. '
-        "Beyond loopback it needs users (or --insecure).",
-        "HOST:PORT",
-        server=True,
+    # Each registered front's TLS listener (`tls_listen` is the memcached port's, 11207 by
+    # Couchbase's convention).
+    *(
+        Key(
+            front["tls_listen_key"],
+            _parse_tls_listen(front),
+            DEFAULTS[front["tls_listen_key"]],
+            _front_tls_listen_doc(front),
+            "HOST:PORT",
+            server=True,
+        )
+        for front in FRONTS
     ),
     Key(
         "tls.certificate",

@@ -282,7 +282,7 @@ impl DcpConsumer {
         state=None,
         rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
         include_values=true, cursor_dropping=false, setup_timeout=None, topic=None,
-        follow_moves=true, move_timeout=60.0))]
+        follow_moves=true, move_timeout=60.0, cafile=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -306,7 +306,13 @@ impl DcpConsumer {
         topic: Option<String>,
         follow_moves: bool,
         move_timeout: f64,
+        cafile: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        // A TLS port's certificate must chain to these CAs.
+        let tls = cafile
+            .map(|ca| sluice_server::tls::ClientTls::trusting("cafile", &ca))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let state = match state {
             None => SessionState::default(),
             Some(s) => {
@@ -356,7 +362,7 @@ impl DcpConsumer {
             kv_address: None,
             end_refused_streams: false,
             flow_control: None,
-            tls: None,
+            tls,
         };
         if !(move_timeout.is_finite() && move_timeout > 0.0) {
             return Err(PyValueError::new_err(

@@ -64,7 +64,8 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
     d.set_item("policy.timeout", server.policy_timeout)?;
     for r in FRONTS {
         let f = &r.declaration;
-        d.set_item(format!("{}_listen", f.name), f.default_listen)?;
+        d.set_item(f.listen_key, f.default_listen)?;
+        d.set_item(f.tls_listen_key, default_tls_listen(f))?;
     }
 
     let bucket = &*BUCKET_DEFAULTS;
@@ -86,9 +87,18 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
     Ok(PyMappingProxy::new(py, d.as_mapping()))
 }
 
-/// `FRONTS`: what each registered front declares (name, title, default_listen, doc, login),
-/// in the server's order: config.py makes its `<name>_listen` key and the CLI its
-/// `--<name>-listen` flag from it.
+/// A TLS listener key's default: "auto" (the front's TLS address when a certificate is set)
+/// where the front declares such an address, else off.
+fn default_tls_listen(f: &sluice_server::front::Declaration) -> &'static str {
+    if f.default_tls_listen.is_empty() {
+        ""
+    } else {
+        "auto"
+    }
+}
+
+/// `FRONTS`: what each registered front declares, in the server's order: config.py makes its
+/// listener keys and the CLI its `--listen` flags from it.
 pub(crate) fn fronts(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let list = PyList::empty(py);
     for r in FRONTS {
@@ -96,9 +106,13 @@ pub(crate) fn fronts(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         let d = PyDict::new(py);
         d.set_item("name", f.name)?;
         d.set_item("title", f.title)?;
+        d.set_item("listen_key", f.listen_key)?;
         d.set_item("default_listen", f.default_listen)?;
+        d.set_item("tls_listen_key", f.tls_listen_key)?;
+        d.set_item("default_tls_listen", f.default_tls_listen)?;
         d.set_item("doc", f.doc)?;
         d.set_item("login", f.login)?;
+        d.set_item("kv_port", f.kv_port)?;
         list.append(d)?;
     }
     Ok(list)

@@ -56,8 +56,9 @@ pub(crate) struct Server {
     address: String,
     admin_address: Option<String>,
     tls_address: Option<String>,
-    /// The registered fronts that listen: name -> "HOST:PORT" bound.
+    /// The registered fronts that listen: name -> "HOST:PORT" bound, in plain and with TLS.
     fronts: std::collections::BTreeMap<String, String>,
+    tls_fronts: std::collections::BTreeMap<String, String>,
     policies: Arc<PolicyHost>,
 }
 
@@ -124,13 +125,18 @@ impl Server {
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
         let tls_address = server.tls_addr().map(|a| a.to_string());
-        let fronts = server
-            .fronts()
-            .iter()
-            .map(|r| (r.declaration.name.to_string(), r.addr.to_string()))
-            .collect();
+        let bound = |addr: fn(&sluice_server::front::Running) -> Option<std::net::SocketAddr>| {
+            server
+                .fronts()
+                .iter()
+                .filter_map(|r| Some((r.declaration.name.to_string(), addr(r)?.to_string())))
+                .collect()
+        };
+        let fronts = bound(|r| r.addr);
+        let tls_fronts = bound(|r| r.tls_addr);
         Ok(Server {
             fronts,
+            tls_fronts,
             inner: parking_lot::Mutex::new(Some(server)),
             address,
             admin_address,
@@ -196,11 +202,17 @@ impl Server {
         Ok(())
     }
 
-    /// "HOST:PORT" of each registered front that listens, by its name ("iproto", "tank",
-    /// "greenstack").
+    /// "HOST:PORT" of each registered front that listens in plain, by its name ("memcached",
+    /// "iproto", "tank", "greenstack").
     #[getter]
     fn fronts(&self) -> std::collections::BTreeMap<String, String> {
         self.fronts.clone()
+    }
+
+    /// "HOST:PORT" of each registered front's TLS listener that runs, by the front's name.
+    #[getter]
+    fn tls_fronts(&self) -> std::collections::BTreeMap<String, String> {
+        self.tls_fronts.clone()
     }
 
     /// "HOST:PORT" of the TLS KV listener, if it runs.

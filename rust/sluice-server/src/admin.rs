@@ -36,7 +36,6 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::auth::{Users, ADMIN};
 use crate::config::ServerConfig;
-use crate::connection::Fronts;
 use crate::metrics::metric;
 use crate::replica::Followers;
 
@@ -162,10 +161,19 @@ impl Refusal {
     }
 }
 
-/// What the admin endpoint reports on and acts on, handed over by the server: the fronts (their
-/// counters, the engine, the users), the replicators, the settings and the certificate in use.
+/// What the admin endpoint reports on and acts on, handed over by the server: the engine, the
+/// users, the fronts and their counters, the replicators, the settings and the certificate in
+/// use.
 pub struct NodeView {
-    pub fronts: Arc<Fronts>,
+    pub engine: Arc<sluice_core::Engine>,
+    pub users: Arc<crate::auth::UserTable>,
+    pub clustermap: Arc<crate::clustermap::ClusterMap>,
+    /// Every port's connection counters.
+    pub io: Arc<crate::stats::ConnectionStats>,
+    /// The bounds on connections not logged in, every port's.
+    pub prelogin: Arc<crate::limits::PreLogin>,
+    pub policies: Arc<crate::policy::PolicyHost>,
+    pub started: std::time::Instant,
     /// The registered fronts that run.
     pub registered: Arc<[crate::front::Running]>,
     pub followers: Arc<Followers>,
@@ -178,7 +186,7 @@ pub struct NodeView {
 
 impl NodeView {
     fn engine(&self) -> &Arc<sluice_core::Engine> {
-        &self.fronts.kv.engine
+        &self.engine
     }
 }
 
@@ -220,7 +228,7 @@ impl Admin {
         if change {
             self.same_site(req)?;
         }
-        let users = node.fronts.kv.users.current();
+        let users = node.users.current();
         match self.caller(req, &users)? {
             Caller::Token => Ok(()),
             Caller::User(name) => {
@@ -691,16 +699,9 @@ fn errinj(req: &Request) -> Answer {
 /// Prometheus text exposition of the node: each component's own metrics, in one page.
 pub fn metrics(node: &NodeView) -> String {
     let mut o = String::with_capacity(16 << 10);
-    let f = &node.fronts;
-    f.kv.stats.metrics(&mut o);
-    f.port.prelogin.metrics(&mut o);
-    f.dcp.stats.metrics(&mut o);
-    f.tap.stats.metrics(
-        &mut o,
-        f.tap.sessions.parked() as u64,
-        f.kv.tap_applied.load(Relaxed),
-    );
-    f.dcp.policies.metrics(&mut o);
+    node.io.metrics(&mut o);
+    node.prelogin.metrics(&mut o);
+    node.policies.metrics(&mut o);
     crate::tank::topic_metrics(node.engine(), &mut o);
     for r in node.registered.iter() {
         r.front.metrics(&mut o);
@@ -708,7 +709,7 @@ pub fn metrics(node: &NodeView) -> String {
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);
-    crate::cluster::metrics(&node.fronts.kv.clustermap, &mut o);
+    crate::cluster::metrics(&node.clustermap, &mut o);
     if let Some(t) = &node.tarantool {
         t.metrics(&mut o);
     }
@@ -719,7 +720,8 @@ pub fn metrics(node: &NodeView) -> String {
 pub fn status(node: &NodeView) -> serde_json::Value {
     use serde_json::json;
     let e = node.engine();
-    let map = &node.fronts.kv.clustermap;
+    let map = &node.clustermap;
+    let kv_port = node.registered.iter().find(|r| r.declaration.kv_port);
     let buckets: Vec<_> = e
         .buckets()
         .iter()
@@ -744,12 +746,12 @@ pub fn status(node: &NodeView) -> serde_json::Value {
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "instance": e.instance(),
-        "uptime_s": node.fronts.kv.started.elapsed().as_secs(),
-        "listen": node.config.listen.to_string(),
-        "tls_listen": node.config.tls_listen.map(|a| a.to_string()),
-        "fronts": node.registered.iter().map(|r| (r.declaration.name.to_string(), json!({"listen": r.addr.to_string(), "status": r.front.status()}))).collect::<serde_json::Map<_, _>>(),
+        "uptime_s": node.started.elapsed().as_secs(),
+        "listen": kv_port.and_then(|r| r.addr).map(|a| a.to_string()),
+        "tls_listen": kv_port.and_then(|r| r.tls_addr).map(|a| a.to_string()),
+        "fronts": node.registered.iter().map(|r| (r.declaration.name.to_string(), json!({"listen": r.addr.map(|a| a.to_string()), "tls_listen": r.tls_addr.map(|a| a.to_string()), "status": r.front.status()}))).collect::<serde_json::Map<_, _>>(),
         "admin_https": node.tls.as_ref().is_some_and(|t| t.settings().admin),
-        "connections": node.fronts.kv.stats.curr_connections.load(Relaxed),
+        "connections": node.io.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
         "buckets": buckets,
         "topics": topics_status(e),
@@ -849,7 +851,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
     let member = crate::cluster::Member {
         engine: node.engine().clone(),
         followers: node.followers.clone(),
-        clustermap: node.fronts.kv.clustermap.clone(),
+        clustermap: node.clustermap.clone(),
         replication,
     };
     let r = member

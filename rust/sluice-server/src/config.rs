@@ -22,7 +22,6 @@ pub mod defaults {
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    pub listen: SocketAddr,
     /// The admin HTTP endpoint (/metrics, /status, /promote, /takeover), if any.
     pub admin_listen: Option<SocketAddr>,
     pub max_connections: usize,
@@ -45,18 +44,18 @@ pub struct ServerConfig {
     pub tap: crate::tap::producer::TapConfig,
     /// Bounds on connections that have not logged in (when users are configured).
     pub login: crate::limits::LoginLimits,
-    /// The TLS KV listener (next to `listen`); needs `tls`.
-    pub tls_listen: Option<SocketAddr>,
-    /// The certificate and key of the TLS listener (and of the admin endpoint when
+    /// The certificate and key of the TLS listeners (and of the admin endpoint when
     /// `tls.admin`).
     pub tls: Option<crate::tls::TlsSettings>,
-    /// The registered fronts' listeners (`<name>_listen`), by front name; a front not named
-    /// does not listen.
+    /// The registered fronts' listeners by the keys they declare (`listen`, `iproto_listen`);
+    /// a front with neither a listener nor a TLS one does not run.
     pub listeners: std::collections::BTreeMap<String, SocketAddr>,
+    /// Their TLS listeners by key (`tls_listen`, `iproto_tls_listen`); they need `tls`.
+    pub tls_listeners: std::collections::BTreeMap<String, SocketAddr>,
     /// The spaces iproto serves (`[spaces.NAME]`), each in its bucket.
-    pub spaces: Vec<crate::iproto::SpaceConfig>,
+    pub spaces: Vec<crate::space::SpaceConfig>,
     /// A Tarantool whose rows this node applies to its spaces (`[tarantool_upstream]`).
-    pub tarantool_upstream: Option<crate::iproto::follow::FollowConfig>,
+    pub tarantool_upstream: Option<crate::upstream::FollowConfig>,
     /// Bind the client listeners but accept no connection until `Server::accept_connections`:
     /// a node of a cluster first converges on the map, so that no client finds the vbuckets
     /// it held before it was failed over.

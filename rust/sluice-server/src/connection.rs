@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,13 +21,15 @@ use tokio::sync::watch;
 
 use crate::dcp::producer::DcpContext;
 use crate::driver::{Check, Conn, End, Ended, Fault, Flow as DriverFlow, Frame, Out};
+use crate::front::{Declaration, Front, Registration, Serving, Shared};
 use crate::kv::{Flow, Handoff, HeldReply, KvContext, KvSession};
 use crate::tap::TapContext;
 use crate::throttle::LoginThrottle;
 
-/// What a client connection works with, built once by the server: the KV front every
-/// connection starts in, the stream fronts it may be handed to, and the bounds before login.
-pub struct Fronts {
+/// The memcached port (binary and text, plain and TLS), as a registered front: the KV front
+/// every connection starts in, the change streams (DCP, TAP) a binary connection may be handed
+/// to, and the bounds before login.
+pub struct Memcached {
     pub kv: Arc<KvContext>,
     pub dcp: Arc<DcpContext>,
     pub tap: Arc<TapContext>,
@@ -34,6 +37,98 @@ pub struct Fronts {
     pub port: Arc<crate::driver::Port>,
     /// Failed SASL (and iproto AUTH) attempts, which slow the next ones down.
     pub throttle: Arc<LoginThrottle>,
+}
+
+/// The memcached port's registration (`server::FRONTS`).
+pub static FRONT: Registration = Registration {
+    declaration: Declaration {
+        name: "memcached",
+        title: "memcached",
+        listen_key: "listen",
+        default_listen: "127.0.0.1:11210",
+        tls_listen_key: "tls_listen",
+        default_tls_listen: "127.0.0.1:11207",
+        doc: "Address of the memcached listener: the binary protocol (with Couchbase's \
+              extensions, DCP and TAP) and the text protocol, told apart by the first byte.",
+        login: true,
+        kind: "KV",
+        noun: "connection",
+        kv_port: true,
+    },
+    max_frame: |max_body| max_body,
+    build,
+};
+
+fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+    let config = shared.config;
+    let kv = Arc::new(KvContext {
+        engine: shared.engine.clone(),
+        users: shared.users.clone(),
+        stats: shared.io.clone(),
+        started: Instant::now(),
+        tap_applied: Default::default(),
+        clustermap: shared.clustermap.clone(),
+        spaces: Arc::from(config.spaces.clone()),
+    });
+    let dcp = Arc::new(DcpContext {
+        engine: shared.engine.clone(),
+        io: shared.io.clone(),
+        names: Default::default(),
+        stats: Default::default(),
+        policies: shared.policies.clone(),
+        max_body: config.max_body,
+        clustermap: shared.clustermap.clone(),
+    });
+    let tap = Arc::new(TapContext {
+        engine: shared.engine.clone(),
+        io: shared.io.clone(),
+        config: config.tap.clone(),
+        sessions: Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions)),
+        stats: Default::default(),
+        policies: shared.policies.clone(),
+        max_body: config.max_body,
+    });
+    Ok(Arc::new(Memcached {
+        kv,
+        dcp,
+        tap,
+        port,
+        throttle: shared.throttle.clone(),
+    }))
+}
+
+impl Front for Memcached {
+    fn serve(self: Arc<Self>, conn: Conn) -> Serving {
+        Box::pin(async move {
+            let io = self.kv.stats.clone();
+            crate::listener::counted(&io.curr_connections, run(conn, self)).await
+        })
+    }
+
+    fn port(&self) -> Arc<crate::driver::Port> {
+        self.port.clone()
+    }
+
+    fn accepted(&self) {
+        self.kv.stats.connections_total.fetch_add(1, Relaxed);
+    }
+
+    fn metrics(&self, out: &mut String) {
+        self.dcp.stats.metrics(out);
+        self.tap.stats.metrics(
+            out,
+            self.tap.sessions.parked() as u64,
+            self.kv.tap_applied.load(Relaxed),
+        );
+    }
+
+    fn status(&self) -> serde_json::Value {
+        serde_json::json!({"connections": self.kv.stats.curr_connections.load(Relaxed)})
+    }
+
+    fn stopped(&self) {
+        crate::tap::session::close_parked(&self.tap);
+    }
 }
 
 /// Held replies past which the connection stops reading until the oldest is sent: a client
@@ -170,7 +265,7 @@ enum Stream {
 struct Binary {
     session: KvSession,
     replies: Replies,
-    fronts: Arc<Fronts>,
+    fronts: Arc<Memcached>,
     peer: SocketAddr,
     stop: watch::Receiver<bool>,
     /// The login deadline while the connection has not logged in (a SASL attempt's throttle
@@ -316,7 +411,7 @@ impl crate::driver::Session for Binary {
 
 /// Runs one connection of the memcached port: the text protocol or the binary one, by its
 /// first byte as memcached sniffs it; a binary connection may be handed to a change stream.
-pub async fn run(mut conn: Conn, fronts: Arc<Fronts>) {
+pub async fn run(mut conn: Conn, fronts: Arc<Memcached>) {
     if !conn.first_bytes().await {
         return;
     }

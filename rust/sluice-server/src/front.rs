@@ -1,8 +1,8 @@
 //! The registry of fronts: what a front declares, and what the server builds it from. A front
-//! is its folder plus one registration line (`server::FRONTS`); its listener, the bounds of its
-//! connections (the driver's), its metrics and its section of `/status`, its configuration key
-//! and its command-line flag all come from its `Registration`, so the server, the admin endpoint
-//! and the Python side never name it.
+//! is its folder plus one registration line (`server::FRONTS`); its listeners (plain and TLS),
+//! the bounds of its connections (the driver's), its metrics and its section of `/status`, its
+//! configuration keys and its command-line flag all come from its `Registration`, so the server,
+//! the admin endpoint and the Python side never name it.
 
 use std::any::Any;
 use std::future::Future;
@@ -15,19 +15,31 @@ use tokio::sync::watch;
 
 use crate::auth::UserTable;
 use crate::clustermap::ClusterMap;
+use crate::config::ServerConfig;
 use crate::driver::{Conn, Port};
+use crate::policy::PolicyHost;
+use crate::stats::ConnectionStats;
 use crate::throttle::LoginThrottle;
+use crate::tls::MaybeTls;
 
 /// What a front says of itself.
 #[derive(Debug, Clone, Copy)]
 pub struct Declaration {
-    /// Its name: its listener's key is `<name>_listen`, its flag `--<name>-listen`, and its
-    /// metrics and `/status` section go under it.
+    /// Its name: its `/status` section goes under it.
     pub name: &'static str,
     /// What people call it, in log lines and the ready line ("iproto", "TANK").
     pub title: &'static str,
+    /// Its listener's configuration key (`<name>_listen`, or `listen` for the memcached port);
+    /// its command-line flag is the key with dashes (`--iproto-listen`).
+    pub listen_key: &'static str,
     /// Where it listens unless the configuration says otherwise ("" for nowhere).
     pub default_listen: &'static str,
+    /// Its TLS listener's key (`<name>_tls_listen`): the same protocol inside TLS, with the
+    /// node's `[tls]` certificate, on a port of its own (as 11207 is next to 11210).
+    pub tls_listen_key: &'static str,
+    /// Where its TLS listener is when a certificate is configured and its key says "auto"
+    /// ("": it has no such default, and listens with TLS only where its key says).
+    pub default_tls_listen: &'static str,
     /// One line for the configuration reference and `--help`.
     pub doc: &'static str,
     /// Whether its clients log in. A listener beyond loopback of a front without a login is
@@ -37,6 +49,9 @@ pub struct Declaration {
     pub kind: &'static str,
     /// What a log line calls one of its connections.
     pub noun: &'static str,
+    /// Whether it is the node's KV port: it always listens, and its addresses are the node's
+    /// in the cluster map. Exactly one registered front is.
+    pub kv_port: bool,
 }
 
 /// A running front: the server hands it each connection the driver admitted.
@@ -57,6 +72,10 @@ pub trait Front: Send + Sync + 'static {
     fn status(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+
+    /// The server stopped and its connections ended (or their grace ran out): what the front
+    /// holds for connections that may come back is let go.
+    fn stopped(&self) {}
 
     /// Connections taken before the server started (a warm-up), to run first.
     fn resume(
@@ -88,13 +107,15 @@ pub struct Shared<'a> {
     /// Failed logins slow the next ones, on every port.
     pub throttle: &'a Arc<LoginThrottle>,
     pub clustermap: &'a Arc<ClusterMap>,
-    /// The configured spaces (`[spaces.NAME]`).
-    pub spaces: &'a [crate::space::SpaceConfig],
-    /// The spaces a Tarantool is followed into (`[tarantool_upstream]`; empty: all of them),
-    /// if one is.
-    pub followed: Option<&'a [String]>,
-    /// Where it listens (the port bound).
-    pub listen: SocketAddr,
+    /// The node's settings, with the addresses bound.
+    pub config: &'a ServerConfig,
+    /// The policy plugins (change streams consult them).
+    pub policies: &'a Arc<PolicyHost>,
+    /// The node's connection counters, every port's.
+    pub io: &'a Arc<ConnectionStats>,
+    /// Where it listens (the ports bound): in plain, and with TLS.
+    pub listen: Option<SocketAddr>,
+    pub tls_listen: Option<SocketAddr>,
     /// The server's stop, for work a front runs besides its connections.
     pub stop: &'a watch::Receiver<bool>,
     /// The runtime the server's own tasks run on.
@@ -114,7 +135,10 @@ pub struct Registration {
 pub struct Running {
     pub declaration: Declaration,
     pub front: Arc<dyn Front>,
-    pub addr: SocketAddr,
+    /// Its plain listener's address, if it has one.
+    pub addr: Option<SocketAddr>,
+    /// Its TLS listener's address, if it has one.
+    pub tls_addr: Option<SocketAddr>,
 }
 
 /// A listener a front bound before the server started (its warm-up), with what it holds.
@@ -124,16 +148,15 @@ pub struct Prebound {
     pub warm: Box<dyn Any + Send>,
 }
 
-/// Runs one accepted connection of `front` to its end: counted, admitted by the driver under
-/// the front's port, then served. What the server does with every connection of a registered
-/// front (and how the fuzz targets drive one over loopback sockets).
+/// Runs one accepted connection of `front` to its end: admitted by the driver under the
+/// front's port, then served. What the server does with every connection of a registered
+/// front, plain or TLS, once counted (`Front::accepted`) and past its handshake.
 pub async fn serve_accepted(
     front: Arc<dyn Front>,
-    socket: tokio::net::TcpStream,
+    socket: MaybeTls,
     peer: SocketAddr,
     stop: watch::Receiver<bool>,
 ) {
-    front.accepted();
     let port = front.port();
-    crate::driver::serve_connection(socket.into(), peer, stop, port, |conn| front.serve(conn)).await
+    crate::driver::serve_connection(socket, peer, stop, port, |conn| front.serve(conn)).await
 }

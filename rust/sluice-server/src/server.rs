@@ -15,14 +15,10 @@ use crate::admin::NodeView;
 use crate::auth::UserTable;
 use crate::clustermap::ClusterMap;
 use crate::config::ServerConfig;
-use crate::connection::{self, Fronts};
-use crate::dcp::producer::DcpContext;
 use crate::front::{Declaration, Front, Prebound, Registration, Running, Shared};
-use crate::kv::KvContext;
 use crate::limits::PreLogin;
 use crate::replica::Followers;
 use crate::stats::ConnectionStats;
-use crate::tap::TapContext;
 
 pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
@@ -37,19 +33,31 @@ pub struct Server {
     /// False while the client listeners wait (`ServerConfig::hold_connections`).
     accepting: watch::Sender<bool>,
     done: Option<tokio::sync::oneshot::Receiver<()>>,
-    fronts: Arc<Fronts>,
+    engine: Arc<Engine>,
+    users: Arc<UserTable>,
+    clustermap: Arc<ClusterMap>,
     followers: Arc<Followers>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
     replication: crate::cluster::Replication,
 }
 
-/// The fronts this build serves besides the memcached port, a line each. A front declares
-/// everything else itself (`front::Registration`).
+/// The fronts this build serves, a line each. A front declares everything else itself
+/// (`front::Registration`).
 pub static FRONTS: &[&Registration] = &[
+    &crate::connection::FRONT,
     &crate::iproto::FRONT,
     &crate::tank::FRONT,
     &crate::greenstack::FRONT,
 ];
+
+/// A registered front's listeners, bound before anything starts.
+struct Bound {
+    registration: &'static Registration,
+    plain: Option<std::net::TcpListener>,
+    tls: Option<std::net::TcpListener>,
+    /// What it took before the server started, if it bound its plain listener itself.
+    warm: Option<Box<dyn std::any::Any + Send>>,
+}
 
 impl Server {
     /// Binds (errors come back here, not later) and starts serving. A TLS certificate that
@@ -68,46 +76,58 @@ impl Server {
         prebound: Vec<Prebound>,
         fronts: &[&'static Registration],
     ) -> std::io::Result<Server> {
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        // Every listener key names a registered front's, and one front is the KV port.
+        for key in config.listeners.keys() {
+            if !fronts.iter().any(|r| r.declaration.listen_key == key) {
+                return Err(invalid(format!(
+                    "{key}: no front of this build listens there"
+                )));
+            }
+        }
+        for key in config.tls_listeners.keys() {
+            if !fronts.iter().any(|r| r.declaration.tls_listen_key == key) {
+                return Err(invalid(format!(
+                    "{key}: no front of this build listens there"
+                )));
+            }
+        }
+        let Some(kv_port) = fronts.iter().find(|r| r.declaration.kv_port) else {
+            return Err(invalid("no registered front is the KV port".into()));
+        };
+        if !config
+            .listeners
+            .contains_key(kv_port.declaration.listen_key)
+        {
+            return Err(invalid(format!(
+                "{}: required (the node's KV port, which the cluster map names)",
+                kv_port.declaration.listen_key
+            )));
+        }
+        let tls = match &config.tls {
+            Some(t) => Some(Arc::new(
+                crate::tls::ReloadableTls::load(t.clone()).map_err(|e| invalid(e.to_string()))?,
+            )),
+            None => None,
+        };
+        if let (Some(key), None) = (config.tls_listeners.keys().next(), &tls) {
+            return Err(invalid(format!(
+                "{key}: set, but no certificate is configured (tls.certificate, tls.key)"
+            )));
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads.max(1))
             .thread_name("sluice-io")
             .enable_all()
             .build()?;
         let loops = Arc::new(crate::listener::IoLoops::start(config.worker_threads)?);
-        let std_listener = bind("KV listener", "listen", config.listen)?;
-        std_listener.set_nonblocking(true)?;
-        let local_addr = std_listener.local_addr()?;
         let admin = match config.admin_listen {
-            Some(a) => {
-                let l = bind("admin listener", "admin_listen", a)?;
-                l.set_nonblocking(true)?;
-                Some(l)
-            }
+            Some(a) => Some(bind("admin listener", "admin_listen", a)?),
             None => None,
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
-        let tls = match &config.tls {
-            Some(t) => Some(Arc::new(
-                crate::tls::ReloadableTls::load(t.clone())
-                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
-            )),
-            None => None,
-        };
-        let tls_listener =
-            match (config.tls_listen, &tls) {
-                (Some(a), Some(_)) => {
-                    let l = bind("TLS listener", "tls_listen", a)?;
-                    l.set_nonblocking(true)?;
-                    Some(l)
-                }
-                (Some(_), None) => return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "tls_listen: set, but no certificate is configured (tls.certificate, tls.key)",
-                )),
-                (None, _) => None,
-            };
-        let tls_addr = tls_listener.as_ref().map(|l| l.local_addr()).transpose()?;
-        // Each registered front's listener: the one it bound already, or its configured address.
+        // Each registered front's listeners: the one it bound already, or its configured
+        // addresses.
         let mut prebound = prebound;
         let mut bound = Vec::new();
         for r in fronts {
@@ -116,33 +136,49 @@ impl Server {
                 .iter()
                 .position(|p| p.name == d.name)
                 .map(|i| prebound.swap_remove(i));
-            let Some(addr) = config.listeners.get(d.name).copied() else {
-                continue;
-            };
-            let (listener, warm) = match pre {
-                Some(p) => (p.listener, Some(p.warm)),
-                None => {
+            let plain_addr = config.listeners.get(d.listen_key).copied();
+            let tls_addr = config.tls_listeners.get(d.tls_listen_key).copied();
+            let (plain, warm) = match (plain_addr, pre) {
+                (None, _) => (None, None),
+                (Some(_), Some(p)) => (Some(p.listener), Some(p.warm)),
+                (Some(a), None) => {
                     let what = format!("{} listener", d.title);
-                    let l = bind(&what, &format!("{}_listen", d.name), addr)?;
-                    l.set_nonblocking(true)?;
-                    (l, None)
+                    (Some(bind(&what, d.listen_key, a)?), None)
                 }
             };
-            bound.push((*r, listener.local_addr()?, listener, warm));
+            let tls = match tls_addr {
+                Some(a) => {
+                    let what = format!("TLS {} listener", d.title);
+                    Some(bind(&what, d.tls_listen_key, a)?)
+                }
+                None => None,
+            };
+            if plain.is_some() || tls.is_some() {
+                bound.push(Bound {
+                    registration: r,
+                    plain,
+                    tls,
+                    warm,
+                });
+            }
         }
-        // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
-        let catalog = crate::iproto::Catalog::build(&engine, &config.spaces)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         // What was bound (a port 0 becomes the real one), for STAT and /status.
+        let local =
+            |l: &Option<std::net::TcpListener>| l.as_ref().map(|l| l.local_addr()).transpose();
         let mut config = config;
-        config.listen = local_addr;
         config.admin_listen = admin_addr;
-        config.tls_listen = tls_addr;
-        for (r, addr, _, _) in &bound {
-            config
-                .listeners
-                .insert(r.declaration.name.to_string(), *addr);
+        for b in &bound {
+            let d = &b.registration.declaration;
+            if let Some(a) = local(&b.plain)? {
+                config.listeners.insert(d.listen_key.to_string(), a);
+            }
+            if let Some(a) = local(&b.tls)? {
+                config.tls_listeners.insert(d.tls_listen_key.to_string(), a);
+            }
         }
+        let kv = &kv_port.declaration;
+        let local_addr = config.listeners[kv.listen_key];
+        let tls_addr = config.tls_listeners.get(kv.tls_listen_key).copied();
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         // Each front gets what it works with; none sees the others' state.
@@ -151,95 +187,64 @@ impl Server {
         let users = Arc::new(UserTable::new(config.users.clone()));
         let prelogin = Arc::new(PreLogin::new(config.login.clone()));
         let throttle = Arc::new(crate::throttle::LoginThrottle::default());
-        let catalog = Arc::new(catalog);
-        let follow = config.tarantool_upstream.clone();
-        let port = |kind, noun, max_frame| {
-            Arc::new(crate::driver::Port {
-                kind,
-                noun,
-                engine: engine.clone(),
-                users: users.clone(),
-                prelogin: prelogin.clone(),
-                io: stats.clone(),
-                max_frame,
-                idle_timeout: config.idle_timeout,
-            })
+        let tarantool_follower = match config.tarantool_upstream.clone() {
+            Some(f) => {
+                // The spaces' buckets must exist and keep their keys in order; a mistake
+                // names its key.
+                let catalog =
+                    crate::iproto::Catalog::build(&engine, &config.spaces).map_err(invalid)?;
+                let status = Arc::new(crate::iproto::follow::FollowStatus::new(
+                    &f.upstream.address,
+                ));
+                runtime.spawn(crate::iproto::follow::run(
+                    engine.clone(),
+                    Arc::new(catalog),
+                    f,
+                    crate::iproto::instance_uuid(engine.instance()),
+                    status.clone(),
+                    stop_rx.clone(),
+                ));
+                Some(status)
+            }
+            None => None,
         };
-        let kv_port = port("KV", "connection", config.max_body);
-        let tarantool_follower = follow.map(|f| {
-            let status = Arc::new(crate::iproto::follow::FollowStatus::new(
-                &f.upstream.address,
-            ));
-            runtime.spawn(crate::iproto::follow::run(
-                engine.clone(),
-                catalog.clone(),
-                f,
-                crate::iproto::instance_uuid(engine.instance()),
-                status.clone(),
-                stop_rx.clone(),
-            ));
-            status
-        });
-        let kv = Arc::new(KvContext {
-            engine: engine.clone(),
-            users: users.clone(),
-            stats: stats.clone(),
-            started: std::time::Instant::now(),
-            tap_applied: Default::default(),
-            clustermap: clustermap.clone(),
-            spaces: Arc::from(config.spaces.clone()),
-        });
-        let dcp = Arc::new(DcpContext {
-            engine: engine.clone(),
-            io: stats.clone(),
-            names: Default::default(),
-            stats: Default::default(),
-            policies: policies.clone(),
-            max_body: config.max_body,
-            clustermap: clustermap.clone(),
-        });
-        let tap = Arc::new(TapContext {
-            engine: engine.clone(),
-            io: stats.clone(),
-            config: config.tap.clone(),
-            sessions: Arc::new(crate::tap::session::Sessions::new(config.tap.max_sessions)),
-            stats: Default::default(),
-            policies: policies.clone(),
-            max_body: config.max_body,
-        });
-        let fronts = Arc::new(Fronts {
-            kv,
-            dcp,
-            tap,
-            port: kv_port,
-            throttle: throttle.clone(),
-        });
         // The registered fronts, each built from the node's shared pieces and its own port.
         let mut running = Vec::new();
-        let mut registered = Vec::new();
-        for (r, addr, listener, warm) in bound {
-            let d = r.declaration;
+        let mut listening = Vec::new();
+        for b in bound {
+            let (r, d) = (b.registration, b.registration.declaration);
+            let (addr, tls_listen) = (local(&b.plain)?, local(&b.tls)?);
             let shared = Shared {
                 engine: &engine,
                 users: &users,
                 throttle: &throttle,
                 clustermap: &clustermap,
-                spaces: &config.spaces,
-                followed: config.tarantool_upstream.as_ref().map(|f| &f.spaces[..]),
+                config: &config,
+                policies: &policies,
+                io: &stats,
                 listen: addr,
+                tls_listen,
                 stop: &stop_rx,
                 runtime: runtime.handle(),
             };
-            let front = (r.build)(
-                &shared,
-                port(d.kind, d.noun, (r.max_frame)(config.max_body)),
-            )?;
+            let port = Arc::new(crate::driver::Port {
+                kind: d.kind,
+                noun: d.noun,
+                engine: engine.clone(),
+                users: users.clone(),
+                prelogin: prelogin.clone(),
+                io: stats.clone(),
+                max_frame: (r.max_frame)(config.max_body),
+                idle_timeout: config.idle_timeout,
+            });
+            let front = (r.build)(&shared, port)?;
             running.push(Running {
                 declaration: d,
                 front: front.clone(),
                 addr,
+                tls_addr: tls_listen,
             });
-            registered.push((d, front, listener, warm));
+            listening.push((d, front, b.plain, b.tls, b.warm));
         }
         let running: Arc<[Running]> = running.into();
         engine.set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies.clone())));
@@ -249,11 +254,11 @@ impl Server {
             &policies,
             clustermap.clone(),
         ));
-        runtime.spawn(watch_layout(engine.clone(), clustermap, stop_rx.clone()));
-        let listener = {
-            let _enter = runtime.enter();
-            TcpListener::from_std(std_listener)?
-        };
+        runtime.spawn(watch_layout(
+            engine.clone(),
+            clustermap.clone(),
+            stop_rx.clone(),
+        ));
         if let (Some(l), Some(addr)) = (admin, admin_addr) {
             let listener = {
                 let _enter = runtime.enter();
@@ -268,7 +273,13 @@ impl Server {
                 );
             }
             let view = Arc::new(NodeView {
-                fronts: fronts.clone(),
+                engine: engine.clone(),
+                users: users.clone(),
+                clustermap: clustermap.clone(),
+                io: stats.clone(),
+                prelogin: prelogin.clone(),
+                policies: policies.clone(),
+                started: std::time::Instant::now(),
                 registered: running.clone(),
                 followers: followers.clone(),
                 config: config.clone(),
@@ -283,67 +294,54 @@ impl Server {
                 https,
             ));
         }
-        let tls_listener = match tls_listener {
-            Some(l) => {
-                let _enter = runtime.enter();
-                Some(TcpListener::from_std(l)?)
-            }
-            None => None,
-        };
-        let registered = {
+        let listening = {
             let _enter = runtime.enter();
-            registered
+            let tokio = |l: Option<std::net::TcpListener>| l.map(TcpListener::from_std).transpose();
+            listening
                 .into_iter()
-                .map(|(d, front, l, warm)| Ok((d, front, TcpListener::from_std(l)?, warm)))
+                .map(|(d, front, plain, tls, warm)| {
+                    Ok((d, front, tokio(plain)?, tokio(tls)?, warm))
+                })
                 .collect::<std::io::Result<Vec<_>>>()?
         };
-        let (fr, tls_) = (fronts.clone(), tls.clone());
         // One limit for every listener: max_connections counts every client connection.
         let limit = Arc::new(Semaphore::new(config.max_connections));
         let io_loops = loops.clone();
         let (accepting, mut held) = watch::channel(!config.hold_connections);
         let mut stopped = stop_rx.clone();
+        let tls_ = tls.clone();
         runtime.spawn(async move {
             // Connections wait in the listen backlog meanwhile; a stop ends the wait too.
             tokio::select! {
                 _ = held.wait_for(|open| *open) => {}
                 _ = stopped.wait_for(|stop| *stop) => {}
             }
-            let loops = io_loops;
-            let plain = accept_loop(
-                listener,
-                fr.clone(),
-                stop_rx.clone(),
-                limit.clone(),
-                loops.clone(),
-                None,
-            );
-            let tls = async {
-                if let (Some(l), Some(t)) = (tls_listener, tls_) {
-                    accept_loop(
-                        l,
-                        fr.clone(),
-                        stop_rx.clone(),
-                        limit.clone(),
-                        loops.clone(),
-                        Some(t),
-                    )
-                    .await;
-                }
-            };
-            let others = registered.into_iter().map(|(d, front, l, warm)| {
-                serve_front(
-                    d,
+            let each = listening.into_iter().map(|(d, front, plain, tls, warm)| {
+                let accept = Accept {
+                    declaration: d,
                     front,
-                    l,
-                    warm,
-                    stop_rx.clone(),
-                    limit.clone(),
-                    loops.clone(),
-                    stats.clone(),
-                )
+                    stop: stop_rx.clone(),
+                    limit: limit.clone(),
+                    loops: io_loops.clone(),
+                    io: stats.clone(),
+                };
+                let tls = tls.zip(tls_.clone());
+                async move {
+                    let a = accept.clone();
+                    let plain = async move {
+                        if let Some(l) = plain {
+                            a.plain(l, warm).await
+                        }
+                    };
+                    let tls = async move {
+                        if let Some((l, t)) = tls {
+                            accept.tls(l, t).await
+                        }
+                    };
+                    tokio::join!(plain, tls);
+                }
             });
-            tokio::join!(plain, tls, join_all(others));
+            join_all(each).await;
             let _ = done_tx.send(());
         });
         Ok(Server {
@@ -356,7 +354,9 @@ impl Server {
             stop: stop_tx,
             accepting,
             done: Some(done_rx),
-            fronts,
+            engine,
+            users,
+            clustermap,
             followers,
             tls,
             replication: config.replication(),
@@ -375,7 +375,7 @@ impl Server {
     /// Replaces the users and their permissions (SIGHUP); sessions see them on their next
     /// request.
     pub fn set_users(&self, users: crate::auth::Users) {
-        self.fronts.kv.users.replace(users);
+        self.users.replace(users);
     }
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
@@ -387,7 +387,7 @@ impl Server {
         &self.running
     }
 
-    /// The TLS KV listener's address, if it runs.
+    /// The KV port's TLS listener's address, if it runs.
     pub fn tls_addr(&self) -> Option<SocketAddr> {
         self.tls_addr
     }
@@ -403,15 +403,15 @@ impl Server {
 
     /// Keeps what the cluster side reports of the cluster, for /status and /metrics.
     pub fn report_cluster(&self, report: serde_json::Value) {
-        self.fronts.kv.clustermap.set_report(report);
+        self.clustermap.set_report(report);
     }
 
     /// The node's parts a cluster map changes, to use without holding the server.
     pub fn member(&self) -> crate::cluster::Member {
         crate::cluster::Member {
-            engine: self.fronts.kv.engine.clone(),
+            engine: self.engine.clone(),
             followers: self.followers.clone(),
-            clustermap: self.fronts.kv.clustermap.clone(),
+            clustermap: self.clustermap.clone(),
             replication: self.replication.clone(),
         }
     }
@@ -430,7 +430,9 @@ impl Server {
             rt.block_on(async {
                 let _ = tokio::time::timeout(grace, done).await;
             });
-            crate::tap::session::close_parked(&self.fronts.tap);
+            for r in self.running.iter() {
+                r.front.stopped();
+            }
             rt.shutdown_timeout(Duration::from_millis(100));
         }
         self.loops.take();
@@ -462,56 +464,6 @@ async fn watch_layout(engine: Arc<Engine>, map: Arc<ClusterMap>, mut stop: watch
     }
 }
 
-/// Accepts on one KV listener; `tls`: the TLS KV listener, whose connections do their
-/// handshake in their own task before the first request.
-async fn accept_loop(
-    listener: TcpListener,
-    fronts: Arc<Fronts>,
-    stop: watch::Receiver<bool>,
-    limit: Arc<Semaphore>,
-    loops: Arc<crate::listener::IoLoops>,
-    tls: Option<Arc<crate::tls::ReloadableTls>>,
-) {
-    let stats = fronts.kv.stats.clone();
-    let kind = if tls.is_some() { "TLS" } else { "KV" };
-    crate::listener::serve(
-        listener,
-        kind,
-        stats.clone(),
-        stop,
-        limit,
-        loops,
-        move |socket, peer, stop| {
-            stats.connections_total.fetch_add(1, Ordering::Relaxed);
-            let (fr, stats) = (fronts.clone(), stats.clone());
-            let acceptor = tls.as_ref().map(|t| t.kv_acceptor());
-            async move {
-                stats.curr_connections.fetch_add(1, Ordering::Relaxed);
-                let socket = match acceptor {
-                    None => Some(socket.into()),
-                    Some(a) => match crate::tls::accept(a, socket).await {
-                        Ok(s) => Some(s),
-                        Err(e) => {
-                            stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
-                            log::info!("closing connection from {peer}: {e}");
-                            None
-                        }
-                    },
-                };
-                if let Some(socket) = socket {
-                    let port = fr.port.clone();
-                    crate::driver::serve_connection(socket, peer, stop, port, |conn| {
-                        connection::run(conn, fr)
-                    })
-                    .await;
-                }
-                stats.curr_connections.fetch_sub(1, Ordering::Relaxed);
-            }
-        },
-    )
-    .await
-}
-
 /// Binds one listener; a failure names the listener, its address and the key that sets it, so
 /// that a clash on one port of several (two nodes on one machine) shows which one.
 fn bind(
@@ -519,62 +471,103 @@ fn bind(
     key: &str,
     address: std::net::SocketAddr,
 ) -> std::io::Result<std::net::TcpListener> {
-    std::net::TcpListener::bind(address)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("{what} {address} ({key}): {e}")))
+    let l = std::net::TcpListener::bind(address)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{what} {address} ({key}): {e}")))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
 }
 
-/// Accepts connections of a registered front until the stop signal, under the server's
-/// connection limit, each admitted by the driver and served by the front; those it took before
-/// the server started (`warm`) go on first.
-#[allow(clippy::too_many_arguments)]
-async fn serve_front(
-    d: Declaration,
+/// How one registered front's listeners accept: under the server's connection limit, each
+/// connection counted, admitted by the driver and served by the front.
+#[derive(Clone)]
+struct Accept {
+    declaration: Declaration,
     front: Arc<dyn Front>,
-    listener: TcpListener,
-    warm: Option<Box<dyn std::any::Any + Send>>,
     stop: watch::Receiver<bool>,
     limit: Arc<Semaphore>,
     loops: Arc<crate::listener::IoLoops>,
     io: Arc<ConnectionStats>,
-) {
-    let mut resumed = tokio::task::JoinSet::new();
-    for r in warm
-        .map(|w| front.clone().resume(w, stop.clone()))
-        .unwrap_or_default()
-    {
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            io.connections_rejected.fetch_add(1, Ordering::Relaxed);
-            log::warn!(
-                "closing {} from {} after warm-up: max_connections reached",
-                d.noun,
-                r.peer
+}
+
+impl Accept {
+    /// Accepts on its plain listener until the stop signal; the connections it took before
+    /// the server started (`warm`) go on first.
+    async fn plain(self, listener: TcpListener, warm: Option<Box<dyn std::any::Any + Send>>) {
+        let d = self.declaration;
+        let front = self.front.clone();
+        let mut resumed = tokio::task::JoinSet::new();
+        for r in warm
+            .map(|w| front.clone().resume(w, self.stop.clone()))
+            .unwrap_or_default()
+        {
+            let Ok(permit) = self.limit.clone().try_acquire_owned() else {
+                self.io.connections_rejected.fetch_add(1, Ordering::Relaxed);
+                log::warn!(
+                    "closing {} from {} after warm-up: max_connections reached",
+                    d.noun,
+                    r.peer
+                );
+                continue;
+            };
+            front.accepted();
+            resumed.spawn_on(
+                async move {
+                    // Registered with the event loop of the thread it runs on.
+                    match tokio::net::TcpStream::from_std(r.socket) {
+                        Ok(s) => (r.run)(s).await,
+                        Err(e) => log::info!("{} from {} lost after warm-up: {e}", d.noun, r.peer),
+                    }
+                    drop(permit);
+                },
+                self.loops.next(),
             );
-            continue;
-        };
-        front.accepted();
-        resumed.spawn_on(
-            async move {
-                // Registered with the event loop of the thread it runs on.
-                match tokio::net::TcpStream::from_std(r.socket) {
-                    Ok(s) => (r.run)(s).await,
-                    Err(e) => log::info!("{} from {} lost after warm-up: {e}", d.noun, r.peer),
-                }
-                drop(permit);
+        }
+        crate::listener::serve(
+            listener,
+            d.title,
+            self.io,
+            self.stop,
+            self.limit,
+            self.loops,
+            move |socket, peer, stop| {
+                front.accepted();
+                crate::front::serve_accepted(front.clone(), socket.into(), peer, stop)
             },
-            loops.next(),
-        );
+        )
+        .await;
+        while resumed.join_next().await.is_some() {}
     }
-    crate::listener::serve(
-        listener,
-        d.title,
-        io,
-        stop,
-        limit,
-        loops,
-        move |socket, peer, stop| crate::front::serve_accepted(front.clone(), socket, peer, stop),
-    )
-    .await;
-    while resumed.join_next().await.is_some() {}
+
+    /// Accepts on its TLS listener until the stop signal: each connection does its handshake
+    /// in its own task before the driver admits it.
+    async fn tls(self, listener: TcpListener, tls: Arc<crate::tls::ReloadableTls>) {
+        let d = self.declaration;
+        let front = self.front.clone();
+        let io = self.io.clone();
+        crate::listener::serve(
+            listener,
+            d.title,
+            self.io,
+            self.stop,
+            self.limit,
+            self.loops,
+            move |socket, peer, stop| {
+                front.accepted();
+                let (front, io) = (front.clone(), io.clone());
+                let acceptor = tls.kv_acceptor();
+                async move {
+                    match crate::tls::accept(acceptor, socket).await {
+                        Ok(s) => crate::front::serve_accepted(front, s, peer, stop).await,
+                        Err(e) => {
+                            io.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                            log::info!("closing TLS {} from {peer}: {e}", d.noun);
+                        }
+                    }
+                }
+            },
+        )
+        .await
+    }
 }
 
 /// Waits for every future of `all`.

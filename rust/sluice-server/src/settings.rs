@@ -52,7 +52,6 @@ pub type SpaceSpec = (String, u32, String, Vec<(String, String, bool)>, Vec<u32>
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
-    pub listen: String,
     pub admin_listen: Option<String>,
     pub users: Vec<UserSpec>,
     pub max_connections: usize,
@@ -75,7 +74,6 @@ pub struct Settings {
     pub login_timeout: f64,
     /// Seconds a policy plugin may take (the Python side's policy host reads it).
     pub policy_timeout: f64,
-    pub tls_listen: Option<String>,
     pub tls_certificate: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
@@ -84,8 +82,11 @@ pub struct Settings {
     pub replication_ca: Option<PathBuf>,
     pub replication_certificate: Option<PathBuf>,
     pub replication_key: Option<PathBuf>,
-    /// The registered fronts' listeners by front name (`<name>_listen`); "" or absent: off.
+    /// The registered fronts' listeners by their keys (`listen`, `iproto_listen`, ...; each
+    /// front declares its own); "" or absent: off.
     pub listeners: BTreeMap<String, String>,
+    /// Their TLS listeners by their keys (`tls_listen`, `iproto_tls_listen`, ...).
+    pub tls_listeners: BTreeMap<String, String>,
     pub spaces: Vec<SpaceSpec>,
     pub tarantool_upstream: Option<String>,
     pub tarantool_upstream_user: Option<String>,
@@ -101,7 +102,6 @@ impl Default for Settings {
         let tap = TapConfig::default();
         let login = LoginLimits::default();
         Settings {
-            listen: "127.0.0.1:11210".into(),
             admin_listen: None,
             users: Vec::new(),
             max_connections: MAX_CONNECTIONS,
@@ -122,7 +122,6 @@ impl Default for Settings {
             max_unauthenticated_per_ip: login.max_unauthenticated_per_ip,
             login_timeout: login.login_timeout.as_secs_f64(),
             policy_timeout: crate::policy::PolicyHost::default().timeout().as_secs_f64(),
-            tls_listen: None,
             tls_certificate: None,
             tls_key: None,
             tls_client_ca: None,
@@ -131,7 +130,8 @@ impl Default for Settings {
             replication_ca: None,
             replication_certificate: None,
             replication_key: None,
-            listeners: BTreeMap::new(),
+            listeners: BTreeMap::from([("listen".into(), "127.0.0.1:11210".into())]),
+            tls_listeners: BTreeMap::new(),
             spaces: Vec::new(),
             tarantool_upstream: None,
             tarantool_upstream_user: None,
@@ -212,10 +212,10 @@ impl Settings {
             (Some(_), None) => return Err(refuse("tls.key", "required with tls.certificate")),
             (None, Some(_)) => return Err(refuse("tls.certificate", "required with tls.key")),
         };
-        let tls_listen = optional_addr("tls_listen", &self.tls_listen)?;
-        if tls_listen.is_some() && tls.is_none() {
+        let tls_listeners = addresses(self.tls_listeners)?;
+        if let (Some(key), None) = (tls_listeners.keys().next(), &tls) {
             return Err(refuse(
-                "tls_listen",
+                key.clone(),
                 "set, but no certificate is configured (tls.certificate, tls.key)",
             ));
         }
@@ -323,14 +323,8 @@ impl Settings {
                 })
             }
         };
-        let listen = socket_addr("listen", &self.listen)?;
         let admin_listen = optional_addr("admin_listen", &self.admin_listen)?;
-        let mut listeners = BTreeMap::new();
-        for (name, address) in self.listeners {
-            if let Some(a) = optional_addr(&format!("{name}_listen"), &Some(address))? {
-                listeners.insert(name, a);
-            }
-        }
+        let listeners = addresses(self.listeners)?;
         at_least("max_connections", self.max_connections, 1, "1")?;
         let spaces = spaces_of(self.spaces);
         let tarantool_upstream = match self.tarantool_upstream.filter(|a| !a.is_empty()) {
@@ -355,7 +349,7 @@ impl Settings {
                     .tarantool_upstream_user
                     .filter(|u| !u.is_empty())
                     .map(|u| (u, self.tarantool_upstream_password.unwrap_or_default()));
-                Some(crate::iproto::follow::FollowConfig {
+                Some(crate::upstream::FollowConfig {
                     upstream: crate::upstream::UpstreamConfig {
                         address: a,
                         user,
@@ -367,7 +361,6 @@ impl Settings {
             }
         };
         let config = ServerConfig {
-            listen,
             admin_listen,
             max_connections: self.max_connections,
             // The largest value plus room for key, extras and framing extras.
@@ -381,9 +374,9 @@ impl Settings {
             replication_tls,
             tap,
             login,
-            tls_listen,
             tls,
             listeners,
+            tls_listeners,
             spaces,
             tarantool_upstream,
             hold_connections: self.hold_connections,
@@ -393,6 +386,19 @@ impl Settings {
             policy_timeout,
         })
     }
+}
+
+/// Listener addresses by key, those set ("" is off), each parsed.
+fn addresses(
+    keys: BTreeMap<String, String>,
+) -> Result<BTreeMap<String, SocketAddr>, SettingsError> {
+    let mut out = BTreeMap::new();
+    for (key, address) in keys {
+        if let Some(a) = optional_addr(&key, &Some(address))? {
+            out.insert(key, a);
+        }
+    }
+    Ok(out)
 }
 
 fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<SpaceConfig> {
@@ -460,12 +466,12 @@ mod tests {
 
     #[test]
     fn absent_keys_take_their_defaults_and_unknown_ones_are_refused() {
-        let s = Settings::from_json(r#"{"listen": "127.0.0.1:0"}"#).unwrap();
+        let s = Settings::from_json(r#"{"admin_listen": "127.0.0.1:0"}"#).unwrap();
         let checked = s.check(1 << 20, false).unwrap();
         assert_eq!(checked.config.max_connections, MAX_CONNECTIONS);
-        assert!(checked.config.listeners.is_empty());
-        let e =
-            Settings::from_json(r#"{"listen": "127.0.0.1:0", "iproto_lisen": "x"}"#).unwrap_err();
+        assert_eq!(checked.config.listeners["listen"].port(), 11210);
+        assert!(checked.config.tls_listeners.is_empty());
+        let e = Settings::from_json(r#"{"admin_listen": "", "iproto_lisen": "x"}"#).unwrap_err();
         assert!(e.reason.contains("unknown field `iproto_lisen`"), "{e}");
     }
 
@@ -484,11 +490,16 @@ mod tests {
             "invalid config: tls.certificate: required with tls.key"
         );
         assert_eq!(
-            bad(r#"{"listeners": {"iproto": "nowhere"}}"#)
+            bad(r#"{"listeners": {"iproto_listen": "nowhere"}}"#)
                 .split(" (")
                 .next()
                 .unwrap(),
             "invalid config: iproto_listen: \"nowhere\" is not HOST:PORT"
+        );
+        assert_eq!(
+            bad(r#"{"tls_listeners": {"tank_tls_listen": "127.0.0.1:0"}}"#),
+            "invalid config: tank_tls_listen: set, but no certificate is configured \
+             (tls.certificate, tls.key)"
         );
         assert_eq!(
             bad(r#"{"max_unauthenticated": 0}"#),
@@ -503,10 +514,13 @@ mod tests {
 
     #[test]
     fn a_front_listens_where_its_key_says_and_not_when_it_is_empty() {
-        let s = Settings::from_json(r#"{"listeners": {"iproto": "127.0.0.1:3301", "tank": ""}}"#)
-            .unwrap();
+        let s = Settings::from_json(
+            r#"{"listeners": {"listen": "127.0.0.1:0", "iproto_listen": "127.0.0.1:3301",
+                "tank_listen": ""}}"#,
+        )
+        .unwrap();
         let c = s.check(1 << 20, false).unwrap().config;
-        assert_eq!(c.listeners.len(), 1);
-        assert_eq!(c.listeners["iproto"].port(), 3301);
+        assert_eq!(c.listeners.len(), 2);
+        assert_eq!(c.listeners["iproto_listen"].port(), 3301);
     }
 }

@@ -60,6 +60,18 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
 }
 
+/// `[tarantool_upstream]`.
+#[derive(Debug, Clone)]
+pub struct FollowConfig {
+    pub upstream: UpstreamConfig,
+    /// The configured spaces to follow, by name; empty: every configured space.
+    pub spaces: Vec<String>,
+    /// Follow as an anonymous replica (FETCH_SNAPSHOT; nothing registered upstream), or JOIN
+    /// and be registered in the upstream's `_cluster`, which then keeps the WAL this node has
+    /// not acknowledged.
+    pub anonymous: bool,
+}
+
 /// What the caller's row handler says.
 pub enum Next {
     Continue,

@@ -26,11 +26,15 @@ static ECHO: Registration = Registration {
     declaration: Declaration {
         name: "echo",
         title: "echo",
+        listen_key: "echo_listen",
         default_listen: "",
+        tls_listen_key: "echo_tls_listen",
+        default_tls_listen: "",
         doc: "A line echo, for the tests.",
         login: false,
         kind: "echo",
         noun: "echo connection",
+        kv_port: false,
     },
     max_frame: |max_body| max_body,
     build: |_shared: &Shared<'_>, port| Ok(Arc::new(Echo { port })),
@@ -93,16 +97,12 @@ impl Node {
             .fronts()
             .iter()
             .find(|r| r.declaration.name == name)
-            .map(|r| r.addr)
+            .and_then(|r| r.addr)
             .unwrap_or_else(|| panic!("{name} listens"))
     }
 
     fn connect(&self, name: &str) -> TcpStream {
-        let addr = match name {
-            "kv" => self.server.local_addr(),
-            other => self.front(other),
-        };
-        let s = TcpStream::connect(addr).expect("connect");
+        let s = TcpStream::connect(self.front(name)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s
     }
@@ -114,8 +114,9 @@ fn start(extra: &str) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let engine = common::engine(dir.path());
     let json = format!(
-        r#"{{"listen": "127.0.0.1:0", "io_threads": 1, "listeners": {{"iproto": "127.0.0.1:0",
-            "tank": "127.0.0.1:0", "greenstack": "127.0.0.1:0", "echo": "127.0.0.1:0"}}{extra}}}"#
+        r#"{{"io_threads": 1, "listeners": {{"listen": "127.0.0.1:0",
+            "iproto_listen": "127.0.0.1:0", "tank_listen": "127.0.0.1:0",
+            "greenstack_listen": "127.0.0.1:0", "echo_listen": "127.0.0.1:0"}}{extra}}}"#
     );
     let config = common::config(&json);
     let mut fronts: Vec<&'static Registration> = FRONTS.to_vec();
@@ -177,7 +178,7 @@ fn the_test_front_is_held_to_the_prelogin_bounds_on_a_node_with_users() {
 fn every_built_in_front_answers_on_its_port() {
     let node = start("");
     // memcached binary: NOOP answered with its opaque.
-    let mut kv = node.connect("kv");
+    let mut kv = node.connect("memcached");
     let mut noop = vec![0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
     noop.extend_from_slice(&0xfeedu32.to_be_bytes());
     noop.extend_from_slice(&[0; 8]);
@@ -189,7 +190,7 @@ fn every_built_in_front_answers_on_its_port() {
         (0x81, 0x0a, &0xfeedu32.to_be_bytes()[..])
     );
     // memcached text, on the same port: sniffed by its first byte.
-    let mut text = node.connect("kv");
+    let mut text = node.connect("memcached");
     text.write_all(b"set k 0 0 1\r\nv\r\nget k\r\n").unwrap();
     let mut r = BufReader::new(text);
     let mut lines = Vec::new();

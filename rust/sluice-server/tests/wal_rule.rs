@@ -54,7 +54,7 @@ fn response(s: &mut TcpStream) -> (u32, u16) {
 fn a_write_is_answered_once_the_wal_holds_it_and_a_read_meanwhile_is_not_held_up() {
     let dir = tempfile::tempdir().unwrap();
     let engine = common::engine(dir.path());
-    let config = common::config(r#"{"listen": "127.0.0.1:0", "io_threads": 2}"#);
+    let config = common::config(r#"{"listeners": {"listen": "127.0.0.1:0"}, "io_threads": 2}"#);
     let server = Server::start(Arc::new(engine), config).unwrap();
     let connect = || {
         let s = TcpStream::connect(server.local_addr()).unwrap();

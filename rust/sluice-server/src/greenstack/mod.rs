@@ -193,12 +193,16 @@ pub static FRONT: Registration = Registration {
     declaration: Declaration {
         name: "greenstack",
         title: "Greenstack",
+        listen_key: "greenstack_listen",
         default_listen: "127.0.0.1:11220",
+        tls_listen_key: "greenstack_tls_listen",
+        default_tls_listen: "",
         doc: "Address of the Greenstack listener (docs/greenstack.md): HELLO, login, buckets, GET \
               and MUTATION on lanes with out-of-order replies.",
         login: true,
         kind: "greenstack",
         noun: "Greenstack connection",
+        kv_port: false,
     },
     max_frame: |max_body| max_body,
     build,

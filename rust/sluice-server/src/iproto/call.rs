@@ -163,7 +163,7 @@ impl Session {
         write_str(o, "package");
         write_str(o, "sluice");
         write_str(o, "listen");
-        write_str(o, &ctx.listen.to_string());
+        write_str(o, &ctx.listen.map(|a| a.to_string()).unwrap_or_default());
         write_str(o, "status");
         write_str(o, "running");
         write_str(o, "uptime");

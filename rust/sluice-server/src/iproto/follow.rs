@@ -37,7 +37,7 @@ use super::schema::{Catalog, Space};
 use super::select::canonical_key;
 use super::write::{key_of, updated, upserted};
 use crate::metrics::{metric, single};
-use crate::upstream::{Next, Upstream, UpstreamConfig, UpstreamError};
+use crate::upstream::{FollowConfig, Next, Upstream, UpstreamError};
 
 /// Tarantool's system spaces the follower reads.
 const SPACE: u32 = 280;
@@ -55,18 +55,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How many rows that change nothing here (other spaces, NOPs) may pass before the position
 /// is logged anyway, so a restart does not fetch them all again.
 const POSITION_EVERY: u64 = 10_000;
-
-/// `[tarantool_upstream]`.
-#[derive(Debug, Clone)]
-pub struct FollowConfig {
-    pub upstream: UpstreamConfig,
-    /// The configured spaces to follow, by name; empty: every configured space.
-    pub spaces: Vec<String>,
-    /// Follow as an anonymous replica (FETCH_SNAPSHOT; nothing registered upstream), or JOIN
-    /// and be registered in the upstream's `_cluster`, which then keeps the WAL this node has
-    /// not acknowledged.
-    pub anonymous: bool,
-}
 
 /// What `/status` and `/metrics` show of the follower.
 #[derive(Default)]

@@ -68,7 +68,8 @@ pub struct IprotoContext {
     pub throttle: Arc<LoginThrottle>,
     /// The engine's instance id as a UUID, in the greeting and `box.info`.
     pub instance_uuid: String,
-    pub listen: SocketAddr,
+    /// Where it listens (its plain port, else its TLS one), for `box.info.listen`.
+    pub listen: Option<SocketAddr>,
     pub started: Instant,
     /// Spaces followed from a Tarantool (`[tarantool_upstream]`): read-only here, as on a
     /// Tarantool replica.
@@ -204,13 +205,17 @@ pub static FRONT: Registration = Registration {
     declaration: Declaration {
         name: "iproto",
         title: "iproto",
+        listen_key: "iproto_listen",
         default_listen: "127.0.0.1:3301",
+        tls_listen_key: "iproto_tls_listen",
+        default_tls_listen: "",
         doc:
             "Address of the Tarantool iproto listener (README \"Tarantool's iproto\"): the spaces \
               of [spaces.NAME] for tarantool-python, net.box and other connectors.",
         login: true,
         kind: "iproto",
         noun: "iproto connection",
+        kv_port: false,
     },
     max_frame: |max_body| MAX_PACKET.max(max_body),
     build,
@@ -219,10 +224,13 @@ pub static FRONT: Registration = Registration {
 fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
     let engine = shared.engine;
     // The spaces' buckets must exist and keep their keys in order; a mistake names its key.
-    let catalog = Catalog::build(engine, shared.spaces)
+    let config = shared.config;
+    let catalog = Catalog::build(engine, &config.spaces)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let followed = shared
-        .followed
+    let followed = config
+        .tarantool_upstream
+        .as_ref()
+        .map(|f| &f.spaces)
         .map(|names| {
             catalog
                 .spaces()
@@ -237,7 +245,7 @@ fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result
         stats: Default::default(),
         throttle: shared.throttle.clone(),
         instance_uuid: instance_uuid(engine.instance()),
-        listen: shared.listen,
+        listen: shared.listen.or(shared.tls_listen),
         started: Instant::now(),
         followed,
     }))

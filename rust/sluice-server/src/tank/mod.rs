@@ -174,12 +174,16 @@ pub static FRONT: Registration = Registration {
     declaration: Declaration {
         name: "tank",
         title: "TANK",
+        listen_key: "tank_listen",
         default_listen: "127.0.0.1:11011",
+        tls_listen_key: "tank_tls_listen",
+        default_tls_listen: "",
         doc: "Address of the TANK listener (README \"TANK\"): topics produced to and consumed \
               from by tank-cli and TANK clients.",
         login: false,
         kind: "tank",
         noun: "TANK connection",
+        kv_port: false,
     },
     max_frame: |max_body| max_body,
     build,
