@@ -208,6 +208,52 @@ def test_a_wrong_password_then_the_right_one_on_the_same_connection(node):
     assert node.metric_sum("sluice_auth_failures_total") >= 2
 
 
+def test_a_correct_login_after_a_burst_of_failed_ones_that_went_away(node):
+    """asynctnt-like retries: wrong passwords from one address, each given up within its
+    connect timeout while it waits its turn. The attempts of closed connections leave the line,
+    so the right password is checked within one backoff, not after theirs."""
+    host, port = host_port(node.iproto)
+    for _ in range(40):
+        try:
+            tarantool.Connection(host, port, user="app", password="wrong", socket_timeout=0.2).close()
+        except tarantool.error.Error:
+            pass
+    took = time.monotonic()
+    conn = connect(node)
+    assert conn.call("box.session.user").data == ["app"]
+    conn.close()
+    # One backoff at most (5 s); the 40 attempts before would have queued for minutes.
+    assert time.monotonic() - took < 8
+    assert node.metric_sum("sluice_auth_failures_total") >= 3
+
+
+def test_a_login_that_cannot_be_checked_in_time_is_told_it_is_throttled(tmp_path):
+    """On a node without [users.guest], an iproto connection must log in by login_timeout: an
+    AUTH whose turn comes later is answered that it is throttled and when to retry, not that
+    its password is wrong."""
+    cfg = tmp_path / "n.toml"
+    cfg.write_text('login_timeout = "3s"\n' + SPACES + user_table("app", "secret", '{ users = ["read"] }'))
+    node = Node(tmp_path / "n", "--config", str(cfg))
+    try:
+        host, port = host_port(node.iproto)
+        # Six failures, each on a connection of its own: after them the next check is 3.2 s off.
+        for _ in range(6):
+            conn = tarantool.Connection(host, port, user=None, password=None)
+            assert error_of(lambda c=conn: c.authenticate("app", "wrong"))[0] == 47
+            conn.close()
+        conn = tarantool.Connection(host, port, user=None, password=None)
+        code, message = error_of(lambda: conn.authenticate("app", "secret"))
+        assert code == 42, message  # ER_ACCESS_DENIED
+        assert "throttled after failed logins" in message and "retry in" in message, message
+        conn.close()
+        time.sleep(3.5)
+        conn = tarantool.Connection(host, port, user="app", password="secret")
+        assert conn.call("box.session.user").data == ["app"]
+        conn.close()
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
 def test_threads_each_with_a_connection(node):
     errors: list[BaseException] = []
 

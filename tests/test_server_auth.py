@@ -85,6 +85,11 @@ def test_permissions_per_bucket_and_sighup_changes_them_live(secured):
             "users.ada.buckets.default",
         ),
         ('[users.ada]\npassword_hash = "{h}"\nbuckets = {{ nope = ["read"] }}\n', "users.ada.buckets.nope"),
+        (
+            '[users.ada]\npassword_hash = "{h}"\ntopics = {{ feed = ["replication"] }}\n',
+            "users.ada.topics.feed",
+        ),
+        ('[users.guest]\ntopics = {{ "a*b" = ["read"] }}\n', "users.guest.topics.a*b"),
     ],
 )
 def test_bad_user_config_names_the_key(tmp_path, table, path):

@@ -339,6 +339,7 @@ def test_every_front_speaks_tls_on_a_port_of_its_own(tmp_path, pki):
         f'[tls]\ncertificate = "{cert}"\nkey = "{key}"\nadmin = false\n'
         + SPACES
         + USERS
+        + 'topics = { "*" = ["read", "write", "admin"] }\n'
         + "[buckets.default]\nnum_vbuckets = 4\n"
         + user_table("root", "root-secret", '{ "*" = ["read", "write", "stream", "admin"] }')
     )

@@ -43,7 +43,8 @@ MAX_FRAME_BYTES = 1 << 30
 PRODUCE_ERRORS = {
     0x02: "the request is not valid (a bad bundle, a partition the topic lacks, or a sequence "
     "number behind the partition's end)",
-    0xFE: "the broker is read-only for the topic (a replica's copy: produce to its active)",
+    0xFE: "the broker is read-only for the topic (a replica's copy: produce to its active; or, on a "
+    "node with users, [users.guest] has no write permission on it: TANK clients have its grants)",
     0xFF: "the topic is unknown",
 }
 
@@ -52,7 +53,8 @@ CREATE_ERRORS = {
     1: "the topic exists",
     2: "the broker failed (system error)",
     4: "the settings are not valid",
-    5: "the broker is read-only",
+    5: "the broker is read-only (on a node with users: [users.guest], whose grants TANK clients have, "
+    "has no admin permission on the topic)",
     10: "the request is not valid",
 }
 

@@ -190,9 +190,12 @@ class Config:
         missing = [name for name in wanted if name not in self.spaces]
         return missing or None
 
-    def user_list(self) -> list[tuple[str, dict[str, str], dict[str, list[str]]]]:
-        """The users as `sluice._native.Server` takes them."""
-        return [(n, dict(u["credentials"]), dict(u["buckets"])) for n, u in self.users.items()]
+    def user_list(self) -> list[tuple[str, dict[str, str], dict[str, list[str]], dict[str, list[str]]]]:
+        """The users as `sluice._native.Server` takes them: name, credentials, bucket grants and
+        topic grants."""
+        return [
+            (n, dict(u["credentials"]), dict(u["buckets"]), dict(u["topics"])) for n, u in self.users.items()
+        ]
 
     def warnings(self) -> list[str]:
         """What the configuration allows but will likely not do what its users want, "key: reason"

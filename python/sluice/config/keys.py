@@ -249,6 +249,17 @@ ENGINE_KEYS += [
         for front in FRONTS
     ),
     Key(
+        "require_tls",
+        _bool,
+        False,
+        "Refuse logins (SASL, iproto AUTH, Greenstack's) on plain-text connections from beyond "
+        "loopback, so that no password or its proof crosses the network in clear: such clients log "
+        "in on a TLS port. Without it, a listener beyond loopback that takes logins in plain text "
+        "is named in a warning at start.",
+        "bool",
+        server=True,
+    ),
+    Key(
         "tls.certificate",
         _optional_path,
         "",

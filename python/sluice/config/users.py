@@ -17,6 +17,8 @@ else:  # pragma: no cover - exercised on older interpreters only
 
 
 PERMISSIONS = ("read", "write", "stream", "admin", "replication")
+# What a user may be granted on a topic.
+TOPIC_PERMISSIONS = ("read", "write", "stream", "admin")
 
 
 _HASH = re.compile(r"pbkdf2-sha256:\d+:[0-9a-f]{16,}:[0-9a-f]{64}")
@@ -51,8 +53,11 @@ def _scram_form(key: str) -> re.Pattern[str]:
 
 def _user(name: str, table: Any) -> dict[str, Any]:
     """[users.NAME]: credentials (the output of `sluice user hash`: scram_sha512, scram_sha256,
-    scram_sha1; from older configurations password_hash; never a password) and buckets, a table of
-    bucket name (or "*") to a list of permissions among read, write, stream, admin, replication."""
+    scram_sha1; from older configurations password_hash; never a password), buckets, a table of
+    bucket name (or "*") to a list of permissions among read, write, stream, admin, replication,
+    and topics, a table of topic name (or a prefix ending in "*": "logs.*", or "*") to a list of
+    permissions among read, write, stream, admin (TANK's produce needs write, consume read,
+    CreateTopic admin; a topic's DCP stream needs stream)."""
     path = f"users.{name}"
     if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,128}", name):
         raise _fail(path, f"user name {name!r} must be 1 to 128 of A-Z a-z 0-9 _ . @ -")
@@ -65,15 +70,17 @@ def _user(name: str, table: Any) -> dict[str, Any]:
         )
     if name == GUEST:
         for key in table:
-            if key != "buckets":
+            if key not in ("buckets", "topics"):
                 raise _fail(
                     f"{path}.{key}",
-                    "guest has no credentials: it is who an iproto session is before AUTH; "
-                    "[users.guest] takes only buckets",
+                    "guest has no credentials: it is who an iproto session is before AUTH, and "
+                    "every TANK connection; [users.guest] takes only buckets and topics",
                 )
     for key in table:
-        if key not in (*CREDENTIAL_KEYS, "buckets"):
-            raise _fail(f"{path}.{key}", f"unknown key (known: {', '.join(CREDENTIAL_KEYS)}, buckets)")
+        if key not in (*CREDENTIAL_KEYS, "buckets", "topics"):
+            raise _fail(
+                f"{path}.{key}", f"unknown key (known: {', '.join(CREDENTIAL_KEYS)}, buckets, topics)"
+            )
     credentials = {}
     for key in CREDENTIAL_KEYS:
         if key not in table:
@@ -96,20 +103,29 @@ def _user(name: str, table: Any) -> dict[str, Any]:
         credentials[key] = value
     if not credentials and name != GUEST:
         raise _fail(path, f"no credentials: put the output of `sluice user hash` under [{path}]")
-    raw = table.get("buckets", {})
+    buckets = _grants(
+        f"{path}.buckets", table.get("buckets", {}), PERMISSIONS, '{ default = ["read", "write"] }'
+    )
+    topics = _grants(f"{path}.topics", table.get("topics", {}), TOPIC_PERMISSIONS, '{ "events" = ["read"] }')
+    for t in topics:
+        if "*" in t[:-1]:
+            raise _fail(f"{path}.topics.{t}", 'a "*" may only end the name: a prefix such as "logs.*"')
+    return {"credentials": credentials, "buckets": buckets, "topics": topics}
+
+
+def _grants(path: str, raw: Any, known: tuple[str, ...], example: str) -> dict[str, list[str]]:
+    """A table of name to a list of permissions among `known`."""
     if not isinstance(raw, dict):
-        raise _fail(f"{path}.buckets", 'expected a table such as { default = ["read", "write"] }')
-    buckets = {}
-    for b, perms in raw.items():
+        raise _fail(path, f"expected a table such as {example}")
+    grants = {}
+    for name, perms in raw.items():
         if not isinstance(perms, list) or not all(isinstance(p, str) for p in perms):
-            raise _fail(f"{path}.buckets.{b}", "expected a list of permissions")
-        bad = [p for p in perms if p not in PERMISSIONS]
+            raise _fail(f"{path}.{name}", "expected a list of permissions")
+        bad = [p for p in perms if p not in known]
         if bad:
-            raise _fail(
-                f"{path}.buckets.{b}", f"unknown permission {bad[0]!r} (known: {', '.join(PERMISSIONS)})"
-            )
-        buckets[b] = list(perms)
-    return {"credentials": credentials, "buckets": buckets}
+            raise _fail(f"{path}.{name}", f"unknown permission {bad[0]!r} (known: {', '.join(known)})")
+        grants[name] = list(perms)
+    return grants
 
 
 def _user_warnings(name: str, user: Mapping[str, Any]) -> list[str]:

@@ -319,11 +319,25 @@ pub struct User {
     pub credentials: Credentials,
     /// Bucket name (or "*" for every bucket) -> permission bits.
     pub buckets: HashMap<String, u8>,
+    /// Topic name, or a prefix ending in "*" ("logs.*"; "*": every topic) -> permission bits
+    /// (READ, WRITE, STREAM, ADMIN).
+    pub topics: Vec<(String, u8)>,
 }
 
 impl User {
     pub fn permissions(&self, bucket: &str) -> u8 {
         self.buckets.get(bucket).copied().unwrap_or(0) | self.buckets.get("*").copied().unwrap_or(0)
+    }
+
+    /// Its permission bits on `topic`: those of every grant whose name or prefix covers it.
+    pub fn topic_permissions(&self, topic: &str) -> u8 {
+        self.topics
+            .iter()
+            .filter(|(grant, _)| match grant.strip_suffix('*') {
+                Some(prefix) => topic.starts_with(prefix),
+                None => grant == topic,
+            })
+            .fold(0, |bits, (_, b)| bits | b)
     }
 }
 
@@ -533,6 +547,7 @@ mod tests {
             name: "ada".into(),
             credentials,
             buckets: HashMap::from([("default".into(), READ | WRITE)]),
+            topics: Vec::new(),
         }])
     }
 
@@ -587,11 +602,13 @@ mod tests {
                 name: "app".into(),
                 credentials,
                 buckets: HashMap::new(),
+                topics: Vec::new(),
             },
             User {
                 name: GUEST.into(),
                 credentials: Credentials::default(),
                 buckets: HashMap::from([("users".into(), READ)]),
+                topics: Vec::new(),
             },
         ]);
         let salt = [7u8; 32];
@@ -689,6 +706,7 @@ mod tests {
             name: "ada".into(),
             credentials: credentials.clone(),
             buckets: HashMap::new(),
+            topics: Vec::new(),
         }]);
         assert_eq!(
             users.authenticate_plain(b"\0ada\0pw").as_deref(),

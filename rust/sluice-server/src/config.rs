@@ -47,6 +47,8 @@ pub struct ServerConfig {
     /// The certificate and key of the TLS listeners (and of the admin endpoint when
     /// `tls.admin`).
     pub tls: Option<crate::tls::TlsSettings>,
+    /// Refuse logins on plain-text connections from beyond loopback.
+    pub require_tls: bool,
     /// The registered fronts' listeners by the keys they declare (`listen`, `iproto_listen`);
     /// a front with neither a listener nor a TLS one does not run.
     pub listeners: std::collections::BTreeMap<String, SocketAddr>,

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sluice_proto::dcp::opcode as dcp_op;
-use sluice_proto::mcbp::{self, FrameError};
+use sluice_proto::mcbp::{self, status, FrameError};
 use tokio::sync::watch;
 
 use crate::dcp::producer::DcpContext;
@@ -271,6 +271,8 @@ struct Binary {
     /// The login deadline while the connection has not logged in (a SASL attempt's throttle
     /// wait ends there).
     login_deadline: Option<Instant>,
+    /// Logins are refused on it (`require_tls`, plain text from beyond loopback).
+    login_needs_tls: bool,
     /// Map changes, pushed to a client that asked for them (HELLO: Duplex and
     /// ClustermapChangeNotification) as Couchbase does.
     map_changes: watch::Receiver<i64>,
@@ -294,10 +296,15 @@ impl crate::driver::Session for Binary {
     }
 
     async fn handle(&mut self, frame: &mut Frame<'_>, out: &mut Out) -> DriverFlow {
+        let peer = frame.peer();
         let frame = frame.bytes();
         let replies = &mut self.replies;
         let tail = replies.tail(&mut out.acked.buf);
-        let flow = if self.session.is_sasl_attempt(frame) {
+        let flow = if self.login_needs_tls && self.session.is_sasl_attempt(frame) {
+            let why = crate::request::TLS_REQUIRED.as_bytes();
+            crate::kv::reply_to_header(frame, status::AUTH_ERROR, why, tail);
+            Flow::Continue
+        } else if self.session.is_sasl_attempt(frame) {
             let f = crate::login::sasl_auth(
                 &mut self.session,
                 frame,
@@ -306,6 +313,7 @@ impl crate::driver::Session for Binary {
                 &self.fronts.throttle,
                 self.login_deadline,
                 &mut self.stop,
+                peer,
                 tail,
             );
             let flow = f.await;
@@ -430,6 +438,7 @@ pub async fn run(mut conn: Conn, fronts: Arc<Memcached>) {
         peer: conn.peer,
         stop: conn.stop.clone(),
         login_deadline: conn.login_deadline(),
+        login_needs_tls: conn.login_needs_tls(),
         stream: None,
         too_big: false,
     };

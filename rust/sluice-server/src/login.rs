@@ -10,7 +10,7 @@
 
 use std::net::IpAddr;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use sluice_proto::mcbp::{self, status};
 use tokio::sync::watch;
@@ -50,43 +50,33 @@ pub async fn sasl_auth(
     throttle: &LoginThrottle,
     deadline: Option<Instant>,
     stop: &mut watch::Receiver<bool>,
+    peer: crate::driver::PeerWatch<'_>,
     out: &mut Vec<u8>,
 ) -> Flow {
     let (user, checks) = attempt(session, frame);
-    let wait = if checks {
-        throttle.turn(&user, ip)
+    let turn = if checks {
+        tokio::select! {
+            turn = throttle.turn(&user, ip, deadline.map(Into::into)) => Some(turn),
+            _ = stop.changed() => return Flow::Close,
+            // Its client went away: it leaves the line.
+            _ = peer.gone() => return Flow::Close,
+        }
     } else {
-        Some(Duration::ZERO)
+        None
     };
-    let Some(wait) = wait else {
+    if let Some(Err(throttled)) = &turn {
         prelogin.stats.auth_failures.fetch_add(1, Relaxed);
         throttle.log.warn(|| {
             format!(
-                "SASL login for user {:?} from {ip} refused unchecked: too many recent failures",
-                String::from_utf8_lossy(&user)
+                "SASL login for user {:?} from {ip} not checked: throttled after failed logins \
+                 (retry in {:.1} s)",
+                String::from_utf8_lossy(&user),
+                throttled.retry_in.as_secs_f64()
             )
         });
-        crate::kv::reply_to_header(
-            frame,
-            status::ETMPFAIL,
-            b"too many failed logins for this user or address; retry later",
-            out,
-        );
+        let why = throttled.message(&user);
+        crate::kv::reply_to_header(frame, status::ETMPFAIL, why.as_bytes(), out);
         return Flow::Continue;
-    };
-    if deadline.is_some_and(|d| Instant::now() + wait >= d) {
-        // Its turn comes after the login deadline: closed now rather than then.
-        prelogin.stats.timed_out.fetch_add(1, Relaxed);
-        prelogin.log.info(|| {
-            format!("closing connection from {ip}: its SASL attempt waits past the login deadline")
-        });
-        return Flow::Close;
-    }
-    if !wait.is_zero() {
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = stop.changed() => return Flow::Close,
-        }
     }
     // The password hash is slow on purpose (a few milliseconds): it holds the other connections
     // of this I/O thread for as long, as memcached's SASL does.

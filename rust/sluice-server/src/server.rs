@@ -176,6 +176,25 @@ impl Server {
                 config.tls_listeners.insert(d.tls_listen_key.to_string(), a);
             }
         }
+        for b in &bound {
+            let d = &b.registration.declaration;
+            let beyond = config
+                .listeners
+                .get(d.listen_key)
+                .filter(|a| !a.ip().is_loopback());
+            if let Some(a) = beyond.filter(|_| d.login && config.users.required()) {
+                if !config.require_tls {
+                    log::warn!(
+                        "the {} listener {a} ({}) is beyond loopback and takes logins in plain \
+                         text: passwords (SASL PLAIN) or their proofs cross the network \
+                         unencrypted; give clients its TLS port ({}) and set require_tls",
+                        d.title,
+                        d.listen_key,
+                        d.tls_listen_key
+                    );
+                }
+            }
+        }
         let kv = &kv_port.declaration;
         let local_addr = config.listeners[kv.listen_key];
         let tls_addr = config.tls_listeners.get(kv.tls_listen_key).copied();
@@ -236,6 +255,7 @@ impl Server {
                 io: stats.clone(),
                 max_frame: (r.max_frame)(config.max_body),
                 idle_timeout: config.idle_timeout,
+                require_tls: config.require_tls,
             });
             let front = (r.build)(&shared, port)?;
             running.push(Running {

@@ -35,11 +35,13 @@ fn refuse(key: impl Into<String>, reason: impl std::fmt::Display) -> SettingsErr
     }
 }
 
-/// (name, {credential key: value}, {bucket: [permission, ...]}): a `[users.NAME]` table, the
-/// credential keys those of the table (password_hash, scram_sha512, scram_sha256, scram_sha1).
+/// (name, {credential key: value}, {bucket: [permission, ...]}, {topic or prefix*:
+/// [permission, ...]}): a `[users.NAME]` table, the credential keys those of the table
+/// (password_hash, scram_sha512, scram_sha256, scram_sha1).
 pub type UserSpec = (
     String,
     HashMap<String, String>,
+    HashMap<String, Vec<String>>,
     HashMap<String, Vec<String>>,
 );
 
@@ -78,6 +80,7 @@ pub struct Settings {
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
     pub tls_admin: bool,
+    pub require_tls: bool,
     pub replication_tls: bool,
     pub replication_ca: Option<PathBuf>,
     pub replication_certificate: Option<PathBuf>,
@@ -126,6 +129,7 @@ impl Default for Settings {
             tls_key: None,
             tls_client_ca: None,
             tls_admin: TLS_ADMIN,
+            require_tls: false,
             replication_tls: REPLICATION_TLS,
             replication_ca: None,
             replication_certificate: None,
@@ -375,6 +379,7 @@ impl Settings {
             tap,
             login,
             tls,
+            require_tls: self.require_tls,
             listeners,
             tls_listeners,
             spaces,
@@ -424,7 +429,7 @@ fn spaces_of(specs: Vec<SpaceSpec>) -> Vec<SpaceConfig> {
 /// The users, their credentials checked and their permissions named.
 pub fn users_of(specs: Vec<UserSpec>) -> Result<crate::auth::Users, SettingsError> {
     let mut users = Vec::with_capacity(specs.len());
-    for (name, given, buckets) in specs {
+    for (name, given, buckets, topic_grants) in specs {
         let mut credentials = crate::auth::Credentials::default();
         for (key, value) in given {
             credentials
@@ -451,10 +456,28 @@ pub fn users_of(specs: Vec<UserSpec>) -> Result<crate::auth::Users, SettingsErro
             }
             perms.insert(bucket, bits);
         }
+        let mut topics = Vec::new();
+        for (topic, names) in topic_grants {
+            let key = || format!("users.{name}.topics.{topic}");
+            if topic.is_empty() || topic[..topic.len() - 1].contains('*') {
+                return Err(refuse(
+                    key(),
+                    "a topic name, or a prefix ending in \"*\" (\"logs.*\")",
+                ));
+            }
+            let mut bits = 0;
+            for p in names {
+                bits |= crate::auth::permission(&p)
+                    .filter(|&b| b & crate::auth::REPLICATION == 0)
+                    .ok_or_else(|| refuse(key(), format!("unknown permission {p:?}")))?;
+            }
+            topics.push((topic, bits));
+        }
         users.push(crate::auth::User {
             name,
             credentials,
             buckets: perms,
+            topics,
         });
     }
     Ok(crate::auth::Users::new(users))

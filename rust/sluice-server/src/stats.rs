@@ -29,6 +29,13 @@ impl ConnectionStats {
     /// many were held back.
     pub fn protocol_error(&self, kind: &'static str, message: std::fmt::Arguments<'_>) {
         self.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        self.warn_limited(kind, message);
+    }
+
+    /// Logs `message` as a warning unless one of its kind was logged in the last
+    /// `WARNING_EVERY` (then at debug level), the next warning saying how many were held back:
+    /// what a peer can make the node say over and over (bad input, refused requests).
+    pub fn warn_limited(&self, kind: &'static str, message: std::fmt::Arguments<'_>) {
         match self.protocol_warnings.admit(kind, Instant::now()) {
             Some(0) => log::warn!("{message}"),
             Some(held) => log::warn!(

@@ -282,6 +282,14 @@ impl From<TcpStream> for MaybeTls {
 }
 
 impl MaybeTls {
+    /// The TCP connection underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            MaybeTls::Plain(s) => s,
+            MaybeTls::Tls(s) => s.get_ref().0,
+        }
+    }
+
     /// Reads what is there without waiting (`TcpStream::try_read_buf`): WouldBlock if nothing
     /// is.
     pub fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {

@@ -161,7 +161,7 @@ fn a_front_registered_outside_the_server_serves_its_port() {
 
 #[test]
 fn the_test_front_is_held_to_the_prelogin_bounds_on_a_node_with_users() {
-    let users = r#", "users": [["ada", {"chap_sha1": "0123456789abcdef0123456789abcdef01234567"}, {"*": ["read"]}]]"#;
+    let users = r#", "users": [["ada", {"chap_sha1": "0123456789abcdef0123456789abcdef01234567"}, {"*": ["read"]}, {}]]"#;
     let node = start(users);
     // A short line is answered: a connection that has not logged in may still talk.
     let mut s = node.connect("echo");
@@ -251,4 +251,69 @@ fn every_built_in_front_answers_on_its_port() {
         (f.opaque, f.opcode, f.status),
         (9, sluice_proto::greenstack::opcode::HELLO, Some(0))
     );
+}
+
+/// A connection to the front `name` that the front takes as coming from `peer` (a client
+/// beyond loopback, which the tests cannot have): served on a runtime of its own.
+fn connect_as(node: &Node, name: &str, peer: SocketAddr) -> TcpStream {
+    let front = node
+        .server
+        .fronts()
+        .iter()
+        .find(|r| r.declaration.name == name)
+        .map(|r| r.front.clone())
+        .expect("the front runs");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let (accepted, _) = listener.accept().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+            accepted.set_nonblocking(true).unwrap();
+            let socket = tokio::net::TcpStream::from_std(accepted).unwrap();
+            sluice_server::front::serve_accepted(front, socket.into(), peer, stop).await;
+        });
+    });
+    client
+}
+
+/// SASL PLAIN for `user`; the reply's status and body.
+fn sasl_plain(s: &mut TcpStream, user: &str, password: &str) -> (u16, Vec<u8>) {
+    let value = format!("\0{user}\0{password}");
+    let mut req = vec![0x80, 0x21];
+    req.extend_from_slice(&5u16.to_be_bytes());
+    req.extend_from_slice(&[0, 0, 0, 0]);
+    req.extend_from_slice(&((5 + value.len()) as u32).to_be_bytes());
+    req.extend_from_slice(&[0; 12]);
+    req.extend_from_slice(b"PLAIN");
+    req.extend_from_slice(value.as_bytes());
+    s.write_all(&req).unwrap();
+    let mut head = [0u8; 24];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(head[8..12].try_into().unwrap()) as usize];
+    s.read_exact(&mut body).unwrap();
+    (u16::from_be_bytes([head[6], head[7]]), body)
+}
+
+#[test]
+fn require_tls_refuses_logins_in_plain_text_from_beyond_loopback() {
+    let users = r#", "require_tls": true, "users": [["ada", {"chap_sha1": "0123456789abcdef0123456789abcdef01234567"}, {"*": ["read"]}, {}]]"#;
+    let node = start(users);
+    let far: SocketAddr = "10.1.2.3:40000".parse().unwrap();
+    let (status, body) = sasl_plain(&mut connect_as(&node, "memcached", far), "ada", "pw");
+    assert_eq!(status, 0x20);
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("require_tls"), "{body}");
+    // From loopback the password is checked (and here, wrong).
+    let near: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+    let (status, body) = sasl_plain(&mut connect_as(&node, "memcached", near), "ada", "pw");
+    assert_eq!(status, 0x20);
+    assert!(!String::from_utf8_lossy(&body).contains("require_tls"));
 }

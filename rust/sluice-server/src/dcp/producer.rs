@@ -306,6 +306,19 @@ impl Producer {
                 let why = "DCP control sluice_topic: set it before the first stream";
                 return respond(out, req, status::EINVAL, why.as_bytes());
             }
+            // A topic's stream needs `stream` on the topic, or the replication role (a replica
+            // copies every topic its active holds).
+            "sluice_topic"
+                if session.topic_permissions(&value) & crate::auth::STREAM == 0
+                    && !crate::auth::may_replicate(session.permissions()) =>
+            {
+                let why = format!(
+                    "DCP control sluice_topic: user {} lacks the stream permission on topic \
+                     {value:?} ([users.NAME] topics)",
+                    session.user_name().unwrap_or("(none)")
+                );
+                return respond(out, req, status::EACCESS, why.as_bytes());
+            }
             "sluice_topic" => match self.ctx.engine.topic(&value) {
                 Some(t) => {
                     log::info!("DCP producer '{}' streams topic {value:?}", self.name);

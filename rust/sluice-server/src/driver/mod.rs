@@ -54,6 +54,8 @@ pub struct Port {
     pub max_frame: usize,
     /// A connection silent this long is closed; zero: never.
     pub idle_timeout: Duration,
+    /// Refuse logins on plain-text connections from beyond loopback (`require_tls`).
+    pub require_tls: bool,
 }
 
 impl Port {
@@ -74,6 +76,7 @@ impl Port {
             io: Default::default(),
             max_frame: 1 << 20,
             idle_timeout: Duration::ZERO,
+            require_tls: false,
         })
     }
 }
@@ -138,15 +141,43 @@ pub struct Frame<'a> {
     start: usize,
     len: usize,
     taken: Option<Bytes>,
+    socket: &'a MaybeTls,
+}
+
+/// Tells a request that waits long (a login's turn in the throttle) that its client went
+/// away, so that the wait ends with it rather than holding others back.
+#[derive(Clone, Copy)]
+pub struct PeerWatch<'a> {
+    socket: &'a MaybeTls,
+}
+
+impl PeerWatch<'_> {
+    /// Returns once the peer has closed its side of the connection (or it failed). While bytes
+    /// it sent wait unread, whether it is still there cannot be told: then it never returns.
+    pub async fn gone(&self) {
+        let mut probe = [0u8; 1];
+        match self.socket.tcp().peek(&mut probe).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
+    }
 }
 
 impl<'a> Frame<'a> {
-    fn new(buf: &'a mut BytesMut, start: usize, len: usize) -> Frame<'a> {
+    fn new(buf: &'a mut BytesMut, start: usize, len: usize, socket: &'a MaybeTls) -> Frame<'a> {
         Frame {
             buf,
             start,
             len,
             taken: None,
+            socket,
+        }
+    }
+
+    /// What tells a long wait that the client went away.
+    pub fn peer(&self) -> PeerWatch<'a> {
+        PeerWatch {
+            socket: self.socket,
         }
     }
 
@@ -329,6 +360,19 @@ impl Conn {
         self.slot.is_some()
     }
 
+    /// Whether a login on it is refused: `require_tls` is set, and it is a plain-text
+    /// connection from beyond loopback (a password or its proof would cross the network in
+    /// clear).
+    pub fn login_needs_tls(&self) -> bool {
+        let loopback = match self.peer.ip() {
+            std::net::IpAddr::V4(a) => a.is_loopback(),
+            std::net::IpAddr::V6(a) => {
+                a.is_loopback() || a.to_ipv4_mapped().is_some_and(|a| a.is_loopback())
+            }
+        };
+        self.port.require_tls && matches!(self.socket, MaybeTls::Plain(_)) && !loopback
+    }
+
     /// The login deadline, while the connection has not logged in.
     pub fn login_deadline(&self) -> Option<Instant> {
         self.slot.as_ref().map(|_| self.login_deadline)
@@ -489,7 +533,7 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
             }
             match s.check(&conn.inbuf[pos..], max_frame) {
                 Check::Frame(n) => {
-                    let mut frame = Frame::new(&mut conn.inbuf, pos, n);
+                    let mut frame = Frame::new(&mut conn.inbuf, pos, n, &conn.socket);
                     let flow = s.handle(&mut frame, &mut out).await;
                     let took;
                     (pos, took) = frame.done();

@@ -197,6 +197,8 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<GreenstackContext>, warm: Optio
         told_backoff: None,
         told_failed_login: None,
         peer: conn.peer,
+        login_deadline: conn.login_deadline(),
+        login_needs_tls: conn.login_needs_tls(),
         hello: false,
         user: None,
         scram: None,

@@ -42,6 +42,9 @@ impl Session {
             },
         };
         let refused = |why: &str| failure(f, status::AUTHENTICATION_ERROR, why);
+        if self.login_needs_tls {
+            return Run::Now(refused(crate::request::TLS_REQUIRED));
+        }
         // Whoever logs in next, the permissions are read again.
         self.perms.set(None);
         self.admin.set(None);
@@ -129,12 +132,16 @@ impl Session {
         let ip = self.peer.ip();
         let ctx = self.ctx.clone();
         let to = ReplyTo::of(f);
+        let deadline = self.login_deadline;
         Run::Later(Box::pin(async move {
-            let Some(wait) = ctx.throttle.turn(&user, ip) else {
-                ctx.port.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
-                return (refused, Login::None);
+            let _turn = match ctx.throttle.turn(&user, ip, deadline.map(Into::into)).await {
+                Ok(t) => t,
+                Err(throttled) => {
+                    ctx.port.prelogin.stats.auth_failures.fetch_add(1, Relaxed);
+                    let why = throttled.message(&user);
+                    return (to.failure(status::TEMPORARY_FAILURE, &why), Login::None);
+                }
             };
-            tokio::time::sleep(wait).await;
             let users = ctx.port.users.current();
             let who = tokio::task::spawn_blocking(move || check(&users))
                 .await

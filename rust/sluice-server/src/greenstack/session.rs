@@ -115,6 +115,11 @@ pub(super) struct Session {
     /// When this (admin's) connection was last told of a failed login.
     pub(super) told_failed_login: Option<Instant>,
     pub(super) peer: SocketAddr,
+    /// When the driver closes it if it has not logged in by then (None: never): a login held
+    /// by the throttle is answered before.
+    pub(super) login_deadline: Option<Instant>,
+    /// Logins are refused on it (`require_tls`, plain text from beyond loopback).
+    pub(super) login_needs_tls: bool,
     pub(super) hello: bool,
     pub(super) user: Option<String>,
     /// A SCRAM login between its two steps.

@@ -20,28 +20,43 @@ impl Session {
         mechanism: Option<&[u8]>,
         scramble: Result<Option<[u8; 20]>, &'static str>,
         sync: u64,
+        peer: crate::driver::PeerWatch<'_>,
         out: &mut Vec<u8>,
     ) -> Outcome {
         let name = String::from_utf8_lossy(user).into_owned();
         let ip = self.peer.ip();
-        let Some(wait) = self.ctx.throttle.turn(user, ip) else {
-            self.ctx
-                .port
-                .prelogin
-                .stats
-                .auth_failures
-                .fetch_add(1, Relaxed);
+        if self.login_needs_tls {
             return Err(Failure::new(
-                codes::ER_PASSWORD_MISMATCH,
-                format!("Incorrect password supplied for user '{name}'"),
+                codes::ER_ACCESS_DENIED,
+                crate::request::TLS_REQUIRED,
             ));
-        };
-        if !wait.is_zero() {
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = self.stop.changed() => {}
-            }
         }
+        // A connection the driver closes at its login deadline is answered before then.
+        let deadline = self
+            .login_deadline
+            .filter(|_| !crate::request::guest_served(&self.users));
+        let throttle = self.ctx.throttle.clone();
+        let turn = tokio::select! {
+            turn = throttle.turn(user, ip, deadline.map(Into::into)) => turn,
+            _ = self.stop.changed() => Err(crate::throttle::Throttled { retry_in: std::time::Duration::ZERO }),
+            // Its client went away: it leaves the line (the driver finds the end next).
+            _ = peer.gone() => Err(crate::throttle::Throttled { retry_in: std::time::Duration::ZERO }),
+        };
+        let _turn = match turn {
+            Ok(t) => t,
+            Err(throttled) => {
+                self.ctx
+                    .port
+                    .prelogin
+                    .stats
+                    .auth_failures
+                    .fetch_add(1, Relaxed);
+                return Err(Failure::new(
+                    codes::ER_ACCESS_DENIED,
+                    throttled.message(user),
+                ));
+            }
+        };
         let users = self.ctx.port.users.current();
         let outcome = match (scramble, mechanism) {
             // An unknown user first, as Tarantool checks.

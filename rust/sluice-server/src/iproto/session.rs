@@ -47,6 +47,10 @@ pub(super) struct Session {
     /// The user's permission bits per declared space, as of `users_generation` and the
     /// current login (`refresh_permissions`), so a request looks up no user or bucket name.
     pub granted: std::collections::BTreeMap<u32, u8>,
+    /// When the driver closes it if it has not logged in by then (None: never).
+    pub login_deadline: Option<std::time::Instant>,
+    /// Logins are refused on it (`require_tls`, plain text from beyond loopback).
+    pub login_needs_tls: bool,
 }
 
 impl Session {
@@ -102,7 +106,13 @@ impl Session {
 
     /// Answers one whole packet: into `acks` when the answer acknowledges a write (it waits
     /// for the WAL), else into `out` (sent at once).
-    async fn handle(&mut self, packet: &[u8], out: &mut Vec<u8>, acks: &mut Vec<u8>) {
+    async fn handle(
+        &mut self,
+        packet: &[u8],
+        peer: crate::driver::PeerWatch<'_>,
+        out: &mut Vec<u8>,
+        acks: &mut Vec<u8>,
+    ) {
         let generation = self.ctx.port.users.generation();
         if generation != self.users_generation {
             (self.users, self.users_generation) = self.ctx.port.users.current_with_generation();
@@ -161,7 +171,7 @@ impl Session {
                     Scramble::Chap(s) => Ok(Some(*s)),
                     Scramble::Invalid(why) => Err(why),
                 };
-                self.auth(&user, mechanism.as_deref(), scramble, sync, out)
+                self.auth(&user, mechanism.as_deref(), scramble, sync, peer, out)
                     .await
             }
             Request::Select {
@@ -255,7 +265,7 @@ impl crate::driver::Session for Session {
     /// Reads, pings and errors go out at once; a write's answer once the WAL holds it.
     async fn handle(&mut self, frame: &mut Frame<'_>, out: &mut Out) -> Flow {
         let (now, acked) = (&mut out.now, &mut out.acked.buf);
-        Session::handle(self, frame.bytes(), now, acked).await;
+        Session::handle(self, frame.bytes(), frame.peer(), now, acked).await;
         Flow::Continue
     }
 
@@ -323,6 +333,8 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
         stop: conn.stop.clone(),
         requests: Default::default(),
         granted: Default::default(),
+        login_deadline: conn.login_deadline(),
+        login_needs_tls: conn.login_needs_tls(),
     };
     session.refresh_permissions();
     crate::driver::run(&mut conn, &mut session).await;

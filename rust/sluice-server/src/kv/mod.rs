@@ -373,6 +373,22 @@ impl KvSession {
             .map_or(0, |u| u.permissions(self.bucket.name()))
     }
 
+    /// The user logged in, if any.
+    pub fn user_name(&self) -> Option<&str> {
+        self.user.as_deref()
+    }
+
+    /// The permission bits of the logged-in user on the topic `topic` (`[users.NAME] topics`);
+    /// all of them when the node has no users.
+    pub fn topic_permissions(&self, topic: &str) -> u8 {
+        let users = self.ctx.users.current();
+        let who = match self.user.as_deref() {
+            Some(name) => crate::request::Principal::User(name),
+            None => crate::request::Principal::Nobody,
+        };
+        crate::request::topic_permissions(&users, who, topic)
+    }
+
     /// The EACCESS message for what only the replication role may do.
     pub fn lacks_replication(&self) -> String {
         format!(

@@ -120,6 +120,7 @@ fn users_log_in_with_sasl_plain_and_get_only_their_permissions() {
         name: "reader".into(),
         credentials,
         buckets: HashMap::from([("default".into(), READ)]),
+        topics: Vec::new(),
     }]);
     let mut s = KvSession::new(context(dir.path(), users));
     let (r, _) = run(&mut s, &request(op::GET, 1, &[], b"k", &[]));

@@ -16,6 +16,10 @@ pub async fn acknowledged(engine: &Engine, owed_lsn: u64) -> std::io::Result<()>
     })
 }
 
+/// What a login refused by `require_tls` is told, on every front.
+pub const TLS_REQUIRED: &str = "login refused: require_tls is set and this plain-text connection \
+    comes from beyond loopback; connect to the TLS port";
+
 /// Who a session acts as, for permission checks.
 #[derive(Debug, Clone, Copy)]
 pub enum Principal<'a> {
@@ -31,15 +35,26 @@ pub enum Principal<'a> {
 /// The permission bits (`auth::READ`, `auth::WRITE`, ...) `who` has on `bucket`: every one on a
 /// node with no users.
 pub fn permissions(users: &Users, who: Principal<'_>, bucket: &str) -> u8 {
+    user_of(users, who).map_or(u8::MAX, |u| u.map_or(0, |u| u.permissions(bucket)))
+}
+
+/// The user whose grants `who` has: None when the node has no users (everything is allowed),
+/// Some(None) when it is nobody's.
+fn user_of<'u>(users: &'u Users, who: Principal<'_>) -> Option<Option<&'u crate::auth::User>> {
     if !users.required() {
-        return u8::MAX;
+        return None;
     }
-    let user = match who {
+    Some(match who {
         Principal::User(name) => users.get(name),
         Principal::Guest => users.guest(),
         Principal::Nobody => None,
-    };
-    user.map_or(0, |u| u.permissions(bucket))
+    })
+}
+
+/// The permission bits `who` has on the topic `topic` (its `[users.NAME] topics` grants):
+/// every one on a node with no users.
+pub fn topic_permissions(users: &Users, who: Principal<'_>, topic: &str) -> u8 {
+    user_of(users, who).map_or(u8::MAX, |u| u.map_or(0, |u| u.topic_permissions(topic)))
 }
 
 /// Whether an anonymous client is served at all on a protocol that serves one as guest: a node

@@ -38,6 +38,8 @@ pub struct TankStats {
     pub consumed_bytes: AtomicU64,
     /// Consumes waiting at a partition's tail now.
     pub long_polls: AtomicU64,
+    /// Requests refused for want of a permission on their topic.
+    pub refused: AtomicU64,
 }
 
 impl TankStats {
@@ -55,6 +57,12 @@ impl TankStats {
                 "counter",
                 "TANK connections accepted.",
                 &self.connections_total,
+            ),
+            (
+                "sluice_tank_refused_total",
+                "counter",
+                "TANK requests refused for want of a permission on their topic ([users.guest] topics).",
+                &self.refused,
             ),
             (
                 "sluice_tank_produced_messages_total",

@@ -21,7 +21,9 @@ use sluice_proto::tank::response::{
 use sluice_proto::tank::{self, Frame, PING_FRAME};
 
 use super::TankContext;
+use crate::auth;
 use crate::driver::{Check, End, Fault, Flow, Frame as DriverFrame, Out, Outbox};
+use crate::request::{self, Principal};
 
 /// Answers are sent once this many bytes wait.
 const FLUSH_AT: usize = 256 << 10;
@@ -118,25 +120,32 @@ impl crate::driver::Session for Session {
         let buf = &mut out.acked.buf;
         match req {
             Request::Ping => {}
-            Request::Produce(p) => produce(ctx, &frame, &p, buf, &mut self.owed_lsn),
+            Request::Produce(p) => produce(ctx, self.peer, &frame, &p, buf, &mut self.owed_lsn),
             Request::Consume(c) => {
-                let mut p = Parked::new(ctx, &c);
+                let mut p = Parked::new(ctx, self.peer, &c);
                 let full = self.parked.len() >= MAX_WAITING;
                 if !p.answer(&mut out.acked, Instant::now(), full) {
                     self.parked.push(p);
                 }
             }
-            Request::CreateTopic(c) => create_topic(ctx, &c, buf, &mut self.owed_lsn),
+            Request::CreateTopic(c) => create_topic(ctx, self.peer, &c, buf, &mut self.owed_lsn),
             Request::DiscoverPartitions { request_id, topic } => {
-                discover_partitions(ctx, request_id, topic, buf)
+                discover_partitions(ctx, self.peer, request_id, topic, buf)
             }
             Request::DiscoverTopics { request_id, .. } => {
                 let topics = ctx.port.engine.topics();
+                let users = ctx.port.users.current();
                 TopicsInfo {
                     request_id,
                     cluster_aware: false,
+                    // Only those it may read.
                     topics: topics
                         .iter()
+                        .filter(|t| {
+                            let bits =
+                                request::topic_permissions(&users, Principal::Guest, &t.name);
+                            bits & auth::READ != 0
+                        })
                         .map(|t| (t.name.as_bytes(), true, t.num_partitions()))
                         .collect(),
                 }
@@ -245,11 +254,39 @@ fn topic_named(ctx: &TankContext, name: &[u8]) -> Option<Arc<Topic>> {
         .and_then(|n| ctx.port.engine.topic(n))
 }
 
+/// Whether a TANK connection may do what needs `need` (`auth::READ`, `WRITE` or `ADMIN`) on
+/// the topic `name`. TANK has no login: its connections have `[users.guest]`'s grants (every
+/// one on a node with no users). A refusal is counted and logged, naming what was refused.
+fn may(ctx: &TankContext, peer: SocketAddr, name: &[u8], need: u8, what: &str) -> bool {
+    let name = String::from_utf8_lossy(name);
+    let users = ctx.port.users.current();
+    if request::topic_permissions(&users, Principal::Guest, &name) & need == need {
+        return true;
+    }
+    ctx.stats.refused.fetch_add(1, Relaxed);
+    let permission = match need {
+        auth::READ => "read",
+        auth::WRITE => "write",
+        _ => "admin",
+    };
+    ctx.port.io.warn_limited(
+        "TANK access",
+        format_args!(
+            "TANK connection from {peer}: {what} {name:?} refused: TANK clients have the grants \
+             of [users.guest], and it has no {permission} permission on the topic \
+             ([users.guest] topics)"
+        ),
+    );
+    false
+}
+
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
-/// and a topic this node copies from its active one 0xfe (read-only), as TANK's broker answers.
+/// and a topic this node copies from its active, or that the client may not write, one 0xfe
+/// (read-only), as TANK's broker answers in read-only mode.
 /// `frame`: the request's bytes, which the bundles of `p` are slices of.
 fn produce(
     ctx: &TankContext,
+    peer: SocketAddr,
     frame: &bytes::Bytes,
     p: &Produce<'_>,
     out: &mut Vec<u8>,
@@ -257,6 +294,11 @@ fn produce(
 ) {
     let mut errors = Vec::with_capacity(p.entries());
     for t in &p.topics {
+        // Refused as a topic read-only for this client: once per topic, as a replica's copy.
+        if !may(ctx, peer, t.name, auth::WRITE, "a produce to") {
+            errors.push(produce_error::READ_ONLY);
+            continue;
+        }
         let Some(topic) = topic_named(ctx, t.name) else {
             errors.push(produce_error::UNKNOWN_TOPIC);
             continue;
@@ -333,7 +375,8 @@ struct Asked {
 }
 
 impl Parked {
-    fn new(ctx: &Arc<TankContext>, c: &Consume<'_>) -> Parked {
+    /// A topic the client may not read is answered as unknown.
+    fn new(ctx: &Arc<TankContext>, peer: SocketAddr, c: &Consume<'_>) -> Parked {
         Parked {
             ctx: ctx.clone(),
             request_id: c.request_id,
@@ -353,7 +396,9 @@ impl Parked {
                 .iter()
                 .map(|t| Asked {
                     name: t.name.to_vec(),
-                    topic: topic_named(ctx, t.name),
+                    topic: may(ctx, peer, t.name, auth::READ, "a consume of")
+                        .then(|| topic_named(ctx, t.name))
+                        .flatten(),
                     partitions: t
                         .partitions
                         .iter()
@@ -530,8 +575,17 @@ impl Drop for Parked {
 }
 
 /// Answered, as a produce is, once the WAL holds the topic's declaration.
-fn create_topic(ctx: &TankContext, c: &CreateTopic<'_>, out: &mut Vec<u8>, owed_lsn: &mut u64) {
+/// Creating a topic needs the admin permission on it: refused, it is answered as a read-only
+/// broker's.
+fn create_topic(
+    ctx: &TankContext,
+    peer: SocketAddr,
+    c: &CreateTopic<'_>,
+    out: &mut Vec<u8>,
+    owed_lsn: &mut u64,
+) {
     let error = match (std::str::from_utf8(c.topic), std::str::from_utf8(c.config)) {
+        _ if !may(ctx, peer, c.topic, auth::ADMIN, "CreateTopic") => create_error::READ_ONLY,
         (Ok(name), Ok(config)) if !name.is_empty() && c.partitions > 0 => {
             match ctx.port.engine.write_topic(name, c.partitions, config) {
                 Ok(w) => {
@@ -560,8 +614,17 @@ fn create_topic(ctx: &TankContext, c: &CreateTopic<'_>, out: &mut Vec<u8>, owed_
     .write(out);
 }
 
-fn discover_partitions(ctx: &TankContext, request_id: u32, name: &[u8], out: &mut Vec<u8>) {
-    let partitions = topic_named(ctx, name)
+/// A topic the client may not read is answered as unknown (no partitions).
+fn discover_partitions(
+    ctx: &TankContext,
+    peer: SocketAddr,
+    request_id: u32,
+    name: &[u8],
+    out: &mut Vec<u8>,
+) {
+    let partitions = may(ctx, peer, name, auth::READ, "DiscoverPartitions of")
+        .then(|| topic_named(ctx, name))
+        .flatten()
         .map(|t| {
             (0..t.num_partitions())
                 .map(|p| {
