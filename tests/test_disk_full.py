@@ -232,3 +232,181 @@ print("dropped")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "dropped" in r.stdout, r.stderr[-2000:]
+
+
+def _fill(path: Path) -> None:
+    """Writes zeros into `path` until the file system has no room left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (256 << 10, 4096, 1):
+            try:
+                while os.write(fd, b"\0" * size):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def test_every_front_answers_a_full_disk_at_once(tmp_path):
+    """`sluice serve` on a tmpfs that fills up: the write caught in the failed WAL block gets
+    its connection closed within a second (its outcome unknown, as the README says), and from
+    then on every front answers a write at once with its protocol's temporary error naming the
+    cause; reads go on; writes resume by themselves when there is room; nothing acknowledged is
+    lost; and a restart on the full disk names the path and the cause."""
+    import socket
+
+    tarantool = pytest.importorskip("tarantool")
+    from helpers import Node
+    from iproto_helpers import SPACES, host_port
+    from mcbp_wire import GET, SET, connect, read_response, request, set_extras
+    from sluice import GreenstackClient
+    from sluice.tank import TankConnection, TankError
+
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "16m")
+    node = None
+    try:
+        cfg = tmp_path / "n.toml"
+        cfg.write_text(
+            '[wal]\nmode = "write"\n[snapshot]\ninterval = 0\n[buckets.default]\nnum_vbuckets = 4\n'
+            "[topics.events]\npartitions = 1\n" + SPACES
+        )
+        node = Node(mnt / "data", "--config", str(cfg))
+        acked = {}
+        with connect(node) as s:
+            for i in range(20):
+                s.sendall(request(SET, b"k%d" % i, b"v%d" % i, set_extras()))
+                assert read_response(s)["status"] == 0
+                acked[b"k%d" % i] = b"v%d" % i
+        _fill(mnt / "filler")
+
+        # The write whose WAL block fails: closed within a second, or refused if another
+        # write found the disk full first.
+        with connect(node) as s:
+            took = time.monotonic()
+            s.sendall(request(SET, b"caught", b"x" * 65536, set_extras()))
+            try:
+                r = read_response(s)
+                assert r["status"] == 0x86, r
+            except (ConnectionError, OSError, AssertionError) as e:
+                if isinstance(e, AssertionError) and "status" in str(e):
+                    raise
+            assert time.monotonic() - took < 3
+        node.wait_for("No space left on device")
+
+        def at_once(what, call, check):
+            took = time.monotonic()
+            outcome = call()
+            assert time.monotonic() - took < 3, what
+            assert check(outcome), (what, outcome)
+
+        def mcbp_set():
+            with connect(node) as s:
+                s.sendall(request(SET, b"refused", b"y", set_extras()))
+                return read_response(s)
+
+        at_once("memcached", mcbp_set, lambda r: r["status"] == 0x86 and b"No space left" in r["value"])
+
+        def text_set():
+            with socket.create_connection((node.host, node.port), timeout=10) as s:
+                s.sendall(b"set refused 0 0 1\r\nz\r\n")
+                return s.recv(4096)
+
+        at_once("text", text_set, lambda r: r.startswith(b"SERVER_ERROR") and b"No space left" in r)
+
+        def iproto_insert():
+            host, port = host_port(node.iproto)
+            conn = tarantool.Connection(host, port)
+            try:
+                conn.insert("users", (7, "ada", 1))
+            except tarantool.error.DatabaseError as e:
+                return str(e)
+            finally:
+                conn.close()
+            return "inserted"
+
+        at_once("iproto", iproto_insert, lambda m: "No space left" in m)
+
+        def tank_produce():
+            with TankConnection(node.tank) as t:
+                try:
+                    t.produce("events", [b"m"])
+                except TankError as e:
+                    return str(e)
+            return "produced"
+
+        at_once("TANK", tank_produce, lambda m: m != "produced")
+
+        def greenstack_set():
+            with GreenstackClient(node.greenstack) as g:
+                try:
+                    g.set(b"refused", b"w")
+                except sluice.SluiceError as e:
+                    return e
+            return None
+
+        at_once(
+            "Greenstack",
+            greenstack_set,
+            lambda e: e is not None and e.status == 0x0404 and "No space left" in e.message,
+        )
+        node.wait_for('a TANK produce to "events"')
+        # Reads are served meanwhile.
+        with connect(node) as s:
+            s.sendall(request(GET, b"k3"))
+            assert read_response(s)["value"] == b"v3"
+
+        # Room again: writes resume by themselves.
+        (mnt / "filler").unlink()
+        deadline = time.monotonic() + 20
+        while True:
+            r = mcbp_set()
+            if r["status"] == 0:
+                break
+            assert time.monotonic() < deadline, r
+            time.sleep(0.1)
+        assert node.stop() == 0, node.log()[-3000:]
+
+        # A start on a full disk names what it could not write and why.
+        _fill(mnt / "filler")
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sluice",
+                "serve",
+                "--config",
+                str(cfg),
+                "--data-dir",
+                str(mnt / "data"),
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--iproto-listen",
+                "",
+                "--tank-listen",
+                "",
+                "--greenstack-listen",
+                "",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode != 0
+        last = r.stderr.strip().splitlines()[-1]
+        assert str(mnt) in last and "No space left" in last, r.stderr[-2000:]
+        assert "cannot listen" not in last, last
+        (mnt / "filler").unlink()
+
+        node = Node(mnt / "data", "--config", str(cfg))
+        with connect(node) as s:
+            for k, v in acked.items():
+                s.sendall(request(GET, k))
+                assert read_response(s)["value"] == v, k
+    finally:
+        if node is not None and node.proc.poll() is None:
+            node.stop()
+        _umount(mnt)

@@ -728,20 +728,49 @@ def test_a_takeover_slower_than_5_s_is_reported_when_done(tmp_path):
 
 
 def test_a_paused_replica_keeps_its_streams(tmp_path):
-    """A replica stopped and resumed (SIGSTOP and SIGCONT: a debugger, a cgroup freeze) goes on
-    on the same DCP connection: Linux ends a read with a timeout that the stop interrupted with
-    EINTR, which is a read to try again, not a lost connection."""
-    active = start_node(tmp_path, "a")
+    """A replica stopped and resumed (SIGSTOP and SIGCONT: a debugger, a cgroup freeze), or sent
+    SIGHUP (a reload), goes on on the same DCP connection while majority writes wait on it:
+    Linux ends a read with a timeout that the stop or the handler interrupted with EINTR, which
+    is a read to try again, not a lost connection."""
+    from sluice import Client
+
+    active = start_node(tmp_path, "a", replicas=1)
     replica = start_node(tmp_path, "b", "--replica-of", active.address)
     try:
         c = bmemcached.Client([active.address])
         c.set_multi({f"k{i}": b"v" for i in range(2_000)})
         wait_converged(active, replica)
-        for _ in range(3):
-            replica.proc.send_signal(signal.SIGSTOP)
-            time.sleep(0.5)
-            replica.proc.send_signal(signal.SIGCONT)
-            time.sleep(0.5)
+        failed: list[BaseException] = []
+        written = [0]
+        done = threading.Event()
+
+        def write() -> None:
+            with Client(active.address) as w:
+                i = 0
+                while not done.is_set() and i < 100_000:
+                    try:
+                        w.set(b"m%d" % (i % 500), b"x%d" % i, durability="majority", durability_timeout=10)
+                        written[0] += 1
+                    except Exception as e:  # noqa: BLE001 - every failure is the finding
+                        failed.append(e)
+                    i += 1
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            for _ in range(10):
+                replica.proc.send_signal(signal.SIGSTOP)
+                time.sleep(0.05)
+                replica.proc.send_signal(signal.SIGCONT)
+                time.sleep(0.2)
+            for _ in range(3):
+                replica.proc.send_signal(signal.SIGHUP)
+                time.sleep(0.3)
+        finally:
+            done.set()
+            writer.join(60)
+        assert failed == [], failed[:3]
+        assert written[0] > 0
         c.set_multi({f"k{i}": b"w" for i in range(2_000)})
         wait_converged(active, replica)
         assert contents(active) == contents(replica)

@@ -356,6 +356,10 @@ def test_a_replica_copies_topics_and_serves_their_consumes(tmp_path):
         assert want[-1] == (501, 5_000, b"late", b"later")
         status = run_cli("status", "--admin", replica.admin)
         assert "topic events: 2 partition(s)" in status.stdout, status.stdout
+        # The replica asks for new topics every second on one connection it keeps: the
+        # active's log does not fill with a connection each time.
+        time.sleep(3)
+        assert active.log().count("'replication-topics:") == 1, active.log()[-3000:]
     finally:
         if replica:
             replica.stop()

@@ -190,7 +190,9 @@ _OWN_ERRORS: dict[int, type[GreenstackError]] = {
 def error_for(status: int, message: str, opcode: int) -> SluiceError:
     """The exception a failed reply stands for, with ``.status`` and ``.message`` (the
     server's text) on it whatever its class."""
-    text = f"{STATUS_NAMES.get(status, f'status {status:#06x}')}: {message}"
+    name = STATUS_NAMES.get(status, f"status {status:#06x}")
+    # The server's text often starts with the status's name already: not said twice.
+    text = message if message.startswith(name) else f"{name}: {message}"
     if opcode == SELECT_BUCKET and status == NOT_FOUND:
         error: SluiceError = NoSuchBucketError(text)
     elif status in _NATIVE_ERRORS:

@@ -251,7 +251,7 @@ ENGINE_KEYS += [
     Key(
         "require_tls",
         _bool,
-        False,
+        DEFAULTS["require_tls"],
         "Refuse logins (SASL, iproto AUTH, Greenstack's) on plain-text connections from beyond "
         "loopback, so that no password or its proof crosses the network in clear: such clients log "
         "in on a TLS port. Without it, a listener beyond loopback that takes logins in plain text "

@@ -49,6 +49,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyMappingProxy>> {
     )?;
     d.set_item("login_timeout", server.login_timeout)?;
     d.set_item("tls.admin", server.tls_admin)?;
+    d.set_item("require_tls", server.require_tls)?;
     d.set_item(
         "replication.noop_interval",
         server.replication_noop_interval,

@@ -116,10 +116,15 @@ impl Server {
                 )
             })
             .map_err(|err| {
-                if err.kind() == std::io::ErrorKind::InvalidInput {
-                    ConfigError::new_err(format!("invalid config: {err}"))
-                } else {
-                    SluiceError::new_err(format!("cannot listen: {err}"))
+                use std::io::ErrorKind::{AddrInUse, AddrNotAvailable, InvalidInput};
+                match err.kind() {
+                    InvalidInput => ConfigError::new_err(format!("invalid config: {err}")),
+                    // A listener that cannot bind names itself, its address and its key.
+                    AddrInUse | AddrNotAvailable => {
+                        SluiceError::new_err(format!("cannot listen: {err}"))
+                    }
+                    // A file it could not write (the admin token on a full disk) names itself.
+                    _ => SluiceError::new_err(format!("cannot start: {err}")),
                 }
             })?;
         let address = server.local_addr().to_string();

@@ -103,13 +103,15 @@ fn discover(engine: Arc<Engine>, upstream: Upstream, stop: Arc<AtomicBool>) {
     let node = engine.instance().to_string();
     let mut copies: HashMap<String, JoinHandle<()>> = HashMap::new();
     let mut refused: HashMap<String, String> = HashMap::new();
-    let probe = ConsumerConfig {
+    // One connection, kept: the active is asked every second, and a connection opened and
+    // closed for each question would fill its log.
+    let mut probe = consumer::Probe::new(ConsumerConfig {
         setup_timeout: Some(Duration::from_secs(2)),
         noop_interval: 0,
         ..upstream.consumer_config(format!("replication-topics:{node}"))
-    };
+    });
     while !stop.load(Ordering::Acquire) {
-        match consumer::topics(&probe) {
+        match probe.topics() {
             Ok(topics) => {
                 for t in topics {
                     if copies.contains_key(&t.name) {

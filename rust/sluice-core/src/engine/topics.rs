@@ -119,6 +119,9 @@ impl Engine {
         bundle: bytes::Bytes,
     ) -> Result<Written<(u64, u64)>> {
         self.check_open()?;
+        if let Some(refused) = self.wal_refusal() {
+            return Err(refused);
+        }
         let bad =
             |why: String| Error::InvalidArgument(format!("a bundle for {:?}: {why}", topic.name));
         let mut checked = PartitionLog::check(&bundle).map_err(|e| bad(e.to_string()))?;

@@ -194,13 +194,10 @@ impl Engine {
     /// the write is a deletion, which frees memory: a full bucket can always be emptied; or the
     /// bucket evicts, and eviction made room), or a durability level this node cannot provide.
     /// Called before the write takes any vbucket lock, since eviction takes them in turn.
-    pub(super) fn admit_write(
-        &self,
-        bucket: &Bucket,
-        durability: Durability,
-        op: ChangeOp,
-    ) -> Result<()> {
-        self.check_open()?;
+    /// A temporary failure naming why, while the WAL cannot write (a full disk, an I/O error)
+    /// or runs too far behind: writes are refused up front then, rather than queued for a reply
+    /// that would wait for the disk.
+    pub(super) fn wal_refusal(&self) -> Option<Error> {
         // The atomic flag first (no lock on the hot path), then the reason with it.
         if let Some(why) = self
             .inner
@@ -209,18 +206,29 @@ impl Engine {
             .then(|| self.inner.wal.failure())
             .flatten()
         {
-            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::TempFail(format!(
+            return Some(Error::TempFail(format!(
                 "the WAL cannot write ({why}); retry later"
             )));
         }
-        if self.inner.wal.is_backlogged() {
-            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::TempFail(format!(
+        self.inner.wal.is_backlogged().then(|| {
+            Error::TempFail(format!(
                 "the WAL is {} bytes behind (limit {}); retry later",
                 self.inner.wal.queued_bytes(),
                 crate::wal::writer::QUEUE_LIMIT_BYTES
-            )));
+            ))
+        })
+    }
+
+    pub(super) fn admit_write(
+        &self,
+        bucket: &Bucket,
+        durability: Durability,
+        op: ChangeOp,
+    ) -> Result<()> {
+        self.check_open()?;
+        if let Some(refused) = self.wal_refusal() {
+            bucket.stats.tmp_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(refused);
         }
         if op == ChangeOp::Mutation && bucket.above_high_watermark() {
             let lru = bucket.config.eviction == Eviction::Lru;

@@ -740,6 +740,18 @@ impl WalWriter {
     /// writing it. This is the wait of every reply to a write: nothing is acknowledged that
     /// the WAL file does not hold.
     pub async fn written(&self, lsn: u64) -> Result<()> {
+        self.wait_for_write(lsn, false).await
+    }
+
+    /// As `written`, but a writer failing before `lsn` is written ends the wait at once with
+    /// `Error::WalFailed` naming why: what a reply acknowledging a change in the failed block
+    /// is told, within the writer's first failed attempt, rather than waiting for the disk to
+    /// have room again. The change stays queued; the writer retries it.
+    pub async fn written_unless_failing(&self, lsn: u64) -> Result<()> {
+        self.wait_for_write(lsn, true).await
+    }
+
+    async fn wait_for_write(&self, lsn: u64, unless_failing: bool) -> Result<()> {
         if self.shared.mode == WalMode::None {
             return Ok(());
         }
@@ -760,6 +772,11 @@ impl WalWriter {
                 let d = self.shared.durable.lock();
                 if d.written >= lsn {
                     return Ok(());
+                }
+                if unless_failing {
+                    if let Some(failed) = self.outcome(&d, lsn, |d| d.written) {
+                        return failed;
+                    }
                 }
                 if d.stopped {
                     return Err(Error::Closed);

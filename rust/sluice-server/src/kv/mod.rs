@@ -343,7 +343,7 @@ impl KvSession {
 
     /// For connections that do not pipeline held replies (DCP and TAP producers): waits for a
     /// held reply, and for the WAL to hold what the replies in `out` acknowledge. Close if the
-    /// WAL stopped without writing it (nothing unwritten is acknowledged).
+    /// WAL stopped or fails without writing it (nothing unwritten is acknowledged).
     pub async fn settle(&self, flow: Flow, out: &mut Vec<u8>) -> Flow {
         let flow = match flow {
             Flow::Hold(held) => {
@@ -352,8 +352,10 @@ impl KvSession {
             }
             other => other,
         };
-        if let Err(e) = self.ctx.engine.wal().written(self.owed_lsn).await {
-            log::warn!("closing a connection with unsent replies: {e}");
+        if crate::request::acknowledged(&self.ctx.engine, self.owed_lsn)
+            .await
+            .is_err()
+        {
             out.clear();
             return Flow::Close;
         }

@@ -46,7 +46,7 @@ use sluice_proto::mcbp::status;
 
 use crate::clustermap::ClusterMap;
 use crate::dcp::consumer::{
-    Batch, Consumer, ConsumerConfig, ConsumerLink, Event, Position, RollbackMode, SeqnoProbe,
+    Batch, Consumer, ConsumerConfig, ConsumerLink, Event, Position, Probe, RollbackMode,
     SessionState,
 };
 use crate::metrics::metric;
@@ -203,7 +203,7 @@ impl Replicator {
                 })
                 .expect("spawn a thread")
         };
-        let probe = SeqnoProbe::new(ConsumerConfig {
+        let probe = Probe::new(ConsumerConfig {
             address: config.active.clone(),
             bucket: name.clone(),
             username: config.username.clone(),
@@ -262,7 +262,7 @@ impl Drop for Replicator {
 /// Asks the active for its high seqnos every `PROBE_INTERVAL` until stopped, into the lag of
 /// the vbuckets followed. Failures are left to the stream connection to report (they share
 /// the path); the last known seqnos stand meanwhile.
-fn probe_active(mut probe: SeqnoProbe, stats: &ReplicaStats, stop: &AtomicBool) {
+fn probe_active(mut probe: Probe, stats: &ReplicaStats, stop: &AtomicBool) {
     while !stop.load(Ordering::Acquire) {
         let asked = Instant::now();
         match probe.high_seqnos() {

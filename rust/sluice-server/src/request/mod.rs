@@ -7,13 +7,20 @@ use sluice_core::Engine;
 use crate::auth::Users;
 
 /// Waits until the WAL holds every change up to `owed_lsn`, which the replies about to be sent
-/// acknowledge; Err (logged) when it stopped without writing them: the connection then closes
-/// unanswered rather than acknowledge what a restart would not have.
+/// acknowledge; Err (logged) when it stopped without writing them, or fails to (a full disk):
+/// the connection then closes unanswered, at once, rather than acknowledge what a restart
+/// would not have or keep its client waiting for the disk. The changes stay queued and are
+/// written once the disk has room: their outcome is unknown to the client, as for any
+/// connection lost before its reply.
 pub async fn acknowledged(engine: &Engine, owed_lsn: u64) -> std::io::Result<()> {
-    engine.wal().written(owed_lsn).await.map_err(|e| {
-        log::warn!("closing a connection with unsent replies: {e}");
-        std::io::Error::other(e.to_string())
-    })
+    engine
+        .wal()
+        .written_unless_failing(owed_lsn)
+        .await
+        .map_err(|e| {
+            log::warn!("closing a connection with unsent replies: {e}");
+            std::io::Error::other(e.to_string())
+        })
 }
 
 /// What a login refused by `require_tls` is told, on every front.

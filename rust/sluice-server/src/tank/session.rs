@@ -212,7 +212,7 @@ impl crate::driver::Session for Session {
             let written = async {
                 match unwritten {
                     // A failing WAL answers at once: then only a produce or the time wakes.
-                    Some(lsn) if engine.wal().written(lsn).await.is_ok() => {}
+                    Some(lsn) if engine.wal().written_unless_failing(lsn).await.is_ok() => {}
                     Some(_) => std::future::pending().await,
                     None => std::future::pending().await,
                 }
@@ -238,7 +238,8 @@ impl crate::driver::Session for Session {
         }
         if !out.is_empty() {
             // A failure is the send's to report.
-            let _ = self.ctx.port.engine.wal().written(self.owed_lsn).await;
+            let wal = self.ctx.port.engine.wal();
+            let _ = wal.written_unless_failing(self.owed_lsn).await;
         }
         let now = Instant::now();
         let force = end == Some(End::Stop);
@@ -333,8 +334,16 @@ fn produce(
                         log::debug!("a TANK produce refused: {why}");
                         produce_error::INVALID_REQUEST
                     }
+                    // A full disk, say: answered at once (TANK's error byte carries no text),
+                    // the cause in the log.
                     Err(e) => {
-                        log::warn!("a TANK produce to {:?} failed: {e}", topic.name);
+                        ctx.port.io.warn_limited(
+                            "TANK produce",
+                            format_args!(
+                                "a TANK produce to {:?} from {peer} failed: {e}",
+                                topic.name
+                            ),
+                        );
                         SYSTEM_ERROR
                     }
                 },

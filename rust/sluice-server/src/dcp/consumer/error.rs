@@ -1,5 +1,5 @@
 //! Why a consumer connection failed: what `Event::Failed` carries (as text) and what
-//! `vbucket_positions` and `SeqnoProbe` return.
+//! `vbucket_positions` and `Probe` return.
 
 use std::time::Duration;
 

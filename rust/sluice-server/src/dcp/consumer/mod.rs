@@ -7,7 +7,7 @@
 //!
 //! Here: the reader's end (`Consumer`, its configuration and events; `ConsumerLink` for its
 //! commands and writes from any thread) and the one-off
-//! connections (`vbucket_positions`, `SeqnoProbe`). The consumer's thread runs a
+//! connections (`vbucket_positions`, `Probe`). The consumer's thread runs a
 //! `session::ConsumerSession`, set up by `handshake`, with its `stream`s and `flow_control`;
 //! `saved_state` is what a reader resumes from, `batch` what it is handed. `map_consumer`
 //! reads the connections to several nodes as one stream that follows the cluster map.
@@ -377,43 +377,20 @@ pub struct TopicInfo {
     pub settings: String,
 }
 
-/// The topics of the producer of `config`, on a connection of its own closed afterwards.
-pub fn topics(config: &ConsumerConfig) -> Result<Vec<TopicInfo>, ConsumerError> {
-    let (_ctx, crx) = mpsc::channel();
-    let socket = Arc::new(Mutex::new(None));
-    let mut s = ConsumerSession::connect(config, EventSender::unread(), crx, &socket)?;
-    let r = s.stats("topics");
-    let _ = s.sock.shutdown(std::net::Shutdown::Both);
-    r?.into_iter()
-        .map(|(name, value)| {
-            let value = String::from_utf8_lossy(&value).into_owned();
-            let (count, settings) = value.split_once('\n').unwrap_or((&value, ""));
-            Ok(TopicInfo {
-                name: String::from_utf8(name).map_err(|_| {
-                    ConsumerError::BadAnswer("STAT topics: a topic name is not UTF-8".into())
-                })?,
-                partitions: count.parse().map_err(|_| {
-                    ConsumerError::BadAnswer(format!("STAT topics: {count:?} is not a count"))
-                })?,
-                settings: settings.to_string(),
-            })
-        })
-        .collect()
-}
-
-/// A connection of its own to the producer that asks for the high seqnos of its vbuckets
-/// (GET_ALL_VB_SEQNOS): what a replica measures its lag against. Its answers come at once even
-/// while the stream connection is backlogged, which is when the lag matters.
-pub struct SeqnoProbe {
+/// A connection of its own to the producer for questions answered at once, kept open between
+/// them: the high seqnos of its vbuckets (GET_ALL_VB_SEQNOS), what a replica measures its lag
+/// against, which come even while the stream connection is backlogged, when the lag matters;
+/// and its topics (STAT topics), which a replica's topic follower asks for every second.
+pub struct Probe {
     config: ConsumerConfig,
     session: Option<ConsumerSession>,
     socket: Arc<Mutex<Option<SyncWriter>>>,
 }
 
-impl SeqnoProbe {
+impl Probe {
     /// `config`: address, bucket, credentials, name and setup timeout of the probe connection.
-    pub fn new(config: ConsumerConfig) -> SeqnoProbe {
-        SeqnoProbe {
+    pub fn new(config: ConsumerConfig) -> Probe {
+        Probe {
             config,
             session: None,
             socket: Arc::new(Mutex::new(None)),
@@ -424,19 +401,48 @@ impl SeqnoProbe {
     /// there), connecting first if need be. An error drops the connection; the next call
     /// connects again.
     pub fn high_seqnos(&mut self) -> Result<BTreeMap<u16, u64>, ConsumerError> {
-        let mut session = match self.session.take() {
-            Some(s) => s,
-            None => {
-                let (_ctx, crx) = mpsc::channel();
-                ConsumerSession::connect(&self.config, EventSender::unread(), crx, &self.socket)?
-            }
-        };
+        let mut session = self.session()?;
         let mut out = BTreeMap::new();
         for state in [1, 2, 3] {
             out.extend(session.high_seqnos(state)?);
         }
         self.session = Some(session);
         Ok(out)
+    }
+
+    /// The producer's topics, connecting first if need be. An error drops the connection; the
+    /// next call connects again.
+    pub fn topics(&mut self) -> Result<Vec<TopicInfo>, ConsumerError> {
+        let mut session = self.session()?;
+        let stats = session.stats("topics")?;
+        self.session = Some(session);
+        stats
+            .into_iter()
+            .map(|(name, value)| {
+                let value = String::from_utf8_lossy(&value).into_owned();
+                let (count, settings) = value.split_once('\n').unwrap_or((&value, ""));
+                Ok(TopicInfo {
+                    name: String::from_utf8(name).map_err(|_| {
+                        ConsumerError::BadAnswer("STAT topics: a topic name is not UTF-8".into())
+                    })?,
+                    partitions: count.parse().map_err(|_| {
+                        ConsumerError::BadAnswer(format!("STAT topics: {count:?} is not a count"))
+                    })?,
+                    settings: settings.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// The connection kept, or a new one.
+    fn session(&mut self) -> Result<ConsumerSession, ConsumerError> {
+        match self.session.take() {
+            Some(s) => Ok(s),
+            None => {
+                let (_ctx, crx) = mpsc::channel();
+                ConsumerSession::connect(&self.config, EventSender::unread(), crx, &self.socket)
+            }
+        }
     }
 
     /// Shuts the connection down from another thread: a call waiting on it returns at once.
