@@ -65,6 +65,9 @@ pub fn drain(
                 break;
             }
             Ok(n) => n,
+            // A stop and resume of the process (SIGSTOP, SIGCONT) ends a read with a timeout
+            // with EINTR: read again.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e)
                 if matches!(
                     e.kind(),
