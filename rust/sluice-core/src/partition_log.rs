@@ -16,8 +16,14 @@
 //! messages: it is placed at its first sequence number and takes every number up to its last,
 //! though its messages may skip some; its readers number its messages from its header. Offsets
 //! within a segment are u32: `segment_bytes` must stay well under 4 GiB.
+//!
+//! A log with a directory (`in_dir`, every topic's) keeps each segment in a file of its own
+//! there, named by its first sequence number (`00000000000000000001.log`), written once as
+//! bundles arrive and read through the page cache (`segment_bytes`); retention deletes whole
+//! files. A log without one keeps its segments in memory.
 
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use sluice_proto::tank::bundle::Bundle;
@@ -41,7 +47,8 @@ thread_local! {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogConfig {
     /// A segment holds at most this many bytes (a bundle larger goes alone into one); its
-    /// memory is reserved when it starts and resident as it fills.
+    /// room is reserved when it starts (address space for a file's, memory otherwise) and
+    /// taken as it fills.
     pub segment_bytes: usize,
     /// Bytes between two entries of a segment's sparse index.
     pub index_interval: usize,
@@ -99,6 +106,8 @@ impl LogConfig {
 }
 
 struct Segment {
+    /// Its file, if it has one.
+    path: Option<PathBuf>,
     /// The sequence number of its first message, and one past its last.
     base_seq: u64,
     next_seq: u64,
@@ -112,14 +121,35 @@ struct Segment {
 
 impl Segment {
     /// An empty segment whose bytes are reserved up front (`reserve`): appends never move it,
-    /// and pages not written to are not resident.
-    fn new(base_seq: u64, reserve: usize) -> Segment {
-        Segment {
+    /// and pages not written to are not resident. In `dir`, a new file there.
+    fn new(base_seq: u64, reserve: usize, dir: Option<&Path>) -> Result<Segment, AppendError> {
+        let (path, data) = match dir {
+            None => (None, SegmentBytes::with_capacity(reserve)),
+            Some(dir) => {
+                let path = dir.join(format!("{base_seq:020}.log"));
+                let data = std::fs::create_dir_all(dir)
+                    .and_then(|()| SegmentBytes::in_file(&path, reserve))
+                    .map_err(|e| AppendError::Storage(format!("{}: {e}", path.display())))?;
+                (Some(path), data)
+            }
+        };
+        Ok(Segment {
+            path,
             base_seq,
             next_seq: base_seq,
-            data: SegmentBytes::with_capacity(reserve),
+            data,
             index: Vec::new(),
             newest_ms: 0,
+        })
+    }
+
+    /// Deletes its file (retention dropped it, or it was never used); answers still being sent
+    /// from its bytes keep them.
+    fn remove_file(&self) {
+        if let Some(p) = &self.path {
+            if let Err(e) = std::fs::remove_file(p) {
+                log::warn!("cannot delete the topic segment {}: {e}", p.display());
+            }
         }
     }
 
@@ -244,6 +274,8 @@ pub enum AppendError {
         first_seq: u64,
         next_seq: u64,
     },
+    /// Its segment file could not be made or written (a full disk): the file and why.
+    Storage(String),
 }
 
 impl std::fmt::Display for AppendError {
@@ -261,6 +293,7 @@ impl std::fmt::Display for AppendError {
                 f,
                 "a bundle from sequence number {first_seq} is behind the log's next, {next_seq}"
             ),
+            AppendError::Storage(why) => write!(f, "cannot write the segment file {why}"),
         }
     }
 }
@@ -279,25 +312,85 @@ pub struct Checked {
 
 pub struct PartitionLog {
     config: LogConfig,
+    /// Where its segment files are; None: in memory.
+    dir: Option<PathBuf>,
     segments: VecDeque<Segment>,
     next_seq: u64,
     bytes: u64,
 }
 
+/// Where a log stood before an append, to take the append back (`PartitionLog::restore`).
+#[derive(Debug, Clone, Copy)]
+pub struct Mark {
+    segments: usize,
+    len: usize,
+    index: usize,
+    seg_next_seq: u64,
+    newest_ms: u64,
+    next_seq: u64,
+    bytes: u64,
+}
+
 impl PartitionLog {
-    /// An empty log whose first message will be sequence number 1.
+    /// An empty log in memory whose first message will be sequence number 1.
     pub fn new(config: LogConfig) -> PartitionLog {
         PartitionLog::starting_at(config, 1)
+    }
+
+    /// An empty log whose segments are files in `dir` (made when the first is), first message
+    /// sequence number 1.
+    pub fn in_dir(config: LogConfig, dir: PathBuf) -> PartitionLog {
+        PartitionLog {
+            dir: Some(dir),
+            ..PartitionLog::new(config)
+        }
     }
 
     /// An empty log whose next message is `next_seq` (recovery of a log retention had cut).
     pub fn starting_at(config: LogConfig, next_seq: u64) -> PartitionLog {
         PartitionLog {
             config,
+            dir: None,
             segments: VecDeque::new(),
             next_seq: next_seq.max(1),
             bytes: 0,
         }
+    }
+
+    /// Where its segment files are, if it keeps them in files.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// Where the log stands, to take back what is appended next (`restore`).
+    pub fn mark(&self) -> Mark {
+        let last = self.segments.back();
+        Mark {
+            segments: self.segments.len(),
+            len: last.map_or(0, |s| s.data.len()),
+            index: last.map_or(0, |s| s.index.len()),
+            seg_next_seq: last.map_or(0, |s| s.next_seq),
+            newest_ms: last.map_or(0, |s| s.newest_ms),
+            next_seq: self.next_seq,
+            bytes: self.bytes,
+        }
+    }
+
+    /// Takes back what was appended since `mark` (its WAL record could not be queued): the
+    /// segments it started go, with their files, and the one it was in ends where it did.
+    pub fn restore(&mut self, mark: Mark) {
+        while self.segments.len() > mark.segments {
+            let s = self.segments.pop_back().expect("more than the mark's");
+            s.remove_file();
+        }
+        if let Some(s) = self.segments.back_mut() {
+            s.data.truncate(mark.len);
+            s.index.truncate(mark.index);
+            s.next_seq = mark.seg_next_seq;
+            s.newest_ms = mark.newest_ms;
+        }
+        self.next_seq = mark.next_seq;
+        self.bytes = mark.bytes;
     }
 
     /// The sequence number the next message gets.
@@ -405,24 +498,25 @@ impl PartitionLog {
         }
         if first_seq > self.next_seq {
             // Sequence numbers between were dropped where they came from: a new segment
-            // starts where these are (the newest one, if it is still empty).
-            match self.segments.back_mut() {
-                Some(s) if s.data.is_empty() => {
-                    s.base_seq = first_seq;
-                    s.next_seq = first_seq;
-                    s.index.clear();
-                }
-                _ => self
-                    .segments
-                    .push_back(Segment::new(first_seq, self.config.segment_bytes)),
+            // starts where these are (in place of the newest one, if it is still empty).
+            let segment = Segment::new(first_seq, self.config.segment_bytes, self.dir.as_deref())?;
+            if self.segments.back().is_some_and(|s| s.data.is_empty()) {
+                let empty = self.segments.pop_back().expect("checked");
+                empty.remove_file();
             }
+            self.segments.push_back(segment);
             self.next_seq = first_seq;
         }
-        self.place(first_seq, bundle, span, newest_ms);
-        Ok(())
+        self.place(first_seq, bundle, span, newest_ms)
     }
 
-    fn place(&mut self, first: u64, bundle: &[u8], span: u64, newest_ms: u64) {
+    fn place(
+        &mut self,
+        first: u64,
+        bundle: &[u8],
+        span: u64,
+        newest_ms: u64,
+    ) -> Result<(), AppendError> {
         // A bundle goes to a new segment when it would take the newest past `segment_bytes`
         // (a larger one alone), or past the sequence numbers a segment indexes in a u32.
         // A segment never grows past the room it reserved: an empty one without room enough
@@ -434,7 +528,8 @@ impl PartitionLog {
             .back()
             .is_some_and(|s| s.data.is_empty() && !fits(s))
         {
-            self.segments.pop_back();
+            let empty = self.segments.pop_back().expect("checked");
+            empty.remove_file();
         }
         let roll = self.segments.back().is_none_or(|s| {
             (!s.data.is_empty() && s.data.len() + entry > self.config.segment_bytes)
@@ -442,25 +537,33 @@ impl PartitionLog {
                 || first - s.base_seq > u32::MAX as u64
         });
         if roll {
-            self.segments
-                .push_back(Segment::new(first, self.config.segment_bytes.max(entry)));
+            let reserve = self.config.segment_bytes.max(entry);
+            let segment = Segment::new(first, reserve, self.dir.as_deref())?;
+            self.segments.push_back(segment);
         }
         let interval = self.config.index_interval;
         let seg = self.segments.back_mut().expect("one pushed above");
         let at = seg.data.len();
+        let before = seg.data.len();
+        let mut head = [0u8; 10];
+        let written = seg
+            .data
+            .extend_from_slice(varint(&mut head, bundle.len() as u64))
+            .and_then(|()| seg.data.extend_from_slice(bundle));
+        if let Err(e) = written {
+            seg.data.truncate(before);
+            let file = seg.path.as_deref().unwrap_or(Path::new("?"));
+            return Err(AppendError::Storage(format!("{}: {e}", file.display())));
+        }
         let last_indexed = seg.index.last().map(|&(_, o)| o as usize);
         if last_indexed.is_none_or(|o| at - o >= interval) {
             seg.index.push(((first - seg.base_seq) as u32, at as u32));
         }
-        let before = seg.data.len();
-        let mut head = [0u8; 10];
-        seg.data
-            .extend_from_slice(varint(&mut head, bundle.len() as u64));
-        seg.data.extend_from_slice(bundle);
-        // Once a segment holds a step, each step it enters has the next one's pages faulted
-        // in ahead of it, off this thread (a segment that holds little keeps little resident).
+        // Once a segment in memory holds a step, each step it enters has the next one's pages
+        // faulted in ahead of it, off this thread (a segment that holds little keeps little
+        // resident). A file's pages are the page cache's to manage.
         let step = seg.data.len() / PREFAULT_STEP;
-        if step > before / PREFAULT_STEP && step >= 1 {
+        if !seg.data.is_file() && step > before / PREFAULT_STEP && step >= 1 {
             let from = (step + 1) * PREFAULT_STEP;
             let to = (from + PREFAULT_STEP).min(seg.data.capacity());
             if from < to {
@@ -471,6 +574,7 @@ impl PartitionLog {
         seg.newest_ms = seg.newest_ms.max(newest_ms);
         self.bytes += (seg.data.len() - before) as u64;
         self.next_seq = first + span;
+        Ok(())
     }
 
     /// Reads from `seq` (0: the first available; u64::MAX: the next to be produced) the whole
@@ -582,6 +686,7 @@ impl PartitionLog {
             let seg = self.segments.pop_front().expect("checked above");
             self.bytes -= seg.data.len() as u64;
             dropped += seg.next_seq - seg.base_seq;
+            seg.remove_file();
         }
         dropped
     }

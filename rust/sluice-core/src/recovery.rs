@@ -143,9 +143,28 @@ enum ApplyError {
 struct State {
     buckets: BTreeMap<u16, RecoveredBucket>,
     topics: BTreeMap<u16, RecoveredTopic>,
+    /// Where the topics' segment files are rebuilt from the records; None: in memory.
+    topics_dir: Option<PathBuf>,
 }
 
 impl State {
+    /// An empty state whose topics keep their segments in `topics_dir`, emptied first: the
+    /// snapshot and the WAL hold every retained bundle, and the files are made from them.
+    fn in_dir(topics_dir: Option<&Path>) -> Result<State> {
+        if let Some(d) = topics_dir {
+            match std::fs::remove_dir_all(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(d.display(), e)),
+            }
+            std::fs::create_dir_all(d).map_err(|e| Error::io(d.display(), e))?;
+        }
+        Ok(State {
+            topics_dir: topics_dir.map(Path::to_path_buf),
+            ..State::default()
+        })
+    }
+
     fn apply(&mut self, rec: &Record<'_>, from_wal: bool) -> std::result::Result<(), ApplyError> {
         match rec.body {
             RecordBody::Topic {
@@ -304,9 +323,14 @@ impl State {
             }
             Some(_) => Ok(()),
             None => {
-                let partitions = (0..partitions)
-                    .map(|_| Partition::new(PartitionLog::new(LogConfig::default()), 0))
-                    .collect();
+                let log = |p| match &self.topics_dir {
+                    Some(d) => PartitionLog::in_dir(
+                        LogConfig::default(),
+                        crate::topic::partition_dir(d, id, p),
+                    ),
+                    None => PartitionLog::new(LogConfig::default()),
+                };
+                let partitions = (0..partitions).map(|p| Partition::new(log(p), 0)).collect();
                 self.topics.insert(
                     id,
                     RecoveredTopic {
@@ -466,8 +490,8 @@ impl Salvage {
     /// the topics' bundles in sequence order. Returns the state and how many bundles were
     /// left out: overlapping those before them, not readable as bundles, or of a topic
     /// declared only in damaged blocks.
-    fn into_state(mut self) -> (State, u64) {
-        let mut state = State::default();
+    fn into_state(mut self, topics_dir: Option<&Path>) -> Result<(State, u64)> {
+        let mut state = State::in_dir(topics_dir)?;
         let mut left_out = 0;
         for (id, (name, partitions, config)) in std::mem::take(&mut self.topics) {
             let name_bytes = name.clone();
@@ -531,7 +555,7 @@ impl Salvage {
                 },
             );
         }
-        (state, left_out)
+        Ok((state, left_out))
     }
 }
 
@@ -638,14 +662,18 @@ fn corrupt(path: &Path, offset: u64, reason: impl Into<String>) -> Error {
 }
 
 /// Loads one snapshot whole; any damage makes it unusable.
-fn load_snapshot(path: &Path, instance: &mut Option<String>) -> Result<(State, u64, u64)> {
+fn load_snapshot(
+    path: &Path,
+    instance: &mut Option<String>,
+    topics_dir: Option<&Path>,
+) -> Result<(State, u64, u64)> {
     let mut r = XlogReader::open(path)?;
     if r.header().kind != FileKind::Snap {
         return Err(corrupt(path, 0, "not a snapshot file"));
     }
     check_instance(path, &r.header().instance, instance)?;
     let lsn = r.header().lsn;
-    let mut state = State::default();
+    let mut state = State::in_dir(topics_dir)?;
     let mut n = 0;
     loop {
         match r.next_block()? {
@@ -746,7 +774,13 @@ fn move_aside(path: &Path, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered> {
+/// `topics_dir`: where the topics' segment files are made (None: topics in memory).
+pub fn recover(
+    wal_dir: &Path,
+    snap_dir: &Path,
+    topics_dir: Option<&Path>,
+    force: bool,
+) -> Result<Recovered> {
     let mut report = Report::default();
     for (_, path, inprogress) in xlog::list_files(snap_dir, "snap")? {
         if inprogress {
@@ -772,13 +806,13 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
     let mut instance: Option<String> = None;
 
     // The newest valid snapshot; an older one serves if the WAL still reaches back to it.
-    let mut state = State::default();
+    let mut state = State::in_dir(topics_dir)?;
     let mut snap_lsn = 0;
     let mut base_snapshot = None;
     let mut damaged_snaps = Vec::new();
     for (lsn, path, _) in snaps.iter().rev() {
         let mut inst = instance.clone();
-        match load_snapshot(path, &mut inst) {
+        match load_snapshot(path, &mut inst, topics_dir) {
             Ok((s, l, n)) => {
                 state = s;
                 snap_lsn = l;
@@ -1028,7 +1062,7 @@ pub fn recover(wal_dir: &Path, snap_dir: &Path, force: bool) -> Result<Recovered
                     reason: "their bucket was declared only in damaged blocks".into(),
                 });
             }
-            let (state, left_out) = salvage.into_state();
+            let (state, left_out) = salvage.into_state(topics_dir)?;
             if left_out > 0 {
                 report.drop(Dropped {
                     file: snap_dir.to_path_buf(),

@@ -4,12 +4,21 @@
 //! where a change carries its bucket's, and the partition where a change carries its vbucket.
 
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::partition_log::{LogConfig, PartitionLog};
 use crate::signal::ChangeSignal;
+
+/// Where a partition keeps its segment files: `topics/<topic id>/<partition>` under the data
+/// directory (`topics_dir`).
+pub fn partition_dir(topics_dir: &Path, topic: u16, partition: u16) -> PathBuf {
+    topics_dir
+        .join(topic.to_string())
+        .join(partition.to_string())
+}
 
 /// One partition: its log, the last WAL LSN applied to it (WAL replay skips what a snapshot of
 /// it holds), its bundles not yet in the WAL file, which readers do not see, and its traffic

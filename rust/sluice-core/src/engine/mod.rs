@@ -105,7 +105,13 @@ impl Engine {
             std::fs::create_dir_all(d).map_err(|e| Error::io(d.display(), e))?;
         }
         let started = Instant::now();
-        let mut recovered = recovery::recover(&wal_dir, &snap_dir, config.force_recovery)?;
+        let topics_dir = config.data_dir.join("topics");
+        let mut recovered = recovery::recover(
+            &wal_dir,
+            &snap_dir,
+            Some(&topics_dir),
+            config.force_recovery,
+        )?;
         let catalog = Arc::new(Catalog::default());
         let weak: Weak<Catalog> = Arc::downgrade(&catalog);
         let wal = WalWriter::start(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{Engine, Inner, Written};
 use crate::config::Durability;
 use crate::error::{Error, Result};
-use crate::partition_log::{ChunkSink, LogConfig, PartitionLog, Read};
+use crate::partition_log::{AppendError, ChunkSink, LogConfig, PartitionLog, Read};
 use crate::recovery::RecoveredTopic;
 use crate::topic::{Partition, Topic};
 use crate::wal::writer::{MetaRecord, WalPayload};
@@ -89,8 +89,12 @@ impl Engine {
                     config: config_text.to_string(),
                 },
             ));
+            let topics_dir = self.inner.topics_dir();
             let parts = (0..partitions)
-                .map(|_| Partition::new(PartitionLog::new(config), lsn))
+                .map(|p| {
+                    let dir = crate::topic::partition_dir(&topics_dir, id, p);
+                    Partition::new(PartitionLog::in_dir(config, dir), lsn)
+                })
                 .collect();
             let t = Arc::new(Topic::new(
                 id,
@@ -154,22 +158,36 @@ impl Engine {
         }
         // Age retention goes by arrival, as TANK's broker goes by its segments' times.
         let now_ms = crate::hlc::now_nanos() / 1_000_000;
-        // The WAL first: a writer that refuses leaves the log as it was.
-        let lsn = self.inner.wal.appender()?.push(WalPayload::meta(
-            topic.id,
-            partition,
-            MetaRecord::TopicBundle {
-                first_seq,
-                count: checked.span,
-                newest_ms: now_ms,
-                bundle: bundle.clone(),
-            },
-        ));
+        // The segment file first: one that cannot take it (a full disk) refuses the produce
+        // at once, and a WAL that refuses takes the append back.
         checked.first = Some(first_seq);
+        let mark = part.log.mark();
         let seqs = part
             .log
             .append(&bundle, &checked, now_ms)
-            .expect("placed at or past the end, checked above");
+            .map_err(|e| match e {
+                AppendError::Storage(_) => Error::TempFail(format!(
+                    "topic {:?} partition {partition}: {e}; retry later",
+                    topic.name
+                )),
+                other => bad(other.to_string()),
+            })?;
+        let lsn = match self.inner.wal.appender() {
+            Ok(mut wal) => wal.push(WalPayload::meta(
+                topic.id,
+                partition,
+                MetaRecord::TopicBundle {
+                    first_seq,
+                    count: checked.span,
+                    newest_ms: now_ms,
+                    bundle: bundle.clone(),
+                },
+            )),
+            Err(e) => {
+                part.log.restore(mark);
+                return Err(e);
+            }
+        };
         part.last_lsn = lsn;
         part.produced_messages += checked.count;
         part.produced_bytes += bundle.len() as u64;
@@ -259,6 +277,11 @@ impl Inner {
             }
         }
         dropped
+    }
+
+    /// Where the topics' partitions keep their segment files.
+    pub(crate) fn topics_dir(&self) -> std::path::PathBuf {
+        self.config.data_dir.join("topics")
     }
 
     /// Installs recovered topics with their settings, as `settings` gives them from each

@@ -5,17 +5,31 @@
 //! copied into the answer, a megabyte answered costs neither a copy nor a fresh megabyte of
 //! memory to fault in. An answer still being written when retention drops its segment keeps
 //! the bytes it sends alive until it is done.
+//!
+//! A topic's segments live in files (`in_file`): appended with `pwrite`, read through a
+//! read-only shared mapping of the file. Their bytes are the page cache's, not the process's
+//! anonymous memory: a partition retains what the disk holds, and the kernel keeps in memory
+//! what is read. A write that does not fit on the disk is an error, not a fault: the mapping is
+//! never written through, and never read past what was written. Segments of logs without a
+//! directory (tests) are plain memory.
 
+use std::fs::File;
+use std::io;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use bytes::Bytes;
 
-/// The allocation: `cap` bytes from `ptr`.
+/// The bytes: `cap` bytes from `ptr`, of an allocation or of a file's mapping.
 struct Buffer {
     ptr: NonNull<u8>,
     cap: usize,
+    /// The file mapped at `ptr`, which appends are written to; None: memory.
+    file: Option<File>,
 }
 
 // SAFETY: bytes are written only at or past the filled length, by the one `SegmentBytes` that
@@ -26,9 +40,16 @@ unsafe impl Sync for Buffer {}
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: rebuilds the empty Vec whose allocation `SegmentBytes::with_capacity` took;
-        // u8 needs no drop, so a length of 0 frees it alike.
-        unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap)) }
+        match self.file {
+            // SAFETY: unmaps the mapping `SegmentBytes::in_file` made, of this length; nothing
+            // borrows it any more (every `Part` holds the `Arc` this is dropped from).
+            Some(_) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), self.cap);
+            },
+            // SAFETY: rebuilds the empty Vec whose allocation `SegmentBytes::with_capacity`
+            // took; u8 needs no drop, so a length of 0 frees it alike.
+            None => unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap)) },
+        }
     }
 }
 
@@ -45,9 +66,55 @@ impl SegmentBytes {
         let cap = v.capacity();
         let ptr = NonNull::new(v.as_mut_ptr()).expect("a Vec's pointer is never null");
         SegmentBytes {
-            buf: Arc::new(Buffer { ptr, cap }),
+            buf: Arc::new(Buffer {
+                ptr,
+                cap,
+                file: None,
+            }),
             len: 0,
         }
+    }
+
+    /// A new, empty segment file at `path` (replacing one there) that takes up to `cap` bytes;
+    /// the file grows as it is appended to, and only what is written takes disk.
+    pub(super) fn in_file(path: &Path, cap: usize) -> io::Result<SegmentBytes> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        let cap = cap.max(1);
+        // SAFETY: a new read-only shared mapping of the file, at an address the kernel picks;
+        // the file stays open as long as the mapping (`Buffer`). Past the file's end its pages
+        // fault, and only bytes below what was written are ever read.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).expect("a mapping is never at null");
+        Ok(SegmentBytes {
+            buf: Arc::new(Buffer {
+                ptr,
+                cap,
+                file: Some(file),
+            }),
+            len: 0,
+        })
+    }
+
+    /// Whether its bytes are a file's.
+    pub(super) fn is_file(&self) -> bool {
+        self.buf.file.is_some()
     }
 
     pub(super) fn len(&self) -> usize {
@@ -72,8 +139,9 @@ impl SegmentBytes {
     }
 
     /// Appends `bytes`; the caller keeps within the capacity (a full segment rolls over to a
-    /// new one first), so going past it is a bug and panics rather than reallocating.
-    pub(super) fn extend_from_slice(&mut self, bytes: &[u8]) {
+    /// new one first), so going past it is a bug and panics rather than reallocating. A file's
+    /// write that fails (a full disk) leaves the segment as it was.
+    pub(super) fn extend_from_slice(&mut self, bytes: &[u8]) -> io::Result<()> {
         assert!(
             bytes.len() <= self.buf.cap - self.len,
             "a segment of {} bytes cannot take {} more after {}",
@@ -81,15 +149,25 @@ impl SegmentBytes {
             bytes.len(),
             self.len
         );
-        // SAFETY: within the allocation (checked above), past every byte handed out.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                self.buf.ptr.as_ptr().add(self.len),
-                bytes.len(),
-            );
+        match &self.buf.file {
+            // What the mapping shows once written: the page cache is one.
+            Some(f) => f.write_all_at(bytes, self.len as u64)?,
+            // SAFETY: within the allocation (checked above), past every byte handed out.
+            None => unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    self.buf.ptr.as_ptr().add(self.len),
+                    bytes.len(),
+                );
+            },
         }
         self.len += bytes.len();
+        Ok(())
+    }
+
+    /// Forgets what was appended past `len` (an append taken back).
+    pub(super) fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
     }
 
     /// The filled bytes of `range` as a `Bytes` that keeps them alive on its own.
@@ -127,9 +205,9 @@ mod tests {
     #[test]
     fn shared_parts_outlive_the_segment_and_see_no_later_append() {
         let mut s = SegmentBytes::with_capacity(64);
-        s.extend_from_slice(b"hello ");
+        s.extend_from_slice(b"hello ").unwrap();
         let part = s.share(0..5);
-        s.extend_from_slice(b"world");
+        s.extend_from_slice(b"world").unwrap();
         assert_eq!(s.as_slice(), b"hello world");
         let later = s.share(6..11);
         drop(s);
@@ -141,6 +219,22 @@ mod tests {
     #[should_panic(expected = "cannot take")]
     fn appending_past_the_capacity_is_refused() {
         let mut s = SegmentBytes::with_capacity(4);
-        s.extend_from_slice(&[0; 5]);
+        let _ = s.extend_from_slice(&[0; 5]);
+    }
+
+    #[test]
+    fn a_file_segment_is_read_through_its_mapping_and_outlives_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("1.log");
+        let mut s = SegmentBytes::in_file(&path, 1 << 20).unwrap();
+        s.extend_from_slice(b"hello ").unwrap();
+        let part = s.share(0..5);
+        s.extend_from_slice(b"world").unwrap();
+        assert_eq!(s.as_slice(), b"hello world");
+        assert_eq!(std::fs::read(&path).unwrap(), b"hello world");
+        // Retention unlinks the file while an answer still sends from it.
+        std::fs::remove_file(&path).unwrap();
+        drop(s);
+        assert_eq!(&part[..], b"hello");
     }
 }

@@ -343,3 +343,61 @@ fn a_retained_message_costs_little_beyond_its_bundle() {
         "{beyond} bytes beyond the bundles for {produced} messages"
     );
 }
+
+#[test]
+fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = LogConfig {
+        segment_bytes: 1000,
+        retention_bytes: Some(3000),
+        ..LogConfig::default()
+    };
+    let mut log = PartitionLog::in_dir(config, dir.path().join("0"));
+    let mut in_memory = PartitionLog::new(config);
+    for i in 0..100u64 {
+        append(&mut log, 2, 50, 10_000 + i);
+        append(&mut in_memory, 2, 50, 10_000 + i);
+    }
+    let files = || {
+        let mut names: Vec<_> = std::fs::read_dir(dir.path().join("0"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(files().len(), log.segments.len());
+    assert_eq!(files()[0], "00000000000000000001.log");
+    // The files hold what was appended, and read back alike.
+    let on_disk: u64 = files()
+        .iter()
+        .map(|f| {
+            std::fs::metadata(dir.path().join("0").join(f))
+                .unwrap()
+                .len()
+        })
+        .sum();
+    assert_eq!(on_disk, log.bytes());
+    for seq in [1, 77, 200] {
+        assert_eq!(log.read(seq, 500), in_memory.read(seq, 500));
+    }
+    // A shared chunk outlives its segment's deletion.
+    let Read::Chunk { bundles, .. } = log.read(1, 500) else {
+        panic!("a chunk")
+    };
+    let first = bundles.share();
+    let dropped = log.enforce_retention(0);
+    assert!(dropped > 0);
+    assert_eq!(files().len(), log.segments.len());
+    assert!(!files().contains(&"00000000000000000001.log".to_string()));
+    assert_eq!(seqs(&first, 1)[0], 1);
+    // An append taken back leaves the log and its files as they were.
+    let mark = log.mark();
+    let (before, names) = (log.next_seq(), files());
+    for _ in 0..30 {
+        append(&mut log, 2, 50, 20_000);
+    }
+    log.restore(mark);
+    assert_eq!((log.next_seq(), files()), (before, names));
+    assert_eq!(log.high_water_mark(), 200);
+}
