@@ -108,6 +108,10 @@ impl LogConfig {
 struct Segment {
     /// Its file, if it has one.
     path: Option<PathBuf>,
+    /// Its index's file (`<first sequence number>.index`: each entry 8 bytes, the sequence
+    /// number relative to the segment's first and the offset, u32 LE each), appended to as
+    /// the index grows, so that recovery reads a segment's index and its tail, not its bytes.
+    index_file: Option<std::fs::File>,
     /// The sequence number of its first message, and one past its last.
     base_seq: u64,
     next_seq: u64,
@@ -123,18 +127,27 @@ impl Segment {
     /// An empty segment whose bytes are reserved up front (`reserve`): appends never move it,
     /// and pages not written to are not resident. In `dir`, a new file there.
     fn new(base_seq: u64, reserve: usize, dir: Option<&Path>) -> Result<Segment, AppendError> {
-        let (path, data) = match dir {
-            None => (None, SegmentBytes::with_capacity(reserve)),
+        let (path, data, index_file) = match dir {
+            None => (None, SegmentBytes::with_capacity(reserve), None),
             Some(dir) => {
                 let path = dir.join(format!("{base_seq:020}.log"));
+                let storage =
+                    |e: std::io::Error| AppendError::Storage(format!("{}: {e}", path.display()));
                 let data = std::fs::create_dir_all(dir)
                     .and_then(|()| SegmentBytes::in_file(&path, reserve))
-                    .map_err(|e| AppendError::Storage(format!("{}: {e}", path.display())))?;
-                (Some(path), data)
+                    .map_err(storage)?;
+                let index_file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .truncate(true)
+                    .open(path.with_extension("index"))
+                    .map_err(storage)?;
+                (Some(path), data, Some(index_file))
             }
         };
         Ok(Segment {
             path,
+            index_file,
             base_seq,
             next_seq: base_seq,
             data,
@@ -147,9 +160,34 @@ impl Segment {
     /// from its bytes keep them.
     fn remove_file(&self) {
         if let Some(p) = &self.path {
-            if let Err(e) = std::fs::remove_file(p) {
-                log::warn!("cannot delete the topic segment {}: {e}", p.display());
+            for p in [p.clone(), p.with_extension("index")] {
+                if let Err(e) = std::fs::remove_file(&p) {
+                    log::warn!("cannot delete the topic segment file {}: {e}", p.display());
+                }
             }
+        }
+    }
+
+    /// Adds an index entry, to its file too. A file that cannot take it (a full disk) is left
+    /// behind: recovery rebuilds an index that does not reach the segment's end.
+    fn index_push(&mut self, rel: u32, at: u32) {
+        self.index.push((rel, at));
+        if let Some(f) = &self.index_file {
+            let mut entry = [0u8; 8];
+            entry[..4].copy_from_slice(&rel.to_le_bytes());
+            entry[4..].copy_from_slice(&at.to_le_bytes());
+            let offset = (self.index.len() as u64 - 1) * 8;
+            if let Err(e) = std::os::unix::fs::FileExt::write_all_at(f, &entry, offset) {
+                log::debug!("a topic segment's index entry not written: {e}");
+            }
+        }
+    }
+
+    /// Its index back to `len` entries (an append taken back).
+    fn index_truncate(&mut self, len: usize) {
+        self.index.truncate(len);
+        if let Some(f) = &self.index_file {
+            let _ = f.set_len(len as u64 * 8);
         }
     }
 
@@ -182,6 +220,113 @@ fn stored_bundle(data: &[u8]) -> (usize, u64) {
         .expect("stored bundles were parsed when appended")
         .span();
     (head + len, span)
+}
+
+/// The length of the stored bundle at the front of `data` (with its varint) and how many
+/// sequence numbers it takes, or why it cannot be read (recovery's reading of segment files).
+fn checked_bundle(data: &[u8]) -> Result<(usize, u64), String> {
+    let mut r = Reader::new(data);
+    let len = r.varint_len("a stored bundle").map_err(|e| e.to_string())?;
+    let head = r.position();
+    if data.len() - head < len {
+        return Err(format!("a bundle of {len} bytes cut short"));
+    }
+    let b = Bundle::parse(&data[head..head + len]).map_err(|e| e.to_string())?;
+    if b.span() == 0 {
+        return Err("a bundle of no message".into());
+    }
+    Ok((head + len, b.span()))
+}
+
+/// Reads a segment's bundles from its index's last entry (the start without one) to its end:
+/// where the readable bundles end, the sequence number after them, and the offset of one that
+/// cannot be read and why (a torn or damaged tail).
+#[allow(clippy::type_complexity)]
+fn scan(
+    data: &[u8],
+    index: &[(u32, u32)],
+    base: u64,
+    _interval: usize,
+) -> (usize, u64, Option<(usize, String)>) {
+    let (mut at, mut next) = index
+        .last()
+        .map_or((0, base), |&(r, o)| (o as usize, base + r as u64));
+    while at < data.len() {
+        match checked_bundle(&data[at..]) {
+            Ok((len, span)) => {
+                at += len;
+                next += span;
+            }
+            Err(why) => return (at, next, Some((at, why))),
+        }
+    }
+    (at, next, None)
+}
+
+/// The index with the entries a scan from its last one adds, up to `end`: one at least every
+/// `interval` bytes (and for the first bundle).
+fn scan_index(
+    data: &[u8],
+    index: &[(u32, u32)],
+    base: u64,
+    interval: usize,
+    end: usize,
+) -> Vec<(u32, u32)> {
+    let mut out = index.to_vec();
+    let (mut at, mut next) = index
+        .last()
+        .map_or((0, base), |&(r, o)| (o as usize, base + r as u64));
+    while at < end {
+        let (len, span) = checked_bundle(&data[at..end]).expect("scanned before");
+        if out.last().is_none_or(|&(_, o)| at - o as usize >= interval) {
+            out.push(((next - base) as u32, at as u32));
+        }
+        at += len;
+        next += span;
+    }
+    out
+}
+
+/// The entries below `end` (what a cut tail leaves).
+fn index_upto(mut index: Vec<(u32, u32)>, end: usize) -> Vec<(u32, u32)> {
+    index.retain(|&(_, o)| (o as usize) < end);
+    index
+}
+
+/// A segment's index file's entries that can be trusted: from the first, (0, 0), ascending,
+/// within the segment's `len` bytes; the rest is dropped (recovery reads past them).
+fn read_index(path: &Path, len: usize) -> Vec<(u32, u32)> {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for e in bytes.chunks_exact(8) {
+        let rel = u32::from_le_bytes(e[..4].try_into().expect("4 bytes"));
+        let at = u32::from_le_bytes(e[4..].try_into().expect("4 bytes"));
+        let ordered = match out.last() {
+            None => (rel, at) == (0, 0),
+            Some(&(r, o)) => rel > r && at > o,
+        };
+        if !ordered || at as usize >= len {
+            break;
+        }
+        out.push((rel, at));
+    }
+    out
+}
+
+/// Writes a segment's index file whole; returns it open for the entries to come.
+fn write_index(path: &Path, index: &[(u32, u32)]) -> std::io::Result<std::fs::File> {
+    let mut bytes = Vec::with_capacity(index.len() * 8);
+    for &(r, o) in index {
+        bytes.extend_from_slice(&r.to_le_bytes());
+        bytes.extend_from_slice(&o.to_le_bytes());
+    }
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(path)?;
+    std::os::unix::fs::FileExt::write_all_at(&f, &bytes, 0)?;
+    Ok(f)
 }
 
 /// Stored bundles a read found: borrowed while the partition is locked (they deref to their
@@ -362,6 +507,129 @@ impl PartitionLog {
         self.dir.as_deref()
     }
 
+    /// The log whose segment files are in `dir` (none there: an empty log). Each segment's
+    /// index is read from its file and only the bytes after its last entry are read, to find
+    /// where the segment ends. A bundle cut short or unreadable at the end of the newest
+    /// segment (a torn write) is cut off, with a warning; one in an older segment is damage,
+    /// refused with the file and offset. An index that does not agree with its segment is
+    /// rebuilt from the segment, with a warning. A segment's arrival time (for retention by
+    /// age) is its file's modification time.
+    pub fn open_dir(config: LogConfig, dir: PathBuf) -> Result<PartitionLog, String> {
+        let mut log = PartitionLog::in_dir(config, dir.clone());
+        let mut files = Vec::new();
+        match std::fs::read_dir(&dir) {
+            Ok(entries) => {
+                for e in entries {
+                    let e = e.map_err(|e| format!("{}: {e}", dir.display()))?;
+                    let name = e.file_name();
+                    let Some(base) = name
+                        .to_str()
+                        .and_then(|n| n.strip_suffix(".log"))
+                        .and_then(|n| n.parse::<u64>().ok())
+                    else {
+                        continue;
+                    };
+                    files.push((base, e.path()));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(log),
+            Err(e) => return Err(format!("{}: {e}", dir.display())),
+        }
+        files.sort();
+        let newest = files.len().saturating_sub(1);
+        for (i, (base, path)) in files.into_iter().enumerate() {
+            let err = |e: std::io::Error| format!("{}: {e}", path.display());
+            let meta = std::fs::metadata(&path).map_err(err)?;
+            let file_len = meta.len() as usize;
+            let newest_ms = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as u64);
+            if !log.segments.is_empty() && base < log.next_seq {
+                return Err(format!(
+                    "{}: starts at sequence number {base}, behind the end of the segment \
+                     before it ({})",
+                    path.display(),
+                    log.next_seq
+                ));
+            }
+            if file_len == 0 {
+                // An empty segment (started, nothing written) is not kept.
+                let empty = Segment {
+                    path: Some(path.clone()),
+                    index_file: None,
+                    base_seq: base,
+                    next_seq: base,
+                    data: SegmentBytes::with_capacity(1),
+                    index: Vec::new(),
+                    newest_ms,
+                };
+                empty.remove_file();
+                continue;
+            }
+            let data =
+                SegmentBytes::open_file(&path, config.segment_bytes, file_len).map_err(err)?;
+            let index_path = path.with_extension("index");
+            let mut index = read_index(&index_path, file_len);
+            let bytes = data.as_slice();
+            let (mut at, mut next, mut bad) = scan(bytes, &index, base, config.index_interval);
+            let at_last_entry = |(b, _): &(usize, String)| {
+                index
+                    .last()
+                    .is_some_and(|&(_, o)| *b == o as usize && o > 0)
+            };
+            if bad.as_ref().is_some_and(at_last_entry) {
+                log::warn!(
+                    "the index of {} does not agree with the segment: rebuilt from it",
+                    path.display()
+                );
+                index.clear();
+                (at, next, bad) = scan(bytes, &index, base, config.index_interval);
+            }
+            // The entries `scan` added (past the last one read) are in `index` too.
+            let index = index_upto(
+                scan_index(bytes, &index, base, config.index_interval, at),
+                at,
+            );
+            if let Some((offset, why)) = bad {
+                if i != newest {
+                    return Err(format!(
+                        "{}: damaged at offset {offset}: {why}",
+                        path.display()
+                    ));
+                }
+                log::warn!(
+                    "cutting a torn bundle off the end of {} at offset {offset} ({why})",
+                    path.display()
+                );
+            }
+            let mut data = data;
+            if at < file_len {
+                data.truncate(at).map_err(err)?;
+            }
+            let index_file = write_index(&index_path, &index)
+                .map_err(|e| format!("{}: {e}", index_path.display()))?;
+            log.bytes += at as u64;
+            log.next_seq = next;
+            log.segments.push_back(Segment {
+                path: Some(path),
+                index_file: Some(index_file),
+                base_seq: base,
+                next_seq: next,
+                data,
+                index,
+                newest_ms,
+            });
+        }
+        Ok(log)
+    }
+
+    /// The newest segment's file, which the next append writes to (to be synced with the WAL).
+    pub fn newest_file(&self) -> Option<&std::sync::Arc<std::fs::File>> {
+        self.segments.back().and_then(|s| s.data.file())
+    }
+
     /// Where the log stands, to take back what is appended next (`restore`).
     pub fn mark(&self) -> Mark {
         let last = self.segments.back();
@@ -384,8 +652,10 @@ impl PartitionLog {
             s.remove_file();
         }
         if let Some(s) = self.segments.back_mut() {
-            s.data.truncate(mark.len);
-            s.index.truncate(mark.index);
+            if let Err(e) = s.data.truncate(mark.len) {
+                log::warn!("a topic segment file not cut back after a refused append: {e}");
+            }
+            s.index_truncate(mark.index);
             s.next_seq = mark.seg_next_seq;
             s.newest_ms = mark.newest_ms;
         }
@@ -551,13 +821,13 @@ impl PartitionLog {
             .extend_from_slice(varint(&mut head, bundle.len() as u64))
             .and_then(|()| seg.data.extend_from_slice(bundle));
         if let Err(e) = written {
-            seg.data.truncate(before);
+            let _ = seg.data.truncate(before);
             let file = seg.path.as_deref().unwrap_or(Path::new("?"));
             return Err(AppendError::Storage(format!("{}: {e}", file.display())));
         }
         let last_indexed = seg.index.last().map(|&(_, o)| o as usize);
         if last_indexed.is_none_or(|o| at - o >= interval) {
-            seg.index.push(((first - seg.base_seq) as u32, at as u32));
+            seg.index_push((first - seg.base_seq) as u32, at as u32);
         }
         // Once a segment in memory holds a step, each step it enters has the next one's pages
         // faulted in ahead of it, off this thread (a segment that holds little keeps little

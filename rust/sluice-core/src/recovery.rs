@@ -112,6 +112,8 @@ enum ApplyError {
     TopicRedeclared(u16),
     #[error("record for unknown topic {topic} partition {partition}")]
     UnknownPartition { topic: u16, partition: u16 },
+    #[error("topic {topic}'s segment files: {0}", topic = .1)]
+    TopicFiles(String, u16),
     #[error("topic {topic} partition {partition}: {reason}")]
     BadBundle {
         topic: u16,
@@ -143,20 +145,15 @@ enum ApplyError {
 struct State {
     buckets: BTreeMap<u16, RecoveredBucket>,
     topics: BTreeMap<u16, RecoveredTopic>,
-    /// Where the topics' segment files are rebuilt from the records; None: in memory.
+    /// Where the topics' segment files are; None: topics in memory.
     topics_dir: Option<PathBuf>,
 }
 
 impl State {
-    /// An empty state whose topics keep their segments in `topics_dir`, emptied first: the
-    /// snapshot and the WAL hold every retained bundle, and the files are made from them.
+    /// An empty state whose topics keep their segments in `topics_dir`: a topic declared by
+    /// the records opens its partitions' files there (`PartitionLog::open_dir`).
     fn in_dir(topics_dir: Option<&Path>) -> Result<State> {
         if let Some(d) = topics_dir {
-            match std::fs::remove_dir_all(d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::io(d.display(), e)),
-            }
             std::fs::create_dir_all(d).map_err(|e| Error::io(d.display(), e))?;
         }
         Ok(State {
@@ -187,6 +184,12 @@ impl State {
                 if from_wal && rec.lsn <= p.last_lsn {
                     return Ok(());
                 }
+                // A record from before segment files (the WAL and snapshots held the bundles):
+                // appended to the files unless they hold it already.
+                if first_seq.saturating_add(count) <= p.log.next_seq() {
+                    p.last_lsn = p.last_lsn.max(rec.lsn);
+                    return Ok(());
+                }
                 let bad = |reason: String| ApplyError::BadBundle {
                     topic,
                     partition,
@@ -206,6 +209,33 @@ impl State {
                 p.log
                     .append_at(first_seq, bundle, count, newest_ms)
                     .map_err(|e| bad(e.to_string()))?;
+                p.last_lsn = p.last_lsn.max(rec.lsn);
+                return Ok(());
+            }
+            RecordBody::TopicAppended {
+                first_seq, count, ..
+            } => {
+                let (topic, partition) = (rec.bucket, rec.vbucket);
+                let p = self
+                    .topics
+                    .get_mut(&topic)
+                    .and_then(|t| t.partitions.get_mut(partition as usize))
+                    .ok_or(ApplyError::UnknownPartition { topic, partition })?;
+                // The segment file holds it: a bundle the WAL acknowledged that the file does
+                // not is damage (a lost write), unless retention dropped it since.
+                let end = first_seq.saturating_add(count);
+                if p.log.next_seq() < end {
+                    return Err(ApplyError::BadBundle {
+                        topic,
+                        partition,
+                        reason: format!(
+                            "the WAL holds the bundle of sequence numbers {first_seq} to {}, \
+                             which its segment files lack (they end before {})",
+                            end - 1,
+                            p.log.next_seq()
+                        ),
+                    });
+                }
                 p.last_lsn = p.last_lsn.max(rec.lsn);
                 return Ok(());
             }
@@ -296,7 +326,8 @@ impl State {
             }
             RecordBody::Bucket { .. }
             | RecordBody::Topic { .. }
-            | RecordBody::TopicBundle { .. } => {
+            | RecordBody::TopicBundle { .. }
+            | RecordBody::TopicAppended { .. } => {
                 unreachable!("handled above")
             }
         }
@@ -324,13 +355,16 @@ impl State {
             Some(_) => Ok(()),
             None => {
                 let log = |p| match &self.topics_dir {
-                    Some(d) => PartitionLog::in_dir(
+                    Some(d) => PartitionLog::open_dir(
                         LogConfig::default(),
                         crate::topic::partition_dir(d, id, p),
-                    ),
-                    None => PartitionLog::new(LogConfig::default()),
+                    )
+                    .map_err(|e| ApplyError::TopicFiles(e, id)),
+                    None => Ok(PartitionLog::new(LogConfig::default())),
                 };
-                let partitions = (0..partitions).map(|p| Partition::new(log(p), 0)).collect();
+                let partitions = (0..partitions)
+                    .map(|p| log(p).map(|l| Partition::new(l, 0)))
+                    .collect::<std::result::Result<_, _>>()?;
                 self.topics.insert(
                     id,
                     RecoveredTopic {

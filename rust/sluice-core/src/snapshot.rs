@@ -195,32 +195,8 @@ fn write_file(catalog: &Arc<Catalog>, tmp: &Path, instance: &str, lsn: u64) -> R
                 config: topic.config_text.as_bytes(),
             },
         });
-        for p in 0..topic.num_partitions() {
-            // Copied under the partition's lock, written after it is released. The records
-            // carry the last LSN applied to the partition, so WAL replay skips what they hold.
-            let (last_lsn, bundles) = {
-                let part = topic.lock_partition(p).expect("in range");
-                let mut bundles = Vec::new();
-                part.log.for_each_bundle(|first, count, newest, b| {
-                    bundles.push((first, count, newest, b.to_vec()))
-                });
-                (part.last_lsn, bundles)
-            };
-            for (first_seq, count, newest_ms, bundle) in &bundles {
-                w.record(&Record {
-                    lsn: last_lsn,
-                    bucket: topic.id,
-                    vbucket: p,
-                    body: RecordBody::TopicBundle {
-                        first_seq: *first_seq,
-                        count: *count,
-                        newest_ms: *newest_ms,
-                        bundle,
-                    },
-                });
-                w.seal(false).map_err(io)?;
-            }
-        }
+        // Its messages are its partitions' segment files (`partition_log`), which recovery
+        // opens: a snapshot names the topic and carries none of its bytes.
     }
     w.seal(true).map_err(io)?;
     w.out

@@ -172,15 +172,21 @@ impl Engine {
                 )),
                 other => bad(other.to_string()),
             })?;
+        // Synced with the WAL from here on: a record synced never points at bytes that are not.
+        if let Some(f) = part.log.newest_file() {
+            self.inner.wal.sync_with(f);
+        }
         let lsn = match self.inner.wal.appender() {
+            // The segment file holds the bundle; the record points at it.
             Ok(mut wal) => wal.push(WalPayload::meta(
                 topic.id,
                 partition,
-                MetaRecord::TopicBundle {
+                MetaRecord::TopicAppended {
                     first_seq,
                     count: checked.span,
                     newest_ms: now_ms,
-                    bundle: bundle.clone(),
+                    len: bundle.len() as u32,
+                    crc: crc32c::crc32c(&bundle),
                 },
             )),
             Err(e) => {

@@ -29,7 +29,7 @@ struct Buffer {
     ptr: NonNull<u8>,
     cap: usize,
     /// The file mapped at `ptr`, which appends are written to; None: memory.
-    file: Option<File>,
+    file: Option<Arc<File>>,
 }
 
 // SAFETY: bytes are written only at or past the filled length, by the one `SegmentBytes` that
@@ -84,6 +84,20 @@ impl SegmentBytes {
             .create(true)
             .truncate(true)
             .open(path)?;
+        SegmentBytes::mapping(file, cap, 0)
+    }
+
+    /// The segment file at `path` as it is, holding `len` bytes (which recovery read), that
+    /// takes up to `cap` bytes.
+    pub(super) fn open_file(path: &Path, cap: usize, len: usize) -> io::Result<SegmentBytes> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        SegmentBytes::mapping(file, cap.max(len), len)
+    }
+
+    fn mapping(file: File, cap: usize, len: usize) -> io::Result<SegmentBytes> {
         let cap = cap.max(1);
         // SAFETY: a new read-only shared mapping of the file, at an address the kernel picks;
         // the file stays open as long as the mapping (`Buffer`). Past the file's end its pages
@@ -106,10 +120,15 @@ impl SegmentBytes {
             buf: Arc::new(Buffer {
                 ptr,
                 cap,
-                file: Some(file),
+                file: Some(Arc::new(file)),
             }),
-            len: 0,
+            len,
         })
+    }
+
+    /// Its file, if it has one (to be synced with the WAL).
+    pub(super) fn file(&self) -> Option<&Arc<File>> {
+        self.buf.file.as_ref()
     }
 
     /// Whether its bytes are a file's.
@@ -165,9 +184,14 @@ impl SegmentBytes {
         Ok(())
     }
 
-    /// Forgets what was appended past `len` (an append taken back).
-    pub(super) fn truncate(&mut self, len: usize) {
+    /// Forgets what was appended past `len` (an append taken back, a torn tail cut); a file
+    /// is cut there too.
+    pub(super) fn truncate(&mut self, len: usize) -> io::Result<()> {
         self.len = self.len.min(len);
+        match &self.buf.file {
+            Some(f) => f.set_len(self.len as u64),
+            None => Ok(()),
+        }
     }
 
     /// The filled bytes of `range` as a `Bytes` that keeps them alive on its own.

@@ -362,6 +362,7 @@ fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
         let mut names: Vec<_> = std::fs::read_dir(dir.path().join("0"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".log"))
             .collect();
         names.sort();
         names
@@ -400,4 +401,103 @@ fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
     log.restore(mark);
     assert_eq!((log.next_seq(), files()), (before, names));
     assert_eq!(log.high_water_mark(), 200);
+}
+
+/// A log in `dir` of 100 bundles of 2 messages over segments of 1000 bytes; its reads of
+/// every sequence number, to compare with after reopening.
+fn filled(dir: &std::path::Path) -> (PartitionLog, Vec<Vec<u8>>) {
+    let config = LogConfig {
+        segment_bytes: 1000,
+        index_interval: 200,
+        ..LogConfig::default()
+    };
+    let mut log = PartitionLog::in_dir(config, dir.to_path_buf());
+    for i in 0..100u64 {
+        append(&mut log, 2, 50, 10_000 + i);
+    }
+    let reads = (1..=200).map(|seq| chunk(&log, seq)).collect();
+    (log, reads)
+}
+
+fn chunk(log: &PartitionLog, seq: u64) -> Vec<u8> {
+    match log.read(seq, 300) {
+        Read::Chunk { bundles, .. } => bundles.to_vec(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_log_reopened_from_its_files_reads_alike_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, reads) = filled(dir.path());
+    let config = LogConfig {
+        segment_bytes: 1000,
+        index_interval: 200,
+        ..LogConfig::default()
+    };
+    let segments = log.segments.len();
+    drop(log);
+    let mut again = PartitionLog::open_dir(config, dir.path().to_path_buf()).unwrap();
+    assert_eq!(again.segments.len(), segments);
+    assert_eq!((again.first_available(), again.high_water_mark()), (1, 200));
+    for seq in 1..=200 {
+        assert_eq!(chunk(&again, seq), reads[seq as usize - 1], "{seq}");
+    }
+    assert_eq!(append(&mut again, 2, 50, 1), (201, 202));
+    // A missing directory is an empty log.
+    let none = PartitionLog::open_dir(config, dir.path().join("nothing")).unwrap();
+    assert_eq!(none.next_seq(), 1);
+}
+
+#[test]
+fn a_torn_tail_is_cut_and_damage_before_it_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, reads) = filled(dir.path());
+    let config = LogConfig {
+        segment_bytes: 1000,
+        index_interval: 200,
+        ..LogConfig::default()
+    };
+    let newest = log.segments.back().unwrap().path.clone().unwrap();
+    let oldest = log.segments.front().unwrap().path.clone().unwrap();
+    let last_base = log.segments.back().unwrap().base_seq;
+    drop(log);
+    // Half a bundle written at the end: cut off, the rest kept.
+    let len = std::fs::metadata(&newest).unwrap().len();
+    let f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&newest)
+        .unwrap();
+    std::io::Write::write_all(&mut &f, &[0x80, 0x01, 0x02]).unwrap();
+    let again = PartitionLog::open_dir(config, dir.path().to_path_buf()).unwrap();
+    assert_eq!(again.high_water_mark(), 200);
+    assert_eq!(std::fs::metadata(&newest).unwrap().len(), len);
+    assert_eq!(chunk(&again, last_base), reads[last_base as usize - 1]);
+    drop(again);
+    // An index whose entries do not fall on bundles is rebuilt from its segment.
+    let index = newest.with_extension("index");
+    let mut entries = std::fs::read(&index).unwrap();
+    assert!(entries.len() >= 16, "at least two entries");
+    let n = entries.len();
+    entries[n - 4..].copy_from_slice(&7u32.to_le_bytes());
+    std::fs::write(&index, &entries).unwrap();
+    let again = PartitionLog::open_dir(config, dir.path().to_path_buf()).unwrap();
+    assert_eq!(again.high_water_mark(), 200);
+    for seq in last_base..=200 {
+        assert_eq!(chunk(&again, seq), reads[seq as usize - 1]);
+    }
+    drop(again);
+    // Damage in an older segment is refused, naming the file and offset.
+    let mut bytes = std::fs::read(&oldest).unwrap();
+    let cut = bytes.len() - 20;
+    bytes.truncate(cut);
+    std::fs::write(&oldest, &bytes).unwrap();
+    std::fs::remove_file(oldest.with_extension("index")).unwrap();
+    let e = PartitionLog::open_dir(config, dir.path().to_path_buf())
+        .err()
+        .expect("refused");
+    assert!(
+        e.contains(&oldest.display().to_string()) && e.contains("damaged at offset"),
+        "{e}"
+    );
 }

@@ -25,6 +25,7 @@ const OP_FOLLOW_POSITION: u64 = 17;
 const OP_FOLLOW_GROUP: u64 = 18;
 const OP_TOPIC_BUNDLE: u64 = 19;
 const OP_TOPIC: u64 = 20;
+const OP_TOPIC_APPENDED: u64 = 21;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody<'a> {
@@ -83,6 +84,17 @@ pub enum RecordBody<'a> {
         count: u64,
         newest_ms: u64,
         bundle: &'a [u8],
+    },
+    /// A bundle appended to a topic partition's segment file, which holds it (the WAL does
+    /// not): where it starts, how many sequence numbers it takes, when it arrived (ms), its
+    /// length and its CRC32C. Recovery checks the file holds it; the record orders it among the
+    /// other changes and is what its producer's reply waits for.
+    TopicAppended {
+        first_seq: u64,
+        count: u64,
+        newest_ms: u64,
+        len: u32,
+        crc: u32,
     },
 }
 
@@ -280,6 +292,27 @@ impl<'a> Record<'a> {
                 b"",
                 bundle,
             ),
+            RecordBody::TopicAppended {
+                first_seq,
+                count,
+                newest_ms,
+                len,
+                crc,
+            } => write_fields(
+                out,
+                l,
+                OP_TOPIC_APPENDED,
+                b,
+                v,
+                first_seq,
+                count,
+                newest_ms,
+                len,
+                crc,
+                0,
+                b"",
+                b"",
+            ),
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -451,6 +484,23 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
                 bundle: value,
             }
         }
+        OP_TOPIC_APPENDED => {
+            if seqno == 0 || rev_seqno == 0 || flags == 0 {
+                return Err(RecordError::Invalid {
+                    offset: at,
+                    reason: format!(
+                        "topic append from {seqno} of {rev_seqno} messages, {flags} bytes"
+                    ),
+                });
+            }
+            RecordBody::TopicAppended {
+                first_seq: seqno,
+                count: rev_seqno,
+                newest_ms: cas,
+                len: flags,
+                crc: expiry,
+            }
+        }
         OP_VBUCKET_SNAPSHOT => RecordBody::VbucketSnapshot {
             state: state()?,
             high_seqno: seqno,
@@ -567,6 +617,20 @@ impl Record<'_> {
                 m.insert("newest_ms".into(), json!(newest_ms));
                 m.insert("bundle_base64".into(), json!(base64::encode(bundle)));
             }
+            RecordBody::TopicAppended {
+                first_seq,
+                count,
+                newest_ms,
+                len,
+                crc,
+            } => {
+                m.insert("op".into(), json!("topic_appended"));
+                m.insert("first_seq".into(), json!(first_seq));
+                m.insert("count".into(), json!(count));
+                m.insert("newest_ms".into(), json!(newest_ms));
+                m.insert("len".into(), json!(len));
+                m.insert("crc32c".into(), json!(format!("{crc:08x}")));
+            }
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -649,6 +713,13 @@ mod tests {
                 count: 3,
                 newest_ms: 1_700_000_000_000,
                 bundle: b"\x0c\x00",
+            },
+            RecordBody::TopicAppended {
+                first_seq: 4,
+                count: 2,
+                newest_ms: 1_700_000_000_001,
+                len: 120,
+                crc: 0xdead_beef,
             },
         ];
         let mut buf = Vec::new();

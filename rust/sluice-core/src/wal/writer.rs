@@ -63,13 +63,14 @@ pub enum MetaRecord {
         partitions: u16,
         config: String,
     },
-    /// A bundle appended to a topic partition (see `RecordBody::TopicBundle`).
-    TopicBundle {
+    /// A bundle appended to a topic partition's segment file (see
+    /// `RecordBody::TopicAppended`).
+    TopicAppended {
         first_seq: u64,
         count: u64,
         newest_ms: u64,
-        /// The produce request's own bytes (a slice of its frame): not copied to be queued.
-        bundle: bytes::Bytes,
+        len: u32,
+        crc: u32,
     },
 }
 
@@ -121,10 +122,7 @@ impl Queued {
         QUEUED_OVERHEAD
             + match &self.payload {
                 WalPayload::Change(c) => c.key().len() + c.value().len(),
-                WalPayload::Meta(m) => match &m.2 {
-                    MetaRecord::TopicBundle { bundle, .. } => bundle.len(),
-                    _ => 0,
-                },
+                WalPayload::Meta(_) => 0,
             }
     }
 
@@ -171,16 +169,18 @@ impl Queued {
                         partitions: *partitions,
                         config: config.as_bytes(),
                     },
-                    MetaRecord::TopicBundle {
+                    MetaRecord::TopicAppended {
                         first_seq,
                         count,
                         newest_ms,
-                        bundle,
-                    } => RecordBody::TopicBundle {
+                        len,
+                        crc,
+                    } => RecordBody::TopicAppended {
                         first_seq: *first_seq,
                         count: *count,
                         newest_ms: *newest_ms,
-                        bundle,
+                        len: *len,
+                        crc: *crc,
                     },
                 },
             },
@@ -253,6 +253,20 @@ struct Shared {
     /// The writer thread's, lent to a waiter that finds it idle; None in mode `none` and once
     /// the thread stopped.
     writer: Mutex<Option<Writer>>,
+    /// Files written besides the WAL whose records it holds (topic segments): each sync of
+    /// the WAL syncs them first, so that a record synced never points at bytes that are not.
+    also_sync: Mutex<Vec<Arc<File>>>,
+}
+
+impl Shared {
+    /// Syncs the files registered since the last sync (`WalWriter::sync_with`).
+    fn sync_others(&self) -> io::Result<()> {
+        let files = std::mem::take(&mut *self.also_sync.lock());
+        for f in &files {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
 }
 
 impl Shared {
@@ -489,7 +503,7 @@ impl Segment {
         buf: &mut Vec<u8>,
         cfg: &WalConfig,
         failpoint: Failpoint,
-        latency: &SyncLatency,
+        shared: &Shared,
     ) -> io::Result<()> {
         let start = self.size;
         let result = match failpoint {
@@ -498,7 +512,9 @@ impl Segment {
             Failpoint::Off | Failpoint::SyncError => {
                 self.write_blocks(batch, buf, cfg.block_size).and_then(|_| {
                     if cfg.mode == WalMode::Fsync {
-                        timed_sync(&self.file, latency)
+                        shared
+                            .sync_others()
+                            .and_then(|()| timed_sync(&self.file, &shared.sync_latency))
                     } else {
                         // Writeback is started by the thread (`writeback_due`): it may wait for
                         // the device, and a waiter writing its own batch serves connections.
@@ -648,6 +664,7 @@ impl WalWriter {
             queued_bytes: AtomicUsize::new(0),
             progress: ChangeSignal::default(),
             writer: Mutex::new(None),
+            also_sync: Mutex::new(Vec::new()),
         });
         let thread = if cfg.mode == WalMode::None {
             None
@@ -900,6 +917,19 @@ impl WalWriter {
             .then(|| d.error.clone().unwrap_or_else(|| "unknown error".into()))
     }
 
+    /// Registers a file written besides the WAL (a topic segment) whose bytes a record about
+    /// to be queued points at: the next sync of the WAL syncs it first. Call it before queuing
+    /// the record.
+    pub fn sync_with(&self, file: &Arc<File>) {
+        if self.shared.mode == WalMode::None {
+            return;
+        }
+        let mut files = self.shared.also_sync.lock();
+        if !files.iter().any(|f| Arc::ptr_eq(f, file)) {
+            files.push(file.clone());
+        }
+    }
+
     pub fn set_failpoint(&self, fp: Failpoint) {
         self.shared.failpoint.store(fp as u8, Ordering::Release);
     }
@@ -1027,13 +1057,8 @@ impl Writer {
             2 => Failpoint::IoError,
             _ => Failpoint::Off,
         };
-        self.segment.append_batch(
-            &self.batch,
-            &mut self.buf,
-            &self.cfg,
-            fp,
-            &shared.sync_latency,
-        )?;
+        self.segment
+            .append_batch(&self.batch, &mut self.buf, &self.cfg, fp, shared)?;
         self.publish(shared);
         Ok(())
     }
@@ -1222,7 +1247,9 @@ fn writer_loop(shared: Arc<Shared>) {
             let synced = if shared.failpoint.load(Ordering::Acquire) == Failpoint::SyncError as u8 {
                 Err(io::Error::from_raw_os_error(libc::EIO))
             } else {
-                timed_sync(&w.segment.file, &shared.sync_latency)
+                shared
+                    .sync_others()
+                    .and_then(|()| timed_sync(&w.segment.file, &shared.sync_latency))
             };
             match synced {
                 Ok(()) => {
