@@ -66,6 +66,7 @@ HEAVY_FIRST = [
     "test_packaging.py",
     "test_lint.py",
     "test_kill9_server.py",
+    "test_topics_on_disk.py",
     "test_replication.py",
     "test_couchbase_sdk_kv.py",
     "test_greenstack.py",
