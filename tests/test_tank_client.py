@@ -375,3 +375,43 @@ def read_all(tank: TankConnection, topic: str, partition: int) -> list:
         if got.next_seq > got.high_water_mark:
             return out
         seq = got.next_seq
+
+
+def test_a_topic_whose_oldest_segments_retention_dropped_streams_and_copies_from_its_first(tmp_path):
+    """Retention deletes a partition's oldest segment files; a DCP stream of the topic from
+    the beginning, and a replica copying it, start at the first message kept, and a restart
+    keeps the same first message."""
+    from sluice.client import Client
+
+    active = Node(tmp_path / "a")
+    replica = None
+    try:
+        with TankConnection(active.tank) as t:
+            t.create_topic("short", 1, "log.segment.bytes=8192\nlog.retention.bytes=20000")
+            for i in range(100):
+                t.produce("short", [b"m%03d" % i + b"x" * 500])
+            deadline = time.monotonic() + 20
+            while t.partitions("short")[0][0] == 1:
+                assert time.monotonic() < deadline, "retention never ran"
+                time.sleep(0.2)
+            first, last = t.partitions("short")[0]
+        segments = sorted((tmp_path / "a" / "topics").rglob("*.log"))
+        assert segments[0].name == f"{first:020}.log", segments
+        with Client(active.address) as c, c.stream(topic="short", end="now", format="python") as s:
+            seqnos = [ch.seqno for batch in s for ch in batch]
+        assert seqnos == list(range(first, last + 1))
+        replica = Node(tmp_path / "r", "--replica-of", active.address)
+        deadline = time.monotonic() + 30
+        with TankConnection(replica.tank) as r:
+            while not (dict(r.topics()).get("short") and r.partitions("short")[0][1] == last):
+                assert time.monotonic() < deadline, "not copied"
+                time.sleep(0.1)
+            assert [m.seq for m in read_all(r, "short", 0)] == list(range(first, last + 1))
+        assert active.stop() == 0
+        active = Node(tmp_path / "a")
+        with TankConnection(active.tank) as t:
+            assert t.partitions("short")[0] == (first, last)
+    finally:
+        if replica:
+            replica.stop()
+        active.stop()
