@@ -34,6 +34,9 @@ use segment_bytes::SegmentBytes;
 
 /// The largest message set a Snappy bundle may expand to.
 const MAX_SET: usize = 64 << 20;
+/// Index entries written to a segment's index file together: recovery reads at most this many
+/// entries' worth of bytes (`index_interval` each) past the last one written.
+const INDEX_BATCH: usize = 64;
 /// Appends that take a segment into a new step of this many bytes have the next step's pages
 /// faulted in ahead of them (`crate::prefault`).
 const PREFAULT_STEP: usize = 1 << 20;
@@ -112,6 +115,9 @@ struct Segment {
     /// number relative to the segment's first and the offset, u32 LE each), appended to as
     /// the index grows, so that recovery reads a segment's index and its tail, not its bytes.
     index_file: Option<std::fs::File>,
+    /// Entries of `index` in its file; the others are written `INDEX_BATCH` at a time, when
+    /// the segment is sealed, and when it is dropped.
+    index_written: usize,
     /// The sequence number of its first message, and one past its last.
     base_seq: u64,
     next_seq: u64,
@@ -121,6 +127,15 @@ struct Segment {
     index: Vec<(u32, u32)>,
     /// When its newest bundle arrived (ms since the epoch), for retention by age.
     newest_ms: u64,
+}
+
+impl Drop for Segment {
+    /// A log closed (or a segment dropped) leaves its whole index in its file.
+    fn drop(&mut self) {
+        if self.index_written < self.index.len() {
+            self.write_index();
+        }
+    }
 }
 
 impl Segment {
@@ -148,6 +163,7 @@ impl Segment {
         Ok(Segment {
             path,
             index_file,
+            index_written: 0,
             base_seq,
             next_seq: base_seq,
             data,
@@ -168,26 +184,40 @@ impl Segment {
         }
     }
 
-    /// Adds an index entry, to its file too. A file that cannot take it (a full disk) is left
-    /// behind: recovery rebuilds an index that does not reach the segment's end.
+    /// Adds an index entry; its file gets the entries `INDEX_BATCH` at a time.
     fn index_push(&mut self, rel: u32, at: u32) {
         self.index.push((rel, at));
-        if let Some(f) = &self.index_file {
-            let mut entry = [0u8; 8];
-            entry[..4].copy_from_slice(&rel.to_le_bytes());
-            entry[4..].copy_from_slice(&at.to_le_bytes());
-            let offset = (self.index.len() as u64 - 1) * 8;
-            if let Err(e) = std::os::unix::fs::FileExt::write_all_at(f, &entry, offset) {
-                log::debug!("a topic segment's index entry not written: {e}");
-            }
+        if self.index.len() - self.index_written >= INDEX_BATCH {
+            self.write_index();
+        }
+    }
+
+    /// Writes the entries its index file lacks. A file that cannot take them (a full disk) is
+    /// left behind: recovery reads past its last entry.
+    fn write_index(&mut self) {
+        let Some(f) = &self.index_file else {
+            return;
+        };
+        let mut bytes = Vec::with_capacity((self.index.len() - self.index_written) * 8);
+        for &(rel, at) in &self.index[self.index_written..] {
+            bytes.extend_from_slice(&rel.to_le_bytes());
+            bytes.extend_from_slice(&at.to_le_bytes());
+        }
+        let offset = self.index_written as u64 * 8;
+        match std::os::unix::fs::FileExt::write_all_at(f, &bytes, offset) {
+            Ok(()) => self.index_written = self.index.len(),
+            Err(e) => log::debug!("a topic segment's index entries not written: {e}"),
         }
     }
 
     /// Its index back to `len` entries (an append taken back).
     fn index_truncate(&mut self, len: usize) {
         self.index.truncate(len);
-        if let Some(f) = &self.index_file {
-            let _ = f.set_len(len as u64 * 8);
+        if self.index_written > len {
+            self.index_written = len;
+            if let Some(f) = &self.index_file {
+                let _ = f.set_len(len as u64 * 8);
+            }
         }
     }
 
@@ -559,6 +589,7 @@ impl PartitionLog {
                 let empty = Segment {
                     path: Some(path.clone()),
                     index_file: None,
+                    index_written: 0,
                     base_seq: base,
                     next_seq: base,
                     data: SegmentBytes::with_capacity(1),
@@ -612,9 +643,11 @@ impl PartitionLog {
                 .map_err(|e| format!("{}: {e}", index_path.display()))?;
             log.bytes += at as u64;
             log.next_seq = next;
+            let index_written = index.len();
             log.segments.push_back(Segment {
                 path: Some(path),
                 index_file: Some(index_file),
+                index_written,
                 base_seq: base,
                 next_seq: next,
                 data,
@@ -809,6 +842,10 @@ impl PartitionLog {
         if roll {
             let reserve = self.config.segment_bytes.max(entry);
             let segment = Segment::new(first, reserve, self.dir.as_deref())?;
+            // The segment before is sealed: its whole index goes to its file.
+            if let Some(sealed) = self.segments.back_mut() {
+                sealed.write_index();
+            }
             self.segments.push_back(segment);
         }
         let interval = self.config.index_interval;
@@ -818,8 +855,7 @@ impl PartitionLog {
         let mut head = [0u8; 10];
         let written = seg
             .data
-            .extend_from_slice(varint(&mut head, bundle.len() as u64))
-            .and_then(|()| seg.data.extend_from_slice(bundle));
+            .extend_from_slices(&[varint(&mut head, bundle.len() as u64), bundle]);
         if let Err(e) = written {
             let _ = seg.data.truncate(before);
             let file = seg.path.as_deref().unwrap_or(Path::new("?"));

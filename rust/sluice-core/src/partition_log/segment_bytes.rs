@@ -16,7 +16,6 @@
 use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
@@ -157,30 +156,39 @@ impl SegmentBytes {
         unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr(), self.len) }
     }
 
-    /// Appends `bytes`; the caller keeps within the capacity (a full segment rolls over to a
-    /// new one first), so going past it is a bug and panics rather than reallocating. A file's
-    /// write that fails (a full disk) leaves the segment as it was.
-    pub(super) fn extend_from_slice(&mut self, bytes: &[u8]) -> io::Result<()> {
+    /// Appends `parts` one after the other: to a file in one `pwritev` (a bundle and its
+    /// length cost one system call), to memory by copies. The caller keeps within the capacity
+    /// (a full segment rolls over to a new one first), so going past it is a bug and panics
+    /// rather than reallocating. A file's write that fails (a full disk) leaves the segment as
+    /// it was.
+    pub(super) fn extend_from_slices(&mut self, parts: &[&[u8]]) -> io::Result<()> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
         assert!(
-            bytes.len() <= self.buf.cap - self.len,
+            total <= self.buf.cap - self.len,
             "a segment of {} bytes cannot take {} more after {}",
             self.buf.cap,
-            bytes.len(),
+            total,
             self.len
         );
         match &self.buf.file {
             // What the mapping shows once written: the page cache is one.
-            Some(f) => f.write_all_at(bytes, self.len as u64)?,
-            // SAFETY: within the allocation (checked above), past every byte handed out.
-            None => unsafe {
-                std::ptr::copy_nonoverlapping(
-                    bytes.as_ptr(),
-                    self.buf.ptr.as_ptr().add(self.len),
-                    bytes.len(),
-                );
-            },
+            Some(f) => write_all_vectored_at(f, parts, self.len as u64)?,
+            None => {
+                let mut at = self.len;
+                for p in parts {
+                    // SAFETY: within the allocation (checked above), past every byte handed out.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            p.as_ptr(),
+                            self.buf.ptr.as_ptr().add(at),
+                            p.len(),
+                        );
+                    }
+                    at += p.len();
+                }
+            }
         }
-        self.len += bytes.len();
+        self.len += total;
         Ok(())
     }
 
@@ -202,6 +210,49 @@ impl SegmentBytes {
             range,
         })
     }
+}
+
+/// Writes every byte of `parts` at `offset`, in as few `pwritev` calls as the kernel allows.
+fn write_all_vectored_at(f: &File, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+    let mut skip = 0usize;
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    while skip < total {
+        // The parts from `skip` on, the first one cut.
+        let mut iov = Vec::with_capacity(parts.len());
+        let mut passed = 0usize;
+        for p in parts {
+            let end = passed + p.len();
+            if end > skip {
+                let from = skip.saturating_sub(passed);
+                iov.push(libc::iovec {
+                    iov_base: p[from..].as_ptr() as *mut libc::c_void,
+                    iov_len: p.len() - from,
+                });
+            }
+            passed = end;
+        }
+        // SAFETY: every iovec points into a live slice of `parts` for its length; the file
+        // descriptor is open for as long as `f`.
+        let n = unsafe {
+            libc::pwritev(
+                f.as_raw_fd(),
+                iov.as_ptr(),
+                iov.len() as libc::c_int,
+                (offset + skip as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => skip += n as usize,
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Filled bytes of a buffer, held past its segment.
@@ -229,9 +280,9 @@ mod tests {
     #[test]
     fn shared_parts_outlive_the_segment_and_see_no_later_append() {
         let mut s = SegmentBytes::with_capacity(64);
-        s.extend_from_slice(b"hello ").unwrap();
+        s.extend_from_slices(&[b"hello "]).unwrap();
         let part = s.share(0..5);
-        s.extend_from_slice(b"world").unwrap();
+        s.extend_from_slices(&[b"wor", b"ld"]).unwrap();
         assert_eq!(s.as_slice(), b"hello world");
         let later = s.share(6..11);
         drop(s);
@@ -243,7 +294,7 @@ mod tests {
     #[should_panic(expected = "cannot take")]
     fn appending_past_the_capacity_is_refused() {
         let mut s = SegmentBytes::with_capacity(4);
-        let _ = s.extend_from_slice(&[0; 5]);
+        let _ = s.extend_from_slices(&[&[0; 5]]);
     }
 
     #[test]
@@ -251,9 +302,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("1.log");
         let mut s = SegmentBytes::in_file(&path, 1 << 20).unwrap();
-        s.extend_from_slice(b"hello ").unwrap();
+        s.extend_from_slices(&[b"hello "]).unwrap();
         let part = s.share(0..5);
-        s.extend_from_slice(b"world").unwrap();
+        s.extend_from_slices(&[b"wor", b"ld"]).unwrap();
         assert_eq!(s.as_slice(), b"hello world");
         assert_eq!(std::fs::read(&path).unwrap(), b"hello world");
         // Retention unlinks the file while an answer still sends from it.
