@@ -658,6 +658,15 @@ impl PartitionLog {
         Ok(log)
     }
 
+    /// Where the last bundle appended is stored: its segment (by first sequence number) and the
+    /// offset of its length's varint there, for a bundle of `len` bytes.
+    pub fn last_position(&self, len: usize) -> (u64, u32) {
+        let seg = self.segments.back().expect("a bundle was appended");
+        let mut head = [0u8; 10];
+        let stored = varint(&mut head, len as u64).len() + len;
+        (seg.base_seq, (seg.data.len() - stored) as u32)
+    }
+
     /// The newest segment's file, which the next append writes to (to be synced with the WAL).
     pub fn newest_file(&self) -> Option<&std::sync::Arc<std::fs::File>> {
         self.segments.back().and_then(|s| s.data.file())

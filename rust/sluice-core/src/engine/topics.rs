@@ -176,6 +176,7 @@ impl Engine {
         if let Some(f) = part.log.newest_file() {
             self.inner.wal.sync_with(f);
         }
+        let (segment, offset) = part.log.last_position(bundle.len());
         let lsn = match self.inner.wal.appender() {
             // The segment file holds the bundle; the record points at it.
             Ok(mut wal) => wal.push(WalPayload::meta(
@@ -185,6 +186,8 @@ impl Engine {
                     first_seq,
                     count: checked.span,
                     newest_ms: now_ms,
+                    segment,
+                    offset,
                     len: bundle.len() as u32,
                     crc: crc32c::crc32c(&bundle),
                 },

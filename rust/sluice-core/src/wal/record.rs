@@ -93,6 +93,10 @@ pub enum RecordBody<'a> {
         first_seq: u64,
         count: u64,
         newest_ms: u64,
+        /// The segment (by its first sequence number) and the offset of the stored bundle (its
+        /// length's varint first) in it.
+        segment: u64,
+        offset: u32,
         len: u32,
         crc: u32,
     },
@@ -296,23 +300,30 @@ impl<'a> Record<'a> {
                 first_seq,
                 count,
                 newest_ms,
+                segment,
+                offset,
                 len,
                 crc,
-            } => write_fields(
-                out,
-                l,
-                OP_TOPIC_APPENDED,
-                b,
-                v,
-                first_seq,
-                count,
-                newest_ms,
-                len,
-                crc,
-                0,
-                b"",
-                b"",
-            ),
+            } => {
+                let mut at = [0u8; 12];
+                at[..8].copy_from_slice(&segment.to_le_bytes());
+                at[8..].copy_from_slice(&offset.to_le_bytes());
+                write_fields(
+                    out,
+                    l,
+                    OP_TOPIC_APPENDED,
+                    b,
+                    v,
+                    first_seq,
+                    count,
+                    newest_ms,
+                    len,
+                    crc,
+                    0,
+                    &at,
+                    b"",
+                )
+            }
             RecordBody::VbucketSnapshot {
                 state,
                 high_seqno,
@@ -485,11 +496,13 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
             }
         }
         OP_TOPIC_APPENDED => {
-            if seqno == 0 || rev_seqno == 0 || flags == 0 {
+            if seqno == 0 || rev_seqno == 0 || flags == 0 || key.len() != 12 {
                 return Err(RecordError::Invalid {
                     offset: at,
                     reason: format!(
-                        "topic append from {seqno} of {rev_seqno} messages, {flags} bytes"
+                        "topic append from {seqno} of {rev_seqno} messages, {flags} bytes, a \
+                         position of {} bytes",
+                        key.len()
                     ),
                 });
             }
@@ -497,6 +510,8 @@ pub fn decode<'a>(r: &mut Reader<'a>) -> Result<Record<'a>, RecordError> {
                 first_seq: seqno,
                 count: rev_seqno,
                 newest_ms: cas,
+                segment: u64::from_le_bytes(key[..8].try_into().expect("12 bytes")),
+                offset: u32::from_le_bytes(key[8..].try_into().expect("12 bytes")),
                 len: flags,
                 crc: expiry,
             }
@@ -621,10 +636,14 @@ impl Record<'_> {
                 first_seq,
                 count,
                 newest_ms,
+                segment,
+                offset,
                 len,
                 crc,
             } => {
                 m.insert("op".into(), json!("topic_appended"));
+                m.insert("segment".into(), json!(segment));
+                m.insert("offset".into(), json!(offset));
                 m.insert("first_seq".into(), json!(first_seq));
                 m.insert("count".into(), json!(count));
                 m.insert("newest_ms".into(), json!(newest_ms));
@@ -718,6 +737,8 @@ mod tests {
                 first_seq: 4,
                 count: 2,
                 newest_ms: 1_700_000_000_001,
+                segment: 1,
+                offset: 4096,
                 len: 120,
                 crc: 0xdead_beef,
             },
