@@ -535,6 +535,11 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
                     break
                 assert time.monotonic() < deadline, (mine, highs, actives)
                 time.sleep(0.2)
+            # It resumed from what it holds (its actives back to where their promoted replicas
+            # took over), not from a copy from zero.
+            for name in ("n1", "n2"):
+                log = nodes[name].log()
+                assert "rollback to 0" not in log, [line for line in log.splitlines() if "rollback" in line]
     finally:
         if tail is not None:
             tail.stop()

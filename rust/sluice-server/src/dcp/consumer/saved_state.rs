@@ -32,10 +32,20 @@ pub struct Position {
 
 impl Position {
     /// The stream request that resumes here: a snapshot fully seen (or not begun) is a
-    /// boundary, so only a partly seen one is sent as a range.
+    /// boundary, so only a partly seen one is sent as a range. The uuid is that of the newest
+    /// failover entry the history up to `seqno` belongs to: an entry made at `seqno` itself
+    /// (a node's own, after an unclean restart or a promotion with nothing written since) has
+    /// none of it, and the producer, which never saw that entry, would find no common history
+    /// and roll the stream back to 0; under the entry before it, the producer's rollback rule
+    /// finds the point they share. At seqno 0 it asks with no history.
     pub(super) fn resume(&self) -> (u64, u64, u64, u64) {
-        let uuid = self.failover.first().map_or(0, |e| e.0);
         let s = self.seqno;
+        let uuid = match self.failover.iter().find(|e| e.1 < s) {
+            Some(e) => e.0,
+            // Nothing yet: no history to share (a producer streams it from the start).
+            None if s == 0 => 0,
+            None => self.failover.first().map_or(0, |e| e.0),
+        };
         if s < self.snap_start || s >= self.snap_end {
             (s, uuid, s, s)
         } else {
@@ -225,6 +235,37 @@ mod tests {
         p.seqno = 4;
         assert_eq!(p.resume(), (4, 7, 4, 4));
         assert_eq!(Position::default().resume(), (0, 0, 0, 0));
+    }
+
+    #[test]
+    fn a_node_back_after_a_failover_resumes_from_the_point_it_shares_not_from_zero() {
+        use sluice_core::failover::{rollback_point, FailoverEntry, ResumePoint};
+        let entry = |uuid, seqno| FailoverEntry { uuid, seqno };
+        // Its replica, promoted at 100 when the node was killed, has written 20 more.
+        let producer = [entry(3, 100), entry(1, 0)];
+        // The node wrote up to 150 before it was killed, and its restart added an entry at 150.
+        let back = Position {
+            failover: vec![(9, 150), (1, 0)],
+            seqno: 150,
+            snap_start: 150,
+            snap_end: 150,
+            disk: false,
+        };
+        let (start, uuid, snap_start, snap_end) = back.resume();
+        assert_eq!(uuid, 1, "the entry its history belongs to");
+        let at = ResumePoint {
+            start_seqno: start,
+            vbucket_uuid: uuid,
+            snap_start_seqno: snap_start,
+            snap_end_seqno: snap_end,
+        };
+        assert_eq!(rollback_point(&producer, 120, 0, at, false), Some(100));
+        // Had it asked under its restart's entry, nothing would be shared.
+        let own = ResumePoint {
+            vbucket_uuid: 9,
+            ..at
+        };
+        assert_eq!(rollback_point(&producer, 120, 0, own, false), Some(0));
     }
 
     #[test]
