@@ -75,18 +75,23 @@ impl KvSession {
 
 /// The default STAT group, memcached's names where they mean the same: the binary STAT and the
 /// text protocol's `stats` both answer with it.
-pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, String)> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let e = &ctx.engine;
-    let s = &ctx.stats;
-    let b = bucket;
-    let items: usize = (0..b.num_vbuckets())
+/// The items a bucket holds now, over its vbuckets.
+pub fn live_items(b: &Bucket) -> usize {
+    (0..b.num_vbuckets())
         .map(|v| {
             b.lock_vbucket(v)
                 .map(|vb| vb.store.live_items())
                 .unwrap_or(0)
         })
-        .sum();
+        .sum()
+}
+
+pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, String)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let e = &ctx.engine;
+    let s = &ctx.stats;
+    let b = bucket;
+    let items = live_items(b);
     vec![
         ("pid", std::process::id().to_string()),
         ("uptime", ctx.started.elapsed().as_secs().to_string()),

@@ -216,9 +216,8 @@ impl TextSession {
             b"touch" => self.touch(args, out).await,
             b"flush_all" => self.flush_all(args, out).await,
             b"stats" => self.stats(args, out),
-            // Neither takes arguments, noreply included: memcached answers ERROR and, for
-            // quit, keeps the connection.
-            b"version" | b"quit" if !args.is_empty() => line(out, "ERROR"),
+            // Arguments are ignored, as memcached 1.6 does (`version x` answers, `quit x`
+            // closes).
             b"version" => line(out, &format!("VERSION {}", env!("CARGO_PKG_VERSION"))),
             // sluice's log level is its configuration's (RUST_LOG, --log-level): the command
             // is answered as memcached does for the clients that send it, and changes nothing.
@@ -515,20 +514,43 @@ impl TextSession {
         }
     }
 
-    /// flush_all [0] [noreply]: a delayed flush is refused (sluice flushes at once or not at
-    /// all; memcached would flush later).
+    /// flush_all [delay] [noreply]: the bucket emptied now, or after `delay` (seconds, or a
+    /// Unix time past 30 days, as memcached reads an expiry): then what it holds at that time
+    /// goes, and what is stored after stays. The delayed flush is not kept across a restart.
     async fn flush_all(&mut self, args: &[&[u8]], out: &mut Vec<u8>) {
         let (args, noreply) = parse::noreply(args);
         match args {
             [] => {}
             [delay] => match parse::exptime(delay) {
                 Some(0) => {}
-                Some(_) => {
-                    return line(
-                        out,
-                        "CLIENT_ERROR flush_all with a delay is not supported: sluice flushes \
-                         at once (flush_all or flush_all 0)",
-                    )
+                Some(d) => {
+                    let now = sluice_core::hlc::now_secs() as u64;
+                    let secs = match u64::from(d) {
+                        relative if relative <= 30 * 86_400 => relative,
+                        absolute => absolute.saturating_sub(now),
+                    };
+                    let (engine, bucket) = (self.ctx.engine.clone(), self.bucket.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+                        let flushed = match engine.write_flush(&bucket) {
+                            Ok(w) => engine.wal().written(w.lsn()).await.map(|()| w.value),
+                            Err(e) => Err(e),
+                        };
+                        match flushed {
+                            Ok(n) => log::info!(
+                                "flush_all after {secs} s: bucket {:?} emptied ({n} items)",
+                                bucket.name()
+                            ),
+                            Err(e) => log::warn!(
+                                "flush_all after {secs} s: bucket {:?} not emptied: {e}",
+                                bucket.name()
+                            ),
+                        }
+                    });
+                    if !noreply {
+                        line(out, "OK");
+                    }
+                    return;
                 }
                 None => return line(out, "CLIENT_ERROR invalid exptime argument"),
             },
@@ -545,12 +567,73 @@ impl TextSession {
         }
     }
 
-    /// stats: the general group, as the binary STAT gives it.
+    /// stats [items|slabs|settings|sizes]: the general group, as the binary STAT gives it, and
+    /// memcached's others in their shapes. sluice has no slab classes: `items` and `slabs`
+    /// answer for the whole bucket as class 1 (its chunk size the mean item's), and nothing
+    /// when it is empty, as memcached for a class without items; `sizes` is disabled, as in
+    /// memcached by default.
     fn stats(&self, args: &[&[u8]], out: &mut Vec<u8>) {
-        if !args.is_empty() {
-            return line(out, "ERROR");
-        }
-        for (k, v) in crate::kv::general_stats(&self.ctx, &self.bucket) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let b = &self.bucket;
+        let stats: Vec<(String, String)> = match args {
+            [] => crate::kv::general_stats(&self.ctx, b)
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            [group] if *group == b"items" || *group == b"slabs" => {
+                let items = crate::kv::stat::live_items(b) as u64;
+                let bytes = b.mem_used() as u64;
+                match (items, *group == b"items") {
+                    (0, true) => Vec::new(),
+                    (_, true) => vec![
+                        ("items:1:number".into(), items.to_string()),
+                        ("items:1:mem_requested".into(), bytes.to_string()),
+                        (
+                            "items:1:evicted".into(),
+                            b.stats.evictions.load(Relaxed).to_string(),
+                        ),
+                        (
+                            "items:1:outofmemory".into(),
+                            b.stats.tmp_failures.load(Relaxed).to_string(),
+                        ),
+                        (
+                            "items:1:expired_unfetched".into(),
+                            b.stats.expired_by_pager.load(Relaxed).to_string(),
+                        ),
+                    ],
+                    (0, false) => vec![
+                        ("active_slabs".into(), "0".into()),
+                        ("total_malloced".into(), bytes.to_string()),
+                    ],
+                    (_, false) => vec![
+                        ("1:chunk_size".into(), bytes.div_ceil(items).to_string()),
+                        ("1:used_chunks".into(), items.to_string()),
+                        ("1:total_chunks".into(), items.to_string()),
+                        ("1:mem_requested".into(), bytes.to_string()),
+                        ("active_slabs".into(), "1".into()),
+                        ("total_malloced".into(), bytes.to_string()),
+                    ],
+                }
+            }
+            [b"settings"] => vec![
+                ("maxbytes".into(), b.config.memory_quota.to_string()),
+                ("item_size_max".into(), b.config.max_item_size.to_string()),
+                (
+                    "evictions".into(),
+                    match b.config.eviction {
+                        sluice_core::config::Eviction::None => "off",
+                        _ => "on",
+                    }
+                    .into(),
+                ),
+                ("cas_enabled".into(), "yes".into()),
+                ("flush_enabled".into(), "yes".into()),
+                ("binding_protocol".into(), "auto-negotiate".into()),
+            ],
+            [b"sizes"] => vec![("sizes_status".into(), "disabled".into())],
+            _ => return line(out, "ERROR"),
+        };
+        for (k, v) in stats {
             out.extend_from_slice(b"STAT ");
             out.extend_from_slice(k.as_bytes());
             out.push(b' ');
