@@ -216,8 +216,10 @@ impl TextSession {
             b"touch" => self.touch(args, out).await,
             b"flush_all" => self.flush_all(args, out).await,
             b"stats" => self.stats(args, out),
-            // Arguments are ignored, as memcached 1.6 does (`version x` answers, `quit x`
-            // closes).
+            // Neither takes arguments, noreply included: ERROR, and quit keeps the connection.
+            // memcached 1.6 ignores them, but libmemcached's conformance checks (memccapable)
+            // hold a server of sluice's version to the protocol text, which refuses them.
+            b"version" | b"quit" if !args.is_empty() => line(out, "ERROR"),
             b"version" => line(out, &format!("VERSION {}", env!("CARGO_PKG_VERSION"))),
             // sluice's log level is its configuration's (RUST_LOG, --log-level): the command
             // is answered as memcached does for the clients that send it, and changes nothing.
