@@ -5,6 +5,8 @@ writer that keeps going, unchanged, while the replica is promoted after its acti
 
 from __future__ import annotations
 
+import itertools
+
 import threading
 import time
 from datetime import timedelta
@@ -204,7 +206,7 @@ class SteadyWriter:
 
     def longest_stall(self) -> float:
         """The longest stretch without an acknowledgement, in seconds."""
-        return max((b - a for a, b in zip(self.acked_at, self.acked_at[1:])), default=0.0)
+        return max((b - a for a, b in itertools.pairwise(self.acked_at)), default=0.0)
 
     def finish(self) -> None:
         self.stop.set()
