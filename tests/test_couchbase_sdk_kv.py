@@ -6,7 +6,6 @@ writer that keeps going, unchanged, while the replica is promoted after its acti
 from __future__ import annotations
 
 import itertools
-
 import threading
 import time
 from datetime import timedelta
