@@ -493,7 +493,6 @@ def test_a_killed_node_is_failed_over_in_time_without_losing_majority_writes_and
             time.sleep(6)
             writer.finish()
             writer.check(coll)
-            print(f"longest stretch without an acknowledgement: {writer.longest_stall():.2f} s")
             # The tail went on streaming n3's vbuckets from their promoted replicas.
             tail.wait_for(writer)
             assert tail.vbuckets == set(range(NUM_VBUCKETS))

@@ -5,7 +5,6 @@ writer that keeps going, unchanged, while the replica is promoted after its acti
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from datetime import timedelta
@@ -150,8 +149,6 @@ class SteadyWriter:
         self.coll = coll
         self.level = level
         self.acked: dict[str, int] = {}
-        # When each acknowledgement came (monotonic), in order.
-        self.acked_at: list[float] = []
         self.ambiguous: set[str] = set()
         self.errors: list[str] = []
         # Set by the test: from `outage_from` until `outage_until`, timeouts are expected.
@@ -191,7 +188,6 @@ class SteadyWriter:
             try:
                 self.coll.upsert(key, {"i": i}, options)
                 self.acked[key] = i
-                self.acked_at.append(time.monotonic())
                 self.ambiguous.discard(key)
             except DurabilitySyncWriteAmbiguousException:
                 self.ambiguous.add(key)
@@ -202,10 +198,6 @@ class SteadyWriter:
             except Exception as e:  # anything else is an error an application would see
                 self.errors.append(f"{key}: {type(e).__name__}: {e}")
             i += 1
-
-    def longest_stall(self) -> float:
-        """The longest stretch without an acknowledgement, in seconds."""
-        return max((b - a for a, b in itertools.pairwise(self.acked_at)), default=0.0)
 
     def finish(self) -> None:
         self.stop.set()

@@ -27,8 +27,9 @@ STATUS_INTERVAL = 0.5
 
 
 def map_servers(doc: dict[str, Any]) -> list[str]:
-    """The map's node names in server-list order."""
-    return sorted(doc["nodes"])
+    """The map's node names in server-list order: those failed over are left out, so that
+    clients drop their connections to them (and what waited there goes to the new actives)."""
+    return sorted(n for n in doc["nodes"] if n not in doc.get("failed", {}))
 
 
 class Member:
@@ -200,7 +201,7 @@ class Member:
         doc = kv.json()
         names = map_servers(doc)
         index = {n: i for i, n in enumerate(names)}
-        chains = [[index[x] if x is not None else -1 for x in c] for c in doc["chains"]]
+        chains = [[index.get(x, -1) if x is not None else -1 for x in c] for c in doc["chains"]]
         this = index.get(self.s.node)
         servers = [doc["nodes"][n]["kv"] for n in names]
         done = self.server.converge(kv.mod_revision, servers, this, chains)
