@@ -257,7 +257,7 @@ def test_every_front_answers_a_full_disk_at_once(tmp_path):
     import socket
 
     tarantool = pytest.importorskip("tarantool")
-    from helpers import Node
+    from helpers import NO_DEFAULT_PORTS, Node
     from iproto_helpers import SPACES, host_port
     from mcbp_wire import GET, SET, connect, read_response, request, set_extras
     from sluice import GreenstackClient
@@ -380,16 +380,7 @@ def test_every_front_answers_a_full_disk_at_once(tmp_path):
                 str(cfg),
                 "--data-dir",
                 str(mnt / "data"),
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--iproto-listen",
-                "",
-                "--tank-listen",
-                "",
-                "--greenstack-listen",
-                "",
+                *NO_DEFAULT_PORTS,
             ],
             capture_output=True,
             text=True,

@@ -150,6 +150,18 @@ struct State {
 }
 
 impl State {
+    /// The partition a topic record is for.
+    fn partition(
+        &mut self,
+        topic: u16,
+        partition: u16,
+    ) -> std::result::Result<&mut Partition, ApplyError> {
+        self.topics
+            .get_mut(&topic)
+            .and_then(|t| t.partitions.get_mut(partition as usize))
+            .ok_or(ApplyError::UnknownPartition { topic, partition })
+    }
+
     /// An empty state whose topics keep their segments in `topics_dir`: a topic declared by
     /// the records opens its partitions' files there (`PartitionLog::open_dir`).
     fn in_dir(topics_dir: Option<&Path>) -> Result<State> {
@@ -176,11 +188,7 @@ impl State {
                 bundle,
             } => {
                 let (topic, partition) = (rec.bucket, rec.vbucket);
-                let p = self
-                    .topics
-                    .get_mut(&topic)
-                    .and_then(|t| t.partitions.get_mut(partition as usize))
-                    .ok_or(ApplyError::UnknownPartition { topic, partition })?;
+                let p = self.partition(topic, partition)?;
                 if from_wal && rec.lsn <= p.last_lsn {
                     return Ok(());
                 }
@@ -216,11 +224,7 @@ impl State {
                 first_seq, count, ..
             } => {
                 let (topic, partition) = (rec.bucket, rec.vbucket);
-                let p = self
-                    .topics
-                    .get_mut(&topic)
-                    .and_then(|t| t.partitions.get_mut(partition as usize))
-                    .ok_or(ApplyError::UnknownPartition { topic, partition })?;
+                let p = self.partition(topic, partition)?;
                 // The segment file holds it: a bundle the WAL acknowledged that the file does
                 // not is damage (a lost write), unless retention dropped it since.
                 let end = first_seq.saturating_add(count);

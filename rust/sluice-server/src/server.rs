@@ -542,18 +542,10 @@ impl Accept {
                 self.loops.next(),
             );
         }
-        crate::listener::serve(
-            listener,
-            d.title,
-            self.io,
-            self.stop,
-            self.limit,
-            self.loops,
-            move |socket, peer, stop| {
-                front.accepted();
-                crate::front::serve_accepted(front.clone(), socket.into(), peer, stop)
-            },
-        )
+        self.accept_each(listener, move |socket, peer, stop| {
+            front.accepted();
+            crate::front::serve_accepted(front.clone(), socket.into(), peer, stop)
+        })
         .await;
         while resumed.join_next().await.is_some() {}
     }
@@ -564,27 +556,41 @@ impl Accept {
         let d = self.declaration;
         let front = self.front.clone();
         let io = self.io.clone();
+        self.accept_each(listener, move |socket, peer, stop| {
+            front.accepted();
+            let (front, io) = (front.clone(), io.clone());
+            let acceptor = tls.kv_acceptor();
+            async move {
+                match crate::tls::accept(acceptor, socket).await {
+                    Ok(s) => crate::front::serve_accepted(front, s, peer, stop).await,
+                    Err(e) => {
+                        io.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                        log::info!("closing TLS {} from {peer}: {e}", d.noun);
+                    }
+                }
+            }
+        })
+        .await
+    }
+
+    /// Accepts on `listener` until the stop signal, under the server's connection limit,
+    /// each connection served by `serve` on one of the I/O threads.
+    async fn accept_each<F, Fut>(self, listener: TcpListener, serve: F)
+    where
+        F: Fn(tokio::net::TcpStream, SocketAddr, watch::Receiver<bool>) -> Fut
+            + Send
+            + Sync
+            + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         crate::listener::serve(
             listener,
-            d.title,
+            self.declaration.title,
             self.io,
             self.stop,
             self.limit,
             self.loops,
-            move |socket, peer, stop| {
-                front.accepted();
-                let (front, io) = (front.clone(), io.clone());
-                let acceptor = tls.kv_acceptor();
-                async move {
-                    match crate::tls::accept(acceptor, socket).await {
-                        Ok(s) => crate::front::serve_accepted(front, s, peer, stop).await,
-                        Err(e) => {
-                            io.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
-                            log::info!("closing TLS {} from {peer}: {e}", d.noun);
-                        }
-                    }
-                }
-            },
+            serve,
         )
         .await
     }

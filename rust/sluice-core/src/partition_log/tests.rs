@@ -403,14 +403,19 @@ fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
     assert_eq!(log.high_water_mark(), 200);
 }
 
-/// A log in `dir` of 100 bundles of 2 messages over segments of 1000 bytes; its reads of
-/// every sequence number, to compare with after reopening.
-fn filled(dir: &std::path::Path) -> (PartitionLog, Vec<Vec<u8>>) {
-    let config = LogConfig {
+/// The settings of the logs `filled` makes: small segments, many index entries.
+fn on_disk() -> LogConfig {
+    LogConfig {
         segment_bytes: 1000,
         index_interval: 200,
         ..LogConfig::default()
-    };
+    }
+}
+
+/// A log in `dir` of 100 bundles of 2 messages over segments of 1000 bytes; its reads of
+/// every sequence number, to compare with after reopening.
+fn filled(dir: &std::path::Path) -> (PartitionLog, Vec<Vec<u8>>) {
+    let config = on_disk();
     let mut log = PartitionLog::in_dir(config, dir.to_path_buf());
     for i in 0..100u64 {
         append(&mut log, 2, 50, 10_000 + i);
@@ -430,11 +435,7 @@ fn chunk(log: &PartitionLog, seq: u64) -> Vec<u8> {
 fn a_log_reopened_from_its_files_reads_alike_and_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let (log, reads) = filled(dir.path());
-    let config = LogConfig {
-        segment_bytes: 1000,
-        index_interval: 200,
-        ..LogConfig::default()
-    };
+    let config = on_disk();
     let segments = log.segments.len();
     drop(log);
     let mut again = PartitionLog::open_dir(config, dir.path().to_path_buf()).unwrap();
@@ -453,11 +454,7 @@ fn a_log_reopened_from_its_files_reads_alike_and_goes_on() {
 fn a_torn_tail_is_cut_and_damage_before_it_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let (log, reads) = filled(dir.path());
-    let config = LogConfig {
-        segment_bytes: 1000,
-        index_interval: 200,
-        ..LogConfig::default()
-    };
+    let config = on_disk();
     let newest = log.segments.back().unwrap().path.clone().unwrap();
     let oldest = log.segments.front().unwrap().path.clone().unwrap();
     let last_base = log.segments.back().unwrap().base_seq;

@@ -12,6 +12,16 @@ use super::session::Session;
 use crate::auth::{ChapOutcome, GUEST};
 
 impl Session {
+    /// A login refused (a wrong password, or throttled): counted with every port's.
+    fn count_auth_failure(&self) {
+        self.ctx
+            .port
+            .prelogin
+            .stats
+            .auth_failures
+            .fetch_add(1, Relaxed);
+    }
+
     /// `scramble`: None for `TUPLE []` (guest's return without a password), Err with
     /// the ER_INVALID_MSGPACK text for a malformed one, judged after the user is known.
     pub(super) async fn auth(
@@ -45,12 +55,7 @@ impl Session {
         let _turn = match turn {
             Ok(t) => t,
             Err(throttled) => {
-                self.ctx
-                    .port
-                    .prelogin
-                    .stats
-                    .auth_failures
-                    .fetch_add(1, Relaxed);
+                self.count_auth_failure();
                 return Err(Failure::new(
                     codes::ER_ACCESS_DENIED,
                     throttled.message(user),
@@ -80,12 +85,7 @@ impl Session {
             }
             failed => {
                 self.ctx.throttle.failed(user, ip);
-                self.ctx
-                    .port
-                    .prelogin
-                    .stats
-                    .auth_failures
-                    .fetch_add(1, Relaxed);
+                self.count_auth_failure();
                 self.ctx
                     .throttle
                     .log
