@@ -210,6 +210,16 @@ impl Segment {
         }
     }
 
+    /// It takes no more appends: its index is written whole and its files closed (its bytes
+    /// stay mapped), so that a partition keeps descriptors open for its newest segment only.
+    fn seal(&mut self) {
+        self.write_index();
+        if self.index_written == self.index.len() {
+            self.index_file = None;
+        }
+        self.data.seal();
+    }
+
     /// Its index back to `len` entries (an append taken back).
     fn index_truncate(&mut self, len: usize) {
         self.index.truncate(len);
@@ -643,6 +653,9 @@ impl PartitionLog {
                 .map_err(|e| format!("{}: {e}", index_path.display()))?;
             log.bytes += at as u64;
             log.next_seq = next;
+            if let Some(older) = log.segments.back_mut() {
+                older.seal();
+            }
             let index_written = index.len();
             log.segments.push_back(Segment {
                 path: Some(path),
@@ -816,6 +829,9 @@ impl PartitionLog {
                 let empty = self.segments.pop_back().expect("checked");
                 empty.remove_file();
             }
+            if let Some(before) = self.segments.back_mut() {
+                before.seal();
+            }
             self.segments.push_back(segment);
             self.next_seq = first_seq;
         }
@@ -843,17 +859,20 @@ impl PartitionLog {
             let empty = self.segments.pop_back().expect("checked");
             empty.remove_file();
         }
+        // A sealed segment (one an append that was taken back had rolled past) takes none.
         let roll = self.segments.back().is_none_or(|s| {
             (!s.data.is_empty() && s.data.len() + entry > self.config.segment_bytes)
                 || !fits(s)
+                || !s.data.takes_appends()
                 || first - s.base_seq > u32::MAX as u64
         });
         if roll {
             let reserve = self.config.segment_bytes.max(entry);
             let segment = Segment::new(first, reserve, self.dir.as_deref())?;
-            // The segment before is sealed: its whole index goes to its file.
+            // The segment before is sealed: its whole index goes to its file, and neither
+            // file stays open.
             if let Some(sealed) = self.segments.back_mut() {
-                sealed.write_index();
+                sealed.seal();
             }
             self.segments.push_back(segment);
         }

@@ -27,8 +27,8 @@ use bytes::Bytes;
 struct Buffer {
     ptr: NonNull<u8>,
     cap: usize,
-    /// The file mapped at `ptr`, which appends are written to; None: memory.
-    file: Option<Arc<File>>,
+    /// Whether `ptr` is a file's mapping (else an allocation).
+    mapped: bool,
 }
 
 // SAFETY: bytes are written only at or past the filled length, by the one `SegmentBytes` that
@@ -39,15 +39,16 @@ unsafe impl Sync for Buffer {}
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        match self.file {
-            // SAFETY: unmaps the mapping `SegmentBytes::in_file` made, of this length; nothing
+        if self.mapped {
+            // SAFETY: unmaps the mapping `SegmentBytes::mapping` made, of this length; nothing
             // borrows it any more (every `Part` holds the `Arc` this is dropped from).
-            Some(_) => unsafe {
+            unsafe {
                 libc::munmap(self.ptr.as_ptr().cast(), self.cap);
-            },
+            }
+        } else {
             // SAFETY: rebuilds the empty Vec whose allocation `SegmentBytes::with_capacity`
             // took; u8 needs no drop, so a length of 0 frees it alike.
-            None => unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap)) },
+            unsafe { drop(Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap)) }
         }
     }
 }
@@ -56,6 +57,9 @@ impl Drop for Buffer {
 pub(super) struct SegmentBytes {
     buf: Arc<Buffer>,
     len: usize,
+    /// The file appends are written to, while the segment takes them (a mapping stays valid
+    /// once its file is closed: a sealed segment keeps no descriptor open).
+    file: Option<Arc<File>>,
 }
 
 impl SegmentBytes {
@@ -68,9 +72,10 @@ impl SegmentBytes {
             buf: Arc::new(Buffer {
                 ptr,
                 cap,
-                file: None,
+                mapped: false,
             }),
             len: 0,
+            file: None,
         }
     }
 
@@ -119,20 +124,31 @@ impl SegmentBytes {
             buf: Arc::new(Buffer {
                 ptr,
                 cap,
-                file: Some(Arc::new(file)),
+                mapped: true,
             }),
             len,
+            file: Some(Arc::new(file)),
         })
     }
 
-    /// Its file, if it has one (to be synced with the WAL).
+    /// Its file while it takes appends (to be synced with the WAL).
     pub(super) fn file(&self) -> Option<&Arc<File>> {
-        self.buf.file.as_ref()
+        self.file.as_ref()
     }
 
     /// Whether its bytes are a file's.
     pub(super) fn is_file(&self) -> bool {
-        self.buf.file.is_some()
+        self.buf.mapped
+    }
+
+    /// The segment takes no more appends: its file is closed (its bytes stay mapped).
+    pub(super) fn seal(&mut self) {
+        self.file = None;
+    }
+
+    /// Whether appends can go to it (memory, or a file not sealed).
+    pub(super) fn takes_appends(&self) -> bool {
+        !self.buf.mapped || self.file.is_some()
     }
 
     pub(super) fn len(&self) -> usize {
@@ -170,9 +186,12 @@ impl SegmentBytes {
             total,
             self.len
         );
-        match &self.buf.file {
+        match &self.file {
             // What the mapping shows once written: the page cache is one.
             Some(f) => write_all_vectored_at(f, parts, self.len as u64)?,
+            None if self.buf.mapped => {
+                return Err(io::Error::other("a sealed segment takes no more appends"))
+            }
             None => {
                 let mut at = self.len;
                 for p in parts {
@@ -196,7 +215,7 @@ impl SegmentBytes {
     /// is cut there too.
     pub(super) fn truncate(&mut self, len: usize) -> io::Result<()> {
         self.len = self.len.min(len);
-        match &self.buf.file {
+        match &self.file {
             Some(f) => f.set_len(self.len as u64),
             None => Ok(()),
         }

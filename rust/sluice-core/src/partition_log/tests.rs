@@ -369,6 +369,13 @@ fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
     };
     assert_eq!(files().len(), log.segments.len());
     assert_eq!(files()[0], "00000000000000000001.log");
+    // Sealed segments keep no descriptor open: the newest one's data and index files only.
+    let open_here = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .filter(|p| p.starts_with(dir.path()))
+        .count();
+    assert!(log.segments.len() > 3 && open_here <= 2, "{open_here} open");
     // The files hold what was appended, and read back alike.
     let on_disk: u64 = files()
         .iter()
