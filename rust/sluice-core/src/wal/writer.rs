@@ -259,17 +259,27 @@ struct Shared {
     /// The writer thread's, lent to a waiter that finds it idle; None in mode `none` and once
     /// the thread stopped.
     writer: Mutex<Option<Writer>>,
-    /// Files written besides the WAL whose records it holds (topic segments): each sync of
-    /// the WAL syncs them first, so that a record synced never points at bytes that are not.
+    /// Files written besides the WAL whose records it holds (topic segments), in fsync mode:
+    /// each sync of the WAL syncs them first, so that a record synced never points at bytes
+    /// that are not.
     also_sync: Mutex<Vec<Arc<File>>>,
 }
 
 impl Shared {
     /// Syncs the files registered since the last sync (`WalWriter::sync_with`).
+    /// A failure keeps them registered: the retry of the batch syncs them again.
     fn sync_others(&self) -> io::Result<()> {
         let files = std::mem::take(&mut *self.also_sync.lock());
-        for f in &files {
-            f.sync_data()?;
+        for (i, f) in files.iter().enumerate() {
+            if let Err(e) = f.sync_data() {
+                let mut kept = self.also_sync.lock();
+                for f in &files[i..] {
+                    if !kept.iter().any(|k| Arc::ptr_eq(k, f)) {
+                        kept.push(f.clone());
+                    }
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -924,10 +934,12 @@ impl WalWriter {
     }
 
     /// Registers a file written besides the WAL (a topic segment) whose bytes a record about
-    /// to be queued points at: the next sync of the WAL syncs it first. Call it before queuing
-    /// the record.
+    /// to be queued points at: in fsync mode, where every batch is synced, the sync of the
+    /// batch holding the record syncs the file first. Call it before queuing the record. In
+    /// the other modes nothing is synced for such records (a produce waits for no sync), and
+    /// nothing is kept.
     pub fn sync_with(&self, file: &Arc<File>) {
-        if self.shared.mode == WalMode::None {
+        if self.shared.mode != WalMode::Fsync {
             return;
         }
         let mut files = self.shared.also_sync.lock();
