@@ -225,20 +225,20 @@ impl State {
             } => {
                 let (topic, partition) = (rec.bucket, rec.vbucket);
                 let p = self.partition(topic, partition)?;
-                // The segment file holds it: a bundle the WAL acknowledged that the file does
-                // not is damage (a lost write), unless retention dropped it since.
+                // The segment file holds it, unless the machine went down before the page
+                // cache wrote it (wal.mode = write keeps what a process crash cannot lose, not
+                // a machine crash; in fsync mode the file was synced before the record): then
+                // the partition goes on from where its files end, and the loss is said.
                 let end = first_seq.saturating_add(count);
                 if p.log.next_seq() < end {
-                    return Err(ApplyError::BadBundle {
-                        topic,
-                        partition,
-                        reason: format!(
-                            "the WAL holds the bundle of sequence numbers {first_seq} to {}, \
-                             which its segment files lack (they end before {})",
-                            end - 1,
-                            p.log.next_seq()
-                        ),
-                    });
+                    log::warn!(
+                        "topic {topic} partition {partition}: the WAL names the bundle of \
+                         sequence numbers {first_seq} to {}, which its segment files lack (they \
+                         end before {}): written to a page cache the machine lost; the \
+                         partition goes on from where its files end",
+                        end - 1,
+                        p.log.next_seq()
+                    );
                 }
                 p.last_lsn = p.last_lsn.max(rec.lsn);
                 return Ok(());
