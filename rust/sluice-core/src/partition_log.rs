@@ -281,13 +281,7 @@ fn checked_bundle(data: &[u8]) -> Result<(usize, u64), String> {
 /// Reads a segment's bundles from its index's last entry (the start without one) to its end:
 /// where the readable bundles end, the sequence number after them, and the offset of one that
 /// cannot be read and why (a torn or damaged tail).
-#[allow(clippy::type_complexity)]
-fn scan(
-    data: &[u8],
-    index: &[(u32, u32)],
-    base: u64,
-    _interval: usize,
-) -> (usize, u64, Option<(usize, String)>) {
+fn scan(data: &[u8], index: &[(u32, u32)], base: u64) -> (usize, u64, Option<(usize, String)>) {
     let (mut at, mut next) = index
         .last()
         .map_or((0, base), |&(r, o)| (o as usize, base + r as u64));
@@ -614,7 +608,7 @@ impl PartitionLog {
             let index_path = path.with_extension("index");
             let mut index = read_index(&index_path, file_len);
             let bytes = data.as_slice();
-            let (mut at, mut next, mut bad) = scan(bytes, &index, base, config.index_interval);
+            let (mut at, mut next, mut bad) = scan(bytes, &index, base);
             let at_last_entry = |(b, _): &(usize, String)| {
                 index
                     .last()
@@ -626,7 +620,7 @@ impl PartitionLog {
                     path.display()
                 );
                 index.clear();
-                (at, next, bad) = scan(bytes, &index, base, config.index_interval);
+                (at, next, bad) = scan(bytes, &index, base);
             }
             // The entries `scan` added (past the last one read) are in `index` too.
             let index = index_upto(
