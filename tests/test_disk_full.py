@@ -401,3 +401,42 @@ def test_every_front_answers_a_full_disk_at_once(tmp_path):
         if node is not None and node.proc.poll() is None:
             node.stop()
         _umount(mnt)
+
+
+def test_a_segment_file_that_cannot_grow_refuses_the_produce_at_once(tmp_path):
+    """A full disk found by a topic's segment file (the WAL still has room): the produce is
+    answered at once with TANK's error, nothing of it is kept or numbered, and produces resume
+    when there is room, numbered on from the last acknowledged one."""
+    from helpers import Node
+    from sluice.tank import TankConnection, TankError
+
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "16m")
+    node = None
+    try:
+        cfg = tmp_path / "n.toml"
+        cfg.write_text('[wal]\nmode = "write"\n[snapshot]\ninterval = 0\n[topics.events]\npartitions = 1\n')
+        node = Node(mnt / "data", "--config", str(cfg))
+        with TankConnection(node.tank) as t:
+            for i in range(10):
+                t.produce("events", [b"kept %d" % i])
+            _fill(mnt / "filler")
+            took = time.monotonic()
+            with pytest.raises(TankError):
+                t.produce("events", [os.urandom(256 << 10)])
+            assert time.monotonic() - took < 3
+        node.wait_for("cannot write the segment file")
+        (mnt / "filler").unlink()
+        with TankConnection(node.tank) as t:
+            t.produce("events", [b"after"])
+            got = [(m.seq, m.content) for m in t.consume("events", 0, 1, fetch_size=1 << 20).messages]
+        assert got == [(i + 1, b"kept %d" % i) for i in range(10)] + [(11, b"after")]
+        assert node.stop() == 0, node.log()[-3000:]
+        node = Node(mnt / "data", "--config", str(cfg))
+        with TankConnection(node.tank) as t:
+            got = [(m.seq, m.content) for m in t.consume("events", 0, 1, fetch_size=1 << 20).messages]
+        assert got == [(i + 1, b"kept %d" % i) for i in range(10)] + [(11, b"after")]
+    finally:
+        if node:
+            node.stop()
+        _umount(mnt)

@@ -661,6 +661,20 @@ def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
         got = [(r.partition, r.offset) for r in sunk()]
         assert len(got) == len(set(got)) == 503, "a message was written twice or is missing"
         assert (0, 3) in got
+
+        # A topic whose oldest segment files retention deleted reads from its first message kept.
+        with TankConnection(node.tank) as tank:
+            tank.create_topic("short", 1, "log.segment.bytes=8192\nlog.retention.bytes=20000")
+            for i in range(100):
+                tank.produce("short", [b"m%03d" % i + b"x" * 500])
+            deadline = time.monotonic() + 20
+            while tank.partitions("short")[0][0] == 1:
+                assert time.monotonic() < deadline, "retention never ran"
+                time.sleep(0.2)
+            first_kept, last = tank.partitions("short")[0]
+        df = spark.read.format("sluice").option("nodes", node.address).option("topic", "short").load()
+        offsets = sorted(r.offset for r in df.collect())
+        assert offsets == list(range(first_kept, last + 1))
     finally:
         node.stop()
 

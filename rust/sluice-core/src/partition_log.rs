@@ -377,6 +377,24 @@ impl Stored<'_> {
     pub fn share(&self) -> Bytes {
         self.data.share(self.start..self.end)
     }
+
+    /// The same bytes shared, with where they lie in their segment's file.
+    pub fn share_for_send(&self) -> SharedChunk {
+        SharedChunk {
+            bytes: self.share(),
+            file: self.data.file_for_send().map(|f| (f, self.start as u64)),
+        }
+    }
+}
+
+/// Stored bundles shared past the partition's lock, and where they lie in their segment's file:
+/// a plain connection sends them from the file (`sendfile`, no copy through the process), a
+/// TLS one encrypts them from the mapping. A file's bytes below what was read never change.
+#[derive(Clone)]
+pub struct SharedChunk {
+    pub bytes: Bytes,
+    /// The segment's file and the offset of `bytes` in it.
+    pub file: Option<(std::sync::Arc<std::fs::File>, u64)>,
 }
 
 impl std::ops::Deref for Stored<'_> {
@@ -415,6 +433,12 @@ impl ChunkSink for Vec<u8> {
 impl ChunkSink for Vec<Bytes> {
     fn put(&mut self, bundles: Stored<'_>) {
         self.push(bundles.share());
+    }
+}
+
+impl ChunkSink for Vec<SharedChunk> {
+    fn put(&mut self, bundles: Stored<'_>) {
+        self.push(bundles.share_for_send());
     }
 }
 

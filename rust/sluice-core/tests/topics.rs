@@ -368,3 +368,61 @@ fn large_bundles_and_values_written_in_place_come_back_after_a_crash() {
         assert_eq!(live.get(&k), Some(&v), "{}", String::from_utf8_lossy(&k));
     }
 }
+
+/// The one `.log` segment file of a topic's partition under `dir`.
+fn segment_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.extension().is_some_and(|x| x == "log") && p.starts_with(dir.join("topics"))
+            {
+                found.push(p);
+            }
+        }
+    }
+    assert_eq!(found.len(), 1, "{found:?}");
+    found.pop().unwrap()
+}
+
+#[test]
+fn a_bundle_the_wal_names_but_the_segment_file_lost_is_skipped_and_numbering_goes_on() {
+    // A machine that went down before its page cache reached the disk (wal.mode = write) can
+    // come back with a WAL record whose bundle the segment file lacks: the start goes on from
+    // where the file ends instead of refusing to start.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::config(dir.path(), WalMode::Write, 4);
+    let engine = Engine::open(cfg.clone()).unwrap();
+    engine.create_topic("events", 1, "").unwrap();
+    assert_eq!(
+        produce(&engine, "events", 0, &messages("a", 3), false),
+        (1, 3)
+    );
+    let file = segment_file(dir.path());
+    let kept = std::fs::metadata(&file).unwrap().len();
+    assert_eq!(
+        produce(&engine, "events", 0, &messages("b", 2), false),
+        (4, 5)
+    );
+    assert!(std::fs::metadata(&file).unwrap().len() > kept);
+    engine.crash();
+    drop(engine);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(kept)
+        .unwrap();
+
+    let engine = Engine::open(cfg).unwrap();
+    let want: Vec<(u64, String)> = (1..=3).zip(messages("a", 3)).collect();
+    assert_eq!(read_all(&engine, "events", 0, 0), want);
+    assert_eq!(
+        produce(&engine, "events", 0, &messages("c", 1), false),
+        (4, 4)
+    );
+    assert_eq!(read_all(&engine, "events", 0, 4), [(4, "c-0".to_string())]);
+}

@@ -17,9 +17,9 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::unix::io::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
 
@@ -60,6 +60,11 @@ pub(super) struct SegmentBytes {
     /// The file appends are written to, while the segment takes them (a mapping stays valid
     /// once its file is closed: a sealed segment keeps no descriptor open).
     file: Option<Arc<File>>,
+    /// Its file's path, if it has one.
+    path: Option<PathBuf>,
+    /// A sealed segment's file opened again for reading, while answers sent from it hold it
+    /// (`file_for_send`).
+    reader: Mutex<Weak<File>>,
 }
 
 impl SegmentBytes {
@@ -76,6 +81,8 @@ impl SegmentBytes {
             }),
             len: 0,
             file: None,
+            path: None,
+            reader: Mutex::new(Weak::new()),
         }
     }
 
@@ -88,7 +95,7 @@ impl SegmentBytes {
             .create(true)
             .truncate(true)
             .open(path)?;
-        SegmentBytes::mapping(file, cap, 0)
+        SegmentBytes::mapping(file, path, cap, 0)
     }
 
     /// The segment file at `path` as it is, holding `len` bytes (which recovery read), that
@@ -98,10 +105,10 @@ impl SegmentBytes {
             .read(true)
             .write(true)
             .open(path)?;
-        SegmentBytes::mapping(file, cap.max(len), len)
+        SegmentBytes::mapping(file, path, cap.max(len), len)
     }
 
-    fn mapping(file: File, cap: usize, len: usize) -> io::Result<SegmentBytes> {
+    fn mapping(file: File, path: &Path, cap: usize, len: usize) -> io::Result<SegmentBytes> {
         let cap = cap.max(1);
         // SAFETY: a new read-only shared mapping of the file, at an address the kernel picks;
         // the file stays open as long as the mapping (`Buffer`). Past the file's end its pages
@@ -128,7 +135,27 @@ impl SegmentBytes {
             }),
             len,
             file: Some(Arc::new(file)),
+            path: Some(path.to_path_buf()),
+            reader: Mutex::new(Weak::new()),
         })
+    }
+
+    /// The file to send its bytes from (`sendfile`): the one appends go to, or for a sealed
+    /// segment the file opened again for reading, shared by the answers being sent from it and
+    /// closed after the last (a partition keeps no descriptor per sealed segment). None for
+    /// memory, or when the file cannot be opened (retention deleted it): the mapping serves.
+    pub(super) fn file_for_send(&self) -> Option<Arc<File>> {
+        if let Some(f) = &self.file {
+            return Some(Arc::clone(f));
+        }
+        let path = self.path.as_ref()?;
+        let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = reader.upgrade() {
+            return Some(f);
+        }
+        let f = Arc::new(File::open(path).ok()?);
+        *reader = Arc::downgrade(&f);
+        Some(f)
     }
 
     /// Its file while it takes appends (to be synced with the WAL).

@@ -376,6 +376,27 @@ fn a_log_in_a_directory_keeps_a_file_per_segment_and_retention_deletes_them() {
         .filter(|p| p.starts_with(dir.path()))
         .count();
     assert!(log.segments.len() > 3 && open_here <= 2, "{open_here} open");
+    // A read of a sealed segment to be sent opens its file again, shared by the answers using
+    // it and closed after the last; its bytes there are the read's.
+    let open_now = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .filter(|p| p.starts_with(dir.path()))
+            .count()
+    };
+    let Read::Chunk { bundles, .. } = log.read(3, 500) else {
+        panic!("a chunk")
+    };
+    let (a, b) = (bundles.share_for_send(), bundles.share_for_send());
+    let (fa, at) = a.file.clone().expect("a file to send from");
+    assert!(std::sync::Arc::ptr_eq(&fa, &b.file.clone().unwrap().0));
+    let mut from_file = vec![0; a.bytes.len()];
+    std::os::unix::fs::FileExt::read_exact_at(&*fa, &mut from_file, at).unwrap();
+    assert_eq!(from_file, &a.bytes[..]);
+    assert_eq!(open_now(), open_here + 1);
+    drop((a, b, fa));
+    assert_eq!(open_now(), open_here);
     // The files hold what was appended, and read back alike.
     let on_disk: u64 = files()
         .iter()

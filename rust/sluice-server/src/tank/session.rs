@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use sluice_core::engine::TopicRead;
+use sluice_core::partition_log::SharedChunk;
 use sluice_core::topic::Topic;
 use sluice_core::Error;
 use sluice_proto::tank::request::{Consume, CreateTopic, Produce, Request};
@@ -435,7 +435,7 @@ impl Parked {
         let ctx = self.ctx.clone();
         self.unwritten_lsn = None;
         // Each partition read puts one shared chunk here.
-        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut chunks: Vec<SharedChunk> = Vec::new();
         let mut chunk_bytes = 0;
         let mut at_tail = false;
         let mut answers = Vec::with_capacity(self.topics.len());
@@ -473,7 +473,7 @@ impl Parked {
                         ..
                     }) if chunks[before..]
                         .first()
-                        .is_some_and(|c| first_bundle_is_sparse(c)) =>
+                        .is_some_and(|c| first_bundle_is_sparse(&c.bytes)) =>
                     {
                         chunk_bytes += len;
                         PartitionAnswer::SparseData {
