@@ -11,7 +11,9 @@ load: `bm p2b -c N -s 100 -B 1000` (N × 100 B in bundles of 1,000, Snappy), `bm
 produced while a consumer tails: until the consumer has it; the median of 9), `consume -S -d 0`
 (every message back), and sluice's Python client (`sluice.tank`) producing N incompressible 100
 B messages in plain bundles of 1,000, one request at a time, and reading them back. Last, with
-fresh servers, the same client produces those bundles to both in turns of 50 bundles. On this
+fresh servers, the same client produces those bundles to both in turns of 50 bundles. Then
+sluice alone retains `--retained-gib` GiB in one partition: its anonymous memory before and
+after, and after kill -9 how soon a restart answers and how much it read to get there. On this
 shared machine the rate of a load drifts by tens of percent from minute to minute: figures taken
 seconds apart, or turns a few milliseconds long, take what drift there is alike.
 
@@ -36,7 +38,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from _common import RESULTS, admin_get, free_port, kill_group, pyplot, write_json
+from _common import RESULTS, free_port, kill_group, pyplot, write_json
 
 KINDS = ("sluice", "tank")
 # `--baseline PYTHON`: the interpreter whose sluice (an earlier build) stands in for TANK.
@@ -58,11 +60,13 @@ def seconds(text: str) -> float:
     return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[m.group(2)]
 
 
-def start(kind: str, work: Path, tank_dir: Path) -> tuple[subprocess.Popen, str, str]:
-    """A server of `kind` with its data under `work`: the process, its TANK address and
-    (sluice's) admin address. sluice's other fronts are off or on ports of their own, so
-    nothing else on the machine holds a port it wants."""
-    address = f"127.0.0.1:{free_port()}"
+def start(
+    kind: str, work: Path, tank_dir: Path, address: str | None = None
+) -> tuple[subprocess.Popen, str, str]:
+    """A server of `kind` with its data under `work` (on `address`, or a free port): the
+    process, its TANK address and (sluice's) admin address. sluice's other fronts are off or on
+    ports of their own, so nothing else on the machine holds a port it wants."""
+    address = address or f"127.0.0.1:{free_port()}"
     admin = f"127.0.0.1:{free_port()}"
     if kind == "sluice" or BASELINE:
         # With --baseline, the second kind is an earlier build of sluice instead of TANK.
@@ -104,24 +108,57 @@ def took(out: str) -> float:
     return seconds(m.group(1))
 
 
-def rss(pid: int) -> int:
+def status_field(pid: int, name: str) -> int:
+    """A `/proc/PID/status` size in bytes (`VmRSS`, `RssAnon`, ...)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {name} for {pid}")
 
 
-def retained_overhead(p: subprocess.Popen, admin: str, before: int) -> float:
-    """sluice's resident bytes per retained message beyond the bundles' bytes, after the loads
-    (its memory grew by `rss - before`; `sluice_topic_bytes` are the bundles kept)."""
-    metrics = admin_get(admin, "/metrics")
-    kept = messages = 0.0
-    for line in metrics.splitlines():
-        if line.startswith("sluice_topic_bytes{"):
-            kept += float(line.rsplit(" ", 1)[1])
-        if line.startswith("sluice_topic_high_water_mark{"):
-            messages += float(line.rsplit(" ", 1)[1])
-    return (rss(p.pid) - before - kept) / messages
+def bytes_read(pid: int) -> int:
+    """What a process has read with read system calls (`rchar`), page cache hits included."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no rchar for {pid}")
+
+
+def retained(tank_dir: Path, gib: int) -> dict[str, float]:
+    """sluice alone: `gib` GiB produced into one partition (plain 1 MiB bundles of 1 KiB
+    incompressible messages); its anonymous memory before and after; then kill -9 and a
+    restart: how long until its TANK listener answers, and what it read meanwhile."""
+    from sluice.tank import TankConnection
+
+    message = os.urandom(1 << 10)
+    bundle = [message] * 1024
+    with tempfile.TemporaryDirectory() as d:
+        p, address, _ = start("sluice", Path(d), tank_dir)
+        try:
+            with TankConnection(address, timeout=60) as t:
+                t.create_topic("big", 1)
+                before = status_field(p.pid, "RssAnon")
+                for _ in range(gib * 1024):
+                    t.produce("big", bundle)
+                after = status_field(p.pid, "RssAnon")
+                last = t.partitions("big")[0][1]
+            os.killpg(p.pid, 9)
+            p.wait()
+            started = time.monotonic()
+            p, address, _ = start("sluice", Path(d), tank_dir, address=address)
+            ready = time.monotonic() - started
+            read = bytes_read(p.pid)
+            with TankConnection(address, timeout=60) as t:
+                assert t.partitions("big")[0][1] == last, "messages lost across kill -9"
+            return {
+                "retained GiB": gib,
+                "anonymous memory before, MiB": before / 2**20,
+                "anonymous memory after, MiB": after / 2**20,
+                "restart ready, s": ready,
+                "restart read, MiB": read / 2**20,
+            }
+        finally:
+            kill_group(p)
 
 
 def run_pair(tank_dir: Path, n: int, order: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -156,18 +193,12 @@ def run_pair(tank_dir: Path, n: int, order: tuple[str, ...]) -> dict[str, dict[s
             for kind in order:
                 servers[kind] = start(kind, Path(d), tank_dir)
             res: dict[str, dict[str, float]] = {kind: {} for kind in order}
-            before = {}
-            for kind, (p, address, _) in servers.items():
+            for _p, address, _ in servers.values():
                 cli(tank_dir, address, *t, "create_topic", "1")
-                before[kind] = rss(p.pid)
             for load in (produce, round_trip, consume, python):
                 for kind in order:
                     p, address, _ = servers[kind]
                     res[kind].update(load(address, p.pid))
-            p, _, admin = servers["sluice"]
-            res["sluice"]["resident bytes per message beyond bundles"] = retained_overhead(
-                p, admin, before["sluice"]
-            )
             return res
         finally:
             for p, *_ in servers.values():
@@ -258,6 +289,7 @@ def main() -> int:
     ap.add_argument("--tank-dir", type=Path, required=True, help="where TANK's tank and tank-cli were built")
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--retained-gib", type=int, default=3, help="GiB retained for the memory and restart")
     ap.add_argument(
         "--baseline",
         metavar="PYTHON",
@@ -290,7 +322,16 @@ def main() -> int:
             f"(sluice / TANK {r['tank'] / r['sluice']:.2f})",
             file=sys.stderr,
         )
-    results = {"messages": args.messages, "runs": args.runs, "per_run": per, "interleaved": turns}
+    kept = retained(args.tank_dir, args.retained_gib) if not BASELINE else None
+    if kept:
+        print(f"retained: {kept}", file=sys.stderr)
+    results = {
+        "messages": args.messages,
+        "runs": args.runs,
+        "per_run": per,
+        "interleaved": turns,
+        "retained": kept,
+    }
     write(results)
     return 0
 
@@ -319,13 +360,15 @@ def write(results: dict) -> None:
         unit = "round trips/s" if load.startswith("produce to consume") else "messages/s"
         rows.append(f"| {load} | {s:,.0f} {unit} | {t:,.0f} {unit} | {s / t:.2f} | {paired:.2f} |")
         medians.append((load, s, t))
-    overhead = [r.get("resident bytes per message beyond bundles") for r in results["per_run"]["sluice"]]
     memory = ""
-    if all(o is not None for o in overhead):
+    if kept := results.get("retained"):
         memory = (
-            f"\nsluice's resident memory per retained message beyond the bundles' bytes, after the "
-            f"loads (target at most 16): median {statistics.median(overhead):.1f} bytes "
-            f"(runs: {', '.join(f'{o:.1f}' for o in overhead)}).\n"
+            f"\n{kept['retained GiB']} GiB retained in one partition (plain 1 MiB bundles): sluice's "
+            f"anonymous memory {kept['anonymous memory before, MiB']:.0f} MiB before, "
+            f"{kept['anonymous memory after, MiB']:.0f} MiB after (target: at most 256 MiB more); "
+            f"after kill -9, a restart answers on its TANK listener in {kept['restart ready, s']:.2f} s "
+            f"(target: 2 s), having read {kept['restart read, MiB']:.1f} MiB (its WAL's tail and the "
+            "segments' indexes and tails, not the retained bytes).\n"
         )
     cpu = ""
     if all(SERVER_CPU in r for k in KINDS for r in results["per_run"][k]):
