@@ -9,6 +9,9 @@ from couchbase.auth import PasswordAuthenticator
 from couchbase.cluster import Cluster
 from couchbase.options import ClusterOptions, ClusterTimeoutOptions
 
+# The SDK's kv timeout in the tests, in seconds.
+KV_TIMEOUT = 5
+
 
 def sdk_cluster(node, user: str, password: str, mechanisms: list[str] | None = None) -> Cluster:
     """Cluster.connect to `node`'s KV port as `user`; `mechanisms` limits the SASL mechanisms
@@ -19,7 +22,7 @@ def sdk_cluster(node, user: str, password: str, mechanisms: list[str] | None = N
         auth = PasswordAuthenticator(user, password, allowed_sasl_mechanisms=mechanisms)
     timeouts = ClusterTimeoutOptions(
         bootstrap_timeout=timedelta(seconds=10),
-        kv_timeout=timedelta(seconds=5),
+        kv_timeout=timedelta(seconds=KV_TIMEOUT),
         connect_timeout=timedelta(seconds=10),
     )
     cluster = Cluster.connect(

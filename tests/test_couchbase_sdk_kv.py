@@ -154,6 +154,8 @@ class SteadyWriter:
         # Set by the test: from `outage_from` until `outage_until`, timeouts are expected.
         self.outage_from: float | None = None
         self.outage_until: float | None = None
+        # When each acknowledgement came (monotonic), for the longest stretch without one.
+        self.acked_at: list[float] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run)
         self.thread.start()
@@ -188,6 +190,7 @@ class SteadyWriter:
             try:
                 self.coll.upsert(key, {"i": i}, options)
                 self.acked[key] = i
+                self.acked_at.append(time.monotonic())
                 self.ambiguous.discard(key)
             except DurabilitySyncWriteAmbiguousException:
                 self.ambiguous.add(key)
@@ -198,6 +201,15 @@ class SteadyWriter:
             except Exception as e:  # anything else is an error an application would see
                 self.errors.append(f"{key}: {type(e).__name__}: {e}")
             i += 1
+
+    def longest_stall(self, since: float) -> float:
+        """The longest stretch without an acknowledgement from `since` to the last one."""
+        stamps = [since] + [t for t in self.acked_at if t > since]
+        return (
+            max(b - a for a, b in zip(stamps[:-1], stamps[1:], strict=True))
+            if len(stamps) > 1
+            else float("inf")
+        )
 
     def finish(self) -> None:
         self.stop.set()
