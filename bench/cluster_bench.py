@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, SluiceNode, free_port, log, percentile, pyplot, write_json
+from _common import RESULTS, SluiceNode, admin_get, free_port, log, percentile, pyplot, write_json
 from sluice.cluster.etcd import Etcd, parse_cluster_url
 
 USER, PASSWORD = "bench", "bench-secret"
@@ -170,6 +170,35 @@ def wait(pred, timeout: float, what: str) -> float:
     return time.perf_counter()
 
 
+def highs(node: SluiceNode) -> dict[int, int]:
+    """A node's high seqno per vbucket of the default bucket."""
+    return {v["vbucket"]: v["high_seqno"] for v in node.status()["buckets"][0]["vbuckets"]}
+
+
+def most_advanced(nodes: list[SluiceNode]) -> dict[int, int]:
+    """Per vbucket, the highest high seqno any of `nodes` holds."""
+    out: dict[int, int] = {}
+    for n in nodes:
+        for vb, h in highs(n).items():
+            out[vb] = max(out.get(vb, 0), h)
+    return out
+
+
+def replica_items(node: SluiceNode) -> int:
+    """What a node's replica streams have applied since it started (`sluice_replica_items_total`)."""
+    total = 0
+    for line in admin_get(node.admin, "/metrics").splitlines():
+        if line.startswith("sluice_replica_items_total"):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def longest_stall(batches: list[tuple[float, float, list[str]]], since: float) -> float:
+    """The longest stretch from `since` without a batch of acknowledged writes ending."""
+    ends = [since] + sorted(e for s, e, ok in batches if ok and e > since)
+    return max(b - a for a, b in zip(ends[:-1], ends[1:], strict=True)) if len(ends) > 1 else float("inf")
+
+
 def one_node(tmp: Path, seconds: float) -> float:
     node = SluiceNode(tmp / "single", node_config(tmp / "single.toml", None, "single", 0))
     try:
@@ -202,6 +231,7 @@ def cluster_run(tmp: Path, seconds: float, timeout: float) -> dict:
         time.sleep(seconds)
         before = etcd.json("map")
         lost = {vb for vb, c in enumerate(before["chains"]) if c[0] == "n3"}
+        at_kill = most_advanced(list(nodes.values()))
         nodes["n3"].proc.kill()
         nodes["n3"].proc.wait()
         # From the moment it is gone: a batch begun just before may still have reached it.
@@ -223,6 +253,17 @@ def cluster_run(tmp: Path, seconds: float, timeout: float) -> dict:
         time.sleep(2)
         nodes["n3"] = SluiceNode(tmp / "n3", configs["n3"])
         marks["back"] = wait(lambda: "n3" not in etcd.json("map")["failed"], 60, "n3 taken back")
+        # What n3 missed while it was gone: every change since the kill to the vbuckets it holds
+        # copies of now; and how long until it holds all of it (full replication again).
+        held = {vb for vb, c in enumerate(etcd.json("map")["chains"]) if "n3" in c[1:]}
+        at_back = most_advanced([nodes["n1"], nodes["n2"]])
+        missed = sum(at_back[vb] - at_kill[vb] for vb in held)
+        marks["caught_up"] = wait(
+            lambda: all(h >= at_back[vb] for vb, h in highs(nodes["n3"]).items() if vb in held),
+            120,
+            "n3 caught up",
+        )
+        recopied = replica_items(nodes["n3"])
         time.sleep(2)
         nodes["n4"] = SluiceNode(tmp / "n4", configs["n4"])
         wait(lambda: len(etcd.api.get_prefix("/sluice/bench/nodes/")[0]) == 4, 30, "n4 registered")
@@ -244,6 +285,10 @@ def cluster_run(tmp: Path, seconds: float, timeout: float) -> dict:
             "kill_to_failover_s": marks["failed_over"] - marks["kill"],
             "kill_to_writes_accepted_s": marks["accepted"] - marks["kill"],
             "kill_to_probe_accepted_s": marks["probe_accepted"] - marks["kill"],
+            "longest_stall_s": longest_stall(w.batches, marks["kill"] - 0.001),
+            "back_to_caught_up_s": marks["caught_up"] - marks["back"],
+            "missed_changes": missed,
+            "recopied_items": recopied,
             "lost_vbuckets": len(lost),
             "rebalance_s": marks["rebalanced"] - marks["rebalance"],
             "rebalance_moves": reb.get("total", 0),
@@ -326,6 +371,10 @@ def main() -> None:
         ("kill -9 to failover in the map", f"{c['kill_to_failover_s']:.2f} s"),
         ("kill -9 to a write accepted on a new active (probe)", f"{c['kill_to_probe_accepted_s']:.2f} s"),
         ("kill -9 to the batched writer's writes accepted there", f"{c['kill_to_writes_accepted_s']:.2f} s"),
+        ("longest stretch without an acknowledged batch", f"{c['longest_stall_s']:.2f} s"),
+        ("n3 back to caught up (full replication again)", f"{c['back_to_caught_up_s']:.2f} s"),
+        ("  changes n3 missed / items its streams applied",
+         f"{c['missed_changes']:,.0f} / {c['recopied_items']:,.0f}"),
         ("rebalance adding a 4th node", f"{c['rebalance_s']:.1f} s, {c['rebalance_moves']} chains changed"),
         ("  vbuckets/s, items/s copied to the new node", f"{c['rebalance_moves'] / c['rebalance_s']:.1f}, "
          f"{c['rebalance_items'] / c['rebalance_s']:,.0f}"),
