@@ -74,6 +74,9 @@ def test_produced_messages_are_consumed_with_their_numbers_keys_and_stamps(node)
             tank.consume("events", partition=7)
         with pytest.raises(TankError, match="unknown"):
             tank.produce("nope", [b"x"])
+        # TANK's broker's codes: 0x01 for a partition the topic lacks, 0x0a for a bad bundle.
+        with pytest.raises(TankError, match="no such partition"):
+            tank.produce("events", [b"x"], partition=7)
         with pytest.raises(OutOfRange) as out:
             tank.consume("events", seq=10_000)
         assert (out.value.first_available, out.value.high_water_mark) == (1, 504)

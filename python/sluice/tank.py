@@ -41,8 +41,9 @@ MAX_FRAME_BYTES = 1 << 30
 
 # Produce's error byte per partition.
 PRODUCE_ERRORS = {
-    0x02: "the request is not valid (a bad bundle, a partition the topic lacks, or a sequence "
-    "number behind the partition's end)",
+    0x01: "the topic has no such partition",
+    0x02: "the broker could not store it (see its log: a full disk, a failing WAL)",
+    0x0A: "the request is not valid (a bad bundle, or a sequence number behind the partition's end)",
     0xFE: "the broker is read-only for the topic (a replica's copy: produce to its active; or, on a "
     "node with users, [users.guest] has no write permission on it: TANK clients have its grants)",
     0xFF: "the topic is unknown",

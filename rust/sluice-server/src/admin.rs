@@ -1,12 +1,15 @@
-//! The admin endpoint: `GET /metrics` (Prometheus text format), `GET /status` (JSON, what
-//! `sluice status` prints as tables), `POST /promote` (failover) and `POST /takeover` (a vbucket
-//! move). A small HTTP/1.1 responder: one request per connection, then `Connection: close`.
+//! The admin endpoint: the web console at `/` (its files built in, `console/`), `GET /metrics`
+//! (Prometheus text format), `GET /status` (JSON, what `sluice status` prints as tables and the
+//! console draws), `POST /promote` (failover), `POST /takeover` (a vbucket move) and
+//! `POST /topics` (a new topic). A small HTTP/1.1 responder: one request per connection, then
+//! `Connection: close`.
 //!
 //! Who may do what (README "Admin endpoint"):
 //! - Reads (GET) are open on a loopback endpoint; beyond loopback, once users exist, they need
 //!   credentials (any user, or the token).
 //! - State changes (POST) need, once users exist, a user with the `admin` permission on every
-//!   bucket they change (`/promote`: every bucket of the node; `/takeover`: the moved one), or
+//!   bucket they change (`/promote`: every bucket of the node; `/takeover`: the moved one; on
+//!   the topic for `/topics`), or
 //!   the token the node writes to `DATA_DIR/admin.token` at start (mode 0600: whoever can read
 //!   the data directory holds the data already). Without users they are taken only on a
 //!   loopback endpoint from a loopback peer.
@@ -233,6 +236,14 @@ impl Admin {
             Caller::Token => Ok(()),
             Caller::User(name) => {
                 let user = users.get(&name).ok_or(Refusal::BadCredentials)?;
+                if req.path == "/topics" {
+                    let topic = req.arg("name").unwrap_or_default();
+                    return if user.topic_permissions(&topic) & ADMIN != 0 {
+                        Ok(())
+                    } else {
+                        Err(Refusal::NoPermission)
+                    };
+                }
                 let buckets = if req.path == "/promote" {
                     node.engine()
                         .buckets()
@@ -435,6 +446,9 @@ struct Answer {
     content_type: &'static str,
     body: Vec<u8>,
     challenge: bool,
+    /// The console's files: the page may load nothing but from this node, and no other site
+    /// may frame it.
+    csp: bool,
 }
 
 impl Answer {
@@ -444,6 +458,7 @@ impl Answer {
             content_type: "text/plain; charset=utf-8",
             body: body.into().into_bytes(),
             challenge: false,
+            csp: false,
         }
     }
 
@@ -453,6 +468,7 @@ impl Answer {
             content_type: "application/json",
             body: v.to_string().into_bytes(),
             challenge: false,
+            csp: false,
         }
     }
 
@@ -475,9 +491,11 @@ impl Answer {
         } else {
             ""
         };
+        let csp = if self.csp { CONSOLE_POLICY } else { "" };
         let head = format!(
             "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{challenge}\
-             Cache-Control: no-store\r\nConnection: close\r\n\r\n",
+             {csp}X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\n\
+             Connection: close\r\n\r\n",
             self.code,
             self.content_type,
             self.body.len()
@@ -627,23 +645,43 @@ fn parse_head(head: &[u8]) -> Result<Request, &'static str> {
 }
 
 async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &Admin) -> Answer {
+    let console = console_file(&req.path);
     let change = match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/metrics" | "/status") => false,
-        ("POST", "/promote" | "/takeover" | "/errinj") => true,
-        (_, "/metrics" | "/status" | "/promote" | "/takeover" | "/errinj") => {
+        ("GET", _) if console.is_some() => false,
+        ("POST", "/promote" | "/takeover" | "/errinj" | "/topics") => true,
+        (_, "/metrics" | "/status" | "/promote" | "/takeover" | "/errinj" | "/topics") => {
             return Answer::text(
                 405,
-                "GET /metrics, GET /status, POST /promote, POST /takeover, POST /errinj\n",
+                "GET /metrics, GET /status, POST /promote, POST /takeover, POST /topics, \
+                 POST /errinj\n",
             )
         }
-        _ => return Answer::text(404, "try /metrics or /status\n"),
+        _ if console.is_some() => return Answer::text(405, "GET the console's files\n"),
+        _ => return Answer::text(404, "try /, /metrics or /status\n"),
     };
     // A password check is a deliberate ~0.1 s of CPU: off the I/O threads' queue.
     if let Err(why) = tokio::task::block_in_place(|| admin.admit(req, peer, node, change)) {
         return admin.refuse(why, req, peer);
     }
+    if let Some((content_type, body)) = console {
+        return Answer {
+            code: 200,
+            content_type,
+            body: body.to_vec(),
+            challenge: false,
+            csp: true,
+        };
+    }
     let nv = node.clone();
     match req.path.as_str() {
+        "/topics" => {
+            let query = req.query.clone();
+            match tokio::task::spawn_blocking(move || create_topic(&nv, &query)).await {
+                Ok(a) => a,
+                Err(e) => Answer::text(500, format!("{e}\n")),
+            }
+        }
         "/metrics" => {
             let mut body = tokio::task::block_in_place(|| metrics(node));
             admin.metrics(&mut body);
@@ -668,6 +706,78 @@ async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &A
                 Err(e) => Answer::text(500, format!("{e}\n")),
             }
         }
+    }
+}
+
+/// The console's headers: it loads scripts, styles and data from this node only, and no page
+/// elsewhere may frame it.
+const CONSOLE_POLICY: &str = "Content-Security-Policy: default-src 'self'; script-src 'self'; \
+     style-src 'self'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; \
+     base-uri 'none'; form-action 'none'\r\nX-Frame-Options: DENY\r\n";
+
+/// The web console's files, built into the binary: one page, its script and style, and the
+/// chart library (uPlot, MIT, its licence beside it).
+fn console_file(path: &str) -> Option<(&'static str, &'static [u8])> {
+    Some(match path {
+        "/" | "/index.html" => (
+            "text/html; charset=utf-8",
+            include_bytes!("console/index.html"),
+        ),
+        "/console.js" => (
+            "text/javascript; charset=utf-8",
+            include_bytes!("console/console.js"),
+        ),
+        "/console.css" => (
+            "text/css; charset=utf-8",
+            include_bytes!("console/console.css"),
+        ),
+        "/uPlot.iife.min.js" => (
+            "text/javascript; charset=utf-8",
+            include_bytes!("console/uPlot.iife.min.js"),
+        ),
+        "/uPlot.min.css" => (
+            "text/css; charset=utf-8",
+            include_bytes!("console/uPlot.min.css"),
+        ),
+        "/uPlot-LICENSE" => (
+            "text/plain; charset=utf-8",
+            include_bytes!("console/uPlot-LICENSE"),
+        ),
+        _ => return None,
+    })
+}
+
+/// `POST /topics?name=NAME&partitions=N[&settings=TEXT]`: creates a topic as TANK's
+/// CreateTopic does (settings as `key=value` lines), answered once the WAL holds it.
+fn create_topic(node: &NodeView, query: &str) -> Answer {
+    let req = Request {
+        method: String::new(),
+        path: String::new(),
+        query: query.to_string(),
+        headers: Vec::new(),
+    };
+    let Some(name) = req.arg("name").filter(|n| !n.is_empty()) else {
+        return Answer::text(400, "give name=TOPIC&partitions=N\n");
+    };
+    let partitions = match req.arg("partitions").map(|p| p.parse::<u16>()) {
+        Some(Ok(p)) if p > 0 => p,
+        _ => return Answer::text(400, "partitions must be a number from 1 to 65535\n"),
+    };
+    let settings = req.arg("settings").unwrap_or_default();
+    let engine = node.engine();
+    let written = engine
+        .write_topic(&name, partitions, &settings)
+        .and_then(|w| engine.wait_written(w));
+    match written {
+        Ok(_) => {
+            log::info!("admin: topic {name:?} created with {partitions} partition(s)");
+            Answer::json(serde_json::json!({"created": name, "partitions": partitions}))
+        }
+        Err(sluice_core::Error::Exists) => {
+            Answer::text(409, format!("topic {name:?} exists already\n"))
+        }
+        Err(sluice_core::Error::InvalidArgument(why)) => Answer::text(400, format!("{why}\n")),
+        Err(e) => Answer::text(500, format!("{e}\n")),
     }
 }
 

@@ -3,10 +3,16 @@
 
 use super::{finish_frame, msg, put_str8, start_frame, DecodeError, Reader};
 
-/// A Produce's error bytes (one per partition entry of the request, in order).
+/// A Produce's error bytes (one per partition entry of the request, in order), as TANK's broker
+/// writes them (service_wip.cpp) and its client reads them (client_api_produce.cpp).
 pub mod produce_error {
     pub const OK: u8 = 0x00;
-    pub const INVALID_REQUEST: u8 = 0x02;
+    pub const UNKNOWN_PARTITION: u8 = 0x01;
+    /// The bundle could not be stored (a full disk, a failing WAL): the client's "System Error".
+    pub const IO_FAULT: u8 = 0x02;
+    /// A bundle that does not read, or placed behind the partition's end (TANK: invalid
+    /// sequence numbers; the client's "Invalid Request").
+    pub const INVALID: u8 = 0x0a;
     /// The broker takes no produce (TANK's read-only mode); once per topic, as UNKNOWN_TOPIC.
     pub const READ_ONLY: u8 = 0xfe;
     pub const UNKNOWN_TOPIC: u8 = 0xff;

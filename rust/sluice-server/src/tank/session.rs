@@ -33,8 +33,6 @@ const MAX_COALESCED_READS: usize = 16;
 const READ_AT_LEAST: usize = 64 << 10;
 /// The most room a read is given for a frame whose length is not known yet (see `last_frame`).
 const READ_AT_MOST: usize = 1 << 20;
-/// A produce entry refused for a reason of this node's (the WAL failing, a full queue).
-const SYSTEM_ERROR: u8 = 0x03;
 /// How often a waiting consume looks at topics other than the first it names.
 const POLL: Duration = Duration::from_millis(100);
 /// Consumes one connection may keep waiting; one more is answered at once (empty at a tail),
@@ -314,6 +312,10 @@ fn produce(
             continue;
         }
         for part in &t.partitions {
+            if part.partition >= topic.num_partitions() {
+                errors.push(produce_error::UNKNOWN_PARTITION);
+                continue;
+            }
             errors.push(
                 match ctx.port.engine.produce(
                     &topic,
@@ -332,7 +334,7 @@ fn produce(
                     }
                     Err(Error::InvalidArgument(why)) => {
                         log::debug!("a TANK produce refused: {why}");
-                        produce_error::INVALID_REQUEST
+                        produce_error::INVALID
                     }
                     // A full disk, say: answered at once (TANK's error byte carries no text),
                     // the cause in the log.
@@ -344,7 +346,7 @@ fn produce(
                                 topic.name
                             ),
                         );
-                        SYSTEM_ERROR
+                        produce_error::IO_FAULT
                     }
                 },
             );
