@@ -172,11 +172,13 @@ def cluster_node(
     url: str | None = None,
     listen: str | None = None,
     advertise: str | None = None,
+    config: str = "",
 ):
     """A node of the cluster; `url` reaches etcd some other way, `advertise` is where the
-    others reach this node (both through a fault proxy)."""
+    others reach this node (both through a fault proxy); `config` is more of its config."""
     extra = (
         USERS
+        + config
         + replica_login(tmp_path)
         + f'[cluster]\netcd = "{url or etcd.url}"\nnode_name = "{name}"\n'
         + f"auto_failover_timeout = {timeout}\n"
@@ -213,12 +215,18 @@ def wait_map(etcd: EtcdServer, check, timeout: float = 60) -> dict:
 
 
 def form(
-    tmp_path, etcd: EtcdServer, names: list[str], timeout: float = 2.0, vbuckets: int = NUM_VBUCKETS
+    tmp_path,
+    etcd: EtcdServer,
+    names: list[str],
+    timeout: float = 2.0,
+    vbuckets: int = NUM_VBUCKETS,
+    config: str = "",
 ) -> dict:
-    """Starts the nodes, the first forming the cluster, adds the others and rebalances."""
+    """Starts the nodes (`config`: more of each one's config), the first forming the cluster,
+    adds the others and rebalances."""
     nodes = {}
     for n in names:
-        nodes[n] = cluster_node(tmp_path, etcd, n, timeout, vbuckets)
+        nodes[n] = cluster_node(tmp_path, etcd, n, timeout, vbuckets, config=config)
         if n == names[0]:
             wait_map(etcd, lambda m: True)
     wait_registered(etcd, names)

@@ -52,7 +52,8 @@ def test_no_file_imports_another_in_a_circle() -> None:
 # sluice-server's modules, lowest layer first.
 SERVER_LAYERS = [
     # leaves: no other module of the crate
-    {"armed", "clustermap", "metrics", "ratelimit", "space", "tls", "stream"},
+    {"armed", "metrics", "ratelimit", "space", "tls", "stream", "topic_placement"},
+    {"clustermap"},  # the map clients are served, with the topics' partition leaders
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions
     # counters, plugins, pre-login bounds, a Tarantool followed, failed logins slowed

@@ -27,6 +27,11 @@ fn front() -> &'static (Loopback, Arc<TankContext>) {
             ),
             stats: Default::default(),
             started_unix: 0,
+            // A node on its own: every partition led here.
+            clustermap: Arc::new(sluice_server::clustermap::ClusterMap::new(
+                "127.0.0.1:11210".parse().unwrap(),
+                None,
+            )),
         });
         (Loopback::default(), ctx)
     })

@@ -14,6 +14,7 @@ time.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 import time
 from collections.abc import Sequence
@@ -49,6 +50,17 @@ PRODUCE_ERRORS = {
     0xFF: "the topic is unknown",
 }
 
+# A partition's answer from a broker that does not lead it: the leader's endpoint follows, or
+# none leads it now.
+OTHER_LEADER = 0xFC
+NO_LEADER = 0xFD
+
+
+def _endpoint(b: bytes) -> str:
+    """TANK's endpoint (the IPv4 address's octets in order, the port u16 LE) as "HOST:PORT"."""
+    return f"{ipaddress.IPv4Address(b[:4])}:{struct.unpack('<H', b[4:6])[0]}"
+
+
 # CreateTopic's error byte.
 CREATE_ERRORS = {
     1: "the topic exists",
@@ -62,6 +74,17 @@ CREATE_ERRORS = {
 
 class TankError(Exception):
     pass
+
+
+class NotLeader(TankError):
+    """The broker asked does not lead the partition (a sluice cluster places each partition on
+    a node): `leader` is the "HOST:PORT" of the one that does, None while none does."""
+
+    def __init__(self, topic: str, partition: int, leader: str | None):
+        where = f"ask {leader}" if leader else "no node leads it now; ask again later"
+        super().__init__(f"{topic}/{partition}: this broker does not lead the partition ({where})")
+        self.partition = partition
+        self.leader = leader
 
 
 class OutOfRange(TankError):
@@ -200,6 +223,10 @@ class TankConnection:
             raise TankError(f"produce to {topic!r}: {e}") from None
         answer = self._exchange(PRODUCE, frame)
         error = answer[4] if len(answer) > 4 else 0
+        if error == OTHER_LEADER and len(answer) >= 11:
+            raise NotLeader(topic, partition, _endpoint(answer[5:11]))
+        if error == NO_LEADER:
+            raise NotLeader(topic, partition, None)
         if error:
             why = PRODUCE_ERRORS.get(error, f"the broker failed (error {error:#04x})")
             raise TankError(f"produce to {topic}/{partition}: {why}")
@@ -271,6 +298,10 @@ class TankConnection:
             raise TankError(f"topic {topic!r} has no partition {partition}")
         if kind == "boundary":
             raise OutOfRange(topic, partition, seq, first, hwm)
+        if kind == "other_leader":
+            raise NotLeader(topic, partition, f"{ipaddress.IPv4Address(hwm)}:{first}")
+        if kind == "no_leader":
+            raise NotLeader(topic, partition, None)
         return Fetched(partition, messages, next_seq, hwm)
 
     def create_topic(self, name: str, partitions: int = 1, settings: str = "") -> None:

@@ -110,6 +110,16 @@ def cmd_status(args: argparse.Namespace, etcd: Etcd, keys: Keys) -> int:
         f"{min(replicas)}-{max(replicas)}; {short} vbucket(s) short of a replica; "
         f"{len(unserved)} without an active" + (f" ({unserved[:10]})" if unserved else "")
     )
+    topics = doc.get("topics", {})
+    if topics:
+        # Each partition's leader; one whose leader is failed over has none (its only copy).
+        print()
+        rows = [("topic", "partition", "leader")]
+        for name in sorted(topics):
+            for p, chain in enumerate(topics[name]["chains"]):
+                leader = chain[0] if chain and chain[0] not in doc["failed"] else None
+                rows.append((name, str(p), leader or "none (failed over)"))
+        _table(rows)
     reb = st["rebalance"]
     if reb:
         line = f"rebalance: {reb.get('state')}"

@@ -86,6 +86,7 @@ class Member:
         self.lease, ttl = self.etcd.grant(LEASE_TTL)
         info = {
             "kv": self.s.kv,
+            "tank": self.s.tank,
             "group": self.s.group,
             "admin": self.s.admin,
             "pid": os.getpid(),
@@ -106,7 +107,9 @@ class Member:
                 # majority writes count).
                 "followers": self.server.followers(b),
             }
-        return {"buckets": out, "map_revision": self.map_revision, "at": time.time()}
+        # The topics it holds, which the orchestrator places over the cluster.
+        topics = {name: {"partitions": n, "settings": settings} for name, n, settings in self.engine.topics()}
+        return {"buckets": out, "topics": topics, "map_revision": self.map_revision, "at": time.time()}
 
     def _lease_loop(self) -> None:
         next_keepalive = 0.0
@@ -205,6 +208,7 @@ class Member:
         this = index.get(self.s.node)
         servers = [doc["nodes"][n]["kv"] for n in names]
         done = self.server.converge(kv.mod_revision, servers, this, chains)
+        self.place_topics(doc, names)
         self.map_revision = kv.mod_revision
         changed = {k: len(v) for k, v in done.items() if k != "streams" and v}
         log.info(
@@ -214,6 +218,31 @@ class Member:
             sum(len(s[2]) for s in done["streams"]),
             len({s[1] for s in done["streams"]}),
         )
+
+    def place_topics(self, doc: dict[str, Any], names: list[str]) -> None:
+        """Declares here the topics the map places that this node lacks (so that its TANK
+        listener knows them and sends clients to their leaders), then tells the server who
+        leads each partition: this node, another node's TANK listener, or none while its
+        leader is failed over."""
+        placed = doc.get("topics", {})
+        have = {name for name, _, _ in self.engine.topics()}
+        for name, t in placed.items():
+            if name not in have:
+                self.engine.create_topic(name, t["partitions"], t.get("settings", ""))
+        failed = doc.get("failed", {})
+
+        def lead(chain: list[str | None]) -> str:
+            leader = chain[0] if chain else None
+            if leader is None or leader in failed:
+                return ""
+            if leader == self.s.node:
+                return "here"
+            return doc["nodes"].get(leader, {}).get("tank", "")
+
+        leads = {name: [lead(c) for c in t["chains"]] for name, t in placed.items()}
+        held = {n: sum(1 for t in placed.values() for c in t["chains"] if n in c) for n in names}
+        nodes = [(doc["nodes"][n].get("tank", ""), True, held[n]) for n in names]
+        self.server.place_topics(self.s.cluster, leads, nodes)
 
     def _take_over(self, move: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One vbucket taken over in every bucket: its outcome for the orchestrator."""
@@ -281,6 +310,17 @@ class Member:
         return current is not None and current.value.decode() == self.s.node and current.lease == self.lease
 
 
+def tank_address(bound: str, kv: str) -> str:
+    """Where other nodes send TANK clients to this one: its TANK listener, on the host the KV
+    address names when it listens on every address ("" when it has no TANK listener)."""
+    if not bound:
+        return ""
+    host, _, port = bound.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::"):
+        host = kv.rpartition(":")[0]
+    return f"{host}:{port}"
+
+
 def join(
     values: dict[str, Any],
     etcd_password: str | None,
@@ -310,6 +350,7 @@ def join(
             cluster=name,
             node=values["cluster.node_name"] or kv,
             kv=kv,
+            tank=tank_address(server.fronts.get("tank", ""), kv),
             group=values["cluster.group"],
             replicas=values["cluster.replicas"],
             auto_failover_timeout=values["cluster.auto_failover_timeout"],

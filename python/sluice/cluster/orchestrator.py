@@ -26,6 +26,15 @@ MOVES_PER_NODE = 4
 REGISTER_WAIT = 30.0
 
 
+def node_entry(registration: dict[str, Any]) -> dict[str, Any]:
+    """What the map keeps of a node's registration: its KV and TANK addresses and group."""
+    return {
+        "kv": registration["kv"],
+        "tank": registration.get("tank", ""),
+        "group": registration.get("group", ""),
+    }
+
+
 class Host(Protocol):
     """What the orchestrator uses of the member that runs it (a `member.Member`), named here
     rather than imported: the member imports this module to start the orchestrator."""
@@ -101,6 +110,7 @@ class Orchestrator:
             self.handle_requests(doc, revision, nodes)
             or self.fail_over_the_gone(doc, revision, nodes)
             or self.take_back_the_returned(doc, revision, nodes)
+            or self.place_topics(doc, revision)
             or self.rebalance_step(doc, revision, nodes)
         )
 
@@ -110,7 +120,7 @@ class Orchestrator:
         if info is None:
             return
         doc = {
-            "nodes": {me: {"kv": info["kv"], "group": info.get("group", "")}},
+            "nodes": {me: node_entry(info)},
             "wanted": [me],
             "chains": vbmap.balance([me], self.s.num_vbuckets, self.s.replicas),
             "replicas": self.s.replicas,
@@ -120,6 +130,41 @@ class Orchestrator:
         }
         if self.etcd.put_if(self.keys.map, dump(doc)) is not None:
             log.warning("cluster %s formed by %s: every vbucket active on it", self.s.cluster, me)
+
+    # -- topics
+
+    def place_topics(self, doc: dict[str, Any], revision: int) -> bool:
+        """Places the topics a node declared (its status names them) that the map lacks: each
+        partition led by one node, leaders spread over the map's nodes as vbuckets' actives
+        are. A partition's copy lives on its leader only: while the leader is failed over, no
+        node leads it (TANK clients are told so) rather than one without its messages."""
+        placed = doc.get("topics", {})
+        declared: dict[str, dict[str, Any]] = {}
+        kvs, _ = self.etcd.get_prefix(self.keys.status())
+        for kv in sorted(kvs, key=lambda kv: kv.key):
+            for name, t in kv.json().get("topics", {}).items():
+                declared.setdefault(name, t)
+        new = {n: t for n, t in declared.items() if n not in placed}
+        if not new:
+            return False
+        members = [n for n in doc["nodes"] if n not in doc["failed"]]
+        topics = dict(placed)
+        for name, t in sorted(new.items()):
+            topics[name] = {
+                "partitions": t["partitions"],
+                "settings": t.get("settings", ""),
+                "chains": vbmap.balance(members, t["partitions"], 0),
+            }
+        if not self.publish({**doc, "topics": topics}, revision):
+            return False
+        for name in sorted(new):
+            log.warning(
+                "cluster: topic %s placed: %d partition(s) led by %s",
+                name,
+                new[name]["partitions"],
+                ", ".join(sorted({c[0] for c in topics[name]["chains"] if c[0]})),
+            )
+        return True
 
     # -- failover
 
@@ -245,7 +290,7 @@ class Orchestrator:
             log.warning("cluster: rebalance refused: %s", why)
             return
         target = self.target(doc, nodes)
-        infos = {n: {"kv": nodes[n]["kv"], "group": nodes[n].get("group", "")} for n in wanted}
+        infos = {n: node_entry(nodes[n]) for n in wanted}
         # Every node of the target is in the map (as a server) before anything moves to it.
         doc = {**doc, "nodes": {**doc["nodes"], **infos}}
         if not self.publish(doc, revision):

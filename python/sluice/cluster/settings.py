@@ -19,6 +19,8 @@ class ClusterSettings:
     cluster: str
     node: str
     kv: str
+    # Its TANK listener as other nodes reach it ("" when it has none).
+    tank: str = ""
     group: str = ""
     replicas: int = 1
     auto_failover_timeout: float = 10.0

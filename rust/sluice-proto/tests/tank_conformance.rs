@@ -234,3 +234,135 @@ fn the_recorded_fields_read_as_the_broker_meant_them() {
     );
     assert!(chunks.is_empty());
 }
+
+fn hex(s: &str) -> Vec<u8> {
+    let s: String = s.split_whitespace().collect();
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// A clustered broker's answers, as TANK's client parses them (client_api_produce.cpp,
+/// client_api_consume.cpp, client_api_discover_topology.cpp and
+/// client_api_discover_partitions.cpp): no recording has them (every one is of a broker on its
+/// own), so the bytes are laid out from the client's parser.
+#[test]
+fn cluster_answers_are_laid_out_as_tanks_client_reads_them() {
+    use sluice_proto::tank::response::{
+        redirect, Endpoint, PartitionInfo, TopologyInfo, TopologyNode,
+    };
+    let leader = Endpoint {
+        addr4: [10, 0, 0, 2],
+        port: 11011,
+    };
+    // Produce: partition 0 led at 10.0.0.2:11011, partition 1 led by nobody.
+    let mut errors = vec![redirect::OTHER_LEADER];
+    leader.write(&mut errors);
+    errors.push(redirect::NO_LEADER);
+    let mut out = Vec::new();
+    ProduceAck {
+        request_id: 1,
+        errors: &errors,
+    }
+    .write(&mut out);
+    assert_eq!(out, hex("01 0c000000 01000000 fc 0a000002 032b fd"));
+
+    // Consume: the redirect entry carries the endpoint and nothing after it.
+    let mut out = Vec::new();
+    ConsumeAnswer {
+        request_id: 1,
+        topics: vec![sluice_proto::tank::response::TopicAnswer {
+            name: b"wire",
+            partitions: PartitionsAnswer::Known(vec![PartitionAnswer::OtherLeader {
+                partition: 0,
+                leader,
+            }]),
+        }],
+    }
+    .write_headers(&mut out);
+    assert_eq!(
+        out,
+        hex("02 18000000 14000000 01000000 01 04 77697265 01 0000 fc 0a000002 032b")
+    );
+    let (back, _) = ConsumeAnswer::decode(&out[5..]).unwrap();
+    assert_eq!(
+        back.topics[0].partitions,
+        PartitionsAnswer::Known(vec![PartitionAnswer::OtherLeader {
+            partition: 0,
+            leader
+        }])
+    );
+
+    // DiscoverTopology: a broker on its own, then a cluster of two.
+    let mut out = Vec::new();
+    TopologyInfo {
+        request_id: 1,
+        cluster: None,
+    }
+    .write(&mut out);
+    assert_eq!(out, hex("0c 06000000 01000000 ffff"));
+    let cluster = TopologyInfo {
+        request_id: 1,
+        cluster: Some((
+            b"c1",
+            vec![
+                TopologyNode {
+                    id: 1,
+                    available: true,
+                    endpoint: Some(Endpoint {
+                        addr4: [10, 0, 0, 1],
+                        port: 11011,
+                    }),
+                    partitions: 4,
+                },
+                TopologyNode {
+                    id: 2,
+                    available: true,
+                    endpoint: None,
+                    partitions: 0,
+                },
+            ],
+        )),
+    };
+    let mut out = Vec::new();
+    cluster.write(&mut out);
+    assert_eq!(
+        out,
+        hex("0c 19000000 01000000 0200 02 6331 0100 03 0a000001 032b 0400 0200 02 0000")
+    );
+    assert_eq!(TopologyInfo::decode(&out[5..]).unwrap(), cluster);
+
+    // DiscoverPartitions: a partition here, one led elsewhere, one led by nobody.
+    let info = PartitionsInfo {
+        request_id: 1,
+        topic: b"t",
+        partitions: vec![
+            PartitionInfo::Range {
+                first: 1,
+                high_water_mark: 9,
+            },
+            PartitionInfo::OtherLeader(leader),
+            PartitionInfo::NoLeader,
+        ],
+    };
+    let mut out = Vec::new();
+    info.write(&mut out);
+    let mut want = hex("06 00000000 01000000 01 74 0300 0100000000000000 0900000000000000");
+    want.extend([0xff; 16]);
+    want.extend(hex("fc 0a000002 032b"));
+    want.extend([0xff; 16]);
+    want.push(0xfd);
+    let len = (want.len() - 5) as u32;
+    want[1..5].copy_from_slice(&len.to_le_bytes());
+    assert_eq!(out, want);
+    assert_eq!(PartitionsInfo::decode(&out[5..]).unwrap(), info);
+
+    // What the client asks a leader it was sent to: the topic, then bare partition ids.
+    let req = hex("06 0a000000 01000000 01 74 0300 0500");
+    let (id, body) = payload(&req);
+    match Request::decode(id, body).unwrap() {
+        Request::DiscoverPartitions { partitions, .. } => assert_eq!(partitions, [3, 0, 5, 0]),
+        other => panic!("{other:?}"),
+    }
+}

@@ -324,6 +324,56 @@ impl Server {
         }
     }
 
+    /// Puts the cluster map's topic placement in force for the TANK front: `topics` gives each
+    /// topic's partition leaders in order ("here", the leader's TANK address "IPv4:PORT", or ""
+    /// while none leads it); `nodes` the map's nodes in order: (TANK address or "", whether it
+    /// is available, how many partitions it holds a copy of).
+    fn place_topics(
+        &self,
+        cluster: String,
+        topics: std::collections::HashMap<String, Vec<String>>,
+        nodes: Vec<(String, bool, u16)>,
+    ) -> PyResult<()> {
+        use sluice_server::topic_placement::{Lead, PlacedNode, Placement};
+        let address = |a: &str| {
+            a.parse::<std::net::SocketAddrV4>().map_err(|_| {
+                ConfigError::new_err(format!(
+                    "a TANK address in the cluster map is {a:?}, not IPv4:PORT (TANK's clients \
+                     are sent to a leader by its IPv4 address)"
+                ))
+            })
+        };
+        let mut placement = Placement {
+            cluster,
+            ..Placement::default()
+        };
+        for (topic, leads) in topics {
+            let leads = leads
+                .iter()
+                .map(|l| match l.as_str() {
+                    "here" => Ok(Lead::Here),
+                    "" => Ok(Lead::Nobody),
+                    a => address(a).map(Lead::At),
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            placement.topics.insert(topic, leads);
+        }
+        for (i, (tank, available, partitions)) in nodes.into_iter().enumerate() {
+            placement.nodes.push(PlacedNode {
+                id: i as u16 + 1,
+                tank: if tank.is_empty() {
+                    None
+                } else {
+                    Some(address(&tank)?)
+                },
+                available,
+                partitions,
+            });
+        }
+        self.member()?.clustermap.topics.set(placement);
+        Ok(())
+    }
+
     /// Per vbucket of `bucket` here, the KV addresses of the replicas that follow it: those
     /// whose streams registered, what majority writes count ("" where a replica did not say).
     fn followers(&self, bucket: &str) -> PyResult<Vec<Vec<String>>> {

@@ -158,7 +158,9 @@ type Fetched<'py> = (u16, &'static str, u64, u64, Bound<'py, PyList>, u64, usize
 /// Decodes the answer (payload) to a Consume of one topic's partitions from `seqs` (in the
 /// order asked): per partition `(partition, kind, high_water_mark, first, messages, next_seq,
 /// needed)`. `kind` is "data", "boundary" (the seq asked for is out of range; `first` is where
-/// the partition starts), "unknown_topic" or "unknown_partition"; for "data", `first` is the
+/// the partition starts), "unknown_topic", "unknown_partition", "other_leader" (another broker
+/// leads it: `high_water_mark` is its IPv4 address as a big-endian number, `first` its port)
+/// or "no_leader"; for "data", `first` is the
 /// chunk's base sequence number (the first available when nothing came). `messages` are
 /// (seq, ts, key or None, content) from the seq asked for on; `next_seq` is where to ask next.
 /// `needed` is nonzero when no whole bundle fitted the fetch size: the size of the first one,
@@ -192,7 +194,9 @@ pub(crate) fn tank_consume_answer<'py>(
             PartitionAnswer::Data { partition, .. }
             | PartitionAnswer::SparseData { partition, .. }
             | PartitionAnswer::BoundaryCheck { partition, .. }
-            | PartitionAnswer::UnknownPartition { partition } => partition,
+            | PartitionAnswer::UnknownPartition { partition }
+            | PartitionAnswer::OtherLeader { partition, .. }
+            | PartitionAnswer::NoLeader { partition } => partition,
         };
         let seq = seqs
             .iter()
@@ -257,6 +261,22 @@ fn partition_result<'py>(
     let (partition, base, hwm) = match *part {
         PartitionAnswer::UnknownPartition { partition } => {
             return Ok((partition, "unknown_partition", 0, 0, messages, seq, 0))
+        }
+        // The leader's IPv4 address (its octets as a big-endian number) and port.
+        PartitionAnswer::OtherLeader { partition, leader } => {
+            let addr = u32::from_be_bytes(leader.addr4) as u64;
+            return Ok((
+                partition,
+                "other_leader",
+                addr,
+                leader.port as u64,
+                messages,
+                seq,
+                0,
+            ));
+        }
+        PartitionAnswer::NoLeader { partition } => {
+            return Ok((partition, "no_leader", 0, 0, messages, seq, 0))
         }
         PartitionAnswer::BoundaryCheck {
             partition,

@@ -151,6 +151,8 @@ pub struct ClusterMap {
     report: Mutex<Option<serde_json::Value>>,
     /// The newest rev of any bucket: connections that asked for pushes watch it.
     changed: watch::Sender<i64>,
+    /// Who leads each topic partition, when the node is in a cluster.
+    pub topics: crate::topic_placement::Placements,
 }
 
 fn now_ms() -> i64 {
@@ -183,6 +185,7 @@ impl ClusterMap {
             cluster: Mutex::new(None),
             report: Mutex::new(None),
             changed: watch::channel(0).0,
+            topics: Default::default(),
         }
     }
 

@@ -43,6 +43,7 @@ pub mod tank;
 pub mod tap;
 pub mod throttle;
 pub mod tls;
+pub mod topic_placement;
 pub mod topic_replica;
 pub mod upstream;
 

@@ -75,10 +75,26 @@ pub enum Request<'a> {
     Produce(Produce<'a>),
     Consume(Consume<'a>),
     Ping,
-    DiscoverPartitions { request_id: u32, topic: &'a [u8] },
-    DiscoverTopics { request_id: u32, flags: u8 },
+    /// Every partition of the topic, or (what TANK's client asks of a leader it was sent to)
+    /// those whose ids follow the topic: `partitions` is their u16 LE ids, back to back.
+    DiscoverPartitions {
+        request_id: u32,
+        topic: &'a [u8],
+        partitions: &'a [u8],
+    },
+    /// The brokers of the cluster (TANK's client: `tank-cli topology`).
+    DiscoverTopology {
+        request_id: u32,
+        flags: u8,
+    },
+    DiscoverTopics {
+        request_id: u32,
+        flags: u8,
+    },
     CreateTopic(CreateTopic<'a>),
-    Status { request_id: u32 },
+    Status {
+        request_id: u32,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -92,9 +108,24 @@ impl<'a> Request<'a> {
             }
             msg::CONSUME => Request::Consume(decode_consume(&mut r)?),
             msg::PING => Request::Ping,
-            msg::DISCOVER_PARTITIONS => Request::DiscoverPartitions {
+            msg::DISCOVER_PARTITIONS => {
+                let request_id = r.u32("a request id")?;
+                let topic = r.str8("a topic name")?;
+                let n = r.remaining();
+                if !n.is_multiple_of(2) {
+                    return Err(DecodeError::Invalid(format!(
+                        "{n} byte(s) of partition ids after a DiscoverPartitions topic"
+                    )));
+                }
+                Request::DiscoverPartitions {
+                    request_id,
+                    topic,
+                    partitions: r.bytes(n, "partition ids")?,
+                }
+            }
+            msg::DISCOVER_TOPOLOGY => Request::DiscoverTopology {
                 request_id: r.u32("a request id")?,
-                topic: r.str8("a topic name")?,
+                flags: r.u8("DiscoverTopology flags")?,
             },
             msg::DISCOVER_TOPICS => Request::DiscoverTopics {
                 request_id: r.u32("a request id")?,
@@ -136,10 +167,21 @@ impl<'a> Request<'a> {
             Request::Produce(p) => p.write(out),
             Request::Consume(c) => c.write(out),
             Request::Ping => out.extend_from_slice(&super::PING_FRAME),
-            Request::DiscoverPartitions { request_id, topic } => {
+            Request::DiscoverPartitions {
+                request_id,
+                topic,
+                partitions,
+            } => {
                 let at = start_frame(out, msg::DISCOVER_PARTITIONS);
                 out.extend_from_slice(&request_id.to_le_bytes());
                 put_str8(out, topic);
+                out.extend_from_slice(partitions);
+                finish_frame(out, at);
+            }
+            Request::DiscoverTopology { request_id, flags } => {
+                let at = start_frame(out, msg::DISCOVER_TOPOLOGY);
+                out.extend_from_slice(&request_id.to_le_bytes());
+                out.push(*flags);
                 finish_frame(out, at);
             }
             Request::DiscoverTopics { request_id, flags } => {

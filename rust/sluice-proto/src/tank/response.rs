@@ -18,6 +18,47 @@ pub mod produce_error {
     pub const UNKNOWN_TOPIC: u8 = 0xff;
 }
 
+/// Where another broker listens, as TANK writes it after a redirect (0xfc) and in
+/// DiscoverTopology: the IPv4 address's octets in order, then the port, u16 LE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Endpoint {
+    pub addr4: [u8; 4],
+    pub port: u16,
+}
+
+impl Endpoint {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.addr4);
+        out.extend_from_slice(&self.port.to_le_bytes());
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Endpoint, DecodeError> {
+        let b = r.bytes(4, "an IPv4 address")?;
+        Ok(Endpoint {
+            addr4: [b[0], b[1], b[2], b[3]],
+            port: r.u16("a port")?,
+        })
+    }
+}
+
+impl From<std::net::SocketAddrV4> for Endpoint {
+    fn from(a: std::net::SocketAddrV4) -> Endpoint {
+        Endpoint {
+            addr4: a.ip().octets(),
+            port: a.port(),
+        }
+    }
+}
+
+/// What a broker that does not lead a partition answers for it (produce, consume and
+/// DiscoverPartitions alike): the leader's endpoint, or that it has none now.
+pub mod redirect {
+    /// Another broker leads it; its endpoint follows.
+    pub const OTHER_LEADER: u8 = 0xfc;
+    /// No broker leads it now (TANK's client asks again later).
+    pub const NO_LEADER: u8 = 0xfd;
+}
+
 /// A consumed partition's `errorOrFlags`.
 pub mod consume_flag {
     pub const OK: u8 = 0x00;
@@ -104,6 +145,15 @@ pub enum PartitionAnswer {
         first_available: u64,
     },
     UnknownPartition {
+        partition: u16,
+    },
+    /// Another broker leads the partition: the client asks it.
+    OtherLeader {
+        partition: u16,
+        leader: Endpoint,
+    },
+    /// No broker leads the partition now.
+    NoLeader {
         partition: u16,
     },
 }
@@ -253,6 +303,15 @@ fn write_partition(out: &mut Vec<u8>, p: &PartitionAnswer) {
             out.extend_from_slice(&partition.to_le_bytes());
             out.push(consume_flag::UNKNOWN_PARTITION);
         }
+        PartitionAnswer::OtherLeader { partition, leader } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(redirect::OTHER_LEADER);
+            leader.write(out);
+        }
+        PartitionAnswer::NoLeader { partition } => {
+            out.extend_from_slice(&partition.to_le_bytes());
+            out.push(redirect::NO_LEADER);
+        }
     }
 }
 
@@ -261,6 +320,11 @@ fn decode_partition(h: &mut Reader<'_>) -> Result<PartitionAnswer, DecodeError> 
     let flags = h.u8("a partition's errorOrFlags")?;
     Ok(match flags {
         consume_flag::UNKNOWN_PARTITION => PartitionAnswer::UnknownPartition { partition },
+        redirect::OTHER_LEADER => PartitionAnswer::OtherLeader {
+            partition,
+            leader: Endpoint::decode(h)?,
+        },
+        redirect::NO_LEADER => PartitionAnswer::NoLeader { partition },
         consume_flag::SPARSE_FIRST => PartitionAnswer::SparseData {
             partition,
             high_water_mark: h.u64("a high-water mark")?,
@@ -319,7 +383,18 @@ pub fn first_bundle_is_sparse(chunk: &[u8]) -> bool {
 pub struct PartitionsInfo<'a> {
     pub request_id: u32,
     pub topic: &'a [u8],
-    pub partitions: Vec<(u64, u64)>,
+    pub partitions: Vec<PartitionInfo>,
+}
+
+/// One partition of a DiscoverPartitions answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionInfo {
+    /// Its first available sequence number and its high-water mark.
+    Range { first: u64, high_water_mark: u64 },
+    /// Another broker leads it (two u64 of all ones, 0xfc, the endpoint).
+    OtherLeader(Endpoint),
+    /// No broker leads it now (two u64 of all ones, 0xfd).
+    NoLeader,
 }
 
 impl<'a> PartitionsInfo<'a> {
@@ -328,9 +403,25 @@ impl<'a> PartitionsInfo<'a> {
         out.extend_from_slice(&self.request_id.to_le_bytes());
         put_str8(out, self.topic);
         out.extend_from_slice(&(self.partitions.len() as u16).to_le_bytes());
-        for (first, hwm) in &self.partitions {
-            out.extend_from_slice(&first.to_le_bytes());
-            out.extend_from_slice(&hwm.to_le_bytes());
+        for p in &self.partitions {
+            match p {
+                PartitionInfo::Range {
+                    first,
+                    high_water_mark,
+                } => {
+                    out.extend_from_slice(&first.to_le_bytes());
+                    out.extend_from_slice(&high_water_mark.to_le_bytes());
+                }
+                PartitionInfo::OtherLeader(leader) => {
+                    out.extend_from_slice(&[0xff; 16]);
+                    out.push(redirect::OTHER_LEADER);
+                    leader.write(out);
+                }
+                PartitionInfo::NoLeader => {
+                    out.extend_from_slice(&[0xff; 16]);
+                    out.push(redirect::NO_LEADER);
+                }
+            }
         }
         finish_frame(out, at);
     }
@@ -345,15 +436,120 @@ impl<'a> PartitionsInfo<'a> {
         }
         let mut partitions = Vec::with_capacity(n);
         for _ in 0..n {
-            partitions.push((
-                r.u64("a first sequence number")?,
-                r.u64("a high-water mark")?,
-            ));
+            let first = r.u64("a first sequence number")?;
+            let high_water_mark = r.u64("a high-water mark")?;
+            partitions.push(if (first, high_water_mark) != (u64::MAX, u64::MAX) {
+                PartitionInfo::Range {
+                    first,
+                    high_water_mark,
+                }
+            } else {
+                match r.u8("a partition's redirect")? {
+                    redirect::OTHER_LEADER => PartitionInfo::OtherLeader(Endpoint::decode(&mut r)?),
+                    redirect::NO_LEADER => PartitionInfo::NoLeader,
+                    other => {
+                        return Err(DecodeError::Invalid(format!(
+                            "a partition's redirect {other:#04x} is not one TANK sends"
+                        )))
+                    }
+                }
+            });
         }
         Ok(PartitionsInfo {
             request_id,
             topic,
             partitions,
+        })
+    }
+}
+
+/// DiscoverTopology's answer: the cluster's name and brokers, or (no brokers) a broker on its
+/// own, as TANK's broker writes it (`n` = 0xffff).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopologyInfo<'a> {
+    pub request_id: u32,
+    /// None: a broker on its own.
+    pub cluster: Option<(&'a [u8], Vec<TopologyNode>)>,
+}
+
+/// One broker of a cluster: its id, whether it is available, where it listens (if it said),
+/// and how many partitions it holds a copy of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopologyNode {
+    pub id: u16,
+    pub available: bool,
+    pub endpoint: Option<Endpoint>,
+    pub partitions: u16,
+}
+
+/// A topology node's flags: bit 0 an endpoint follows, bit 1 available.
+const NODE_HAS_ENDPOINT: u8 = 0x01;
+const NODE_AVAILABLE: u8 = 0x02;
+/// The node count of a broker on its own.
+const STANDALONE: u16 = 0xffff;
+
+impl<'a> TopologyInfo<'a> {
+    pub fn write(&self, out: &mut Vec<u8>) {
+        let at = start_frame(out, msg::DISCOVER_TOPOLOGY);
+        out.extend_from_slice(&self.request_id.to_le_bytes());
+        match &self.cluster {
+            None => out.extend_from_slice(&STANDALONE.to_le_bytes()),
+            Some((name, nodes)) => {
+                out.extend_from_slice(&(nodes.len() as u16).to_le_bytes());
+                put_str8(out, name);
+                for n in nodes {
+                    out.extend_from_slice(&n.id.to_le_bytes());
+                    let mut flags = 0;
+                    if n.endpoint.is_some() {
+                        flags |= NODE_HAS_ENDPOINT;
+                    }
+                    if n.available {
+                        flags |= NODE_AVAILABLE;
+                    }
+                    out.push(flags);
+                    if let Some(e) = n.endpoint {
+                        e.write(out);
+                    }
+                    out.extend_from_slice(&n.partitions.to_le_bytes());
+                }
+            }
+        }
+        finish_frame(out, at);
+    }
+
+    pub fn decode(payload: &'a [u8]) -> Result<TopologyInfo<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        let request_id = r.u32("a request id")?;
+        let n = r.u16("a node count")?;
+        if n == STANDALONE {
+            return Ok(TopologyInfo {
+                request_id,
+                cluster: None,
+            });
+        }
+        let name = r.str8("a cluster name")?;
+        if n as usize > r.remaining() / 5 {
+            return Err(DecodeError::Short("a node list"));
+        }
+        let mut nodes = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let id = r.u16("a node id")?;
+            let flags = r.u8("a node's flags")?;
+            let endpoint = if flags & NODE_HAS_ENDPOINT != 0 {
+                Some(Endpoint::decode(&mut r)?)
+            } else {
+                None
+            };
+            nodes.push(TopologyNode {
+                id,
+                available: flags & NODE_AVAILABLE != 0,
+                endpoint,
+                partitions: r.u16("a node's partition count")?,
+            });
+        }
+        Ok(TopologyInfo {
+            request_id,
+            cluster: Some((name, nodes)),
         })
     }
 }

@@ -21,6 +21,8 @@
   // How long a first click on an action stays armed waiting for the confirming second click.
   const CONFIRM_MS = 5000;
   // Saturated colours, told apart from the grey axes and grid (the browser test counts them).
+  const INTEGER_STEPS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12]
+    .map((p) => m * p)).sort((a, b) => a - b);
   const PALETTE = ['#1f77b4', '#d62728', '#2ca02c', '#ff7f0e', '#9467bd', '#e377c2', '#17becf',
     '#8c564b', '#bcbd22'];
 
@@ -58,8 +60,12 @@
     const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
     let i = 0;
     while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-    return (i === 0 ? String(n) : n.toFixed(n < 10 ? 2 : 1)) + ' ' + units[i];
+    // Whole bytes as such; a rate's fraction of a byte is noise.
+    const digits = i === 0 ? (Number.isInteger(n) || n >= 10 ? 0 : 1) : n < 10 ? 2 : 1;
+    return n.toFixed(digits) + ' ' + units[i];
   }
+
+  const fmtByteRate = (x) => (isNum(x) ? fmtBytes(x) + '/s' : DASH);
 
   function fmtRate(x) {
     if (!isNum(x)) return DASH;
@@ -88,6 +94,8 @@
 
   const orDash = (v) => (v === undefined || v === null || v === '' ? DASH : String(v));
   const sum = (xs) => xs.reduce((a, b) => a + (isNum(b) ? b : 0), 0);
+  // The sum of what is known, or null when nothing is (a dash, not a misleading 0).
+  const sumKnown = (xs) => (xs.some(isNum) ? sum(xs) : null);
   const arr = (v) => (Array.isArray(v) ? v : []);
 
   /** A table of `rows` (arrays of cells: strings, nodes, or {text, class, field}). */
@@ -206,7 +214,8 @@
       this.container.replaceChildren();
       this.names = names;
       const used = [...new Set(names.map(this.scaleOf))];
-      const scales = { x: { time: true, range: (u, min, max) => [max - WINDOW_S, max] } };
+      // The window grows with the history, from one minute up to WINDOW_S, then scrolls.
+      const scales = { x: { time: true, range: (u, min, max) => [Math.max(max - WINDOW_S, Math.min(min, max - 60)), max] } };
       const axes = [{ stroke: '#555', grid: { stroke: '#eee' }, ticks: { stroke: '#ddd' } }];
       used.forEach((key, i) => {
         const s = this.scales[key];
@@ -219,7 +228,9 @@
           stroke: '#555',
           grid: { show: i === 0, stroke: '#eee' },
           ticks: { stroke: '#ddd' },
-          size: 70,
+          size: i === 0 ? 70 : 90,
+          // Counts (seqnos) step by whole numbers: no "0, 0, 1, 1" ticks on a flat line.
+          incrs: s.integer ? INTEGER_STEPS : undefined,
           values: (u, vals) => vals.map(s.fmt),
         });
       });
@@ -268,9 +279,15 @@
   }
 
   async function get(path) {
-    // credentials 'same-origin': Basic credentials the browser already holds for this node
-    // (it asked for them when the page itself needed them) go along with the poll too.
-    const r = await fetch(path, { headers: authHeaders(), cache: 'no-store', credentials: 'same-origin' });
+    // Signed out, credentials 'same-origin': Basic credentials the browser already holds for
+    // this node (it asked for them when the page itself needed them) go along with the poll.
+    // Signed in, 'omit': the login box's header alone, and a wrong password comes back as a
+    // 401 to the page rather than as the browser's own login dialog.
+    const r = await fetch(path, {
+      headers: authHeaders(),
+      cache: 'no-store',
+      credentials: credentials ? 'omit' : 'same-origin',
+    });
     const text = await r.text();
     if (!r.ok) throw new HttpError(r.status, text);
     return text;
@@ -372,12 +389,12 @@
     charts = {
       requests: new LiveChart($('chart-requests'), { rps: { label: 'requests/s', fmt: perSecond } }, () => 'rps'),
       lag: new LiveChart($('chart-lag'), {
-        seq: { label: 'seqnos behind', fmt: fmtInt },
+        seq: { label: 'seqnos behind', fmt: fmtInt, integer: true },
         sec: { label: 'seconds behind', fmt: fmtSeconds, dash: [6, 4] },
       }, (name) => (name.endsWith(' (s)') ? 'sec' : 'seq')),
       topics: new LiveChart($('chart-topics'), {
         msg: { label: 'messages/s', fmt: perSecond },
-        bytes: { label: 'bytes/s', fmt: (v) => fmtBytes(v) + '/s', dash: [6, 4] },
+        bytes: { label: 'bytes/s', fmt: fmtByteRate, dash: [6, 4] },
       }, (name) => (name.endsWith(' consumed B/s') ? 'bytes' : 'msg')),
     };
   }
@@ -412,7 +429,7 @@
           if (isNum(vb.high_seqno) && isNum(f.persisted_seqno)) {
             r.unpersisted += Math.max(0, vb.high_seqno - f.persisted_seqno);
           }
-          // Not in /status yet (see the README of the console): the follower's lag in time.
+          // Not in /status yet (issue 52): the follower's lag in time, shown once reported.
           if (isNum(f.lag_ms)) r.lagMs = Math.max(r.lagMs ?? 0, f.lag_ms);
         }
       }
@@ -428,7 +445,7 @@
       const ms = vbs.map((v) => v.lag_ms).filter(isNum);
       return {
         bucket: b,
-        seqnos: vbs.some((v) => isNum(v.lag_seqnos)) ? sum(vbs.map((v) => v.lag_seqnos)) : null,
+        seqnos: sumKnown(vbs.map((v) => v.lag_seqnos)),
         seconds: ms.length ? Math.max(...ms) / 1000 : null,
         byVbucket: new Map(vbs.map((v) => [v.vbucket, v])),
       };
@@ -468,23 +485,28 @@
   }
 
   function sumRates(keys) {
-    const rs = keys.map((k) => rates.of(k));
-    return rs.some(isNum) ? sum(rs) : null;
+    return sumKnown(keys.map((k) => rates.of(k)));
   }
 
   // ---------------------------------------------------------------------------------------
   // Rendering, one function a section; each is guarded so one section's surprise leaves the
   // others drawn.
 
+  /** Active, replica, or unknown when /status says nothing of replication. */
+  function roleOf(st) {
+    if (st.replication === undefined) return null;
+    return st.replication ? 'replica' : 'active';
+  }
+
   function renderHeader(st) {
-    const role = st.replication ? 'replica' : 'active';
+    const role = orDash(roleOf(st));
     $('node-name').textContent = `${orDash(st.instance)} · ${role} · v${orDash(st.version)}`;
     document.title = `sluice ${st.listen || ''} (${role})`;
   }
 
   function renderOverview(st, fronts) {
     const rep = st.replication;
-    const role = rep ? (rep.replica_of ? `replica of ${rep.replica_of}` : 'replica (cluster map)') : 'active';
+    const role = rep ? (rep.replica_of ? `replica of ${rep.replica_of}` : 'replica (cluster map)') : roleOf(st);
     const wal = st.wal;
     const pairs = [
       ['instance', st.instance, 'instance'],
@@ -545,7 +567,7 @@
     const buckets = arr(st.buckets);
     fillTable($('bucket-table').tBodies[0], buckets.map((b) => {
       const vbs = arr(b.vbuckets);
-      const items = vbs.some((v) => isNum(v.items)) ? sum(vbs.map((v) => v.items)) : b.items;
+      const items = sumKnown(vbs.map((v) => v.items)) ?? b.items;
       return {
         attrs: { 'data-bucket': b.name },
         cells: [b.name, num(items, 'items'), num(b.mem_used, 'mem_used', fmtBytes),
@@ -675,7 +697,7 @@
     }
     const table = el('table', { id: 'topic-table' },
       el('thead', {}, el('tr', {}, ['topic', 'partition', 'first seq', 'high-water mark', 'bytes retained',
-        'produced msg/s', 'consumed B/s', 'long-polls waiting'].map((h, i) => el('th', { class: i >= 2 ? 'num' : null }, h)))),
+        'produced msg/s', 'consumed bytes/s', 'long-polls waiting'].map((h, i) => el('th', { class: i >= 2 ? 'num' : null }, h)))),
       el('tbody'));
     const rows = [];
     for (const t of topics) {
@@ -683,9 +705,9 @@
       rows.push({
         attrs: { 'data-topic': t.name, class: 'topic-row' },
         cells: [{ text: t.name, title: t.settings || null, class: 'topic-name' }, `${parts.length} partition(s)`,
-          '', '', num(sum(parts.map((p) => p.bytes)), 'bytes', fmtBytes),
+          '', '', num(sumKnown(parts.map((p) => p.bytes)), 'bytes', fmtBytes),
           num(sumRates(parts.map((p) => `produced:${t.name}:${p.partition}`)), 'produce_rate', fmtRate),
-          num(sumRates(parts.map((p) => `consumed:${t.name}:${p.partition}`)), 'consume_rate', (v) => fmtBytes(v)),
+          num(sumRates(parts.map((p) => `consumed:${t.name}:${p.partition}`)), 'consume_rate', fmtByteRate),
           num(t.long_polls, 'long_polls')],
       });
       for (const p of parts) {
@@ -694,7 +716,7 @@
           cells: ['', num(p.partition, 'partition'), num(p.first_seq, 'first_seq'),
             num(p.high_water_mark, 'high_water_mark'), num(p.bytes, 'bytes', fmtBytes),
             num(rates.of(`produced:${t.name}:${p.partition}`), 'produce_rate', fmtRate),
-            num(rates.of(`consumed:${t.name}:${p.partition}`), 'consume_rate', (v) => fmtBytes(v)), ''],
+            num(rates.of(`consumed:${t.name}:${p.partition}`), 'consume_rate', fmtByteRate), ''],
         });
       }
     }
@@ -880,10 +902,12 @@
     promote.addEventListener('click', twoStep(promote, $('promote-result'), () => post('/promote')));
 
     const topicForm = $('topic-form');
-    const createTopic = twoStep($('topic-create'), $('topic-result'), () => post('/topics', {
-      name: $('topic-name').value.trim(),
-      partitions: Number($('topic-partitions').value),
-    }));
+    const createTopic = twoStep($('topic-create'), $('topic-result'), () => {
+      const topic = { name: $('topic-name').value.trim(), partitions: Number($('topic-partitions').value) };
+      // The endpoint reads the query, as /takeover does (its permission check names the topic
+      // from it before any body is read); the JSON body says the same for a reader of bodies.
+      return post(`/topics?${new URLSearchParams({ name: topic.name, partitions: String(topic.partitions) })}`, topic);
+    });
     topicForm.addEventListener('submit', (ev) => { ev.preventDefault(); createTopic(); });
 
     const moveForm = $('move-form');

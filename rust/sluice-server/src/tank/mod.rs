@@ -25,6 +25,8 @@ pub struct TankContext {
     pub stats: TankStats,
     /// When the server started, for Status.
     pub started_unix: u32,
+    /// Who leads each partition, in a cluster.
+    pub clustermap: Arc<crate::clustermap::ClusterMap>,
 }
 
 /// The TANK front's counters (`/metrics`).
@@ -197,9 +199,10 @@ pub static FRONT: Registration = Registration {
     build,
 };
 
-fn build(_shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
+fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result<Arc<dyn Front>> {
     Ok(Arc::new(TankContext {
         port,
+        clustermap: shared.clustermap.clone(),
         stats: Default::default(),
         started_unix: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -14,9 +14,9 @@ use sluice_core::topic::Topic;
 use sluice_core::Error;
 use sluice_proto::tank::request::{Consume, CreateTopic, Produce, Request};
 use sluice_proto::tank::response::{
-    create_error, first_bundle_is_sparse, produce_error, ConsumeAnswer, CreateTopicAck,
-    PartitionAnswer, PartitionsAnswer, PartitionsInfo, ProduceAck, StatusInfo, TopicAnswer,
-    TopicsInfo,
+    create_error, first_bundle_is_sparse, produce_error, redirect, ConsumeAnswer, CreateTopicAck,
+    Endpoint, PartitionAnswer, PartitionInfo, PartitionsAnswer, PartitionsInfo, ProduceAck,
+    StatusInfo, TopicAnswer, TopicsInfo, TopologyInfo, TopologyNode,
 };
 use sluice_proto::tank::{self, Frame, PING_FRAME};
 
@@ -24,6 +24,7 @@ use super::TankContext;
 use crate::auth;
 use crate::driver::{Check, End, Fault, Flow, Frame as DriverFrame, Out, Outbox};
 use crate::request::{self, Principal};
+use crate::topic_placement::Lead;
 
 /// Answers are sent once this many bytes wait.
 const FLUSH_AT: usize = 256 << 10;
@@ -127,9 +128,12 @@ impl crate::driver::Session for Session {
                 }
             }
             Request::CreateTopic(c) => create_topic(ctx, self.peer, &c, buf, &mut self.owed_lsn),
-            Request::DiscoverPartitions { request_id, topic } => {
-                discover_partitions(ctx, self.peer, request_id, topic, buf)
-            }
+            Request::DiscoverPartitions {
+                request_id,
+                topic,
+                partitions,
+            } => discover_partitions(ctx, self.peer, request_id, topic, partitions, buf),
+            Request::DiscoverTopology { request_id, .. } => discover_topology(ctx, request_id, buf),
             Request::DiscoverTopics { request_id, .. } => {
                 let topics = ctx.port.engine.topics();
                 let users = ctx.port.users.current();
@@ -316,6 +320,18 @@ fn produce(
                 errors.push(produce_error::UNKNOWN_PARTITION);
                 continue;
             }
+            match ctx.clustermap.topics.lead(&topic.name, part.partition) {
+                Lead::Here => {}
+                Lead::At(leader) => {
+                    errors.push(redirect::OTHER_LEADER);
+                    Endpoint::from(leader).write(&mut errors);
+                    continue;
+                }
+                Lead::Nobody => {
+                    errors.push(redirect::NO_LEADER);
+                    continue;
+                }
+            }
             errors.push(
                 match ctx.port.engine.produce(
                     &topic,
@@ -440,6 +456,7 @@ impl Parked {
         let mut chunks: Vec<SharedChunk> = Vec::new();
         let mut chunk_bytes = 0;
         let mut at_tail = false;
+        let mut redirected = false;
         let mut answers = Vec::with_capacity(self.topics.len());
         for Asked {
             name,
@@ -458,6 +475,26 @@ impl Parked {
             };
             let mut known = Vec::with_capacity(parts.len());
             for (partition, seq, fetch_size) in parts.iter_mut() {
+                // A partition led elsewhere is answered at once with its leader, as TANK's
+                // clustered broker does; the client asks there.
+                match ctx.clustermap.topics.lead(&topic.name, *partition) {
+                    Lead::Here => {}
+                    Lead::At(leader) => {
+                        redirected = true;
+                        known.push(PartitionAnswer::OtherLeader {
+                            partition: *partition,
+                            leader: leader.into(),
+                        });
+                        continue;
+                    }
+                    Lead::Nobody => {
+                        redirected = true;
+                        known.push(PartitionAnswer::NoLeader {
+                            partition: *partition,
+                        });
+                        continue;
+                    }
+                }
                 let before = chunks.len();
                 let read =
                     ctx.port
@@ -535,7 +572,12 @@ impl Parked {
         let expired = self.deadline.is_some_and(|d| now >= d);
         // Once waiting, a consume waits for its min bytes, not for the first bundle to come
         // (TANK's broker counts what is appended for a waiting consume the same way).
-        if (at_tail || self.counted) && chunk_bytes < self.wanted && !expired && !force {
+        if (at_tail || self.counted)
+            && chunk_bytes < self.wanted
+            && !expired
+            && !force
+            && !redirected
+        {
             self.count_wait(true);
             return false;
         }
@@ -625,32 +667,73 @@ fn create_topic(
     .write(out);
 }
 
-/// A topic the client may not read is answered as unknown (no partitions).
+/// Every partition of a topic (or those `asked` names, u16 LE ids) with its first and last
+/// sequence numbers; one led by another node names it, as TANK's clustered broker answers.
+/// An unknown topic, or one the client may not read, has no partitions.
 fn discover_partitions(
     ctx: &TankContext,
     peer: SocketAddr,
     request_id: u32,
     name: &[u8],
+    asked: &[u8],
     out: &mut Vec<u8>,
 ) {
+    let info = |t: &Topic, p: u16| match ctx.clustermap.topics.lead(&t.name, p) {
+        Lead::At(leader) => PartitionInfo::OtherLeader(leader.into()),
+        Lead::Nobody => PartitionInfo::NoLeader,
+        Lead::Here => {
+            let part = t.lock_partition(p).expect("in range");
+            let (first, hwm) = (part.log.first_available(), part.log.high_water_mark());
+            // A partition that holds nothing: TANK's broker answers 0 and 0.
+            PartitionInfo::Range {
+                first: if first > hwm { 0 } else { first },
+                high_water_mark: hwm,
+            }
+        }
+    };
     let partitions = may(ctx, peer, name, auth::READ, "DiscoverPartitions of")
         .then(|| topic_named(ctx, name))
         .flatten()
         .map(|t| {
-            (0..t.num_partitions())
-                .map(|p| {
-                    let part = t.lock_partition(p).expect("in range");
-                    let (first, hwm) = (part.log.first_available(), part.log.high_water_mark());
-                    // A partition that holds nothing: TANK's broker answers 0 and 0.
-                    (if first > hwm { 0 } else { first }, hwm)
-                })
-                .collect()
+            if asked.is_empty() {
+                (0..t.num_partitions()).map(|p| info(&t, p)).collect()
+            } else {
+                asked
+                    .chunks_exact(2)
+                    .map(|id| u16::from_le_bytes([id[0], id[1]]))
+                    .filter(|&p| p < t.num_partitions())
+                    .map(|p| info(&t, p))
+                    .collect()
+            }
         })
         .unwrap_or_default();
     PartitionsInfo {
         request_id,
         topic: name,
         partitions,
+    }
+    .write(out);
+}
+
+/// The cluster's nodes as the map names them, or a broker on its own.
+fn discover_topology(ctx: &TankContext, request_id: u32, out: &mut Vec<u8>) {
+    let placement = ctx.clustermap.topics.current();
+    TopologyInfo {
+        request_id,
+        cluster: placement.as_ref().map(|p| {
+            (
+                p.cluster.as_bytes(),
+                p.nodes
+                    .iter()
+                    .map(|n| TopologyNode {
+                        id: n.id,
+                        available: n.available,
+                        endpoint: n.tank.map(Endpoint::from),
+                        partitions: n.partitions,
+                    })
+                    .collect(),
+            )
+        }),
     }
     .write(out);
 }
