@@ -48,7 +48,7 @@ class Member:
         self._task_lock = threading.Lock()
         self._etcd_down_since: float | None = None
         # What the watch has seen of the cluster, reported to the server when it changes.
-        self._view: dict[str, Any] = {"up": set(), "orchestrator": "", "rebalance": None, "failed_over": 0}
+        self._view: dict[str, Any] = {"up": set(), "orchestrator": "", "rebalance": None, "map": None}
         self._reported: dict[str, Any] | None = None
 
     def start(self) -> None:
@@ -125,6 +125,10 @@ class Member:
                         continue
                     next_keepalive = now + LEASE_TTL / 4
                 self.etcd.put(self.keys.status(self.s.node), dump(self.status()), lease=self.lease)
+                # What the admin endpoint asked of the cluster, as `sluice cluster` asks it.
+                for what in self.server.take_cluster_requests():
+                    self.etcd.put(self.keys.request(what), dump({"at": time.time(), "by": self.s.node}))
+                    log.warning("cluster: %s requested through %s's admin endpoint", what, self.s.node)
                 self._etcd_ok()
             except EtcdError as e:
                 self._etcd_failed(e)
@@ -176,7 +180,7 @@ class Member:
             reb = kv.json()
             self._view["rebalance"] = {k: reb.get(k) for k in ("state", "done", "total", "phase", "error")}
         elif kv.key == self.keys.map:
-            self._view["failed_over"] = len(kv.json()["failed"])
+            self._view["map"] = kv.json()
             self.converge(kv)
         elif kv.key == self.keys.task(self.s.node):
             task = kv.json()
@@ -185,14 +189,33 @@ class Member:
     def _report(self) -> None:
         """Tells the server what this node sees of the cluster (for /status and /metrics)."""
         v = self._view
+        doc = v["map"] or {"nodes": {}, "failed": {}, "chains": [], "topics": {}}
+        failed = doc.get("failed", {})
         report = {
             "cluster": self.s.cluster,
             "node": self.s.node,
             "nodes_up": len(v["up"]),
-            "failed_over": v["failed_over"],
+            "failed_over": len(failed),
             "orchestrator": v["orchestrator"],
             "orchestrator_here": int(v["orchestrator"] == self.s.node),
             "rebalance": v["rebalance"],
+            # The map's nodes and those registered, with their health; where every vbucket's
+            # copies and every topic partition's leader are (the web console draws them).
+            "nodes": [
+                {
+                    "name": n,
+                    "kv_address": doc["nodes"].get(n, {}).get("kv", ""),
+                    "tank_address": doc["nodes"].get(n, {}).get("tank", ""),
+                    "up": n in v["up"],
+                    "failed_over": n in failed,
+                }
+                for n in sorted(set(doc["nodes"]) | v["up"])
+            ],
+            "vbuckets": doc.get("chains", []),
+            "topics": {
+                name: [c[0] if c and c[0] not in failed else None for c in t["chains"]]
+                for name, t in doc.get("topics", {}).items()
+            },
         }
         if report != self._reported:
             self.server.report_cluster(dump(report))

@@ -25,6 +25,24 @@ pub struct BucketStats {
     pub cursors_dropped: AtomicU64,
     /// Items evicted to make room (`eviction = "lru"`).
     pub evictions: AtomicU64,
+    /// Durable writes waiting now for their level (the WAL's sync, replicas' acks).
+    pub durable_waiting: AtomicU64,
+}
+
+/// Counts a durable write in `BucketStats::durable_waiting` while it waits.
+pub struct DurableWait<'a>(&'a AtomicU64);
+
+impl<'a> DurableWait<'a> {
+    pub fn new(gauge: &'a AtomicU64) -> DurableWait<'a> {
+        gauge.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        DurableWait(gauge)
+    }
+}
+
+impl Drop for DurableWait<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 pub struct Bucket {

@@ -374,6 +374,12 @@ impl Server {
         Ok(())
     }
 
+    /// What the admin endpoint asked of the cluster since the last call ("rebalance"), for
+    /// the cluster side to write to etcd.
+    fn take_cluster_requests(&self) -> PyResult<Vec<String>> {
+        Ok(self.member()?.clustermap.take_requests())
+    }
+
     /// Per vbucket of `bucket` here, the KV addresses of the replicas that follow it: those
     /// whose streams registered, what majority writes count ("" where a replica did not say).
     fn followers(&self, bucket: &str) -> PyResult<Vec<Vec<String>>> {

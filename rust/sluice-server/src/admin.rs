@@ -1,15 +1,15 @@
 //! The admin endpoint: the web console at `/` (its files built in, `console/`), `GET /metrics`
 //! (Prometheus text format), `GET /status` (JSON, what `sluice status` prints as tables and the
-//! console draws), `POST /promote` (failover), `POST /takeover` (a vbucket move) and
-//! `POST /topics` (a new topic). A small HTTP/1.1 responder: one request per connection, then
+//! console draws), `POST /promote` (failover), `POST /takeover` (a vbucket move),
+//! `POST /topics` (a new topic) and `POST /rebalance` (asks the cluster for one). A small HTTP/1.1 responder: one request per connection, then
 //! `Connection: close`.
 //!
 //! Who may do what (README "Admin endpoint"):
 //! - Reads (GET) are open on a loopback endpoint; beyond loopback, once users exist, they need
 //!   credentials (any user, or the token).
 //! - State changes (POST) need, once users exist, a user with the `admin` permission on every
-//!   bucket they change (`/promote`: every bucket of the node; `/takeover`: the moved one; on
-//!   the topic for `/topics`), or
+//!   bucket they change (`/promote` and `/rebalance`: every bucket of the node; `/takeover`:
+//!   the moved one; on the topic for `/topics`), or
 //!   the token the node writes to `DATA_DIR/admin.token` at start (mode 0600: whoever can read
 //!   the data directory holds the data already). Without users they are taken only on a
 //!   loopback endpoint from a loopback peer.
@@ -244,7 +244,7 @@ impl Admin {
                         Err(Refusal::NoPermission)
                     };
                 }
-                let buckets = if req.path == "/promote" {
+                let buckets = if req.path == "/promote" || req.path == "/rebalance" {
                     node.engine()
                         .buckets()
                         .iter()
@@ -475,6 +475,7 @@ impl Answer {
     async fn write(self, socket: &mut MaybeTls) -> std::io::Result<()> {
         let reason = match self.code {
             200 => "OK",
+            202 => "Accepted",
             400 => "Bad Request",
             401 => "Unauthorized",
             403 => "Forbidden",
@@ -649,12 +650,16 @@ async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &A
     let change = match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/metrics" | "/status") => false,
         ("GET", _) if console.is_some() => false,
-        ("POST", "/promote" | "/takeover" | "/errinj" | "/topics") => true,
-        (_, "/metrics" | "/status" | "/promote" | "/takeover" | "/errinj" | "/topics") => {
+        ("POST", "/promote" | "/takeover" | "/errinj" | "/topics" | "/rebalance") => true,
+        (
+            _,
+            "/metrics" | "/status" | "/promote" | "/takeover" | "/errinj" | "/topics"
+            | "/rebalance",
+        ) => {
             return Answer::text(
                 405,
                 "GET /metrics, GET /status, POST /promote, POST /takeover, POST /topics, \
-                 POST /errinj\n",
+                 POST /rebalance, POST /errinj\n",
             )
         }
         _ if console.is_some() => return Answer::text(405, "GET the console's files\n"),
@@ -675,6 +680,16 @@ async fn answer(req: &Request, peer: SocketAddr, node: &Arc<NodeView>, admin: &A
     }
     let nv = node.clone();
     match req.path.as_str() {
+        "/rebalance" => {
+            if node.clustermap.request("rebalance") {
+                log::info!("admin: a rebalance requested by {peer}");
+                let mut a = Answer::json(serde_json::json!({"requested": "rebalance"}));
+                a.code = 202;
+                a
+            } else {
+                Answer::text(409, "this node is not in a cluster ([cluster] etcd)\n")
+            }
+        }
         "/topics" => {
             let query = req.query.clone();
             match tokio::task::spawn_blocking(move || create_topic(&nv, &query)).await {
@@ -816,6 +831,7 @@ pub fn metrics(node: &NodeView) -> String {
     for r in node.registered.iter() {
         r.front.metrics(&mut o);
     }
+    front_metrics(&node.registered, &mut o);
     crate::metrics::engine(node.engine(), &mut o);
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);
@@ -850,7 +866,7 @@ pub fn status(node: &NodeView) -> serde_json::Value {
                     })
                 })
                 .collect();
-            json!({"name": b.name(), "mem_used": b.mem_used(), "memory_quota": b.config.memory_quota, "eviction": b.config.eviction.as_str(), "evictions": b.stats.evictions.load(Relaxed), "vbuckets": vbuckets})
+            json!({"name": b.name(), "mem_used": b.mem_used(), "memory_quota": b.config.memory_quota, "eviction": b.config.eviction.as_str(), "evictions": b.stats.evictions.load(Relaxed), "durable_writes_waiting": b.stats.durable_waiting.load(Relaxed), "vbuckets": vbuckets})
         })
         .collect();
     json!({
@@ -859,7 +875,8 @@ pub fn status(node: &NodeView) -> serde_json::Value {
         "uptime_s": node.started.elapsed().as_secs(),
         "listen": kv_port.and_then(|r| r.addr).map(|a| a.to_string()),
         "tls_listen": kv_port.and_then(|r| r.tls_addr).map(|a| a.to_string()),
-        "fronts": node.registered.iter().map(|r| (r.declaration.name.to_string(), json!({"listen": r.addr.map(|a| a.to_string()), "tls_listen": r.tls_addr.map(|a| a.to_string()), "status": r.front.status()}))).collect::<serde_json::Map<_, _>>(),
+        "data_dir": e.config().data_dir.display().to_string(),
+        "fronts": node.registered.iter().map(|r| (r.declaration.name.to_string(), json!({"listen": r.addr.map(|a| a.to_string()), "tls_listen": r.tls_addr.map(|a| a.to_string()), "status": front_status(r)}))).collect::<serde_json::Map<_, _>>(),
         "admin_https": node.tls.as_ref().is_some_and(|t| t.settings().admin),
         "connections": node.io.curr_connections.load(Relaxed),
         "wal": {"mode": e.config().wal_mode.as_str(), "last_lsn": e.wal().last_lsn(), "written_lsn": e.wal().written_lsn(), "synced_lsn": e.wal().synced_lsn(), "failing": e.wal().is_failing()},
@@ -872,6 +889,57 @@ pub fn status(node: &NodeView) -> serde_json::Value {
             r
         }),
     })
+}
+
+/// Every front's connections and requests as the connection driver counts them.
+fn front_metrics(fronts: &[crate::front::Running], o: &mut String) {
+    metric(
+        o,
+        "sluice_front_connections",
+        "gauge",
+        "Connections open on each front's port (memcached, iproto, tank, greenstack).",
+    );
+    for r in fronts {
+        let _ = writeln!(
+            o,
+            "sluice_front_connections{{front=\"{}\"}} {}",
+            r.declaration.name,
+            r.front.port().counters.connections.load(Relaxed)
+        );
+    }
+    metric(
+        o,
+        "sluice_front_requests_total",
+        "counter",
+        "Requests (frames) each front's connections sent.",
+    );
+    for r in fronts {
+        let _ = writeln!(
+            o,
+            "sluice_front_requests_total{{front=\"{}\"}} {}",
+            r.declaration.name,
+            r.front.port().counters.requests.load(Relaxed)
+        );
+    }
+}
+
+/// A front's section of `/status`: what it says of itself, with the connections open on its
+/// port and the requests they sent as the connection driver counts them for every front
+/// (a front that counts its own connections, such as the memcached port's handed-over
+/// streams, keeps its figure).
+fn front_status(r: &crate::front::Running) -> serde_json::Value {
+    let mut s = match r.front.status() {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    };
+    let port = r.front.port();
+    s.entry("connections")
+        .or_insert(port.counters.connections.load(Relaxed).into());
+    s.insert(
+        "requests".into(),
+        port.counters.requests.load(Relaxed).into(),
+    );
+    serde_json::Value::Object(s)
 }
 
 /// Every topic with its partitions' sequence numbers, bytes and traffic.

@@ -153,6 +153,9 @@ pub struct ClusterMap {
     changed: watch::Sender<i64>,
     /// Who leads each topic partition, when the node is in a cluster.
     pub topics: crate::topic_placement::Placements,
+    /// What the admin endpoint asked of the cluster ("rebalance"), for the cluster side to
+    /// write to etcd (`take_requests`).
+    requests: Mutex<Vec<String>>,
 }
 
 fn now_ms() -> i64 {
@@ -186,6 +189,7 @@ impl ClusterMap {
             report: Mutex::new(None),
             changed: watch::channel(0).0,
             topics: Default::default(),
+            requests: Mutex::new(Vec::new()),
         }
     }
 
@@ -263,6 +267,21 @@ impl ClusterMap {
     }
 
     /// The cluster's last report, if this node is in a cluster.
+    /// Queues a request to the cluster (`rebalance`) for the cluster side; false when this
+    /// node is not in a cluster.
+    pub fn request(&self, what: &str) -> bool {
+        if self.report.lock().is_none() {
+            return false;
+        }
+        self.requests.lock().push(what.to_string());
+        true
+    }
+
+    /// The requests queued since the last call.
+    pub fn take_requests(&self) -> Vec<String> {
+        std::mem::take(&mut *self.requests.lock())
+    }
+
     pub fn report(&self) -> Option<serde_json::Value> {
         self.report.lock().clone()
     }

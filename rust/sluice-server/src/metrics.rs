@@ -79,6 +79,20 @@ pub fn engine(e: &Engine, o: &mut String) {
     }
     metric(
         o,
+        "sluice_durable_writes_waiting",
+        "gauge",
+        "Durable writes waiting now for their level (the WAL's sync, replicas' acks).",
+    );
+    for b in &buckets {
+        let _ = writeln!(
+            o,
+            "sluice_durable_writes_waiting{{bucket=\"{}\"}} {}",
+            b.name(),
+            b.stats.durable_waiting.load(Relaxed)
+        );
+    }
+    metric(
+        o,
         "sluice_memory_bytes",
         "gauge",
         "Bytes held by items and checkpoints, and the quota.",

@@ -256,6 +256,7 @@ impl Server {
                 max_frame: (r.max_frame)(config.max_body),
                 idle_timeout: config.idle_timeout,
                 require_tls: config.require_tls,
+                counters: Default::default(),
             });
             let front = (r.build)(&shared, port)?;
             running.push(Running {

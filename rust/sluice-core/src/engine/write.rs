@@ -390,6 +390,8 @@ impl Engine {
     ) -> Result<T> {
         let level = w.requirement.level;
         let timeout = self.settle_timeout(bucket, &w);
+        let _waiting = (level.persist_active() || level.needs_replicas())
+            .then(|| crate::bucket::DurableWait::new(&bucket.stats.durable_waiting));
         let wait = async {
             let wal = &self.inner.wal;
             if level.persist_active() {

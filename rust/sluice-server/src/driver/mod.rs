@@ -18,6 +18,7 @@ pub mod outbox;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -56,6 +57,33 @@ pub struct Port {
     pub idle_timeout: Duration,
     /// Refuse logins on plain-text connections from beyond loopback (`require_tls`).
     pub require_tls: bool,
+    /// Its connections open now and the requests they sent (`/status`, the web console).
+    pub counters: PortCounters,
+}
+
+/// A front's own traffic, counted by the driver for every front alike.
+#[derive(Default)]
+pub struct PortCounters {
+    /// Connections its sessions run on now.
+    pub connections: AtomicU64,
+    /// Frames its sessions handled, counted once per batch read.
+    pub requests: AtomicU64,
+}
+
+/// Counts a connection open while the driver runs its session.
+struct Open(Arc<Port>);
+
+impl Open {
+    fn new(port: &Arc<Port>) -> Open {
+        port.counters.connections.fetch_add(1, Relaxed);
+        Open(port.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.counters.connections.fetch_sub(1, Relaxed);
+    }
 }
 
 impl Port {
@@ -77,6 +105,7 @@ impl Port {
             max_frame: 1 << 20,
             idle_timeout: Duration::ZERO,
             require_tls: false,
+            counters: Default::default(),
         })
     }
 }
@@ -516,8 +545,20 @@ impl Conn {
     }
 }
 
+/// A batch's frames, added to its front's request count when the batch ends (however it ends).
+struct Handled<'a>(&'a AtomicU64, u64);
+
+impl Drop for Handled<'_> {
+    fn drop(&mut self) {
+        if self.1 > 0 {
+            self.0.fetch_add(self.1, Relaxed);
+        }
+    }
+}
+
 /// Runs a session on a connection until it closes or hands the connection over.
 pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
+    let open = Open::new(&conn.port);
     let mut out = Out::default();
     s.greet(&mut out);
     let mut stop_changes = crate::armed::watch_changes(conn.stop.clone());
@@ -526,6 +567,8 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
         // Bytes of the buffer handled in this batch, stepped over once it ends.
         let mut pos = 0;
         let mut max_frame = conn.max_frame();
+        // Frames handled in this batch, counted once it ends.
+        let mut handled = Handled(&open.0.counters.requests, 0);
         while s.reading() {
             if conn.before_login() && s.logged_in() {
                 conn.slot = None;
@@ -533,6 +576,7 @@ pub async fn run<S: Session>(conn: &mut Conn, s: &mut S) -> Ended {
             }
             match s.check(&conn.inbuf[pos..], max_frame) {
                 Check::Frame(n) => {
+                    handled.1 += 1;
                     let mut frame = Frame::new(&mut conn.inbuf, pos, n, &conn.socket);
                     let flow = s.handle(&mut frame, &mut out).await;
                     let took;
