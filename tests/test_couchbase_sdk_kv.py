@@ -9,6 +9,7 @@ import threading
 import time
 from datetime import timedelta
 
+import couchbase.subdocument as SD
 import pytest
 import sluice
 from couchbase.durability import DurabilityLevel, ServerDurability
@@ -24,6 +25,7 @@ from couchbase.options import (
     DeltaValue,
     GetOptions,
     IncrementOptions,
+    MutateInOptions,
     ReplaceOptions,
     SignedInt64,
     UpsertOptions,
@@ -72,6 +74,22 @@ def test_every_collection_operation(tmp_path):
             assert touched.content_as[dict] == {"v": 3}
             expiry = coll.get("doc", GetOptions(with_expiry=True)).expiry_time
             assert 550 < expiry.timestamp() - time.time() <= 601
+
+            # PreserveTTL: a write that asks for it keeps the document's expiry; one that does
+            # not gives the document its own (none).
+            def ttl(key: str) -> float | None:
+                e = coll.get(key, GetOptions(with_expiry=True)).expiry_time
+                return None if e is None else e.timestamp() - time.time()
+
+            coll.upsert("doc", {"v": 5}, UpsertOptions(preserve_expiry=True))
+            assert 550 < ttl("doc") <= 601
+            coll.replace("doc", {"v": 6}, ReplaceOptions(preserve_expiry=True))
+            coll.mutate_in("doc", [SD.upsert("w", 7)], MutateInOptions(preserve_expiry=True))
+            assert 550 < ttl("doc") <= 601 and coll.get("doc").content_as[dict] == {"v": 6, "w": 7}
+            coll.upsert("fresh", {"v": 1}, UpsertOptions(expiry=timedelta(seconds=120), preserve_expiry=True))
+            assert 100 < ttl("fresh") <= 121  # a new document takes the expiry given
+            coll.upsert("doc", {"v": 8})
+            assert ttl("doc") is None
 
             assert coll.exists("doc").exists and not coll.exists("absent").exists
             coll.remove("doc")

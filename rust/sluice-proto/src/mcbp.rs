@@ -200,6 +200,8 @@ pub mod feature {
     pub const SYNC_REPLICATION: u16 = 0x11;
     /// Keys carry an unsigned LEB128 collection id before the document key.
     pub const COLLECTIONS: u16 = 0x12;
+    /// Mutations may carry the PreserveTTL frame info (id 5).
+    pub const PRESERVE_TTL: u16 = 0x14;
 }
 
 /// Opcodes of the server's requests (magic 0x82), a separate space from the client's.
@@ -235,6 +237,13 @@ pub fn supports_durability(op: u8) -> bool {
             | SUBDOC_DICT_ADD
             ..=SUBDOC_COUNTER | SUBDOC_MULTI_MUTATION | SUBDOC_REPLACE_BODY_WITH_XATTR
     )
+}
+
+/// Whether a request may carry the PreserveTTL frame info: the writes that store a document
+/// with an expiry of their own (a delete or touch has nothing to preserve it over).
+pub fn supports_preserve_ttl(op: u8) -> bool {
+    use opcode::*;
+    supports_durability(op) && !matches!(op, DELETE | DELETEQ | TOUCH | GAT | GATQ)
 }
 
 /// Whether the key of a request is a document's (and, with Collections, carries the collection

@@ -124,6 +124,7 @@ impl EmbeddedEngine {
             cas,
             mode,
             durability,
+            preserve_expiry: false,
         };
         py.detach(|| self.engine.store(&b, &req))
             .map(mutation)

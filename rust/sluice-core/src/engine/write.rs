@@ -42,6 +42,9 @@ pub struct StoreRequest<'a> {
     pub mode: StoreMode,
     /// None: the bucket's default level.
     pub durability: Option<Requirement>,
+    /// An existing document keeps its expiry; `expiry` applies to a new one (Couchbase's
+    /// PreserveTTL).
+    pub preserve_expiry: bool,
 }
 
 impl<'a> StoreRequest<'a> {
@@ -55,6 +58,7 @@ impl<'a> StoreRequest<'a> {
             cas: 0,
             mode: StoreMode::Set,
             durability: None,
+            preserve_expiry: false,
         }
     }
 }
@@ -505,9 +509,13 @@ impl Engine {
             vb.locks.unlock(req.key);
         }
         check_cas(&mut vb, req.key, live.as_ref(), req.cas)?;
+        let expiry = match live {
+            Some(m) if req.preserve_expiry => m.expiry,
+            _ => absolute_expiry(req.expiry, now),
+        };
         let meta = ItemMeta {
             flags: req.flags,
-            expiry: absolute_expiry(req.expiry, now),
+            expiry,
             datatype: req.datatype,
             rev_seqno: existing.map(|m| m.rev_seqno + 1).unwrap_or(1),
             ..Default::default()

@@ -114,6 +114,7 @@ impl Session {
                         cas: m.cas,
                         mode,
                         durability,
+                        preserve_expiry: false,
                     },
                 )
             }

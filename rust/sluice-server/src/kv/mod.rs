@@ -138,6 +138,8 @@ struct Features {
     clustermap_notifications: bool,
     collections: bool,
     unordered: bool,
+    /// Said in HELLO only: the frame info works whether or not the client said it.
+    preserve_ttl: bool,
 }
 
 /// One connection's protocol state.
@@ -480,7 +482,7 @@ impl KvSession {
             }
         };
         let map = self.map_source();
-        let mut durability = None;
+        let mut framing = Framing::default();
         for info in mcbp::frame_infos(req.framing) {
             let refused = match info {
                 Ok(FrameInfo::Durability { .. }) if !mcbp::supports_durability(req.opcode) => {
@@ -491,7 +493,7 @@ impl KvSession {
                 }
                 Ok(FrameInfo::Durability { level, timeout_ms }) => match durability_of(level) {
                     Some(d) => {
-                        durability = Some(Requirement {
+                        framing.durability = Some(Requirement {
                             level: d,
                             timeout: timeout_ms
                                 .map(|ms| std::time::Duration::from_millis(ms as u64)),
@@ -504,6 +506,14 @@ impl KvSession {
                     )),
                 },
                 Ok(FrameInfo::Barrier) => None, // requests already run one after another
+                Ok(FrameInfo::PreserveTtl) if !mcbp::supports_preserve_ttl(req.opcode) => Some((
+                    status::EINVAL,
+                    "The requested command does not support preserve TTL".into(),
+                )),
+                Ok(FrameInfo::PreserveTtl) => {
+                    framing.preserve_ttl = true;
+                    None
+                }
                 Ok(other) => Some((
                     status::UNKNOWN_FRAME_INFO,
                     format!("frame info {other:?} is not supported"),
@@ -550,16 +560,17 @@ impl KvSession {
             }
         }
         drop(map);
-        self.dispatch(frame, &req, durability, out)
+        self.dispatch(frame, &req, framing, out)
     }
 
     fn dispatch(
         &mut self,
         frame: &[u8],
         req: &Request<'_>,
-        durability: Option<Requirement>,
+        framing: Framing,
         out: &mut Vec<u8>,
     ) -> Flow {
+        let durability = framing.durability;
         let xerror = self.features.xerror;
         let map = self.map_source();
         let mut reply = Reply {
@@ -622,7 +633,7 @@ impl KvSession {
                 return self.get(req, &mut reply)
             }
             op::SET | op::SETQ | op::ADD | op::ADDQ | op::REPLACE | op::REPLACEQ => {
-                return self.store(req, durability, &mut reply)
+                return self.store(req, framing, &mut reply)
             }
             op::DELETE | op::DELETEQ => return self.delete(req, durability, &mut reply),
             op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => {
@@ -637,7 +648,7 @@ impl KvSession {
             op::GET_LOCKED => return self.get_locked(req, &mut reply),
             op::UNLOCK_KEY => return self.unlock(req, &mut reply),
             op::SUBDOC_GET..=op::SUBDOC_REPLACE_BODY_WITH_XATTR => {
-                return self.subdoc(req, durability, &mut reply)
+                return self.subdoc(req, framing, &mut reply)
             }
             op::NOOP => reply.ok(),
             op::VERSION => reply.send(
@@ -766,6 +777,7 @@ impl KvSession {
                 }
                 feature::COLLECTIONS => !std::mem::replace(&mut f.collections, true),
                 feature::UNORDERED_EXECUTION => !std::mem::replace(&mut f.unordered, true),
+                feature::PRESERVE_TTL => !std::mem::replace(&mut f.preserve_ttl, true),
                 _ => false,
             };
             if known {
@@ -776,6 +788,15 @@ impl KvSession {
         self.refresh_map();
         reply.send(status::SUCCESS, 0, &[], &[], &enabled, 0);
     }
+}
+
+/// What a request's frame infos ask beyond its body and extras.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Framing {
+    /// None: the bucket's default level.
+    pub durability: Option<Requirement>,
+    /// PreserveTTL: an existing document keeps its expiry.
+    pub preserve_ttl: bool,
 }
 
 /// The datatype bit of a JSON body.

@@ -40,6 +40,7 @@ fn apply(engine: &Engine, bucket: &Bucket, frame: &[u8]) -> Result<Applied, Erro
                     cas: 0,
                     mode: StoreMode::Set,
                     durability: None,
+                    preserve_expiry: false,
                 };
                 Some(engine.write_fed_store(bucket, &req)?.map(|_| ()))
             }

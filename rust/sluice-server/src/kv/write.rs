@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::reply::{error_frame, status_for, HeldReply, Reply};
-use super::{wrong_vbucket, Flow, KvSession};
+use super::{wrong_vbucket, Flow, Framing, KvSession};
 use sluice_core::bucket::Bucket;
 use sluice_core::{Error, MutationResult, Requirement, StoreMode, StoreRequest, Written};
 use sluice_proto::mcbp::{self, opcode as op, status, Request};
@@ -86,7 +86,7 @@ impl KvSession {
     pub(super) fn store(
         &mut self,
         req: &Request<'_>,
-        durability: Option<Requirement>,
+        framing: Framing,
         reply: &mut Reply<'_>,
     ) -> Flow {
         let quiet = op::is_quiet(req.opcode);
@@ -115,7 +115,8 @@ impl KvSession {
             datatype: req.datatype & sluice_core::item::DATATYPE_CLIENT_BITS,
             cas: req.cas,
             mode,
-            durability,
+            durability: framing.durability,
+            preserve_expiry: framing.preserve_ttl,
         };
         match engine.write_store(&bucket, &r) {
             Ok(w) => self.answer_write(&bucket, w, reply, quiet, |s, r, m| s.mutation_reply(r, m)),

@@ -15,7 +15,9 @@ mod path;
 
 use sluice_core::hlc::now_secs;
 use sluice_core::item::{absolute_expiry, Item};
-use sluice_core::{Error, Requirement, Update};
+use sluice_core::{Error, Update};
+
+use crate::kv::Framing;
 use sluice_proto::mcbp::subdoc::{
     DOC_ACCESS_DELETED, DOC_ADD, DOC_CREATE_AS_DELETED, DOC_MKDOC, DOC_REVIVE_DOCUMENT, MAX_SPECS,
     PATH_EXPAND_MACROS, PATH_MKDIR_P, PATH_XATTR,
@@ -327,7 +329,7 @@ impl KvSession {
     pub(in crate::kv) fn subdoc(
         &mut self,
         req: &Request<'_>,
-        durability: Option<Requirement>,
+        framing: Framing,
         reply: &mut Reply<'_>,
     ) -> Flow {
         let xerror = self.features.xerror;
@@ -350,7 +352,7 @@ impl KvSession {
             fail!(reply, xerror, Error::NotMyVbucket(req.vbucket));
         }
         if command.mutation {
-            self.subdoc_mutate(req, &command, durability, reply)
+            self.subdoc_mutate(req, &command, framing, reply)
         } else {
             self.subdoc_lookup(req, &command, reply)
         }
@@ -457,9 +459,10 @@ impl KvSession {
         &mut self,
         req: &Request<'_>,
         c: &Command<'_>,
-        durability: Option<Requirement>,
+        framing: Framing,
         reply: &mut Reply<'_>,
     ) -> Flow {
+        let durability = framing.durability;
         let xerror = self.features.xerror;
         let engine = self.ctx.engine.clone();
         let bucket = self.bucket.clone();
@@ -489,6 +492,10 @@ impl KvSession {
         let mut values: Vec<(usize, Vec<u8>)> = Vec::new();
         let written = engine.write_update(&bucket, req.key, req.cas, durability, |cur| {
             let abort = || Err(Error::InvalidArgument("a sub-document spec failed".into()));
+            // PreserveTTL: an existing document keeps its expiry.
+            let kept = cur
+                .filter(|_| framing.preserve_ttl)
+                .map(|it| it.meta.expiry);
             let (mut doc, flags) = match cur {
                 Some(_) if add => return Err(Error::Exists),
                 Some(it) => match ops::parse_doc(it.value()) {
@@ -540,7 +547,7 @@ impl KvSession {
                 value: serde_json::to_vec(&doc).expect("a JSON value serializes"),
                 flags,
                 // As Couchbase's: a mutation that gives no expiry leaves the document none.
-                expiry: c.expiry.map_or(0, |e| absolute_expiry(e, now)),
+                expiry: kept.unwrap_or_else(|| c.expiry.map_or(0, |e| absolute_expiry(e, now))),
                 datatype: 0x01,
             })
         });

@@ -282,6 +282,7 @@ impl TextSession {
                         _ => StoreMode::Set,
                     },
                     durability: None,
+                    preserve_expiry: false,
                 };
                 engine
                     .write_store(&self.bucket, &req)

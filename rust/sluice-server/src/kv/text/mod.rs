@@ -333,6 +333,7 @@ impl TextSession {
                     cas: s.cas,
                     mode,
                     durability: None,
+                    preserve_expiry: false,
                 };
                 engine
                     .write_store(&self.bucket, &req)
