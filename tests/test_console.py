@@ -8,6 +8,10 @@ headless, driven by selenium through chromium-driver, against `sluice serve` nod
 - A replica with users whose admin endpoint speaks HTTPS: Promote and Create topic are refused
   (401, 403) without credentials or with a user lacking `admin`, and work signed in as an
   admin.
+- A cluster of 3 nodes on a real etcd (skipped without Debian's etcd-server): the Cluster
+  section shows the nodes up, the vbucket grid's actives and a topic's partition leaders as
+  /status's `cluster` reports them, and Start rebalance is refused without an admin and
+  requested (202) as one.
 
 Skipped when selenium, chromium or chromedriver is missing:
 `pip install selenium && apt-get install chromium chromium-driver`.
@@ -236,6 +240,12 @@ def test_the_replicas_console_shows_what_status_says(pair, browser):
         assert text(browser, f"{row} td[data-field=first_seq]") == f"{p['first_seq']:,}"
         assert text(browser, f"{row} td[data-field=high_water_mark]") == f"{p['high_water_mark']:,}"
 
+    # Cluster: not in one, so no placement and no rebalance to start.
+    assert "cluster" not in st or st["cluster"] is None
+    assert text(browser, "#cluster-body") == "This node is not in a cluster."
+    assert not browser.find_element(By.ID, "cluster-placement").is_displayed()
+    assert not browser.find_element(By.ID, "rebalance-action").is_displayed()
+
     # Nothing was asked of anyone but the node.
     urls = browser.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
     assert urls and all(u.startswith(base_url(replica) + "/") for u in urls), urls
@@ -403,3 +413,77 @@ def test_actions_need_an_admin_over_https(secured, browser):
     assert len(made) == 1 and len(made[0]["partitions"]) == 3, made
     wait_text(browser, "#topic-table tr.topic-row[data-topic='made.here'] td:nth-child(2)", "3 partition(s)")
     assert errors(browser, allowed=REFUSALS) == []
+
+
+# --- A cluster on etcd ----------------------------------------------------------------------
+
+# TANK clients have the guest's grants (TANK has no login).
+GUEST = '[users.guest]\ntopics = { "*" = ["read", "write", "admin"] }\n'
+# Each vbucket's active as the placement grid shows it ("" for none).
+GRID_ACTIVES = """
+return [...document.querySelectorAll('#cluster-vbuckets .vb')]
+  .map((c) => [c.dataset.active, c.dataset.chain]);
+"""
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed")
+def test_the_cluster_view_shows_the_map_and_starts_a_rebalance(tmp_path, browser):
+    from test_cluster import EtcdServer, form, stop_all, wait_map
+    from test_permissions import PASSWORD
+
+    etcd = EtcdServer(tmp_path / "etcd")
+    nodes: dict = {}
+    try:
+        nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], config=GUEST)
+        with TankConnection(nodes["n1"].tank) as t:
+            t.create_topic("placed", 3)
+        wait_map(etcd, lambda m: "placed" in m.get("topics", {}), timeout=30)
+        node = nodes["n2"]
+        deadline = time.monotonic() + 30
+        while True:
+            c = status(node)["cluster"]
+            leaders = c["topics"].get("placed", [])
+            if c["nodes_up"] == 3 and len(leaders) == 3 and None not in leaders:
+                break
+            assert time.monotonic() < deadline, c
+            time.sleep(0.1)
+
+        open_console(browser, node)
+        assert errors(browser) == []
+        wait_text(browser, "dd[data-field=nodes_up]", "3")
+        # The nodes, each up, at its KV address.
+        assert [n["name"] for n in c["nodes"]] == ["n1", "n2", "n3"]
+        for n in c["nodes"]:
+            row = f"#cluster-nodes tr[data-node={n['name']}]"
+            assert text(browser, f"{row} td[data-field=up]") == "up"
+            assert text(browser, f"{row} td[data-field=failed_over]") == "no"
+            assert n["kv_address"] == nodes[n["name"]].address, n
+            assert text(browser, f"{row} td[data-field=kv_address]") == n["kv_address"]
+        # The vbucket grid: one cell per vbucket, coloured by (and naming) its active, its chain
+        # on hover.
+        grid = browser.execute_script(GRID_ACTIVES)
+        assert len(grid) == len(c["vbuckets"]) == 16
+        assert [a for a, _ in grid] == [chain[0] for chain in c["vbuckets"]]
+        assert [ch for _, ch in grid] == [",".join(x or "" for x in chain) for chain in c["vbuckets"]]
+        first = browser.find_element(By.CSS_SELECTOR, "#cluster-vbuckets .vb[data-vbucket='0']")
+        assert f"active: {c['vbuckets'][0][0]}" in first.get_attribute("title")
+        assert f"replicas: {c['vbuckets'][0][1]}" in first.get_attribute("title")
+        # The topic's partitions, each with its leader.
+        for p, leader in enumerate(c["topics"]["placed"]):
+            row = f"#cluster-topic-table tr[data-topic=placed][data-partition='{p}']"
+            assert text(browser, f"{row} td[data-field=leader]") == leader
+
+        # Start rebalance: refused signed out (401) and as a user lacking admin (403), asked for
+        # as an admin (202).
+        code, shown = act(browser, "rebalance", "rebalance-result")
+        assert code == 401 and shown.startswith("refused (401"), shown
+        sign_in(browser, "app", PASSWORD)
+        code, shown = act(browser, "rebalance", "rebalance-result")
+        assert code == 403 and shown.startswith("refused (403"), shown
+        sign_in(browser, "ops", PASSWORD)
+        code, shown = act(browser, "rebalance", "rebalance-result")
+        assert code == 202 and shown.startswith("done (202") and '"rebalance"' in shown, shown
+        assert errors(browser, allowed=REFUSALS) == []
+    finally:
+        stop_all(nodes)
+        etcd.close()

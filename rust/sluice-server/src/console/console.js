@@ -1,5 +1,5 @@
-// The sluice web console: polls the admin endpoint's GET /status (and, for what /status does not
-// report yet, GET /metrics), keeps a few minutes of history in this tab, and draws it.
+// The sluice web console: polls the admin endpoint's GET /status, keeps a few minutes of history
+// in this tab, and draws it.
 //
 // Constraints that shape this file:
 // - The endpoint serves it under a strict Content-Security-Policy (script-src 'self',
@@ -311,62 +311,12 @@
     return { status: r.status, statusText: r.statusText, text: await r.text() };
   }
 
-  /** Prometheus text as a list of {name, labels, value}, for the names in `wanted` only. */
-  function parseMetrics(text, wanted) {
-    const out = [];
-    for (const line of text.split('\n')) {
-      if (!line || line[0] === '#') continue;
-      const m = /^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)$/.exec(line);
-      if (!m || !wanted.has(m[1])) continue;
-      const labels = {};
-      for (const l of (m[2] || '').matchAll(/([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) labels[l[1]] = l[2];
-      out.push({ name: m[1], labels, value: Number(m[3]) });
-    }
-    return out;
-  }
-
-  // Until /status reports `fronts.NAME.status.requests` and `.connections` for every front,
-  // the console reads the fronts' own counters from /metrics instead (only while some front
-  // lacks them, so a node that reports them costs one request a poll). The memcached front
-  // has no counter of its own there: the engine's KV operations stand in, which include the
-  // other fronts' KV requests (the chart's note says so).
-  const ENGINE_KV_OPS = new Set(['set', 'get', 'get_miss', 'delete']);
-  const FRONT_METRICS = {
-    memcached: { requests: [['sluice_ops_total', (l) => ENGINE_KV_OPS.has(l.op)]], connections: null },
-    iproto: { requests: [['sluice_iproto_requests_total']], connections: 'sluice_iproto_connections' },
-    tank: {
-      requests: [['sluice_tank_produced_bundles_total'], ['sluice_tank_consumes_total']],
-      connections: 'sluice_tank_connections',
-    },
-    greenstack: { requests: [['sluice_greenstack_requests_total']], connections: 'sluice_greenstack_connections' },
-  };
-  const METRIC_NAMES = new Set(Object.values(FRONT_METRICS).flatMap((f) =>
-    [...f.requests.map((r) => r[0]), f.connections].filter(Boolean)));
-
-  function frontsLackingCounters(st) {
-    return Object.entries(st.fronts || {}).filter(([name, f]) => FRONT_METRICS[name] &&
-      (!isNum(f?.status?.requests) || !isNum(f?.status?.connections))).map(([name]) => name);
-  }
-
-  /** Per front: {requests, connections, fromMetrics} with whatever is known. */
-  function frontCounters(st, samples) {
+  /** Per front: its connections and requests, as /status reports them for every front. */
+  function frontCounters(st) {
     const out = {};
     for (const [name, f] of Object.entries(st.fronts || {})) {
       const s = f?.status || {};
-      const c = { requests: s.requests, connections: s.connections, fromMetrics: false };
-      const m = FRONT_METRICS[name];
-      if (m && samples) {
-        if (!isNum(c.requests)) {
-          c.requests = sum(m.requests.flatMap(([metric, pred]) => samples
-            .filter((x) => x.name === metric && (!pred || pred(x.labels))).map((x) => x.value)));
-          c.fromMetrics = true;
-        }
-        if (!isNum(c.connections) && m.connections) {
-          const g = samples.find((x) => x.name === m.connections);
-          if (g) c.connections = g.value;
-        }
-      }
-      out[name] = c;
+      out[name] = { requests: s.requests, connections: s.connections };
     }
     return out;
   }
@@ -536,11 +486,6 @@
         num(rates.of(`front:${name}`), 'rps', fmtRate),
       ],
     })));
-    const estimated = Object.entries(fronts).filter(([, c]) => c.fromMetrics).map(([n]) => n);
-    const note = $('requests-note');
-    note.hidden = estimated.length === 0;
-    note.textContent = estimated.length ? `From /metrics, as /status has no request counter for ${estimated.join(', ')}` +
-      (estimated.includes('memcached') ? ' (memcached: the engine\'s KV operations, every front\'s).' : '.') : '';
 
     $('memory').replaceChildren(...arr(st.buckets).map((b) => {
       const frac = isNum(b.mem_used) && isNum(b.memory_quota) && b.memory_quota > 0 ? b.mem_used / b.memory_quota : null;
@@ -724,13 +669,27 @@
     body.replaceChildren(table);
   }
 
+  /** A small square in a node's colour (CSSOM, as the policy wants). */
+  function swatch(colour) {
+    const s = el('span', { class: 'swatch' });
+    if (colour) s.style.backgroundColor = colour;
+    return s;
+  }
+
+  // The cluster's vbucket placement cells, kept between polls like the buckets' grids.
+  const clusterCells = [];
+
   function renderCluster(st) {
     const c = st.cluster;
     const body = $('cluster-body');
-    if (!c) {
+    const placement = $('cluster-placement');
+    if (!c || typeof c !== 'object') {
       body.replaceChildren(el('p', { class: 'muted' }, 'This node is not in a cluster.'));
+      placement.hidden = true;
+      $('rebalance-action').hidden = true;
       return;
     }
+    $('rebalance-action').hidden = false;
     const dl = el('dl', { class: 'facts' });
     facts(dl, [
       ['cluster', c.cluster, 'cluster'],
@@ -741,27 +700,135 @@
       ['map revision', fmtInt(c.map_revision), 'map_revision'],
     ]);
     const parts = [dl];
-    // Not in /status yet: each node and its health, shown as soon as the node reports them.
+
+    // Each vbucket's chain [active, replica...] as node names (null: an empty slot, or no
+    // chain at all); each topic's leader per partition.
+    const chains = Array.isArray(c.vbuckets) ? c.vbuckets.map(arr) : null;
+    const topics = c.topics && typeof c.topics === 'object' && !Array.isArray(c.topics) ? c.topics : null;
+    const nodes = arr(c.nodes).filter((n) => n && typeof n === 'object');
+
+    // A colour per node, by name: it stays put as nodes come and go.
+    const names = new Set(nodes.map((n) => n.name).filter(Boolean));
+    for (const ch of chains || []) for (const n of ch) if (n) names.add(n);
+    const sorted = [...names].map(String).sort();
+    const colourOf = (n) => (n ? PALETTE[sorted.indexOf(String(n)) % PALETTE.length] : null);
+    const count = (m, k) => m.set(k, (m.get(k) || 0) + 1);
+    const actives = new Map(), replicas = new Map(), leads = new Map();
+    for (const ch of chains || []) {
+      if (ch[0]) count(actives, ch[0]);
+      for (const r of ch.slice(1)) if (r) count(replicas, r);
+    }
+    for (const leaders of Object.values(topics || {})) for (const l of arr(leaders)) if (l) count(leads, l);
+
     if (Array.isArray(c.nodes)) {
+      const heads = ['node', 'KV address', 'TANK address', 'health', 'failed over', 'active vbuckets',
+        'replica vbuckets', 'partitions led'];
       const table = el('table', { id: 'cluster-nodes' },
-        el('thead', {}, el('tr', {}, el('th', {}, 'node'), el('th', {}, 'KV address'), el('th', {}, 'health'))), el('tbody'));
-      fillTable(table.tBodies[0], c.nodes.map((n) => ({
-        attrs: { 'data-node': n.name },
-        cells: [orDash(n.name), orDash(n.kv_address),
-          el('span', { class: n.up ? 'good' : 'bad' }, n.up ? 'up' : 'down')],
+        el('thead', {}, el('tr', {}, heads.map((h, i) => el('th', { class: i >= 5 ? 'num' : null }, h)))), el('tbody'));
+      fillTable(table.tBodies[0], nodes.map((n) => ({
+        attrs: { 'data-node': n.name, class: n.name === c.node ? 'this-node' : null },
+        cells: [
+          { node: el('span', {}, swatch(colourOf(n.name)), orDash(n.name), n.name === c.node ? ' (this node)' : ''), field: 'name' },
+          { text: orDash(n.kv_address), field: 'kv_address' },
+          { text: orDash(n.tank_address), field: 'tank_address' },
+          { node: n.up === undefined ? DASH : el('span', { class: n.up ? 'good' : 'bad' }, n.up ? 'up' : 'down'), field: 'up' },
+          { node: n.failed_over ? el('span', { class: 'bad' }, 'failed over') : n.failed_over === false ? 'no' : DASH, field: 'failed_over' },
+          num(chains ? actives.get(n.name) || 0 : null, 'actives'),
+          num(chains ? replicas.get(n.name) || 0 : null, 'replicas'),
+          num(topics ? leads.get(n.name) || 0 : null, 'leads'),
+        ],
       })));
       parts.push(table);
     }
+
     const r = c.rebalance;
     if (r && typeof r === 'object' && Object.keys(r).length) {
-      const bar = el('progress', { max: isNum(r.total) && r.total > 0 ? r.total : 1, value: isNum(r.done) ? r.done : 0 });
-      parts.push(el('div', { class: 'rebalance', 'data-field': 'rebalance' },
+      const total = isNum(r.total) && r.total > 0 ? r.total : null;
+      const done = isNum(r.done) ? r.done : 0;
+      const bar = el('progress', { max: total || 1, value: total ? Math.min(done, total) : (r.state === 'done' ? 1 : 0) });
+      const pct = total ? ` (${Math.floor((100 * Math.min(done, total)) / total)}%)` : '';
+      parts.push(el('div', { class: 'rebalance', 'data-field': 'rebalance', 'data-state': r.state || null },
         el('h3', {}, 'Rebalance'),
-        el('p', {}, `${orDash(r.state)}${r.phase ? ' · ' + r.phase : ''} · ${fmtInt(r.done)} of ${fmtInt(r.total)}`),
+        el('p', {}, `${orDash(r.state)}${r.phase ? ' · ' + r.phase : ''} · ${fmtInt(r.done)} of ${fmtInt(r.total)} moves${pct}`),
         bar,
         r.error ? el('p', { class: 'bad' }, String(r.error)) : null));
+    } else {
+      parts.push(el('p', { class: 'muted', 'data-field': 'rebalance' }, 'No rebalance has run.'));
     }
     body.replaceChildren(...parts);
+
+    placement.hidden = !chains && !topics;
+    renderPlacement(chains, colourOf, sorted, actives);
+    renderLeaders(topics, colourOf);
+  }
+
+  function renderPlacement(chains, colourOf, names, actives) {
+    const grid = $('cluster-vbuckets');
+    const head = $('cluster-vbuckets-head');
+    const legend = $('cluster-legend');
+    const show = !!chains;
+    grid.hidden = head.hidden = legend.hidden = !show;
+    if (!show) return;
+    const n = chains.length;
+    grid.classList.toggle('dense', n > 256);
+    while (clusterCells.length < n) {
+      const cell = el('div', { class: 'vb' });
+      clusterCells.push(cell);
+      grid.append(cell);
+    }
+    while (clusterCells.length > n) clusterCells.pop().remove();
+    chains.forEach((ch, i) => {
+      const cell = clusterCells[i];
+      const active = ch[0] ? String(ch[0]) : '';
+      const cls = active ? 'vb vb-node' : 'vb vb-none';
+      if (cell.className !== cls) cell.className = cls;
+      cell.dataset.vbucket = String(i);
+      cell.dataset.active = active;
+      const chain = ch.map((x) => (x ? String(x) : '')).join(',');
+      if (cell.dataset.chain !== chain) cell.dataset.chain = chain;
+      const colour = colourOf(active) || '';
+      // The style reads back normalised (rgb(...)): compared through a data attribute instead.
+      if (cell.dataset.colour !== colour) { cell.dataset.colour = colour; cell.style.backgroundColor = colour; }
+      const label = n <= 256 ? String(i) : '';
+      if (cell.textContent !== label) cell.textContent = label;
+      const reps = ch.slice(1).map((x) => (x ? String(x) : 'none (empty slot)'));
+      const title = `vbucket ${i}\nactive: ${active || 'none'}` + (reps.length ? `\nreplicas: ${reps.join(', ')}` : '');
+      if (cell.title !== title) cell.title = title;
+    });
+    head.textContent = `vbucket placement: ${n} vbuckets, coloured by their active node`;
+    const orphans = chains.filter((ch) => !ch[0]).length;
+    legend.replaceChildren(...names.map((name) => el('span', { class: 'legend-item', 'data-node': name },
+      swatch(colourOf(name)), `${name} (${actives.get(name) || 0})`)),
+    orphans ? el('span', { class: 'legend-item' }, el('span', { class: 'swatch vb-none' }), `no active (${orphans})`) : null,
+    el('span', { class: 'muted' }, '— hover a vbucket for its chain'));
+  }
+
+  function renderLeaders(topics, colourOf) {
+    const box = $('cluster-topics');
+    const list = Object.entries(topics || {}).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+    if (!topics) {
+      box.replaceChildren(el('p', { class: 'muted' }, 'This node does not report the topics\' placement.'));
+      return;
+    }
+    if (!list.length) {
+      box.replaceChildren(el('p', { class: 'muted' }, 'No topics in the cluster.'));
+      return;
+    }
+    const table = el('table', { id: 'cluster-topic-table' },
+      el('thead', {}, el('tr', {}, el('th', {}, 'topic'), el('th', { class: 'num' }, 'partition'), el('th', {}, 'leader'))),
+      el('tbody'));
+    const rows = [];
+    for (const [name, leaders] of list) {
+      arr(leaders).forEach((leader, p) => rows.push({
+        attrs: { 'data-topic': name, 'data-partition': p },
+        cells: [p === 0 ? name : '', num(p, 'partition'), {
+          node: leader ? el('span', {}, swatch(colourOf(leader)), String(leader)) : el('span', { class: 'bad' }, 'none'),
+          field: 'leader',
+        }],
+      }));
+    }
+    fillTable(table.tBodies[0], rows);
+    box.replaceChildren(table);
   }
 
   function guarded(name, fn) {
@@ -795,12 +862,7 @@
     const started = performance.now();
     try {
       const st = JSON.parse(await get('/status'));
-      let samples = null;
-      if (frontsLackingCounters(st).length) {
-        // Optional: without /metrics the page still draws everything but those rates.
-        samples = await get('/metrics').then((t) => parseMetrics(t, METRIC_NAMES), () => null);
-      }
-      const fronts = frontCounters(st, samples);
+      const fronts = frontCounters(st);
       record(st, fronts, Date.now() / 1000);
       render(st, fronts);
       polls++;
@@ -920,6 +982,9 @@
       return post(`/takeover?${q}`);
     });
     moveForm.addEventListener('submit', (ev) => { ev.preventDefault(); move(); });
+
+    const rebalance = $('rebalance');
+    rebalance.addEventListener('click', twoStep(rebalance, $('rebalance-result'), () => post('/rebalance')));
   }
 
   function start() {
