@@ -243,3 +243,40 @@ def test_an_unreadable_etcd_password_file_is_named_not_a_traceback(tmp_path):
     r = run_cli("cluster", "status", "--cluster", url, "--etcd-password-file", str(missing))
     assert r.returncode == 2, r.stderr
     assert f"--etcd-password-file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_commands_pointed_at_the_wrong_port_say_so_at_once(server):
+    """`sluice status` given the KV port, and `sluice topic list` given a port that is not a TANK
+    listener, name the mistake in one line (no traceback, no wait for a timeout)."""
+    r = run_cli("status", "--admin", server.address, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{server.address} is a KV port" in r.stderr and "admin_listen" in r.stderr, r.stderr
+    took = time.monotonic()
+    r = run_cli("topic", "list", "--address", server.address, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "not a TANK listener" in r.stderr and "tank_listen" in r.stderr, r.stderr
+    assert time.monotonic() - took < 8
+    r = run_cli("topic", "create", "t", "--settings", "log.retention.bytes=abc", "--address", server.tank)
+    assert r.returncode == 2, r.stderr
+    assert 'log.retention.bytes: "abc" is not a whole number' in r.stderr, r.stderr
+
+
+def test_config_check_refuses_what_serve_refuses(tmp_path):
+    """A file the configuration names that serve cannot use, and a data_dir that is a file, are
+    refused by `sluice config check` and `serve` alike, naming the key."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = {
+        '[replication]\nuser = "r"\npassword_file = "/nonexistent/pw"\n': "replication.password_file",
+        '[tls]\ncertificate = "/nonexistent/c.pem"\nkey = "/nonexistent/k.pem"\n': "tls.certificate",
+        f'[tls]\ncertificate = "{a_file}"\nkey = "{a_file}"\n': "tls.certificate",
+        f'data_dir = "{a_file}"\n': "data_dir",
+    }
+    for text, key in cases.items():
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(text)
+        r = run_cli("config", "check", str(cfg))
+        assert r.returncode == 2 and f"invalid config: {key}:" in r.stderr, (text, r.stderr)
+        off = ("--admin-listen", "", "--iproto-listen", "", "--tank-listen", "", "--greenstack-listen", "")
+        r = run_cli("serve", "--config", str(cfg), "--listen", "127.0.0.1:0", *off, timeout=60)
+        assert r.returncode == 2 and f"invalid config: {key}:" in r.stderr, (text, r.stderr)

@@ -117,6 +117,12 @@ def cmd_topic_create(args: argparse.Namespace) -> int:
     from sluice.tank import TankConnection, TankError
 
     try:
+        # Checked here: the broker's answer says only that the settings are not valid.
+        _native.check_topic_settings(args.settings)
+    except _native.ConfigError as e:
+        print(f"sluice topic create: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         with TankConnection(args.address) as t:
             t.create_topic(args.name, args.partitions, args.settings)
     except TankError as e:
@@ -146,6 +152,7 @@ def cmd_topic_list(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the node's /status as tables a person can read."""
+    import http.client
     import urllib.error
 
     admin = admin_address(args, "status")
@@ -156,9 +163,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as e:
         print(f"sluice status: the node refused: {refusal(e)}", file=sys.stderr)
         return EXIT_FAILURE
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        print(f"sluice status: cannot reach the admin endpoint at {admin}: {why}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        print(f"sluice status: {unreachable(admin, e)}", file=sys.stderr)
         return EXIT_FAILURE
     wal = st["wal"]
     # What the LSNs mean depends on the mode: `write` syncs only for writes that ask for it
@@ -389,6 +395,10 @@ def cmd_tarantool_tail(args: argparse.Namespace) -> int:
 def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     cfg.to_native()
+    cfg.check_files()
+    # What the server checks as it starts (listeners, TLS files), without binding anything.
+    max_item = max((b["max_item_size"] for b in cfg.buckets.values()), default=0)
+    _native.check_server_settings(cfg.server_json(), max_item, bool(cfg.values["replication.replica_of"]))
     for warning in cfg.warnings():
         print(f"{args.file}: warning: {warning}", file=sys.stderr)
     print(f"{args.file}: ok ({len(cfg.buckets)} bucket(s): {', '.join(cfg.buckets)})")

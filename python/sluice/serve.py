@@ -121,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "([users.NAME]); pass --insecure to serve it anyway"
         )
     settings = cfg.to_native()
-    # Read before anything starts: a missing file is a config error naming its key.
+    # Read before anything starts: a missing or unusable file is a config error naming its key.
+    cfg.check_files()
     etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
     for warning in cfg.warnings():
         log.warning("config: %s", warning)

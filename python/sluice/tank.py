@@ -38,6 +38,8 @@ TAIL = 2**64 - 1
 # TANK's message ids are small numbers, and no answer comes near 1 GiB: a frame head beyond
 # either is a peer that does not speak TANK (an HTTP port reads as a 790 MB frame).
 MAX_MSG_ID = 0x1F
+# How long a new connection waits for the broker's greeting (a Ping) at most.
+GREETING_WAIT = 2.0
 MAX_FRAME_BYTES = 1 << 30
 
 # Produce's error byte per partition.
@@ -135,8 +137,25 @@ class TankConnection:
             self._sock = connect(address, timeout, cafile)
         except OSError as e:
             raise TankError(f"cannot reach the TANK listener at {address}: {e}") from None
+        self._address = address
         self._buf = b""
         self._next_id = 1
+        # A TANK broker greets a connection with a Ping; a port that says nothing (another
+        # protocol's, waiting for its own request) is told apart in a second, not at the timeout.
+        self._sock.settimeout(min(timeout, GREETING_WAIT))
+        try:
+            self._buf = self._sock.recv(1 << 16)
+        except TimeoutError:
+            self._sock.close()
+            raise TankError(
+                f"{address} sent no greeting within {min(timeout, GREETING_WAIT):g} s: it is not a TANK "
+                f"listener (tank_listen, default 127.0.0.1:11011)"
+            ) from None
+        except OSError as e:
+            self._sock.close()
+            raise TankError(f"cannot reach the TANK listener at {address}: {e}") from None
+        self._sock.settimeout(timeout)
+        self._timeout = timeout
 
     def close(self) -> None:
         self._sock.close()
@@ -173,7 +192,12 @@ class TankConnection:
                 return frame[0], bytes(frame[5:])
 
     def _fill(self) -> None:
-        chunk = self._sock.recv(1 << 16)
+        try:
+            chunk = self._sock.recv(1 << 16)
+        except TimeoutError:
+            raise TankError(
+                f"no answer from the TANK listener at {self._address} within {self._timeout:g} s"
+            ) from None
         if not chunk:
             raise TankError("the TANK listener closed the connection")
         self._buf += chunk

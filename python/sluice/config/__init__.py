@@ -166,6 +166,21 @@ class Config:
         except OSError as e:
             raise _fail(key, f"cannot read {path}: {e.strerror}") from None
 
+    def check_files(self) -> None:
+        """What `sluice serve` reads before it starts can be read: the password files, and
+        `data_dir` is a directory if it exists. Raises ConfigError naming the key and the
+        reason. (The certificates and keys are loaded by the server's own check,
+        `_native.check_server_settings`, which `sluice config check` runs too.)"""
+        data_dir = Path(self.values["data_dir"])
+        if data_dir.exists() and not data_dir.is_dir():
+            raise _fail("data_dir", f"{data_dir} is a file, not a directory")
+        for key in (
+            "replication.password_file",
+            "tarantool_upstream.password_file",
+            "cluster.etcd_password_file",
+        ):
+            self.secret(key)
+
     def with_spaces(self, tables: Mapping[str, Any]) -> Config:
         """A copy with more [spaces.NAME] tables, validated as the file's are."""
         spaces = dict(self.spaces)

@@ -57,6 +57,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(greenstack::greenstack_frame, m)?)?;
     m.add_function(wrap_pyfunction!(greenstack::greenstack_decode, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_produce_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(tank::check_topic_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(server::check_server_settings, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_consume_frame, m)?)?;
     m.add_function(wrap_pyfunction!(tank::tank_consume_answer, m)?)?;
     m.add_function(wrap_pyfunction!(tools::msgpack_json, m)?)?;

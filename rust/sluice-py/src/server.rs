@@ -14,6 +14,25 @@ use crate::settings::{secs, socket_addr, BUCKET_DEFAULTS};
 /// The Greenstack port while the engine opens: it takes connections, answers HELLO and tells
 /// them the server is warming up; `Server(..., greenstack_warmup=)` takes it over and tells
 /// them warm-up is done.
+/// Checks the server's settings as `Server` does when it starts, loading the TLS certificate
+/// and key they name, without binding anything: what `sluice config check` runs. `max_item`:
+/// the largest item any bucket takes; `replica`: whether the node starts as a replica.
+#[pyfunction]
+pub(crate) fn check_server_settings(
+    settings: &str,
+    max_item: usize,
+    replica: bool,
+) -> PyResult<()> {
+    let checked = sluice_server::settings::Settings::from_json(settings)
+        .and_then(|s| s.check(max_item, replica))
+        .map_err(|e| ConfigError::new_err(e.to_string()))?;
+    if let Some(t) = checked.config.tls {
+        sluice_server::tls::ReloadableTls::load(t)
+            .map_err(|e| ConfigError::new_err(format!("invalid config: {e}")))?;
+    }
+    Ok(())
+}
+
 #[pyclass(module = "sluice._native", frozen)]
 pub(crate) struct GreenstackWarmup {
     inner: parking_lot::Mutex<Option<sluice_server::greenstack::Warmup>>,

@@ -166,6 +166,16 @@ type Fetched<'py> = (u16, &'static str, u64, u64, Bound<'py, PyList>, u64, usize
 /// `needed` is nonzero when no whole bundle fitted the fetch size: the size of the first one,
 /// to ask again with. Each message is made a `message` (`sluice.tank.Message`, a NamedTuple
 /// of those four).
+/// Checks a topic's settings text as the broker will (`key=value` lines: `log.segment.bytes`,
+/// `log.retention.bytes`, ...): a ConfigError names the line and the reason, which TANK's
+/// CreateTopic answer (one error byte) cannot carry.
+#[pyfunction]
+pub(crate) fn check_topic_settings(text: &str) -> PyResult<()> {
+    sluice_core::partition_log::LogConfig::from_text(text)
+        .map(|_| ())
+        .map_err(|why| crate::errors::ConfigError::new_err(format!("topic settings: {why}")))
+}
+
 #[pyfunction]
 pub(crate) fn tank_consume_answer<'py>(
     py: Python<'py>,
