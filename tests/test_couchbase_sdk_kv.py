@@ -327,3 +327,51 @@ def test_a_steady_sdk_writer_rides_a_vbucket_move(tmp_path, monkeypatch):
     finally:
         for node in (z, y, x):
             node.stop()
+
+
+def test_range_prefix_and_sampling_scans(tmp_path):
+    """The SDK's KV range scans over every vbucket: a range with its documents, a prefix with
+    ids only, a sample of a given size, consistent with a mutation just made; keys written
+    elsewhere, deleted or expired are not returned."""
+    from couchbase.kv_range_scan import PrefixScan, RangeScan, SamplingScan, ScanTerm
+    from couchbase.mutation_state import MutationState
+    from couchbase.options import ScanOptions
+
+    node = start_node(tmp_path, "n", extra=USERS)
+    try:
+        cluster = sdk_cluster(node, "app", PASSWORD)
+        try:
+            coll = cluster.bucket("default").default_collection()
+            for i in range(300):
+                coll.upsert(f"scan:{i:03d}", {"i": i})
+            coll.upsert("other", {"i": -1})
+            coll.remove("scan:150")
+            coll.upsert("scan:151", {"i": 151}, UpsertOptions(expiry=timedelta(seconds=1)))
+            last = coll.upsert("scan:299", {"i": 299, "again": True})
+            time.sleep(2.2)
+
+            def scanned(scan_type, **options):
+                return list(coll.scan(scan_type, ScanOptions(**options)))
+
+            got = scanned(
+                RangeScan(ScanTerm("scan:100"), ScanTerm("scan:200", exclusive=True)),
+                consistent_with=MutationState(last),
+                batch_item_limit=7,
+            )
+            want = {f"scan:{i:03d}" for i in range(100, 200)} - {"scan:150", "scan:151"}
+            assert sorted(r.id for r in got) == sorted(want)
+            assert all(r.content_as[dict] == {"i": int(r.id[5:])} for r in got)
+            assert all(not r.ids_only and r.cas for r in got)
+
+            ids = scanned(PrefixScan("scan:2"), ids_only=True)
+            assert sorted(r.id for r in ids) == [f"scan:{i}" for i in range(200, 300)]
+            assert all(r.ids_only for r in ids)
+
+            sample = scanned(SamplingScan(40, seed=7))
+            assert len(sample) == 40 and len({r.id for r in sample}) == 40
+            docs = {f"scan:{i:03d}" for i in range(300)} - {"scan:150", "scan:151"} | {"other"}
+            assert {r.id for r in sample} <= docs
+        finally:
+            cluster.close()
+    finally:
+        assert node.stop() == 0

@@ -411,3 +411,72 @@ def test_document_level_errors_are_the_command_s_own(server):
         assert call(s, request(GET, b"deep"))["value"] == deep
         store(s, b"deep32", b"[" * 32 + b"]" * 32)
         assert call(s, subdoc(SUBDOC_GET, b"deep32", b"[0]"))["status"] == 0
+
+
+def test_a_range_scan_on_the_wire(server):
+    """RANGE_SCAN_CREATE, _CONTINUE and _CANCEL byte for byte as Couchbase's SDKs read them: the
+    16-byte id; continue frames with 4 bytes of extras (1: documents follow), a limit ending in
+    RangeScanMore (0xa6) and the end in RangeScanComplete (0xa7), keys in byte order, documents
+    as a 25-byte header, LEB128 key and value; an unknown id and a cancelled scan are KEY_ENOENT."""
+    import base64
+
+    import sluice
+
+    create, resume, cancel = 0xDA, 0xDB, 0xDC
+    vb = 3
+    n = len(server.status()["buckets"][0]["vbuckets"])
+    keys = sorted(k for k in (f"k{i:04d}".encode() for i in range(2000)) if sluice.vbucket_of(k, n) == vb)[:5]
+    with connect(server) as s:
+        for i, k in enumerate(keys):
+            s.sendall(request(SET, k, b'{"n":%d}' % i, set_extras(flags=0x02000006)))
+            assert read_response(s)["status"] == 0
+        spec = {
+            "range": {"start": base64.b64encode(keys[1]).decode(), "end": base64.b64encode(b"\xff").decode()}
+        }
+        s.sendall(request(create, value=json.dumps(spec).encode(), vbucket=vb))
+        r = read_response(s)
+        assert r["status"] == 0 and len(r["value"]) == 16, r
+        scan_id = r["value"]
+
+        def next_frames(items: int) -> list[dict]:
+            s.sendall(request(resume, extras=scan_id + struct.pack(">III", items, 0, 0), vbucket=vb))
+            frames = [read_response(s)]
+            while frames[-1]["status"] == 0:
+                frames.append(read_response(s))
+            return frames
+
+        first = next_frames(2)
+        assert [f["status"] for f in first] == [0xA6] and first[0]["extras"] == b"\x00\x00\x00\x01"
+        body, docs = first[0]["value"], []
+        while body:
+            flags, _expiry, seqno, cas, datatype = struct.unpack(">IIQQB", body[:25])
+            klen = body[25]
+            key = body[26 : 26 + klen]
+            vlen = body[26 + klen]
+            value = body[27 + klen : 27 + klen + vlen]
+            docs.append((key, value, flags, datatype))
+            assert seqno > 0 and cas > 0
+            body = body[27 + klen + vlen :]
+        assert docs == [(keys[1], b'{"n":1}', 0x02000006, 0), (keys[2], b'{"n":2}', 0x02000006, 0)]
+        rest = next_frames(0)
+        assert rest[-1]["status"] == 0xA7 and b"".join(f["value"] for f in rest).count(b'{"n":') == 2
+        s.sendall(request(resume, extras=scan_id + bytes(12), vbucket=vb))
+        assert read_response(s)["status"] == 0x01  # gone once complete
+
+        # Keys only; then cancelled before it ends.
+        spec = {"range": {"start": "", "excl_end": base64.b64encode(keys[4]).decode()}, "key_only": True}
+        s.sendall(request(create, value=json.dumps(spec).encode(), vbucket=vb))
+        scan_id = read_response(s)["value"]
+        frames = next_frames(3)
+        assert frames[-1]["status"] == 0xA6 and frames[-1]["extras"] == bytes(4)
+        assert frames[-1]["value"] == b"".join(bytes([len(k)]) + k for k in keys[:3])
+        s.sendall(request(cancel, extras=scan_id, vbucket=vb))
+        assert read_response(s)["status"] == 0
+        s.sendall(request(resume, extras=scan_id + bytes(12), vbucket=vb))
+        assert read_response(s)["status"] == 0x01
+        # A range with no key in it: KEY_ENOENT at create, which the SDK counts as done.
+        spec = {
+            "range": {"start": base64.b64encode(b"zz").decode(), "end": base64.b64encode(b"zzz").decode()}
+        }
+        s.sendall(request(create, value=json.dumps(spec).encode(), vbucket=vb))
+        assert read_response(s)["status"] == 0x01

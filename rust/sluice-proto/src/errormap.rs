@@ -275,6 +275,30 @@ pub const ERRORS: &[ErrorInfo] = &[
         SOON,
     ),
     e(
+        0xa5,
+        "RangeScanCancelled",
+        "The range scan was cancelled",
+        &["item-only"],
+    ),
+    e(
+        0xa6,
+        "RangeScanMore",
+        "The range scan stopped at a limit: continue it for more",
+        &["success"],
+    ),
+    e(
+        0xa7,
+        "RangeScanComplete",
+        "The range scan reached its end",
+        &["success"],
+    ),
+    e(
+        0xa8,
+        "VbUuidNotEqual",
+        "The range scan's snapshot names another vbucket uuid",
+        &["invalid-input"],
+    ),
+    e(
         0xc0,
         "SUBDOC_PATH_ENOENT",
         "Sub-document: path not found",
@@ -509,6 +533,10 @@ mod tests {
             DURABILITY_IMPOSSIBLE,
             SYNC_WRITE_IN_PROGRESS,
             SYNC_WRITE_AMBIGUOUS,
+            RANGE_SCAN_CANCELLED,
+            RANGE_SCAN_MORE,
+            RANGE_SCAN_COMPLETE,
+            VBUUID_NOT_EQUAL,
         ] {
             assert!(
                 lookup(s).is_some(),

@@ -88,6 +88,9 @@ pub mod opcode {
     pub const GET_CLUSTER_CONFIG: u8 = 0xb5;
     pub const GET_COLLECTIONS_MANIFEST: u8 = 0xba;
     pub const GET_COLLECTION_ID: u8 = 0xbb;
+    pub const RANGE_SCAN_CREATE: u8 = 0xda;
+    pub const RANGE_SCAN_CONTINUE: u8 = 0xdb;
+    pub const RANGE_SCAN_CANCEL: u8 = 0xdc;
     pub const GET_ERROR_MAP: u8 = 0xfe;
 
     /// The quiet variants: silent on success (mutations) or on a miss (gets).
@@ -136,6 +139,14 @@ pub mod status {
     pub const EBUSY: u16 = 0x0085;
     pub const ETMPFAIL: u16 = 0x0086;
     pub const UNKNOWN_COLLECTION: u16 = 0x0088;
+    /// A range scan was cancelled while it ran.
+    pub const RANGE_SCAN_CANCELLED: u16 = 0x00a5;
+    /// A continue stopped at a limit: ask again.
+    pub const RANGE_SCAN_MORE: u16 = 0x00a6;
+    /// A continue reached the scan's end: the scan is gone.
+    pub const RANGE_SCAN_COMPLETE: u16 = 0x00a7;
+    /// A range scan's snapshot requirement named another vbucket uuid.
+    pub const VBUUID_NOT_EQUAL: u16 = 0x00a8;
     pub const UNKNOWN_SCOPE: u16 = 0x008c;
     pub const DURABILITY_INVALID_LEVEL: u16 = 0x00a0;
     pub const DURABILITY_IMPOSSIBLE: u16 = 0x00a1;

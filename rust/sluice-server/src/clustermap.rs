@@ -458,7 +458,7 @@ impl ClusterMap {
                 "vBucketMap": &layout.chains,
             },
             "bucketCapabilitiesVer": "",
-            "bucketCapabilities": ["cccp", "nodesExt", "touch", "dcp", "durableWrite", "collections"],
+            "bucketCapabilities": ["cccp", "nodesExt", "touch", "dcp", "durableWrite", "collections", "rangeScan"],
             "clusterCapabilitiesVer": [1, 0],
             "clusterCapabilities": {},
         });

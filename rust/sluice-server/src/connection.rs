@@ -69,6 +69,7 @@ fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result
         tap_applied: Default::default(),
         clustermap: shared.clustermap.clone(),
         spaces: Arc::from(config.spaces.clone()),
+        range_scans: Default::default(),
     });
     let dcp = Arc::new(DcpContext {
         engine: shared.engine.clone(),

@@ -68,6 +68,7 @@ fn a_handed_over_connection_streams_a_vbucket_from_seqno_zero() {
             None,
         )),
         spaces: Arc::from([]),
+        range_scans: Default::default(),
     });
     let dcp = Arc::new(DcpContext {
         engine: engine.clone(),

@@ -35,6 +35,7 @@ macro_rules! einval {
 }
 
 mod meta;
+pub mod range_scan;
 mod read;
 mod reply;
 mod sasl;
@@ -93,6 +94,8 @@ pub struct KvContext {
     /// The configured spaces, which `STAT spaces` describes (their buckets are ordinary ones
     /// here; the iproto front serves them as spaces).
     pub spaces: Arc<[crate::space::SpaceConfig]>,
+    /// The KV range scans open on this node.
+    pub range_scans: range_scan::RangeScans,
 }
 
 impl KvContext {
@@ -122,6 +125,7 @@ impl KvContext {
                 None,
             )),
             spaces: Arc::from([]),
+            range_scans: Default::default(),
         })
     }
 }
@@ -183,7 +187,10 @@ fn required_permission(opcode: u8) -> u8 {
         | op::GETKQ
         | op::GET_REPLICA
         | op::STAT
-        | op::GET_ALL_VB_SEQNOS => READ,
+        | op::GET_ALL_VB_SEQNOS
+        | op::RANGE_SCAN_CREATE
+        | op::RANGE_SCAN_CONTINUE
+        | op::RANGE_SCAN_CANCEL => READ,
         op::GAT | op::GATQ => READ | WRITE,
         op::GET_META | op::GETQ_META => READ,
         // A lock keeps writers out, and only its holder's writes get in.
@@ -734,6 +741,15 @@ impl KvSession {
                         reply.send(st, 0, &[], &[], body.as_bytes(), DATATYPE_JSON);
                     }
                 }
+            }
+            op::RANGE_SCAN_CREATE => {
+                range_scan::create(&self.ctx.range_scans, &self.bucket, req, &mut reply, xerror)
+            }
+            op::RANGE_SCAN_CONTINUE => {
+                range_scan::resume(&self.ctx.range_scans, &self.bucket, req, &mut reply, xerror)
+            }
+            op::RANGE_SCAN_CANCEL => {
+                range_scan::cancel(&self.ctx.range_scans, req, &mut reply, xerror)
             }
             op::GET_ALL_VB_SEQNOS => match all_vb_seqnos(engine, &self.bucket, req.extras) {
                 Ok(value) => reply.send(status::SUCCESS, 0, &[], &[], &value, 0),
