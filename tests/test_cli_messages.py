@@ -280,3 +280,15 @@ def test_config_check_refuses_what_serve_refuses(tmp_path):
         off = ("--admin-listen", "", "--iproto-listen", "", "--tank-listen", "", "--greenstack-listen", "")
         r = run_cli("serve", "--config", str(cfg), "--listen", "127.0.0.1:0", *off, timeout=60)
         assert r.returncode == 2 and f"invalid config: {key}:" in r.stderr, (text, r.stderr)
+
+
+def test_tail_on_a_node_with_users_says_to_log_in(tmp_path):
+    from test_permissions import users_config
+
+    node = start_node(tmp_path, "n", extra=users_config({"reader": ["read"]}))
+    try:
+        r = run_cli("tail", "--address", node.address, "--until-now", timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "pass --user NAME" in r.stderr and "stream permission" in r.stderr, r.stderr
+    finally:
+        node.stop()

@@ -69,6 +69,10 @@ def test_permissions_per_bucket_and_sighup_changes_them_live(secured):
         secured.wait_for("users updated now")
         s.sendall(request(SET, b"k", b"v", set_extras()))
         assert read_response(s)["status"] == 0, "the same connection, new permissions"
+    # A reload that changed the users is not then called unchanged; one that changed nothing is.
+    secured.proc.send_signal(signal.SIGHUP)
+    secured.wait_for("the configuration is unchanged")
+    assert "".join(secured.lines).count("the configuration is unchanged") == 1, secured.lines[-5:]
     with connect(secured) as s:
         assert login(s, "root", "root-secret") == 0
         s.sendall(request(FLUSH, extras=struct.pack(">I", 0)))

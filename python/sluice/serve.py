@@ -259,12 +259,19 @@ def _reload(
     except (_native.ConfigError, PluginError) as e:
         log.error("reload: the configuration is not valid, keeping the running one: %s", e)
         return current
+    # What this reload put in force now, so that it is not then called unchanged.
+    applied = False
     try:
         if server.reload_tls():
+            applied = True
             log.warning("reload: TLS certificate and key read again; new connections get them")
     except _native.ConfigError as e:
         log.error("reload: keeping the TLS certificate in use: %s", e)
     live = {k.name for k in ENGINE_KEYS if k.plugin} | {"policy.timeout"}
+    live_changed = sorted(k for k in live if new.values[k] != current.values.get(k))
+    if live_changed:
+        applied = True
+        log.warning("reload: %s now in force", ", ".join(live_changed))
     server.policy_set_timeout(new.values["policy.timeout"])
     current = dataclasses.replace(current, values={**current.values, **{k: new.values[k] for k in live}})
     if new.users != current.users:
@@ -283,6 +290,7 @@ def _reload(
             changed or "none",
         )
         current = dataclasses.replace(current, users=new.users)
+        applied = True
     changed = [k for k in new.values if new.values[k] != current.values.get(k)]
     changed += [
         f"buckets.{b}"
@@ -291,6 +299,6 @@ def _reload(
     ]
     if changed:
         log.warning("reload: %s changed; these take effect after a restart", ", ".join(sorted(changed)))
-    else:
+    elif not applied:
         log.info("reload: the configuration is unchanged")
     return current

@@ -194,6 +194,17 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _login_hint(e: Exception, user: str | None) -> str:
+    """A hint for a refusal that comes from logging in as nobody, or as a user without the
+    permission (memcached statuses 0x20 AUTH_ERROR and 0x24 EACCESS)."""
+    text = str(e)
+    if "status 0x20" not in text and "status 0x24" not in text:
+        return ""
+    if user is None:
+        return " (the node has users: pass --user NAME, a user with the stream permission on the bucket)"
+    return f" ({user} lacks the stream permission on the bucket, or its password is wrong)"
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     """Follows a bucket's DCP stream (or with --topic, a topic's partitions) and prints its
     changes."""
@@ -217,7 +228,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         try:
             vbuckets = _replica_vbuckets_if_no_active(address, args.bucket, args.user, password)
         except _native.SluiceError as e:
-            print(f"sluice tail: {e}", file=sys.stderr)
+            print(f"sluice tail: {e}{_login_hint(e, args.user)}", file=sys.stderr)
             return EXIT_FAILURE
     state = args.state if args.state and Path(args.state).exists() else None
     progress = _BackfillProgress()
@@ -236,7 +247,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             follow_moves=not args.no_follow,
         )
     except (ValueError, _native.SluiceError) as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
+        print(f"sluice tail: {e}{_login_hint(e, args.user)}", file=sys.stderr)
         return EXIT_FAILURE
     out = sys.stdout
     try:
