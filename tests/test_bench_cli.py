@@ -73,6 +73,10 @@ def test_bench_table_and_sasl(tmp_path):
         assert r.returncode == 1 and "errors 0" not in r.stdout, (
             "unauthenticated: every request refused, exit 1"
         )
+        # Refusals are no throughput: none of them counts in the rate.
+        r = run_bench("--server", node.address, "--duration", "0.5", "--keys", "100", "--no-prefill")
+        assert r.returncode == 1 and " = 0 ops/s succeeded" in r.stdout, r.stdout + r.stderr
+        assert "errors 0" not in r.stdout
     finally:
         assert node.stop() == 0
 

@@ -328,7 +328,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     read, write = ("select", "replace") if args.protocol == "iproto" else ("get", "set")
     print(
         f"{args.server}: {r['ops']:,} requests in {r['seconds']:.2f} s = {r['ops_per_s']:,.0f} ops/s "
-        f"({args.connections} connections x pipeline {args.pipeline}, {args.get_ratio:.0%} {read.upper()})"
+        f"succeeded ({args.connections} connections x pipeline {args.pipeline}, "
+        f"{args.get_ratio:.0%} {read.upper()})"
     )
     print(f"  {read}s {r['gets']:,} (misses {r['misses']:,})  {write}s {r['sets']:,}  errors {r['errors']:,}")
     print("  latency (us)  " + "  ".join(f"{k} {v:,}" for k, v in lat.items()))

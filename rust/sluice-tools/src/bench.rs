@@ -74,6 +74,7 @@ pub struct BenchReport {
     pub misses: u64,
     pub errors: u64,
     pub seconds: f64,
+    /// Requests that succeeded per second (errors are counted apart, not as throughput).
     pub ops_per_s: f64,
     /// (percentile, microseconds): p50, p90, p99, p99.9 and the maximum.
     pub latency_us: Vec<(f64, u64)>,
@@ -707,7 +708,8 @@ pub fn run(cfg: BenchConfig) -> std::io::Result<BenchReport> {
             misses: totals[3],
             errors: totals[4],
             seconds,
-            ops_per_s: totals[0] as f64 / seconds,
+            // Requests that succeeded: an error answered at once is no throughput.
+            ops_per_s: (totals[0] - totals[4]) as f64 / seconds,
             latency_us: percentiles(&hist),
             read_latency_us: percentiles(&reads),
             first_error_status,
