@@ -219,6 +219,16 @@ def test_a_replica_node_explains_itself(tmp_path):
         instance = replica.status()["instance"]
         assert f"replica {instance[:12]} at {replica.address} acked" in r.stdout, r.stdout
         assert "followers are named by replica instance id" in r.stdout
+        # Caught up, the replica is behind by nothing, in seqnos and in time.
+        deadline = time.monotonic() + 10
+        while True:
+            r = run_cli("status", "--admin", replica.admin)
+            assert r.returncode == 0, r.stderr
+            lags = re.findall(r"lag (\d+) seqnos, ([\d.]+) ms", r.stdout)
+            if lags and all(s == "0" and float(ms) == 0 for s, ms in lags):
+                break
+            assert time.monotonic() < deadline, r.stdout
+            time.sleep(0.2)
     finally:
         if replica is not None:
             replica.stop()

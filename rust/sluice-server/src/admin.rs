@@ -981,7 +981,7 @@ fn replication_status(followers: &Followers) -> serde_json::Value {
                 .vbuckets
                 .lock()
                 .iter()
-                .map(|(vb, l)| json!({"vbucket": vb, "active_seqno": l.active_seqno, "applied_seqno": l.applied_seqno, "lag_seqnos": l.active_seqno.saturating_sub(l.applied_seqno), "lag_ms": l.lag_ms, "acked_seqno": l.acked_seqno}))
+                .map(|(vb, l)| json!({"vbucket": vb, "active_seqno": l.active_seqno, "applied_seqno": l.applied_seqno, "lag_seqnos": l.behind(), "lag_ms": l.behind_ms(), "acked_seqno": l.acked_seqno}))
                 .collect();
             json!({
                 "bucket": r.bucket,

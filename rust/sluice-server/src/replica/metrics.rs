@@ -63,19 +63,19 @@ pub fn metrics(replicators: &[Replicator], o: &mut String) {
         "gauge",
         "Per replica vbucket followed: the active's high seqno (asked every second) minus the seqno applied here.",
     );
-    metric(o, "sluice_replica_lag_ms", "gauge", "Per replica vbucket: milliseconds from the active's write to its apply here, for the newest change of the last batch.");
+    metric(o, "sluice_replica_lag_ms", "gauge", "Per replica vbucket: milliseconds from the active's write to its apply here, for the newest change of the last batch, while seqnos are missing (0 once caught up).");
     for r in reps.iter() {
         for (vb, l) in r.stats.vbuckets.lock().iter() {
             let b = &r.bucket;
             let _ = writeln!(
                 o,
                 "sluice_replica_lag_seqnos{{bucket=\"{b}\",vbucket=\"{vb}\"}} {}",
-                l.active_seqno.saturating_sub(l.applied_seqno)
+                l.behind()
             );
             let _ = writeln!(
                 o,
                 "sluice_replica_lag_ms{{bucket=\"{b}\",vbucket=\"{vb}\"}} {:.3}",
-                l.lag_ms
+                l.behind_ms()
             );
         }
     }

@@ -134,6 +134,24 @@ pub struct VbLag {
     pub acked_persisted: u64,
 }
 
+impl VbLag {
+    /// Seqnos the copy is behind its active.
+    pub fn behind(&self) -> u64 {
+        self.active_seqno.saturating_sub(self.applied_seqno)
+    }
+
+    /// How far behind in time: the last batch's delay while seqnos are missing, none once the
+    /// copy holds all the active has (a backfill of old writes leaves a large delay behind it
+    /// that no longer says anything).
+    pub fn behind_ms(&self) -> f64 {
+        if self.behind() == 0 {
+            0.0
+        } else {
+            self.lag_ms
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct ReplicaStats {
     pub connected: AtomicBool,
