@@ -407,3 +407,30 @@ def test_every_front_speaks_tls_on_a_port_of_its_own(tmp_path, pki):
         node.wait_for("closing TLS TANK connection")
     finally:
         assert node.stop() == 0, "".join(node.lines)[-2000:]
+
+
+def test_a_self_signed_certificate_marked_ca_is_trusted_when_it_is_the_one_given(tmp_path, pki):
+    """`openssl req -x509`'s default certificate is self-signed with CA:TRUE: OpenSSL's clients,
+    curl and Couchbase's SDKs take it when given it as the CA, and so do sluice's own clients
+    (`sluice bench --cacert`), which WebPKI alone would refuse as a CA used as a server's."""
+    key_file = tmp_path / "self.key"
+    key_file.write_bytes(
+        pki.key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(tls_config(pki.ca_file, key_file))
+    node = Node(tmp_path / "d", "--config", str(cfg))
+    try:
+        host, port = tls_address(node)
+        r = run_cli("bench", "--server", f"{host}:{port}", "--cacert", str(pki.ca_file), "--duration", "0.3")
+        assert r.returncode == 0 and "errors 0" in r.stdout, r.stdout + r.stderr
+        # Another certificate in its place is still refused.
+        (tmp_path / "other").mkdir()
+        other = Pki(tmp_path / "other", "someone-else")
+        server = f"{host}:{port}"
+        r = run_cli("bench", "--server", server, "--cacert", str(other.ca_file), "--duration", "0.3")
+        assert r.returncode != 0, r.stdout
+    finally:
+        node.stop()

@@ -69,6 +69,9 @@ pub enum TlsError {
         path: PathBuf,
         source: rustls::Error,
     },
+    /// The CAs could not make a verifier (none in the file, say).
+    #[error("{key}: {why}")]
+    Verifier { key: String, why: String },
     /// The private key in `key_path` (configured as `key`) is not the certificate's.
     #[error(
         "{key}: {} does not go with the certificate in {}: {source}",
@@ -160,6 +163,64 @@ fn load_roots(key: &str, path: &Path) -> Result<rustls::RootCertStore, TlsError>
         })?;
     }
     Ok(roots)
+}
+
+/// Trusts a server certificate that chains to the CAs given, as WebPKI checks it, and also one
+/// that is itself, byte for byte, a certificate of the CA file: the self-signed certificate
+/// `openssl req -x509` makes by default carries CA:TRUE, which WebPKI refuses as a server's own
+/// (CaUsedAsEndEntity) where OpenSSL's clients, curl and Couchbase's SDKs take it. The
+/// handshake's signatures are checked alike, so only the holder of that certificate's key
+/// passes; the name is not checked for a pinned one (the file names the very certificate).
+#[derive(Debug)]
+struct ChainedOrPinned {
+    chained: Arc<rustls::client::WebPkiServerVerifier>,
+    pinned: Vec<CertificateDer<'static>>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for ChainedOrPinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        match self.chained.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
+            Err(_) if self.pinned.iter().any(|c| c.as_ref() == end_entity.as_ref()) => {
+                Ok(rustls::client::danger::ServerCertVerified::assertion())
+            }
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chained.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chained.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.chained.supported_verify_schemes()
+    }
 }
 
 /// The server configurations built from one reading of the files: the KV listener's (asks for
@@ -443,14 +504,25 @@ impl ClientTls {
         ca: &Path,
         identity: Option<(&Path, &Path)>,
     ) -> Result<ClientTls, TlsError> {
+        let pinned = load_certificates(ca_key, ca)?;
         let roots = load_roots(ca_key, ca)?;
+        let chained = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider(),
+        )
+        .build()
+        .map_err(|e| TlsError::Verifier {
+            key: ca_key.to_string(),
+            why: e.to_string(),
+        })?;
         let builder = rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|source| TlsError::Protocols {
                 prefix: prefix.to_string(),
                 source,
             })?
-            .with_root_certificates(roots);
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(ChainedOrPinned { chained, pinned }));
         let config = match identity {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => {
