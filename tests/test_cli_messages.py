@@ -84,6 +84,8 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
     )
     assert r.returncode == 1
     assert f"admin listener {server.admin} (admin_listen): Address already in use" in r.stderr, r.stderr
+    hint = '(another node on this machine? give this one --admin-listen HOST:PORT, or --admin-listen ""'
+    assert hint in r.stderr, r.stderr
     r = run_cli(
         "serve",
         "--data-dir",
@@ -101,6 +103,7 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
     )
     assert r.returncode == 1
     assert f"memcached listener {server.address} (listen): Address already in use" in r.stderr, r.stderr
+    assert "give this one --listen HOST:PORT)" in r.stderr, r.stderr
 
 
 def test_promote_on_a_node_that_follows_no_one_says_so(server):

@@ -37,6 +37,8 @@ __all__ = [
     "WalFailedError",
     "__version__",
     "bench",
+    "check_server_settings",
+    "check_topic_settings",
     "errinj_enable",
     "errinj_set",
     "errinj_values",

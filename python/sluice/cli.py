@@ -444,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{default_of('admin_listen')}, data in ./{default_of('data_dir')}, no TLS listener (tls_listen "
         f"serves one once tls.certificate is set), one bucket 'default' of "
         f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets. Two nodes on one machine need "
-        "their own --listen, --admin-listen and --data-dir.",
+        "their own --data-dir and ports: --listen, --admin-listen, and "
+        + ", ".join(f"--{f['listen_key'].replace('_', '-')}" for f in _native.FRONTS if not f["kv_port"])
+        + ' (each "" to turn that front off).',
         **formatter,
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")

@@ -11,6 +11,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -162,9 +163,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         # A node of a cluster takes clients once it has converged on the map (below).
         server = _native.Server(engine, cfg.server_json(), greenstack_warmup=warmup)
-    except _native.SluiceError:
+    except _native.SluiceError as e:
         engine.close()
-        raise
+        taken = re.search(r"\((\w+)\): Address already in use", str(e))
+        if taken is None:
+            raise
+        key = taken.group(1)
+        flag = f"--{key.replace('_', '-')}"
+        kv = {f["listen_key"] for f in _native.FRONTS if f["kv_port"]}
+        off = {"admin_listen"} | {f["listen_key"] for f in _native.FRONTS} - kv
+        if key in off:
+            how = f'{flag} HOST:PORT, or {flag} "" to turn it off'
+        else:
+            how = f"{flag} HOST:PORT" if key in kv else f"another {key}"
+        raise _native.SluiceError(f"{e} (another node on this machine? give this one {how})") from None
     plugins = PluginRunner(server)
     try:
         plugins.apply(cfg.plugins())

@@ -193,7 +193,12 @@ impl rustls::client::danger::ServerCertVerifier for ChainedOrPinned {
             ocsp_response,
             now,
         ) {
-            Err(_) if self.pinned.iter().any(|c| c.as_ref() == end_entity.as_ref()) => {
+            Err(_)
+                if self
+                    .pinned
+                    .iter()
+                    .any(|c| c.as_ref() == end_entity.as_ref()) =>
+            {
                 Ok(rustls::client::danger::ServerCertVerified::assertion())
             }
             other => other,
