@@ -9,6 +9,7 @@ TANK's own tank-cli follows those redirects: with TANK_DIR naming a build of TAN
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from sluice.tank import NotLeader, TankConnection
 from test_cluster import EtcdServer, cli, cluster_map, form, stop_all, wait_map
 
@@ -85,6 +87,17 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
             with TankConnection(nodes[other].tank) as t, pytest.raises(NotLeader) as e:
                 t.consume("events", p, 1)
             assert e.value.leader == nodes[leader].tank
+
+        # sluice's own tools follow the leaders through any one node: the partitions' ranges,
+        # and `sluice tail --topic` reading every partition.
+        with TankConnection(nodes["n2"].tank) as t:
+            assert t.leaders("events") == [nodes[n].tank for n in leaders]
+            assert [hwm for _, hwm in t.partitions("events")] == [1] * PARTITIONS
+        args = ("tail", "--topic", "events", "--address", nodes["n2"].tank, "--from", "beginning")
+        r = run_cli(*args, "--until-now", "--format", "json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        rows = sorted((row["partition"], row["content"]) for row in map(json.loads, r.stdout.splitlines()))
+        assert rows == [(p, f"message {p}") for p in range(PARTITIONS)], r.stdout
 
         tank_dir = os.environ.get("TANK_DIR")
         if tank_dir and (Path(tank_dir) / "tank-cli").exists():

@@ -100,7 +100,7 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
     """Follows a topic's partitions over TANK's protocol and prints their messages."""
 
     from sluice.client import write_atomically
-    from sluice.tank import TAIL, OutOfRange, TankConnection, TankError
+    from sluice.tank import TAIL, NotLeader, OutOfRange, TankConnection, TankError
 
     misplaced = [
         flag
@@ -128,62 +128,85 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     printed = 0
     out = sys.stdout
+    # A connection per broker: in a sluice cluster each partition is read from its leader.
+    conns: dict[str, TankConnection] = {}
+
+    def conn(at: str) -> TankConnection:
+        if at not in conns:
+            conns[at] = TankConnection(at)
+        return conns[at]
+
     try:
-        with TankConnection(address) as tank:
-            ranges = tank.partitions(args.topic) if args.topic in dict(tank.topics()) else None
-            if ranges is None:
-                print(f"sluice tail: topic {args.topic!r} is unknown at {address}", file=sys.stderr)
-                return EXIT_FAILURE
-            try:
-                wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(ranges))
-            except ValueError as e:
-                print(f"sluice tail: --partitions: {e}", file=sys.stderr)
-                return EXIT_USAGE
-            start = 0 if args.start == "beginning" else TAIL
-            seqs = {p: positions.get(p, start) for p in wanted if p < len(ranges)}
-            if len(seqs) != len(wanted):
-                print(f"sluice tail: topic {args.topic!r} has {len(ranges)} partition(s)", file=sys.stderr)
-                return EXIT_USAGE
-            # --until-now: each partition's high-water mark at the start.
-            until = {p: ranges[p][1] for p in seqs} if args.until_now else None
-            if until is not None:
-                seqs = {p: s for p, s in seqs.items() if s != TAIL and until[p] and s <= until[p]}
-            header = False
-            while seqs:
+        tank = conn(address)
+        ranges = tank.partitions(args.topic) if args.topic in dict(tank.topics()) else None
+        if ranges is None:
+            print(f"sluice tail: topic {args.topic!r} is unknown at {address}", file=sys.stderr)
+            return EXIT_FAILURE
+        try:
+            wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(ranges))
+        except ValueError as e:
+            print(f"sluice tail: --partitions: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        start = 0 if args.start == "beginning" else TAIL
+        seqs = {p: positions.get(p, start) for p in wanted if p < len(ranges)}
+        if len(seqs) != len(wanted):
+            print(f"sluice tail: topic {args.topic!r} has {len(ranges)} partition(s)", file=sys.stderr)
+            return EXIT_USAGE
+        # --until-now: each partition's high-water mark at the start.
+        until = {p: ranges[p][1] for p in seqs} if args.until_now else None
+        if until is not None:
+            seqs = {p: s for p, s in seqs.items() if s != TAIL and until[p] and s <= until[p]}
+        leaders = tank.leaders(args.topic)
+        header = False
+        while seqs:
+            by_leader: dict[str | None, dict[int, int]] = {}
+            for p, seq in seqs.items():
+                by_leader.setdefault(leaders[p], {})[p] = seq
+            fetched = []
+            for leader, asked in by_leader.items():
+                if leader is None:
+                    # Its leader is failed over: asked again until one leads it.
+                    print(f"sluice tail: no broker leads partition(s) {sorted(asked)} now", file=sys.stderr)
+                    time.sleep(1.0)
+                    leaders = tank.leaders(args.topic)
+                    continue
                 try:
-                    fetched = tank.consume_partitions(args.topic, seqs, max_wait=1.0, min_bytes=1)
+                    fetched += conn(leader).consume_partitions(
+                        args.topic, asked, max_wait=1.0 / len(by_leader), min_bytes=1
+                    )
+                except NotLeader:
+                    leaders = tank.leaders(args.topic)
                 except OutOfRange as e:
                     # Retention dropped messages this position had not read: go on from the oldest.
                     print(f"sluice tail: {e}; going on from {e.first_available}", file=sys.stderr)
                     seqs[e.partition] = e.first_available
-                    continue
-                for f in fetched:
-                    for m in f.messages:
-                        if until is not None and m.seq > until[f.partition]:
-                            break
-                        if args.format == "json":
-                            row = {"partition": f.partition, "seq": m.seq, "ts": m.ts}
-                            if m.key is not None:
-                                _text_or_base64("key", m.key, row)
-                            if not args.no_values:
-                                _text_or_base64("content", m.content, row)
-                            out.write(json.dumps(row) + "\n")
-                        else:
-                            if not header:
-                                out.write(f"{'partition':>9}  {'seq':>12}  {'ts':>13}  key  content\n")
-                                header = True
-                            key = (m.key or b"").decode("utf-8", "backslashreplace")
-                            text = "" if args.no_values else m.content.decode("utf-8", "backslashreplace")
-                            out.write(f"{f.partition:>9}  {m.seq:>12}  {m.ts:>13}  {key or '-'}  {text}\n")
-                        printed += 1
-                        if args.max and printed >= args.max:
-                            return EXIT_OK
-                    seqs[f.partition] = positions[f.partition] = f.next_seq
-                    if until is not None and f.next_seq > until[f.partition]:
-                        del seqs[f.partition]
-                out.flush()
-                if args.state:
-                    write_atomically(args.state, json.dumps({"topic": args.topic, "partitions": positions}))
+            for f in fetched:
+                for m in f.messages:
+                    if until is not None and m.seq > until[f.partition]:
+                        break
+                    if args.format == "json":
+                        row = {"partition": f.partition, "seq": m.seq, "ts": m.ts}
+                        if m.key is not None:
+                            _text_or_base64("key", m.key, row)
+                        if not args.no_values:
+                            _text_or_base64("content", m.content, row)
+                        out.write(json.dumps(row) + "\n")
+                    else:
+                        if not header:
+                            out.write(f"{'partition':>9}  {'seq':>12}  {'ts':>13}  key  content\n")
+                            header = True
+                        key = (m.key or b"").decode("utf-8", "backslashreplace")
+                        text = "" if args.no_values else m.content.decode("utf-8", "backslashreplace")
+                        out.write(f"{f.partition:>9}  {m.seq:>12}  {m.ts:>13}  {key or '-'}  {text}\n")
+                    printed += 1
+                    if args.max and printed >= args.max:
+                        return EXIT_OK
+                seqs[f.partition] = positions[f.partition] = f.next_seq
+                if until is not None and f.next_seq > until[f.partition]:
+                    del seqs[f.partition]
+            out.flush()
+            if args.state:
+                write_atomically(args.state, json.dumps({"topic": args.topic, "partitions": positions}))
     except TankError as e:
         print(f"sluice tail: {e}", file=sys.stderr)
         return EXIT_FAILURE
@@ -191,6 +214,9 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
         pass
     except BrokenPipeError:
         sys.stderr.close()
+    finally:
+        for c in conns.values():
+            c.close()
     return EXIT_OK
 
 

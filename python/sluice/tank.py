@@ -138,6 +138,7 @@ class TankConnection:
         except OSError as e:
             raise TankError(f"cannot reach the TANK listener at {address}: {e}") from None
         self._address = address
+        self._cafile = cafile
         self._buf = b""
         self._next_id = 1
         # A TANK broker greets a connection with a Ping; a port that says nothing (another
@@ -354,13 +355,54 @@ class TankConnection:
             out.append((name, parts))
         return out
 
-    def partitions(self, name: str) -> list[tuple[int, int]]:
-        """Per partition of a topic: (first available sequence number, high-water mark)."""
+    def _discover(self, name: str, ids: Sequence[int] = ()) -> list[tuple[int, int] | str | None]:
+        """DiscoverPartitions of every partition (or of `ids`, as TANK's client asks a leader it
+        was sent to): per partition (first available, high-water mark), or the "HOST:PORT" of
+        the broker that leads it, or None while none does."""
         topic = name.encode()
-        answer = self._call(DISCOVER_PARTITIONS, self._request_id() + bytes([len(topic)]) + topic)
+        ids_bytes = b"".join(struct.pack("<H", i) for i in ids)
+        payload = self._request_id() + bytes([len(topic)]) + topic + ids_bytes
+        answer = self._call(DISCOVER_PARTITIONS, payload)
         at = 4 + 1 + answer[4]
         (count,) = struct.unpack_from("<H", answer, at)
-        return [struct.unpack_from("<QQ", answer, at + 2 + 16 * i) for i in range(count)]
+        at += 2
+        out: list[tuple[int, int] | str | None] = []
+        for _ in range(count):
+            first, hwm = struct.unpack_from("<QQ", answer, at)
+            at += 16
+            if (first, hwm) != (2**64 - 1, 2**64 - 1):
+                out.append((first, hwm))
+            elif answer[at] == OTHER_LEADER:
+                out.append(_endpoint(answer[at + 1 : at + 7]))
+                at += 7
+            else:
+                out.append(None)
+                at += 1
+        return out
+
+    def leaders(self, name: str) -> list[str | None]:
+        """Per partition of a topic, the "HOST:PORT" of the broker that leads it: this one's
+        address where it leads it itself, None while none does (a sluice cluster places each
+        partition on a node; a broker on its own leads them all)."""
+        return [self._address if isinstance(p, tuple) else p for p in self._discover(name)]
+
+    def partitions(self, name: str) -> list[tuple[int, int]]:
+        """Per partition of a topic: (first available sequence number, high-water mark), asked
+        of each partition's leader (NotLeader for one no broker leads now)."""
+        found = self._discover(name)
+        elsewhere: dict[str, list[int]] = {}
+        for p, f in enumerate(found):
+            if f is None:
+                raise NotLeader(name, p, None)
+            if isinstance(f, str):
+                elsewhere.setdefault(f, []).append(p)
+        for leader, ids in elsewhere.items():
+            with TankConnection(leader, self._timeout, cafile=self._cafile) as t:
+                for p, f in zip(ids, t._discover(name, ids), strict=True):
+                    if not isinstance(f, tuple):
+                        raise NotLeader(name, p, f)
+                    found[p] = f
+        return [f for f in found if isinstance(f, tuple)]
 
 
 def _varint(n: int) -> bytes:
