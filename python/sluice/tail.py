@@ -180,6 +180,15 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
                     # Retention dropped messages this position had not read: go on from the oldest.
                     print(f"sluice tail: {e}; going on from {e.first_available}", file=sys.stderr)
                     seqs[e.partition] = e.first_available
+                except TankError as e:
+                    if leader == address:
+                        raise
+                    # The leader went away: the node given says where the partitions are now
+                    # (a new leader, or none until one leads them).
+                    print(f"sluice tail: {leader}: {e}; asking {address} for the leaders", file=sys.stderr)
+                    conns.pop(leader).close()
+                    time.sleep(0.5)
+                    leaders = tank.leaders(args.topic)
             for f in fetched:
                 for m in f.messages:
                     if until is not None and m.seq > until[f.partition]:

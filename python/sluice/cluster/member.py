@@ -9,6 +9,7 @@ threads keep trying until etcd answers again."""
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import logging
 import os
 import threading
@@ -108,7 +109,10 @@ class Member:
                 "followers": self.server.followers(b),
             }
         # The topics it holds, which the orchestrator places over the cluster.
-        topics = {name: {"partitions": n, "settings": settings} for name, n, settings in self.engine.topics()}
+        topics = {
+            name: {"partitions": n, "settings": settings, "hwm": self.engine.topic_high_water_marks(name)}
+            for name, n, settings in self.engine.topics()
+        }
         return {"buckets": out, "topics": topics, "map_revision": self.map_revision, "at": time.time()}
 
     def _lease_loop(self) -> None:
@@ -231,7 +235,7 @@ class Member:
         this = index.get(self.s.node)
         servers = [doc["nodes"][n]["kv"] for n in names]
         done = self.server.converge(kv.mod_revision, servers, this, chains)
-        self.place_topics(doc, names)
+        self.place_topics(doc)
         self.map_revision = kv.mod_revision
         changed = {k: len(v) for k, v in done.items() if k != "streams" and v}
         log.info(
@@ -242,7 +246,7 @@ class Member:
             len({s[1] for s in done["streams"]}),
         )
 
-    def place_topics(self, doc: dict[str, Any], names: list[str]) -> None:
+    def place_topics(self, doc: dict[str, Any]) -> None:
         """Declares here the topics the map places that this node lacks (so that its TANK
         listener knows them and sends clients to their leaders), then tells the server who
         leads each partition: this node, another node's TANK listener, or none while its
@@ -254,17 +258,29 @@ class Member:
                 self.engine.create_topic(name, t["partitions"], t.get("settings", ""))
         failed = doc.get("failed", {})
 
+        def tank_of(node: str) -> str:
+            # An address a TANK redirect can carry (IPv4:PORT), or none.
+            address = doc["nodes"].get(node, {}).get("tank", "")
+            host, _, port = address.rpartition(":")
+            try:
+                ipaddress.IPv4Address(host)
+                return address if port.isdigit() else ""
+            except ValueError:
+                return ""
+
         def lead(chain: list[str | None]) -> str:
             leader = chain[0] if chain else None
             if leader is None or leader in failed:
                 return ""
             if leader == self.s.node:
                 return "here"
-            return doc["nodes"].get(leader, {}).get("tank", "")
+            return tank_of(leader)
 
         leads = {name: [lead(c) for c in t["chains"]] for name, t in placed.items()}
-        held = {n: sum(1 for t in placed.values() for c in t["chains"] if n in c) for n in names}
-        nodes = [(doc["nodes"][n].get("tank", ""), True, held[n]) for n in names]
+        # Every node of the map, in its order (TANK's node ids), failed-over ones unavailable.
+        every = sorted(doc["nodes"])
+        held = {n: sum(1 for t in placed.values() for c in t["chains"] if n in c) for n in every}
+        nodes = [(tank_of(n), n not in failed, held[n]) for n in every]
         self.server.place_topics(self.s.cluster, leads, nodes)
 
     def _take_over(self, move: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -335,13 +351,34 @@ class Member:
 
 def tank_address(bound: str, kv: str) -> str:
     """Where other nodes send TANK clients to this one: its TANK listener, on the host the KV
-    address names when it listens on every address ("" when it has no TANK listener)."""
+    address names when it listens on every address. TANK's redirect carries an IPv4 address:
+    a host name is resolved; "" (no TANK clients are sent here, with a warning) when there is
+    no TANK listener, when it is not IPv4, or when it listens on loopback only while the node
+    is reached beyond it."""
+    import ipaddress
+    import socket
+
     if not bound:
         return ""
     host, _, port = bound.rpartition(":")
+    kv_host = kv.rpartition(":")[0].strip("[]")
     if host in ("0.0.0.0", "[::]", "::"):
-        host = kv.rpartition(":")[0]
-    return f"{host}:{port}"
+        host = kv_host
+    try:
+        ip = ipaddress.IPv4Address(socket.gethostbyname(host.strip("[]")))
+        kv_ip = ipaddress.ip_address(socket.gethostbyname(kv_host)) if kv_host else ip
+    except (OSError, ValueError) as e:
+        log.warning("cluster: TANK clients are not sent to this node: %s is not IPv4 (%s)", host, e)
+        return ""
+    if ip.is_loopback and not kv_ip.is_loopback:
+        log.warning(
+            "cluster: TANK clients are not sent to this node: tank_listen %s is loopback only, and "
+            "the others reach this node at %s",
+            bound,
+            kv,
+        )
+        return ""
+    return f"{ip}:{port}"
 
 
 def join(

@@ -140,22 +140,40 @@ class Orchestrator:
         node leads it (TANK clients are told so) rather than one without its messages."""
         placed = doc.get("topics", {})
         declared: dict[str, dict[str, Any]] = {}
+        # Per topic, per node: each partition's high-water mark there.
+        held: dict[str, dict[str, list[int]]] = {}
         kvs, _ = self.etcd.get_prefix(self.keys.status())
         for kv in sorted(kvs, key=lambda kv: kv.key):
+            node = kv.key.rsplit("/", 1)[1]
             for name, t in kv.json().get("topics", {}).items():
                 declared.setdefault(name, t)
+                held.setdefault(name, {})[node] = t.get("hwm", [])
+        # A node's TANK address comes with its registration (maps from before it lack one).
+        nodes = dict(doc["nodes"])
+        for n, info in self.registered().items():
+            if n in nodes and info.get("tank") and not nodes[n].get("tank"):
+                nodes[n] = {**nodes[n], "tank": info["tank"]}
         new = {n: t for n, t in declared.items() if n not in placed}
-        if not new:
+        if not new and nodes == doc["nodes"]:
             return False
-        members = [n for n in doc["nodes"] if n not in doc["failed"]]
+        # Partitions are led by nodes TANK clients can be sent to.
+        members = [n for n in nodes if n not in doc["failed"] and nodes[n].get("tank")]
+        if new and not members:
+            return False
         topics = dict(placed)
         for name, t in sorted(new.items()):
-            topics[name] = {
-                "partitions": t["partitions"],
-                "settings": t.get("settings", ""),
-                "chains": vbmap.balance(members, t["partitions"], 0),
-            }
-        if not self.publish({**doc, "topics": topics}, revision):
+            chains = vbmap.balance(members, t["partitions"], 0)
+            # A partition that already holds messages somewhere (produced before it was placed)
+            # is led where it holds the most: what was acknowledged stays reachable.
+            for p in range(t["partitions"]):
+                hwms = {
+                    n: h[p] for n, h in held.get(name, {}).items() if n in members and p < len(h) and h[p]
+                }
+                if hwms:
+                    chains[p] = [max(sorted(hwms), key=lambda n: hwms[n])]
+            settings = t.get("settings", "")
+            topics[name] = {"partitions": t["partitions"], "settings": settings, "chains": chains}
+        if not self.publish({**doc, "nodes": nodes, "topics": topics}, revision):
             return False
         for name in sorted(new):
             log.warning(

@@ -174,12 +174,10 @@ class Config:
         data_dir = Path(self.values["data_dir"])
         if data_dir.exists() and not data_dir.is_dir():
             raise _fail("data_dir", f"{data_dir} is a file, not a directory")
-        for key in (
-            "replication.password_file",
-            "tarantool_upstream.password_file",
-            "cluster.etcd_password_file",
-        ):
+        for key in ("replication.password_file", "tarantool_upstream.password_file"):
             self.secret(key)
+        if self.values["cluster.etcd"]:
+            self.secret("cluster.etcd_password_file")
 
     def with_spaces(self, tables: Mapping[str, Any]) -> Config:
         """A copy with more [spaces.NAME] tables, validated as the file's are."""

@@ -448,6 +448,18 @@ impl EmbeddedEngine {
             .collect()
     }
 
+    /// Each partition's high-water mark (its last sequence number, 0 while it holds none);
+    /// NotFoundError for an unknown topic.
+    fn topic_high_water_marks(&self, name: &str) -> PyResult<Vec<u64>> {
+        let t = self
+            .engine
+            .topic(name)
+            .ok_or_else(|| to_py(sluice_core::Error::NotFound))?;
+        Ok((0..t.num_partitions())
+            .map(|p| t.high_water_mark(p))
+            .collect())
+    }
+
     fn recovery_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.engine.recovery_report();
         let d = PyDict::new(py);

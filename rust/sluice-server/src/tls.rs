@@ -193,6 +193,14 @@ impl rustls::client::danger::ServerCertVerifier for ChainedOrPinned {
             ocsp_response,
             now,
         ) {
+            // Out of date is out of date, pinned or not.
+            Err(rustls::Error::InvalidCertificate(
+                e @ (rustls::CertificateError::Expired
+                | rustls::CertificateError::ExpiredContext { .. }
+                | rustls::CertificateError::NotValidYet
+                | rustls::CertificateError::NotValidYetContext { .. }
+                | rustls::CertificateError::Revoked),
+            )) => Err(rustls::Error::InvalidCertificate(e)),
             Err(_)
                 if self
                     .pinned

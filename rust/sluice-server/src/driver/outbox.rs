@@ -133,8 +133,24 @@ impl Outbox {
         while let Some(front) = self.pieces.front() {
             let sent = if let Some((file, at)) = &front.file {
                 let (file, at, len) = (Arc::clone(file), *at, front.bytes.len());
-                tcp.async_io(Interest::WRITABLE, || send_file(tcp, &file, at, len))
-                    .await?
+                match tcp
+                    .async_io(Interest::WRITABLE, || send_file(tcp, &file, at, len))
+                    .await
+                {
+                    Ok(n) => n,
+                    // A file system that cannot send from its files: the bytes are sent from
+                    // the mapping instead.
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
+                        ) =>
+                    {
+                        self.pieces.front_mut().expect("the front piece").file = None;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
             } else {
                 tcp.async_io(Interest::WRITABLE, || self.send_memory(tcp))
                     .await?
