@@ -3,15 +3,15 @@
 //! byte order between two bounds (or a random sample of them), with their documents or keys
 //! only, handed out in batches under the client's item, byte and time limits.
 //!
-//! A scan keeps no copy of what it covers: only its bounds and the last key it handed out. Each
-//! continue walks the vbucket once under its lock for the next keys past that one (at most
-//! `FRAME_ITEMS` at a time), so a scan's memory is its bounds and one frame, whatever the
-//! vbucket holds. What a continue reads is the vbucket as it is then (Couchbase reads a disk
+//! A scan keeps no copy of what it covers: its bounds, and a queue of at most `QUEUED_KEYS`
+//! keys that one walk of the vbucket (under its lock) picked past the last key queued before,
+//! so a scan's memory is bounded whatever the vbucket holds, and a vbucket of a million keys is
+//! walked some 250 times, not once per continue. What a continue reads is the vbucket as it is then (Couchbase reads a disk
 //! snapshot taken at create): a key written after the create and past the scan's position is
 //! seen. Deleted and expired documents are skipped. A scan ends at its last key, at a cancel,
 //! or `LIFETIME` after its create; at most `MAX_SCANS` are open on a node.
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::ops::Bound;
 use std::sync::Mutex;
@@ -29,8 +29,10 @@ use super::reply::Reply;
 pub const LIFETIME: Duration = Duration::from_secs(180);
 /// Scans open on a node at once; one more is refused with EBUSY (the SDK asks again).
 pub const MAX_SCANS: usize = 256;
-/// Keys one walk of a vbucket picks, and so one response frame carries, at most.
+/// Items one response frame carries at most.
 const FRAME_ITEMS: usize = 256;
+/// Keys one walk of a vbucket queues for the scan at most (up to about 1 MiB of keys).
+const QUEUED_KEYS: usize = 4096;
 /// The most a key may be (Couchbase's limit on a scan's bounds).
 const MAX_KEY: usize = 250;
 
@@ -51,8 +53,12 @@ struct Scan {
     /// the hash space (u64::MAX: every key).
     keep_under: u64,
     seed: u64,
-    /// The last key handed out: the next batch starts past it.
+    /// The last key queued: the next walk starts past it.
     after: Option<Vec<u8>>,
+    /// Keys picked by the last walk, in order, not handed out yet.
+    queued: VecDeque<Vec<u8>>,
+    /// The last walk found every key left (nothing past `after`).
+    walked_all: bool,
     created: Instant,
     /// A continue is running on it (a second one is refused, as Couchbase does).
     busy: bool,
@@ -250,6 +256,8 @@ pub(super) fn create(
         keep_under,
         seed,
         after: None,
+        queued: VecDeque::new(),
+        walked_all: false,
         created: Instant::now(),
         busy: false,
     };
@@ -280,6 +288,10 @@ pub(super) fn create(
 
 /// The next keys of `scan` in `bucket` (at most `n`), each with its document unless the scan
 /// is keys only, encoded as Couchbase's continue frames carry them; whether the scan is done.
+/// Keys come from the scan's queue, refilled by one walk of the vbucket with the next
+/// `QUEUED_KEYS` past the last key queued: a continue of 50 items (the SDK's default) walks the
+/// vbucket once per 4,096 keys handed out, not once per 50. A queued key written since is read
+/// as it is now; one deleted or expired since is left out.
 fn next_batch(
     scan: &mut Scan,
     bucket: &Bucket,
@@ -293,48 +305,61 @@ fn next_batch(
         return Err(status::NOT_MY_VBUCKET);
     }
     let now = now_secs();
-    // The n smallest keys past the cursor: a max-heap of n, so one walk and n keys of memory.
-    let mut picked: BinaryHeap<Vec<u8>> = BinaryHeap::with_capacity(n + 1);
-    let mut more = false;
-    vb.store.for_each_current(|it| {
-        let m = it.meta();
-        let key = it.key();
-        if m.deleted || is_expired(&m, now) || !scan.in_range(key) {
-            return;
-        }
-        if picked.len() == n {
-            if picked.peek().is_some_and(|top| key < top.as_slice()) {
-                picked.pop();
-                picked.push(key.to_vec());
+    if scan.queued.is_empty() && !scan.walked_all {
+        // The smallest keys past the cursor: a max-heap of QUEUED_KEYS, one walk.
+        let mut picked: BinaryHeap<Vec<u8>> = BinaryHeap::with_capacity(QUEUED_KEYS + 1);
+        let mut more = false;
+        vb.store.for_each_current(|it| {
+            let m = it.meta();
+            let key = it.key();
+            if m.deleted || is_expired(&m, now) || !scan.in_range(key) {
+                return;
             }
-            more = true;
-            return;
+            if picked.len() == QUEUED_KEYS {
+                if picked.peek().is_some_and(|top| key < top.as_slice()) {
+                    picked.pop();
+                    picked.push(key.to_vec());
+                }
+                more = true;
+                return;
+            }
+            picked.push(key.to_vec());
+        });
+        scan.queued = picked.into_sorted_vec().into();
+        scan.walked_all = !more;
+        if let Some(last) = scan.queued.back() {
+            scan.after = Some(last.clone());
         }
-        picked.push(key.to_vec());
-    });
-    let keys = picked.into_sorted_vec();
-    for key in &keys {
-        let it = vb.store.get(key).expect("read under the same lock");
-        if scan.keys_only {
-            put_leb128(out, key.len());
-            out.extend_from_slice(key);
+    }
+    let mut sent = 0;
+    while sent < n {
+        let Some(key) = scan.queued.pop_front() else {
+            break;
+        };
+        let Some(it) = vb.store.get(&key) else {
+            continue;
+        };
+        let m = it.meta();
+        if m.deleted || is_expired(&m, now) {
             continue;
         }
-        let m = it.meta();
+        sent += 1;
+        if scan.keys_only {
+            put_leb128(out, key.len());
+            out.extend_from_slice(&key);
+            continue;
+        }
         out.extend_from_slice(&m.flags.to_be_bytes());
         out.extend_from_slice(&m.expiry.to_be_bytes());
         out.extend_from_slice(&m.by_seqno.to_be_bytes());
         out.extend_from_slice(&m.cas.to_be_bytes());
         out.push(m.datatype & sluice_core::item::DATATYPE_CLIENT_BITS);
         put_leb128(out, key.len());
-        out.extend_from_slice(key);
+        out.extend_from_slice(&key);
         put_leb128(out, it.value().len());
         out.extend_from_slice(it.value());
     }
-    if let Some(last) = keys.last() {
-        scan.after = Some(last.clone());
-    }
-    Ok((keys.len(), !more))
+    Ok((sent, scan.queued.is_empty() && scan.walked_all))
 }
 
 fn put_leb128(out: &mut Vec<u8>, mut n: usize) {
@@ -496,6 +521,68 @@ pub(super) fn cancel(scans: &RangeScans, req: &Request<'_>, reply: &mut Reply<'_
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scan_past_its_key_queue_hands_out_every_key_once_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = crate::kv::KvContext::scratch(dir.path(), Default::default()).unwrap();
+        let bucket = ctx.engine.bucket("default").unwrap();
+        let keys: Vec<Vec<u8>> = (0..20_000)
+            .map(|i| format!("key{i:05}").into_bytes())
+            .collect();
+        for k in &keys {
+            let w = ctx
+                .engine
+                .write_store(&bucket, &sluice_core::StoreRequest::set(k, b"v"))
+                .unwrap();
+            drop(w);
+        }
+        let vb = bucket.vbucket_of(&keys[0]);
+        let mut want: Vec<Vec<u8>> = keys
+            .iter()
+            .filter(|k| bucket.vbucket_of(k) == vb)
+            .cloned()
+            .collect();
+        want.sort();
+        assert!(
+            want.len() > QUEUED_KEYS,
+            "the test needs more than one walk"
+        );
+        let mut scan = Scan {
+            bucket: "default".into(),
+            vbucket: vb,
+            keys_only: true,
+            start: Bound::Unbounded,
+            end: Bound::Unbounded,
+            keep_under: u64::MAX,
+            seed: 0,
+            after: None,
+            queued: VecDeque::new(),
+            walked_all: false,
+            created: Instant::now(),
+            busy: false,
+        };
+        let mut got = Vec::new();
+        loop {
+            let mut out = Vec::new();
+            let (n, done) = next_batch(&mut scan, &bucket, 50, &mut out).unwrap();
+            let mut at = 0;
+            for _ in 0..n {
+                let len = out[at] as usize;
+                got.push(out[at + 1..at + 1 + len].to_vec());
+                at += 1 + len;
+            }
+            if done {
+                break;
+            }
+        }
+        assert!(
+            got == want,
+            "{} keys handed out, {} wanted",
+            got.len(),
+            want.len()
+        );
+    }
 
     #[test]
     fn leb128_lengths_are_couchbases() {
