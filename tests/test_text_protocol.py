@@ -325,3 +325,42 @@ def test_a_delayed_flush_all_empties_the_bucket_when_its_time_comes(server):
     assert c.set("after", "2")
     time.sleep(0.5)
     assert c.get("after") == "2"
+
+
+def test_stats_counts_commands_as_memcached_does(server, memcached):
+    """The general `stats` keys sluice answers are memcached's, and the command counters move
+    alike on both for the same commands."""
+
+    class Peer:
+        host, port = "127.0.0.1", memcached
+
+    def stats(peer) -> dict[str, str]:
+        lines = ask(peer, b"stats\r\n", b"END\r\n").decode().splitlines()
+        return {line.split()[1]: line.split()[2] for line in lines if line.startswith("STAT ")}
+
+    commands = (
+        b"set a 0 0 1\r\n1\r\n"
+        b"incr a 5\r\nincr nope 1\r\ndecr a 2\r\ndecr nope 1\r\n"
+        b"touch a 100\r\ntouch nope 100\r\n"
+        b"delete nope\r\ndelete a\r\n"
+        b"gets a\r\nset b 0 0 1\r\nx\r\n"
+    )
+    counters = [
+        "incr_hits", "incr_misses", "decr_hits", "decr_misses", "touch_hits", "touch_misses",
+        "cmd_touch", "delete_hits", "delete_misses",
+    ]  # fmt: skip
+    seen = {}
+    for peer in (server, Peer):
+        before = stats(peer)
+        with socket.create_connection((peer.host, peer.port), timeout=10) as s:
+            s.sendall(commands)
+            got = b""
+            while got.count(b"\r\n") < 11:
+                got += s.recv(4096)
+        after = stats(peer)
+        seen[peer] = {k: int(after[k]) - int(before.get(k, 0)) for k in counters}
+    assert seen[server] == seen[Peer], seen
+    ours, theirs = stats(server), stats(Peer)
+    extra = set(ours) - set(theirs) - {k for k in ours if k.startswith("ep_")}
+    assert extra == set(), f"keys memcached does not answer: {extra}"
+    assert len(ours) >= 40, len(ours)

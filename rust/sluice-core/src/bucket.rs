@@ -27,6 +27,30 @@ pub struct BucketStats {
     pub evictions: AtomicU64,
     /// Durable writes waiting now for their level (the WAL's sync, replicas' acks).
     pub durable_waiting: AtomicU64,
+    /// memcached's command counters (`stats`): touches of live and of missing keys, deletes
+    /// of missing keys, counters changed and missed, writes with a CAS that matched, found no
+    /// item, or found another CAS, and flushes.
+    pub touch_hits: AtomicU64,
+    pub touch_misses: AtomicU64,
+    pub delete_misses: AtomicU64,
+    pub incr_hits: AtomicU64,
+    pub incr_misses: AtomicU64,
+    pub decr_hits: AtomicU64,
+    pub decr_misses: AtomicU64,
+    pub cas_hits: AtomicU64,
+    pub cas_misses: AtomicU64,
+    pub cas_badval: AtomicU64,
+    pub flushes: AtomicU64,
+}
+
+/// Counts a hit or a miss (an item that was not there) of a command, by its outcome.
+pub fn count_outcome<T>(r: &crate::error::Result<T>, hits: &AtomicU64, misses: &AtomicU64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    match r {
+        Ok(_) => hits.fetch_add(1, Relaxed),
+        Err(crate::error::Error::NotFound) => misses.fetch_add(1, Relaxed),
+        Err(_) => 0,
+    };
 }
 
 /// Counts a durable write in `BucketStats::durable_waiting` while it waits.

@@ -21,6 +21,9 @@ pub struct ConnectionStats {
     pub protocol_warnings: WarningLimiter,
     /// Connections to the TLS listener that failed their handshake (plain-text clients too).
     pub tls_handshake_failures: AtomicU64,
+    /// SASL logins begun on the memcached port, and those refused (memcached's `stats`).
+    pub auth_cmds: AtomicU64,
+    pub auth_errors: AtomicU64,
 }
 
 impl ConnectionStats {

@@ -462,7 +462,17 @@ impl Engine {
         bucket: &Bucket,
         req: &StoreRequest<'_>,
     ) -> Result<Written<MutationResult>> {
-        self.write_store_by(bucket, req, Writer::Client)
+        let r = self.write_store_by(bucket, req, Writer::Client);
+        if req.cas != 0 {
+            let s = &bucket.stats;
+            match &r {
+                Ok(_) => s.cas_hits.fetch_add(1, Ordering::Relaxed),
+                Err(Error::NotFound) => s.cas_misses.fetch_add(1, Ordering::Relaxed),
+                Err(Error::Exists) => s.cas_badval.fetch_add(1, Ordering::Relaxed),
+                Err(_) => 0,
+            };
+        }
+        r
     }
 
     /// `write_store` of a change another node fed this one (a TAP feed): a lock on the key does
@@ -656,8 +666,11 @@ impl Engine {
         cas: u64,
         durability: Option<Requirement>,
     ) -> Result<Written<MutationResult>> {
-        self.write_delete_by(bucket, key, cas, durability, Writer::Client, false)
-            .map(|w| w.map(|(r, _)| r))
+        let r = self.write_delete_by(bucket, key, cas, durability, Writer::Client, false);
+        if matches!(r, Err(Error::NotFound)) {
+            bucket.stats.delete_misses.fetch_add(1, Ordering::Relaxed);
+        }
+        r.map(|w| w.map(|(r, _)| r))
     }
 
     /// Deletes a live key and hands back the item it held (iproto's DELETE answers with the
@@ -877,7 +890,15 @@ impl Engine {
         touch: Option<u32>,
     ) -> Result<Written<(MutationResult, Item)>> {
         let now = now_secs();
-        self.write_update(bucket, key, cas, durability, |cur| {
+        let s = &bucket.stats;
+        let (hits, misses) = if increment {
+            (&s.incr_hits, &s.incr_misses)
+        } else {
+            (&s.decr_hits, &s.decr_misses)
+        };
+        let mut existed = false;
+        let r = self.write_update(bucket, key, cas, durability, |cur| {
+            existed = cur.is_some();
             let (n, flags, exp) = match cur {
                 None if expiry == u32::MAX => return Err(Error::NotFound),
                 None => (initial, 0, absolute_expiry(touch.unwrap_or(expiry), now)),
@@ -899,7 +920,14 @@ impl Engine {
                 expiry: exp,
                 datatype: 0,
             })
-        })
+        });
+        // As memcached counts: a counter created from its initial value is a miss.
+        match &r {
+            Ok(_) if existed => hits.fetch_add(1, Ordering::Relaxed),
+            Ok(_) | Err(Error::NotFound) => misses.fetch_add(1, Ordering::Relaxed),
+            Err(_) => 0,
+        };
+        r
     }
 
     /// TOUCH: a new expiry for a live key (a mutation with its own seqno, as Couchbase does).
@@ -924,7 +952,7 @@ impl Engine {
         durability: Option<Requirement>,
     ) -> Result<Written<(MutationResult, Item)>> {
         let now = now_secs();
-        self.write_update(bucket, key, 0, durability, |cur| {
+        let r = self.write_update(bucket, key, 0, durability, |cur| {
             let cur = cur.ok_or(Error::NotFound)?;
             Ok(Update {
                 value: cur.value().to_vec(),
@@ -932,7 +960,9 @@ impl Engine {
                 expiry: absolute_expiry(expiry, now),
                 datatype: cur.meta.datatype,
             })
-        })
+        });
+        crate::bucket::count_outcome(&r, &bucket.stats.touch_hits, &bucket.stats.touch_misses);
+        r
     }
 
     /// FLUSH: deletes every live item of the bucket (each a DELETION with its own seqno, so
@@ -945,6 +975,7 @@ impl Engine {
     /// `flush` applied and queued, to be settled by the caller (at level `none`: written).
     pub fn write_flush(&self, bucket: &Bucket) -> Result<Written<usize>> {
         self.check_open()?;
+        bucket.stats.flushes.fetch_add(1, Ordering::Relaxed);
         let now = now_secs();
         let mut n = 0;
         let mut lsn = 0;

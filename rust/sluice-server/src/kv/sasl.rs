@@ -38,6 +38,10 @@ impl KvSession {
                 return;
             }
             op::SASL_AUTH => {
+                self.ctx
+                    .stats
+                    .auth_cmds
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // A new login forgets the last one: who logged in, any exchange under way.
                 self.user = None;
                 self.scram = None;
@@ -106,7 +110,13 @@ impl KvSession {
                     0,
                 );
             }
-            Outcome::Refused(why) => reply.error(status::AUTH_ERROR, &why, self.features.xerror),
+            Outcome::Refused(why) => {
+                self.ctx
+                    .stats
+                    .auth_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                reply.error(status::AUTH_ERROR, &why, self.features.xerror)
+            }
         }
     }
 }

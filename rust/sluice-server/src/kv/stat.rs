@@ -86,17 +86,43 @@ pub fn live_items(b: &Bucket) -> usize {
         .sum()
 }
 
+/// The process's user and system CPU time, as memcached prints them ("seconds.microseconds").
+fn cpu_times() -> (String, String) {
+    // SAFETY: getrusage fills the zeroed struct it is given, for this process.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let t = |tv: libc::timeval| format!("{}.{:06}", tv.tv_sec, tv.tv_usec);
+    (t(ru.ru_utime), t(ru.ru_stime))
+}
+
 pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, String)> {
     use std::sync::atomic::Ordering::Relaxed;
     let e = &ctx.engine;
     let s = &ctx.stats;
     let b = bucket;
     let items = live_items(b);
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed).to_string();
+    let (user, system) = cpu_times();
+    let threads = tokio::runtime::Handle::try_current()
+        .map_or(1, |h| h.metrics().num_workers())
+        .to_string();
     vec![
         ("pid", std::process::id().to_string()),
         ("uptime", ctx.started.elapsed().as_secs().to_string()),
         ("time", sluice_core::hlc::now_secs().to_string()),
         ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ("pointer_size", (usize::BITS).to_string()),
+        ("rusage_user", user),
+        ("rusage_system", system),
+        ("threads", threads),
+        ("accepting_conns", "1".to_string()),
+        (
+            "connection_structures",
+            s.curr_connections.load(Relaxed).to_string(),
+        ),
         (
             "curr_connections",
             s.curr_connections.load(Relaxed).to_string(),
@@ -126,7 +152,26 @@ pub fn general_stats(ctx: &KvContext, bucket: &Bucket) -> Vec<(&'static str, Str
             .to_string(),
         ),
         ("cmd_set", b.stats.sets.load(Relaxed).to_string()),
+        (
+            "cmd_touch",
+            (b.stats.touch_hits.load(Relaxed) + b.stats.touch_misses.load(Relaxed)).to_string(),
+        ),
+        ("cmd_flush", n(&b.stats.flushes)),
+        ("get_expired", n(&b.stats.expired_on_access)),
         ("delete_hits", b.stats.deletes.load(Relaxed).to_string()),
+        ("delete_misses", n(&b.stats.delete_misses)),
+        ("incr_hits", n(&b.stats.incr_hits)),
+        ("incr_misses", n(&b.stats.incr_misses)),
+        ("decr_hits", n(&b.stats.decr_hits)),
+        ("decr_misses", n(&b.stats.decr_misses)),
+        ("cas_hits", n(&b.stats.cas_hits)),
+        ("cas_misses", n(&b.stats.cas_misses)),
+        ("cas_badval", n(&b.stats.cas_badval)),
+        ("touch_hits", n(&b.stats.touch_hits)),
+        ("touch_misses", n(&b.stats.touch_misses)),
+        ("auth_cmds", n(&s.auth_cmds)),
+        ("auth_errors", n(&s.auth_errors)),
+        ("total_items", n(&b.stats.sets)),
         (
             "expired_unfetched",
             b.stats.expired_by_pager.load(Relaxed).to_string(),
