@@ -88,6 +88,9 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
                 t.consume("events", p, 1)
             assert e.value.leader == nodes[leader].tank
 
+        # Status and DiscoverTopics answer as a cluster-aware broker's.
+        with TankConnection(nodes["n1"].tank) as t:
+            assert ("events", PARTITIONS) in t.topics()
         # sluice's own tools follow the leaders through any one node: the partitions' ranges,
         # and `sluice tail --topic` reading every partition.
         with TankConnection(nodes["n2"].tank) as t:
@@ -123,6 +126,10 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
             for name, node in nodes.items():
                 for p in range(PARTITIONS):
                     tank_cli(tank_dir, node.tank, "-t", "events", "-p", str(p), "produce", f"via {name}")
+            status = tank_cli(tank_dir, nodes["n1"].tank, "status")
+            assert "c1" in status, status
+            topics = tank_cli(tank_dir, nodes["n1"].tank, "discover_topics")
+            assert "events" in topics, topics
             for node in nodes.values():
                 for p in range(PARTITIONS):
                     out = tank_cli(tank_dir, node.tank, "-t", "events", "-p", str(p), "get", "-d", "0")

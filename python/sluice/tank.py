@@ -345,13 +345,15 @@ class TankConnection:
         """Every topic with its partition count."""
         answer = self._call(DISCOVER_TOPICS, self._request_id() + b"\x00")
         (count,) = struct.unpack_from("<I", answer, 4)
+        # A cluster-aware broker follows each topic with its replication factor.
+        cluster_aware = answer[8] != 0
         at, out = 9, []
         for _ in range(count):
             n = answer[at]
             name = answer[at + 1 : at + 1 + n].decode(errors="replace")
             at += 1 + n + 1  # name, enabled
             (parts,) = struct.unpack_from("<H", answer, at)
-            at += 2
+            at += 2 + cluster_aware
             out.append((name, parts))
         return out
 

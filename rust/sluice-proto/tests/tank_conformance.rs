@@ -358,6 +358,38 @@ fn cluster_answers_are_laid_out_as_tanks_client_reads_them() {
     assert_eq!(out, want);
     assert_eq!(PartitionsInfo::decode(&out[5..]).unwrap(), info);
 
+    // Status and DiscoverTopics of a cluster-aware broker (service_api.cpp): the cluster's
+    // flags, name and available nodes after the partition count; each topic's replication
+    // factor after its partition count.
+    let status = StatusInfo {
+        request_id: 1,
+        cluster: Some((b"c1".to_vec(), 3)),
+        topics: 2,
+        partitions: 6,
+        open_partitions: 6,
+        version: 400,
+        ..StatusInfo::default()
+    };
+    let mut out = Vec::new();
+    status.write(&mut out);
+    assert_eq!(
+        out,
+        hex("0a 26000000 01000000 00 01 02000000 06000000 00 02 6331 03000000 06000000 00000000 00000000 90010000")
+    );
+    assert_eq!(StatusInfo::decode(&out[5..]).unwrap(), status);
+    let topics = TopicsInfo {
+        request_id: 1,
+        cluster_aware: true,
+        topics: vec![(b"t", true, 6, 1)],
+    };
+    let mut out = Vec::new();
+    topics.write(&mut out);
+    assert_eq!(
+        out,
+        hex("0b 0f000000 01000000 01000000 01 01 74 01 0600 01")
+    );
+    assert_eq!(TopicsInfo::decode(&out[5..]).unwrap(), topics);
+
     // What the client asks a leader it was sent to: the topic, then bare partition ids.
     let req = hex("06 0a000000 01000000 01 74 0300 0500");
     let (id, body) = payload(&req);

@@ -559,7 +559,9 @@ impl<'a> TopologyInfo<'a> {
 pub struct TopicsInfo<'a> {
     pub request_id: u32,
     pub cluster_aware: bool,
-    pub topics: Vec<(&'a [u8], bool, u16)>,
+    /// Name, enabled, partitions, and (cluster-aware: written only then) the replication
+    /// factor.
+    pub topics: Vec<(&'a [u8], bool, u16, u8)>,
 }
 
 impl<'a> TopicsInfo<'a> {
@@ -568,10 +570,13 @@ impl<'a> TopicsInfo<'a> {
         out.extend_from_slice(&self.request_id.to_le_bytes());
         out.extend_from_slice(&(self.topics.len() as u32).to_le_bytes());
         out.push(self.cluster_aware as u8);
-        for (name, enabled, partitions) in &self.topics {
+        for (name, enabled, partitions, rf) in &self.topics {
             put_str8(out, name);
             out.push(*enabled as u8);
             out.extend_from_slice(&partitions.to_le_bytes());
+            if self.cluster_aware {
+                out.push(*rf);
+            }
         }
         finish_frame(out, at);
     }
@@ -590,6 +595,11 @@ impl<'a> TopicsInfo<'a> {
                 r.str8("a topic name")?,
                 r.u8("a topic's enabled flag")? != 0,
                 r.u16("a partition count")?,
+                if cluster_aware {
+                    r.u8("a replication factor")?
+                } else {
+                    0
+                },
             ));
         }
         Ok(TopicsInfo {
@@ -627,11 +637,12 @@ impl<'a> CreateTopicAck<'a> {
 }
 
 /// Status' answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StatusInfo {
     pub request_id: u32,
     pub global_flags: u8,
-    pub cluster_aware: bool,
+    /// A cluster-aware broker's cluster: its name and how many of its nodes are available.
+    pub cluster: Option<(Vec<u8>, u32)>,
     pub topics: u32,
     pub partitions: u32,
     pub open_partitions: u32,
@@ -647,10 +658,15 @@ impl StatusInfo {
         let at = start_frame(out, msg::STATUS);
         out.extend_from_slice(&self.request_id.to_le_bytes());
         out.push(self.global_flags);
-        out.push(self.cluster_aware as u8);
+        out.push(self.cluster.is_some() as u8);
+        out.extend_from_slice(&self.topics.to_le_bytes());
+        out.extend_from_slice(&self.partitions.to_le_bytes());
+        if let Some((name, available)) = &self.cluster {
+            out.push(0); // cluster flags
+            put_str8(out, name);
+            out.extend_from_slice(&available.to_le_bytes());
+        }
         for v in [
-            self.topics,
-            self.partitions,
             self.open_partitions,
             self.open_partitions_time,
             self.startup_ts,
@@ -663,12 +679,24 @@ impl StatusInfo {
 
     pub fn decode(payload: &[u8]) -> Result<StatusInfo, DecodeError> {
         let mut r = Reader::new(payload);
+        let request_id = r.u32("a request id")?;
+        let global_flags = r.u8("global flags")?;
+        let cluster_aware = r.u8("cluster awareness")? != 0;
+        let topics = r.u32("a topic count")?;
+        let partitions = r.u32("a partition count")?;
+        let cluster = if cluster_aware {
+            let _flags = r.u8("cluster flags")?;
+            let name = r.str8("a cluster name")?.to_vec();
+            Some((name, r.u32("an available node count")?))
+        } else {
+            None
+        };
         Ok(StatusInfo {
-            request_id: r.u32("a request id")?,
-            global_flags: r.u8("global flags")?,
-            cluster_aware: r.u8("cluster awareness")? != 0,
-            topics: r.u32("a topic count")?,
-            partitions: r.u32("a partition count")?,
+            request_id,
+            global_flags,
+            cluster,
+            topics,
+            partitions,
             open_partitions: r.u32("an open partition count")?,
             open_partitions_time: r.u32("an open partitions time")?,
             startup_ts: r.u32("a start-up time")?,

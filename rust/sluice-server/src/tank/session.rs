@@ -137,9 +137,11 @@ impl crate::driver::Session for Session {
             Request::DiscoverTopics { request_id, .. } => {
                 let topics = ctx.port.engine.topics();
                 let users = ctx.port.users.current();
+                // In a cluster, as a cluster-aware broker answers: each topic with its
+                // replication factor (1: a partition lives on its leader).
                 TopicsInfo {
                     request_id,
-                    cluster_aware: false,
+                    cluster_aware: ctx.clustermap.topics.current().is_some(),
                     // Only those it may read.
                     topics: topics
                         .iter()
@@ -148,7 +150,7 @@ impl crate::driver::Session for Session {
                                 request::topic_permissions(&users, Principal::Guest, &t.name);
                             bits & auth::READ != 0
                         })
-                        .map(|t| (t.name.as_bytes(), true, t.num_partitions()))
+                        .map(|t| (t.name.as_bytes(), true, t.num_partitions(), 1))
                         .collect(),
                 }
                 .write(buf)
@@ -741,10 +743,15 @@ fn discover_topology(ctx: &TankContext, request_id: u32, out: &mut Vec<u8>) {
 fn status(ctx: &TankContext, request_id: u32, out: &mut Vec<u8>) {
     let topics = ctx.port.engine.topics();
     let partitions: u32 = topics.iter().map(|t| t.num_partitions() as u32).sum();
+    // A cluster-aware broker names its cluster and how many of its nodes are available.
+    let cluster = ctx.clustermap.topics.current().map(|p| {
+        let available = p.nodes.iter().filter(|n| n.available).count() as u32;
+        (p.cluster.as_bytes().to_vec(), available)
+    });
     StatusInfo {
         request_id,
         global_flags: 0,
-        cluster_aware: false,
+        cluster,
         topics: topics.len() as u32,
         partitions,
         open_partitions: partitions,
