@@ -319,11 +319,17 @@ pub fn split_collection_id(key: &[u8]) -> Result<(u32, &[u8]), FrameError> {
 }
 
 /// Appends `id` as unsigned LEB128 (a collection-aware key's prefix).
-pub fn write_collection_id(out: &mut Vec<u8>, mut id: u32) {
+pub fn write_collection_id(out: &mut Vec<u8>, id: u32) {
+    write_leb128(out, id as u64);
+}
+
+/// Appends `n` as unsigned LEB128: seven bits a byte, the lowest first, the top bit set on
+/// every byte but the last (collection ids, range scans' key and value lengths).
+pub fn write_leb128(out: &mut Vec<u8>, mut n: u64) {
     loop {
-        let b = (id & 0x7f) as u8;
-        id >>= 7;
-        if id == 0 {
+        let b = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
             out.push(b);
             return;
         }

@@ -893,33 +893,27 @@ pub fn status(node: &NodeView) -> serde_json::Value {
 
 /// Every front's connections and requests as the connection driver counts them.
 fn front_metrics(fronts: &[crate::front::Running], o: &mut String) {
-    metric(
-        o,
-        "sluice_front_connections",
-        "gauge",
-        "Connections open on each front's port (memcached, iproto, tank, greenstack).",
-    );
-    for r in fronts {
-        let _ = writeln!(
-            o,
-            "sluice_front_connections{{front=\"{}\"}} {}",
-            r.declaration.name,
-            r.front.port().counters.connections.load(Relaxed)
-        );
-    }
-    metric(
-        o,
-        "sluice_front_requests_total",
-        "counter",
-        "Requests (frames) each front's connections sent.",
-    );
-    for r in fronts {
-        let _ = writeln!(
-            o,
-            "sluice_front_requests_total{{front=\"{}\"}} {}",
-            r.declaration.name,
-            r.front.port().counters.requests.load(Relaxed)
-        );
+    type Counter = fn(&crate::driver::PortCounters) -> &AtomicU64;
+    let series: [(&str, &str, &str, Counter); 2] = [
+        (
+            "sluice_front_connections",
+            "gauge",
+            "Connections open on each front's port (memcached, iproto, tank, greenstack).",
+            |c| &c.connections,
+        ),
+        (
+            "sluice_front_requests_total",
+            "counter",
+            "Requests (frames) each front's connections sent.",
+            |c| &c.requests,
+        ),
+    ];
+    for (name, kind, help, counter) in series {
+        metric(o, name, kind, help);
+        for r in fronts {
+            let n = counter(&r.front.port().counters).load(Relaxed);
+            let _ = writeln!(o, "{name}{{front=\"{}\"}} {n}", r.declaration.name);
+        }
     }
 }
 

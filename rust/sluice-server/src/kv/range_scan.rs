@@ -362,16 +362,8 @@ fn next_batch(
     Ok((sent, scan.queued.is_empty() && scan.walked_all))
 }
 
-fn put_leb128(out: &mut Vec<u8>, mut n: usize) {
-    loop {
-        let byte = (n & 0x7f) as u8;
-        n >>= 7;
-        if n == 0 {
-            out.push(byte);
-            return;
-        }
-        out.push(byte | 0x80);
-    }
+fn put_leb128(out: &mut Vec<u8>, n: usize) {
+    sluice_proto::mcbp::write_leb128(out, n as u64);
 }
 
 /// The limits of a continue (extras: the scan id, then items, milliseconds and bytes, u32 BE
