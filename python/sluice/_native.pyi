@@ -461,6 +461,8 @@ def tank_produce_frame(
     ts_ms: int,
     snappy: bool = False,
     base_seq: int | None = None,
+    required_acks: int = 0,
+    ack_timeout_ms: int = 0,
 ) -> bytes: ...
 def tank_consume_frame(
     request_id: int,

@@ -46,6 +46,9 @@ MAX_FRAME_BYTES = 1 << 30
 PRODUCE_ERRORS = {
     0x01: "the topic has no such partition",
     0x02: "the broker could not store it (see its log: a full disk, a failing WAL)",
+    0x03: "the leader stored it, but not as many copies as required_acks asks held it within "
+    "ack_timeout (it may be read back, or lost if the leader fails now)",
+    0x04: "the partition has fewer copies, or fewer in sync, than required_acks asks for",
     0x0A: "the request is not valid (a bad bundle, or a sequence number behind the partition's end)",
     0xFE: "the broker is read-only for the topic (a replica's copy: produce to its active; or, on a "
     "node with users, [users.guest] has no write permission on it: TANK clients have its grants)",
@@ -229,11 +232,18 @@ class TankConnection:
         snappy: bool = False,
         seq: int | None = None,
         ts_ms: int | None = None,
+        required_acks: int = 0,
+        ack_timeout: float = 0.0,
     ) -> None:
         """Publishes `messages` (contents, or (key, content) pairs) as one bundle, Snappy-
         compressed if `snappy`, and returns once the broker acknowledged it (sluice: once its WAL
         holds it). `seq` places the bundle's first message at that sequence number
-        (ProduceWithSeqnum, for mirroring); it must not be behind the partition's end."""
+        (ProduceWithSeqnum, for mirroring); it must not be behind the partition's end.
+
+        In a cluster, the leader also waits for copies of the partition, as TANK's clustered
+        broker counts them: `required_acks` 0 waits for every copy in sync, 255 for a majority
+        of them, N for N copies; `ack_timeout` seconds at most (0: 8 s), after which it raises
+        (the bundle stays stored on the leader). A node on its own ignores both."""
         try:
             frame = _native.tank_produce_frame(
                 self._next_request_id(),
@@ -243,6 +253,8 @@ class TankConnection:
                 ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
                 snappy=snappy,
                 base_seq=seq,
+                required_acks=required_acks,
+                ack_timeout_ms=round(ack_timeout * 1000),
             )
         except ValueError as e:
             raise TankError(f"produce to {topic!r}: {e}") from None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.cluster import vbmap
 from sluice.cluster.keys import Keys, dump
+from sluice.cluster.topicmap import in_sync_copies
 
 # etcd's client (http.client, ssl) is imported when a cluster command runs: every `sluice`
 # command builds this parser, `sluice serve` among them, and a replica's start is timed.
@@ -112,13 +113,25 @@ def cmd_status(args: argparse.Namespace, etcd: Etcd, keys: Keys) -> int:
     )
     topics = doc.get("topics", {})
     if topics:
-        # Each partition's leader; one whose leader is failed over has none (its only copy).
+        # Each partition's leader, its copies and those in sync; one whose leader failed with no
+        # copy in sync left has none until it returns.
         print()
-        rows = [("topic", "partition", "leader")]
+        rows = [("topic", "partition", "leader", "copies", "in sync")]
         for name in sorted(topics):
+            in_sync = in_sync_copies(topics[name])
             for p, chain in enumerate(topics[name]["chains"]):
                 leader = chain[0] if chain and chain[0] not in doc["failed"] else None
-                rows.append((name, str(p), leader or "none (failed over)"))
+                copies = [n for n in chain[1:] if n is not None]
+                waiting = f"none (waits for {', '.join(in_sync[p])})" if in_sync[p] else "none"
+                rows.append(
+                    (
+                        name,
+                        str(p),
+                        leader or waiting,
+                        ", ".join(copies) or "-",
+                        ", ".join(n for n in in_sync[p] if n == leader or n in copies) or "-",
+                    )
+                )
         _table(rows)
     reb = st["rebalance"]
     if reb:

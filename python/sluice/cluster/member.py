@@ -21,6 +21,7 @@ from sluice.cluster.etcd import Etcd, EtcdError, KeyValue
 from sluice.cluster.keys import Keys, dump
 from sluice.cluster.orchestrator import Orchestrator
 from sluice.cluster.settings import LEASE_TTL, ClusterSettings
+from sluice.cluster.topicmap import in_sync_copies
 
 log = logging.getLogger("sluice.cluster")
 
@@ -220,6 +221,14 @@ class Member:
                 name: [c[0] if c and c[0] not in failed else None for c in t["chains"]]
                 for name, t in doc.get("topics", {}).items()
             },
+            # Per partition, the nodes that copy it and those of them in sync (the leader too).
+            "topic_copies": {
+                name: [
+                    {"copies": [n for n in c[1:] if n is not None], "in_sync": s}
+                    for c, s in zip(t["chains"], in_sync_copies(t), strict=True)
+                ]
+                for name, t in doc.get("topics", {}).items()
+            },
         }
         if report != self._reported:
             self.server.report_cluster(dump(report))
@@ -268,20 +277,26 @@ class Member:
             except ValueError:
                 return ""
 
-        def lead(chain: list[str | None]) -> str:
+        def partition(chain: list[str | None], in_sync: list[str]) -> tuple[str, int, int, str]:
             leader = chain[0] if chain else None
+            copies = sum(1 for n in chain if n is not None)
             if leader is None or leader in failed:
-                return ""
+                return ("", copies, len(in_sync), "")
             if leader == self.s.node:
-                return "here"
-            return tank_of(leader)
+                return ("here", copies, len(in_sync), "")
+            # A copy here streams from its leader.
+            copy_from = doc["nodes"][leader]["kv"] if self.s.node in chain[1:] else ""
+            return (tank_of(leader), copies, len(in_sync), copy_from)
 
-        leads = {name: [lead(c) for c in t["chains"]] for name, t in placed.items()}
+        parts = {
+            name: [partition(c, s) for c, s in zip(t["chains"], in_sync_copies(t), strict=True)]
+            for name, t in placed.items()
+        }
         # Every node of the map, in its order (TANK's node ids), failed-over ones unavailable.
         every = sorted(doc["nodes"])
         held = {n: sum(1 for t in placed.values() for c in t["chains"] if n in c) for n in every}
         nodes = [(tank_of(n), n not in failed, held[n]) for n in every]
-        self.server.place_topics(self.s.cluster, leads, nodes)
+        self.server.place_topics(self.s.cluster, self.s.buckets[0], parts, nodes)
 
     def _take_over(self, move: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One vbucket taken over in every bucket: its outcome for the orchestrator."""

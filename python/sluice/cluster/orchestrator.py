@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from sluice.cluster import vbmap
+from sluice.cluster import topicmap, vbmap
 from sluice.cluster.etcd import Etcd, EtcdError, KeyValue
 from sluice.cluster.keys import Keys, dump
 from sluice.cluster.settings import LEASE_TTL, ClusterSettings
@@ -111,6 +111,7 @@ class Orchestrator:
             or self.fail_over_the_gone(doc, revision, nodes)
             or self.take_back_the_returned(doc, revision, nodes)
             or self.place_topics(doc, revision)
+            or self.admit_caught_up_copies(doc, revision, nodes)
             or self.rebalance_step(doc, revision, nodes)
         )
 
@@ -133,11 +134,18 @@ class Orchestrator:
 
     # -- topics
 
+    def topic_marks(self) -> dict[str, dict[str, list[int]]]:
+        """Per node, per topic: each partition's high-water mark, as last published."""
+        return {
+            node: {name: t.get("hwm", []) for name, t in st.get("topics", {}).items()}
+            for node, st in self.statuses().items()
+        }
+
     def place_topics(self, doc: dict[str, Any], revision: int) -> bool:
         """Places the topics a node declared (its status names them) that the map lacks: each
-        partition led by one node, leaders spread over the map's nodes as vbuckets' actives
-        are. A partition's copy lives on its leader only: while the leader is failed over, no
-        node leads it (TANK clients are told so) rather than one without its messages."""
+        partition led by one node and copied by as many as the map's `replicas`, leaders and
+        copies spread over the map's nodes as vbuckets' are (server groups too). Every copy
+        starts in sync (a new partition is empty, or its messages are where it is led)."""
         placed = doc.get("topics", {})
         declared: dict[str, dict[str, Any]] = {}
         # Per topic, per node: each partition's high-water mark there.
@@ -148,10 +156,11 @@ class Orchestrator:
             for name, t in kv.json().get("topics", {}).items():
                 declared.setdefault(name, t)
                 held.setdefault(name, {})[node] = t.get("hwm", [])
-        # A node's TANK address comes with its registration (maps from before it lack one).
+        # A node's TANK address comes with its registration (maps from before it lack one, and
+        # a node may come back listening elsewhere).
         nodes = dict(doc["nodes"])
         for n, info in self.registered().items():
-            if n in nodes and info.get("tank") and not nodes[n].get("tank"):
+            if n in nodes and info.get("tank") and info["tank"] != nodes[n].get("tank"):
                 nodes[n] = {**nodes[n], "tank": info["tank"]}
         new = {n: t for n, t in declared.items() if n not in placed}
         if not new and nodes == doc["nodes"]:
@@ -161,8 +170,15 @@ class Orchestrator:
         if new and not members:
             return False
         topics = dict(placed)
+        groups = {n: nodes[n].get("group", "") for n in members}
         for name, t in sorted(new.items()):
-            chains = vbmap.balance(members, t["partitions"], 0)
+            chains = vbmap.balance(
+                members,
+                t["partitions"],
+                doc["replicas"],
+                groups=groups if any(groups.values()) else None,
+            )
+            in_sync = [[n for n in c if n is not None] for c in chains]
             # A partition that already holds messages somewhere (produced before it was placed)
             # is led where it holds the most: what was acknowledged stays reachable.
             for p in range(t["partitions"]):
@@ -170,9 +186,19 @@ class Orchestrator:
                     n: h[p] for n, h in held.get(name, {}).items() if n in members and p < len(h) and h[p]
                 }
                 if hwms:
-                    chains[p] = [max(sorted(hwms), key=lambda n: hwms[n])]
+                    # Led where it holds the most, copied by the others placed; they join those
+                    # in sync once they hold as much (`admit_caught_up_copies`).
+                    best = max(sorted(hwms), key=lambda n: hwms[n])
+                    rest = [n for n in chains[p] if n != best]
+                    chains[p] = [best, *rest[: len(chains[p]) - 1]]
+                    in_sync[p] = [best]
             settings = t.get("settings", "")
-            topics[name] = {"partitions": t["partitions"], "settings": settings, "chains": chains}
+            topics[name] = {
+                "partitions": t["partitions"],
+                "settings": settings,
+                "chains": chains,
+                "isr": in_sync,
+            }
         if not self.publish({**doc, "nodes": nodes, "topics": topics}, revision):
             return False
         for name in sorted(new):
@@ -182,6 +208,17 @@ class Orchestrator:
                 new[name]["partitions"],
                 ", ".join(sorted({c[0] for c in topics[name]["chains"] if c[0]})),
             )
+        return True
+
+    def admit_caught_up_copies(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
+        """Copies that caught up with their leader join those in sync."""
+        if not doc.get("topics"):
+            return False
+        topics, joined = topicmap.admit_caught_up(doc["topics"], self.topic_marks(), set(nodes))
+        if not joined or not self.publish({**doc, "topics": topics}, revision):
+            return False
+        for name, p, n in joined:
+            log.warning("cluster: %s's copy of topic %s partition %d is in sync", n, name, p)
         return True
 
     # -- failover
@@ -230,8 +267,9 @@ class Orchestrator:
         promoted = sum(1 for c in doc["chains"] if c and c[0] == node) - len(lost)
         # A node failed over while it runs (by hand) is taken back only once it registers anew.
         since = registration.get("incarnation", "") if registration else ""
-        failed = {**doc["failed"], node: {"held": held, "incarnation": since}}
-        doc = {**doc, "chains": chains, "failed": failed}
+        topics, had, orphaned = topicmap.fail_over(doc.get("topics", {}), node, self.topic_marks(), alive)
+        failed = {**doc["failed"], node: {"held": held, "incarnation": since, "partitions": had}}
+        doc = {**doc, "chains": chains, "failed": failed, "topics": topics}
         if automatic:
             doc["auto_failovers"] = doc.get("auto_failovers", 0) + 1
         if not self.publish(doc, revision):
@@ -244,6 +282,13 @@ class Orchestrator:
             promoted,
             f", {len(lost)} without a replica to promote" if lost else "",
         )
+        if orphaned:
+            log.warning(
+                "cluster: %d topic partition(s) have no copy in sync left and no leader until %s returns: %s",
+                len(orphaned),
+                node,
+                ", ".join(f"{t}/{p}" for t, p in orphaned),
+            )
         reb = self.etcd.get(self.keys.rebalance)
         if reb is not None and reb.json().get("state") == "running":
             # The rebalance goes on over the nodes left.
@@ -257,8 +302,12 @@ class Orchestrator:
         for n, record in doc["failed"].items():
             if n in nodes and nodes[n].get("incarnation") != record["incarnation"]:
                 chains = vbmap.take_back(doc["chains"], n, record["held"])
+                topics = topicmap.take_back(doc.get("topics", {}), n, record.get("partitions", {}))
                 rest = {k: v for k, v in doc["failed"].items() if k != n}
-                if self.publish({**doc, "chains": chains, "failed": rest}, revision):
+                # It may listen elsewhere now: clients are sent where it is.
+                info = {**doc["nodes"], n: node_entry(nodes[n])}
+                back = {**doc, "nodes": info, "chains": chains, "failed": rest, "topics": topics}
+                if self.publish(back, revision):
                     log.warning("cluster: %s is back; it is a replica again of what it held", n)
                 return True
         return False

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::durability::ReplicaAcks;
 use crate::partition_log::{LogConfig, PartitionLog};
 use crate::signal::ChangeSignal;
 
@@ -76,6 +77,10 @@ pub struct Topic {
     pub long_polls: AtomicU64,
     /// A replica copies it from its active: producers are refused here.
     followed: AtomicBool,
+    /// Per partition, the copies streaming it from here (in a cluster, the nodes that replicate
+    /// a partition this node leads) and how far each holds it: a produce asking for acks waits
+    /// on them.
+    pub acks: ReplicaAcks,
 }
 
 impl Topic {
@@ -86,11 +91,13 @@ impl Topic {
         config: LogConfig,
         partitions: Vec<Partition>,
     ) -> Topic {
+        let count = u16::try_from(partitions.len()).unwrap_or(u16::MAX);
         Topic {
             id,
             name,
             config_text,
             config,
+            acks: ReplicaAcks::new(count),
             partitions: partitions.into_iter().map(Mutex::new).collect(),
             changes: ChangeSignal::default(),
             long_polls: AtomicU64::new(0),

@@ -343,17 +343,22 @@ impl Server {
         }
     }
 
-    /// Puts the cluster map's topic placement in force for the TANK front: `topics` gives each
-    /// topic's partition leaders in order ("here", the leader's TANK address "IPv4:PORT", or ""
-    /// while none leads it); `nodes` the map's nodes in order: (TANK address or "", whether it
-    /// is available, how many partitions it holds a copy of).
+    /// Puts the cluster map's topic placement in force: `topics` gives each topic's partitions
+    /// in order as (leader: "here", the leader's TANK address "IPv4:PORT", or "" while none
+    /// leads it; its copies; those in sync; the leader's KV address when this node holds a
+    /// copy it does not lead, else ""); `nodes` the map's nodes in order: (TANK address or "",
+    /// whether it is available, how many partitions it holds a copy of). The copies this node
+    /// holds are streamed from their leaders (logging in to `bucket` with the replication
+    /// login) before the new leaders are in force.
     fn place_topics(
         &self,
+        py: Python<'_>,
         cluster: String,
-        topics: std::collections::HashMap<String, Vec<String>>,
+        bucket: String,
+        topics: std::collections::HashMap<String, Vec<(String, u8, u8, String)>>,
         nodes: Vec<(String, bool, u16)>,
     ) -> PyResult<()> {
-        use sluice_server::topic_placement::{Lead, PlacedNode, Placement};
+        use sluice_server::topic_placement::{Lead, Placed, PlacedNode, Placement};
         let address = |a: &str| {
             a.parse::<std::net::SocketAddrV4>().map_err(|_| {
                 ConfigError::new_err(format!(
@@ -366,16 +371,29 @@ impl Server {
             cluster,
             ..Placement::default()
         };
-        for (topic, leads) in topics {
-            let leads = leads
-                .iter()
-                .map(|l| match l.as_str() {
-                    "here" => Ok(Lead::Here),
-                    "" => Ok(Lead::Nobody),
-                    a => address(a).map(Lead::At),
-                })
-                .collect::<PyResult<Vec<_>>>()?;
-            placement.topics.insert(topic, leads);
+        let mut copied: std::collections::HashMap<(String, String), Vec<u16>> =
+            std::collections::HashMap::new();
+        for (topic, parts) in topics {
+            let mut placed = Vec::with_capacity(parts.len());
+            for (p, (lead, copies, in_sync, copy_from)) in parts.iter().enumerate() {
+                let lead = match lead.as_str() {
+                    "here" => Lead::Here,
+                    "" => Lead::Nobody,
+                    a => Lead::At(address(a)?),
+                };
+                placed.push(Placed {
+                    lead,
+                    copies: *copies,
+                    in_sync: *in_sync,
+                });
+                if !copy_from.is_empty() {
+                    copied
+                        .entry((topic.clone(), copy_from.clone()))
+                        .or_default()
+                        .push(p as u16);
+                }
+            }
+            placement.topics.insert(topic, placed);
         }
         for (i, (tank, available, partitions)) in nodes.into_iter().enumerate() {
             placement.nodes.push(PlacedNode {
@@ -389,8 +407,30 @@ impl Server {
                 partitions,
             });
         }
-        self.member()?.clustermap.topics.set(placement);
+        let member = self.member()?;
+        let replication = member.replication.clone();
+        let upstream = sluice_server::topic_replica::Upstream {
+            active: String::new(),
+            bucket,
+            username: replication.username,
+            password: replication.password,
+            tls: replication.tls,
+            noop_interval: replication.noop_interval,
+        };
+        let name = member.engine.instance().to_string();
+        py.detach(|| {
+            member
+                .topic_copies
+                .apply(&member.engine, &upstream, &name, copied);
+            member.clustermap.topics.set(placement);
+        });
         Ok(())
+    }
+
+    /// The topic partitions this node copies from their leaders: (topic, leader's KV address,
+    /// partitions).
+    fn topic_copies(&self) -> PyResult<Vec<(String, String, Vec<u16>)>> {
+        Ok(self.member()?.topic_copies.running())
     }
 
     /// What the admin endpoint asked of the cluster since the last call ("rebalance"), for

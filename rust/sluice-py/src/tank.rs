@@ -35,9 +35,10 @@ fn topic_name(topic: &str) -> PyResult<&[u8]> {
 /// A Produce frame (ProduceWithSeqnum when `base_seq` is given) of one bundle holding
 /// `messages` stamped `ts_ms`, Snappy-compressed if `snappy`. Each message is its content
 /// (bytes, bytearray or memoryview) or a (key or None, content) pair; bytes are read where
-/// they are, not copied per message.
+/// they are, not copied per message. `required_acks` and `ack_timeout_ms` are TANK's (0 and
+/// 0, as TANK's client sends: every copy in sync, within 8 s; a broker on its own ignores them).
 #[pyfunction]
-#[pyo3(signature = (request_id, topic, partition, messages, *, ts_ms, snappy=false, base_seq=None))]
+#[pyo3(signature = (request_id, topic, partition, messages, *, ts_ms, snappy=false, base_seq=None, required_acks=0, ack_timeout_ms=0))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tank_produce_frame<'py>(
     py: Python<'py>,
@@ -48,6 +49,8 @@ pub(crate) fn tank_produce_frame<'py>(
     ts_ms: u64,
     snappy: bool,
     base_seq: Option<u64>,
+    required_acks: u8,
+    ack_timeout_ms: u32,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let name = topic_name(topic)?;
     let mut held: Vec<(Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>)> = Vec::new();
@@ -91,8 +94,8 @@ pub(crate) fn tank_produce_frame<'py>(
         client_version: 2,
         request_id,
         client_id: CLIENT_ID,
-        required_acks: 1,
-        ack_timeout: 0,
+        required_acks,
+        ack_timeout: ack_timeout_ms,
         topics: vec![ProduceTopic {
             name,
             partitions: vec![ProducePartition {

@@ -180,6 +180,7 @@ pub struct NodeView {
     /// The registered fronts that run.
     pub registered: Arc<[crate::front::Running]>,
     pub followers: Arc<Followers>,
+    pub topic_copies: Arc<crate::topic_replica::PartitionCopies>,
     /// As started: the addresses are the ones bound.
     pub config: ServerConfig,
     pub tls: Option<Arc<ReloadableTls>>,
@@ -1025,6 +1026,7 @@ fn takeover(node: &NodeView, query: &str) -> Result<serde_json::Value, String> {
         followers: node.followers.clone(),
         clustermap: node.clustermap.clone(),
         replication,
+        topic_copies: node.topic_copies.clone(),
     };
     let r = member
         .take_over(&bucket, vb, &source, Duration::from_secs_f64(timeout))

@@ -83,6 +83,7 @@ pub struct Member {
     pub followers: Arc<Followers>,
     pub clustermap: Arc<ClusterMap>,
     pub replication: Replication,
+    pub topic_copies: Arc<crate::topic_replica::PartitionCopies>,
 }
 
 impl Member {
@@ -115,6 +116,7 @@ impl Member {
             followers,
             clustermap,
             replication,
+            ..
         } = self;
         let mut done = Converged::default();
         // The streams the map wants, per bucket and active node.

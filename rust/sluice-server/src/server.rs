@@ -37,6 +37,8 @@ pub struct Server {
     users: Arc<UserTable>,
     clustermap: Arc<ClusterMap>,
     followers: Arc<Followers>,
+    /// In a cluster, the copies of the topic partitions the map makes this node a replica of.
+    topic_copies: Arc<crate::topic_replica::PartitionCopies>,
     tls: Option<Arc<crate::tls::ReloadableTls>>,
     replication: crate::cluster::Replication,
 }
@@ -269,6 +271,7 @@ impl Server {
         }
         let running: Arc<[Running]> = running.into();
         engine.set_cursor_drop_policy(Arc::new(crate::policy::PluginDropPolicy(policies.clone())));
+        let topic_copies = Arc::new(crate::topic_replica::PartitionCopies::default());
         let followers = Arc::new(Followers::start(
             engine.clone(),
             config.replica_of.as_ref(),
@@ -303,6 +306,7 @@ impl Server {
                 started: std::time::Instant::now(),
                 registered: running.clone(),
                 followers: followers.clone(),
+                topic_copies: topic_copies.clone(),
                 config: config.clone(),
                 tls: tls.clone(),
                 tarantool: tarantool_follower.clone(),
@@ -379,6 +383,7 @@ impl Server {
             users,
             clustermap,
             followers,
+            topic_copies,
             tls,
             replication: config.replication(),
         })
@@ -434,6 +439,7 @@ impl Server {
             followers: self.followers.clone(),
             clustermap: self.clustermap.clone(),
             replication: self.replication.clone(),
+            topic_copies: self.topic_copies.clone(),
         }
     }
 
@@ -446,6 +452,7 @@ impl Server {
     /// drops the runtime. Blocking; call it from a plain thread.
     pub fn shutdown(&mut self, grace: Duration) {
         self.followers.stop();
+        self.topic_copies.stop();
         let _ = self.stop.send(true);
         if let (Some(rt), Some(done)) = (self.runtime.take(), self.done.take()) {
             rt.block_on(async {

@@ -2,7 +2,8 @@
 //! `topics`, set by the cluster side as it converges), so that the TANK front serves the
 //! partitions led here and sends the client to the leader of the others, as TANK's clustered
 //! broker does. A node on its own, or a topic the map does not name yet, leads every partition
-//! itself.
+//! itself. With each leader, the map gives the partition's copies and how many of them are in
+//! sync, which a produce's `required acks` is counted against.
 
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
@@ -17,6 +18,44 @@ pub enum Lead {
     At(SocketAddrV4),
     /// No node now (its leader failed and no copy may take over).
     Nobody,
+}
+
+/// One partition as the map places it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    pub lead: Lead,
+    /// Its copies, the leader's among them (TANK's replication factor).
+    pub copies: u8,
+    /// The copies in sync (the leader's among them): holding every message acknowledged with
+    /// acks from all of them, and the only ones a failover may promote.
+    pub in_sync: u8,
+}
+
+impl Placed {
+    /// A partition of a node on its own, or of a topic the map does not place yet.
+    pub const HERE: Placed = Placed {
+        lead: Lead::Here,
+        copies: 1,
+        in_sync: 1,
+    };
+
+    /// How many copies besides the leader must hold a produced bundle before it is
+    /// acknowledged, for a produce's `required acks`, as TANK's clustered broker counts them:
+    /// 0 asks for every copy in sync, 255 for a majority of the copies in sync (the leader one
+    /// of them), N for N. None when the partition has too few copies for that (TANK's error
+    /// "insufficient replicas").
+    pub fn peers_needed(&self, required_acks: u8) -> Option<usize> {
+        let in_sync = self.in_sync.max(1) as usize;
+        match required_acks {
+            0 => Some(in_sync - 1),
+            255 => Some(in_sync / 2),
+            n if n > 200 => None,
+            n => {
+                let n = n as usize;
+                (n < self.copies as usize && n < in_sync).then_some(n)
+            }
+        }
+    }
 }
 
 /// One node of the cluster as DiscoverTopology tells it.
@@ -36,7 +75,7 @@ pub struct PlacedNode {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
     pub cluster: String,
-    pub topics: HashMap<String, Vec<Lead>>,
+    pub topics: HashMap<String, Vec<Placed>>,
     pub nodes: Vec<PlacedNode>,
 }
 
@@ -67,14 +106,19 @@ impl Placements {
 
     /// Who leads `partition` of `topic`: here unless the map places it elsewhere.
     pub fn lead(&self, topic: &str, partition: u16) -> Lead {
+        self.placed(topic, partition).lead
+    }
+
+    /// Where the map places `partition` of `topic`: here, alone, unless it says otherwise.
+    pub fn placed(&self, topic: &str, partition: u16) -> Placed {
         if !self.clustered.load(Ordering::Acquire) {
-            return Lead::Here;
+            return Placed::HERE;
         }
         let p = self.current.read().unwrap_or_else(|e| e.into_inner());
-        match p.topics.get(topic) {
-            Some(leads) => leads.get(partition as usize).copied().unwrap_or(Lead::Here),
-            None => Lead::Here,
-        }
+        p.topics
+            .get(topic)
+            .and_then(|parts| parts.get(partition as usize).copied())
+            .unwrap_or(Placed::HERE)
     }
 }
 
@@ -92,7 +136,12 @@ mod tests {
             cluster: "c".into(),
             topics: HashMap::from([(
                 "events".to_string(),
-                vec![Lead::Here, Lead::At(there), Lead::Nobody],
+                [Lead::Here, Lead::At(there), Lead::Nobody]
+                    .map(|lead| Placed {
+                        lead,
+                        ..Placed::HERE
+                    })
+                    .to_vec(),
             )]),
             nodes: Vec::new(),
         });
@@ -100,5 +149,26 @@ mod tests {
         assert_eq!(p.lead("events", 1), Lead::At(there));
         assert_eq!(p.lead("events", 2), Lead::Nobody);
         assert_eq!(p.lead("other", 1), Lead::Here);
+    }
+
+    #[test]
+    fn required_acks_count_as_tanks_broker_counts_them() {
+        let three = |in_sync| Placed {
+            lead: Lead::Here,
+            copies: 3,
+            in_sync,
+        };
+        // 0: every copy in sync; a copy out of sync is not waited for.
+        assert_eq!(three(3).peers_needed(0), Some(2));
+        assert_eq!(three(2).peers_needed(0), Some(1));
+        assert_eq!(Placed::HERE.peers_needed(0), Some(0));
+        // 255: a majority of those in sync, the leader one of them.
+        assert_eq!(three(3).peers_needed(255), Some(1));
+        assert_eq!(three(1).peers_needed(255), Some(0));
+        // N: N copies, which must exist and be in sync.
+        assert_eq!(three(3).peers_needed(2), Some(2));
+        assert_eq!(three(3).peers_needed(3), None);
+        assert_eq!(three(2).peers_needed(2), None);
+        assert_eq!(three(3).peers_needed(201), None);
     }
 }

@@ -5,10 +5,14 @@
 //! placed at its first sequence number (`Engine::produce` with a first sequence number), so
 //! consumers here read the same messages by the same numbers. New topics on the active are
 //! picked up within a second.
+//!
+//! In a cluster, a node copies only the partitions the map makes it a replica of, each from
+//! its leader (`PartitionCopies`), and acknowledges what it placed (SEQNO_ACKNOWLEDGED), which
+//! the leader counts for produces that ask for acks.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -124,7 +128,10 @@ fn discover(engine: Arc<Engine>, upstream: Upstream, stop: Arc<AtomicBool>) {
                                 (engine.clone(), upstream.clone(), stop.clone());
                             let thread = std::thread::Builder::new()
                                 .name(format!("sluice-topic-{}", t.name))
-                                .spawn(move || copy(&engine, &topic, &upstream, &stop))
+                                .spawn(move || {
+                                    let every: Vec<u16> = (0..topic.num_partitions()).collect();
+                                    copy(&engine, &topic, &every, &upstream, None, &stop)
+                                })
                                 .expect("spawn a thread");
                             copies.insert(t.name, thread);
                         }
@@ -175,12 +182,22 @@ fn declare(engine: &Engine, t: &TopicInfo) -> Result<Arc<Topic>, String> {
     Ok(topic)
 }
 
-fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicBool) {
+/// Copies `partitions` of `topic` from the upstream until stopped, connecting again after a
+/// failure. `replica`: the name its acknowledgements count under on the upstream (a cluster
+/// node copying partitions the upstream leads), or None to send none.
+fn copy(
+    engine: &Engine,
+    topic: &Arc<Topic>,
+    partitions: &[u16],
+    upstream: &Upstream,
+    replica: Option<&str>,
+    stop: &AtomicBool,
+) {
     let mut backoff = Duration::from_millis(50);
     while !stop.load(Ordering::Acquire) {
         let mut state = SessionState::default();
         let uuid = topic_uuid(topic);
-        for p in 0..topic.num_partitions() {
+        for &p in partitions {
             let hwm = topic.high_water_mark(p);
             state.vbuckets.insert(
                 p,
@@ -195,19 +212,20 @@ fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicB
         }
         let consumer = Consumer::start(ConsumerConfig {
             topic: Some(topic.name.clone()),
-            vbuckets: Some((0..topic.num_partitions()).collect()),
+            vbuckets: Some(partitions.to_vec()),
             state,
             rollback: RollbackMode::Ask,
             batch_size: 4096,
             buffer_size: 32 << 20,
             noop_interval: upstream.noop_interval,
+            replica_name: replica.map(str::to_string),
             ..upstream.consumer_config(format!(
                 "replication:{}:topic:{}",
                 engine.instance(),
                 topic.name
             ))
         });
-        let why = follow(engine, topic, &consumer, stop);
+        let why = follow(engine, topic, &consumer, replica.is_some(), stop);
         drop(consumer);
         let Some(why) = why else {
             return;
@@ -226,10 +244,12 @@ fn copy(engine: &Engine, topic: &Arc<Topic>, upstream: &Upstream, stop: &AtomicB
 }
 
 /// Places what the stream brings until stopped (None) or the connection fails (why).
+/// `acknowledge`: tell the upstream, after each batch, how far each partition is held here.
 fn follow(
     engine: &Engine,
     topic: &Topic,
     consumer: &Consumer,
+    acknowledge: bool,
     stop: &AtomicBool,
 ) -> Option<String> {
     while !stop.load(Ordering::Acquire) {
@@ -238,6 +258,15 @@ fn follow(
             Some(Event::Batch(b)) => {
                 if let Err(why) = place(engine, topic, &b) {
                     return Some(why);
+                }
+                if acknowledge {
+                    let mut held = BTreeMap::new();
+                    for (&p, &seq) in b.vbucket.iter().zip(&b.seqno) {
+                        held.insert(p, seq);
+                    }
+                    let acks: Vec<(u16, u64, u64)> =
+                        held.into_iter().map(|(p, seq)| (p, seq, seq)).collect();
+                    consumer.link().acknowledge(&acks);
                 }
             }
             Some(Event::Rollback { vbucket, seqno, .. }) => {
@@ -259,6 +288,120 @@ fn follow(
         }
     }
     None
+}
+
+/// A cluster node's copies of the partitions it replicates: per topic and leader, one
+/// connection streaming those partitions, started, changed and stopped as the map moves.
+#[derive(Default)]
+pub struct PartitionCopies {
+    running: Mutex<HashMap<(String, String), Copying>>,
+}
+
+struct Copying {
+    partitions: Vec<u16>,
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl PartitionCopies {
+    /// Copies what `wanted` names, (topic, leader's KV address) to partitions, and nothing
+    /// else: a copy whose leader or partitions changed stops (and has stopped placing) before
+    /// its successor starts, so that a partition promoted here is no longer written by a copy
+    /// once this node leads it. `replica`: the name acknowledgements count under (this node's).
+    pub fn apply(
+        &self,
+        engine: &Arc<Engine>,
+        upstream: &Upstream,
+        replica: &str,
+        wanted: HashMap<(String, String), Vec<u16>>,
+    ) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let stale: Vec<(String, String)> = running
+            .iter()
+            .filter(|(k, c)| wanted.get(*k) != Some(&c.partitions))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let stopping: Vec<Copying> = stale
+            .iter()
+            .filter_map(|k| running.remove(k))
+            .inspect(|c| c.stop.store(true, Ordering::Release))
+            .collect();
+        for c in stopping {
+            let _ = c.thread.join();
+        }
+        for ((name, leader), partitions) in wanted {
+            if running.contains_key(&(name.clone(), leader.clone())) {
+                continue;
+            }
+            let Some(topic) = engine.topic(&name) else {
+                log::warn!("topic {name:?} is not declared here: its partitions are not copied");
+                continue;
+            };
+            log::info!("copying partition(s) {partitions:?} of topic {name:?} from {leader}");
+            let stop = Arc::new(AtomicBool::new(false));
+            let upstream = Upstream {
+                active: leader.clone(),
+                ..upstream.clone()
+            };
+            let (engine, stop_flag, parts, replica) = (
+                engine.clone(),
+                stop.clone(),
+                partitions.clone(),
+                replica.to_string(),
+            );
+            let thread = std::thread::Builder::new()
+                .name(format!("sluice-copy-{name}"))
+                .spawn(move || {
+                    copy(
+                        &engine,
+                        &topic,
+                        &parts,
+                        &upstream,
+                        Some(&replica),
+                        &stop_flag,
+                    )
+                })
+                .expect("spawn a thread");
+            running.insert(
+                (name, leader),
+                Copying {
+                    partitions,
+                    stop,
+                    thread,
+                },
+            );
+        }
+    }
+
+    /// (topic, leader, partitions) of the copies running.
+    pub fn running(&self) -> Vec<(String, String, Vec<u16>)> {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = running
+            .iter()
+            .map(|((t, l), c)| (t.clone(), l.clone(), c.partitions.clone()))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+impl PartitionCopies {
+    /// Stops every copy (the server stops); returns once none places anything.
+    pub fn stop(&self) {
+        let running = std::mem::take(&mut *self.running.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in running.values() {
+            c.stop.store(true, Ordering::Release);
+        }
+        for (_, c) in running {
+            let _ = c.thread.join();
+        }
+    }
+}
+
+impl Drop for PartitionCopies {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// Each run of consecutive messages of one partition in `b` as a bundle at its first

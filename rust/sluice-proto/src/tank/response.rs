@@ -10,6 +10,12 @@ pub mod produce_error {
     pub const UNKNOWN_PARTITION: u8 = 0x01;
     /// The bundle could not be stored (a full disk, a failing WAL): the client's "System Error".
     pub const IO_FAULT: u8 = 0x02;
+    /// In a cluster: the copies a produce's `required acks` asked for did not all hold the
+    /// bundle within its `ack timeout` (the leader stored it).
+    pub const ACKS_TIMED_OUT: u8 = 0x03;
+    /// In a cluster: the partition has fewer copies, or fewer in sync, than `required acks`
+    /// asks for (nothing is stored).
+    pub const INSUFFICIENT_REPLICAS: u8 = 0x04;
     /// A bundle that does not read, or placed behind the partition's end (TANK: invalid
     /// sequence numbers; the client's "Invalid Request").
     pub const INVALID: u8 = 0x0a;

@@ -636,6 +636,10 @@ impl Producer {
             match req.opcode {
                 opcode::STREAM_REQ => return self.topic_stream_request(topic, &req, out),
                 opcode::CLOSE_STREAM => return self.close_topic_stream(&req, out),
+                opcode::SEQNO_ACKNOWLEDGED => {
+                    self.topic_acknowledged(&req, out);
+                    return Flow::Continue;
+                }
                 opcode::GET_FAILOVER_LOG => return topic_failover_log(&topic, &req, out),
                 mcbp::opcode::GET_ALL_VB_SEQNOS => {
                     match topic_stream::all_seqnos(&topic, req.extras) {
@@ -719,7 +723,10 @@ impl Producer {
         encoding.no_value |= sr.flags & stream_flag::NO_VALUE != 0;
         let uuid = topic_stream::topic_uuid(&topic);
         match TopicStream::open(topic, &sr, req.opaque, encoding) {
-            Ok(stream) => {
+            Ok(mut stream) => {
+                if let Some(name) = self.replica_name() {
+                    stream.count_acks_as(name);
+                }
                 let log = vec![FailoverLogEntry {
                     vbucket_uuid: uuid,
                     seqno: 0,
@@ -759,6 +766,26 @@ impl Producer {
             },
         }
         Flow::Continue
+    }
+
+    /// A replica's SEQNO_ACKNOWLEDGED for a partition it copies: counted toward the produces
+    /// waiting for acks (`Topic::acks`). One-way, answered only when refused.
+    fn topic_acknowledged(&mut self, req: &Request<'_>, out: &mut Vec<u8>) {
+        let a = match SeqnoAcknowledged::decode(req) {
+            Ok(a) => a,
+            Err(e) => return respond(out, req, status::EINVAL, e.to_string().as_bytes()),
+        };
+        let Some(stream) = self.topic_streams.get(&a.vbucket) else {
+            return respond(
+                out,
+                req,
+                status::NOT_MY_VBUCKET,
+                b"no stream for this partition",
+            );
+        };
+        if let Err(why) = stream.acknowledged(a.prepared_seqno) {
+            respond(out, req, status::EINVAL, why.as_bytes());
+        }
     }
 
     fn retire_topic_stream(&self, s: TopicStream) {

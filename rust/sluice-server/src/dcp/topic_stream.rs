@@ -82,6 +82,17 @@ pub struct TopicStream {
     pub sent: u64,
     chunk: Vec<u8>,
     set: Vec<u8>,
+    /// The replica whose SEQNO_ACKNOWLEDGED count toward produces asking for acks (a cluster
+    /// node copying a partition this node leads); its acks stop counting when the stream goes.
+    acks_as: Option<String>,
+}
+
+impl Drop for TopicStream {
+    fn drop(&mut self) {
+        if let Some(name) = self.acks_as.take() {
+            self.topic.acks.detach(self.partition, &name);
+        }
+    }
 }
 
 impl TopicStream {
@@ -130,7 +141,29 @@ impl TopicStream {
             sent: 0,
             chunk: Vec::new(),
             set: Vec::new(),
+            acks_as: None,
         })
+    }
+
+    /// Counts the acknowledgements of replica `name` for this partition from now on.
+    pub fn count_acks_as(&mut self, name: &str) {
+        self.topic.acks.attach(self.partition, name);
+        self.acks_as = Some(name.to_string());
+    }
+
+    /// A replica's acknowledgement of everything up to `seq`: never past what was sent.
+    pub fn acknowledged(&self, seq: u64) -> Result<(), &'static str> {
+        let Some(name) = &self.acks_as else {
+            return Err(
+                "this partition's stream is not a replica's (it opened before the \
+                        controls consumer_name and enable_sync_writes)",
+            );
+        };
+        let sent = self.next_seq.saturating_sub(1);
+        self.topic
+            .acks
+            .ack(self.partition, name, seq.min(sent), None);
+        Ok(())
     }
 
     pub fn view(&self) -> StreamView {

@@ -119,7 +119,17 @@ impl crate::driver::Session for Session {
         let buf = &mut out.acked.buf;
         match req {
             Request::Ping => {}
-            Request::Produce(p) => produce(ctx, self.peer, &frame, &p, buf, &mut self.owed_lsn),
+            Request::Produce(p) => {
+                let (mut errors, copies) = produce(ctx, self.peer, &frame, &p, &mut self.owed_lsn);
+                if !copies.is_empty() {
+                    wait_for_copies(&mut errors, &copies, p.ack_timeout).await;
+                }
+                ProduceAck {
+                    request_id: p.request_id,
+                    errors: &errors,
+                }
+                .write(buf);
+            }
             Request::Consume(c) => {
                 let mut p = Parked::new(ctx, self.peer, &c);
                 let full = self.parked.len() >= MAX_WAITING;
@@ -138,7 +148,7 @@ impl crate::driver::Session for Session {
                 let topics = ctx.port.engine.topics();
                 let users = ctx.port.users.current();
                 // In a cluster, as a cluster-aware broker answers: each topic with its
-                // replication factor (1: a partition lives on its leader).
+                // replication factor (its first partition's copies in the map).
                 TopicsInfo {
                     request_id,
                     cluster_aware: ctx.clustermap.topics.current().is_some(),
@@ -150,7 +160,10 @@ impl crate::driver::Session for Session {
                                 request::topic_permissions(&users, Principal::Guest, &t.name);
                             bits & auth::READ != 0
                         })
-                        .map(|t| (t.name.as_bytes(), true, t.num_partitions(), 1))
+                        .map(|t| {
+                            let copies = ctx.clustermap.topics.placed(&t.name, 0).copies;
+                            (t.name.as_bytes(), true, t.num_partitions(), copies)
+                        })
                         .collect(),
                 }
                 .write(buf)
@@ -285,19 +298,65 @@ fn may(ctx: &TankContext, peer: SocketAddr, name: &[u8], need: u8, what: &str) -
     false
 }
 
+/// A bundle stored here whose answer waits until `peers` copies of its partition hold it
+/// (a produce's `required acks`, in a cluster).
+struct AwaitedCopies {
+    /// Its error byte in the answer.
+    at: usize,
+    topic: Arc<Topic>,
+    partition: u16,
+    last_seq: u64,
+    peers: usize,
+}
+
+/// How long a produce waits for its copies when its `ack timeout` is 0, as TANK's broker.
+const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_millis(8000);
+
+/// Waits, up to the produce's `ack timeout` (ms), for the copies each bundle needs; a bundle
+/// whose copies did not all come gets 0x03 (it stays stored here, as on TANK's broker). A copy
+/// whose stream is down is waited for too: it may connect again in time.
+async fn wait_for_copies(errors: &mut [u8], copies: &[AwaitedCopies], ack_timeout_ms: u32) {
+    let timeout = match ack_timeout_ms {
+        0 => DEFAULT_ACK_TIMEOUT,
+        ms => Duration::from_millis(ms as u64),
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    for c in copies {
+        let held = async {
+            loop {
+                match c
+                    .topic
+                    .acks
+                    .acked(c.partition, c.last_seq, false, c.peers)
+                    .await
+                {
+                    Ok(()) => return,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        };
+        if tokio::time::timeout_at(deadline, held).await.is_err() {
+            errors[c.at] = produce_error::ACKS_TIMED_OUT;
+        }
+    }
+}
+
 /// One error byte per partition entry; an unknown topic gets one 0xff for all of its entries,
 /// and a topic this node copies from its active, or that the client may not write, one 0xfe
-/// (read-only), as TANK's broker answers in read-only mode.
+/// (read-only), as TANK's broker answers in read-only mode. Returns the error bytes and the
+/// bundles whose answer waits for copies (`wait_for_copies`).
 /// `frame`: the request's bytes, which the bundles of `p` are slices of.
 fn produce(
     ctx: &TankContext,
     peer: SocketAddr,
     frame: &bytes::Bytes,
     p: &Produce<'_>,
-    out: &mut Vec<u8>,
     owed_lsn: &mut u64,
-) {
+) -> (Vec<u8>, Vec<AwaitedCopies>) {
     let mut errors = Vec::with_capacity(p.entries());
+    let mut copies = Vec::new();
+    // A broker on its own takes no acks into account, as TANK's.
+    let clustered = ctx.clustermap.topics.current().is_some();
     for t in &p.topics {
         // Refused as a topic read-only for this client: once per topic, as a replica's copy.
         if !may(ctx, peer, t.name, auth::WRITE, "a produce to") {
@@ -322,7 +381,17 @@ fn produce(
                 errors.push(produce_error::UNKNOWN_PARTITION);
                 continue;
             }
-            match ctx.clustermap.topics.lead(&topic.name, part.partition) {
+            let placed = ctx.clustermap.topics.placed(&topic.name, part.partition);
+            // Checked before the leader, as TANK's broker does.
+            let peers = match placed.peers_needed(p.required_acks) {
+                Some(n) => n,
+                None if !clustered => 0,
+                None => {
+                    errors.push(produce_error::INSUFFICIENT_REPLICAS);
+                    continue;
+                }
+            };
+            match placed.lead {
                 Lead::Here => {}
                 Lead::At(leader) => {
                     errors.push(redirect::OTHER_LEADER);
@@ -348,6 +417,15 @@ fn produce(
                             .produced_messages
                             .fetch_add(last - first + 1, Relaxed);
                         ctx.stats.produced_bundles.fetch_add(1, Relaxed);
+                        if peers > 0 {
+                            copies.push(AwaitedCopies {
+                                at: errors.len(),
+                                topic: topic.clone(),
+                                partition: part.partition,
+                                last_seq: last,
+                                peers,
+                            });
+                        }
                         produce_error::OK
                     }
                     Err(Error::InvalidArgument(why)) => {
@@ -370,11 +448,7 @@ fn produce(
             );
         }
     }
-    ProduceAck {
-        request_id: p.request_id,
-        errors: &errors,
-    }
-    .write(out);
+    (errors, copies)
 }
 
 /// A consume waiting for data: what it asks, owned, so the connection goes on reading (a
