@@ -210,6 +210,47 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
         stop_all(nodes)
 
 
+def test_partitions_move_on_rebalance_under_a_steady_producer(tmp_path, etcd):
+    """Removing a node moves its partitions (leaders and copies) to the others before it leaves
+    the map; adding it back gives it its share again. Every message acknowledged meanwhile is
+    read back."""
+    nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], config=GUEST)
+    try:
+        with TankConnection(nodes["n1"].tank) as t:
+            t.create_topic("moving", PARTITIONS)
+        doc = wait_map(etcd, lambda m: "moving" in m.get("topics", {}))
+        leaders_known(nodes, "moving", doc["topics"]["moving"]["chains"])
+        producer = SteadyProducer({n: node.tank for n, node in nodes.items()}, "moving", PARTITIONS)
+        producer.start()
+        try:
+            producer.wait_acked(30)
+            cli(etcd, "remove", "n3")
+            out = cli(etcd, "rebalance")
+            assert "done" in out, out
+            placed = cluster_map(etcd)["topics"]["moving"]
+            assert all("n3" not in c for c in placed["chains"]), placed
+            assert sorted(c[0] for c in placed["chains"]) == ["n1"] * 3 + ["n2"] * 3, placed
+            producer.wait_acked(30)
+            cli(etcd, "add", "n3")
+            out = cli(etcd, "rebalance")
+            assert "done" in out, out
+            placed = cluster_map(etcd)["topics"]["moving"]
+            assert sorted(c[0] for c in placed["chains"]) == ["n1", "n1", "n2", "n2", "n3", "n3"], placed
+            assert all(sorted(s) == sorted(c) for c, s in zip(placed["chains"], placed["isr"], strict=True))
+            producer.wait_acked(30)
+        finally:
+            producer.finish()
+        assert producer.errors == [], producer.errors[:5]
+        r = run_cli("tail", "--topic", "moving", "--address", nodes["n1"].tank, "--from", "beginning",
+                    "--until-now", "--format", "json", timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        read = {(row["partition"], row["content"]) for row in map(json.loads, r.stdout.splitlines())}
+        lost = sorted(set(producer.acked) - read)
+        assert lost == [], f"{len(lost)} of {len(producer.acked)} acknowledged messages lost: {lost[:5]}"
+    finally:
+        stop_all(nodes)
+
+
 class SteadyProducer(threading.Thread):
     """Produces to every partition in turn, one message at a time, with acks from every copy in
     sync (required_acks 0), through whichever node answers: it follows the leaders' redirects

@@ -221,6 +221,52 @@ class Orchestrator:
             log.warning("cluster: %s's copy of topic %s partition %d is in sync", n, name, p)
         return True
 
+    def move_topics(self, doc: dict[str, Any], revision: int) -> bool | None:
+        """One step of moving the topics' partitions to a balanced placement over the wanted
+        nodes: True when it changed the map, False while copies catch up, None when every
+        partition is where it should be. A partition's new copies are added first and copy it
+        from its leader; once every node of its new chain is in sync, the chain becomes the new
+        one (a new leader holds every message acknowledged with acks from every copy). A
+        partition without a leader stays as it is, waiting for its copy in sync."""
+        topics = doc.get("topics", {})
+        wanted = [n for n in doc["wanted"] if n not in doc["failed"] and doc["nodes"].get(n, {}).get("tank")]
+        if not topics or not wanted:
+            return None
+        groups = {n: doc["nodes"][n].get("group", "") for n in wanted}
+        changed = waiting = False
+        out = {}
+        for name, t in topics.items():
+            chains = [list(c) for c in t["chains"]]
+            in_sync = topicmap.in_sync_copies(t)
+            width = 1 + doc["replicas"]
+            current = [c[:width] if c[0] is not None else c for c in chains]
+            target = vbmap.balance(
+                wanted,
+                len(chains),
+                doc["replicas"],
+                current=current,
+                groups=groups if any(groups.values()) else None,
+            )
+            for p, (chain, goal) in enumerate(zip(chains, target, strict=True)):
+                if chain[0] is None or chain == goal:
+                    continue
+                arriving = [n for n in goal if n is not None and n not in chain]
+                if arriving:
+                    chains[p] = [*chain, *arriving]
+                    changed = True
+                elif any(n is not None and n not in in_sync[p] for n in goal):
+                    waiting = True
+                else:
+                    chains[p] = goal
+                    in_sync[p] = [n for n in in_sync[p] if n in goal]
+                    changed = True
+            out[name] = {**t, "chains": chains, "isr": in_sync}
+        if changed:
+            if self.publish({**doc, "topics": out}, revision):
+                log.warning("cluster: rebalance: topic partitions moving")
+            return True
+        return False if waiting else None
+
     # -- failover
 
     def fail_over_the_gone(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
@@ -421,6 +467,12 @@ class Orchestrator:
                 return False
             log.warning("cluster: rebalance ends with replicas not yet streaming from their actives")
         if not todo:
+            # Then the topics' partitions, a step at a time.
+            moved = self.move_topics(doc, revision)
+            if moved is not None:
+                if not moved and reb.get("phase") != "moving partitions":
+                    self.set_rebalance(kv, phase="moving partitions")
+                return moved
             wanted = set(doc["wanted"])
             gone = [n for n in doc["nodes"] if n not in wanted]
             done = {**doc, "nodes": {n: i for n, i in doc["nodes"].items() if n in wanted}}
