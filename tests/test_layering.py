@@ -53,6 +53,7 @@ def test_no_file_imports_another_in_a_circle() -> None:
 SERVER_LAYERS = [
     # leaves: no other module of the crate
     {"armed", "metrics", "ratelimit", "space", "tls", "stream", "topic_placement"},
+    {"router"},  # a cluster's router for clients that read no map (iproto, memcached text)
     {"clustermap"},  # the map clients are served, with the topics' partition leaders
     {"scram"},  # SCRAM's messages and keys (base64 on the wire)
     {"auth"},  # users, their credentials (PBKDF2 hashes, SCRAM keys) and permissions

@@ -89,6 +89,7 @@ class Member:
         info = {
             "kv": self.s.kv,
             "tank": self.s.tank,
+            "iproto": self.s.iproto,
             "group": self.s.group,
             "admin": self.s.admin,
             "pid": os.getpid(),
@@ -244,6 +245,12 @@ class Member:
         this = index.get(self.s.node)
         servers = [doc["nodes"][n]["kv"] for n in names]
         done = self.server.converge(kv.mod_revision, servers, this, chains)
+        # Where iproto and memcached text requests for keys active elsewhere go.
+        self.server.route(
+            this,
+            [(doc["nodes"][n]["kv"], doc["nodes"][n].get("iproto", "")) for n in names],
+            [c[0] if c else -1 for c in chains],
+        )
         self.place_topics(doc)
         self.map_revision = kv.mod_revision
         changed = {k: len(v) for k, v in done.items() if k != "streams" and v}
@@ -396,6 +403,22 @@ def tank_address(bound: str, kv: str) -> str:
     return f"{ip}:{port}"
 
 
+def reachable_address(bound: str, kv: str) -> str:
+    """Where other nodes reach one of this node's listeners: as bound, on the host the KV
+    address names when it listens on every address; "" when there is none, or when it listens
+    on loopback only while the node is reached beyond it."""
+    if not bound:
+        return ""
+    host, _, port = bound.rpartition(":")
+    kv_host = kv.rpartition(":")[0]
+    if host in ("0.0.0.0", "[::]", "::"):
+        return f"{kv_host}:{port}"
+    loopback = ("127.", "[::1]", "::1", "localhost")
+    if host.startswith(loopback) and not kv_host.startswith(loopback):
+        return ""
+    return bound
+
+
 def join(
     values: dict[str, Any],
     etcd_password: str | None,
@@ -426,6 +449,7 @@ def join(
             node=values["cluster.node_name"] or kv,
             kv=kv,
             tank=tank_address(server.fronts.get("tank", ""), kv),
+            iproto=reachable_address(server.fronts.get("iproto", ""), kv),
             group=values["cluster.group"],
             replicas=values["cluster.replicas"],
             auto_failover_timeout=values["cluster.auto_failover_timeout"],

@@ -27,10 +27,11 @@ REGISTER_WAIT = 30.0
 
 
 def node_entry(registration: dict[str, Any]) -> dict[str, Any]:
-    """What the map keeps of a node's registration: its KV and TANK addresses and group."""
+    """What the map keeps of a node's registration: its KV, TANK and iproto addresses and group."""
     return {
         "kv": registration["kv"],
         "tank": registration.get("tank", ""),
+        "iproto": registration.get("iproto", ""),
         "group": registration.get("group", ""),
     }
 

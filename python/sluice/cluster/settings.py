@@ -21,6 +21,8 @@ class ClusterSettings:
     kv: str
     # Its TANK listener as other nodes reach it ("" when it has none).
     tank: str = ""
+    # Its iproto listener as other nodes reach it ("" when it has none).
+    iproto: str = ""
     group: str = ""
     replicas: int = 1
     auto_failover_timeout: float = 10.0

@@ -427,6 +427,49 @@ impl Server {
         Ok(())
     }
 
+    /// Puts the cluster map's routes in force for the clients that read no map (iproto and
+    /// memcached text): `nodes` the map's nodes in order as (KV address, iproto address or
+    /// ""), `actives` per vbucket the index of the node it is active on (-1: none), `this`
+    /// this node's index. The router logs in to the others with the replication login.
+    fn route(
+        &self,
+        this: Option<usize>,
+        nodes: Vec<(String, String)>,
+        actives: Vec<i32>,
+    ) -> PyResult<()> {
+        use sluice_server::router::{Login, RouteNode, Routes};
+        let address = |a: &str| -> PyResult<Option<std::net::SocketAddr>> {
+            if a.is_empty() {
+                return Ok(None);
+            }
+            match std::net::ToSocketAddrs::to_socket_addrs(a) {
+                Ok(mut found) => Ok(found.next()),
+                Err(e) => Err(SluiceError::new_err(format!(
+                    "cluster map: the address {a:?} does not resolve: {e}"
+                ))),
+            }
+        };
+        let mut routed = Vec::with_capacity(nodes.len());
+        for (kv, iproto) in &nodes {
+            routed.push(RouteNode {
+                kv: address(kv)?,
+                iproto: address(iproto)?,
+            });
+        }
+        let member = self.member()?;
+        let router = &member.clustermap.router;
+        router.set_login(Login {
+            username: member.replication.username.clone(),
+            password: member.replication.password.clone(),
+        });
+        router.set_routes(Some(Routes {
+            this,
+            nodes: routed,
+            actives,
+        }));
+        Ok(())
+    }
+
     /// The topic partitions this node copies from their leaders: (topic, leader's KV address,
     /// partitions).
     fn topic_copies(&self) -> PyResult<Vec<(String, String, Vec<u16>)>> {

@@ -837,6 +837,7 @@ pub fn metrics(node: &NodeView) -> String {
     crate::replica::metrics(&node.followers.running(), &mut o);
     crate::replica::follower_metrics(node.engine(), &mut o);
     crate::cluster::metrics(&node.clustermap, &mut o);
+    node.clustermap.router.metrics(&mut o);
     if let Some(t) = &node.tarantool {
         t.metrics(&mut o);
     }

@@ -153,6 +153,8 @@ pub struct ClusterMap {
     changed: watch::Sender<i64>,
     /// Who leads each topic partition, when the node is in a cluster.
     pub topics: crate::topic_placement::Placements,
+    /// Where requests of clients that read no map go, when the node is in a cluster.
+    pub router: crate::router::Router,
     /// What the admin endpoint asked of the cluster ("rebalance"), for the cluster side to
     /// write to etcd (`take_requests`).
     requests: Mutex<Vec<String>>,
@@ -189,6 +191,7 @@ impl ClusterMap {
             report: Mutex::new(None),
             changed: watch::channel(0).0,
             topics: Default::default(),
+            router: Default::default(),
             requests: Mutex::new(Vec::new()),
         }
     }

@@ -33,6 +33,7 @@ pub mod policy;
 pub mod ratelimit;
 pub mod replica;
 pub mod request;
+pub mod router;
 pub mod scram;
 pub mod server;
 pub mod settings;

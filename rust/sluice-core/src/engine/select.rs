@@ -55,6 +55,9 @@ struct Plan<'k> {
     start: Seek<'k>,
     descending: bool,
     prefix: Option<&'k [u8]>,
+    /// Read the active vbuckets only (a cluster's node answering its part of a SELECT that
+    /// another node fans out), not the replicas too.
+    active_only: bool,
 }
 
 impl<'k> Plan<'k> {
@@ -67,6 +70,7 @@ impl<'k> Plan<'k> {
                 start: Seek::Ends,
                 descending,
                 prefix: None,
+                active_only: false,
             };
         }
         let start = match iterator {
@@ -78,6 +82,7 @@ impl<'k> Plan<'k> {
             start,
             descending,
             prefix: matches!(iterator, Eq | Req).then_some(key),
+            active_only: false,
         }
     }
 }
@@ -143,6 +148,20 @@ impl Engine {
         offset: u32,
         limit: u32,
     ) -> Result<Vec<Item>> {
+        self.select_from(bucket, iterator, key, offset, limit, false)
+    }
+
+    /// `select`, reading the vbuckets active here only when `active_only` (the node's part of
+    /// a SELECT over a cluster, whose vbuckets' replicas live on the other nodes).
+    pub fn select_from(
+        &self,
+        bucket: &Bucket,
+        iterator: SelectIterator,
+        key: &[u8],
+        offset: u32,
+        limit: u32,
+        active_only: bool,
+    ) -> Result<Vec<Item>> {
         self.check_open()?;
         if !bucket.config.ordered_keys {
             return Err(Error::InvalidArgument(format!(
@@ -150,12 +169,13 @@ impl Engine {
                 bucket.name()
             )));
         }
-        let plan = Plan::new(iterator, key);
+        let mut plan = Plan::new(iterator, key);
+        plan.active_only = active_only;
         let wanted = offset as usize + limit as usize;
         if limit == 0 {
             return Ok(Vec::new());
         }
-        if let Some(prefix) = plan.prefix {
+        if let Some(prefix) = plan.prefix.filter(|_| !active_only) {
             if let Some(found) = self.select_one(bucket, prefix, |i| i.to_item()) {
                 return Ok(found.into_iter().skip(offset as usize).collect());
             }
@@ -238,6 +258,17 @@ impl Engine {
     /// How many live items `select` with this iterator and key would return with no limit,
     /// counted in each vbucket's index without copying an item (Tarantool's `index:count`).
     pub fn count(&self, bucket: &Bucket, iterator: SelectIterator, key: &[u8]) -> Result<u64> {
+        self.count_from(bucket, iterator, key, false)
+    }
+
+    /// `count`, of the vbuckets active here only when `active_only` (see `select_from`).
+    pub fn count_from(
+        &self,
+        bucket: &Bucket,
+        iterator: SelectIterator,
+        key: &[u8],
+        active_only: bool,
+    ) -> Result<u64> {
         self.check_open()?;
         if !bucket.config.ordered_keys {
             return Err(Error::InvalidArgument(format!(
@@ -245,7 +276,8 @@ impl Engine {
                 bucket.name()
             )));
         }
-        let plan = Plan::new(iterator, key);
+        let mut plan = Plan::new(iterator, key);
+        plan.active_only = active_only;
         let now = now_secs();
         let mut total = 0u64;
         for vbid in 0..bucket.num_vbuckets() {
@@ -337,7 +369,12 @@ fn scan_batch(
     mut visit: impl FnMut(crate::item_store::ItemRef<'_>) -> bool,
 ) -> (bool, Option<Vec<u8>>) {
     let vb = bucket.lock_vbucket(vbid).expect("in range");
-    if !matches!(vb.state, VbState::Active | VbState::Replica) {
+    let readable = match vb.state {
+        VbState::Active => true,
+        VbState::Replica => !plan.active_only,
+        _ => false,
+    };
+    if !readable {
         return (true, resume);
     }
     let from = resume.as_deref().map_or(plan.start, Seek::Key);

@@ -51,6 +51,57 @@ fn key_raw(out: &mut Vec<u8>, key: u8, value: &[u8]) {
     out.extend_from_slice(value);
 }
 
+/// A request relayed to another node: `code` with the original `body` (a MessagePack map, as
+/// the client sent it), under this connection's `sync`, naming the user it runs as
+/// (`KEY_SLUICE_FORWARDED_FOR`) and whether only the node's active vbuckets are read
+/// (`KEY_SLUICE_ACTIVE_ONLY`).
+pub fn write_relayed(
+    out: &mut Vec<u8>,
+    code: u32,
+    sync: u64,
+    forwarded_for: Option<&str>,
+    active_only: bool,
+    body: &[u8],
+) {
+    let start = out.len();
+    out.extend_from_slice(&[0xce, 0, 0, 0, 0]);
+    write_map_len(
+        out,
+        2 + u32::from(forwarded_for.is_some()) + u32::from(active_only),
+    );
+    out.push(KEY_REQUEST_TYPE);
+    write_uint(out, code as u64);
+    out.push(KEY_SYNC);
+    write_uint(out, sync);
+    if let Some(user) = forwarded_for {
+        out.push(KEY_SLUICE_FORWARDED_FOR);
+        write_str(out, user);
+    }
+    if active_only {
+        out.push(KEY_SLUICE_ACTIVE_ONLY);
+        write_uint(out, 1);
+    }
+    out.extend_from_slice(body);
+    finish(out, start);
+}
+
+/// A reply's response code (0 OK, else 0x8000 | error), sync and body (the bytes after the
+/// header), from a packet with its length prefix.
+pub fn split_reply(packet: &[u8]) -> Result<(u32, u64, &[u8]), DecodeError> {
+    let mut r = Reader::new(packet);
+    r.read_uint()?;
+    let n = r.read_map_len()?;
+    let (mut code, mut sync) = (0u32, 0u64);
+    for _ in 0..n {
+        match r.read_uint()? {
+            k if k == KEY_REQUEST_TYPE as u64 => code = r.read_uint()? as u32,
+            k if k == KEY_SYNC as u64 => sync = r.read_uint()?,
+            _ => r.skip_value(MAX_DEPTH)?,
+        }
+    }
+    Ok((code, sync, r.rest()))
+}
+
 /// PING, with no body (as both connectors send it).
 pub fn write_ping(out: &mut Vec<u8>, sync: u64) {
     let start = begin_without_body(out, PING, sync);
@@ -665,5 +716,34 @@ mod tests {
         let want: Vec<u8> = s1.iter().zip(mask).map(|(a, b)| a ^ b).collect();
         assert_eq!(&got[..], &want[..]);
         assert_eq!(got, chap_sha1_scramble(&salt[..20], b"secret", h));
+    }
+}
+
+#[cfg(test)]
+mod relay_tests {
+    use super::*;
+
+    #[test]
+    fn a_relayed_select_decodes_as_sent() {
+        let mut sel = Vec::new();
+        write_select(
+            &mut sel,
+            0,
+            &Select {
+                space_id: 512,
+                index_id: 0,
+                iterator: 2,
+                offset: 0,
+                limit: u32::MAX,
+                key: &[0x90],
+            },
+        );
+        let body = crate::iproto::request::body_of(&sel).to_vec();
+        let mut out = Vec::new();
+        write_relayed(&mut out, SELECT, 7, Some("app"), true, &body);
+        let (h, r) = crate::iproto::request::decode(&out).unwrap();
+        assert!(h.active_only);
+        assert_eq!(h.forwarded_for(&out), Some(&b"app"[..]));
+        assert!(matches!(r, crate::iproto::request::Request::Select { limit: u32::MAX, .. }), "{r:?}");
     }
 }

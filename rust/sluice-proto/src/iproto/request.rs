@@ -17,6 +17,18 @@ pub struct Header {
     pub sync: u64,
     pub schema_version: Option<u64>,
     pub stream_id: Option<u64>,
+    /// sluice's KEY_SLUICE_FORWARDED_FOR: where the user name lies in the packet (start, end).
+    pub forwarded_for: Option<(u32, u32)>,
+    /// sluice's KEY_SLUICE_ACTIVE_ONLY.
+    pub active_only: bool,
+}
+
+impl Header {
+    /// The user a forwarded request runs as, from the packet it was decoded from.
+    pub fn forwarded_for<'p>(&self, packet: &'p [u8]) -> Option<&'p [u8]> {
+        let (start, end) = self.forwarded_for?;
+        packet.get(start as usize..end as usize)
+    }
 }
 
 /// AUTH's scramble, as far as a decoder can judge it without knowing the user. Tarantool looks
@@ -166,6 +178,8 @@ fn header_key_type(key: u64) -> Option<MpType> {
         0x22..=0x25 | 0x27 => MpType::Str,
         0x26 | 0x29..=0x2b => MpType::Map,
         0x2c..=0x52 => MpType::Nil,
+        0x70 => MpType::Str,
+        0x71 => MpType::UInt,
         _ => return None,
     })
 }
@@ -178,6 +192,15 @@ fn dml_key_type(first: u8) -> Option<MpType> {
         0x20 | 0x21 | 0x28 => Some(MpType::Array),
         0x2a => Some(MpType::Map),
         _ => None,
+    }
+}
+
+/// The body of a packet [`decode`] accepted: the bytes after its header (empty for none).
+pub fn body_of(packet: &[u8]) -> &[u8] {
+    let mut r = Reader::new(packet);
+    match r.read_uint().and_then(|_| r.skip_value(MAX_DEPTH)) {
+        Ok(()) => r.rest(),
+        Err(_) => &[],
     }
 }
 
@@ -252,6 +275,7 @@ fn decode_header(r: &mut Reader<'_>) -> Result<Header, RequestError> {
     let bad = |seen_sync: bool, sync: u64| {
         RequestError::invalid(seen_sync.then_some(sync), "packet header")
     };
+    let header_at = r.position();
     let raw = r.read_raw_value(MAX_DEPTH).map_err(|_| bad(false, 0))?;
     let mut h = Reader::new(raw);
     if mp_type(raw[0]) != MpType::Map {
@@ -276,6 +300,14 @@ fn decode_header(r: &mut Reader<'_>) -> Result<Header, RequestError> {
             }
             0x0a => {
                 header.stream_id = Some(h.read_uint().map_err(|_| bad(seen_sync, header.sync))?)
+            }
+            0x70 => {
+                let name = h.read_str().map_err(|_| bad(seen_sync, header.sync))?;
+                let end = (header_at + h.position()) as u32;
+                header.forwarded_for = Some((end - name.len() as u32, end));
+            }
+            0x71 => {
+                header.active_only = h.read_uint().map_err(|_| bad(seen_sync, header.sync))? != 0
             }
             _ => h
                 .skip_value(MAX_DEPTH)
@@ -561,7 +593,7 @@ mod tests {
                 code: 64,
                 sync: 0,
                 schema_version: Some(0),
-                stream_id: None
+                ..Header::default()
             }
         );
         assert_eq!(r, Request::Ping);

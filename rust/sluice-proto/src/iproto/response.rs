@@ -28,6 +28,14 @@ fn finish(out: &mut [u8], start: usize) {
     out[start + 1..start + 5].copy_from_slice(&len.to_be_bytes());
 }
 
+/// A reply whose body another node wrote (a request forwarded to the owner of its key),
+/// answered under this connection's sync and schema version.
+pub fn write_relayed(out: &mut Vec<u8>, sync: u64, schema_version: u32, code: u32, body: &[u8]) {
+    let start = begin(out, code, sync, schema_version);
+    out.extend_from_slice(body);
+    finish(out, start);
+}
+
 /// OK with an empty body (PING, AUTH).
 pub fn write_ok(out: &mut Vec<u8>, sync: u64, schema_version: u32) {
     let start = begin(out, codes::OK, sync, schema_version);

@@ -13,6 +13,7 @@
 //! naming the expression.
 
 use sluice_core::SelectIterator;
+use sluice_proto::iproto::request::Request;
 use sluice_proto::iproto::{codes, response};
 use sluice_proto::msgpack::{write_bool, write_map_len, write_str, write_uint, Reader, Value};
 
@@ -53,6 +54,27 @@ fn builtin(name: &str) -> Option<Builtin<'_>> {
         }),
         _ => None,
     }
+}
+
+/// Whether a CALL or EVAL asks for a tuple count, which a cluster sums over its nodes.
+pub(super) fn is_count(req: &Request<'_>) -> bool {
+    let name = match *req {
+        Request::Call { name, .. } => String::from_utf8_lossy(name).into_owned(),
+        Request::Eval { expr, .. } => {
+            let text = String::from_utf8_lossy(expr);
+            let body = text.trim().trim_end_matches(';').trim();
+            match body
+                .strip_prefix("return ")
+                .map(str::trim)
+                .and_then(|c| c.strip_suffix("()"))
+            {
+                Some(call) => call.to_string(),
+                None => return false,
+            }
+        }
+        _ => return false,
+    };
+    matches!(builtin(&name), Some(Builtin::Count { .. }))
 }
 
 impl Session {
@@ -234,10 +256,12 @@ impl Session {
             }
         }
         let (key, _) = canonical_key(&key)?;
+        // In a cluster, this node's part: the nodes' parts are summed (see `route`).
+        let active_only = self.active_only || self.ctx.clustermap.router.routes().is_some();
         self.ctx
             .port
             .engine
-            .count(&s.bucket, iterator, &key)
+            .count_from(&s.bucket, iterator, &key, active_only)
             .map_err(|e| super::failure::engine_failure(e, &s.name))
     }
 }

@@ -15,6 +15,7 @@ mod auth;
 mod call;
 mod failure;
 pub mod follow;
+mod route;
 pub mod schema;
 mod select;
 mod session;
@@ -74,6 +75,8 @@ pub struct IprotoContext {
     /// Spaces followed from a Tarantool (`[tarantool_upstream]`): read-only here, as on a
     /// Tarantool replica.
     pub followed: std::collections::HashSet<u32>,
+    /// The cluster map, whose router sends requests on to the node their key is active on.
+    pub clustermap: Arc<crate::clustermap::ClusterMap>,
 }
 
 /// The engine's instance id (32 hex digits) written as a random (version 4, RFC 4122
@@ -248,6 +251,7 @@ fn build(shared: &Shared<'_>, port: Arc<crate::driver::Port>) -> std::io::Result
         listen: shared.listen.or(shared.tls_listen),
         started: Instant::now(),
         followed,
+        clustermap: shared.clustermap.clone(),
     }))
 }
 

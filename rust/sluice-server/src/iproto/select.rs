@@ -109,13 +109,21 @@ impl Session {
         // The reply is written as the items are read; a failed read takes it back.
         let start = out.len();
         let mut data = response::DataWriter::begin(out, sync, version);
-        let read =
-            self.ctx
-                .port
-                .engine
-                .select_values(&space.bucket, it, &key, offset, limit, |value| {
-                    data.push_raw(out, value)
-                });
+        let engine = &self.ctx.port.engine;
+        let read = if self.active_only {
+            // Another node's fanned-out SELECT: its part is what is active here.
+            engine
+                .select_from(&space.bucket, it, &key, offset, limit, true)
+                .map(|items| {
+                    for i in &items {
+                        data.push_raw(out, i.value());
+                    }
+                })
+        } else {
+            engine.select_values(&space.bucket, it, &key, offset, limit, |value| {
+                data.push_raw(out, value)
+            })
+        };
         if let Err(e) = read {
             out.truncate(start);
             return Err(super::failure::engine_failure(e, &space.name));

@@ -51,6 +51,9 @@ pub(super) struct Session {
     pub login_deadline: Option<std::time::Instant>,
     /// Logins are refused on it (`require_tls`, plain text from beyond loopback).
     pub login_needs_tls: bool,
+    /// The request being answered is another node's part of a SELECT it fans out: only the
+    /// vbuckets active here are read.
+    pub active_only: bool,
 }
 
 impl Session {
@@ -145,6 +148,78 @@ impl Session {
                 return;
             }
         }
+        if self.route(packet, &header, &req, out, acks).await {
+            return;
+        }
+        // Another node's request, run as the user it names: only from the nodes' replication
+        // login, and for this request only.
+        let forwarded = header.forwarded_for(packet);
+        let own_user = match forwarded {
+            Some(name) => match self.run_as(name, &req) {
+                Ok(own) => Some(own),
+                Err(f) => {
+                    self.fail(out, sync, f);
+                    return;
+                }
+            },
+            None => None,
+        };
+        self.active_only = header.active_only;
+        self.dispatch(req, sync, header.code, peer, out, acks).await;
+        self.active_only = false;
+        if let Some(own) = own_user {
+            self.user = own;
+            self.refresh_permissions();
+        }
+    }
+
+    /// Runs the rest of this request as `name` (a forwarded request's user): allowed to a
+    /// login with the `replication` permission on the request's space (on some space, for a
+    /// request that names none, such as a count's CALL). Returns the session's own user, to
+    /// restore.
+    fn run_as(&mut self, name: &[u8], req: &Request<'_>) -> Result<Option<String>, Failure> {
+        let bucket = match *req {
+            Request::Select { space_id, .. }
+            | Request::Insert { space_id, .. }
+            | Request::Replace { space_id, .. }
+            | Request::Update { space_id, .. }
+            | Request::Upsert { space_id, .. }
+            | Request::Delete { space_id, .. } => self
+                .spaces
+                .get(&space_id)
+                .map(|s| s.bucket.name().to_string()),
+            _ => None,
+        };
+        let may = |b: &str| crate::auth::may_replicate(self.permissions(b));
+        let allowed = match bucket {
+            Some(b) => may(&b),
+            None => self.spaces.values().any(|s| may(s.bucket.name())),
+        };
+        if !allowed {
+            return Err(Failure::access_denied(
+                "Forward",
+                "space",
+                "",
+                self.user_name(),
+            ));
+        }
+        let name = String::from_utf8_lossy(name).into_owned();
+        let runs_as = (name != GUEST).then_some(name);
+        let own = std::mem::replace(&mut self.user, runs_as);
+        self.refresh_permissions();
+        Ok(own)
+    }
+
+    async fn dispatch(
+        &mut self,
+        req: Request<'_>,
+        sync: u64,
+        code: u32,
+        peer: crate::driver::PeerWatch<'_>,
+        out: &mut Vec<u8>,
+        acks: &mut Vec<u8>,
+    ) {
+        let version = self.schema_version();
         // A write's answer goes into `acks`, even one that changed nothing (DELETE of a
         // missing key): Tarantool answers it after the writes before it, as it commits like
         // any other. Failures are answered at once.
@@ -218,7 +293,7 @@ impl Session {
                 codes::ER_UNSUPPORTED,
                 format!(
                     "sluice does not support SQL ({})",
-                    if header.code == codes::EXECUTE {
+                    if code == codes::EXECUTE {
                         "EXECUTE"
                     } else {
                         "PREPARE"
@@ -335,6 +410,7 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
         granted: Default::default(),
         login_deadline: conn.login_deadline(),
         login_needs_tls: conn.login_needs_tls(),
+        active_only: false,
     };
     session.refresh_permissions();
     crate::driver::run(&mut conn, &mut session).await;

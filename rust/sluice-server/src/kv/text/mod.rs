@@ -23,6 +23,7 @@ use parse::{Line, StoreVerb, BAD_FORMAT};
 
 mod meta;
 pub mod parse;
+mod route;
 
 /// A multi-get's line may be this long even when max_body is smaller (4,000 keys of 250 bytes).
 const MULTIGET_LINE: usize = 1 << 20;
@@ -158,6 +159,13 @@ impl TextSession {
             line(out, "ERROR");
             return (len, Flow::Continue);
         };
+        // In a cluster, a key active on another node is that node's to answer.
+        if let Some(routes) = self.ctx.clustermap.router.routes() {
+            let args: Vec<&[u8]> = parse::words(cmd).skip(1).collect();
+            if let Some(done) = self.route(&routes, verb, &args, buf, len, out).await {
+                return done;
+            }
+        }
         match verb {
             b"get" => self.get(words, false, None, out).await,
             b"gets" => self.get(words, true, None, out).await,
