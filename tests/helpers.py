@@ -210,10 +210,54 @@ NO_DEFAULT_PORTS = (
 )
 
 
-class Node:
-    """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded."""
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+
+def is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def beside(listen_port: int) -> dict[str, int]:
+    """The ports a node on `listen_port` gives the fronts no flag sets, by front name (README,
+    `sluice serve --help`): each one's default port plus (listen_port - 11210)."""
+    kv = next(f for f in sluice._native.FRONTS if f["kv_port"])
+    shift = listen_port - int(kv["default_listen"].rpartition(":")[2])
+    return {
+        f["name"]: int(f["default_listen"].rpartition(":")[2]) + shift
+        for f in sluice._native.FRONTS
+        if not f["kv_port"]
+    }
+
+
+def listen_port_with_free_fronts() -> int:
+    """A port for `--listen` that is free, and so are the ports its fronts are placed on beside
+    it. Drawn below the ephemeral range (32768 and up), where the free ports other tests bind to
+    come from; still checked just before the node starts, as another test may take one."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(12000, 28000)
+        if is_free(port) and all(is_free(p) for p in beside(port).values()):
+            return port
+    raise AssertionError("no listen port with free fronts beside it")
+
+
+class Node:
+    """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded.
+    Every listener the `args` do not set gets a free port; with `free_fronts` False, iproto,
+    TANK and Greenstack are left to the node, which places them beside `--listen`."""
+
+    def __init__(
+        self, data_dir: Path, *args: str, env: dict[str, str] | None = None, free_fronts: bool = True
+    ) -> None:
         import queue
         import threading
 
@@ -222,12 +266,9 @@ class Node:
             cmd += ["--listen", "127.0.0.1:0"]
         if "--admin-listen" not in args:
             cmd += ["--admin-listen", "127.0.0.1:0"]
-        if "--iproto-listen" not in args:
-            cmd += ["--iproto-listen", "127.0.0.1:0"]
-        if "--tank-listen" not in args:
-            cmd += ["--tank-listen", "127.0.0.1:0"]
-        if "--greenstack-listen" not in args:
-            cmd += ["--greenstack-listen", "127.0.0.1:0"]
+        for flag in ("--iproto-listen", "--tank-listen", "--greenstack-listen"):
+            if free_fronts and flag not in args:
+                cmd += [flag, "127.0.0.1:0"]
         self.data_dir = data_dir
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env

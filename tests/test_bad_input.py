@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import sluice
-from helpers import open_engine, run_cli
+from helpers import NO_DEFAULT_PORTS, open_engine, run_cli
 from sluice import Config
 
 
@@ -214,7 +214,7 @@ def test_config_check_and_serve_reject_bad_files(tmp_path, text, path):
     assert r.returncode == 2, r.stderr
     assert f"{path}:" in r.stderr and str(cfg) in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
-    r = run_cli("serve", "--config", str(cfg))
+    r = run_cli("serve", "--config", str(cfg), *NO_DEFAULT_PORTS)
     assert r.returncode == 2, r.stderr
     assert f"{path}:" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "d").exists(), "nothing is created for a rejected configuration"
@@ -244,7 +244,7 @@ def test_invalid_toml_and_unreadable_files(tmp_path):
     ]:
         for args in (
             ["config", "check", str(f)],
-            ["serve", "--config", str(f), "--data-dir", str(tmp_path / "d")],
+            ["serve", "--config", str(f), "--data-dir", str(tmp_path / "d"), *NO_DEFAULT_PORTS],
         ):
             r = run_cli(*args)
             assert r.returncode == 2, (args, r.stderr)

@@ -33,8 +33,11 @@ class Serve:
     """A `sluice serve` child whose stderr is read on a thread, so waits can be bounded."""
 
     def __init__(self, *args: str) -> None:
+        # Free ports for every listener a test does not choose.
         if "--listen" not in args:
-            args = (*args, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")  # free ports
+            args = (*args, "--listen", "127.0.0.1:0")
+        if "--admin-listen" not in args:
+            args = (*args, "--admin-listen", "127.0.0.1:0")
         if "--iproto-listen" not in args:
             args = (*args, "--iproto-listen", "127.0.0.1:0")
         if "--tank-listen" not in args:

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.server
 import json
 import os
 import pty
 import re
 import select
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import bmemcached
 import pytest
 import sluice
-from helpers import Node, run_cli, start_node, wait_converged
+from helpers import NO_DEFAULT_PORTS, Node, run_cli, start_node, wait_converged
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -249,7 +252,7 @@ def test_an_unreadable_etcd_password_file_is_named_not_a_traceback(tmp_path):
     missing = tmp_path / "etcd.pw"
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[cluster]\netcd = "etcd://127.0.0.1:1/c1"\netcd_password_file = "{missing}"\n')
-    r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0")
+    r = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), *NO_DEFAULT_PORTS)
     assert r.returncode == 2, r.stderr
     assert f"cluster.etcd_password_file: cannot read {missing}" in r.stderr and "Traceback" not in r.stderr
     url = "etcd://127.0.0.1:1/c1"
@@ -305,3 +308,123 @@ def test_tail_on_a_node_with_users_says_to_log_in(tmp_path):
         assert "pass --user NAME" in r.stderr and "stream permission" in r.stderr, r.stderr
     finally:
         node.stop()
+
+
+# --- Every client command pointed at the wrong port or the wrong kind of server -------------
+
+# What each kind of wrong target is called when a command reaches it.
+REACHED = {
+    "kv": "is a KV port (it answers the memcached protocol)",
+    "admin": "is a node's admin endpoint (HTTP)",
+    "iproto": "is an iproto port (it greets as Tarantool)",
+    "tank": "is a TANK listener",
+    "greenstack": "is a Greenstack listener",
+    "closed": "nothing listens at",
+    "silent": "accepted the connection and answered nothing within",
+    "http": "is an HTTP server (HTTP/1.0 404",
+}
+ADMIN = "a node's admin endpoint (admin_listen, default 127.0.0.1:11280)"
+KV = "a memcached port (a node's listen, default 127.0.0.1:11210)"
+TANK = "a TANK listener (a node's tank_listen, default 127.0.0.1:11011)"
+IPROTO = "an iproto port (a Tarantool's, or a node's iproto_listen, default 127.0.0.1:3301)"
+GREENSTACK = "a Greenstack listener (a node's greenstack_listen, default 127.0.0.1:11220)"
+TARANTOOL = "a Tarantool's iproto port"
+ETCD = "an etcd client endpoint"
+ONE_REQUEST = ("--count", "10", "--connections", "1", "--threads", "1", "--keys", "10")
+
+# (the command given the target's address as {}, what it expects, the wrong targets tried).
+WRONG_TARGETS = [
+    (("status", "--admin", "{}", "--timeout", "3"), ADMIN, REACHED.keys() - {"admin"}),
+    (("promote", "--admin", "{}", "--timeout", "3"), ADMIN, ["kv", "greenstack", "http"]),
+    (("move-vbucket", "--vb", "0", "--from", "{}", "--to", "{admin}"), ADMIN, ["tank", "closed"]),
+    (("move-vbucket", "--vb", "0", "--from", "{admin}", "--to", "{}"), ADMIN, ["iproto", "http"]),
+    (("tail", "--address", "{}", "--until-now"), KV, ["admin", "iproto", "tank", "greenstack", "closed"]),
+    (("tail", "--topic", "t", "--address", "{}", "--until-now"), TANK, ["kv", "admin", "silent"]),
+    (("topic", "list", "--address", "{}"), TANK, ["kv", "greenstack", "closed", "http"]),
+    (("topic", "create", "t", "--address", "{}"), TANK, ["iproto", "admin"]),
+    (("bench", "--server", "{}", *ONE_REQUEST), KV, ["admin", "iproto", "tank", "silent", "closed"]),
+    (("bench", "--protocol", "iproto", "--server", "{}", *ONE_REQUEST), IPROTO, ["kv", "greenstack"]),
+    (("bench", "--protocol", "greenstack", "--server", "{}", *ONE_REQUEST), GREENSTACK, ["kv", "tank"]),
+    (("cluster", "status", "--cluster", "etcd://{}/c1"), ETCD, ["kv", "admin", "closed"]),
+    (
+        ("tarantool-tail", "{}", "--timeout", "3", "--idle", "3", "--max", "1"),
+        TARANTOOL,
+        ["kv", "admin", "tank", "greenstack", "closed", "silent"],
+    ),
+]
+CASES = [
+    (command, expected, target) for command, expected, targets in WRONG_TARGETS for target in sorted(targets)
+]
+
+
+class _NotHere(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_error(404, "not here")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def wrong_targets(tmp_path_factory):
+    """A node's every port, a port that refuses connections (bound, not listening), one that
+    accepts them and says nothing (listening, never accepting) and an HTTP server that is not
+    a node's, by name."""
+    node = Node(tmp_path_factory.mktemp("wrong") / "node")
+    closed, silent = socket.socket(), socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _NotHere)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield {
+        "kv": node.address,
+        "admin": node.admin,
+        "iproto": node.iproto,
+        "tank": node.tank,
+        "greenstack": node.greenstack,
+        "closed": f"127.0.0.1:{closed.getsockname()[1]}",
+        "silent": f"127.0.0.1:{silent.getsockname()[1]}",
+        "http": f"127.0.0.1:{httpd.server_address[1]}",
+    }
+    httpd.shutdown()
+    closed.close()
+    silent.close()
+    assert node.stop() == 0, node.log()[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("command", "expected", "target"), CASES, ids=[f"{' '.join(c[:2])}-{t}" for c, _, t in CASES]
+)
+def test_a_command_at_the_wrong_port_says_what_it_reached_and_expected(
+    wrong_targets, command, expected, target
+):
+    address = wrong_targets[target]
+    args = [a.format(address, admin=wrong_targets["admin"]) for a in command]
+    r = run_cli(*args, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("sluice")]
+    assert len(said) == 1, r.stderr
+    assert REACHED[target] in said[0] and expected in said[0], said[0]
+    if target != "closed":
+        assert address in said[0], said[0]
+
+
+def test_tarantool_tail_at_a_nodes_iproto_port_says_it_does_not_replicate(wrong_targets):
+    r = run_cli("tarantool-tail", wrong_targets["iproto"], "--timeout", "3", "--max", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"{wrong_targets['iproto']} speaks iproto but does not replicate" in last, last
+    assert TARANTOOL in last
+
+
+def test_a_data_dir_that_is_a_file_needs_a_directory(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for data_dir, said in (
+        (a_file, f"data_dir: {a_file} is a file, not a directory"),
+        (a_file / "d", f"data_dir: {a_file / 'd'}: {a_file} is a file, not a directory"),
+    ):
+        r = run_cli("serve", "--data-dir", str(data_dir), *NO_DEFAULT_PORTS)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == f"sluice: invalid config: {said}", r.stderr

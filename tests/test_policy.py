@@ -17,7 +17,7 @@ import bmemcached
 import pytest
 import sluice
 from dcp_wire import FLAG_TO_LATEST, STREAM_END, DcpConnection, buffer_ack, stream_req
-from helpers import Node, run_cli
+from helpers import NO_DEFAULT_PORTS, Node, run_cli
 from mcbp_wire import GET_REPLICA, read_response, request
 from tap_wire import BACKFILL, MUTATION, SUPPORT_ACK, TapClient, ack
 
@@ -364,7 +364,7 @@ def test_config_errors_name_the_key_and_exit_2(tmp_path: Path, text: str, messag
     cfg = _config(tmp_path, text)
     for args in (
         ["config", "check", str(cfg)],
-        ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")],
+        ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), *NO_DEFAULT_PORTS],
     ):
         r = run_cli(*args)
         assert r.returncode == 2, r

@@ -17,7 +17,16 @@ import bmemcached
 import pytest
 import sluice
 from fault_proxy import FaultProxy
-from helpers import NUM_VBUCKETS, Node, contents, node_config, run_cli, start_node, wait_converged
+from helpers import (
+    NO_DEFAULT_PORTS,
+    NUM_VBUCKETS,
+    Node,
+    contents,
+    node_config,
+    run_cli,
+    start_node,
+    wait_converged,
+)
 from mcbp_wire import (
     FLUSH,
     GET,
@@ -452,7 +461,7 @@ def test_a_rejoining_old_active_drops_only_what_was_never_replicated(tmp_path):
 
 @pytest.mark.parametrize("bad", ["nowhere", "127.0.0.1:99999"])
 def test_a_bad_replica_of_is_a_config_error(tmp_path, bad):
-    r = run_cli("serve", "--data-dir", str(tmp_path / "d"), "--replica-of", bad, "--listen", "127.0.0.1:0")
+    r = run_cli("serve", "--data-dir", str(tmp_path / "d"), "--replica-of", bad, *NO_DEFAULT_PORTS)
     assert r.returncode == 2
     assert "replication.replica_of" in r.stderr
 

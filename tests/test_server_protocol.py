@@ -9,7 +9,7 @@ import struct
 import time
 
 import pytest
-from helpers import Node
+from helpers import NO_DEFAULT_PORTS, Node
 from mcbp_wire import (
     DELETE,
     GET,
@@ -227,7 +227,9 @@ def test_non_loopback_needs_insecure(tmp_path, listen):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "sluice", "serve", "--data-dir", str(tmp_path / "d"), "--listen", listen],
+        # The last --listen is the one that counts: the others stay off the default ports.
+        [sys.executable, "-m", "sluice", "serve", "--data-dir", str(tmp_path / "d"), *NO_DEFAULT_PORTS]
+        + ["--listen", listen],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import tarantool
 from fault_proxy import FaultProxy
-from helpers import Node, run_cli
+from helpers import NO_DEFAULT_PORTS, Node, run_cli
 from sluice import Client, RollbackError
 from tarantool_peer import (
     CDC_PASSWORD,
@@ -325,7 +325,13 @@ def test_serve_follows_a_tarantool_given_on_the_command_line_alone(tmp_path, pee
         node.stop()
     # A space named that the Tarantool does not have: the key and the reason, before serving.
     refused = run_cli(
-        "serve", "--data-dir", str(tmp_path / "data2"), *login, "--follow-spaces", "users,nosuch"
+        "serve",
+        "--data-dir",
+        str(tmp_path / "data2"),
+        *login,
+        "--follow-spaces",
+        "users,nosuch",
+        *NO_DEFAULT_PORTS,
     )
     assert refused.returncode == 2, refused.stderr  # a bad config, as for any other key
     assert "tarantool_upstream.spaces: space 'nosuch': no space of this name" in refused.stderr

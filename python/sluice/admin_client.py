@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from sluice.options import TOKEN_FILE, default_of, load_for
+from sluice.options import TOKEN_FILE, load_for
+from sluice.probe import mismatch
 
 
 def admin_address(args: argparse.Namespace, command: str) -> str | None:
@@ -85,6 +86,7 @@ def admin_call(
     (URLError) when the node cannot be reached or its certificate is not trusted, HTTPError when
     it answers with an error. Every request says it is no browser's (X-Sluice-Request), which
     POSTs need (README "Admin endpoint")."""
+    import http.client
     import ssl
     import urllib.request
 
@@ -96,12 +98,19 @@ def admin_call(
     context = ssl.create_default_context(cafile=cacert) if base.startswith("https://") else None
     req = urllib.request.Request(f"{base}{path}", method=method, data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
-        return json.load(r)
+        try:
+            return json.load(r)
+        except ValueError:
+            # An HTTP server, but not a node's admin endpoint: told as one that cannot be reached.
+            raise http.client.HTTPException(f"{method} {path} answered with no JSON") from None
 
 
 def refusal(e: Exception) -> str:
-    """What the node said when it answered with an error, with a hint for a missing login."""
-    why = e.read().decode(errors="replace").strip()
+    """What the node said when it answered with an error, on one line, with a hint for a
+    missing login."""
+    why = " ".join(e.read().decode(errors="replace").split())
+    if len(why) > 300:
+        why = why[:300] + "..."
     if e.code == 401:
         why += (
             " (pass --user NAME with the password in SLUICE_PASSWORD or at the prompt, or "
@@ -110,27 +119,18 @@ def refusal(e: Exception) -> str:
     return why
 
 
-def answers_binary_protocol(address: str, timeout: float = 3.0) -> bool:
-    """Whether HOST:PORT answers a memcached binary NOOP: a KV port, not an admin endpoint."""
-    import socket
-    import struct
-
-    host, _, port = address.removeprefix("http://").removeprefix("https://").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
-            s.sendall(struct.pack(">BBHBBHIIQ", 0x80, 0x0A, 0, 0, 0, 0, 0, 0, 0))  # NOOP
-            reply = s.recv(24)
-    except (OSError, ValueError):
-        return False
-    return reply[:2] == b"\x81\x0a"
+def not_an_admin_endpoint(admin: str, e: Exception) -> str | None:
+    """What answered at `admin` with an HTTP error when it is not a node's admin endpoint
+    (another HTTP server), else None. A refused login is the node's own answer."""
+    if getattr(e, "code", None) in (401, 403) or admin.startswith("https://"):
+        return None
+    return mismatch(admin, "admin")
 
 
 def unreachable(admin: str, e: Exception) -> str:
-    """Why the admin endpoint at `admin` gave no answer, with a hint when it is a KV port."""
+    """Why the admin endpoint at `admin` gave no answer: what answers there instead (a KV port,
+    another front, a port that says nothing, nothing at all), else the reason."""
     why = getattr(e, "reason", e)
-    if answers_binary_protocol(admin):
-        return (
-            f"{admin} is a KV port (it answers the memcached binary protocol), not an admin endpoint: "
-            f"pass the node's admin_listen address (default {default_of('admin_listen')})"
-        )
-    return f"cannot reach the admin endpoint at {admin}: {why}"
+    # Over HTTPS the reason (a certificate not trusted, say) is the answer.
+    wrong = None if admin.startswith("https://") else mismatch(admin, "admin")
+    return wrong or f"cannot reach the admin endpoint at {admin}: {why}"

@@ -1,4 +1,5 @@
-"""The `sluice` command: serve, status, tail, tarantool-tail, bench, user, wal-dump, config.
+"""The `sluice` command: serve, status, tail, tarantool-tail, bench, user, wal-dump, config,
+completion.
 
 Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
 """
@@ -20,16 +21,19 @@ from sluice.admin_client import (
     admin_auth,
     admin_call,
     basic_auth,
+    not_an_admin_endpoint,
     refusal,
     unreachable,
 )
 from sluice.config import (
+    KV_DEFAULT_PORT,
     example_toml,
     load_config,
     reference,
     user_credentials,
 )
 from sluice.options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, default_of
+from sluice.probe import mismatch
 from sluice.serve import cmd_serve
 from sluice.tail import cmd_tail
 
@@ -59,7 +63,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
         done = admin_call(admin, "/promote", args.timeout, method="POST", auth=auth, cacert=args.cacert)
     except urllib.error.HTTPError as e:
-        print(f"sluice promote: the node refused: {refusal(e)}", file=sys.stderr)
+        print(
+            f"sluice promote: {not_an_admin_endpoint(admin, e) or 'the node refused: ' + refusal(e)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         print(f"sluice promote: {unreachable(admin, e)}", file=sys.stderr)
@@ -84,7 +91,9 @@ def cmd_move_vbucket(args: argparse.Namespace) -> int:
         try:
             status[role] = admin_call(admin, "/status", args.timeout, auth=login, cacert=args.cacert)
         except urllib.error.HTTPError as e:
-            print(f"sluice move-vbucket: the {role} {admin} refused: {refusal(e)}", file=sys.stderr)
+            wrong = not_an_admin_endpoint(admin, e)
+            why = f"the {role}: {wrong}" if wrong else f"the {role} {admin} refused: {refusal(e)}"
+            print(f"sluice move-vbucket: {why}", file=sys.stderr)
             return EXIT_FAILURE
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             print(f"sluice move-vbucket: the {role}: {unreachable(admin, e)}", file=sys.stderr)
@@ -126,7 +135,7 @@ def cmd_topic_create(args: argparse.Namespace) -> int:
         with TankConnection(args.address) as t:
             t.create_topic(args.name, args.partitions, args.settings)
     except TankError as e:
-        print(f"sluice topic create: {e}", file=sys.stderr)
+        print(f"sluice topic create: {mismatch(args.address, 'tank') or e}", file=sys.stderr)
         return EXIT_FAILURE
     print(f"created topic {args.name} with {args.partitions} partition(s) at {args.address}")
     return EXIT_OK
@@ -142,7 +151,7 @@ def cmd_topic_list(args: argparse.Namespace) -> int:
                 for p, (first, hwm) in enumerate(t.partitions(name)):
                     rows.append((name, str(p), f"{first:,}", f"{hwm:,}"))
     except TankError as e:
-        print(f"sluice topic list: {e}", file=sys.stderr)
+        print(f"sluice topic list: {mismatch(args.address, 'tank') or e}", file=sys.stderr)
         return EXIT_FAILURE
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -161,7 +170,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = admin_call(admin, "/status", args.timeout, auth=admin_auth(args), cacert=args.cacert)
     except urllib.error.HTTPError as e:
-        print(f"sluice status: the node refused: {refusal(e)}", file=sys.stderr)
+        print(
+            f"sluice status: {not_an_admin_endpoint(admin, e) or 'the node refused: ' + refusal(e)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         print(f"sluice status: {unreachable(admin, e)}", file=sys.stderr)
@@ -301,6 +313,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     Tarantool) and prints the result."""
 
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
+    # Asked first: the load's connections would wait for ever on a port that never answers.
+    expected = {"memcached": "kv"}.get(args.protocol, args.protocol)
+    wrong = None if args.cacert else mismatch(args.server, expected)
+    if wrong:
+        print(f"sluice bench: {wrong}", file=sys.stderr)
+        return EXIT_FAILURE
     r = _native.bench(
         args.server,
         connections=args.connections,
@@ -370,26 +388,48 @@ def cmd_wal_dump(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# What tarantool-tail follows.
+TARANTOOL = "a Tarantool's iproto port (its box.cfg listen, 2.6 or later)"
+
+
 def cmd_tarantool_tail(args: argparse.Namespace) -> int:
     if args.max < 0:
         raise UsageError("--max must be 0 (no limit) or more")
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
     if args.user is None and password is not None:
         raise UsageError("--password-stdin goes with --user")
+    # Asked first: a port that is no iproto one would be waited on for --timeout, then named
+    # only as giving no answer.
+    wrong = mismatch(args.address, "iproto", timeout=min(args.timeout, 2.0), wanted=TARANTOOL)
+    if wrong:
+        print(f"sluice tarantool-tail: {wrong}", file=sys.stderr)
+        return EXIT_FAILURE
     # Ctrl-C ends the tail at once, as it ends `tail -f`: the native loop holds no Python state.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.stdout.flush()
-    _native.tarantool_tail(
-        args.address,
-        sys.stdout.fileno(),
-        user=args.user,
-        password=password,
-        snapshot=args.snapshot,
-        max_rows=args.max,
-        timeout=args.timeout,
-        idle=args.idle,
-        state=args.state,
-    )
+    try:
+        _native.tarantool_tail(
+            args.address,
+            sys.stdout.fileno(),
+            user=args.user,
+            password=password,
+            snapshot=args.snapshot,
+            max_rows=args.max,
+            timeout=args.timeout,
+            idle=args.idle,
+            state=args.state,
+        )
+    except _native.SluiceError as e:
+        # An iproto port that does not replicate (a sluice node's iproto_listen greets as
+        # Tarantool does) refuses the replication requests as unknown.
+        hint = (
+            f": {args.address} speaks iproto but does not replicate (a sluice node's iproto_listen?); "
+            f"expected {TARANTOOL}"
+            if "Unknown request type" in str(e)
+            else ""
+        )
+        print(f"sluice tarantool-tail: {e}{hint}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -403,6 +443,32 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     for warning in cfg.warnings():
         print(f"{args.file}: warning: {warning}", file=sys.stderr)
     print(f"{args.file}: ok ({len(cfg.buckets)} bucket(s): {', '.join(cfg.buckets)})")
+    return EXIT_OK
+
+
+# Where each shell looks for a completion script of its own (printed with the script's help).
+COMPLETION_PLACES = {
+    "bash": "~/.local/share/bash-completion/completions/sluice",
+    "zsh": "a directory of $fpath, as _sluice",
+    "fish": "~/.config/fish/completions/sluice.fish",
+}
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    parser = build_parser()
+    # Arguments that take a path complete as one: a file for FILE and PATH (and the positional
+    # `file` of wal-dump and config check), a directory for DIR.
+    paths = {"FILE": shtab.FILE, "PATH": shtab.FILE, "DIR": shtab.DIRECTORY, "file": shtab.FILE}
+    parsers = [parser]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif (name := action.metavar if isinstance(action.metavar, str) else action.dest) in paths:
+                action.complete = paths[name]  # type: ignore[attr-defined]
+    sys.stdout.write(shtab.complete(parser, shell=args.shell))
     return EXIT_OK
 
 
@@ -443,10 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"Without --config, embedded defaults: {default_of('listen')}, admin endpoint "
         f"{default_of('admin_listen')}, data in ./{default_of('data_dir')}, no TLS listener (tls_listen "
         f"serves one once tls.certificate is set), one bucket 'default' of "
-        f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets. Two nodes on one machine need "
-        "their own --data-dir and ports: --listen, --admin-listen, and "
+        f"{_native.DEFAULTS['buckets.num_vbuckets']} vbuckets. A second node on one machine needs "
+        "only its own --data-dir, --listen and --admin-listen: when listen is not on port "
+        f"{KV_DEFAULT_PORT}, each front listener that no flag or configuration sets listens on "
+        f"listen's host at its default port plus (listen's port - {KV_DEFAULT_PORT}), and so does "
+        f'tls_listen "auto"; e.g. --listen 127.0.0.1:{KV_DEFAULT_PORT + 100} puts '
+        + ", ".join(
+            f"{f['title']} on {int(f['default_listen'].rpartition(':')[2]) + 100}"
+            for f in _native.FRONTS
+            if not f["kv_port"]
+        )
+        + "; port 0 gives each a free port. "
         + ", ".join(f"--{f['listen_key'].replace('_', '-')}" for f in _native.FRONTS if not f["kv_port"])
-        + ' (each "" to turn that front off).',
+        + ' set them instead ("" turns one off).',
         **formatter,
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -464,7 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(
             "--" + key.replace("_", "-"),
             metavar="HOST:PORT",
-            help=f"overrides {key} ({off}default: {default_of(key)})",
+            help=f"overrides {key} ({off}default: {default_of(key)}"
+            + ("" if front["kv_port"] else ", or beside --listen when that is on another port")
+            + ")",
         )
     s.add_argument(
         "--replica-of",
@@ -798,9 +875,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     uh.set_defaults(func=cmd_user_hash)
 
+    from sluice.certs import add_parser as add_tls_parser
     from sluice.cluster.cli import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
+    add_tls_parser(sub)
 
     c = sub.add_parser("config", help="check a configuration file or print the reference of every key")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")
@@ -818,6 +897,17 @@ def build_parser() -> argparse.ArgumentParser:
     ce.set_defaults(func=cmd_config_example)
     cr = csub.add_parser("reference", help="print every key with its type, default and meaning (Markdown)")
     cr.set_defaults(func=cmd_config_reference)
+
+    co = sub.add_parser(
+        "completion",
+        help="print a completion script for bash, zsh or fish",
+        description="Prints the shell's completion script of every command and option, made from "
+        "this parser (shtab). Install it where the shell finds it: "
+        + "; ".join(f"{shell}: {place}" for shell, place in COMPLETION_PLACES.items())
+        + ". For this session only, in bash: source <(sluice completion bash).",
+    )
+    co.add_argument("shell", choices=sorted(COMPLETION_PLACES))
+    co.set_defaults(func=cmd_completion)
     return p
 
 

@@ -19,7 +19,12 @@ TOKEN_FILE = "admin.token"
 
 
 def load_for(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config) if args.config else Config.from_dict({}, source="<embedded defaults>")
+    # The file's fronts are placed beside `listen` once the flags are in: `--listen` moves them,
+    # and a flag that sets one (or turns it off) keeps it from being placed.
+    if args.config:
+        cfg = load_config(args.config, place_fronts=False)
+    else:
+        cfg = Config.from_dict({}, source="<embedded defaults>")
     overrides = {}
     if getattr(args, "data_dir", None):
         overrides["data_dir"] = args.data_dir
@@ -44,7 +49,7 @@ def load_for(args: argparse.Namespace) -> Config:
     ):
         if getattr(args, flag, None) is not None:
             overrides[f"tarantool_upstream__{key}"] = getattr(args, flag)
-    return cfg.with_overrides(**overrides) if overrides else cfg
+    return cfg.with_overrides(**overrides)
 
 
 def default_of(key: str) -> object:

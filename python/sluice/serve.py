@@ -19,6 +19,7 @@ import time
 from sluice import _native, systemd
 from sluice.config import (
     ENGINE_KEYS,
+    KV_DEFAULT_PORT,
     Config,
     is_loopback,
     spaces_from_tarantool,
@@ -127,6 +128,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     etcd_password = cfg.secret("cluster.etcd_password_file") if cfg.values["cluster.etcd"] else None
     for warning in cfg.warnings():
         log.warning("config: %s", warning)
+    placed = cfg.fronts_beside_listen()
+    # On port 0 each is a free port, which only the ready line can tell.
+    if placed and not cfg.values["listen"].endswith(":0"):
+        log.info(
+            "the listeners not set are placed beside listen %s (its port is not %d): %s",
+            cfg.values["listen"],
+            KV_DEFAULT_PORT,
+            ", ".join(f"{key} {address}" for key, address in placed.items()),
+        )
     started = time.monotonic()
     # A fatal signal (SIGABRT from a supervisor or a test whose stop timed out, a crash) prints
     # every thread's Python stack to stderr: where a stop hangs shows in the log.
@@ -176,6 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             how = f'{flag} HOST:PORT, or {flag} "" to turn it off'
         else:
             how = f"{flag} HOST:PORT" if key in kv else f"another {key}"
+        if key in placed:
+            how += f"; {key} was placed beside listen {cfg.values['listen']}"
         raise _native.SluiceError(f"{e} (another node on this machine? give this one {how})") from None
     plugins = PluginRunner(server)
     try:

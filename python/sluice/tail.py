@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sluice import _native
 from sluice.options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, load_for
+from sluice.probe import mismatch
 
 
 def _parse_vbuckets(text: str) -> list[int]:
@@ -217,7 +218,7 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
             if args.state:
                 write_atomically(args.state, json.dumps({"topic": args.topic, "partitions": positions}))
     except TankError as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
+        print(f"sluice tail: {mismatch(address, 'tank') or e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         pass
@@ -238,6 +239,13 @@ def _login_hint(e: Exception, user: str | None) -> str:
     if user is None:
         return " (the node has users: pass --user NAME, a user with the stream permission on the bucket)"
     return f" ({user} lacks the stream permission on the bucket, or its password is wrong)"
+
+
+def _stream_failed(address: str, e: Exception, user: str | None) -> str:
+    """Why the stream from `address` failed: what answers there when it is not a memcached
+    port (the admin endpoint, another front, a port that says nothing), else the error with a
+    hint for a missing login."""
+    return mismatch(address, "kv") or f"{e}{_login_hint(e, user)}"
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
@@ -263,7 +271,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         try:
             vbuckets = _replica_vbuckets_if_no_active(address, args.bucket, args.user, password)
         except _native.SluiceError as e:
-            print(f"sluice tail: {e}{_login_hint(e, args.user)}", file=sys.stderr)
+            print(f"sluice tail: {_stream_failed(address, e, args.user)}", file=sys.stderr)
             return EXIT_FAILURE
     state = args.state if args.state and Path(args.state).exists() else None
     progress = _BackfillProgress()
@@ -281,8 +289,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
             skip_empty=False,
             follow_moves=not args.no_follow,
         )
-    except (ValueError, _native.SluiceError) as e:
-        print(f"sluice tail: {e}{_login_hint(e, args.user)}", file=sys.stderr)
+    except ValueError as e:
+        print(f"sluice tail: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except _native.SluiceError as e:
+        print(f"sluice tail: {_stream_failed(address, e, args.user)}", file=sys.stderr)
         return EXIT_FAILURE
     out = sys.stdout
     try:
@@ -335,7 +346,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
                     break
             progress.update(stream.positions(), idle=True)
     except _native.SluiceError as e:
-        print(f"sluice tail: {e}", file=sys.stderr)
+        print(f"sluice tail: {_stream_failed(address, e, args.user)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         pass

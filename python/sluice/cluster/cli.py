@@ -285,8 +285,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice cluster: {e}", file=sys.stderr)
         return EXIT_USAGE
     except EtcdError as e:
-        print(f"sluice cluster: {e}", file=sys.stderr)
+        print(f"sluice cluster: {_what_answered(url, str(e)) or e}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _what_answered(url: str, error: str) -> str | None:
+    """For etcd unreachable or answering as no etcd does: what is at its first endpoint
+    instead (a sluice port, nothing), in one line; None when that says nothing more."""
+    from sluice.cluster.etcd import parse_cluster_url
+    from sluice.probe import mismatch
+
+    if "unreachable" not in error and "HTTP 404" not in error:
+        return None
+    try:
+        first = parse_cluster_url(url)[0][0]
+    except ValueError:
+        return None
+    return mismatch(
+        f"{first.host}:{first.port}",
+        "etcd",
+        wanted="an etcd client endpoint (etcd://HOST:PORT/NAME, etcd's port 2379)",
+    )
 
 
 def add_parser(sub: Any) -> None:

@@ -63,6 +63,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "FIELD_TYPES",
     "GUEST",
+    "KV_DEFAULT_PORT",
     "PERMISSIONS",
     "SCRAM_MECHANISMS",
     "SPACE_KEYS",
@@ -83,6 +84,44 @@ __all__ = [
 ]
 
 
+# The memcached front's default port. A node whose `listen` is on another port places every
+# front whose listener it does not set as far from that front's default port as its own `listen`
+# is from this one, so that a second node on one machine needs only its own --listen,
+# --admin-listen and --data-dir.
+_KV_FRONT = next(f for f in FRONTS if f["kv_port"])
+KV_DEFAULT_PORT = int(_KV_FRONT["default_listen"].rpartition(":")[2])
+
+
+def _beside_listen(key: str, default: str, listen: str) -> str:
+    """Where the listener `key`, unset, listens beside a node's `listen`: its `default`, or, when
+    listen's port is not KV_DEFAULT_PORT, listen's host at the default port shifted by as much
+    (port 0, any free port, gives any free port). A port outside 1..65535 fails naming `key`."""
+    host, _, port = listen.rpartition(":")
+    if int(port) == KV_DEFAULT_PORT:
+        return default
+    if int(port) == 0:
+        return f"{host}:0"
+    default_port = int(default.rpartition(":")[2])
+    placed = default_port + int(port) - KV_DEFAULT_PORT
+    if not 0 < placed <= 65535:
+        raise _fail(
+            key,
+            f"listen {listen} places it at port {placed} ({default_port} + {port} - {KV_DEFAULT_PORT}), "
+            f'outside 1..65535; set {key} (--{key.replace("_", "-")} HOST:PORT, or "" to turn it off)',
+        )
+    return f"{host}:{placed}"
+
+
+def _place_fronts(values: dict[str, Any], given: frozenset[str]) -> dict[str, Any]:
+    """`values` with each front listener that `given` leaves unset placed beside `listen`
+    (`_beside_listen`). One set, "" (off) included, stays as set."""
+    for front in FRONTS:
+        key = front["listen_key"]
+        if not front["kv_port"] and key not in given:
+            values[key] = _beside_listen(key, front["default_listen"], values[_KV_FRONT["listen_key"]])
+    return values
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A validated configuration. Build it with ``load_config`` or ``Config.from_dict``."""
@@ -93,9 +132,15 @@ class Config:
     users: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     spaces: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     topics: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: The keys of `values` the file or a flag sets; the others hold their defaults, or for a
+    #: front's listener its place beside `listen` (`_place_fronts`).
+    given: frozenset[str] = frozenset()
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> Config:
+    def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>", place_fronts: bool = True) -> Config:
+        """The configuration of `doc` (a TOML file's tables). With `place_fronts` False, the
+        fronts it leaves unset keep their defaults until `with_overrides` (flags that may set
+        `listen` or the fronts) places them."""
         values = {k.name: k.default for k in ENGINE_KEYS}
         by_name = {k.name: k for k in ENGINE_KEYS}
         sections = {k.name.split(".")[0] for k in ENGINE_KEYS if "." in k.name}
@@ -103,6 +148,7 @@ class Config:
         users: dict[str, dict[str, Any]] = {}
         spaces: dict[str, dict[str, Any]] = {}
         topics: dict[str, dict[str, Any]] = {}
+        given: set[str] = set()
         for top, raw in doc.items():
             if top == "users":
                 if not isinstance(raw, dict):
@@ -133,8 +179,10 @@ class Config:
                         known = [k.name.split(".", 1)[1] for k in ENGINE_KEYS if k.name.startswith(top + ".")]
                         raise _fail(path, f"unknown key (known in [{top}]: {', '.join(known)})")
                     values[path] = by_name[path].value(path, v)
+                    given.add(path)
             elif top in by_name:
                 values[top] = by_name[top].value(top, raw)
+                given.add(top)
             else:
                 raise _fail(top, "unknown key")
         buckets.setdefault("default", _bucket("default", {}))
@@ -143,18 +191,46 @@ class Config:
             for b in u["buckets"]:
                 if b != "*" and b not in buckets:
                     raise _fail(f"users.{name}.buckets.{b}", f"no bucket {b!r} is configured")
-        return cls(values=values, buckets=buckets, source=source, users=users, spaces=spaces, topics=topics)
+        return cls(
+            values=_place_fronts(values, frozenset(given)) if place_fronts else values,
+            buckets=buckets,
+            source=source,
+            users=users,
+            spaces=spaces,
+            topics=topics,
+            given=frozenset(given),
+        )
 
     def with_overrides(self, **overrides: Any) -> Config:
         """A copy with top-level keys replaced (command-line flags), validated the same way."""
         by_name = {k.name: k for k in ENGINE_KEYS}
         values = dict(self.values)
+        given = set(self.given)
         for name, raw in overrides.items():
             path = name.replace("__", ".")
             if path not in by_name:
                 raise _fail(path, "unknown key")
             values[path] = by_name[path].value(path, str(raw) if isinstance(raw, Path) else raw)
-        return dataclasses.replace(self, values=values)
+            given.add(path)
+        # A front the file does not place follows a `listen` given here.
+        return dataclasses.replace(
+            self, values=_place_fronts(values, frozenset(given)), given=frozenset(given)
+        )
+
+    def fronts_beside_listen(self) -> dict[str, str]:
+        """The front listeners placed beside `listen` rather than at their defaults, by key (a
+        TLS one too when it serves on "auto"); none when listen is on its default port."""
+        listen = self.values[_KV_FRONT["listen_key"]]
+        if int(listen.rpartition(":")[2]) == KV_DEFAULT_PORT:
+            return {}
+        placed = {}
+        for f in FRONTS:
+            key, tls_key = f["listen_key"], f["tls_listen_key"]
+            if not f["kv_port"] and key not in self.given:
+                placed[key] = self.values[key]
+            if self.values[tls_key] == "auto" and self.values["tls.certificate"]:
+                placed[tls_key] = _beside_listen(tls_key, f["default_tls_listen"], listen)
+        return placed
 
     def secret(self, key: str) -> str | None:
         """The password in the file the key names (its last newline dropped); None without one."""
@@ -172,8 +248,11 @@ class Config:
         reason. (The certificates and keys are loaded by the server's own check,
         `_native.check_server_settings`, which `sluice config check` runs too.)"""
         data_dir = Path(self.values["data_dir"])
-        if data_dir.exists() and not data_dir.is_dir():
-            raise _fail("data_dir", f"{data_dir} is a file, not a directory")
+        # The directory itself, or the first of its parents that exists (it is created below).
+        there = next((p for p in (data_dir, *data_dir.parents) if p.exists()), None)
+        if there is not None and not there.is_dir():
+            where = "" if there == data_dir else f"{data_dir}: "
+            raise _fail("data_dir", f"{where}{there} is a file, not a directory")
         for key in ("replication.password_file", "tarantool_upstream.password_file"):
             self.secret(key)
         if self.values["cluster.etcd"]:
@@ -248,7 +327,11 @@ class Config:
             out[k] = str(out[k]) if out[k] else None
         for key, front in tls.items():
             if out["tls_listeners"][key] == "auto":
-                out["tls_listeners"][key] = front["default_tls_listen"] if out["tls_certificate"] else ""
+                out["tls_listeners"][key] = (
+                    _beside_listen(key, front["default_tls_listen"], self.values[_KV_FRONT["listen_key"]])
+                    if out["tls_certificate"]
+                    else ""
+                )
         for native, key in (
             ("replication_password", "replication.password_file"),
             ("tarantool_upstream_password", "tarantool_upstream.password_file"),
@@ -315,8 +398,9 @@ class Config:
         )
 
 
-def load_config(path: str | Path) -> Config:
-    """Reads and validates a TOML file. Errors name the file, the key path and the reason."""
+def load_config(path: str | Path, place_fronts: bool = True) -> Config:
+    """Reads and validates a TOML file. Errors name the file, the key path and the reason.
+    `place_fronts` as for `Config.from_dict`."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -329,6 +413,6 @@ def load_config(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
     try:
-        return Config.from_dict(doc, source=str(p))
+        return Config.from_dict(doc, source=str(p), place_fronts=place_fronts)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
