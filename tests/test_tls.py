@@ -434,3 +434,32 @@ def test_a_self_signed_certificate_marked_ca_is_trusted_when_it_is_the_one_given
         assert r.returncode != 0, r.stdout
     finally:
         node.stop()
+
+
+def test_tls_init_writes_a_ca_and_a_node_certificate_that_serve_and_verify(tmp_path):
+    out = tmp_path / "tls"
+    r = run_cli("tls", "init", "--dir", str(out), "--name", "localhost", "--ip", "127.0.0.1")
+    assert r.returncode == 0, r.stderr
+    assert f'certificate = "{out / "node.pem"}"' in r.stdout and f'key = "{out / "node-key.pem"}"' in r.stdout
+    for key in ("ca-key.pem", "node-key.pem"):
+        assert (out / key).stat().st_mode & 0o777 == 0o600, key
+    cert = x509.load_pem_x509_certificate((out / "node.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    # Files already there are kept unless --force.
+    again = run_cli("tls", "init", "--dir", str(out))
+    assert again.returncode == 1 and "--force" in again.stderr and again.stderr.count("\n") == 1
+    # A node serves with them; a client that trusts the CA verifies it by name and address.
+    config = tmp_path / "sluice.toml"
+    config.write_text(tls_config(out / "node.pem", out / "node-key.pem"))
+    node = Node(tmp_path / "n", "--config", str(config))
+    try:
+        context = ssl.create_default_context(cafile=str(out / "ca.pem"))
+        for host in ("localhost", "127.0.0.1"):
+            with socket.create_connection(tls_address(node)) as raw:
+                with context.wrap_socket(raw, server_hostname=host) as s:
+                    assert s.version() in ("TLSv1.2", "TLSv1.3")
+    finally:
+        assert node.stop() == 0

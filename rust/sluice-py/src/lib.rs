@@ -46,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<policy::PolicyCall>()?;
     m.add_function(wrap_pyfunction!(dcp::vbucket_positions, m)?)?;
     m.add_function(wrap_pyfunction!(tools::wal_dump, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::tls_issue, m)?)?;
     m.add_function(wrap_pyfunction!(tools::run_bench, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tap_drain, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tarantool_tail, m)?)?;

@@ -470,11 +470,6 @@ impl Server {
         Ok(())
     }
 
-    /// The topic partitions this node copies from their leaders: (topic, leader's KV address,
-    /// partitions).
-    fn topic_copies(&self) -> PyResult<Vec<(String, String, Vec<u16>)>> {
-        Ok(self.member()?.topic_copies.running())
-    }
 
     /// What the admin endpoint asked of the cluster since the last call ("rebalance"), for
     /// the cluster side to write to etcd.

@@ -317,3 +317,30 @@ pub(crate) fn msgpack_json(data: &[u8]) -> PyResult<String> {
     }
     Ok(out)
 }
+
+/// A CA and a certificate it signed for a node naming `names` and `addresses` (IP addresses),
+/// good for `years`: (CA certificate, CA key, certificate, key), PEM (`sluice tls init`).
+#[pyfunction]
+#[pyo3(signature = (names, addresses, *, years=2))]
+pub(crate) fn tls_issue(
+    names: Vec<String>,
+    addresses: Vec<String>,
+    years: u32,
+) -> PyResult<(String, String, String, String)> {
+    let ips = addresses
+        .iter()
+        .map(|a| {
+            a.parse::<std::net::IpAddr>().map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!("{a:?} is not an IP address"))
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let issued = sluice_server::tls::issue_node_certificate(&names, &ips, years)
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
+    Ok((
+        issued.ca_certificate,
+        issued.ca_key,
+        issued.certificate,
+        issued.key,
+    ))
+}

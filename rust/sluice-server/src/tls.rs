@@ -735,9 +735,136 @@ impl SyncWriter {
     }
 }
 
+/// A CA and a certificate it signed for a node, PEM (`sluice tls init`).
+pub struct Issued {
+    pub ca_certificate: String,
+    pub ca_key: String,
+    pub certificate: String,
+    pub key: String,
+}
+
+/// Makes a CA (good for ten years) and signs with it a certificate for a node, good for
+/// `years`, that names `names` (DNS names) and `addresses` (IP addresses): a server's
+/// certificate that also serves as a client's (a replica logging in to its active). ECDSA
+/// P-256 keys, as TLS clients everywhere take them.
+pub fn issue_node_certificate(
+    names: &[String],
+    addresses: &[std::net::IpAddr],
+    years: u32,
+) -> Result<Issued, String> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose, SanType,
+    };
+    if names.is_empty() && addresses.is_empty() {
+        return Err("a certificate needs at least one name or address".into());
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_secs();
+    // From the start of this year (no clock on a network is ahead of that).
+    let year = 1970 + (now / 31_556_952) as i32;
+    let first = names
+        .first()
+        .cloned()
+        .or_else(|| addresses.first().map(|a| a.to_string()))
+        .unwrap_or_default();
+    let fail = |what: &str, e: rcgen::Error| format!("{what}: {e}");
+
+    let ca_key = KeyPair::generate().map_err(|e| fail("a CA key", e))?;
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name = rcgen::DistinguishedName::new();
+    ca.distinguished_name
+        .push(DnType::CommonName, format!("sluice CA for {first}"));
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    ca.not_before = rcgen::date_time_ymd(year, 1, 1);
+    ca.not_after = rcgen::date_time_ymd(year + 10, 12, 31);
+    let ca_certificate = ca
+        .self_signed(&ca_key)
+        .map_err(|e| fail("the CA certificate", e))?;
+
+    let key = KeyPair::generate().map_err(|e| fail("a key", e))?;
+    let mut node = CertificateParams::default();
+    node.distinguished_name = rcgen::DistinguishedName::new();
+    node.distinguished_name.push(DnType::CommonName, first);
+    // Said outright: some clients refuse a server certificate that could be a CA's.
+    node.is_ca = IsCa::ExplicitNoCa;
+    for n in names {
+        let dns = n
+            .clone()
+            .try_into()
+            .map_err(|e| fail(&format!("the name {n:?}"), e))?;
+        node.subject_alt_names.push(SanType::DnsName(dns));
+    }
+    node.subject_alt_names
+        .extend(addresses.iter().map(|a| SanType::IpAddress(*a)));
+    node.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    node.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    node.use_authority_key_identifier_extension = true;
+    node.not_before = rcgen::date_time_ymd(year, 1, 1);
+    node.not_after = rcgen::date_time_ymd(year + years.clamp(1, 30) as i32, 12, 31);
+    let issuer = Issuer::new(ca, &ca_key);
+    let certificate = node
+        .signed_by(&key, &issuer)
+        .map_err(|e| fail("the certificate", e))?;
+    Ok(Issued {
+        ca_certificate: ca_certificate.pem(),
+        ca_key: ca_key.serialize_pem(),
+        certificate: certificate.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_issued_certificate_serves_and_verifies_against_its_ca() {
+        use rustls::client::danger::ServerCertVerifier;
+        let addresses = ["127.0.0.1".parse().unwrap()];
+        let issued = issue_node_certificate(&["localhost".into()], &addresses, 2).unwrap();
+        let chain = vec![CertificateDer::from_pem_slice(issued.certificate.as_bytes()).unwrap()];
+        let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes()).unwrap();
+        rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain.clone(), key)
+        .expect("a certificate and key that serve");
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(issued.ca_certificate.as_bytes()).unwrap())
+            .unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .unwrap();
+        let now = rustls::pki_types::UnixTime::now();
+        for name in ["localhost", "127.0.0.1"] {
+            let server = ServerName::try_from(name).unwrap();
+            verifier
+                .verify_server_cert(&chain[0], &[], &server, &[], now)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let other = ServerName::try_from("example.com").unwrap();
+        assert!(verifier
+            .verify_server_cert(&chain[0], &[], &other, &[], now)
+            .is_err());
+        assert!(issue_node_certificate(&[], &[], 2).is_err());
+    }
 
     #[test]
     fn errors_name_the_key_and_the_file() {

@@ -373,16 +373,6 @@ impl PartitionCopies {
         }
     }
 
-    /// (topic, leader, partitions) of the copies running.
-    pub fn running(&self) -> Vec<(String, String, Vec<u16>)> {
-        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<_> = running
-            .iter()
-            .map(|((t, l), c)| (t.clone(), l.clone(), c.partitions.clone()))
-            .collect();
-        out.sort();
-        out
-    }
 }
 
 impl PartitionCopies {

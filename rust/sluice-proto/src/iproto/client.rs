@@ -744,6 +744,15 @@ mod relay_tests {
         let (h, r) = crate::iproto::request::decode(&out).unwrap();
         assert!(h.active_only);
         assert_eq!(h.forwarded_for(&out), Some(&b"app"[..]));
-        assert!(matches!(r, crate::iproto::request::Request::Select { limit: u32::MAX, .. }), "{r:?}");
+        assert!(
+            matches!(
+                r,
+                crate::iproto::request::Request::Select {
+                    limit: u32::MAX,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
     }
 }
