@@ -470,7 +470,6 @@ impl Server {
         Ok(())
     }
 
-
     /// What the admin endpoint asked of the cluster since the last call ("rebalance"), for
     /// the cluster side to write to etcd.
     fn take_cluster_requests(&self) -> PyResult<Vec<String>> {

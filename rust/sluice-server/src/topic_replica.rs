@@ -372,7 +372,6 @@ impl PartitionCopies {
             );
         }
     }
-
 }
 
 impl PartitionCopies {
