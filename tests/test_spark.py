@@ -682,13 +682,15 @@ def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
 def test_a_cluster_is_read_from_its_map_in_etcd(spark, tmp_path):
     """Given the cluster's etcd URL, the source plans over the nodes of the map and reads each
     vbucket once (from a replica where there is one)."""
-    from test_cluster import EtcdServer, collection, form, stop_all
+    from sluice.tank import NotLeader, TankConnection
+    from test_cluster import EtcdServer, collection, form, stop_all, wait_map
     from test_permissions import PASSWORD
 
     etcd = EtcdServer(tmp_path / "etcd")
     nodes = {}
     try:
-        nodes = form(tmp_path, etcd, ["n1", "n2", "n3"])
+        guest = '[users.guest]\ntopics = { "*" = ["read", "write", "admin"] }\n'
+        nodes = form(tmp_path, etcd, ["n1", "n2", "n3"], config=guest)
         with collection(nodes["n1"]) as coll:
             for i in range(500):
                 coll.upsert(f"k{i}", {"i": i})
@@ -707,6 +709,39 @@ def test_a_cluster_is_read_from_its_map_in_etcd(spark, tmp_path):
             rows = df.collect()
         assert sorted(r.key for r in rows) == sorted(f"k{i}" for i in range(500))
         assert {json.loads(bytes(r.value))["i"] for r in rows} == set(range(500))
+
+        # A topic placed over the cluster: each partition read once, from its leader or a copy
+        # (a node that holds neither shows it as dead, as a vbucket that is not there).
+        with TankConnection(nodes["n1"].tank) as t:
+            t.create_topic("events", 6)
+        wait_map(etcd, lambda m: "events" in m.get("topics", {}))
+        for p in range(6):
+            deadline = time.monotonic() + 30
+            address = nodes["n1"].tank
+            while True:
+                try:
+                    with TankConnection(address) as t:
+                        t.produce("events", [b"message %d" % p], partition=p)
+                    break
+                except NotLeader as e:
+                    assert time.monotonic() < deadline, e
+                    address = e.leader or address
+                    time.sleep(0.05 if e.leader else 0.2)
+        deadline = time.monotonic() + 30
+        while True:
+            df = (
+                spark.read.format("sluice")
+                .option("nodes", etcd.url)
+                .option("user", "repl")
+                .option("password", PASSWORD)
+                .option("topic", "events")
+                .load()
+            )
+            messages = sorted((r.partition, bytes(r.value)) for r in df.collect())
+            if len(messages) == 6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # the copies may still be catching up
+        assert messages == [(p, b"message %d" % p) for p in range(6)]
     finally:
         stop_all(nodes)
         etcd.close()

@@ -385,6 +385,7 @@ impl Server {
                     lead,
                     copies: *copies,
                     in_sync: *in_sync,
+                    copy_here: !copy_from.is_empty(),
                 });
                 if !copy_from.is_empty() {
                     copied

@@ -29,6 +29,8 @@ pub struct Placed {
     /// The copies in sync (the leader's among them): holding every message acknowledged with
     /// acks from all of them, and the only ones a failover may promote.
     pub in_sync: u8,
+    /// This node holds a copy it does not lead.
+    pub copy_here: bool,
 }
 
 impl Placed {
@@ -37,6 +39,7 @@ impl Placed {
         lead: Lead::Here,
         copies: 1,
         in_sync: 1,
+        copy_here: false,
     };
 
     /// How many copies besides the leader must hold a produced bundle before it is
@@ -157,6 +160,7 @@ mod tests {
             lead: Lead::Here,
             copies: 3,
             in_sync,
+            copy_here: false,
         };
         // 0: every copy in sync; a copy out of sync is not waited for.
         assert_eq!(three(3).peers_needed(0), Some(2));

@@ -642,7 +642,8 @@ impl Producer {
                 }
                 opcode::GET_FAILOVER_LOG => return topic_failover_log(&topic, &req, out),
                 mcbp::opcode::GET_ALL_VB_SEQNOS => {
-                    match topic_stream::all_seqnos(&topic, req.extras) {
+                    match topic_stream::all_seqnos(&topic, req.extras, &self.ctx.clustermap.topics)
+                    {
                         Ok(value) => respond(out, &req, status::SUCCESS, &value),
                         Err(why) => respond(out, &req, status::EINVAL, why.as_bytes()),
                     }
@@ -716,6 +717,19 @@ impl Producer {
                 req,
                 status::KEY_EEXISTS,
                 b"a stream for this partition exists",
+            );
+            return Flow::Continue;
+        }
+        // A partition the cluster places on other nodes only is not read here.
+        if sr.vbucket < topic.num_partitions()
+            && topic_stream::partition_state(&topic, sr.vbucket, &self.ctx.clustermap.topics)
+                == sluice_core::vbucket::VbState::Dead
+        {
+            respond(
+                out,
+                req,
+                status::NOT_MY_VBUCKET,
+                b"the cluster places this partition on other nodes",
             );
             return Flow::Continue;
         }

@@ -19,6 +19,7 @@ use sluice_proto::tank::bundle::Bundle;
 use sluice_proto::tank::response::chunk_bundles;
 
 use crate::stream::{Encoding, Progress, StreamSink, StreamView};
+use crate::topic_placement::{Lead, Placements};
 
 /// The flags of a message that has a key of its own.
 pub const KEYED: u32 = 1;
@@ -36,23 +37,33 @@ pub fn topic_uuid(topic: &Topic) -> u64 {
     h
 }
 
-/// How a topic's partitions show as vbuckets: active where produced to, replica where a
-/// replica copies them.
-pub fn partition_state(topic: &Topic) -> VbState {
+/// How a topic's partition shows as a vbucket here: a replica where this node copies it (from
+/// its active, or in a cluster from its leader), active where it is produced to here, dead
+/// where a cluster places it on other nodes only (readers such as Spark's go to its leader or
+/// copies, as they go to a vbucket's active or replicas).
+pub fn partition_state(topic: &Topic, partition: u16, placements: &Placements) -> VbState {
     if topic.is_followed() {
-        VbState::Replica
-    } else {
-        VbState::Active
+        return VbState::Replica;
+    }
+    let placed = placements.placed(&topic.name, partition);
+    match placed.lead {
+        Lead::Here => VbState::Active,
+        _ if placed.copy_here => VbState::Replica,
+        _ => VbState::Dead,
     }
 }
 
 /// GET_ALL_VB_SEQNOS of a topic: its partitions in the state asked for (active when none is)
 /// with their high-water marks.
-pub fn all_seqnos(topic: &Topic, extras: &[u8]) -> Result<Vec<u8>, &'static str> {
+pub fn all_seqnos(
+    topic: &Topic,
+    extras: &[u8],
+    placements: &Placements,
+) -> Result<Vec<u8>, &'static str> {
     let wanted = crate::kv::wanted_state(extras)?;
     let mut value = Vec::new();
-    if partition_state(topic) == wanted {
-        for p in 0..topic.num_partitions() {
+    for p in 0..topic.num_partitions() {
+        if partition_state(topic, p, placements) == wanted {
             value.extend_from_slice(&p.to_be_bytes());
             value.extend_from_slice(&topic.high_water_mark(p).to_be_bytes());
         }
