@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, SluiceNode, admin_get, log, write_json, write_paired_bars
+from _common import RESULTS, SluiceNode, admin_get, cpu_seconds, log, write_json, write_paired_bars
 from cluster_bench import EtcdProcess, cli
 from tank_bench import took
 from text_bench import memcaslap
@@ -45,6 +45,9 @@ format = [
   { name = "age", type = "unsigned" },
 ]
 """
+
+
+TANK_MESSAGES = 2_000_000
 
 
 def node_config(path: Path, cluster: str, name: str) -> Path:
@@ -121,25 +124,35 @@ def main() -> int:
                 while "bench" not in (etcd.json("map") or {}).get("topics", {}):
                     assert time.monotonic() < deadline, "the topic was never placed"
                     time.sleep(0.1)
+            # (name, the load against a node, how long a run at a rate lasted)
+            timed = lambda _rate: args.duration  # noqa: E731
             loads = [
-                ("iproto, 90% SELECT", lambda n: iproto_load(front(n, "iproto"), args.duration)),
-                ("memcached text, 90% get", lambda n: text_load(n.address, args.duration)),
+                ("iproto, 90% SELECT", lambda n: iproto_load(front(n, "iproto"), args.duration), timed),
+                ("memcached text, 90% get", lambda n: text_load(n.address, args.duration), timed),
             ]
             if with_tank:
                 loads.append(
                     (
                         "TANK produce (tank-cli bm p2b)",
-                        lambda n: tank_load(args.tank_dir, front(n, "TANK"), 2_000_000),
+                        lambda n: tank_load(args.tank_dir, front(n, "TANK"), TANK_MESSAGES),
+                        lambda rate: TANK_MESSAGES / rate,
                     )
                 )
-            for name, load in loads:
+            for name, load, seconds in loads:
                 per: dict[str, list[float]] = {"direct": [], "routed": []}
+                # The nodes' CPU time per request (both nodes: the router's and the owner's).
+                cpu: dict[str, list[float]] = {"direct": [], "routed": []}
                 for run in range(args.runs):
                     order = [("direct", owner), ("routed", router)]
                     for kind, node in order if run % 2 == 0 else order[::-1]:
-                        per[kind].append(load(node))
-                        log(f"{name} | {kind} run {run + 1}: {per[kind][-1]:,.0f}/s")
+                        before = sum(cpu_seconds(n.proc.pid) for n in nodes.values())
+                        rate = load(node)
+                        used = sum(cpu_seconds(n.proc.pid) for n in nodes.values()) - before
+                        per[kind].append(rate)
+                        cpu[kind].append(used / (rate * seconds(rate)) * 1e6)
+                        log(f"{name} | {kind} run {run + 1}: {rate:,.0f}/s, {cpu[kind][-1]:.2f} µs CPU")
                 results["loads"][name] = per
+                results.setdefault("cpu_us", {})[name] = cpu
             metrics = admin_get(router.admin, "/metrics")
             results["routed_metrics"] = [
                 line for line in metrics.splitlines() if line.startswith("sluice_routed")
@@ -155,13 +168,16 @@ def main() -> int:
 def write(results: dict, args: argparse.Namespace) -> None:
     write_json(RESULTS / "cluster_route.json", results)
     rows = [
-        "| load | direct (to the owner) | routed (through another node) | routed / direct |",
-        "|---|---|---|---|",
+        "| load | direct (to the owner) | routed (through another node) | routed / direct "
+        "| nodes' CPU per request: direct | routed |",
+        "|---|---|---|---|---|---|",
     ]
     names, pairs = [], []
     for name, per in results["loads"].items():
         d, r = statistics.median(per["direct"]), statistics.median(per["routed"])
-        rows.append(f"| {name} | {d:,.0f}/s | {r:,.0f}/s | {r / d:.2f} |")
+        cpu = results["cpu_us"][name]
+        cd, cr = statistics.median(cpu["direct"]), statistics.median(cpu["routed"])
+        rows.append(f"| {name} | {d:,.0f}/s | {r:,.0f}/s | {r / d:.2f} | {cd:.2f} µs | {cr:.2f} µs |")
         names.append(name)
         pairs.append((r, d))
     md = (

@@ -6,7 +6,10 @@
 //! (`KEY_SLUICE_FORWARDED_FOR`), which a login with the `replication` permission on the
 //! space's bucket may do (the nodes' replication login); it is never forwarded again.
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
 
 use sluice_proto::iproto::request::{self, Header, Request};
 use sluice_proto::iproto::{client, codes, response};
@@ -20,12 +23,62 @@ use super::select::{canonical_key, iterator_of};
 use super::session::{Session, SpaceHandle};
 use super::write::key_of;
 use crate::auth::READ;
+use crate::router::iproto_link::{Replier, Reply};
 use crate::router::Routes;
 use sluice_core::vbucket::VbState;
 use sluice_core::SelectIterator;
 
 /// How long a node routed to may take to answer.
 const ROUTED_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection's requests forwarded to other nodes whose answers have not come yet: the
+/// client pipelines, and each answer is written when it comes (iproto answers carry their
+/// SYNC), a write's behind the writes before it.
+pub(super) struct Forwarded {
+    tx: mpsc::UnboundedSender<(u64, Result<Reply, String>)>,
+    rx: mpsc::UnboundedReceiver<(u64, Result<Reply, String>)>,
+    waiting: BTreeMap<u64, Waiting>,
+    arrived: Vec<(u64, Result<Reply, String>)>,
+    next_tag: u64,
+}
+
+struct Waiting {
+    sync: u64,
+    write: bool,
+    space: String,
+    given_up_at: Instant,
+}
+
+impl Default for Forwarded {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Forwarded {
+            tx,
+            rx,
+            waiting: BTreeMap::new(),
+            arrived: Vec::new(),
+            next_tag: 0,
+        }
+    }
+}
+
+impl Forwarded {
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Resolves once an answer arrives or the oldest request waited too long. Cancel-safe: an
+    /// answer taken is kept for `Session::answer_forwarded`.
+    pub async fn wait(&mut self) {
+        let Some(until) = self.waiting.values().map(|w| w.given_up_at).min() else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            got = self.rx.recv() => self.arrived.extend(got),
+            _ = tokio::time::sleep_until(until.into()) => {}
+        }
+    }
+}
 
 /// What a request needs of the cluster.
 enum Route {
@@ -44,15 +97,14 @@ enum Route {
 }
 
 impl Session {
-    /// Routes `req` if this node is in a cluster and the request is not its own to answer;
-    /// true when it was answered here.
+    /// Routes `req` if this node is in a cluster and the request is not its own to answer:
+    /// true when it was taken care of here (answered, or sent on with its answer to come).
     pub(super) async fn route(
         &mut self,
         packet: &[u8],
         header: &Header,
         req: &Request<'_>,
         out: &mut Vec<u8>,
-        acks: &mut Vec<u8>,
     ) -> bool {
         if header.forwarded_for.is_some() || header.active_only {
             return false;
@@ -71,8 +123,7 @@ impl Session {
                 let Some(addr) = routes.elsewhere(vbucket).and_then(|n| n.iproto) else {
                     return false;
                 };
-                let dest: &mut Vec<u8> = if write { &mut *acks } else { &mut *out };
-                self.forward(addr, header.code, packet, sync, dest, &space)
+                self.forward(addr, header.code, packet, sync, write, &space)
                     .await
             }
             Route::FanOut { space } => {
@@ -182,33 +233,81 @@ impl Session {
         self.user_name().to_string()
     }
 
+    /// Sends the request on to the node at `addr`; its answer is written when it comes
+    /// (`answer_forwarded`), and the connection goes on meanwhile.
     async fn forward(
         &mut self,
         addr: std::net::SocketAddr,
         code: u32,
         packet: &[u8],
         sync: u64,
-        dest: &mut Vec<u8>,
+        write: bool,
         space: &Space,
     ) -> Outcome {
-        let router = &self.ctx.clustermap.router;
+        let ctx = self.ctx.clone();
+        let router = &ctx.clustermap.router;
         router
             .stats
             .iproto_forwarded
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let user = self.routed_user();
         let body = request::body_of(packet).to_vec();
-        let link = router.iproto(addr);
-        match link
-            .call(code, Some(&user), false, body, ROUTED_TIMEOUT)
+        let tag = self.forwarded.next_tag;
+        self.forwarded.next_tag += 1;
+        let reply = Replier::Tagged(self.forwarded.tx.clone(), tag);
+        router
+            .iproto(addr)
+            .send(code, Some(&user), false, body, reply)
             .await
-        {
-            Ok(reply) => {
-                let version = self.ctx.catalog.schema_version;
-                response::write_relayed(dest, sync, version, reply.code, &reply.body);
-                Ok(())
+            .map_err(|why| unreachable(router, &space.name, &why))?;
+        self.forwarded.waiting.insert(
+            tag,
+            Waiting {
+                sync,
+                write,
+                space: space.name.clone(),
+                given_up_at: Instant::now() + ROUTED_TIMEOUT,
+            },
+        );
+        Ok(())
+    }
+
+    /// Writes the answers of forwarded requests that came (a write's into `acks`, behind the
+    /// writes before it), and fails those that waited too long.
+    pub(super) fn answer_forwarded(&mut self, out: &mut Vec<u8>, acks: &mut Vec<u8>) {
+        let f = &mut self.forwarded;
+        while let Ok(got) = f.rx.try_recv() {
+            f.arrived.push(got);
+        }
+        let now = Instant::now();
+        let late: Vec<u64> = f
+            .waiting
+            .iter()
+            .filter(|(_, w)| w.given_up_at <= now)
+            .map(|(&tag, _)| tag)
+            .collect();
+        let mut done: Vec<(Waiting, Result<Reply, String>)> = std::mem::take(&mut f.arrived)
+            .into_iter()
+            .filter_map(|(tag, r)| f.waiting.remove(&tag).map(|w| (w, r)))
+            .collect();
+        for tag in late {
+            if let Some(w) = f.waiting.remove(&tag) {
+                let why = format!("no answer within {ROUTED_TIMEOUT:?}");
+                done.push((w, Err(why)));
             }
-            Err(why) => Err(unreachable(router, &space.name, &why)),
+        }
+        let version = self.ctx.catalog.schema_version;
+        for (w, r) in done {
+            match r {
+                Ok(reply) => {
+                    let dest = if w.write { &mut *acks } else { &mut *out };
+                    response::write_relayed(dest, w.sync, version, reply.code, &reply.body);
+                }
+                Err(why) => {
+                    let f = unreachable(&self.ctx.clustermap.router, &w.space, &why);
+                    self.fail(out, w.sync, f);
+                }
+            }
         }
     }
 

@@ -54,6 +54,8 @@ pub(super) struct Session {
     /// The request being answered is another node's part of a SELECT it fans out: only the
     /// vbuckets active here are read.
     pub active_only: bool,
+    /// Requests sent on to the node their key is active on, their answers to come.
+    pub forwarded: super::route::Forwarded,
 }
 
 impl Session {
@@ -148,7 +150,7 @@ impl Session {
                 return;
             }
         }
-        if self.route(packet, &header, &req, out, acks).await {
+        if self.route(packet, &header, &req, out).await {
             return;
         }
         // Another node's request, run as the user it names: only from the nodes' replication
@@ -371,11 +373,27 @@ impl crate::driver::Session for Session {
 
     fn settle(
         &mut self,
-        _out: &mut Out,
+        out: &mut Out,
         _end: Option<End>,
     ) -> impl std::future::Future<Output = Flow> + Send {
         self.ctx.stats.add_requests(&mut self.requests);
+        if !self.forwarded.is_empty() {
+            self.answer_forwarded(&mut out.now, &mut out.acked.buf);
+        }
         std::future::ready(Flow::Continue)
+    }
+
+    /// Answers of forwarded requests are awaited.
+    fn waiting(&self) -> bool {
+        !self.forwarded.is_empty()
+    }
+
+    fn wakes(&self) -> bool {
+        !self.forwarded.is_empty()
+    }
+
+    fn wake(&mut self) -> impl std::future::Future<Output = ()> + Send {
+        self.forwarded.wait()
     }
 }
 
@@ -411,6 +429,7 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
         login_deadline: conn.login_deadline(),
         login_needs_tls: conn.login_needs_tls(),
         active_only: false,
+        forwarded: Default::default(),
     };
     session.refresh_permissions();
     crate::driver::run(&mut conn, &mut session).await;

@@ -28,12 +28,32 @@ pub struct Reply {
     pub body: Vec<u8>,
 }
 
+/// Where an answer goes: a caller waiting for it, or a client connection's queue of answers
+/// (tagged with what it knows the request by), which it writes as they come.
+pub enum Replier {
+    Once(oneshot::Sender<Result<Reply, String>>),
+    Tagged(mpsc::UnboundedSender<(u64, Result<Reply, String>)>, u64),
+}
+
+impl Replier {
+    fn send(self, r: Result<Reply, String>) {
+        match self {
+            Replier::Once(tx) => {
+                let _ = tx.send(r);
+            }
+            Replier::Tagged(tx, tag) => {
+                let _ = tx.send((tag, r));
+            }
+        }
+    }
+}
+
 struct Call {
     code: u32,
     forwarded_for: Option<String>,
     active_only: bool,
     body: Vec<u8>,
-    reply: oneshot::Sender<Result<Reply, String>>,
+    reply: Replier,
 }
 
 pub struct Link {
@@ -60,6 +80,27 @@ impl Link {
         timeout: Duration,
     ) -> Result<Reply, String> {
         let (reply, answer) = oneshot::channel();
+        self.send(code, forwarded_for, active_only, body, Replier::Once(reply))
+            .await?;
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(format!("the connection to {} failed", self.addr)),
+            Err(_) => Err(format!("{} did not answer within {timeout:?}", self.addr)),
+        }
+    }
+}
+
+impl Link {
+    /// Queues a request whose answer goes to `reply`, without waiting for it (a client
+    /// connection that pipelines forwarded requests).
+    pub async fn send(
+        &self,
+        code: u32,
+        forwarded_for: Option<&str>,
+        active_only: bool,
+        body: Vec<u8>,
+        reply: Replier,
+    ) -> Result<(), String> {
         let call = Call {
             code,
             forwarded_for: forwarded_for.map(str::to_string),
@@ -70,12 +111,7 @@ impl Link {
         self.tx
             .send(call)
             .await
-            .map_err(|_| format!("the connection to {} is closed", self.addr))?;
-        match tokio::time::timeout(timeout, answer).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(format!("the connection to {} failed", self.addr)),
-            Err(_) => Err(format!("{} did not answer within {timeout:?}", self.addr)),
-        }
+            .map_err(|_| format!("the connection to {} is closed", self.addr))
     }
 }
 
@@ -89,10 +125,10 @@ async fn run(addr: SocketAddr, login: Login, mut rx: mpsc::Receiver<Call>) {
                     _ => format!("connecting to {addr} took over {CONNECT_TIMEOUT:?}"),
                 };
                 log::warn!("routing iproto requests to {addr}: {why}");
-                let _ = first.reply.send(Err(why.clone()));
+                first.reply.send(Err(why.clone()));
                 // What queued meanwhile fails too; the next request tries again.
                 while let Ok(c) = rx.try_recv() {
-                    let _ = c.reply.send(Err(why.clone()));
+                    c.reply.send(Err(why.clone()));
                 }
             }
         }
@@ -168,7 +204,7 @@ fn encode(out: &mut Vec<u8>, sync: u64, c: &Call) {
 async fn serve(stream: TcpStream, first: Call, rx: &mut mpsc::Receiver<Call>) {
     let peer = stream.peer_addr().ok();
     let (mut rd, mut wr) = stream.into_split();
-    let mut pending: HashMap<u64, oneshot::Sender<Result<Reply, String>>> = HashMap::new();
+    let mut pending: HashMap<u64, Replier> = HashMap::new();
     let mut next_sync = 1u64;
     let mut out = Vec::new();
     encode(&mut out, next_sync, &first);
@@ -210,7 +246,7 @@ async fn serve(stream: TcpStream, first: Call, rx: &mut mpsc::Receiver<Call>) {
                             match client::split_reply(packet) {
                                 Ok((code, sync, body)) => {
                                     if let Some(reply) = pending.remove(&sync) {
-                                        let _ = reply.send(Ok(Reply { code, body: body.to_vec() }));
+                                        reply.send(Ok(Reply { code, body: body.to_vec() }));
                                     }
                                 }
                                 Err(e) => break 'conn format!("an answer that does not read: {e}"),
@@ -230,6 +266,6 @@ async fn serve(stream: TcpStream, first: Call, rx: &mut mpsc::Receiver<Call>) {
     };
     log::warn!("routing iproto requests: {why}");
     for (_, reply) in pending {
-        let _ = reply.send(Err(why.clone()));
+        reply.send(Err(why.clone()));
     }
 }
