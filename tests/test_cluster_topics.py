@@ -139,6 +139,14 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
                         r"(message \d|via n\d)", out
                     ), out
 
+        # A topic may ask for its own number of copies (Kafka's replication.factor).
+        with TankConnection(nodes["n1"].tank) as t:
+            t.create_topic("solo", 3, "replication.factor=1")
+            t.create_topic("triple", 3, "replication.factor=3")
+        placed = wait_map(etcd, lambda m: {"solo", "triple"} <= set(m.get("topics", {})))["topics"]
+        assert all(sum(1 for n in c if n) == 1 for c in placed["solo"]["chains"]), placed["solo"]
+        assert all(sorted(c) == ["n1", "n2", "n3"] for c in placed["triple"]["chains"]), placed["triple"]
+
         # Every partition has a copy on another node (the cluster's one replica), in sync.
         doc = cluster_map(etcd)
         for chain, in_sync in zip(chains, doc["topics"]["events"]["isr"], strict=True):

@@ -176,7 +176,7 @@ class Orchestrator:
             chains = vbmap.balance(
                 members,
                 t["partitions"],
-                doc["replicas"],
+                topicmap.replicas_of(t.get("settings", ""), doc["replicas"]),
                 groups=groups if any(groups.values()) else None,
             )
             in_sync = [[n for n in c if n is not None] for c in chains]
@@ -239,12 +239,12 @@ class Orchestrator:
         for name, t in topics.items():
             chains = [list(c) for c in t["chains"]]
             in_sync = topicmap.in_sync_copies(t)
-            width = 1 + doc["replicas"]
-            current = [c[:width] if c[0] is not None else c for c in chains]
+            replicas = topicmap.replicas_of(t.get("settings", ""), doc["replicas"])
+            current = [c[: 1 + replicas] if c[0] is not None else c for c in chains]
             target = vbmap.balance(
                 wanted,
                 len(chains),
-                doc["replicas"],
+                replicas,
                 current=current,
                 groups=groups if any(groups.values()) else None,
             )

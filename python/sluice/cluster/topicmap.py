@@ -20,6 +20,17 @@ Chain = list[str | None]
 Held = Mapping[str, Mapping[str, Sequence[int]]]
 
 
+def replicas_of(settings: str, default: int) -> int:
+    """How many copies besides its leader a topic's partitions get: its `replication.factor`
+    setting minus one (Kafka's name; the node checked it when the topic was created), or the
+    cluster's `replicas`."""
+    for line in settings.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "replication.factor" and value.strip().isdigit():
+            return max(0, int(value) - 1)
+    return default
+
+
 def in_sync_copies(topic: Mapping[str, Any]) -> list[list[str]]:
     """A placed topic's copies in sync, per partition (a map from before the map kept them:
     every copy placed)."""

@@ -59,6 +59,9 @@ pub struct LogConfig {
     pub retention_bytes: Option<u64>,
     /// Segments whose newest bundle arrived longer ago than this (ms) are dropped.
     pub retention_ms: Option<u64>,
+    /// In a cluster, the partitions' copies, the leader's among them (Kafka's
+    /// `replication.factor`); None: the cluster's `replicas` + 1. A node on its own keeps one.
+    pub replication_factor: Option<u8>,
 }
 
 impl Default for LogConfig {
@@ -68,6 +71,7 @@ impl Default for LogConfig {
             index_interval: 4096,
             retention_bytes: None,
             retention_ms: None,
+            replication_factor: None,
         }
     }
 }
@@ -76,7 +80,8 @@ impl LogConfig {
     /// Settings from a topic's configuration text, TANK's and Kafka's `key=value` lines (blank
     /// lines and `#` comments skipped): `log.segment.bytes`, `log.index.interval.bytes`,
     /// `log.retention.bytes`, `log.retention.ms`, `.secs` or `.hours` (the `log.` prefix is
-    /// optional). Anything else is an error naming the line.
+    /// optional), and Kafka's `replication.factor` (1 to 16). Anything else is an error naming
+    /// the line.
     pub fn from_text(text: &str) -> Result<LogConfig, String> {
         let mut c = LogConfig::default();
         for line in text.lines().map(str::trim) {
@@ -101,6 +106,10 @@ impl LogConfig {
                 "retention.ms" => c.retention_ms = Some(n),
                 "retention.secs" => c.retention_ms = Some(n.saturating_mul(1000)),
                 "retention.hours" => c.retention_ms = Some(n.saturating_mul(3_600_000)),
+                "replication.factor" if (1..=16).contains(&n) => {
+                    c.replication_factor = Some(n as u8)
+                }
+                "replication.factor" => return Err(format!("{key}: {n} is not in 1..=16")),
                 _ => return Err(format!("{key}: not a topic setting")),
             }
         }
