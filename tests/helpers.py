@@ -2,7 +2,7 @@
 in a subprocess, reading the WAL/snapshot file format directly (to damage it on purpose), and
 `sluice serve` nodes with readers for their admin endpoint (/metrics, /status).
 
-File format (README "Storage"): a text header ending with a blank line, then blocks of
+File format (docs/storage.md): a text header ending with a blank line, then blocks of
 magic 0xd5ba0bab (u32 BE) | payload length (u32 BE) | crc32c (u32 BE) | payload, then the
 EOF marker 0xd510aded on a clean close.
 """

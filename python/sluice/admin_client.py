@@ -85,7 +85,7 @@ def admin_call(
     verifies the node's certificate against `cacert`, else the system's CAs); raises OSError
     (URLError) when the node cannot be reached or its certificate is not trusted, HTTPError when
     it answers with an error. Every request says it is no browser's (X-Sluice-Request), which
-    POSTs need (README "Admin endpoint")."""
+    POSTs need (docs/admin.md)."""
     import http.client
     import ssl
     import urllib.request

@@ -3,7 +3,7 @@ connection per client, opened on first use, logged in with SASL PLAIN when the c
 user, on the client's bucket (SELECT_BUCKET).
 
 Durable writes carry the durability frame info (magic 0x08): the reply comes once the level is
-met (README "Durable writes"); a level that cannot be met is
+met (docs/replication.md); a level that cannot be met is
 :class:`sluice.DurabilityImpossibleError`, one not met in time
 :class:`sluice.SyncWriteAmbiguousError`.
 """

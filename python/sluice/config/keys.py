@@ -173,7 +173,7 @@ ENGINE_KEYS += [
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "127.0.0.1:11280",
         "Address of the admin HTTP endpoint: GET /metrics (Prometheus) and /status (JSON), POST "
-        '/promote and /takeover (README "Admin endpoint"). "" turns it off. Beyond loopback it needs '
+        '/promote and /takeover (docs/admin.md). "" turns it off. Beyond loopback it needs '
         "users (or --insecure).",
         "HOST:PORT",
         server=True,
@@ -383,7 +383,7 @@ ENGINE_KEYS += [
         "tarantool_upstream.address",
         lambda p, v: parse_listen(p, v) if v != "" else "",
         "",
-        'HOST:PORT of a Tarantool this node follows as its replica (README "A node that follows a '
+        'HOST:PORT of a Tarantool this node follows as its replica (docs/iproto.md "A node that follows a '
         'Tarantool into its spaces"): every row it writes to a space of the same name as one in '
         '[spaces.NAME] is applied here, read-only for iproto clients. "" (the default): nothing is '
         "followed.",

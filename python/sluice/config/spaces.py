@@ -18,7 +18,7 @@ else:  # pragma: no cover - exercised on older interpreters only
     pass
 
 
-# Tarantool's field types (those sluice checks; README "Tarantool's iproto").
+# Tarantool's field types (those sluice checks; docs/iproto.md).
 FIELD_TYPES = (
     "unsigned",
     "integer",

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 
 pub const MAX_VBUCKETS: u16 = 1024;
 
-/// How the WAL keeps changes (`wal.mode`); see README's table of durability promises.
+/// How the WAL keeps changes (`wal.mode`); see docs/storage.md for what each survives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WalMode {
     /// Nothing is written: a pure cache.

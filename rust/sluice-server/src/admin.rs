@@ -4,7 +4,7 @@
 //! `POST /topics` (a new topic) and `POST /rebalance` (asks the cluster for one). A small HTTP/1.1 responder: one request per connection, then
 //! `Connection: close`.
 //!
-//! Who may do what (README "Admin endpoint"):
+//! Who may do what (docs/admin.md):
 //! - Reads (GET) are open on a loopback endpoint; beyond loopback, once users exist, they need
 //!   credentials (any user, or the token).
 //! - State changes (POST) need, once users exist, a user with the `admin` permission on every

@@ -108,8 +108,8 @@ impl Session {
             Failure::new(
                 codes::ER_UNSUPPORTED,
                 format!(
-                    "sluice does not support EVAL of '{text}' (it runs no Lua; README \"Tarantool's \
-                     iproto\" lists the built-in expressions)"
+                    "sluice does not support EVAL of '{text}' (it runs no Lua; docs/iproto.md lists the \
+                     built-in expressions)"
                 ),
             )
         };

@@ -1,5 +1,5 @@
 //! Tarantool's iproto front: spaces of MessagePack tuples over sluice's buckets, for
-//! tarantool-python, net.box and the other connectors (README "Tarantool's iproto").
+//! tarantool-python, net.box and the other connectors (docs/iproto.md).
 //!
 //! A space (`[spaces.NAME]`) lives in a bucket of its own whose keys the engine keeps in order:
 //! a tuple is one item, key = the MessagePack array of its primary key's parts, value = the
@@ -212,8 +212,7 @@ pub static FRONT: Registration = Registration {
         default_listen: "127.0.0.1:3301",
         tls_listen_key: "iproto_tls_listen",
         default_tls_listen: "",
-        doc:
-            "Address of the Tarantool iproto listener (README \"Tarantool's iproto\"): the spaces \
+        doc: "Address of the Tarantool iproto listener (docs/iproto.md): the spaces \
               of [spaces.NAME] for tarantool-python, net.box and other connectors.",
         login: true,
         kind: "iproto",

@@ -188,7 +188,7 @@ pub static FRONT: Registration = Registration {
         default_listen: "127.0.0.1:11011",
         tls_listen_key: "tank_tls_listen",
         default_tls_listen: "",
-        doc: "Address of the TANK listener (README \"TANK\"): topics produced to and consumed \
+        doc: "Address of the TANK listener (docs/tank.md): topics produced to and consumed \
               from by tank-cli and TANK clients.",
         login: false,
         kind: "tank",
