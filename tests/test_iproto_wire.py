@@ -194,3 +194,16 @@ def test_malformed_packets(node):
     assert read_reply(other)[0][0] == 0, "the server serves other connections meanwhile"
     other.close()
     assert node.metric_sum("sluice_iproto_errors_total") >= 4
+
+
+def test_only_the_nodes_replication_login_may_name_the_user_a_request_runs_as(node):
+    """sluice's forwarded-for header key (0x70) is how a cluster node hands on a request it
+    routes: from a client's own login, even one that may write, it is refused, never obeyed."""
+    s, greeting = connect(node)
+    salt = base64.b64decode(greeting[64:].strip())
+    s.sendall(packet({0: 7, 1: 1}, {0x23: "app", 0x21: ["chap-sha1", chap_scramble("secret", salt)]}))
+    assert read_reply(s)[0][0] == 0
+    s.sendall(packet({0: 1, 1: 2, 0x70: "guest"}, {0x10: USERS_SPACE, 0x20: [1], 0x12: 1}))
+    header, body, _ = read_reply(s)
+    assert header[0] == 0x8000 | 42, (header, body)  # ER_ACCESS_DENIED
+    s.close()

@@ -305,7 +305,7 @@ class Server:
         self,
         cluster: str,
         bucket: str,
-        topics: dict[str, list[tuple[str, int, int, str]]],
+        topics: dict[str, list[tuple[str, int, int, str, bool]]],
         nodes: list[tuple[str, bool, int]],
     ) -> None: ...
     def route(self, this: int | None, nodes: list[tuple[str, str]], actives: list[int]) -> None: ...

@@ -284,16 +284,19 @@ class Member:
             except ValueError:
                 return ""
 
-        def partition(chain: list[str | None], in_sync: list[str]) -> tuple[str, int, int, str]:
+        def partition(chain: list[str | None], in_sync: list[str]) -> tuple[str, int, int, str, bool]:
             leader = chain[0] if chain else None
             copies = sum(1 for n in chain if n is not None)
+            # A copy's acknowledgements count toward produces only once it is in sync: the
+            # copies a failover may promote are those that hold what was acknowledged.
+            counted = self.s.node in in_sync
             if leader is None or leader in failed:
-                return ("", copies, len(in_sync), "")
+                return ("", copies, len(in_sync), "", counted)
             if leader == self.s.node:
-                return ("here", copies, len(in_sync), "")
+                return ("here", copies, len(in_sync), "", counted)
             # A copy here streams from its leader.
             copy_from = doc["nodes"][leader]["kv"] if self.s.node in chain[1:] else ""
-            return (tank_of(leader), copies, len(in_sync), copy_from)
+            return (tank_of(leader), copies, len(in_sync), copy_from, counted)
 
         parts = {
             name: [partition(c, s) for c, s in zip(t["chains"], in_sync_copies(t), strict=True)]

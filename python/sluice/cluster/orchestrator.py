@@ -157,12 +157,15 @@ class Orchestrator:
             for name, t in kv.json().get("topics", {}).items():
                 declared.setdefault(name, t)
                 held.setdefault(name, {})[node] = t.get("hwm", [])
-        # A node's TANK address comes with its registration (maps from before it lack one, and
-        # a node may come back listening elsewhere).
+        # A node's TANK and iproto addresses come with its registration (maps from before they
+        # were kept lack them, and a node may come back listening elsewhere).
         nodes = dict(doc["nodes"])
         for n, info in self.registered().items():
-            if n in nodes and info.get("tank") and info["tank"] != nodes[n].get("tank"):
-                nodes[n] = {**nodes[n], "tank": info["tank"]}
+            if n not in nodes:
+                continue
+            moved = {k: info[k] for k in ("tank", "iproto") if info.get(k) and info[k] != nodes[n].get(k)}
+            if moved:
+                nodes[n] = {**nodes[n], **moved}
         new = {n: t for n, t in declared.items() if n not in placed}
         if not new and nodes == doc["nodes"]:
             return False
@@ -249,7 +252,13 @@ class Orchestrator:
                 groups=groups if any(groups.values()) else None,
             )
             for p, (chain, goal) in enumerate(zip(chains, target, strict=True)):
-                if chain[0] is None or chain == goal:
+                if chain[0] is None:
+                    # No leader: its last copy in sync is away. One being removed holds the
+                    # rebalance rather than leave the partition without it for good.
+                    if not any(n in wanted for n in in_sync[p]):
+                        waiting = True
+                    continue
+                if chain == goal:
                     continue
                 arriving = [n for n in goal if n is not None and n not in chain]
                 if arriving:

@@ -65,6 +65,9 @@ pub struct ReplicaAck {
     pub seqno: u64,
     /// Every change up to here is on the replica's disk.
     pub persisted: u64,
+    /// Its streams attached under this name: a stream that replaces another may attach before
+    /// the old one detaches, and the name counts until the last one goes.
+    streams: u32,
 }
 
 /// One vbucket's replicas, and the async waits for them: an acknowledgement wakes the waits
@@ -104,12 +107,14 @@ impl ReplicaAcks {
     pub fn attach(&self, vb: u16, name: &str) {
         let mut all = self.vbuckets.lock();
         if let Some(v) = all.get_mut(vb as usize) {
-            if !v.replicas.iter().any(|a| a.name == name) {
-                v.replicas.push(ReplicaAck {
+            match v.replicas.iter_mut().find(|a| a.name == name) {
+                Some(a) => a.streams += 1,
+                None => v.replicas.push(ReplicaAck {
                     name: name.to_string(),
                     seqno: 0,
                     persisted: 0,
-                });
+                    streams: 1,
+                }),
             }
         }
     }
@@ -120,7 +125,10 @@ impl ReplicaAcks {
         let Some(v) = all.get_mut(vb as usize) else {
             return;
         };
-        v.replicas.retain(|a| a.name != name);
+        if let Some(a) = v.replicas.iter_mut().find(|a| a.name == name) {
+            a.streams = a.streams.saturating_sub(1);
+        }
+        v.replicas.retain(|a| a.name != name || a.streams > 0);
         let waiters = std::mem::take(&mut v.waiters);
         drop(all);
         self.announce(waiters);

@@ -33,6 +33,10 @@ pub(crate) fn check_server_settings(
     Ok(())
 }
 
+/// A topic partition as the cluster side places it: (leader, copies, copies in sync, the
+/// leader's KV address when this node copies it, whether this node's copy is in sync).
+type PlacedPartition = (String, u8, u8, String, bool);
+
 #[pyclass(module = "sluice._native", frozen)]
 pub(crate) struct GreenstackWarmup {
     inner: parking_lot::Mutex<Option<sluice_server::greenstack::Warmup>>,
@@ -346,7 +350,8 @@ impl Server {
     /// Puts the cluster map's topic placement in force: `topics` gives each topic's partitions
     /// in order as (leader: "here", the leader's TANK address "IPv4:PORT", or "" while none
     /// leads it; its copies; those in sync; the leader's KV address when this node holds a
-    /// copy it does not lead, else ""); `nodes` the map's nodes in order: (TANK address or "",
+    /// copy it does not lead, else ""; whether this node's copy is in sync, its
+    /// acknowledgements counting toward produces); `nodes` the map's nodes in order: (TANK address or "",
     /// whether it is available, how many partitions it holds a copy of). The copies this node
     /// holds are streamed from their leaders (logging in to `bucket` with the replication
     /// login) before the new leaders are in force.
@@ -355,7 +360,7 @@ impl Server {
         py: Python<'_>,
         cluster: String,
         bucket: String,
-        topics: std::collections::HashMap<String, Vec<(String, u8, u8, String)>>,
+        topics: std::collections::HashMap<String, Vec<PlacedPartition>>,
         nodes: Vec<(String, bool, u16)>,
     ) -> PyResult<()> {
         use sluice_server::topic_placement::{Lead, Placed, PlacedNode, Placement};
@@ -371,11 +376,11 @@ impl Server {
             cluster,
             ..Placement::default()
         };
-        let mut copied: std::collections::HashMap<(String, String), Vec<u16>> =
+        let mut copied: std::collections::HashMap<(String, String, bool), Vec<u16>> =
             std::collections::HashMap::new();
         for (topic, parts) in topics {
             let mut placed = Vec::with_capacity(parts.len());
-            for (p, (lead, copies, in_sync, copy_from)) in parts.iter().enumerate() {
+            for (p, (lead, copies, in_sync, copy_from, counted)) in parts.iter().enumerate() {
                 let lead = match lead.as_str() {
                     "here" => Lead::Here,
                     "" => Lead::Nobody,
@@ -389,7 +394,7 @@ impl Server {
                 });
                 if !copy_from.is_empty() {
                     copied
-                        .entry((topic.clone(), copy_from.clone()))
+                        .entry((topic.clone(), copy_from.clone(), *counted))
                         .or_default()
                         .push(p as u16);
                 }

@@ -219,10 +219,13 @@ fn copy(
             buffer_size: 32 << 20,
             noop_interval: upstream.noop_interval,
             replica_name: replica.map(str::to_string),
+            // A copy in sync and one catching up may stream from one leader at once (each
+            // its own partitions): their connections' names differ.
             ..upstream.consumer_config(format!(
-                "replication:{}:topic:{}",
+                "replication:{}:topic:{}{}",
                 engine.instance(),
-                topic.name
+                topic.name,
+                if replica.is_some() { ":acked" } else { "" }
             ))
         });
         let why = follow(engine, topic, &consumer, replica.is_some(), stop);
@@ -294,8 +297,13 @@ fn follow(
 /// connection streaming those partitions, started, changed and stopped as the map moves.
 #[derive(Default)]
 pub struct PartitionCopies {
-    running: Mutex<HashMap<(String, String), Copying>>,
+    running: Mutex<HashMap<CopyKey, Copying>>,
 }
+
+/// A copying connection: the topic, its leader's KV address, and whether its copies are in
+/// sync (only those acknowledge: a copy still catching up must not count toward a produce's
+/// acks, as a failover would not promote it).
+type CopyKey = (String, String, bool);
 
 struct Copying {
     partitions: Vec<u16>,
@@ -304,8 +312,8 @@ struct Copying {
 }
 
 impl PartitionCopies {
-    /// Copies what `wanted` names, (topic, leader's KV address) to partitions, and nothing
-    /// else: a copy whose leader or partitions changed stops (and has stopped placing) before
+    /// Copies what `wanted` names, (topic, leader's KV address, in sync) to partitions, and
+    /// nothing else: a copy whose leader or partitions changed stops (and has stopped placing) before
     /// its successor starts, so that a partition promoted here is no longer written by a copy
     /// once this node leads it. `replica`: the name acknowledgements count under (this node's).
     pub fn apply(
@@ -313,10 +321,10 @@ impl PartitionCopies {
         engine: &Arc<Engine>,
         upstream: &Upstream,
         replica: &str,
-        wanted: HashMap<(String, String), Vec<u16>>,
+        wanted: HashMap<CopyKey, Vec<u16>>,
     ) {
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let stale: Vec<(String, String)> = running
+        let stale: Vec<CopyKey> = running
             .iter()
             .filter(|(k, c)| wanted.get(*k) != Some(&c.partitions))
             .map(|(k, _)| k.clone())
@@ -329,8 +337,8 @@ impl PartitionCopies {
         for c in stopping {
             let _ = c.thread.join();
         }
-        for ((name, leader), partitions) in wanted {
-            if running.contains_key(&(name.clone(), leader.clone())) {
+        for ((name, leader, in_sync), partitions) in wanted {
+            if running.contains_key(&(name.clone(), leader.clone(), in_sync)) {
                 continue;
             }
             let Some(topic) = engine.topic(&name) else {
@@ -343,12 +351,8 @@ impl PartitionCopies {
                 active: leader.clone(),
                 ..upstream.clone()
             };
-            let (engine, stop_flag, parts, replica) = (
-                engine.clone(),
-                stop.clone(),
-                partitions.clone(),
-                replica.to_string(),
-            );
+            let (engine, stop_flag, parts) = (engine.clone(), stop.clone(), partitions.clone());
+            let replica = in_sync.then(|| replica.to_string());
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-copy-{name}"))
                 .spawn(move || {
@@ -357,13 +361,13 @@ impl PartitionCopies {
                         &topic,
                         &parts,
                         &upstream,
-                        Some(&replica),
+                        replica.as_deref(),
                         &stop_flag,
                     )
                 })
                 .expect("spawn a thread");
             running.insert(
-                (name, leader),
+                (name, leader, in_sync),
                 Copying {
                     partitions,
                     stop,

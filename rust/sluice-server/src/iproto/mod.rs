@@ -15,6 +15,7 @@ mod auth;
 mod call;
 mod failure;
 pub mod follow;
+mod forwarded;
 mod route;
 pub mod schema;
 mod select;

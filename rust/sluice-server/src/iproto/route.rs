@@ -6,10 +6,7 @@
 //! (`KEY_SLUICE_FORWARDED_FOR`), which a login with the `replication` permission on the
 //! space's bucket may do (the nodes' replication login); it is never forwarded again.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-use tokio::sync::mpsc;
 
 use sluice_proto::iproto::request::{self, Header, Request};
 use sluice_proto::iproto::{client, codes, response};
@@ -17,6 +14,7 @@ use sluice_proto::keyorder::compare_keys;
 use sluice_proto::msgpack::Reader;
 
 use super::failure::{Failure, Outcome};
+use super::forwarded::Waiting;
 use super::more_codes::ER_SYSTEM;
 use super::schema::Space;
 use super::select::{canonical_key, iterator_of};
@@ -30,55 +28,6 @@ use sluice_core::SelectIterator;
 
 /// How long a node routed to may take to answer.
 const ROUTED_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A connection's requests forwarded to other nodes whose answers have not come yet: the
-/// client pipelines, and each answer is written when it comes (iproto answers carry their
-/// SYNC), a write's behind the writes before it.
-pub(super) struct Forwarded {
-    tx: mpsc::UnboundedSender<(u64, Result<Reply, String>)>,
-    rx: mpsc::UnboundedReceiver<(u64, Result<Reply, String>)>,
-    waiting: BTreeMap<u64, Waiting>,
-    arrived: Vec<(u64, Result<Reply, String>)>,
-    next_tag: u64,
-}
-
-struct Waiting {
-    sync: u64,
-    write: bool,
-    space: String,
-    given_up_at: Instant,
-}
-
-impl Default for Forwarded {
-    fn default() -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        Forwarded {
-            tx,
-            rx,
-            waiting: BTreeMap::new(),
-            arrived: Vec::new(),
-            next_tag: 0,
-        }
-    }
-}
-
-impl Forwarded {
-    pub fn is_empty(&self) -> bool {
-        self.waiting.is_empty()
-    }
-
-    /// Resolves once an answer arrives or the oldest request waited too long. Cancel-safe: an
-    /// answer taken is kept for `Session::answer_forwarded`.
-    pub async fn wait(&mut self) {
-        let Some(until) = self.waiting.values().map(|w| w.given_up_at).min() else {
-            return std::future::pending().await;
-        };
-        tokio::select! {
-            got = self.rx.recv() => self.arrived.extend(got),
-            _ = tokio::time::sleep_until(until.into()) => {}
-        }
-    }
-}
 
 /// What a request needs of the cluster.
 enum Route {
@@ -344,6 +293,10 @@ impl Session {
             .stats
             .iproto_fanned_out
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(vb) = routes.without_active(space.bucket.num_vbuckets()) {
+            let why = format!("vbucket {vb} has no active node");
+            return Err(unreachable(router, &space.name, &why));
+        }
         let wanted = offset.saturating_add(limit);
         // The other nodes' parts are asked for first, then this node's is read meanwhile.
         let mut body = Vec::new();
@@ -440,6 +393,19 @@ impl Session {
             .stats
             .iproto_fanned_out
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(vb) = routes.without_active(
+            self.spaces
+                .values()
+                .map(|s| s.bucket.num_vbuckets())
+                .max()
+                .unwrap_or(0),
+        ) {
+            return Err(unreachable(
+                router,
+                "",
+                &format!("vbucket {vb} has no active node"),
+            ));
+        }
         let user = self.routed_user();
         let body = request::body_of(packet).to_vec();
         let mut asked = Vec::new();

@@ -55,7 +55,7 @@ pub(super) struct Session {
     /// vbuckets active here are read.
     pub active_only: bool,
     /// Requests sent on to the node their key is active on, their answers to come.
-    pub forwarded: super::route::Forwarded,
+    pub forwarded: super::forwarded::Forwarded,
 }
 
 impl Session {
@@ -192,11 +192,17 @@ impl Session {
                 .map(|s| s.bucket.name().to_string()),
             _ => None,
         };
+        // Only the nodes' own login may name another user: the configured replication user,
+        // with the permission on the space's bucket (a node with no users lets anyone, as
+        // everything is allowed there anyway).
         let may = |b: &str| crate::auth::may_replicate(self.permissions(b));
-        let allowed = match bucket {
-            Some(b) => may(&b),
-            None => self.spaces.values().any(|s| may(s.bucket.name())),
-        };
+        let nodes_login = !self.users.required()
+            || (self.user.is_some() && self.user == self.ctx.clustermap.router.login_user());
+        let allowed = nodes_login
+            && match bucket {
+                Some(b) => may(&b),
+                None => self.spaces.values().any(|s| may(s.bucket.name())),
+            };
         if !allowed {
             return Err(Failure::access_denied(
                 "Forward",

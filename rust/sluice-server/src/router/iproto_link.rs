@@ -12,6 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
+use std::sync::{Arc, RwLock};
+
 use super::Login;
 
 /// How long connecting and logging in may take.
@@ -20,6 +22,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_ANSWER: usize = 256 << 20;
 /// Requests waiting to be written.
 const QUEUE: usize = 4096;
+/// How long a request may wait for room in that queue.
+const QUEUE_WAIT: Duration = Duration::from_secs(10);
 
 /// A node's answer: its response code (0 OK, else 0x8000 | error) and body.
 #[derive(Debug)]
@@ -63,7 +67,7 @@ pub struct Link {
 
 impl Link {
     /// Starts the link's task on the current runtime; it connects on the first request.
-    pub fn start(addr: SocketAddr, login: Login) -> Link {
+    pub fn start(addr: SocketAddr, login: Arc<RwLock<Login>>) -> Link {
         let (tx, rx) = mpsc::channel(QUEUE);
         tokio::spawn(run(addr, login, rx));
         Link { addr, tx }
@@ -108,15 +112,20 @@ impl Link {
             body,
             reply,
         };
-        self.tx
-            .send(call)
-            .await
-            .map_err(|_| format!("the connection to {} is closed", self.addr))
+        match tokio::time::timeout(QUEUE_WAIT, self.tx.send(call)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(format!("the connection to {} is closed", self.addr)),
+            Err(_) => Err(format!(
+                "{} takes no more requests (the connection to it is stuck)",
+                self.addr
+            )),
+        }
     }
 }
 
-async fn run(addr: SocketAddr, login: Login, mut rx: mpsc::Receiver<Call>) {
+async fn run(addr: SocketAddr, login: Arc<RwLock<Login>>, mut rx: mpsc::Receiver<Call>) {
     while let Some(first) = rx.recv().await {
+        let login = login.read().unwrap_or_else(|e| e.into_inner()).clone();
         match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, &login)).await {
             Ok(Ok(stream)) => serve(stream, first, &mut rx).await,
             failed => {

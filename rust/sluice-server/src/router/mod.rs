@@ -49,6 +49,12 @@ impl Routes {
         self.nodes.get(i as usize)
     }
 
+    /// A vbucket among the first `count` that no node is active for (a SELECT over every
+    /// vbucket cannot be answered whole then).
+    pub fn without_active(&self, count: u16) -> Option<u16> {
+        (0..count).find(|&vb| self.actives.get(vb as usize).is_none_or(|&i| i < 0))
+    }
+
     /// The other nodes some vbucket is active on: those a SELECT over every vbucket asks.
     pub fn other_actives(&self) -> Vec<&RouteNode> {
         let mut seen = vec![false; self.nodes.len()];
@@ -88,7 +94,8 @@ pub struct RouterStats {
 #[derive(Default)]
 pub struct Router {
     routes: RwLock<Option<Arc<Routes>>>,
-    login: RwLock<Login>,
+    /// Read by each link as it connects: a new password reaches the next connection.
+    login: Arc<RwLock<Login>>,
     iproto: Mutex<HashMap<SocketAddr, Arc<iproto_link::Link>>>,
     text: Mutex<HashMap<SocketAddr, Arc<text_link::Link>>>,
     pub stats: RouterStats,
@@ -112,15 +119,21 @@ impl Router {
         *self.login.write().unwrap_or_else(|e| e.into_inner()) = login;
     }
 
+    /// The user the other nodes log in as to forward requests here (the replication login's).
+    pub fn login_user(&self) -> Option<String> {
+        self.login
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .username
+            .clone()
+    }
+
     /// The shared iproto connection to `addr`, opened on first use.
     pub fn iproto(&self, addr: SocketAddr) -> Arc<iproto_link::Link> {
         let mut links = self.iproto.lock().unwrap_or_else(|e| e.into_inner());
         links
             .entry(addr)
-            .or_insert_with(|| {
-                let login = self.login.read().unwrap_or_else(|e| e.into_inner()).clone();
-                Arc::new(iproto_link::Link::start(addr, login))
-            })
+            .or_insert_with(|| Arc::new(iproto_link::Link::start(addr, self.login.clone())))
             .clone()
     }
 

@@ -58,14 +58,16 @@ impl Link {
         timeout: Duration,
     ) -> Result<Vec<u8>, String> {
         let (reply, got) = oneshot::channel();
-        self.tx
-            .send(Call {
-                request,
-                answer,
-                reply,
-            })
-            .await
-            .map_err(|_| format!("the connection to {} is closed", self.addr))?;
+        let call = Call {
+            request,
+            answer,
+            reply,
+        };
+        match tokio::time::timeout(timeout, self.tx.send(call)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(format!("the connection to {} is closed", self.addr)),
+            Err(_) => return Err(format!("{} takes no more requests", self.addr)),
+        }
         match tokio::time::timeout(timeout, got).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(format!("the connection to {} failed", self.addr)),
