@@ -284,7 +284,9 @@ class Member:
             except ValueError:
                 return ""
 
-        def partition(chain: list[str | None], in_sync: list[str]) -> tuple[str, int, int, str, bool]:
+        def partition(
+            chain: list[str | None], in_sync: list[str], handing_over: bool
+        ) -> tuple[str, int, int, str, bool]:
             leader = chain[0] if chain else None
             copies = sum(1 for n in chain if n is not None)
             # A copy's acknowledgements count toward produces only once it is in sync: the
@@ -292,14 +294,20 @@ class Member:
             counted = self.s.node in in_sync
             if leader is None or leader in failed:
                 return ("", copies, len(in_sync), "", counted)
+            # A copy here streams from its leader (while a new one takes over too).
+            copy_from = doc["nodes"][leader]["kv"] if self.s.node in chain[1:] else ""
+            if handing_over:
+                # No node takes messages while its leader changes (see Orchestrator.move_topics).
+                return ("", copies, len(in_sync), copy_from, counted)
             if leader == self.s.node:
                 return ("here", copies, len(in_sync), "", counted)
-            # A copy here streams from its leader.
-            copy_from = doc["nodes"][leader]["kv"] if self.s.node in chain[1:] else ""
             return (tank_of(leader), copies, len(in_sync), copy_from, counted)
 
         parts = {
-            name: [partition(c, s) for c, s in zip(t["chains"], in_sync_copies(t), strict=True)]
+            name: [
+                partition(c, s, str(p) in t.get("handover", {}))
+                for p, (c, s) in enumerate(zip(t["chains"], in_sync_copies(t), strict=True))
+            ]
             for name, t in placed.items()
         }
         # Every node of the map, in its order (TANK's node ids), failed-over ones unavailable.

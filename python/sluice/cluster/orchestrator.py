@@ -36,6 +36,21 @@ def node_entry(registration: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def handed_over(
+    statuses: dict[str, dict[str, Any]], revision: int, old: str, new: str, topic: str, partition: int
+) -> bool:
+    """Whether a partition's leader may move from `old` to `new`: `old` runs the map of
+    `revision` (no node leads the partition there: it takes no more messages) and `new` holds
+    everything `old` holds, as both last published."""
+    was, will = statuses.get(old), statuses.get(new)
+    if was is None or will is None or was.get("map_revision", 0) < revision:
+        return False
+    marks = [s.get("topics", {}).get(topic, {}).get("hwm", []) for s in (was, will)]
+    if any(partition >= len(m) for m in marks):
+        return False
+    return marks[1][partition] >= marks[0][partition]
+
+
 class Host(Protocol):
     """What the orchestrator uses of the member that runs it (a `member.Member`), named here
     rather than imported: the member imports this module to start the orchestrator."""
@@ -230,8 +245,11 @@ class Orchestrator:
         nodes: True when it changed the map, False while copies catch up, None when every
         partition is where it should be. A partition's new copies are added first and copy it
         from its leader; once every node of its new chain is in sync, the chain becomes the new
-        one (a new leader holds every message acknowledged with acks from every copy). A
-        partition without a leader stays as it is, waiting for its copy in sync."""
+        one. A leader changes in two steps, so that no message is taken by the old leader after
+        the new one started: first no node leads the partition (TANK clients are told so and
+        retry), and once the old leader applied that and the new one holds all it holds, the
+        new one leads. A partition without a leader stays as it is, waiting for its copy in
+        sync."""
         topics = doc.get("topics", {})
         wanted = [n for n in doc["wanted"] if n not in doc["failed"] and doc["nodes"].get(n, {}).get("tank")]
         if not topics or not wanted:
@@ -239,9 +257,11 @@ class Orchestrator:
         groups = {n: doc["nodes"][n].get("group", "") for n in wanted}
         changed = waiting = False
         out = {}
+        statuses = self.statuses()
         for name, t in topics.items():
             chains = [list(c) for c in t["chains"]]
             in_sync = topicmap.in_sync_copies(t)
+            handover = dict(t.get("handover", {}))
             replicas = topicmap.replicas_of(t.get("settings", ""), doc["replicas"])
             current = [c[: 1 + replicas] if c[0] is not None else c for c in chains]
             target = vbmap.balance(
@@ -261,16 +281,27 @@ class Orchestrator:
                 if chain == goal:
                     continue
                 arriving = [n for n in goal if n is not None and n not in chain]
-                if arriving:
+                if str(p) in handover:
+                    if handed_over(statuses, revision, chain[0], goal[0], name, p):
+                        del handover[str(p)]
+                        chains[p] = goal
+                        in_sync[p] = [n for n in in_sync[p] if n in goal]
+                        changed = True
+                    else:
+                        waiting = True
+                elif arriving:
                     chains[p] = [*chain, *arriving]
                     changed = True
                 elif any(n is not None and n not in in_sync[p] for n in goal):
                     waiting = True
+                elif goal[0] != chain[0]:
+                    handover[str(p)] = goal[0]
+                    changed = True
                 else:
                     chains[p] = goal
                     in_sync[p] = [n for n in in_sync[p] if n in goal]
                     changed = True
-            out[name] = {**t, "chains": chains, "isr": in_sync}
+            out[name] = {**t, "chains": chains, "isr": in_sync, "handover": handover}
         if changed:
             if self.publish({**doc, "topics": out}, revision):
                 log.warning("cluster: rebalance: topic partitions moving")

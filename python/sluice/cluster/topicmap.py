@@ -74,7 +74,11 @@ def fail_over(
             best = max(candidates, key=lambda n: (hwm(held, n, name, p), -chain.index(n)))
             chains[p] = [best, *[n for n in chain[1:] if n != best], None]
             in_sync[p] = rest
-        out[name] = {**t, "chains": chains, "isr": in_sync}
+        # A leader change under way ends with the failover: the partition is led as it decided.
+        handover = {
+            k: v for k, v in t.get("handover", {}).items() if failed not in (v, t["chains"][int(k)][0])
+        }
+        out[name] = {**t, "chains": chains, "isr": in_sync, "handover": handover}
     return out, had, orphaned
 
 

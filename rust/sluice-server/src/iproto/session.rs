@@ -19,6 +19,9 @@ use super::IprotoContext;
 use crate::auth::GUEST;
 use crate::driver::{Check, Conn, End, Fault, Flow, Frame, Out};
 
+/// How long a connection that ends waits for the answers of requests it forwarded.
+const FORWARDED_AT_END: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A declared space behind a handle of the session's own: requests clone it, and cloning the
 /// catalog's shared `Arc<Space>` from every connection on every core would bounce its
 /// reference count between the cores (the memcached front's session does the same).
@@ -377,16 +380,24 @@ impl crate::driver::Session for Session {
         self.fail(&mut out.now, 0, f);
     }
 
-    fn settle(
-        &mut self,
-        out: &mut Out,
-        _end: Option<End>,
-    ) -> impl std::future::Future<Output = Flow> + Send {
+    /// Moves the answers of forwarded requests that came into `out`; as the connection ends
+    /// (the client half-closed, the server stops), waits a little for the others, so that a
+    /// write another node applied is answered.
+    async fn settle(&mut self, out: &mut Out, end: Option<End>) -> Flow {
         self.ctx.stats.add_requests(&mut self.requests);
+        if end.is_some() && !self.forwarded.is_empty() {
+            let _ = tokio::time::timeout(FORWARDED_AT_END, async {
+                while !self.forwarded.is_empty() {
+                    self.forwarded.wait().await;
+                    self.answer_forwarded(&mut out.now, &mut out.acked.buf);
+                }
+            })
+            .await;
+        }
         if !self.forwarded.is_empty() {
             self.answer_forwarded(&mut out.now, &mut out.acked.buf);
         }
-        std::future::ready(Flow::Continue)
+        Flow::Continue
     }
 
     /// Answers of forwarded requests are awaited.
