@@ -298,6 +298,9 @@ fn follow(
 #[derive(Default)]
 pub struct PartitionCopies {
     running: Mutex<HashMap<CopyKey, Copying>>,
+    /// Copies told to stop, not waited for (one may be connecting to a leader that is gone
+    /// for its whole timeout); joined once they finish, and all at `stop`.
+    stopping: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// A copying connection: the topic, its leader's KV address, and whether its copies are in
@@ -313,9 +316,11 @@ struct Copying {
 
 impl PartitionCopies {
     /// Copies what `wanted` names, (topic, leader's KV address, in sync) to partitions, and
-    /// nothing else: a copy whose leader or partitions changed stops (and has stopped placing) before
-    /// its successor starts, so that a partition promoted here is no longer written by a copy
-    /// once this node leads it. `replica`: the name acknowledgements count under (this node's).
+    /// nothing else. A copy whose leader or partitions changed is told to stop and not waited
+    /// for: a partition promoted here is led at once (a failover is not held up by a copy
+    /// still connecting to its old leader), and whatever such a copy still places lands at
+    /// the partition's end before this node's own produces, or is refused as behind it.
+    /// `replica`: the name acknowledgements count under (this node's).
     pub fn apply(
         &self,
         engine: &Arc<Engine>,
@@ -329,13 +334,19 @@ impl PartitionCopies {
             .filter(|(k, c)| wanted.get(*k) != Some(&c.partitions))
             .map(|(k, _)| k.clone())
             .collect();
-        let stopping: Vec<Copying> = stale
-            .iter()
-            .filter_map(|k| running.remove(k))
-            .inspect(|c| c.stop.store(true, Ordering::Release))
-            .collect();
-        for c in stopping {
-            let _ = c.thread.join();
+        let mut stopping = self.stopping.lock().unwrap_or_else(|e| e.into_inner());
+        for c in stale.iter().filter_map(|k| running.remove(k)) {
+            c.stop.store(true, Ordering::Release);
+            stopping.push(c.thread);
+        }
+        // Those that finished are reaped.
+        let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut *stopping)
+            .into_iter()
+            .partition(|t| t.is_finished());
+        *stopping = left;
+        drop(stopping);
+        for t in done {
+            let _ = t.join();
         }
         for ((name, leader, in_sync), partitions) in wanted {
             if running.contains_key(&(name.clone(), leader.clone(), in_sync)) {
@@ -387,6 +398,11 @@ impl PartitionCopies {
         }
         for (_, c) in running {
             let _ = c.thread.join();
+        }
+        let stopping =
+            std::mem::take(&mut *self.stopping.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in stopping {
+            let _ = t.join();
         }
     }
 }
