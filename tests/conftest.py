@@ -63,6 +63,10 @@ CARGO = {"test_lint.py", "test_packaging.py"}
 HEAVY_FIRST = [
     "test_spark.py",
     "test_cluster.py",
+    "test_cli_messages.py",
+    "test_readme_examples.py",
+    "test_cluster_topics.py",
+    "test_cluster_router.py",
     "test_packaging.py",
     "test_lint.py",
     "test_kill9_server.py",

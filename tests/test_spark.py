@@ -604,6 +604,15 @@ def test_a_streaming_query_on_a_followed_space_sees_the_writes_made_on_tarantool
             node.stop()
 
 
+def test_a_bucket_with_no_changes_reads_as_no_rows(spark, tmp_path):
+    node = start_node(tmp_path, "empty")
+    try:
+        df = spark.read.format("sluice").option("nodes", node.address).load()
+        assert df.count() == 0
+    finally:
+        node.stop()
+
+
 def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
     from datetime import datetime, timezone
 

@@ -246,7 +246,10 @@ class SluiceBatchReader(DataSourceReader):
         return _partitions(self.opts, sources, start, end)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, SluicePartition)
+        if not isinstance(partition, SluicePartition):
+            # Planning found nothing to read (no vbucket holds a change): Spark still runs one
+            # partition of its own, which yields no rows.
+            return iter(())
         return read_partition(self.opts, partition, self.tuples)
 
 
@@ -317,7 +320,8 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _partitions(self.opts, sources, begin, until)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, SluicePartition)
+        if not isinstance(partition, SluicePartition):
+            return iter(())  # as in a batch: nothing was planned
         return read_partition(self.opts, partition, self.tuples)
 
     def commit(self, end: dict) -> None:
