@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
         segment_bytes: 512,
         index_interval: 64,
         retention_bytes: Some(2048),
-        retention_ms: None,
+        ..LogConfig::default()
     };
     let mut log = PartitionLog::new(config);
     // Bundles are u16-length-prefixed pieces of the input.
