@@ -22,6 +22,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_ANSWER: usize = 256 << 20;
 /// Requests waiting to be written.
 const QUEUE: usize = 4096;
+/// Requests encoded and not yet written that stop more being taken from the queue.
+const MAX_UNSENT: usize = 4 << 20;
 /// How long a request may wait for room in that queue.
 const QUEUE_WAIT: Duration = Duration::from_secs(10);
 
@@ -220,15 +222,23 @@ async fn serve(stream: TcpStream, first: Call, rx: &mut mpsc::Receiver<Call>) {
     pending.insert(next_sync, first.reply);
     next_sync += 1;
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    // Bytes of `out` written so far. Writing goes a part at a time beside reading: a node that
+    // stops reading while it writes its answers would otherwise wait for us as we wait for it.
+    let mut sent = 0;
     let why = 'conn: loop {
-        if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
-                break 'conn format!("writing: {e}");
-            }
-            out.clear();
-        }
         tokio::select! {
-            call = rx.recv() => {
+            written = wr.write(&out[sent..]), if sent < out.len() => match written {
+                Ok(0) => break 'conn "the node stopped taking requests".to_string(),
+                Ok(n) => {
+                    sent += n;
+                    if sent == out.len() {
+                        out.clear();
+                        sent = 0;
+                    }
+                }
+                Err(e) => break 'conn format!("writing: {e}"),
+            },
+            call = rx.recv(), if out.len() < MAX_UNSENT => {
                 let Some(call) = call else { return };
                 encode(&mut out, next_sync, &call);
                 pending.insert(next_sync, call.reply);

@@ -14,6 +14,8 @@ use tokio::sync::{mpsc, oneshot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const QUEUE: usize = 4096;
+/// Requests not yet written that stop more being taken from the queue.
+const MAX_UNSENT: usize = 4 << 20;
 /// The longest answer line taken.
 const MAX_LINE: usize = 8 << 10;
 /// The largest value block taken.
@@ -139,15 +141,22 @@ async fn serve(stream: TcpStream, first: Call, rx: &mut mpsc::Receiver<Call>) {
     let mut out = first.request;
     waiting.push_back((first.answer, first.reply));
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    // Writing goes a part at a time beside reading (see iproto_link).
+    let mut sent = 0;
     let why = 'conn: loop {
-        if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
-                break 'conn format!("writing: {e}");
-            }
-            out.clear();
-        }
         tokio::select! {
-            call = rx.recv() => {
+            written = wr.write(&out[sent..]), if sent < out.len() => match written {
+                Ok(0) => break 'conn "the node stopped taking requests".to_string(),
+                Ok(n) => {
+                    sent += n;
+                    if sent == out.len() {
+                        out.clear();
+                        sent = 0;
+                    }
+                }
+                Err(e) => break 'conn format!("writing: {e}"),
+            },
+            call = rx.recv(), if out.len() < MAX_UNSENT => {
                 let Some(call) = call else { return };
                 out.extend_from_slice(&call.request);
                 waiting.push_back((call.answer, call.reply));
