@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
 import time
 
 import pytest
@@ -212,6 +213,24 @@ def test_memcached_text_clients_reach_every_vbucket_through_one_node(tmp_path, e
             assert other.get(keys[120]) == b"value 120"
             assert other.get(keys[10]) is None
             other.close()
+        # Pipelined: commands for keys of every node in one write, the answers in their order.
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            batch = b"".join(
+                b"set pipe-%d 0 0 %d\r\n%s\r\nget pipe-%d\r\ndelete nope-%d\r\n"
+                % (i, len(b"v%d" % i), b"v%d" % i, i, i)
+                for i in range(60)
+            )
+            s.sendall(batch)
+            want = b"".join(
+                b"STORED\r\nVALUE pipe-%d 0 %d\r\nv%d\r\nEND\r\nNOT_FOUND\r\n" % (i, len(b"v%d" % i), i)
+                for i in range(60)
+            )
+            got = b""
+            while len(got) < len(want):
+                chunk = s.recv(65536)
+                assert chunk, got[-200:]
+                got += chunk
+            assert got == want
         n1 = nodes["n1"].metrics()
         assert metric_value(n1, "sluice_routed_requests_total", front="text", how="forwarded") > 0
     finally:

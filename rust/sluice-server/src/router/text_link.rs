@@ -59,17 +59,7 @@ impl Link {
         answer: Answer,
         timeout: Duration,
     ) -> Result<Vec<u8>, String> {
-        let (reply, got) = oneshot::channel();
-        let call = Call {
-            request,
-            answer,
-            reply,
-        };
-        match tokio::time::timeout(timeout, self.tx.send(call)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => return Err(format!("the connection to {} is closed", self.addr)),
-            Err(_) => return Err(format!("{} takes no more requests", self.addr)),
-        }
+        let got = self.send(request, answer, timeout).await?;
         match tokio::time::timeout(timeout, got).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(format!("the connection to {} failed", self.addr)),
@@ -77,6 +67,32 @@ impl Link {
         }
     }
 }
+
+impl Link {
+    /// Queues `request` without waiting for its answer, which comes on the receiver (a client
+    /// connection that pipelines: it writes the answers in its own order).
+    pub async fn send(
+        &self,
+        request: Vec<u8>,
+        answer: Answer,
+        timeout: Duration,
+    ) -> Result<Answered, String> {
+        let (reply, got) = oneshot::channel();
+        let call = Call {
+            request,
+            answer,
+            reply,
+        };
+        match tokio::time::timeout(timeout, self.tx.send(call)).await {
+            Ok(Ok(())) => Ok(got),
+            Ok(Err(_)) => Err(format!("the connection to {} is closed", self.addr)),
+            Err(_) => Err(format!("{} takes no more requests", self.addr)),
+        }
+    }
+}
+
+/// Where a queued request's answer comes.
+pub type Answered = oneshot::Receiver<Result<Vec<u8>, String>>;
 
 async fn run(addr: SocketAddr, mut rx: mpsc::Receiver<Call>) {
     while let Some(first) = rx.recv().await {

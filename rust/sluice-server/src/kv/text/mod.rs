@@ -53,6 +53,8 @@ pub struct TextSession {
     /// Longest retrieval line (many keys): the server's max_body, at least `MULTIGET_LINE`.
     max_multiget: usize,
     peer: SocketAddr,
+    /// Answers held in order behind forwarded commands' (in a cluster).
+    held: route::Held,
 }
 
 /// The reply to a user with a key: what the text protocol says for an engine error.
@@ -115,6 +117,7 @@ impl TextSession {
             max_value,
             max_multiget: max_body.max(MULTIGET_LINE),
             peer,
+            held: Default::default(),
         }
     }
 
@@ -692,7 +695,15 @@ impl crate::driver::Session for TextSession {
                 return DriverFlow::Close;
             }
         }
-        let (took, flow) = self.step(frame.bytes(), out).await;
+        let (took, flow) = if self.held.is_empty() {
+            self.step(frame.bytes(), out).await
+        } else {
+            // Behind a forwarded command's answer still to come: held in order after it.
+            let mut later = Vec::new();
+            let r = self.step(frame.bytes(), &mut later).await;
+            self.held.push_ready(later);
+            r
+        };
         frame.consumed(took);
         match flow {
             Flow::More | Flow::Continue => DriverFlow::Continue,
@@ -707,6 +718,46 @@ impl crate::driver::Session for TextSession {
     /// No login: with users configured the text protocol is refused (`handle`).
     fn logged_in(&self) -> bool {
         true
+    }
+
+    fn waiting(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    fn wakes(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    fn wake(&mut self) -> impl std::future::Future<Output = ()> + Send {
+        self.held.wait()
+    }
+
+    /// Moves the held answers that are ready into `out`; as the connection ends, waits a
+    /// little for those still to come.
+    async fn settle(&mut self, out: &mut Out, end: Option<crate::driver::End>) -> DriverFlow {
+        if end.is_some() {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+                while !self.held.is_empty() {
+                    self.held.wait().await;
+                    self.release(&mut out.acked.buf);
+                }
+            })
+            .await;
+        }
+        self.release(&mut out.acked.buf);
+        DriverFlow::Continue
+    }
+}
+
+impl TextSession {
+    fn release(&mut self, out: &mut Vec<u8>) {
+        let failed = self.held.release(out);
+        if failed > 0 {
+            let stats = &self.ctx.clustermap.router.stats;
+            stats
+                .failed
+                .fetch_add(failed, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 

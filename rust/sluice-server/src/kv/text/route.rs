@@ -5,18 +5,113 @@
 //! are answered here (for keys active here; others get the error they get on a node on its
 //! own).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sluice_core::vbucket::VbState;
 
 use super::{line, parse, Flow, TextSession};
-use crate::router::text_link::Answer;
+use crate::router::text_link::{Answer, Answered};
 use crate::router::Routes;
 
 const ROUTED_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection's answers held in order behind a forwarded command's: the text protocol
+/// answers in order and has no request ids, so while a forwarded answer is on its way,
+/// whatever comes after it waits here, and the connection goes on reading.
+#[derive(Default)]
+pub(super) struct Held {
+    queue: VecDeque<Slot>,
+}
+
+enum Slot {
+    Ready(Vec<u8>),
+    Forwarded {
+        answer: Answered,
+        noreply: bool,
+        given_up_at: Instant,
+        /// The answer, once `wait` took it.
+        got: Option<Result<Vec<u8>, String>>,
+    },
+}
+
+impl Held {
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub fn push_ready(&mut self, bytes: Vec<u8>) {
+        if !bytes.is_empty() {
+            self.queue.push_back(Slot::Ready(bytes));
+        }
+    }
+
+    /// Resolves once the first forwarded answer came or waited too long. Cancel-safe.
+    pub async fn wait(&mut self) {
+        let Some(Slot::Forwarded {
+            answer,
+            given_up_at,
+            got: got @ None,
+            ..
+        }) = self.queue.front_mut()
+        else {
+            return;
+        };
+        let until = *given_up_at;
+        match tokio::time::timeout_at(until.into(), answer).await {
+            Ok(Ok(r)) => *got = Some(r),
+            Ok(Err(_)) => *got = Some(Err("the connection to the node failed".into())),
+            Err(_) => {}
+        }
+    }
+
+    /// Moves the answers at the front that are ready into `out`, in order; a forwarded one
+    /// that failed or waited too long becomes a SERVER_ERROR. Returns how many failed.
+    pub fn release(&mut self, out: &mut Vec<u8>) -> u64 {
+        let mut failed = 0;
+        let now = Instant::now();
+        while let Some(front) = self.queue.front_mut() {
+            match front {
+                Slot::Ready(bytes) => out.extend_from_slice(bytes),
+                Slot::Forwarded {
+                    answer,
+                    noreply,
+                    given_up_at,
+                    got,
+                } => {
+                    if got.is_none() {
+                        match answer.try_recv() {
+                            Ok(r) => *got = Some(r),
+                            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                                *got = Some(Err("the connection to the node failed".into()))
+                            }
+                            Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                                if *given_up_at <= now =>
+                            {
+                                *got = Some(Err(format!("no answer within {ROUTED_TIMEOUT:?}")))
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    match got.take().expect("set above") {
+                        Ok(answer) if !*noreply => out.extend_from_slice(&answer),
+                        Ok(_) => {}
+                        Err(why) => {
+                            failed += 1;
+                            if !*noreply {
+                                line(out, &format!("SERVER_ERROR {}", one_line(&why)));
+                            }
+                        }
+                    }
+                }
+            }
+            self.queue.pop_front();
+        }
+        failed
+    }
+}
 
 impl TextSession {
     /// The node `key` is active on, when it is another one that serves the text protocol.
@@ -73,8 +168,9 @@ impl TextSession {
         }
     }
 
-    /// Sends a one-line-answer command on and gives its answer (none with `noreply`, though
-    /// it is waited for: what follows on this connection comes after it).
+    /// Sends a one-line-answer command on; its answer (none with `noreply`) takes its place
+    /// in order among this connection's answers when it comes (`Held`), and the connection
+    /// goes on meanwhile.
     async fn forward(
         &mut self,
         addr: SocketAddr,
@@ -82,19 +178,28 @@ impl TextSession {
         noreply: bool,
         out: &mut Vec<u8>,
     ) {
-        let router = &self.ctx.clustermap.router;
+        let ctx = self.ctx.clone();
+        let router = &ctx.clustermap.router;
         router.stats.text_forwarded.fetch_add(1, Relaxed);
+        // What this command's turn already wrote goes before it.
+        self.held.push_ready(std::mem::take(out));
         match router
             .text(addr)
-            .call(request, Answer::Line, ROUTED_TIMEOUT)
+            .send(request, Answer::Line, ROUTED_TIMEOUT)
             .await
         {
-            Ok(answer) if !noreply => out.extend_from_slice(&answer),
-            Ok(_) => {}
+            Ok(answer) => self.held.queue.push_back(Slot::Forwarded {
+                answer,
+                noreply,
+                given_up_at: Instant::now() + ROUTED_TIMEOUT,
+                got: None,
+            }),
             Err(why) => {
                 router.stats.failed.fetch_add(1, Relaxed);
                 if !noreply {
-                    line(out, &format!("SERVER_ERROR {}", one_line(&why)));
+                    let mut refusal = Vec::new();
+                    line(&mut refusal, &format!("SERVER_ERROR {}", one_line(&why)));
+                    self.held.push_ready(refusal);
                 }
             }
         }
