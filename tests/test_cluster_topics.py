@@ -153,6 +153,12 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
             assert chain[1] not in (None, chain[0]), chains
             assert sorted(in_sync) == sorted(chain), doc["topics"]["events"]
         assert re.search(rf"events\s+0\s+{leaders[0]}\s+{chains[0][1]}\s", cli(etcd, "status"))
+        # /status shows them too: each partition's copies, and those in sync.
+        expected = [{"copies": [n for n in c[1:] if n], "in_sync": c} for c in chains]
+        deadline = time.monotonic() + 10
+        while nodes["n2"].status()["cluster"]["topic_copies"].get("events") != expected:
+            assert time.monotonic() < deadline, nodes["n2"].status()["cluster"]["topic_copies"]
+            time.sleep(0.1)
 
         # A steady producer asking for acks from every copy in sync; the leader of two
         # partitions is killed mid-produce. Once it is failed over, its copies lead, and every
