@@ -196,18 +196,9 @@ def write_users_config(path: Path, bob_perms: str) -> None:
 
 # `sluice serve` arguments that keep a node off every default port (tests run side by side):
 # the client port and the admin endpoint on free ports, the other fronts off.
-NO_DEFAULT_PORTS = (
-    "--listen",
-    "127.0.0.1:0",
-    "--admin-listen",
-    "127.0.0.1:0",
-    "--iproto-listen",
-    "",
-    "--tank-listen",
-    "",
-    "--greenstack-listen",
-    "",
-)
+# `sluice serve` arguments that turn the fronts besides memcached's off.
+FRONTS_OFF = ("--iproto-listen", "", "--tank-listen", "", "--greenstack-listen", "")
+NO_DEFAULT_PORTS = ("--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *FRONTS_OFF)
 
 
 def free_port() -> int:
@@ -250,46 +241,20 @@ def listen_port_with_free_fronts() -> int:
     raise AssertionError("no listen port with free fronts beside it")
 
 
-class Node:
-    """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded.
-    Every listener the `args` do not set gets a free port; with `free_fronts` False, iproto,
-    TANK and Greenstack are left to the node, which places them beside `--listen`."""
+class Watched:
+    """A child process whose stderr is read on a thread, so that a wait for a line is bounded;
+    `what` names it in failures."""
 
-    def __init__(
-        self, data_dir: Path, *args: str, env: dict[str, str] | None = None, free_fronts: bool = True
-    ) -> None:
+    what = "the process"
+
+    def _watch(self, proc: subprocess.Popen) -> None:
         import queue
         import threading
 
-        cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(data_dir), *args]
-        if "--listen" not in args:
-            cmd += ["--listen", "127.0.0.1:0"]
-        if "--admin-listen" not in args:
-            cmd += ["--admin-listen", "127.0.0.1:0"]
-        for flag in ("--iproto-listen", "--tank-listen", "--greenstack-listen"):
-            if free_fronts and flag not in args:
-                cmd += [flag, "127.0.0.1:0"]
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = proc
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        ready = self.wait_for("sluice ready")
-        self.address = ready.split("listening on ")[1].split(" ")[0]
-        self.admin = ready.split("(admin ")[1].split(")")[0]
-        # "off" when the node serves no iproto; a front's TLS port follows its own: "(iproto
-        # HOST:PORT, TLS HOST:PORT)".
-        fronts = {
-            title: ready.split(f"({title} ")[1].split(")")[0].split(", TLS ")
-            for title in ("iproto", "TANK", "Greenstack")
-        }
-        self.iproto, self.tank, self.greenstack = (fronts[t][0] for t in ("iproto", "TANK", "Greenstack"))
-        #: The TLS ports of the fronts that have one, by title.
-        self.tls_fronts = {t: a[1] for t, a in fronts.items() if len(a) > 1}
-        host, _, port = self.address.rpartition(":")
-        self.host, self.port = host, int(port)
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -309,12 +274,50 @@ class Node:
                 break
             if line is None:
                 raise AssertionError(
-                    f"sluice serve exited ({self.proc.wait()}): {''.join(self.lines)[-3000:]}"
+                    f"{self.what} exited ({self.proc.wait()}): {''.join(self.lines)[-3000:]}"
                 )
             self.lines.append(line)
             if text in line:
                 return line
         raise AssertionError(f"no {text!r} within {timeout} s: {''.join(self.lines)[-3000:]}")
+
+
+class Node(Watched):
+    """A `sluice serve` process on a free port; stderr is read on a thread so waits are bounded.
+    Every listener the `args` do not set gets a free port; with `free_fronts` False, iproto,
+    TANK and Greenstack are left to the node, which places them beside `--listen`."""
+
+    what = "sluice serve"
+
+    def __init__(
+        self, data_dir: Path, *args: str, env: dict[str, str] | None = None, free_fronts: bool = True
+    ) -> None:
+        cmd = [sys.executable, "-m", "sluice", "serve", "--data-dir", str(data_dir), *args]
+        if "--listen" not in args:
+            cmd += ["--listen", "127.0.0.1:0"]
+        if "--admin-listen" not in args:
+            cmd += ["--admin-listen", "127.0.0.1:0"]
+        for flag in ("--iproto-listen", "--tank-listen", "--greenstack-listen"):
+            if free_fronts and flag not in args:
+                cmd += [flag, "127.0.0.1:0"]
+        self.data_dir = data_dir
+        self._watch(
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        )
+        ready = self.wait_for("sluice ready")
+        self.address = ready.split("listening on ")[1].split(" ")[0]
+        self.admin = ready.split("(admin ")[1].split(")")[0]
+        # "off" when the node serves no iproto; a front's TLS port follows its own: "(iproto
+        # HOST:PORT, TLS HOST:PORT)".
+        fronts = {
+            title: ready.split(f"({title} ")[1].split(")")[0].split(", TLS ")
+            for title in ("iproto", "TANK", "Greenstack")
+        }
+        self.iproto, self.tank, self.greenstack = (fronts[t][0] for t in ("iproto", "TANK", "Greenstack"))
+        #: The TLS ports of the fronts that have one, by title.
+        self.tls_fronts = {t: a[1] for t, a in fronts.items() if len(a) > 1}
+        host, _, port = self.address.rpartition(":")
+        self.host, self.port = host, int(port)
 
     def inject(self, name: str, value: int) -> dict[str, int]:
         """Sets a fault injection point (`POST /errinj`) of a node started with SLUICE_ERRINJ;

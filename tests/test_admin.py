@@ -13,7 +13,7 @@ import urllib.request
 
 import bmemcached
 import pytest
-from helpers import Node, admin_get, admin_post, basic_auth, write_users_config
+from helpers import FRONTS_OFF, Node, admin_get, admin_post, basic_auth, write_users_config
 
 
 def test_metrics_count_what_clients_did(server):
@@ -236,12 +236,7 @@ def test_an_admin_endpoint_beyond_loopback_needs_users_or_insecure(tmp_path):
             "127.0.0.1:0",
             "--admin-listen",
             "0.0.0.0:0",
-            "--iproto-listen",
-            "",
-            "--tank-listen",
-            "",
-            "--greenstack-listen",
-            "",
+            *FRONTS_OFF,
         ],
         capture_output=True,
         text=True,

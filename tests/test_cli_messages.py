@@ -22,7 +22,7 @@ from pathlib import Path
 import bmemcached
 import pytest
 import sluice
-from helpers import NO_DEFAULT_PORTS, Node, run_cli, start_node, wait_converged
+from helpers import FRONTS_OFF, NO_DEFAULT_PORTS, Node, run_cli, start_node, wait_converged
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,12 +78,7 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
         "127.0.0.1:0",
         "--admin-listen",
         server.admin,
-        "--iproto-listen",
-        "",
-        "--tank-listen",
-        "",
-        "--greenstack-listen",
-        "",
+        *FRONTS_OFF,
     )
     assert r.returncode == 1
     assert f"admin listener {server.admin} (admin_listen): Address already in use" in r.stderr, r.stderr
@@ -97,12 +92,7 @@ def test_a_listener_that_cannot_bind_names_itself(tmp_path, server):
         server.address,
         "--admin-listen",
         "",
-        "--iproto-listen",
-        "",
-        "--tank-listen",
-        "",
-        "--greenstack-listen",
-        "",
+        *FRONTS_OFF,
     )
     assert r.returncode == 1
     assert f"memcached listener {server.address} (listen): Address already in use" in r.stderr, r.stderr
@@ -293,7 +283,7 @@ def test_config_check_refuses_what_serve_refuses(tmp_path):
         cfg.write_text(text)
         r = run_cli("config", "check", str(cfg))
         assert r.returncode == 2 and f"invalid config: {key}:" in r.stderr, (text, r.stderr)
-        off = ("--admin-listen", "", "--iproto-listen", "", "--tank-listen", "", "--greenstack-listen", "")
+        off = ("--admin-listen", "", *FRONTS_OFF)
         r = run_cli("serve", "--config", str(cfg), "--listen", "127.0.0.1:0", *off, timeout=60)
         assert r.returncode == 2 and f"invalid config: {key}:" in r.stderr, (text, r.stderr)
 

@@ -28,20 +28,17 @@ import ast
 import dataclasses
 import importlib.util
 import os
-import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import sluice
-from helpers import Node, start_node
+from helpers import Node, Watched, free_port, listen_port_with_free_fronts, start_node
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -122,21 +119,6 @@ def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the examples run, as a reader's shell would: the files they write land here."""
@@ -161,42 +143,23 @@ def ports(node: Node) -> dict[int, int]:
     return {NODE_PORTS[k]: port_of(v) for k, v in real.items()}
 
 
-class Background:
+class Background(Watched):
     """A command started from an example (`sluice serve ...`) in a process group of its own;
     its stderr is read on a thread so that waits are bounded."""
 
+    what = "the command"
+
     def __init__(self, command: str, cwd: Path) -> None:
-        self.proc = subprocess.Popen(
-            ["bash", "-c", f"exec {command.strip()}"],
-            cwd=cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        self._watch(
+            subprocess.Popen(
+                ["bash", "-c", f"exec {command.strip()}"],
+                cwd=cwd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
         )
-        self.lines: list[str] = []
-        self._q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._q.put(line)
-        self._q.put(None)
-
-    def wait_for(self, text: str, timeout: float = 30) -> str:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._q.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(f"the command exited ({self.proc.wait()}): {''.join(self.lines)}")
-            self.lines.append(line)
-            if text in line:
-                return line
-        raise AssertionError(f"no {text!r} within {timeout} s: {''.join(self.lines)}")
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -208,23 +171,12 @@ class Background:
             raise
 
 
-def replica_ports() -> tuple[int, int]:
-    """A listen port whose derived front ports (default + listen - 11210) are free too, and an
-    admin port."""
-    for _ in range(100):
-        listen = free_port()
-        derived = [p + listen - 11210 for p in FRONT_DEFAULTS.values()]
-        if all(1024 <= p <= 65535 and is_free(p) for p in derived):
-            return listen, free_port()
-    raise AssertionError("no free listen port whose derived front ports are free")
-
-
 @pytest.fixture(scope="module")
 def replica(node: Node, ports: dict[int, int], workdir: Path):
     """The README's replica, started by its own command with the test's ports, once it follows
     every vbucket of the first node's default bucket."""
     (start,) = [e for e in EXAMPLES if "starts-replica" in e.tags]
-    listen, admin = replica_ports()
+    listen, admin = listen_port_with_free_fronts(), free_port()
     delta = listen - 11210
     mapping = dict(ports)
     mapping |= {REPLICA_LISTEN: listen, REPLICA_ADMIN: admin}
