@@ -265,6 +265,60 @@ def test_partitions_move_on_rebalance_under_a_steady_producer(tmp_path, etcd):
         stop_all(nodes)
 
 
+def test_an_old_leader_back_after_a_failover_drops_what_no_copy_got(tmp_path, etcd, monkeypatch):
+    """A leader stores messages its copy never got (its streams held, as by a stalled network;
+    the producer was told they were not acknowledged), then dies; its copy leads and takes
+    other messages at those sequence numbers. Back, the old leader is cut back to where the
+    two histories part and copies the new leader's, and is admitted in sync only then: when it
+    leads again, readers see what the new leader had, never the messages nobody
+    acknowledged."""
+    monkeypatch.setenv("SLUICE_ERRINJ", "")
+    nodes = form(tmp_path, etcd, ["n1", "n2"], config=GUEST)
+    try:
+        with TankConnection(nodes["n1"].tank) as t:
+            t.create_topic("branch", 1)
+        doc = wait_map(etcd, lambda m: len(m.get("topics", {}).get("branch", {}).get("isr", [[]])[0]) == 2)
+        old, copy = doc["topics"]["branch"]["chains"][0][:2]
+        leaders_known(nodes, "branch", doc["topics"]["branch"]["chains"])
+        with TankConnection(nodes[old].tank) as t:
+            once_led(lambda: t.produce("branch", [b"acked 1", b"acked 2"]))
+            nodes[old].inject("topic_streams_held", 1)
+            for i in range(3):
+                with pytest.raises(TankError, match="not as many copies"):
+                    t.produce("branch", [b"unacked %d" % i], ack_timeout=0.2)
+            assert t.consume("branch", 0, 0).high_water_mark == 5
+        nodes[old].stop(sig=9)
+        wait_map(etcd, lambda m: old in m["failed"] and m["topics"]["branch"]["chains"][0][0] == copy)
+        with TankConnection(nodes[copy].tank) as t:
+            once_led(lambda: t.produce("branch", [b"new 1", b"new 2", b"new 3", b"new 4"]))
+            led = [(m.seq, m.content) for m in t.consume("branch", 0, 0).messages]
+        assert [c for _, c in led] == [b"acked 1", b"acked 2", b"new 1", b"new 2", b"new 3", b"new 4"]
+
+        # Back: it holds 5 messages against the leader's 6, 3 of them on a branch the leader
+        # never had; it joins those in sync only once cut back and caught up.
+        nodes[old] = cluster_node(tmp_path, etcd, old, config=GUEST)
+        wait_map(etcd, lambda m: sorted(m["topics"]["branch"]["isr"][0]) == sorted([old, copy]), timeout=60)
+        assert "cut back from 5 to 2" in nodes[old].log()
+        cli(etcd, "failover", copy)
+        wait_map(etcd, lambda m: m["topics"]["branch"]["chains"][0][0] == old, timeout=30)
+        with TankConnection(nodes[old].tank) as t:
+            got = [(m.seq, m.content) for m in once_led(lambda: t.consume("branch", 0, 0)).messages]
+        assert got == led
+    finally:
+        stop_all(nodes)
+
+
+def once_led(call):
+    """`call`'s answer once the node it asks has put the map that makes it lead in force."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return call()
+        except NotLeader:
+            assert time.monotonic() < deadline, "the node never came to lead the partition"
+            time.sleep(0.1)
+
+
 class SteadyProducer(threading.Thread):
     """Produces to every partition in turn, one message at a time, with acks from every copy in
     sync (required_acks 0), through whichever node answers: it follows the leaders' redirects

@@ -112,7 +112,13 @@ class Member:
             }
         # The topics it holds, which the orchestrator places over the cluster.
         topics = {
-            name: {"partitions": n, "settings": settings, "hwm": self.engine.topic_high_water_marks(name)}
+            name: {
+                "partitions": n,
+                "settings": settings,
+                "hwm": self.engine.topic_high_water_marks(name),
+                # A copy on its leader's branch holds nothing its leader lacks.
+                "branch": self.engine.topic_branches(name),
+            }
             for name, n, settings in self.engine.topics()
         }
         return {"buckets": out, "topics": topics, "map_revision": self.map_revision, "at": time.time()}

@@ -150,10 +150,11 @@ class Orchestrator:
 
     # -- topics
 
-    def topic_marks(self) -> dict[str, dict[str, list[int]]]:
-        """Per node, per topic: each partition's high-water mark, as last published."""
+    def topic_marks(self, field: str = "hwm") -> dict[str, dict[str, list[int]]]:
+        """Per node, per topic: each partition's high-water mark (or, with `field` "branch",
+        its branch of history), as last published."""
         return {
-            node: {name: t.get("hwm", []) for name, t in st.get("topics", {}).items()}
+            node: {name: t.get(field, []) for name, t in st.get("topics", {}).items()}
             for node, st in self.statuses().items()
         }
 
@@ -233,7 +234,9 @@ class Orchestrator:
         """Copies that caught up with their leader join those in sync."""
         if not doc.get("topics"):
             return False
-        topics, joined = topicmap.admit_caught_up(doc["topics"], self.topic_marks(), set(nodes))
+        topics, joined = topicmap.admit_caught_up(
+            doc["topics"], self.topic_marks(), set(nodes), self.topic_marks("branch")
+        )
         if not joined or not self.publish({**doc, "topics": topics}, revision):
             return False
         for name, p, n in joined:

@@ -105,11 +105,12 @@ def take_back(
 
 
 def admit_caught_up(
-    topics: Mapping[str, Mapping[str, Any]], held: Held, alive: set[str]
+    topics: Mapping[str, Mapping[str, Any]], held: Held, alive: set[str], branches: Held | None = None
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, int, str]]]:
     """Each copy alive, not in sync, that holds at least what its leader holds (as both last
-    published) joins those in sync. Returns the topics and what joined: (topic, partition,
-    node)."""
+    published) joins those in sync; with `branches`, only a copy on its leader's branch of
+    history (one that holds more on another branch, taken by an old leader, has not been cut
+    back yet). Returns the topics and what joined: (topic, partition, node)."""
     out: dict[str, dict[str, Any]] = {}
     joined: list[tuple[str, int, str]] = []
     for name, t in topics.items():
@@ -121,6 +122,8 @@ def admit_caught_up(
             lead_hwm = hwm(held, leader, name, p)
             for n in chain[1:]:
                 if n is None or n in in_sync[p] or n not in alive or lead_hwm < 0:
+                    continue
+                if branches is not None and hwm(branches, n, name, p) != hwm(branches, leader, name, p):
                     continue
                 if hwm(held, n, name, p) >= lead_hwm:
                     in_sync[p].append(n)

@@ -74,11 +74,19 @@ pub static SNAPSHOT_BLOCK_DELAY_MS: Injection = Injection::new(
     "milliseconds a snapshot waits after each block it writes",
 );
 
+/// Topic streams send nothing while set: a partition's copies fall behind its leader (as
+/// behind a stalled network), and produces asking for their acks time out.
+pub static TOPIC_STREAMS_HELD: Injection = Injection::new(
+    "topic_streams_held",
+    "while not 0, DCP streams of topic partitions send nothing (their copies fall behind)",
+);
+
 /// Every injection point, by name.
 pub static ALL: &[&Injection] = &[
     &CLOCK_OFFSET_SECS,
     &WAL_WRITE_DELAY_MS,
     &SNAPSHOT_BLOCK_DELAY_MS,
+    &TOPIC_STREAMS_HELD,
 ];
 
 /// Sets the point named `name`; Err names the points there are.

@@ -1021,6 +1021,71 @@ impl PartitionLog {
         }
     }
 
+    /// Drops every bundle that holds a message past `keep` (a copy cutting back to where its
+    /// history and its new leader's part: the messages after are ones no other copy has).
+    /// Cuts at a bundle's start, so the log may end before `keep`; returns its new high-water
+    /// mark. Bytes readers were handed stay valid: a segment cut inside is written anew (its
+    /// file replaced, not shrunk under a mapping), and one dropped whole is only unlinked. The
+    /// rewritten file is synced before this returns.
+    pub fn truncate_after(&mut self, keep: u64) -> Result<u64, AppendError> {
+        if keep >= self.high_water_mark() {
+            return Ok(self.high_water_mark());
+        }
+        while self.segments.back().is_some_and(|s| s.base_seq > keep) {
+            let s = self.segments.pop_back().expect("checked");
+            self.bytes -= s.data.len() as u64;
+            s.remove_file();
+        }
+        let Some(cut) = self.segments.pop_back() else {
+            // Nothing kept (retention had dropped what comes before): the log starts afresh.
+            self.next_seq = self.next_seq.min(keep + 1).max(1);
+            return Ok(self.high_water_mark());
+        };
+        let data = cut.data.as_slice();
+        let (mut at, mut next) = (0, cut.base_seq);
+        while at < data.len() {
+            let (len, count) = stored_bundle(&data[at..]);
+            if next + count - 1 > keep {
+                break;
+            }
+            at += len;
+            next += count;
+        }
+        self.bytes -= (data.len() - at) as u64;
+        self.next_seq = next;
+        if at == 0 {
+            cut.remove_file();
+            return Ok(self.high_water_mark());
+        }
+        cut.remove_file();
+        let reserve = self.config.segment_bytes.max(at + 10);
+        let mut kept = Segment::new(cut.base_seq, reserve, self.dir.as_deref())?;
+        let file = kept
+            .path
+            .as_deref()
+            .unwrap_or(Path::new("?"))
+            .display()
+            .to_string();
+        let storage = |e: std::io::Error| AppendError::Storage(format!("{file}: {e}"));
+        kept.data
+            .extend_from_slices(&[&data[..at]])
+            .map_err(storage)?;
+        for &(rel, offset) in &index_upto(cut.index.clone(), at) {
+            kept.index_push(rel, offset);
+        }
+        kept.write_index();
+        if let Some(f) = kept.data.file() {
+            f.sync_data().map_err(storage)?;
+        }
+        kept.next_seq = next;
+        kept.newest_ms = cut.newest_ms;
+        if let Some(before) = self.segments.back_mut() {
+            before.seal();
+        }
+        self.segments.push_back(kept);
+        Ok(self.high_water_mark())
+    }
+
     /// Takes a topic's settings (recovery builds logs before it reads them).
     pub fn set_config(&mut self, config: LogConfig) {
         self.config = config;

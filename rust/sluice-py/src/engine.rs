@@ -460,6 +460,19 @@ impl EmbeddedEngine {
             .collect())
     }
 
+    /// Each partition's branch of history: the uuid of its newest entry (a copy takes its
+    /// leader's when it follows it, after being cut back to where they part); NotFoundError
+    /// for an unknown topic.
+    fn topic_branches(&self, name: &str) -> PyResult<Vec<u64>> {
+        let t = self
+            .engine
+            .topic(name)
+            .ok_or_else(|| to_py(sluice_core::Error::NotFound))?;
+        Ok((0..t.num_partitions())
+            .map(|p| t.history(p)[0].uuid)
+            .collect())
+    }
+
     fn recovery_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.engine.recovery_report();
         let d = PyDict::new(py);

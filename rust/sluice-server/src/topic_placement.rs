@@ -107,6 +107,29 @@ impl Placements {
         })
     }
 
+    /// The partitions `next` makes this node lead that the placement in force does not (all
+    /// it leads, when none is in force yet: a node starting, or joining a cluster). Each
+    /// starts a branch of its history (`Engine::start_topic_branch`) before `next` is in
+    /// force, so that a copy holding messages this node never had is cut back to its end.
+    pub fn newly_led(&self, next: &Placement) -> Vec<(String, u16)> {
+        let now = self.current();
+        let mut led = Vec::new();
+        for (topic, parts) in &next.topics {
+            for (p, placed) in parts.iter().enumerate() {
+                let was_here = now.as_ref().is_some_and(|now| {
+                    now.topics
+                        .get(topic)
+                        .and_then(|parts| parts.get(p))
+                        .is_some_and(|before| before.lead == Lead::Here)
+                });
+                if placed.lead == Lead::Here && !was_here {
+                    led.push((topic.clone(), p as u16));
+                }
+            }
+        }
+        led
+    }
+
     /// Who leads `partition` of `topic`: here unless the map places it elsewhere.
     pub fn lead(&self, topic: &str, partition: u16) -> Lead {
         self.placed(topic, partition).lead
@@ -152,6 +175,11 @@ mod tests {
         assert_eq!(p.lead("events", 1), Lead::At(there));
         assert_eq!(p.lead("events", 2), Lead::Nobody);
         assert_eq!(p.lead("other", 1), Lead::Here);
+        // Partition 1 comes to be led here; 0 was already.
+        let mut next = p.current().unwrap().as_ref().clone();
+        next.topics.get_mut("events").unwrap()[1].lead = Lead::Here;
+        assert_eq!(p.newly_led(&next), vec![("events".to_string(), 1)]);
+        assert_eq!(Placements::default().newly_led(&next).len(), 2);
     }
 
     #[test]

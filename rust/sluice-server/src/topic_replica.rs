@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use sluice_core::failover::FailoverEntry;
 use sluice_core::topic::Topic;
 use sluice_core::Engine;
 use sluice_proto::mcbp::status;
@@ -24,7 +25,7 @@ use sluice_proto::tank::bundle::{self, codec, NewMessage};
 use crate::dcp::consumer::{
     self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState, TopicInfo,
 };
-use crate::dcp::topic_stream::{topic_uuid, KEYED};
+use crate::dcp::topic_stream::KEYED;
 
 /// How often the active is asked for its topics.
 const DISCOVER_EVERY: Duration = Duration::from_secs(1);
@@ -196,13 +197,13 @@ fn copy(
     let mut backoff = Duration::from_millis(50);
     while !stop.load(Ordering::Acquire) {
         let mut state = SessionState::default();
-        let uuid = topic_uuid(topic);
         for &p in partitions {
             let hwm = topic.high_water_mark(p);
+            let history = topic.history(p).iter().map(|e| (e.uuid, e.seqno)).collect();
             state.vbuckets.insert(
                 p,
                 Position {
-                    failover: vec![(uuid, 0)],
+                    failover: history,
                     seqno: hwm,
                     snap_start: hwm,
                     snap_end: hwm,
@@ -262,6 +263,19 @@ fn follow(
                 if let Err(why) = place(engine, topic, &b) {
                     return Some(why);
                 }
+                // The upstream's history, as its stream answers gave it, is this copy's.
+                for (p, pos) in &b.positions {
+                    let history: Vec<FailoverEntry> = pos
+                        .failover
+                        .iter()
+                        .map(|&(uuid, seqno)| FailoverEntry { uuid, seqno })
+                        .collect();
+                    if !history.is_empty() {
+                        if let Err(e) = engine.adopt_topic_history(topic, *p, &history) {
+                            return Some(e.to_string());
+                        }
+                    }
+                }
                 if acknowledge {
                     let mut held = BTreeMap::new();
                     for (&p, &seq) in b.vbucket.iter().zip(&b.seqno) {
@@ -273,11 +287,16 @@ fn follow(
                 }
             }
             Some(Event::Rollback { vbucket, seqno, .. }) => {
-                // A log is not taken back: the active lost messages this copy holds.
-                return Some(format!(
-                    "partition {vbucket} here is past the active's end ({seqno}); the copy \
-                     keeps what it has and waits for the active to catch up"
-                ));
+                // This copy holds messages the upstream does not: taken by a leader it
+                // followed, or by itself as a leader, that no copy in sync got. They go, and
+                // the copy follows again from where the two histories part.
+                return Some(match engine.truncate_topic(topic, vbucket, seqno) {
+                    Ok(hwm) => format!(
+                        "partition {vbucket} parted from the upstream's history after {seqno}: \
+                         cut back to {hwm}"
+                    ),
+                    Err(e) => e.to_string(),
+                });
             }
             Some(Event::VbucketState { opaque, .. }) => {
                 consumer.link().respond(

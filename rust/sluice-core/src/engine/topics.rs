@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::{Engine, Inner, Written};
 use crate::config::Durability;
 use crate::error::{Error, Result};
+use crate::failover::{FailoverEntry, FailoverLog};
 use crate::partition_log::{AppendError, ChunkSink, LogConfig, PartitionLog, Read};
 use crate::recovery::RecoveredTopic;
 use crate::topic::{Partition, Topic};
@@ -263,6 +264,104 @@ impl Engine {
                 high_water_mark,
                 first_available,
             },
+        })
+    }
+
+    /// Starts a branch of partition `p`'s history at its end: this node leads it from now on
+    /// (a new leader's first act, as a promoted vbucket adds a failover entry). A copy that
+    /// held more than this under an older branch is cut back to here when it asks to follow.
+    pub fn start_topic_branch(&self, topic: &Topic, p: u16) -> Result<FailoverEntry> {
+        let base = topic.base_entry();
+        let mut part = self.partition(topic, p)?;
+        let mut history = part.history.clone();
+        if history.entries().is_empty() {
+            history.push(base);
+        }
+        let e = history.create_entry(part.log.high_water_mark());
+        part.set_history(history).map_err(|e| {
+            Error::Io(format!(
+                "topic {:?} partition {p}'s history: {e}",
+                topic.name
+            ))
+        })?;
+        log::info!(
+            "topic {:?} partition {p}: led here from sequence number {} (history {:#x})",
+            topic.name,
+            e.seqno,
+            e.uuid
+        );
+        Ok(e)
+    }
+
+    /// Takes `entries` (newest first) as partition `p`'s history: a copy's, from its leader,
+    /// so that it knows the leader's branches if it comes to lead or to follow another.
+    pub fn adopt_topic_history(
+        &self,
+        topic: &Topic,
+        p: u16,
+        entries: &[FailoverEntry],
+    ) -> Result<()> {
+        let mut part = self.partition(topic, p)?;
+        if part.history.entries() == entries {
+            return Ok(());
+        }
+        let mut history = FailoverLog::default();
+        history.replace_all(entries.to_vec());
+        part.set_history(history).map_err(|e| {
+            Error::Io(format!(
+                "topic {:?} partition {p}'s history: {e}",
+                topic.name
+            ))
+        })
+    }
+
+    /// Cuts partition `p` back to `keep` (`PartitionLog::truncate_after`), with the branches of
+    /// its history that start past it: a copy whose leader's history parts from its own there
+    /// (DCP's rollback). Returns the partition's new high-water mark.
+    pub fn truncate_topic(&self, topic: &Topic, p: u16, keep: u64) -> Result<u64> {
+        let mut part = self.partition(topic, p)?;
+        let before = part.log.high_water_mark();
+        let hwm = part.log.truncate_after(keep).map_err(|e| {
+            Error::Io(format!(
+                "topic {:?} partition {p}: cutting back to {keep}: {e}",
+                topic.name
+            ))
+        })?;
+        part.unwritten.retain(|&(first_seq, _)| first_seq <= hwm);
+        let mut history = FailoverLog::default();
+        history.replace_all(
+            part.history
+                .entries()
+                .iter()
+                .copied()
+                .filter(|e| e.seqno <= hwm)
+                .collect(),
+        );
+        part.set_history(history).map_err(|e| {
+            Error::Io(format!(
+                "topic {:?} partition {p}'s history: {e}",
+                topic.name
+            ))
+        })?;
+        drop(part);
+        if hwm < before {
+            log::warn!(
+                "topic {:?} partition {p}: cut back from {before} to {hwm}: messages its leader \
+                 does not have (taken by a leader whose copies never got them)",
+                topic.name
+            );
+        }
+        topic.changes.notify();
+        Ok(hwm)
+    }
+
+    fn partition<'t>(
+        &self,
+        topic: &'t Topic,
+        p: u16,
+    ) -> Result<parking_lot::MutexGuard<'t, Partition>> {
+        topic.lock_partition(p).ok_or_else(|| {
+            Error::InvalidArgument(format!("topic {:?} has no partition {p}", topic.name))
         })
     }
 

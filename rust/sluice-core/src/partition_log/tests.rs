@@ -526,3 +526,40 @@ fn a_torn_tail_is_cut_and_damage_before_it_is_named() {
         "{e}"
     );
 }
+
+#[test]
+fn a_log_cut_back_keeps_whole_bundles_up_to_the_point_and_goes_on_from_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, reads) = filled(dir.path());
+    // A reader holds a chunk from the part that goes: its bytes stay readable.
+    let held = match log.read(151, 300) {
+        Read::Chunk { bundles, .. } => bundles.share(),
+        other => panic!("{other:?}"),
+    };
+    // 2 messages a bundle: keeping up to 120 keeps 1..=120; up to 131 cuts inside a bundle
+    // (131, 132) and keeps 1..=130.
+    assert_eq!(log.truncate_after(131).unwrap(), 130);
+    assert_eq!(log.next_seq(), 131);
+    assert_eq!(&held[..], &reads[150][..held.len()]);
+    // What is kept reads as before (a chunk may have ended with a bundle now cut).
+    for seq in 1..=130 {
+        assert!(
+            reads[seq as usize - 1].starts_with(&chunk(&log, seq)),
+            "{seq}"
+        );
+    }
+    assert!(matches!(log.read(131, 300), Read::Tail { .. }));
+    // A message numbered again after the cut is placed where the cut one was.
+    assert_eq!(append(&mut log, 2, 70, 1), (131, 132));
+    let after = chunk(&log, 131);
+    drop(log);
+    let again = PartitionLog::open_dir(on_disk(), dir.path().to_path_buf()).unwrap();
+    assert_eq!(again.high_water_mark(), 132);
+    assert_eq!(chunk(&again, 131), after);
+    assert!(reads[0].starts_with(&chunk(&again, 1)));
+    // Cutting at or past the end changes nothing; cutting to 0 empties it.
+    let mut again = again;
+    assert_eq!(again.truncate_after(500).unwrap(), 132);
+    assert_eq!(again.truncate_after(0).unwrap(), 0);
+    assert_eq!(append(&mut again, 1, 10, 1), (1, 1));
+}

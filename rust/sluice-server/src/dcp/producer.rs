@@ -735,16 +735,12 @@ impl Producer {
         }
         let mut encoding = self.encoding;
         encoding.no_value |= sr.flags & stream_flag::NO_VALUE != 0;
-        let uuid = topic_stream::topic_uuid(&topic);
+        let log = topic_stream::failover_log(&topic, sr.vbucket);
         match TopicStream::open(topic, &sr, req.opaque, encoding) {
             Ok(mut stream) => {
                 if let Some(name) = self.replica_name() {
                     stream.count_acks_as(name);
                 }
-                let log = vec![FailoverLogEntry {
-                    vbucket_uuid: uuid,
-                    seqno: 0,
-                }];
                 let _ = StreamRequestResponse::Ok(log).encode(out, req.opaque);
                 self.topic_streams.insert(sr.vbucket, stream);
                 self.streamed = true;
@@ -1163,18 +1159,15 @@ async fn serve(
     }
 }
 
-/// GET_FAILOVER_LOG of a topic's partition: the one entry its history has.
+/// GET_FAILOVER_LOG of a topic's partition: its history.
 fn topic_failover_log(topic: &Topic, req: &Request<'_>, out: &mut Vec<u8>) -> Flow {
     match GetFailoverLog::decode(req) {
         Err(e) => respond(out, req, status::EINVAL, e.to_string().as_bytes()),
         Ok(g) if g.vbucket >= topic.num_partitions() => {
             respond(out, req, status::NOT_MY_VBUCKET, b"no such partition")
         }
-        Ok(_) => {
-            let entries = vec![FailoverLogEntry {
-                vbucket_uuid: topic_stream::topic_uuid(topic),
-                seqno: 0,
-            }];
+        Ok(g) => {
+            let entries = topic_stream::failover_log(topic, g.vbucket);
             let _ = FailoverLogResponse { entries }.encode(out, req.opaque);
         }
     }

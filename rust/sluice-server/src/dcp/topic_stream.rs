@@ -3,18 +3,23 @@
 //! its sequence number, its value the content and its CAS the producer's timestamp in
 //! nanoseconds (milliseconds × 10⁶, as a Couchbase CAS counts time). DCP documents must have a
 //! key: a keyed message carries its key with flags `KEYED`, one without (or with an empty one) its
-//! sequence number in decimal with flags 0. A partition's history is never cut, so its failover log is one
-//! entry whose uuid is the topic's (`topic_uuid`), and a consumer past the end is rolled back to
-//! it. Messages retention dropped are skipped: the stream goes on from the oldest kept.
+//! sequence number in decimal with flags 0. A partition's failover log is its history
+//! (`Topic::history`): one entry every node starts with, and one more each time a node comes to
+//! lead it in a cluster. A stream request is rolled back by DCP's rule over it, so a copy that
+//! holds messages its new leader never had is cut back to where the two part. Messages
+//! retention dropped are skipped: the stream goes on from the oldest kept.
 
 use std::sync::Arc;
 
 use sluice_core::engine::TopicRead;
+use sluice_core::failover::{rollback_point, ResumePoint};
 use sluice_core::item::{ChangeOp, ItemMeta};
 use sluice_core::topic::Topic;
 use sluice_core::vbucket::VbState;
 use sluice_core::Engine;
-use sluice_proto::dcp::{snapshot_flag, stream_end_reason, stream_flag, StreamRequest};
+use sluice_proto::dcp::{
+    snapshot_flag, stream_end_reason, stream_flag, FailoverLogEntry, StreamRequest,
+};
 use sluice_proto::tank::bundle::Bundle;
 use sluice_proto::tank::response::chunk_bundles;
 
@@ -27,14 +32,16 @@ pub const KEYED: u32 = 1;
 /// The largest message set a stored Snappy bundle may expand to.
 const MAX_SET: usize = 256 << 20;
 
-/// A partition's failover uuid: the same on every node for a topic of that name.
-pub fn topic_uuid(topic: &Topic) -> u64 {
-    // FNV-1a: stable across builds and nodes, unlike std's hasher.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in topic.name.as_bytes() {
-        h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    h
+/// A partition's failover log as DCP sends it: its history, newest first.
+pub fn failover_log(topic: &Topic, partition: u16) -> Vec<FailoverLogEntry> {
+    topic
+        .history(partition)
+        .into_iter()
+        .map(|e| FailoverLogEntry {
+            vbucket_uuid: e.uuid,
+            seqno: e.seqno,
+        })
+        .collect()
 }
 
 /// How a topic's partition shows as a vbucket here: a replica where this node copies it (from
@@ -108,7 +115,8 @@ impl Drop for TopicStream {
 
 impl TopicStream {
     /// Opens a stream of `partition` as a STREAM_REQ asks (start and end seqnos, FROM_LATEST,
-    /// TO_LATEST); a start past the partition's end is rolled back to it.
+    /// TO_LATEST); a start on a branch of history the partition left, or past its end, is
+    /// rolled back to where they part (DCP's rollback rule over `Topic::history`).
     pub fn open(
         topic: Arc<Topic>,
         sr: &StreamRequest,
@@ -137,6 +145,20 @@ impl TopicStream {
                 sluice_proto::mcbp::status::ERANGE,
                 format!("start seqno {start} is past end seqno {end}"),
             ));
+        }
+        // A reader that names no branch (uuid 0) reads by sequence number alone, as TANK's and
+        // Kafka's consumers do.
+        if sr.flags & stream_flag::FROM_LATEST == 0 && sr.vbucket_uuid != 0 {
+            let at = ResumePoint {
+                start_seqno: start,
+                vbucket_uuid: sr.vbucket_uuid,
+                snap_start_seqno: sr.snap_start_seqno.min(start),
+                snap_end_seqno: sr.snap_end_seqno.max(start),
+            };
+            // Retention purges no tombstones: there are none in a log.
+            if let Some(seqno) = rollback_point(&topic.history(sr.vbucket), hwm, 0, at, true) {
+                return Err(Refused::Rollback(seqno));
+            }
         }
         if start > hwm {
             return Err(Refused::Rollback(hwm));
@@ -203,6 +225,10 @@ impl TopicStream {
             return (n, Progress::Ended(stream_end_reason::OK));
         }
         self.unwritten_lsn = None;
+        if sluice_core::errinj::TOPIC_STREAMS_HELD.get() != 0 {
+            // Woken again by the partition's next produce.
+            return (0, Progress::Idle);
+        }
         self.chunk.clear();
         let fetch = budget.clamp(1, u32::MAX as usize) as u32;
         let read = engine.read_topic(
