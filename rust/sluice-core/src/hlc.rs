@@ -39,6 +39,11 @@ impl HybridClock {
         self.last
     }
 
+    /// The CAS `next_at(now_ns)` would give, without taking it.
+    pub fn peek_at(&self, now_ns: u64) -> u64 {
+        (now_ns & !0xffff).max(self.last + 1)
+    }
+
     /// Folds in a CAS decided elsewhere (a replica applying its active's items, or recovery).
     pub fn observe(&mut self, cas: u64) {
         self.last = self.last.max(cas);

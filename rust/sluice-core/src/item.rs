@@ -82,6 +82,11 @@ impl Item {
         &self.data[self.key_len as usize..]
     }
 
+    /// The value without the extended attributes it may start with (what a GET answers).
+    pub fn body(&self) -> &[u8] {
+        sluice_proto::xattr::body(self.value(), self.meta.datatype)
+    }
+
     /// Bytes of key plus value.
     pub fn data_len(&self) -> usize {
         self.data.len()

@@ -37,7 +37,7 @@ pub mod wal;
 pub use config::{BucketConfig, Durability, EngineConfig};
 pub use durability::Requirement;
 pub use engine::{
-    Engine, FollowedChange, MutationResult, SelectIterator, StoreMode, StoreRequest, Update,
-    Written,
+    DocumentUpdate, Engine, FollowedChange, Landing, MutationResult, SelectIterator, StoreMode,
+    StoreRequest, Update, Written,
 };
 pub use error::{Error, Result};

@@ -430,6 +430,18 @@ pub const ERRORS: &[ErrorInfo] = &[
         "Sub-document: unknown virtual attribute macro",
         &["subdoc", "invalid-input"],
     ),
+    e(
+        0xd6,
+        "SUBDOC_CAN_ONLY_REVIVE_DELETED_DOCUMENTS",
+        "Sub-document: only a deleted document can be revived",
+        &["subdoc", "invalid-input"],
+    ),
+    e(
+        0xd7,
+        "SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE",
+        "Sub-document: a deleted document cannot have a body",
+        &["subdoc", "invalid-input"],
+    ),
 ];
 
 /// The entry of a status, if the map has one.

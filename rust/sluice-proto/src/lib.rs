@@ -6,7 +6,8 @@
 //! (GET_ERROR_MAP); `iproto` is Tarantool's binary protocol (requests, answers, greeting, tuple
 //! formats and UPDATE operations); `keyorder` the order of iproto primary keys (MessagePack
 //! arrays of parts); `tank` is TANK's protocol (frames, produce and consume, bundles);
-//! `greenstack` is Couchbase's Greenstack frame (flag bytes, flex headers, numbering).
+//! `greenstack` is Couchbase's Greenstack frame (flag bytes, flex headers, numbering); `xattr`
+//! the extended attributes a Couchbase document's value may start with.
 //!
 //! Depends on no other crate of the workspace (tests/test_layering.py keeps it so); `snap` for
 //! TANK's Snappy bundles.
@@ -21,3 +22,4 @@ pub mod mcbp;
 pub mod msgpack;
 pub mod tank;
 pub mod tap;
+pub mod xattr;

@@ -175,6 +175,8 @@ pub mod status {
     pub const SUBDOC_XATTR_CANT_MODIFY_VATTR: u16 = 0x00d2;
     pub const SUBDOC_MULTI_PATH_FAILURE_DELETED: u16 = 0x00d3;
     pub const SUBDOC_INVALID_XATTR_ORDER: u16 = 0x00d4;
+    pub const SUBDOC_CAN_ONLY_REVIVE_DELETED_DOCUMENTS: u16 = 0x00d6;
+    pub const SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE: u16 = 0x00d7;
 }
 
 /// Sub-document flags: per path (a spec's or a single command's) and per document.
@@ -213,6 +215,13 @@ pub mod feature {
     pub const COLLECTIONS: u16 = 0x12;
     /// Mutations may carry the PreserveTTL frame info (id 5).
     pub const PRESERVE_TTL: u16 = 0x14;
+    /// Values may start with extended attributes (datatype XATTR), and sub-document paths
+    /// may name them.
+    pub const XATTR: u16 = 0x06;
+    /// The virtual extended attributes `$document`, `$vbucket` and `$XTOC`.
+    pub const VATTR: u16 = 0x15;
+    /// Sub-document mutations may create a document deleted (doc flag CreateAsDeleted).
+    pub const SUBDOC_CREATE_AS_DELETED: u16 = 0x17;
 }
 
 /// Opcodes of the server's requests (magic 0x82), a separate space from the client's.

@@ -355,6 +355,7 @@ impl DcpConsumer {
             buffer_size,
             noop_interval,
             include_values,
+            include_xattrs: false,
             cursor_dropping,
             replica_name: None,
             takeover: false,

@@ -461,7 +461,12 @@ impl ClusterMap {
                 "vBucketMap": &layout.chains,
             },
             "bucketCapabilitiesVer": "",
-            "bucketCapabilities": ["cccp", "nodesExt", "touch", "dcp", "durableWrite", "collections", "rangeScan"],
+            "bucketCapabilities": [
+                "cccp", "nodesExt", "touch", "dcp", "xattr", "durableWrite", "collections",
+                "rangeScan", "tombstonedUserXAttrs", "subdoc.AccessDeleted",
+                "subdoc.ReplaceBodyWithXattr", "subdoc.DocumentMacroSupport",
+                "subdoc.ReviveDocument"
+            ],
             "clusterCapabilitiesVer": [1, 0],
             "clusterCapabilities": {},
         });

@@ -43,7 +43,10 @@ pub use follow::{FollowedChange, MAX_GROUP};
 pub use read::StreamPosition;
 pub use select::SelectIterator;
 pub use topics::TopicRead;
-pub use write::{counter_value, MutationResult, StoreMode, StoreRequest, Update, Written};
+pub use write::{
+    counter_value, DocumentUpdate, Landing, MutationResult, StoreMode, StoreRequest, Update,
+    Written,
+};
 
 struct Background {
     stop: Mutex<bool>,

@@ -17,6 +17,7 @@ use crate::item::{absolute_expiry, is_expired, validate_key, ChangeOp, Item, Ite
 use crate::vbucket::{VBucket, VbState};
 use crate::wal::writer::WalPayload;
 use crate::wal::WalMode;
+use sluice_proto::xattr::{is_system, DATATYPE_XATTR as XATTR};
 
 /// How long a writer past twice the checkpoint quota waits for the WAL to take its changes.
 pub(super) const WAL_CATCH_UP: Duration = Duration::from_secs(1);
@@ -70,6 +71,21 @@ pub struct Update {
     pub flags: u32,
     pub expiry: u32,
     pub datatype: u8,
+}
+
+/// A document as `Engine::write_document` makes it: its new version, and whether that version
+/// is a deleted one (a tombstone that keeps its value: extended attributes).
+pub struct DocumentUpdate {
+    pub update: Update,
+    pub deleted: bool,
+}
+
+/// Where a write under `Engine::write_document` lands, known before it is made: the CAS and
+/// seqno it takes (what Couchbase's macros `${Mutation.CAS}` and `${Mutation.seqno}` expand to).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Landing {
+    pub cas: u64,
+    pub seqno: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -724,15 +740,26 @@ impl Engine {
         }
         check_cas(&mut vb, key, Some(&old), cas)?;
         let taken = take.then(|| vb.store.get(key).expect("live above").to_item());
+        // The tombstone keeps the system extended attributes (Couchbase's deletion does).
+        let kept = (old.datatype & XATTR != 0)
+            .then(|| {
+                let it = vb.store.get(key).expect("live above").to_item();
+                let (attrs, _) = sluice_proto::xattr::split(it.value()).ok()?;
+                let system: Vec<_> = attrs.into_iter().filter(|(k, _)| is_system(k)).collect();
+                (!system.is_empty()).then(|| sluice_proto::xattr::join(&system, b""))
+            })
+            .flatten();
         let meta = ItemMeta {
             expiry: now,
             rev_seqno: old.rev_seqno + 1,
             deleted: true,
+            datatype: if kept.is_some() { XATTR } else { 0 },
             ..Default::default()
         };
+        let value = kept.as_deref().unwrap_or(b"");
         let r = self
             .inner
-            .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, b"", meta)?;
+            .apply_locked(bucket, &mut vb, ChangeOp::Deletion, key, value, meta)?;
         vb.locks.unlock(key);
         drop(vb);
         bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
@@ -785,6 +812,87 @@ impl Engine {
         let item = vb.store.get(key).expect("just stored").to_item();
         drop(vb);
         bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
+        Ok(self.written(bucket, durability, r).map(|r| (r, item)))
+    }
+
+    /// A read-modify-write of one key under its vbucket's lock that may see and leave a deleted
+    /// version (sub-document commands on extended attributes): `f` gets the live item, or with
+    /// `see_deleted` the tombstone if the key has one (its meta says deleted), and where the
+    /// write will land. The CAS is checked against what `f` sees. A version made deleted is
+    /// written as a deletion that keeps the value `f` gives.
+    pub fn write_document(
+        &self,
+        bucket: &Bucket,
+        key: &[u8],
+        cas: u64,
+        durability: Option<Requirement>,
+        see_deleted: bool,
+        f: impl FnOnce(Option<&Item>, Landing) -> Result<DocumentUpdate>,
+    ) -> Result<Written<(MutationResult, Item)>> {
+        validate_key(key)?;
+        let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
+        self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
+        let vbid = bucket.vbucket_of(key);
+        self.check_replicas(bucket, vbid, durability.level)?;
+        let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
+        check_writable(&vb, 1)?;
+        let now = now_secs();
+        let existing = vb.store.get(key).map(|i| i.to_item());
+        let rev = existing.as_ref().map(|i| i.meta.rev_seqno + 1).unwrap_or(1);
+        let seen = existing.filter(|i| {
+            if i.meta.deleted {
+                see_deleted
+            } else {
+                !is_expired(&i.meta, now)
+            }
+        });
+        check_cas(&mut vb, key, seen.as_ref().map(|i| &i.meta), cas)?;
+        let now_ns = now_nanos();
+        let landing = Landing {
+            cas: vb.clock.peek_at(now_ns),
+            seqno: vb.high_seqno + 1,
+        };
+        let d = f(seen.as_ref(), landing)?;
+        let u = d.update;
+        if u.value.len() > bucket.config.max_item_size {
+            return Err(Error::TooBig {
+                size: u.value.len(),
+                max: bucket.config.max_item_size,
+            });
+        }
+        let (op, meta) = if d.deleted {
+            let meta = ItemMeta {
+                flags: u.flags,
+                // A tombstone's expiry field holds its delete time.
+                expiry: now,
+                datatype: u.datatype,
+                rev_seqno: rev,
+                deleted: true,
+                ..Default::default()
+            };
+            (ChangeOp::Deletion, meta)
+        } else {
+            let meta = ItemMeta {
+                flags: u.flags,
+                expiry: u.expiry,
+                datatype: u.datatype,
+                rev_seqno: rev,
+                ..Default::default()
+            };
+            (ChangeOp::Mutation, meta)
+        };
+        let r = self
+            .inner
+            .apply_locked_at(bucket, &mut vb, op, key, &u.value, meta, now_ns)?;
+        debug_assert_eq!((r.cas, r.seqno), (landing.cas, landing.seqno));
+        vb.locks.unlock(key);
+        let item = vb.store.get(key).expect("just stored").to_item();
+        drop(vb);
+        if d.deleted {
+            bucket.stats.deletes.fetch_add(1, Ordering::Relaxed);
+        } else {
+            bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(self.written(bucket, durability, r).map(|r| (r, item)))
     }
 
@@ -1017,10 +1125,25 @@ impl Inner {
         value: &[u8],
         meta: ItemMeta,
     ) -> Result<MutationResult> {
+        self.apply_locked_at(bucket, vb, op, key, value, meta, now_nanos())
+    }
+
+    /// `apply_locked` at a given time (`now_ns`, the clock's reading its CAS comes from).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn apply_locked_at(
+        &self,
+        bucket: &Bucket,
+        vb: &mut VBucket,
+        op: ChangeOp,
+        key: &[u8],
+        value: &[u8],
+        meta: ItemMeta,
+        now_ns: u64,
+    ) -> Result<MutationResult> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        let change = vb.apply_local(op, key, value, meta, now_nanos());
+        let change = vb.apply_local(op, key, value, meta, now_ns);
         let (cas, seqno) = (change.meta().cas, change.seqno());
         let lsn = self.wal.appender()?.push(WalPayload::Change(change));
         vb.last_lsn = lsn;

@@ -1004,6 +1004,8 @@ pub async fn run(conn: Handoff, open: OpenProducer, ctx: Arc<DcpContext>) {
             keep_datatype: open.flags & open_flag::NO_VALUE_WITH_UNDERLYING_DATATYPE != 0,
             delete_times: open.flags & open_flag::INCLUDE_DELETE_TIMES != 0,
             expiry_opcode: false,
+            xattrs: open.flags & open_flag::INCLUDE_XATTRS != 0,
+            deleted_user_xattrs: open.flags & open_flag::INCLUDE_DELETED_USER_XATTRS != 0,
         },
         buffer_size: 0,
         unacked: 0,

@@ -90,6 +90,9 @@ impl DcpSink<'_> {
             ChangeOp::Expiration => opcode::DELETION,
         };
         let deleted = opcode != opcode::MUTATION;
+        let mut datatype = meta.datatype & DATATYPE_CLIENT_BITS;
+        let (value, kept) = sent_value(value, &mut datatype, deleted, e);
+        let value = kept.as_deref().unwrap_or(value);
         let doc = DocumentRef {
             opcode,
             vbucket: s.vbucket,
@@ -101,7 +104,7 @@ impl DcpSink<'_> {
             datatype: if e.no_value && !e.keep_datatype {
                 0
             } else {
-                meta.datatype & DATATYPE_CLIENT_BITS
+                datatype
             },
             flags: meta.flags,
             expiration: if deleted { 0 } else { meta.expiry },
@@ -113,4 +116,39 @@ impl DcpSink<'_> {
             let _ = doc.encode(out, s.opaque, e.delete_times);
         })
     }
+}
+
+/// A document's value as a stream sends it: with its extended attributes if the connection
+/// asked for them (a deletion's user attributes only if it asked for those too), else its body
+/// alone (nothing for a deletion) with the XATTR bit cleared. Returns the value, or one built
+/// for the send when only some attributes go.
+fn sent_value<'v>(
+    value: &'v [u8],
+    datatype: &mut u8,
+    deleted: bool,
+    e: crate::stream::Encoding,
+) -> (&'v [u8], Option<Vec<u8>>) {
+    use sluice_proto::xattr::{self, DATATYPE_XATTR};
+    if *datatype & DATATYPE_XATTR == 0 {
+        return (value, None);
+    }
+    let Ok((attrs, body)) = xattr::split(value) else {
+        return (value, None);
+    };
+    if !e.xattrs {
+        *datatype &= !DATATYPE_XATTR;
+        return (if deleted { &[] } else { body }, None);
+    }
+    if !deleted || e.deleted_user_xattrs {
+        return (value, None);
+    }
+    let system: Vec<_> = attrs
+        .into_iter()
+        .filter(|(k, _)| xattr::is_system(k))
+        .collect();
+    if system.is_empty() {
+        *datatype &= !DATATYPE_XATTR;
+        return (&[], None);
+    }
+    (value, Some(xattr::join(&system, body)))
 }

@@ -310,11 +310,17 @@ impl StreamSink for GreenstackSink<'_> {
                     .uint("seqno", meta.by_seqno)
                     .uint("rev_seqno", meta.rev_seqno)
                     .bin("key", key)
-                    .bin("value", value)
+                    // Greenstack's stream carries bodies, without extended attributes.
+                    .bin("value", sluice_proto::xattr::body(value, meta.datatype))
                     .uint("flags", meta.flags as u64)
                     .uint("expiration", meta.expiry as u64)
                     .uint("cas", meta.cas)
-                    .uint("datatype", (meta.datatype & DATATYPE_CLIENT_BITS) as u64);
+                    .uint(
+                        "datatype",
+                        (meta.datatype
+                            & DATATYPE_CLIENT_BITS
+                            & !sluice_proto::xattr::DATATYPE_XATTR) as u64,
+                    );
                 opcode::DCP_MUTATION
             }
             ChangeOp::Deletion | ChangeOp::Expiration => {

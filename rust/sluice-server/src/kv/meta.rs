@@ -80,7 +80,7 @@ impl KvSession {
                 it.meta.cas,
                 &it.meta.flags.to_be_bytes(),
                 &[],
-                it.value(),
+                it.body(),
                 self.datatype(it.meta.datatype),
             ),
             Err(e) => fail!(reply, xerror, e),

@@ -144,6 +144,12 @@ struct Features {
     unordered: bool,
     /// Said in HELLO only: the frame info works whether or not the client said it.
     preserve_ttl: bool,
+    /// Said in HELLO only, as the three below: extended attributes, virtual ones, and
+    /// documents created deleted work on every connection (Couchbase's SDK enables its
+    /// transactions' staged inserts only where the server said CreateAsDeleted).
+    xattr: bool,
+    vattr: bool,
+    create_as_deleted: bool,
 }
 
 /// One connection's protocol state.
@@ -794,6 +800,11 @@ impl KvSession {
                 feature::COLLECTIONS => !std::mem::replace(&mut f.collections, true),
                 feature::UNORDERED_EXECUTION => !std::mem::replace(&mut f.unordered, true),
                 feature::PRESERVE_TTL => !std::mem::replace(&mut f.preserve_ttl, true),
+                feature::XATTR => !std::mem::replace(&mut f.xattr, true),
+                feature::VATTR => !std::mem::replace(&mut f.vattr, true),
+                feature::SUBDOC_CREATE_AS_DELETED => {
+                    !std::mem::replace(&mut f.create_as_deleted, true)
+                }
                 _ => false,
             };
             if known {

@@ -59,6 +59,7 @@ impl KvSession {
         // Written from where the item is stored (a replica's read copies it out first).
         let mut send = |value: &[u8], meta: &ItemMeta| {
             let datatype = session.datatype(meta.datatype);
+            let value = sluice_proto::xattr::body(value, meta.datatype);
             reply.send(
                 status::SUCCESS,
                 meta.cas,

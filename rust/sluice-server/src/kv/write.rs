@@ -107,6 +107,15 @@ impl KvSession {
         if mode == StoreMode::Add && req.cas != 0 {
             einval!(reply, xerror, "ADD takes no CAS");
         }
+        if req.datatype & sluice_proto::xattr::DATATYPE_XATTR != 0
+            && sluice_proto::xattr::split(req.value).is_err()
+        {
+            einval!(
+                reply,
+                xerror,
+                "the datatype says the value starts with extended attributes, which do not read"
+            );
+        }
         let r = StoreRequest {
             key: req.key,
             value: req.value,
@@ -243,7 +252,7 @@ impl KvSession {
                             m.cas,
                             &it.meta.flags.to_be_bytes(),
                             &[],
-                            it.value(),
+                            it.body(),
                             s.datatype(it.meta.datatype),
                         )
                     }

@@ -382,6 +382,7 @@ fn follow(
             kv_address: kv_address.clone(),
             flow_control: Some(policies.clone()),
             end_refused_streams: true,
+            include_xattrs: true,
             ..ConsumerConfig::default()
         };
         let consumer = Consumer::start_inline(consumer_config, |link| {

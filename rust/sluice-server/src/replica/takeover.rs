@@ -77,6 +77,7 @@ pub(super) fn take_over_stream(
         batch_size: 4096,
         noop_interval: source.noop_interval,
         takeover: true,
+        include_xattrs: true,
         kv_address: Some(clustermap.kv_address()),
         ..ConsumerConfig::default()
     });

@@ -26,6 +26,12 @@ pub struct Encoding {
     pub keep_datatype: bool,
     pub delete_times: bool,
     pub expiry_opcode: bool,
+    /// Documents' extended attributes go with their values (DCP_OPEN's INCLUDE_XATTRS);
+    /// otherwise a value is sent as its body alone.
+    pub xattrs: bool,
+    /// A deletion's user attributes go too (INCLUDE_DELETED_USER_XATTRS); otherwise its
+    /// system ones only.
+    pub deleted_user_xattrs: bool,
 }
 
 /// What a stream's fill did.

@@ -118,7 +118,8 @@ impl StreamSink for Staged {
         let value = if s.encoding.no_value || op != ChangeOp::Mutation {
             0..0
         } else {
-            self.copy(value)
+            // TAP knows no extended attributes: a document goes as its body.
+            self.copy(sluice_proto::xattr::body(value, meta.datatype))
         };
         let cost = MESSAGE_COST + key.len() + value.len();
         self.docs += 1;
@@ -274,7 +275,8 @@ pub fn encode(
             m.key = key;
             m.cas = meta.cas;
             m.ttl = ttl;
-            m.datatype = meta.datatype & DATATYPE_CLIENT_BITS;
+            m.datatype =
+                meta.datatype & DATATYPE_CLIENT_BITS & !sluice_proto::xattr::DATATYPE_XATTR;
             if *op == ChangeOp::Mutation {
                 m.opcode = opcode::MUTATION;
                 m.item_flags = meta.flags;

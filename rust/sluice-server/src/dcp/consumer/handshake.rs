@@ -126,6 +126,9 @@ impl ConsumerSession {
         if !config.include_values {
             flags |= open_flag::NO_VALUE;
         }
+        if config.include_xattrs {
+            flags |= open_flag::INCLUDE_XATTRS | open_flag::INCLUDE_DELETED_USER_XATTRS;
+        }
         let open = dcp::OpenConnection {
             name: config.name.as_bytes().to_vec(),
             flags,

@@ -81,6 +81,9 @@ pub struct ConsumerConfig {
     pub buffer_size: u32,
     pub noop_interval: u32,
     pub include_values: bool,
+    /// Ask for documents' extended attributes with their values (DCP_OPEN's INCLUDE_XATTRS,
+    /// and a deletion's user attributes too): a replica keeps them; other readers get bodies.
+    pub include_xattrs: bool,
     /// Ask the producer to end a stream that falls too far behind instead of backfilling it.
     pub cursor_dropping: bool,
     /// A replica's name: the connection does sync replication (controls consumer_name,
@@ -126,6 +129,7 @@ impl Default for ConsumerConfig {
             buffer_size: 16 << 20,
             noop_interval: 20,
             include_values: true,
+            include_xattrs: false,
             cursor_dropping: false,
             replica_name: None,
             takeover: false,

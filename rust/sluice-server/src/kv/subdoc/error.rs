@@ -20,6 +20,14 @@ pub enum SubdocError {
     CantModifyVattr,
     /// The document is over MAX_DOC_BYTES.
     DocTooBig,
+    /// An EXPAND_MACROS value that is not one of the macros.
+    UnknownMacro,
+    /// An extended attribute's key is empty, too long, or its value does not read.
+    XattrEinval,
+    /// ReviveDocument on a document that is not deleted.
+    CanOnlyReviveDeleted,
+    /// A document that stays deleted was given a body.
+    DeletedCantHaveValue,
 }
 
 impl SubdocError {
@@ -39,6 +47,10 @@ impl SubdocError {
             SubdocError::UnknownVattr => status::SUBDOC_XATTR_UNKNOWN_VATTR,
             SubdocError::CantModifyVattr => status::SUBDOC_XATTR_CANT_MODIFY_VATTR,
             SubdocError::DocTooBig => status::E2BIG,
+            SubdocError::UnknownMacro => status::SUBDOC_XATTR_UNKNOWN_MACRO,
+            SubdocError::XattrEinval => status::XATTR_EINVAL,
+            SubdocError::CanOnlyReviveDeleted => status::SUBDOC_CAN_ONLY_REVIVE_DELETED_DOCUMENTS,
+            SubdocError::DeletedCantHaveValue => status::SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE,
         }
     }
 
@@ -60,6 +72,12 @@ impl SubdocError {
             SubdocError::DocTooBig => {
                 "sub-document commands work on documents up to 2 MiB; read or write it whole"
             }
+            SubdocError::UnknownMacro => "no such macro",
+            SubdocError::XattrEinval => {
+                "an extended attribute's key must be 1 to 15 bytes and its value JSON"
+            }
+            SubdocError::CanOnlyReviveDeleted => "only a deleted document can be revived",
+            SubdocError::DeletedCantHaveValue => "a deleted document cannot have a body",
         }
     }
 }

@@ -2,20 +2,23 @@
 //! (0xc5-0xcf, 0xd2) and the multi-path MULTI_LOOKUP (0xd0) / MULTI_MUTATION (0xd1), decoded
 //! here and run by `ops` on the document parsed as JSON (`path` parses the paths).
 //!
-//! A mutation is one read-modify-write under the key's vbucket lock (`Engine::write_update`),
+//! A mutation is one read-modify-write under the key's vbucket lock (`Engine::write_document`),
 //! so it is atomic and checks the client's CAS and any lock like other writes; a failing spec
-//! of a multi-mutation changes nothing. Extended attributes: the virtual `$document`,
-//! `$vbucket` and `$XTOC` are answered from the item's metadata; documents hold no user
-//! extended attributes here, so a lookup of one finds nothing and a mutation of one is
-//! NOT_SUPPORTED.
+//! of a multi-mutation changes nothing. Extended attributes (`document`), user and system ones,
+//! are kept at the front of the value (datatype XATTR) and reached by paths flagged XATTR; the
+//! virtual `$document`, `$vbucket` and `$XTOC` are answered from the item. Macros expand to
+//! the write's own CAS, seqno and body CRC32C. The doc flags reach deleted documents
+//! (AccessDeleted), create one deleted with its attributes (CreateAsDeleted) and bring one
+//! back (ReviveDocument), as Couchbase's transactions use them.
 
+mod document;
 mod error;
 mod ops;
 mod path;
 
 use sluice_core::hlc::now_secs;
-use sluice_core::item::{absolute_expiry, Item};
-use sluice_core::{Error, Update};
+use sluice_core::item::{absolute_expiry, ItemMeta};
+use sluice_core::{DocumentUpdate, Error, Update};
 
 use crate::kv::Framing;
 use sluice_proto::mcbp::subdoc::{
@@ -26,7 +29,9 @@ use sluice_proto::mcbp::{opcode as op, status, Request};
 
 use super::reply::Reply;
 use super::{wrong_vbucket, Flow, KvSession};
-use ops::{Mutation, SubdocError};
+use document::{Document, Expanded};
+use error::SubdocError;
+use ops::Mutation;
 use path::Segment;
 
 /// One path command of a request: a single-path command's, or one spec of a multi command.
@@ -212,10 +217,18 @@ fn validate(c: &Command<'_>) -> Result<(), Refusal> {
     if c.doc_flags & !known != 0 {
         return Err((EINVAL, "unknown doc flags"));
     }
-    if c.doc_flags & (DOC_CREATE_AS_DELETED | DOC_REVIVE_DOCUMENT) != 0 {
+    if c.doc_flags & (DOC_CREATE_AS_DELETED | DOC_REVIVE_DOCUMENT) != 0 && !c.mutation {
         return Err((
-            status::NOT_SUPPORTED,
-            "creating or reviving deleted documents is not supported",
+            EINVAL,
+            "CreateAsDeleted and ReviveDocument are for mutations",
+        ));
+    }
+    if c.doc_flags & DOC_REVIVE_DOCUMENT != 0
+        && (c.doc_flags & DOC_ACCESS_DELETED == 0 || c.doc_flags & DOC_CREATE_AS_DELETED != 0)
+    {
+        return Err((
+            EINVAL,
+            "ReviveDocument needs AccessDeleted and excludes CreateAsDeleted",
         ));
     }
     if c.doc_flags & (DOC_MKDOC | DOC_ADD) == DOC_MKDOC | DOC_ADD {
@@ -230,9 +243,13 @@ fn validate(c: &Command<'_>) -> Result<(), Refusal> {
             // Whole-document GET (0x00) only inside a multi-lookup.
             is_lookup(s.opcode) && (c.multi || s.opcode != op::GET)
         } else if c.multi {
-            mutation_of(s.opcode).is_some() || matches!(s.opcode, op::SET | op::DELETE)
-        } else {
             mutation_of(s.opcode).is_some()
+                || matches!(
+                    s.opcode,
+                    op::SET | op::DELETE | op::SUBDOC_REPLACE_BODY_WITH_XATTR
+                )
+        } else {
+            mutation_of(s.opcode).is_some() || s.opcode == op::SUBDOC_REPLACE_BODY_WITH_XATTR
         };
         if !allowed {
             return Err((
@@ -262,10 +279,10 @@ fn validate(c: &Command<'_>) -> Result<(), Refusal> {
             ));
         }
         body_seen |= !s.xattr();
-        if c.mutation && s.xattr() && !s.path.starts_with(b"$") {
+        if s.opcode == op::SUBDOC_REPLACE_BODY_WITH_XATTR && !s.xattr() {
             return Err((
-                status::NOT_SUPPORTED,
-                "user extended attributes are not supported (documents hold none)",
+                status::EINVAL,
+                "REPLACE_BODY_WITH_XATTR takes an extended attribute's path",
             ));
         }
         if c.mutation && s.opcode == op::DELETE && c.specs.len() > 1 {
@@ -275,25 +292,18 @@ fn validate(c: &Command<'_>) -> Result<(), Refusal> {
             ));
         }
     }
-    if c.doc_flags & DOC_ACCESS_DELETED != 0 && c.mutation {
-        // Tombstones hold no extended attributes here: nothing to reach in one.
-        return Err((
-            status::NOT_SUPPORTED,
-            "mutations of deleted documents are not supported",
-        ));
-    }
     Ok(())
 }
 
 /// The virtual extended attributes Couchbase computes from an item's metadata.
 fn virtual_xattr(
     name: &str,
-    it: &Item,
+    m: &ItemMeta,
+    doc: &mut Document,
     deleted: bool,
     vbucket_uuid: u64,
 ) -> Result<serde_json::Value, SubdocError> {
     use serde_json::json;
-    let m = &it.meta;
     Ok(match name {
         "$document" => {
             let mut datatype = vec![if m.datatype & 0x01 != 0 {
@@ -304,14 +314,18 @@ fn virtual_xattr(
             if m.datatype & 0x02 != 0 {
                 datatype.push("snappy");
             }
+            if m.datatype & sluice_proto::xattr::DATATYPE_XATTR != 0 {
+                datatype.push("xattr");
+            }
+            let body = doc.body();
             json!({
                 "CAS": format!("0x{:016x}", m.cas),
                 "vbucket_uuid": format!("0x{vbucket_uuid:016x}"),
                 "seqno": format!("0x{:016x}", m.by_seqno),
                 "revid": m.rev_seqno.to_string(),
                 "exptime": if deleted { 0 } else { m.expiry },
-                "value_bytes": it.value().len(),
-                "value_crc32c": format!("0x{:08x}", crc32c::crc32c(it.value())),
+                "value_bytes": body.len(),
+                "value_crc32c": document::crc_text(body),
                 "flags": m.flags,
                 "deleted": deleted,
                 "last_modified": (m.cas / 1_000_000_000).to_string(),
@@ -319,7 +333,7 @@ fn virtual_xattr(
             })
         }
         "$vbucket" => json!({"HLC": {"now": now_secs().to_string(), "mode": "real"}}),
-        "$XTOC" => json!([]),
+        "$XTOC" => json!(doc.attr_keys()),
         _ => return Err(SubdocError::UnknownVattr),
     })
 }
@@ -333,14 +347,6 @@ impl KvSession {
         reply: &mut Reply<'_>,
     ) -> Flow {
         let xerror = self.features.xerror;
-        if req.opcode == op::SUBDOC_REPLACE_BODY_WITH_XATTR {
-            reply.error(
-                status::NOT_SUPPORTED,
-                "REPLACE_BODY_WITH_XATTR needs user extended attributes, which are not supported",
-                xerror,
-            );
-            return Flow::Continue;
-        }
         let command = match decode(req) {
             Ok(c) => c,
             Err((st, why)) => {
@@ -365,9 +371,12 @@ impl KvSession {
         let (item, deleted) = match engine.get(&bucket, req.key) {
             Ok(Some(it)) => (it, false),
             Ok(None) if c.doc_flags & DOC_ACCESS_DELETED != 0 => {
-                // A tombstone's metadata, its body empty.
+                // A tombstone, with the extended attributes it kept.
                 match engine.metadata(&bucket, req.key) {
-                    Ok(Some(m)) if m.deleted => (Item::new(req.key, b"", m), true),
+                    Ok(Some(m)) if m.deleted => match engine.get_meta(&bucket, req.key) {
+                        Some(it) => (it, true),
+                        None => fail!(reply, xerror, Error::NotFound),
+                    },
                     Ok(_) => fail!(reply, xerror, Error::NotFound),
                     Err(e) => fail!(reply, xerror, e),
                 }
@@ -375,43 +384,52 @@ impl KvSession {
             Ok(None) => fail!(reply, xerror, Error::NotFound),
             Err(e) => fail!(reply, xerror, e),
         };
+        let mut doc = match Document::read(item.value(), item.meta.datatype) {
+            Ok(d) => d,
+            Err(e) => {
+                reply.error(e.status(), e.message(), xerror);
+                return Flow::Continue;
+            }
+        };
         let uuid = engine
             .vbucket_uuid(&bucket, bucket.vbucket_of(req.key))
             .unwrap_or(0);
-        // The body is parsed once, on the first spec that needs it.
-        let mut parsed: Option<Result<serde_json::Value, SubdocError>> = None;
         let mut results: Vec<Result<Vec<u8>, SubdocError>> = Vec::with_capacity(c.specs.len());
         for s in &c.specs {
-            let r =
-                (|| -> Result<Vec<u8>, SubdocError> {
-                    if s.opcode == op::GET {
-                        return Ok(item.value().to_vec());
+            let r = (|| -> Result<Vec<u8>, SubdocError> {
+                if s.opcode == op::GET {
+                    // A deleted document's body, or an empty one, is no document to read.
+                    let body = doc.body();
+                    if body.is_empty() {
+                        return Err(SubdocError::PathEnoent);
                     }
-                    let path = path::parse(s.path)?;
-                    let target;
-                    let (doc, rest): (&serde_json::Value, &[Segment]) = if s.xattr() {
-                        let Some((Segment::Key(name), rest)) = path.split_first() else {
-                            return Err(SubdocError::PathEinval);
-                        };
-                        if !name.starts_with('$') {
-                            return Err(SubdocError::PathEnoent);
-                        }
-                        target = virtual_xattr(name, &item, deleted, uuid)?;
+                    return Ok(body.to_vec());
+                }
+                let path = path::parse(s.path)?;
+                let target;
+                let (found, rest): (&serde_json::Value, &[Segment]) = if s.xattr() {
+                    let Some((Segment::Key(name), rest)) = path.split_first() else {
+                        return Err(SubdocError::PathEinval);
+                    };
+                    if name.starts_with('$') {
+                        target = virtual_xattr(name, &item.meta, &mut doc, deleted, uuid)?;
                         (&target, rest)
                     } else {
-                        if path.is_empty() && s.opcode != op::SUBDOC_GET_COUNT {
-                            return Err(SubdocError::PathEinval);
-                        }
-                        let doc = parsed.get_or_insert_with(|| ops::parse_doc(item.value()));
-                        (doc.as_ref().map_err(|e| *e)?, &path[..])
-                    };
-                    match s.opcode {
-                        op::SUBDOC_GET => Ok(serde_json::to_vec(ops::find(doc, rest)?)
-                            .expect("a JSON value serializes")),
-                        op::SUBDOC_EXISTS => ops::find(doc, rest).map(|_| Vec::new()),
-                        _ => ops::count(doc, rest).map(|n| n.to_string().into_bytes()),
+                        (&doc.attrs, &path[..])
                     }
-                })();
+                } else {
+                    if path.is_empty() && s.opcode != op::SUBDOC_GET_COUNT {
+                        return Err(SubdocError::PathEinval);
+                    }
+                    (doc.body_value()?, &path[..])
+                };
+                match s.opcode {
+                    op::SUBDOC_GET => Ok(serde_json::to_vec(ops::find(found, rest)?)
+                        .expect("a JSON value serializes")),
+                    op::SUBDOC_EXISTS => ops::find(found, rest).map(|_| Vec::new()),
+                    _ => ops::count(found, rest).map(|n| n.to_string().into_bytes()),
+                }
+            })();
             results.push(r);
         }
         let cas = item.meta.cas;
@@ -466,7 +484,13 @@ impl KvSession {
         let xerror = self.features.xerror;
         let engine = self.ctx.engine.clone();
         let bucket = self.bucket.clone();
-        let (mkdoc, add) = (c.doc_flags & DOC_MKDOC != 0, c.doc_flags & DOC_ADD != 0);
+        let flag = |f: u8| c.doc_flags & f != 0;
+        let (mkdoc, add) = (flag(DOC_MKDOC), flag(DOC_ADD));
+        let (access_deleted, create_deleted, revive) = (
+            flag(DOC_ACCESS_DELETED),
+            flag(DOC_CREATE_AS_DELETED),
+            flag(DOC_REVIVE_DOCUMENT),
+        );
         if add && req.cas != 0 {
             einval!(reply, xerror, "the ADD doc flag takes no CAS");
         }
@@ -490,67 +514,122 @@ impl KvSession {
         let now = now_secs();
         let mut failed: Option<(usize, SubdocError)> = None;
         let mut values: Vec<(usize, Vec<u8>)> = Vec::new();
-        let written = engine.write_update(&bucket, req.key, req.cas, durability, |cur| {
-            let abort = || Err(Error::InvalidArgument("a sub-document spec failed".into()));
-            // PreserveTTL: an existing document keeps its expiry.
-            let kept = cur
-                .filter(|_| framing.preserve_ttl)
-                .map(|it| it.meta.expiry);
-            let (mut doc, flags) = match cur {
-                Some(_) if add => return Err(Error::Exists),
-                Some(it) => match ops::parse_doc(it.value()) {
-                    Ok(d) => (d, it.meta.flags),
-                    Err(e) => {
-                        failed = Some((0, e));
-                        return abort();
-                    }
-                },
-                None if mkdoc || add => {
-                    let first = mutation_of(c.specs[0].opcode).unwrap_or(Mutation::DictUpsert);
-                    (ops::empty_doc_for(first, &paths[0]), 0)
-                }
-                None => return Err(Error::NotFound),
-            };
-            for (i, (s, p)) in c.specs.iter().zip(&paths).enumerate() {
-                let r = if s.xattr() {
-                    // Only virtual attributes get here (`validate`), and they are read-only.
-                    match p.first() {
-                        Some(Segment::Key(name))
-                            if matches!(name.as_str(), "$document" | "$vbucket" | "$XTOC") =>
-                        {
-                            Err(SubdocError::CantModifyVattr)
-                        }
-                        _ => Err(SubdocError::UnknownVattr),
-                    }
-                } else if s.opcode == op::SET {
-                    serde_json::from_slice(s.value)
-                        .map(|v| {
-                            doc = v;
-                            None
-                        })
-                        .map_err(|_| SubdocError::ValueCantinsert)
-                } else {
-                    let m = mutation_of(s.opcode).expect("validated");
-                    let mkdir = s.flags & PATH_MKDIR_P != 0 || mkdoc || add;
-                    ops::mutate(&mut doc, m, p, s.value, mkdir)
+        let written = engine.write_document(
+            &bucket,
+            req.key,
+            req.cas,
+            durability,
+            access_deleted,
+            |cur, landing| {
+                let abort = |failed: &mut Option<(usize, SubdocError)>, i, e| {
+                    *failed = Some((i, e));
+                    Err(Error::InvalidArgument("a sub-document spec failed".into()))
                 };
-                match r {
-                    Ok(Some(v)) => values.push((i, v)),
-                    Ok(None) => {}
-                    Err(e) => {
-                        failed = Some((i, e));
-                        return abort();
+                let was_deleted = cur.is_some_and(|it| it.meta.deleted);
+                let (mut doc, flags, deleted) =
+                    match cur {
+                        Some(_) if add => return Err(Error::Exists),
+                        Some(_) if revive && !was_deleted => {
+                            return abort(&mut failed, 0, SubdocError::CanOnlyReviveDeleted);
+                        }
+                        Some(it) => match Document::read(it.value(), it.meta.datatype) {
+                            Ok(d) => (d, it.meta.flags, was_deleted && !revive),
+                            Err(e) => return abort(&mut failed, 0, e),
+                        },
+                        None if revive => return Err(Error::NotFound),
+                        None if create_deleted => (Document::deleted(), 0, true),
+                        None if mkdoc || add => {
+                            let first = c.specs.iter().zip(&paths).find(|(s, _)| !s.xattr()).map(
+                                |(s, p)| (mutation_of(s.opcode).unwrap_or(Mutation::DictUpsert), p),
+                            );
+                            let body = match first {
+                                Some((m, p)) => ops::empty_doc_for(m, p),
+                                None => serde_json::json!({}),
+                            };
+                            (Document::new(body), 0, false)
+                        }
+                        None => return Err(Error::NotFound),
+                    };
+                // PreserveTTL: an existing document keeps its expiry.
+                let kept = cur
+                    .filter(|it| framing.preserve_ttl && !it.meta.deleted)
+                    .map(|it| it.meta.expiry);
+                let mut crc_paths: Vec<&[Segment]> = Vec::new();
+                for (i, (s, p)) in c.specs.iter().zip(&paths).enumerate() {
+                    let r = if s.xattr() {
+                        match p.first() {
+                            Some(Segment::Key(name)) if name.starts_with('$') => {
+                                if matches!(name.as_str(), "$document" | "$vbucket" | "$XTOC") {
+                                    Err(SubdocError::CantModifyVattr)
+                                } else {
+                                    Err(SubdocError::UnknownVattr)
+                                }
+                            }
+                            Some(Segment::Key(name)) => document::check_key(name).and_then(|()| {
+                                if s.opcode == op::SUBDOC_REPLACE_BODY_WITH_XATTR {
+                                    let v = ops::find(&doc.attrs, p)?;
+                                    let raw = serde_json::to_vec(v).expect("JSON serializes");
+                                    doc.set_body(raw);
+                                    return Ok(None);
+                                }
+                                let m = mutation_of(s.opcode).expect("validated");
+                                let mkdir = s.flags & PATH_MKDIR_P != 0;
+                                let value = if s.flags & PATH_EXPAND_MACROS != 0 {
+                                    match document::expand(s.value, landing)? {
+                                        Expanded::Value(v) => v,
+                                        Expanded::BodyCrc => {
+                                            crc_paths.push(p);
+                                            b"null".to_vec()
+                                        }
+                                    }
+                                } else {
+                                    s.value.to_vec()
+                                };
+                                ops::mutate(&mut doc.attrs, m, p, &value, mkdir)
+                            }),
+                            _ => Err(SubdocError::PathEinval),
+                        }
+                    } else if s.opcode == op::SET {
+                        doc.set_body(s.value.to_vec());
+                        Ok(None)
+                    } else {
+                        let m = mutation_of(s.opcode).expect("validated");
+                        let mkdir = s.flags & PATH_MKDIR_P != 0 || mkdoc || add;
+                        doc.body_mut()
+                            .and_then(|body| ops::mutate(body, m, p, s.value, mkdir))
+                    };
+                    match r {
+                        Ok(Some(v)) => values.push((i, v)),
+                        Ok(None) => {}
+                        Err(e) => return abort(&mut failed, i, e),
                     }
                 }
-            }
-            Ok(Update {
-                value: serde_json::to_vec(&doc).expect("a JSON value serializes"),
-                flags,
-                // As Couchbase's: a mutation that gives no expiry leaves the document none.
-                expiry: kept.unwrap_or_else(|| c.expiry.map_or(0, |e| absolute_expiry(e, now))),
-                datatype: 0x01,
-            })
-        });
+                if !crc_paths.is_empty() {
+                    let crc = serde_json::to_vec(&document::crc_text(doc.body()))
+                        .expect("a string serializes");
+                    for p in crc_paths {
+                        ops::mutate(&mut doc.attrs, Mutation::DictUpsert, p, &crc, true)
+                            .expect("the path was just written");
+                    }
+                }
+                if deleted && doc.body_changed && !doc.body().is_empty() {
+                    return abort(&mut failed, 0, SubdocError::DeletedCantHaveValue);
+                }
+                let (value, datatype) = doc.write();
+                Ok(DocumentUpdate {
+                    update: Update {
+                        value,
+                        flags,
+                        // As Couchbase's: a mutation that gives no expiry leaves the document
+                        // none.
+                        expiry: kept
+                            .unwrap_or_else(|| c.expiry.map_or(0, |e| absolute_expiry(e, now))),
+                        datatype,
+                    },
+                    deleted,
+                })
+            },
+        );
         if let Some((i, e)) = failed {
             if e.is_document_level() {
                 reply.error(e.status(), e.message(), self.features.xerror);
@@ -560,8 +639,13 @@ impl KvSession {
         }
         let multi = c.multi;
         match written {
-            Ok(w) => self.answer_write(&bucket.clone(), w, reply, false, move |s, r, (m, _)| {
+            Ok(w) => self.answer_write(&bucket.clone(), w, reply, false, move |s, r, (m, it)| {
                 let extras = s.seqno_extras(m);
+                let st = if it.meta.deleted {
+                    status::SUBDOC_SUCCESS_DELETED
+                } else {
+                    status::SUCCESS
+                };
                 let mut body = Vec::new();
                 if multi {
                     for (i, v) in &values {
@@ -570,7 +654,7 @@ impl KvSession {
                         body.extend_from_slice(&(v.len() as u32).to_be_bytes());
                         body.extend_from_slice(v);
                     }
-                    r.send(status::SUCCESS, m.cas, &extras, &[], &body, 0);
+                    r.send(st, m.cas, &extras, &[], &body, 0);
                 } else {
                     let value = values.first().map(|(_, v)| v.as_slice()).unwrap_or(&[]);
                     let datatype = if value.is_empty() {
@@ -578,7 +662,7 @@ impl KvSession {
                     } else {
                         s.datatype(0x01)
                     };
-                    r.send(status::SUCCESS, m.cas, &extras, &[], value, datatype);
+                    r.send(st, m.cas, &extras, &[], value, datatype);
                 }
             }),
             Err(e) => fail!(reply, xerror, e),

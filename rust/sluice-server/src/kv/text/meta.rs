@@ -109,7 +109,7 @@ fn echo(out: &mut Vec<u8>, flags: &Flags<'_>, key_word: &[u8], found: Option<&Fo
             }
             (b's', Some(Found { item: Some(it), .. })) => {
                 out.extend_from_slice(b" s");
-                decimal(out, it.value().len());
+                decimal(out, it.body().len());
             }
             (b't', Some(Found { item: Some(it), .. })) => {
                 out.extend_from_slice(b" t");
@@ -193,10 +193,10 @@ impl TextSession {
                 };
                 if flags.has(b'v') {
                     out.extend_from_slice(b"VA ");
-                    decimal(out, it.value().len());
+                    decimal(out, it.body().len());
                     echo(out, &flags, word, Some(&fd));
                     out.extend_from_slice(b"\r\n");
-                    out.extend_from_slice(it.value());
+                    out.extend_from_slice(it.body());
                     out.extend_from_slice(b"\r\n");
                 } else {
                     out.extend_from_slice(b"HD");
@@ -416,7 +416,7 @@ impl TextSession {
                         " exp={} cas={} size={} vb={} seqno={}\r\n",
                         ttl(&it),
                         it.meta.cas,
-                        it.value().len(),
+                        it.body().len(),
                         self.bucket.vbucket_of(&key),
                         it.meta.by_seqno
                     ),

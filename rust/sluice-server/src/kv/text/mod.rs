@@ -416,13 +416,13 @@ impl TextSession {
                     out.push(b' ');
                     decimal(out, it.meta.flags);
                     out.push(b' ');
-                    decimal(out, it.value().len());
+                    decimal(out, it.body().len());
                     if with_cas {
                         out.push(b' ');
                         decimal(out, it.meta.cas);
                     }
                     out.extend_from_slice(b"\r\n");
-                    out.extend_from_slice(it.value());
+                    out.extend_from_slice(it.body());
                     out.extend_from_slice(b"\r\n");
                 }
                 Ok(None) => {}
