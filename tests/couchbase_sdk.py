@@ -13,9 +13,12 @@ from couchbase.options import ClusterOptions, ClusterTimeoutOptions
 KV_TIMEOUT = 5
 
 
-def sdk_cluster(node, user: str, password: str, mechanisms: list[str] | None = None) -> Cluster:
+def sdk_cluster(
+    node, user: str, password: str, mechanisms: list[str] | None = None, transactions=None
+) -> Cluster:
     """Cluster.connect to `node`'s KV port as `user`; `mechanisms` limits the SASL mechanisms
-    the SDK may use (None: its default, SCRAM-SHA512 on plain TCP)."""
+    the SDK may use (None: its default, SCRAM-SHA512 on plain TCP); `transactions` is a
+    TransactionConfig for `cluster.transactions`."""
     if mechanisms is None:
         auth = PasswordAuthenticator(user, password)
     else:
@@ -25,8 +28,9 @@ def sdk_cluster(node, user: str, password: str, mechanisms: list[str] | None = N
         kv_timeout=timedelta(seconds=KV_TIMEOUT),
         connect_timeout=timedelta(seconds=10),
     )
-    cluster = Cluster.connect(
-        f"couchbase://{node.host}:{node.port}", ClusterOptions(auth, timeout_options=timeouts)
-    )
+    options = ClusterOptions(auth, timeout_options=timeouts)
+    if transactions is not None:
+        options = ClusterOptions(auth, timeout_options=timeouts, transaction_config=transactions)
+    cluster = Cluster.connect(f"couchbase://{node.host}:{node.port}", options)
     cluster.wait_until_ready(timedelta(seconds=15))
     return cluster

@@ -202,11 +202,10 @@ def test_single_path_lookups_and_mutations(server):
         assert call(s, request(GET, b"new"))["value"] == b'{"p":{"q":true}}'
         store(s, b"text", b"plain text")
         assert call(s, subdoc(SUBDOC_DICT_UPSERT, b"text", b"a", b"1"))["status"] == DOC_NOTJSON
-        r = call(s, subdoc(SUBDOC_REPLACE_BODY_WITH_XATTR, b"doc", b"x"))
-        assert (
-            r["status"] == NOT_SUPPORTED
-            and "extended attributes" in json.loads(r["value"])["error"]["context"]
-        )
+        # REPLACE_BODY_WITH_XATTR of an attribute the document lacks; of a body path.
+        r = call(s, subdoc(SUBDOC_REPLACE_BODY_WITH_XATTR, b"doc", b"x", flags=PATH_XATTR))
+        assert r["status"] == PATH_ENOENT
+        assert call(s, subdoc(SUBDOC_REPLACE_BODY_WITH_XATTR, b"doc", b"x"))["status"] == EINVAL
 
 
 def multi_lookup(s: socket.socket, key: bytes, *specs: bytes, doc_flags: int | None = None) -> dict:
@@ -284,13 +283,11 @@ def test_multi_mutation_is_all_or_nothing(server):
         assert r["value"] == bytes([1]) + struct.pack(">HI", 0, 1) + b"6", "the counter's result, by index"
         assert call(s, request(GET, b"doc"))["value"] == b'{"a":6,"b":2}'
         assert get_meta(s, b"doc")["meta"]["expiry"] > time.time() + 900
-        # Virtual xattrs are read-only; user xattrs are not supported.
+        # Virtual xattrs are read-only.
         r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"$document.x", b"1", PATH_XATTR))
         assert r["status"] == MULTI_PATH_FAILURE and r["value"] == b"\x00" + struct.pack(
             ">H", CANT_MODIFY_VATTR
         )
-        r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"meta.x", b"1", PATH_XATTR))
-        assert r["status"] == NOT_SUPPORTED
         # Doc flags: ADD creates only; a whole-document SET; a whole-document delete.
         add = bytes([DOC_ADD])
         assert (
@@ -480,3 +477,113 @@ def test_a_range_scan_on_the_wire(server):
         }
         s.sendall(request(create, value=json.dumps(spec).encode(), vbucket=vb))
         assert read_response(s)["status"] == 0x01
+
+
+XATTR, DATATYPE_XATTR, DATATYPE_JSON = 0x06, 0x04, 0x01
+SUCCESS_DELETED, MULTI_PATH_FAILURE_DELETED, UNKNOWN_MACRO = 0xCD, 0xD3, 0xD0
+CAN_ONLY_REVIVE_DELETED, DELETED_CANT_HAVE_VALUE = 0xD6, 0xD7
+DOC_ACCESS_DELETED, DOC_CREATE_AS_DELETED, DOC_REVIVE_DOCUMENT = 0x04, 0x08, 0x10
+PATH_EXPAND_MACROS = 0x10
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: what `$document.value_crc32c` is of a body."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_extended_attributes_on_the_wire(server):
+    """User and system extended attributes beside the body: GET answers the body alone; the
+    virtual ones describe it; macros expand to the write's own CAS, seqno and body CRC32C; a
+    deletion keeps the system ones; a document created deleted holds attributes only, and
+    REPLACE_BODY_WITH_XATTR revives it with one as its body (Couchbase's transactions)."""
+    with connect(server) as s:
+        r = call(s, request(HELLO, b"xattr-test", struct.pack(">HHHH", MUTATION_SEQNO, JSON, XATTR, 0x17)))
+        assert sorted(struct.unpack(">HHHH", r["value"])) == sorted([MUTATION_SEQNO, JSON, XATTR, 0x17])
+        store(s, b"doc", b'{"n":1}')
+        xa = PATH_XATTR | PATH_MKDIR_P
+        macro = xa | PATH_EXPAND_MACROS
+        r = multi_mutation(
+            s,
+            b"doc",
+            mutation_spec(SUBDOC_DICT_UPSERT, b"meta.user", b'"ann"', xa),
+            mutation_spec(SUBDOC_DICT_UPSERT, b"_sync.rev", b"3", xa),
+            mutation_spec(SUBDOC_DICT_UPSERT, b"meta.cas", b'"${Mutation.CAS}"', macro),
+            mutation_spec(SUBDOC_DICT_UPSERT, b"meta.seq", b'"${Mutation.seqno}"', macro),
+            mutation_spec(SUBDOC_DICT_UPSERT, b"meta.crc", b'"${Mutation.value_crc32c}"', macro),
+            mutation_spec(SUBDOC_COUNTER, b"n", b"4"),
+        )
+        assert r["status"] == 0, r
+        cas, (_, seqno) = r["cas"], struct.unpack(">QQ", r["extras"])
+        got = call(s, request(GET, b"doc"))
+        assert (got["value"], got["datatype"]) == (b'{"n":5}', DATATYPE_JSON), "GET answers the body"
+        r = multi_lookup(
+            s,
+            b"doc",
+            lookup_spec(SUBDOC_GET, b"meta", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"_sync.rev", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"$XTOC", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"$document", PATH_XATTR),
+            lookup_spec(GET, b""),
+        )
+        assert r["status"] == 0, r
+        meta, rev, xtoc, document, body = (v for _, v in lookup_results(r["value"]))
+        meta = json.loads(meta)
+        # ${Mutation.CAS} is the CAS in network byte order, as kv_engine writes it.
+        assert meta["cas"] == f"0x{int.from_bytes(cas.to_bytes(8, 'little'), 'big'):016x}"
+        assert meta["seq"] == f"0x{seqno:016x}"
+        document = json.loads(document)
+        body_crc = crc32c(b'{"n":5}')
+        assert meta["crc"] == document["value_crc32c"] == f"0x{body_crc:08x}"
+        assert (meta["user"], rev, json.loads(xtoc)) == ("ann", b"3", ["meta", "_sync"])
+        assert document["CAS"] == f"0x{cas:016x}" and document["value_bytes"] == len(body) == 7
+        assert "xattr" in document["datatype"]
+        r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"m.x", b'"${Nope}"', macro))
+        assert r["value"] == b"\x00" + struct.pack(">H", UNKNOWN_MACRO)
+        # A deletion keeps the system attributes only; the tombstone is read with AccessDeleted.
+        assert call(s, request(DELETE, b"doc"))["status"] == 0
+        assert multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"_sync", PATH_XATTR))["status"] == KEY_ENOENT
+        r = multi_lookup(
+            s,
+            b"doc",
+            lookup_spec(SUBDOC_GET, b"_sync", PATH_XATTR),
+            lookup_spec(SUBDOC_GET, b"meta", PATH_XATTR),
+            doc_flags=DOC_ACCESS_DELETED,
+        )
+        assert r["status"] == MULTI_PATH_FAILURE_DELETED
+        assert lookup_results(r["value"]) == [(0, b'{"rev":3}'), (PATH_ENOENT, b"")]
+
+        # Created deleted, holding a staged body; GET does not see it; ADD finds it.
+        staged = b'{"balance":10}'
+        create = bytes([DOC_ADD | DOC_ACCESS_DELETED | DOC_CREATE_AS_DELETED])
+        stage = mutation_spec(SUBDOC_DICT_UPSERT, b"txn.stgd", staged, xa)
+        r = multi_mutation(s, b"new", stage, extras=create)
+        assert r["status"] == SUCCESS_DELETED, r
+        assert call(s, request(GET, b"new"))["status"] == KEY_ENOENT
+        r = multi_mutation(s, b"new", mutation_spec(SUBDOC_DICT_UPSERT, b"txn.x", b"1", xa), extras=create)
+        assert r["status"] == KEY_EEXISTS
+        # A body for a document that stays deleted is refused; revival of a live one too.
+        r = multi_mutation(s, b"new", mutation_spec(SET, b"", b"{}"), extras=bytes([DOC_ACCESS_DELETED]))
+        assert r["status"] == DELETED_CANT_HAVE_VALUE
+        store(s, b"live", b"{}")
+        revive = bytes([DOC_ACCESS_DELETED | DOC_REVIVE_DOCUMENT])
+        r = multi_mutation(
+            s, b"live", mutation_spec(SUBDOC_REPLACE_BODY_WITH_XATTR, b"txn", b"", PATH_XATTR), extras=revive
+        )
+        assert r["status"] == CAN_ONLY_REVIVE_DELETED
+        # Revived with its staged body, the staging removed: a plain document again.
+        r = multi_mutation(
+            s,
+            b"new",
+            mutation_spec(SUBDOC_REPLACE_BODY_WITH_XATTR, b"txn.stgd", b"", PATH_XATTR),
+            mutation_spec(SUBDOC_DELETE, b"txn", b"", PATH_XATTR),
+            extras=revive,
+        )
+        assert r["status"] == 0, r
+        got = call(s, request(GET, b"new"))
+        assert (got["value"], got["datatype"]) == (staged, DATATYPE_JSON)
+        assert get_meta(s, b"new")["meta"]["datatype"] == DATATYPE_JSON, "no attributes left"

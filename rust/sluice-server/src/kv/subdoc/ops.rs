@@ -54,12 +54,17 @@ pub fn parse_doc(body: &[u8]) -> Result<Value> {
 }
 
 impl SubdocError {
-    /// Whether the error is the document's (not JSON, too deep, too big) rather than one
-    /// spec's path: a mutation answers it as its own status, as kv_engine does.
+    /// Whether the error is the document's (not JSON, too deep, too big, attributes that do
+    /// not read, not deleted for a revival, a body for one that stays deleted) rather than
+    /// one spec's path: a mutation answers it as its own status, as kv_engine does.
     pub fn is_document_level(self) -> bool {
         matches!(
             self,
-            SubdocError::DocNotJson | SubdocError::DocE2deep | SubdocError::DocTooBig
+            SubdocError::DocNotJson
+                | SubdocError::DocE2deep
+                | SubdocError::DocTooBig
+                | SubdocError::CanOnlyReviveDeleted
+                | SubdocError::DeletedCantHaveValue
         )
     }
 }
