@@ -114,6 +114,44 @@ def test_a_batch_read_from_a_replica_equals_what_was_written(spark, tmp_path):
         active.stop()
 
 
+def test_extended_attributes_reach_a_replica_and_spark(spark, tmp_path):
+    """Documents with user and system extended attributes, one of them deleted (its tombstone
+    keeps the system ones), replicated over DCP and read by Spark from the replica: with the
+    `xattrs` option they are a JSON column beside the body; without it, the value is the
+    body alone, as GET answers."""
+    from mcbp_wire import DELETE, PATH_MKDIR_P, PATH_XATTR, SUBDOC_DICT_UPSERT, connect, mutation_spec, request
+    from test_kv_documents import call, multi_mutation, store
+
+    active = start_node(tmp_path, "a")
+    replica = start_node(tmp_path, "r", "--replica-of", active.address)
+    try:
+        xa = PATH_XATTR | PATH_MKDIR_P
+        with connect(active) as s:
+            for key in (b"tagged", b"gone"):
+                store(s, key, b'{"n":1}')
+                r = multi_mutation(
+                    s,
+                    key,
+                    mutation_spec(SUBDOC_DICT_UPSERT, b"meta.by", b'"ann"', xa),
+                    mutation_spec(SUBDOC_DICT_UPSERT, b"_sync.rev", b"2", xa),
+                )
+                assert r["status"] == 0, r
+            store(s, b"plain", b'{"n":2}')
+            assert call(s, request(DELETE, b"gone"))["status"] == 0
+        wait_converged(active, replica)
+        read = spark.read.format("sluice").option("nodes", replica.address)
+        rows = {r.key: r for r in read.option("xattrs", "true").load().collect()}
+        assert bytes(rows["tagged"].value) == b'{"n":1}'
+        assert json.loads(rows["tagged"].xattrs) == {"meta": {"by": "ann"}, "_sync": {"rev": 2}}
+        assert (bytes(rows["plain"].value), rows["plain"].xattrs) == (b'{"n":2}', "{}")
+        assert rows["gone"].op == "deletion" and json.loads(rows["gone"].xattrs) == {"_sync": {"rev": 2}}
+        plain = {r.key: bytes(r.value) for r in read.load().collect() if r.op == "mutation"}
+        assert plain == {"tagged": b'{"n":1}', "plain": b'{"n":2}'}
+    finally:
+        replica.stop()
+        active.stop()
+
+
 def changes_in(spark, path: Path):
     if not (path / "_spark_metadata").exists():
         return []

@@ -335,7 +335,7 @@ class RawBatch:
     @property
     def num_rows(self) -> int: ...
     def buffers(self) -> dict[str, bytes]: ...
-    def spark_buffers(self, include_deletes: bool) -> dict[str, Any]: ...
+    def spark_buffers(self, include_deletes: bool, xattrs: bool = False) -> dict[str, Any]: ...
     @overload
     def rows(
         self, row_type: None = None
@@ -371,6 +371,7 @@ class DcpConsumer:
         buffer_size: int = 16777216,
         noop_interval: int = 20,
         include_values: bool = True,
+        include_xattrs: bool = False,
         cursor_dropping: bool = False,
         setup_timeout: float | None = None,
         topic: str | None = None,

@@ -353,6 +353,7 @@ class Client:
         buffer_size: int = 16 << 20,
         noop_interval: int = 20,
         values: bool = True,
+        xattrs: bool = False,
         cursor_dropping: bool = False,
         skip_empty: bool = True,
         setup_timeout: float | None = None,
@@ -378,6 +379,9 @@ class Client:
             turns each RawBatch into what the stream yields.
         setup_timeout: seconds for connecting and for each setup answer (default: twice the
             NOOP interval, 5 to 30 s).
+        xattrs: ask for documents' extended attributes too: a value then starts with them,
+            its datatype's XATTR bit (4) set (``sluice.spark``'s ``xattrs`` option splits them
+            off into a column).
         follow_moves: follow the cluster map. In a cluster (the map puts actives on several
             nodes) each vbucket streams from its active, ``vbuckets`` defaulting to all of the
             bucket's, and a vbucket that moves (rebalance, failover, ``sluice move-vbucket``)
@@ -425,6 +429,7 @@ class Client:
             buffer_size=buffer_size,
             noop_interval=noop_interval,
             include_values=values,
+            include_xattrs=xattrs,
             cursor_dropping=cursor_dropping,
             setup_timeout=setup_timeout,
             topic=topic,

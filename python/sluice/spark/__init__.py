@@ -74,10 +74,17 @@ SCHEMA = (
 )
 
 
-def arrow_schema() -> Any:
-    """The Arrow schema Spark expects for :data:`SCHEMA` (every field nullable)."""
+#: The column the ``xattrs`` option adds: a document's extended attributes as one JSON
+#: object (``{}`` for none); ``value`` is then its body alone.
+SCHEMA_XATTRS = SCHEMA + ", xattrs STRING"
+
+
+def arrow_schema(xattrs: bool = False) -> Any:
+    """The Arrow schema Spark expects for :data:`SCHEMA` (every field nullable), or with
+    ``xattrs`` for :data:`SCHEMA_XATTRS`."""
     import pyarrow as pa
 
+    extra = [("xattrs", pa.string())] if xattrs else []
     return pa.schema(
         [
             ("vbucket", pa.int32()),
@@ -89,15 +96,17 @@ def arrow_schema() -> Any:
             ("expiry", pa.int64()),
             ("cas", pa.int64()),
             ("rev_seqno", pa.int64()),
+            *extra,
         ]
     )
 
 
-def record_batch(raw: RawBatch, include_deletes: bool) -> Any:
-    """A native batch as a RecordBatch of :data:`SCHEMA`, from the columns the core built."""
+def record_batch(raw: RawBatch, include_deletes: bool, xattrs: bool = False) -> Any:
+    """A native batch as a RecordBatch of :data:`SCHEMA` (:data:`SCHEMA_XATTRS` with
+    ``xattrs``), from the columns the core built."""
     import pyarrow as pa
 
-    b = raw.spark_buffers(include_deletes)
+    b = raw.spark_buffers(include_deletes, xattrs)
     n = b["num_rows"]
 
     def fixed(name: str, typ: Any) -> Any:
@@ -118,8 +127,9 @@ def record_batch(raw: RawBatch, include_deletes: bool) -> Any:
             fixed("expiry", pa.int64()),
             fixed("cas", pa.int64()),
             fixed("rev_seqno", pa.int64()),
+            *([variable("xattrs", pa.string())] if xattrs else []),
         ],
-        schema=arrow_schema(),
+        schema=arrow_schema(xattrs),
     )
 
 
@@ -150,7 +160,7 @@ def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | N
     if opts.topic is not None:
         convert = lambda raw: topic.record_batch(raw, opts.topic)  # noqa: E731
     elif tuples is None:
-        convert = lambda raw: record_batch(raw, opts.include_deletes)  # noqa: E731
+        convert = lambda raw: record_batch(raw, opts.include_deletes, opts.xattrs)  # noqa: E731
     else:
         convert = lambda raw: space.record_batch(raw, tuples, opts.include_deletes)  # noqa: E731
 
@@ -191,6 +201,7 @@ def read_partition(opts: Options, part: SluicePartition, tuples: SpaceSchema | N
         format=convert,
         setup_timeout=opts.timeout,
         topic=opts.topic,
+        xattrs=opts.xattrs,
         # The plan names the node (a replica, often) each range is read from.
         follow_moves=False,
     ) as stream:
@@ -416,7 +427,10 @@ class SluiceDataSource(DataSource):
         if self._topic():
             return topic.spark_schema()
         tuples = self._space()
-        return spark_schema() if tuples is None else space.spark_schema(tuples)
+        if tuples is not None:
+            return space.spark_schema(tuples)
+        xattrs = any(k.lower() == "xattrs" and v.lower() == "true" for k, v in self.options.items())
+        return spark_schema(xattrs)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         self._check_schema(schema)
@@ -442,7 +456,9 @@ class SluiceDataSource(DataSource):
         if self._topic():
             raise OptionError("schema", f"a topic reads with the fixed schema {topic.SCHEMA}")
         if self._space() is None:
-            raise OptionError("schema", f"the sluice source has the fixed schema {SCHEMA}")
+            raise OptionError(
+                "schema", f"the sluice source has the fixed schema {SCHEMA} ({SCHEMA_XATTRS} with xattrs)"
+            )
         raise OptionError(
             "schema", "a space's columns are its format's fields, then _op, _vbucket, _seqno, _cas"
         )
@@ -451,12 +467,13 @@ class SluiceDataSource(DataSource):
 _MODE_OPTIONS = ("endingoffsets", "maxrecordsperbatch", "readondriver")
 
 
-def spark_schema() -> StructType:
-    """:data:`SCHEMA` as a StructType (built without a SparkSession: readers run without one)."""
+def spark_schema(xattrs: bool = False) -> StructType:
+    """:data:`SCHEMA` (:data:`SCHEMA_XATTRS` with ``xattrs``) as a StructType (built without a
+    SparkSession: readers run without one)."""
     from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField
 
     types = {"INT": IntegerType(), "BIGINT": LongType(), "STRING": StringType(), "BINARY": BinaryType()}
-    fields = [f.split() for f in SCHEMA.split(",")]
+    fields = [f.split() for f in (SCHEMA_XATTRS if xattrs else SCHEMA).split(",")]
     return StructType([StructField(name, types[typ], True) for name, typ in fields])
 
 

@@ -50,6 +50,7 @@ class Options:
     read_on_driver: bool  # streaming only: micro-batches read by the driver (SluiceDriverStreamReader)
     fail_on_data_loss: bool
     include_deletes: bool
+    xattrs: bool  # documents' extended attributes as a column of their own (SCHEMA_XATTRS)
     user: str | None
     password: str | None
     num_partitions: int | None  # None: chosen from the data and the cores
@@ -188,6 +189,7 @@ _NAMES = (
     "readOnDriver",
     "failOnDataLoss",
     "includeDeletes",
+    "xattrs",
     "user",
     "password",
     "numPartitions",
@@ -234,6 +236,8 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
             raise OptionError("topic", "give space or topic, not both")
         if "includedeletes" in opts:
             raise OptionError("includeDeletes", "a topic's messages are never deleted: not with topic")
+    if "xattrs" in opts and (space is not None or topic is not None):
+        raise OptionError("xattrs", "a space's tuples and a topic's messages have no extended attributes")
     user = opts.get("user")
     password = opts.get("password")
     if (user is None) != (password is None):
@@ -251,6 +255,7 @@ def parse(options: Mapping[str, str], streaming: bool) -> Options:
         read_on_driver=get("readondriver", _bool, False),
         fail_on_data_loss=get("failondataloss", _bool, True),
         include_deletes=get("includedeletes", _bool, True),
+        xattrs=get("xattrs", _bool, False),
         user=user,
         password=password,
         num_partitions=get("numpartitions", _positive_int, None),

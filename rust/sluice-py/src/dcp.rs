@@ -60,6 +60,27 @@ impl Utf8Column {
     }
 }
 
+/// A value's extended attributes as one JSON object (the attributes' values are JSON already);
+/// "{}" for a value without any, or whose attributes do not read.
+fn xattrs_json(value: &[u8], datatype: u8) -> String {
+    let mut out = String::from("{");
+    if datatype & sluice_proto::xattr::DATATYPE_XATTR != 0 {
+        if let Ok((attrs, _)) = sluice_proto::xattr::split(value) {
+            for (n, (k, v)) in attrs.iter().enumerate() {
+                if n > 0 {
+                    out.push(',');
+                }
+                let key = String::from_utf8_lossy(k);
+                out.push_str(&serde_json::to_string(&key).expect("a string serializes"));
+                out.push(':');
+                out.push_str(&String::from_utf8_lossy(v));
+            }
+        }
+    }
+    out.push('}');
+    out
+}
+
 impl RawBatch {
     pub(crate) fn columns(&self) -> &Batch {
         &self.batch
@@ -97,10 +118,12 @@ impl RawBatch {
     /// `flags` int32, `seqno`, `expiry`, `cas`, `rev_seqno` int64 (CAS and flags keep their
     /// bits), and `op`, `key` (UTF-8; bytes that are not become U+FFFD) and `value` as Arrow
     /// int32 offsets plus data. Deletions and expirations only with `include_deletes`.
+    #[pyo3(signature = (include_deletes, xattrs=false))]
     fn spark_buffers<'py>(
         &self,
         py: Python<'py>,
         include_deletes: bool,
+        xattrs: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let b = &self.batch;
         let rows: Vec<usize> = (0..b.len())
@@ -137,11 +160,26 @@ impl RawBatch {
         d.set_item("rev_seqno", bytes_of(py, &rev_seqno))?;
         op.put(py, &d, "op")?;
         key.put(py, &d, "key")?;
+        // With `xattrs`, a value is its body, and its extended attributes are a column of
+        // their own: a JSON object of them ("{}" for none).
+        let value_of = |i: usize| {
+            let v = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
+            if xattrs {
+                sluice_proto::xattr::body(v, b.datatype[i])
+            } else {
+                v
+            }
+        };
+        if xattrs {
+            let mut attrs = Utf8Column::with_capacity(n, n * 2);
+            for &i in &rows {
+                let v = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
+                attrs.push_str(&xattrs_json(v, b.datatype[i]));
+            }
+            attrs.put(py, &d, "xattrs")?;
+        }
         // Values are copied once, straight into the Python bytes object.
-        let total: usize = rows
-            .iter()
-            .map(|&i| (b.value_offsets[i + 1] - b.value_offsets[i]) as usize)
-            .sum();
+        let total: usize = rows.iter().map(|&i| value_of(i).len()).sum();
         if total > i32::MAX as usize {
             return Err(PyValueError::new_err(format!(
                 "a batch of {n} rows holds {total} bytes of values, more than Spark's 2 GiB \
@@ -153,7 +191,7 @@ impl RawBatch {
         let values = PyBytes::new_with(py, total, |buf| {
             let mut at = 0;
             for &i in &rows {
-                let v = &b.values[b.value_offsets[i] as usize..b.value_offsets[i + 1] as usize];
+                let v = value_of(i);
                 buf[at..at + v.len()].copy_from_slice(v);
                 at += v.len();
                 value_offsets.push(at as i32);
@@ -281,8 +319,8 @@ impl DcpConsumer {
         name="sluice:consumer", vbuckets=None, from_now=false, to_latest=false, end_seqnos=None,
         state=None,
         rollback="ask", batch_size=8192, buffer_size=16777216, noop_interval=20,
-        include_values=true, cursor_dropping=false, setup_timeout=None, topic=None,
-        follow_moves=true, move_timeout=60.0, cafile=None))]
+        include_values=true, include_xattrs=false, cursor_dropping=false, setup_timeout=None,
+        topic=None, follow_moves=true, move_timeout=60.0, cafile=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -301,6 +339,7 @@ impl DcpConsumer {
         buffer_size: u32,
         noop_interval: u32,
         include_values: bool,
+        include_xattrs: bool,
         cursor_dropping: bool,
         setup_timeout: Option<f64>,
         topic: Option<String>,
@@ -355,7 +394,7 @@ impl DcpConsumer {
             buffer_size,
             noop_interval,
             include_values,
-            include_xattrs: false,
+            include_xattrs,
             cursor_dropping,
             replica_name: None,
             takeover: false,
