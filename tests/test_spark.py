@@ -19,11 +19,13 @@ import bmemcached
 import pytest
 import sluice.spark
 from helpers import contents, run_cli, start_node, wait_converged
+from mcbp_wire import DELETE, PATH_MKDIR_P, PATH_XATTR, SUBDOC_DICT_UPSERT, connect, mutation_spec, request
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.utils import StreamingQueryException
 from sluice.spark import planning
 from sluice.spark.options import OptionError, parse
+from test_kv_documents import call, multi_mutation, store
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +121,6 @@ def test_extended_attributes_reach_a_replica_and_spark(spark, tmp_path):
     keeps the system ones), replicated over DCP and read by Spark from the replica: with the
     `xattrs` option they are a JSON column beside the body; without it, the value is the
     body alone, as GET answers."""
-    from mcbp_wire import DELETE, PATH_MKDIR_P, PATH_XATTR, SUBDOC_DICT_UPSERT, connect, mutation_spec, request
-    from test_kv_documents import call, multi_mutation, store
-
     active = start_node(tmp_path, "a")
     replica = start_node(tmp_path, "r", "--replica-of", active.address)
     try:
