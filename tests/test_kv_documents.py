@@ -544,6 +544,13 @@ def test_extended_attributes_on_the_wire(server):
         assert "xattr" in document["datatype"]
         r = multi_mutation(s, b"doc", mutation_spec(SUBDOC_DICT_UPSERT, b"m.x", b'"${Nope}"', macro))
         assert r["value"] == b"\x00" + struct.pack(">H", UNKNOWN_MACRO)
+        # A whole-document SET keeps the system attributes, not the user ones.
+        store(s, b"doc", b'{"n":6}')
+        sync = lookup_spec(SUBDOC_GET, b"_sync", PATH_XATTR)
+        user = lookup_spec(SUBDOC_GET, b"meta", PATH_XATTR)
+        r = multi_lookup(s, b"doc", sync, user)
+        assert lookup_results(r["value"]) == [(0, b'{"rev":3}'), (PATH_ENOENT, b"")]
+        assert call(s, request(GET, b"doc"))["value"] == b'{"n":6}'
         # A deletion keeps the system attributes only; the tombstone is read with AccessDeleted.
         assert call(s, request(DELETE, b"doc"))["status"] == 0
         assert multi_lookup(s, b"doc", lookup_spec(SUBDOC_GET, b"_sync", PATH_XATTR))["status"] == KEY_ENOENT

@@ -539,10 +539,27 @@ impl Engine {
             Some(m) if req.preserve_expiry => m.expiry,
             _ => absolute_expiry(req.expiry, now),
         };
+        // A client's whole-document write keeps the system extended attributes the document
+        // had (they live as long as its metadata, as Couchbase keeps them); user ones go
+        // with the old body.
+        let kept = live
+            .filter(|m| {
+                writer == Writer::Client && m.datatype & XATTR != 0 && req.datatype & XATTR == 0
+            })
+            .and_then(|_| {
+                let it = vb.store.get(req.key).expect("live above").to_item();
+                let (attrs, _) = sluice_proto::xattr::split(it.value()).ok()?;
+                let system: Vec<_> = attrs.into_iter().filter(|(k, _)| is_system(k)).collect();
+                (!system.is_empty()).then(|| sluice_proto::xattr::join(&system, req.value))
+            });
         let meta = ItemMeta {
             flags: req.flags,
             expiry,
-            datatype: req.datatype,
+            datatype: if kept.is_some() {
+                req.datatype | XATTR
+            } else {
+                req.datatype
+            },
             rev_seqno: existing.map(|m| m.rev_seqno + 1).unwrap_or(1),
             ..Default::default()
         };
@@ -551,7 +568,7 @@ impl Engine {
             &mut vb,
             ChangeOp::Mutation,
             req.key,
-            req.value,
+            kept.as_deref().unwrap_or(req.value),
             meta,
         )?;
         vb.locks.unlock(req.key);
