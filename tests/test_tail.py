@@ -12,6 +12,8 @@ import bmemcached
 import pytest
 import sluice
 from helpers import run_cli
+from mcbp_wire import DELETE, PATH_MKDIR_P, PATH_XATTR, SUBDOC_DICT_UPSERT, connect, mutation_spec, request
+from test_kv_documents import call, multi_mutation, store
 
 
 def tail(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -137,3 +139,22 @@ def test_tuples_of_a_space_as_json(tmp_path):
         assert "is not an iproto tuple" in r.stderr and "is 'default' the bucket of a space?" in r.stderr
     finally:
         assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_extended_attributes_with_xattrs(server):
+    """--xattrs prints each document's extended attributes beside its body; a deletion shows
+    the system ones its tombstone kept. Without it the value is the body alone."""
+    with connect(server) as s:
+        for key in (b"tagged", b"gone"):
+            store(s, key, b'{"n":1}')
+            spec = mutation_spec(SUBDOC_DICT_UPSERT, b"_sync.rev", b"2", PATH_XATTR | PATH_MKDIR_P)
+            assert multi_mutation(s, key, spec)["status"] == 0
+        assert call(s, request(DELETE, b"gone"))["status"] == 0
+    r = tail("--address", server.address, "--from", "beginning", "--until-now", "--xattrs")
+    assert r.returncode == 0, r.stderr
+    rows = {row["key"]: row for row in map(json.loads, r.stdout.splitlines())}
+    assert (rows["tagged"]["value"], rows["tagged"]["xattrs"]) == ('{"n":1}', {"_sync": {"rev": 2}})
+    assert rows["gone"]["op"] == "deletion" and rows["gone"]["xattrs"] == {"_sync": {"rev": 2}}
+    r = tail("--address", server.address, "--from", "beginning", "--until-now")
+    plain = {row["key"]: row for row in map(json.loads, r.stdout.splitlines())}
+    assert plain["tagged"]["value"] == '{"n":1}' and "xattrs" not in plain["tagged"]

@@ -742,6 +742,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--format", choices=["json", "table"], default="json", help="output lines")
     t.add_argument("--no-values", action="store_true", help="keys and metadata only")
     t.add_argument(
+        "--xattrs",
+        action="store_true",
+        help="with each change its document's extended attributes, user and system (JSON: an "
+        '"xattrs" object; a deletion shows those its tombstone kept)',
+    )
+    t.add_argument(
         "--tuples",
         action="store_true",
         help="the bucket holds an iproto space: print each key and tuple (MessagePack) as JSON arrays "

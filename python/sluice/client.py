@@ -57,6 +57,33 @@ class Change(NamedTuple):
     datatype: int
 
 
+#: A change's datatype bit when its value starts with extended attributes (a stream opened
+#: with ``xattrs=True``).
+DATATYPE_XATTR = 0x04
+
+
+def split_xattrs(value: bytes, datatype: int) -> tuple[dict[str, Any], bytes]:
+    """A value's extended attributes (each parsed from its JSON) and its body: a big-endian
+    u32 of the attributes' length, then per attribute a big-endian u32 length, the key, a
+    NUL, the value and a NUL (Couchbase's layout). A value without the XATTR bit has none."""
+    if not datatype & DATATYPE_XATTR:
+        return {}, value
+    if len(value) < 4 or 4 + int.from_bytes(value[:4], "big") > len(value):
+        raise ValueError("the extended attributes run past the value")
+    end = 4 + int.from_bytes(value[:4], "big")
+    attrs: dict[str, Any] = {}
+    at = 4
+    while at < end:
+        n = int.from_bytes(value[at : at + 4], "big")
+        pair = value[at + 4 : at + 4 + n]
+        if at + 4 + n > end or pair.count(b"\0") < 2 or not pair.endswith(b"\0"):
+            raise ValueError("an extended attribute does not read")
+        key, _, rest = pair.partition(b"\0")
+        attrs[key.decode()] = json.loads(rest[:-1])
+        at += 4 + n
+    return attrs, value[end:]
+
+
 class RollbackError(SluiceError):
     """The producer's history diverged from this consumer's: roll your data back to ``seqno`` for
     ``vbucket`` (remove what you hold above it), then resume from the stream's state."""

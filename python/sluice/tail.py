@@ -252,7 +252,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     """Follows a bucket's DCP stream (or with --topic, a topic's partitions) and prints its
     changes."""
 
-    from sluice.client import Client
+    from sluice.client import Client, split_xattrs
 
     if args.topic:
         return cmd_tail_topic(args)
@@ -286,6 +286,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             rollback="resume",
             format="python",
             values=not args.no_values,
+            xattrs=args.xattrs,
             skip_empty=False,
             follow_moves=not args.no_follow,
         )
@@ -311,6 +312,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
                                 file=sys.stderr,
                             )
                             return EXIT_FAILURE
+                    value = c.value
+                    if args.xattrs:
+                        xattrs, value = split_xattrs(c.value, c.datatype)
                     if args.format == "json":
                         row = {"vbucket": c.vbucket, "seqno": c.seqno, "op": c.op}
                         if args.tuples:
@@ -320,7 +324,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
                         else:
                             _text_or_base64("key", c.key, row)
                         if not args.no_values and c.op == "mutation" and not args.tuples:
-                            _text_or_base64("value", c.value, row)
+                            _text_or_base64("value", value, row)
+                        if args.xattrs:
+                            row["xattrs"] = xattrs
                         row.update(cas=c.cas, rev_seqno=c.rev_seqno, flags=c.flags, expiry=c.expiry)
                         out.write(json.dumps(row) + "\n")
                     else:

@@ -87,6 +87,14 @@ pub fn is_system(key: &[u8]) -> bool {
     key.first() == Some(&b'_')
 }
 
+/// A value of `value`'s system attributes (a value with the XATTR bit) followed by `body`;
+/// None when it has none (or they do not read): the caller stores `body` alone.
+pub fn with_system_attrs(value: &[u8], body: &[u8]) -> Option<Vec<u8>> {
+    let (attrs, _) = split(value).ok()?;
+    let system: Vec<_> = attrs.into_iter().filter(|(k, _)| is_system(k)).collect();
+    (!system.is_empty()).then(|| join(&system, body))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +117,12 @@ mod tests {
         assert_eq!(super::body(&value, 1), &value[..]);
         assert_eq!(join::<&[u8], &[u8]>(&[], b"x"), b"x");
         assert!(is_system(b"_sync") && !is_system(b"meta"));
+        let kept = with_system_attrs(&value, b"new").unwrap();
+        assert_eq!(split(&kept).unwrap(), (attrs[..1].to_vec(), &b"new"[..]));
+        assert_eq!(
+            with_system_attrs(&join(&[(b"meta", b"1")], b""), b"x"),
+            None
+        );
     }
 
     #[test]

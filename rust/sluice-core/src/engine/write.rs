@@ -17,7 +17,7 @@ use crate::item::{absolute_expiry, is_expired, validate_key, ChangeOp, Item, Ite
 use crate::vbucket::{VBucket, VbState};
 use crate::wal::writer::WalPayload;
 use crate::wal::WalMode;
-use sluice_proto::xattr::{is_system, DATATYPE_XATTR as XATTR};
+use sluice_proto::xattr::{with_system_attrs, DATATYPE_XATTR as XATTR};
 
 /// How long a writer past twice the checkpoint quota waits for the WAL to take its changes.
 pub(super) const WAL_CATCH_UP: Duration = Duration::from_secs(1);
@@ -548,9 +548,7 @@ impl Engine {
             })
             .and_then(|_| {
                 let it = vb.store.get(req.key).expect("live above").to_item();
-                let (attrs, _) = sluice_proto::xattr::split(it.value()).ok()?;
-                let system: Vec<_> = attrs.into_iter().filter(|(k, _)| is_system(k)).collect();
-                (!system.is_empty()).then(|| sluice_proto::xattr::join(&system, req.value))
+                with_system_attrs(it.value(), req.value)
             });
         let meta = ItemMeta {
             flags: req.flags,
@@ -761,9 +759,7 @@ impl Engine {
         let kept = (old.datatype & XATTR != 0)
             .then(|| {
                 let it = vb.store.get(key).expect("live above").to_item();
-                let (attrs, _) = sluice_proto::xattr::split(it.value()).ok()?;
-                let system: Vec<_> = attrs.into_iter().filter(|(k, _)| is_system(k)).collect();
-                (!system.is_empty()).then(|| sluice_proto::xattr::join(&system, b""))
+                with_system_attrs(it.value(), b"")
             })
             .flatten();
         let meta = ItemMeta {

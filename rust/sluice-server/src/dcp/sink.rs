@@ -132,7 +132,7 @@ fn sent_value<'v>(
     if *datatype & DATATYPE_XATTR == 0 {
         return (value, None);
     }
-    let Ok((attrs, body)) = xattr::split(value) else {
+    let Ok((_, body)) = xattr::split(value) else {
         return (value, None);
     };
     if !e.xattrs {
@@ -142,13 +142,11 @@ fn sent_value<'v>(
     if !deleted || e.deleted_user_xattrs {
         return (value, None);
     }
-    let system: Vec<_> = attrs
-        .into_iter()
-        .filter(|(k, _)| xattr::is_system(k))
-        .collect();
-    if system.is_empty() {
-        *datatype &= !DATATYPE_XATTR;
-        return (&[], None);
+    match xattr::with_system_attrs(value, body) {
+        Some(kept) => (value, Some(kept)),
+        None => {
+            *datatype &= !DATATYPE_XATTR;
+            (&[], None)
+        }
     }
-    (value, Some(xattr::join(&system, body)))
 }
