@@ -26,8 +26,10 @@ from test_permissions import PASSWORD
 
 
 @pytest.fixture
-def pair(tmp_path):
-    """An active and its replica, the SDK's map naming the replica for every vbucket."""
+def pair(tmp_path, monkeypatch):
+    """An active and its replica, the SDK's map naming the replica for every vbucket; fault
+    injection on (`Node.inject`)."""
+    monkeypatch.setenv("SLUICE_ERRINJ", "")
     active = start_node(tmp_path, "a", extra=USERS)
     replica = start_node(tmp_path, "r", "--replica-of", active.address, extra=USERS + replica_login(tmp_path))
     try:
@@ -159,7 +161,9 @@ def test_a_commit_cut_by_a_killed_active_is_finished_by_cleanup_after_promotion(
         for k in keys:
             coll.upsert(k, {"v": 0})
         wait_converged(active, replica)
-        # Once the first document holds its committed body, the active is killed.
+        # Once the first document holds its committed body, the active is killed. The staging
+        # done, its WAL writes are slowed, so what it unstages is applied but not yet written or
+        # streamed when it dies: the replica holds the committed record and every staged change.
         killed = threading.Event()
 
         def kill_on_commit():
@@ -173,9 +177,10 @@ def test_a_commit_cut_by_a_killed_active_is_finished_by_cleanup_after_promotion(
         def logic(ctx):
             for k in keys:
                 ctx.replace(ctx.get(coll, k), {"v": 1})
+            active.inject("wal_write_delay_ms", 300)
 
         try:
-            cluster.transactions.run(logic, TransactionOptions(timeout=timedelta(seconds=5)))
+            cluster.transactions.run(logic, TransactionOptions(timeout=timedelta(seconds=10)))
         except Exception:  # noqa: BLE001 - the commit's end is cut off: an error, or not
             pass
         watcher.join(timeout=60)

@@ -231,7 +231,8 @@ class Orchestrator:
         return True
 
     def admit_caught_up_copies(self, doc: dict[str, Any], revision: int, nodes: dict[str, Any]) -> bool:
-        """Copies that caught up with their leader join those in sync."""
+        """Copies that caught up with their leader, on its branch of history, join those in
+        sync."""
         if not doc.get("topics"):
             return False
         topics, joined = topicmap.admit_caught_up(

@@ -123,8 +123,10 @@ def admit_caught_up(
             for n in chain[1:]:
                 if n is None or n in in_sync[p] or n not in alive or lead_hwm < 0:
                     continue
-                if branches is not None and hwm(branches, n, name, p) != hwm(branches, leader, name, p):
-                    continue
+                if branches is not None:
+                    branch = hwm(branches, n, name, p)
+                    if branch < 0 or branch != hwm(branches, leader, name, p):
+                        continue
                 if hwm(held, n, name, p) >= lead_hwm:
                     in_sync[p].append(n)
                     joined.append((name, p, n))

@@ -429,8 +429,9 @@ class SluiceDataSource(DataSource):
         tuples = self._space()
         if tuples is not None:
             return space.spark_schema(tuples)
-        xattrs = any(k.lower() == "xattrs" and v.lower() == "true" for k, v in self.options.items())
-        return spark_schema(xattrs)
+        # As the reader parses it ("true", "1", ...), so that the schema and the rows agree.
+        xattrs = {k: v for k, v in self.options.items() if k.lower() == "xattrs"}
+        return spark_schema(parse(xattrs, streaming=False).xattrs)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         self._check_schema(schema)

@@ -522,6 +522,11 @@ pub struct Checked {
     pub span: u64,
 }
 
+/// The directory, inside a partition's, where a segment cut back is written before it
+/// replaces the segment (`PartitionLog::truncate_after`); not a segment file, so opening the
+/// partition passes it by.
+const CUT_DIR: &str = "cut";
+
 pub struct PartitionLog {
     config: LogConfig,
     /// Where its segment files are; None: in memory.
@@ -1034,13 +1039,15 @@ impl PartitionLog {
         while self.segments.back().is_some_and(|s| s.base_seq > keep) {
             let s = self.segments.pop_back().expect("checked");
             self.bytes -= s.data.len() as u64;
+            self.next_seq = s.base_seq;
             s.remove_file();
         }
-        let Some(cut) = self.segments.pop_back() else {
+        let Some(cut) = self.segments.back() else {
             // Nothing kept (retention had dropped what comes before): the log starts afresh.
             self.next_seq = self.next_seq.min(keep + 1).max(1);
             return Ok(self.high_water_mark());
         };
+        self.next_seq = cut.next_seq;
         let data = cut.data.as_slice();
         let (mut at, mut next) = (0, cut.base_seq);
         while at < data.len() {
@@ -1051,15 +1058,37 @@ impl PartitionLog {
             at += len;
             next += count;
         }
-        self.bytes -= (data.len() - at) as u64;
-        self.next_seq = next;
-        if at == 0 {
-            cut.remove_file();
+        if at == data.len() {
             return Ok(self.high_water_mark());
         }
-        cut.remove_file();
+        let kept = if at == 0 {
+            None
+        } else {
+            Some(self.rewritten(cut, at, next)?)
+        };
+        let cut = self.segments.pop_back().expect("checked");
+        self.bytes -= (cut.data.len() - at) as u64;
+        self.next_seq = next;
+        match kept {
+            None => cut.remove_file(),
+            Some(kept) => {
+                if let Some(before) = self.segments.back_mut() {
+                    before.seal();
+                }
+                self.segments.push_back(kept);
+            }
+        }
+        Ok(self.high_water_mark())
+    }
+
+    /// `cut`'s first `at` bytes (its bundles up to sequence number `next`, exclusive) as a
+    /// segment of their own. In a directory, written to a file of its own, synced, then renamed
+    /// over `cut`'s: a crash leaves one whole file or the other, and readers mapping the old
+    /// one keep it until they let go.
+    fn rewritten(&self, cut: &Segment, at: usize, next: u64) -> Result<Segment, AppendError> {
         let reserve = self.config.segment_bytes.max(at + 10);
-        let mut kept = Segment::new(cut.base_seq, reserve, self.dir.as_deref())?;
+        let staging = self.dir.as_ref().map(|d| d.join(CUT_DIR));
+        let mut kept = Segment::new(cut.base_seq, reserve, staging.as_deref())?;
         let file = kept
             .path
             .as_deref()
@@ -1068,7 +1097,7 @@ impl PartitionLog {
             .to_string();
         let storage = |e: std::io::Error| AppendError::Storage(format!("{file}: {e}"));
         kept.data
-            .extend_from_slices(&[&data[..at]])
+            .extend_from_slices(&[&cut.data.as_slice()[..at]])
             .map_err(storage)?;
         for &(rel, offset) in &index_upto(cut.index.clone(), at) {
             kept.index_push(rel, offset);
@@ -1077,13 +1106,17 @@ impl PartitionLog {
         if let Some(f) = kept.data.file() {
             f.sync_data().map_err(storage)?;
         }
+        if let (Some(dir), Some(from), Some(to)) = (&self.dir, kept.path.clone(), cut.path.clone())
+        {
+            std::fs::rename(from.with_extension("index"), to.with_extension("index"))
+                .and_then(|()| std::fs::rename(&from, &to))
+                .and_then(|()| std::fs::File::open(dir)?.sync_all())
+                .map_err(storage)?;
+            kept.path = Some(to);
+        }
         kept.next_seq = next;
         kept.newest_ms = cut.newest_ms;
-        if let Some(before) = self.segments.back_mut() {
-            before.seal();
-        }
-        self.segments.push_back(kept);
-        Ok(self.high_water_mark())
+        Ok(kept)
     }
 
     /// Takes a topic's settings (recovery builds logs before it reads them).

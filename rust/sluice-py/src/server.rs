@@ -425,18 +425,16 @@ impl Server {
         };
         let name = member.engine.instance().to_string();
         py.detach(|| {
-            for (topic, p) in member.clustermap.topics.newly_led(&placement) {
-                if let Some(t) = member.engine.topic(&topic) {
-                    member.engine.start_topic_branch(&t, p)?;
-                }
-            }
-            member
-                .topic_copies
-                .apply(&member.engine, &upstream, &name, copied);
-            member.clustermap.topics.set(placement);
-            Ok::<(), sluice_core::Error>(())
-        })
-        .map_err(|e| SluiceError::new_err(e.to_string()))
+            member.topic_copies.place(
+                &member.engine,
+                &member.clustermap.topics,
+                &upstream,
+                &name,
+                copied,
+                placement,
+            )
+        });
+        Ok(())
     }
 
     /// Puts the cluster map's routes in force for the clients that read no map (iproto and

@@ -26,6 +26,7 @@ use crate::dcp::consumer::{
     self, Batch, Consumer, ConsumerConfig, Event, Position, RollbackMode, SessionState, TopicInfo,
 };
 use crate::dcp::topic_stream::KEYED;
+use crate::topic_placement::{Placement, Placements};
 
 /// How often the active is asked for its topics.
 const DISCOVER_EVERY: Duration = Duration::from_secs(1);
@@ -263,7 +264,11 @@ fn follow(
                 if let Err(why) = place(engine, topic, &b) {
                     return Some(why);
                 }
-                // The upstream's history, as its stream answers gave it, is this copy's.
+                // The upstream's history, as its stream answers gave it, is this copy's (unless
+                // this copy was told to stop: its partitions may be led here now).
+                if stop.load(Ordering::Acquire) {
+                    return None;
+                }
                 for (p, pos) in &b.positions {
                     let history: Vec<FailoverEntry> = pos
                         .failover
@@ -271,8 +276,14 @@ fn follow(
                         .map(|&(uuid, seqno)| FailoverEntry { uuid, seqno })
                         .collect();
                     if !history.is_empty() {
-                        if let Err(e) = engine.adopt_topic_history(topic, *p, &history) {
-                            return Some(e.to_string());
+                        match engine.adopt_topic_history(topic, *p, &history) {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                return Some(format!(
+                                    "partition {p} has a branch of history the upstream lacks"
+                                ))
+                            }
+                            Err(e) => return Some(e.to_string()),
                         }
                     }
                 }
@@ -286,6 +297,7 @@ fn follow(
                     consumer.link().acknowledge(&acks);
                 }
             }
+            Some(Event::Rollback { .. }) if stop.load(Ordering::Acquire) => return None,
             Some(Event::Rollback { vbucket, seqno, .. }) => {
                 // This copy holds messages the upstream does not: taken by a leader it
                 // followed, or by itself as a leader, that no copy in sync got. They go, and
@@ -325,7 +337,7 @@ pub struct PartitionCopies {
 /// A copying connection: the topic, its leader's KV address, and whether its copies are in
 /// sync (only those acknowledge: a copy still catching up must not count toward a produce's
 /// acks, as a failover would not promote it).
-type CopyKey = (String, String, bool);
+pub type CopyKey = (String, String, bool);
 
 struct Copying {
     partitions: Vec<u16>,
@@ -409,6 +421,34 @@ impl PartitionCopies {
 }
 
 impl PartitionCopies {
+    /// Puts a cluster map's placement of topics in force here: the copies `wanted` (as
+    /// `apply`), a branch of history started on each partition it makes this node lead, then
+    /// the placement itself. Copies of partitions now led here are told to stop before the
+    /// branches start, so that one still placing its last batch does not take its old
+    /// leader's history over them (a failed branch is said in the log: the partition is led
+    /// all the same).
+    pub fn place(
+        &self,
+        engine: &Arc<Engine>,
+        placements: &Placements,
+        upstream: &Upstream,
+        replica: &str,
+        wanted: HashMap<CopyKey, Vec<u16>>,
+        placement: Placement,
+    ) {
+        let led = placements.newly_led(&placement);
+        self.apply(engine, upstream, replica, wanted);
+        for (name, p) in led {
+            let Some(topic) = engine.topic(&name) else {
+                continue;
+            };
+            if let Err(e) = engine.start_topic_branch(&topic, p) {
+                log::error!("topic {name:?} partition {p}: no branch of history started: {e}");
+            }
+        }
+        placements.set(placement);
+    }
+
     /// Stops every copy (the server stops); returns once none places anything.
     pub fn stop(&self) {
         let running = std::mem::take(&mut *self.running.lock().unwrap_or_else(|e| e.into_inner()));

@@ -178,6 +178,23 @@ impl Engine {
         }))
     }
 
+    /// A key's tombstone with what it kept (extended attributes), from an active vbucket;
+    /// None when the key is live or unknown.
+    pub fn get_tombstone(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Item>> {
+        validate_key(key)?;
+        self.check_open()?;
+        let vbid = bucket.vbucket_of(key);
+        let vb = bucket.lock_vbucket(vbid).expect("in range");
+        if vb.state != VbState::Active {
+            return Err(Error::NotMyVbucket(vbid));
+        }
+        Ok(vb
+            .store
+            .get(key)
+            .filter(|i| i.meta().deleted)
+            .map(|i| i.to_item()))
+    }
+
     /// The current version of a key including tombstones, regardless of vbucket state.
     pub fn get_meta(&self, bucket: &Bucket, key: &[u8]) -> Option<Item> {
         let vb = bucket.lock_vbucket(bucket.vbucket_of(key))?;
@@ -250,13 +267,21 @@ impl Inner {
         old: &ItemMeta,
         now: u32,
     ) -> Result<MutationResult> {
+        // The tombstone keeps the system extended attributes, as a deletion's does.
+        let kept = super::write::tombstone_attrs(vb, key, old.datatype);
         let meta = ItemMeta {
             flags: old.flags,
             expiry: now,
             rev_seqno: old.rev_seqno + 1,
             deleted: true,
+            datatype: if kept.is_some() {
+                sluice_proto::xattr::DATATYPE_XATTR
+            } else {
+                0
+            },
             ..Default::default()
         };
-        self.apply_locked(bucket, vb, ChangeOp::Expiration, key, b"", meta)
+        let value = kept.as_deref().unwrap_or(b"");
+        self.apply_locked(bucket, vb, ChangeOp::Expiration, key, value, meta)
     }
 }

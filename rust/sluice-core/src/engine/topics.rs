@@ -278,12 +278,8 @@ impl Engine {
             history.push(base);
         }
         let e = history.create_entry(part.log.high_water_mark());
-        part.set_history(history).map_err(|e| {
-            Error::Io(format!(
-                "topic {:?} partition {p}'s history: {e}",
-                topic.name
-            ))
-        })?;
+        part.set_history(history)
+            .map_err(|e| history_error(topic, p, e))?;
         log::info!(
             "topic {:?} partition {p}: led here from sequence number {} (history {:#x})",
             topic.name,
@@ -295,24 +291,29 @@ impl Engine {
 
     /// Takes `entries` (newest first) as partition `p`'s history: a copy's, from its leader,
     /// so that it knows the leader's branches if it comes to lead or to follow another.
+    /// Refused (false) when this partition's newest branch is one `entries` lacks and starts
+    /// no earlier than their newest: a branch this node started as leader after that history
+    /// was sent (a copy of the old leader still placing its last batch), which it must keep.
     pub fn adopt_topic_history(
         &self,
         topic: &Topic,
         p: u16,
         entries: &[FailoverEntry],
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let mut part = self.partition(topic, p)?;
         if part.history.entries() == entries {
-            return Ok(());
+            return Ok(true);
+        }
+        if let (Some(own), Some(theirs)) = (part.history.latest(), entries.first()) {
+            if !entries.iter().any(|e| e.uuid == own.uuid) && own.seqno >= theirs.seqno {
+                return Ok(false);
+            }
         }
         let mut history = FailoverLog::default();
         history.replace_all(entries.to_vec());
-        part.set_history(history).map_err(|e| {
-            Error::Io(format!(
-                "topic {:?} partition {p}'s history: {e}",
-                topic.name
-            ))
-        })
+        part.set_history(history)
+            .map_err(|e| history_error(topic, p, e))?;
+        Ok(true)
     }
 
     /// Cuts partition `p` back to `keep` (`PartitionLog::truncate_after`), with the branches of
@@ -328,21 +329,21 @@ impl Engine {
             ))
         })?;
         part.unwritten.retain(|&(first_seq, _)| first_seq <= hwm);
+        // Branches that start past the cut go; cut back to nothing, the history starts again
+        // (the leader knew none of it: asked again from 0 with no branch, it streams all).
         let mut history = FailoverLog::default();
-        history.replace_all(
-            part.history
-                .entries()
-                .iter()
-                .copied()
-                .filter(|e| e.seqno <= hwm)
-                .collect(),
-        );
-        part.set_history(history).map_err(|e| {
-            Error::Io(format!(
-                "topic {:?} partition {p}'s history: {e}",
-                topic.name
-            ))
-        })?;
+        if hwm > 0 {
+            history.replace_all(
+                part.history
+                    .entries()
+                    .iter()
+                    .copied()
+                    .filter(|e| e.seqno <= hwm)
+                    .collect(),
+            );
+        }
+        part.set_history(history)
+            .map_err(|e| history_error(topic, p, e))?;
         drop(part);
         if hwm < before {
             log::warn!(
@@ -412,4 +413,12 @@ impl Inner {
             .collect();
         self.catalog.install_topics(live);
     }
+}
+
+/// A partition's history that could not be written.
+fn history_error(topic: &Topic, p: u16, e: std::io::Error) -> Error {
+    Error::Io(format!(
+        "topic {:?} partition {p}'s history: {e}",
+        topic.name
+    ))
 }

@@ -550,6 +550,15 @@ impl Engine {
                 let it = vb.store.get(req.key).expect("live above").to_item();
                 with_system_attrs(it.value(), req.value)
             });
+        if let Some(v) = kept
+            .as_ref()
+            .filter(|v| v.len() > bucket.config.max_item_size)
+        {
+            return Err(Error::TooBig {
+                size: v.len(),
+                max: bucket.config.max_item_size,
+            });
+        }
         let meta = ItemMeta {
             flags: req.flags,
             expiry,
@@ -756,12 +765,7 @@ impl Engine {
         check_cas(&mut vb, key, Some(&old), cas)?;
         let taken = take.then(|| vb.store.get(key).expect("live above").to_item());
         // The tombstone keeps the system extended attributes (Couchbase's deletion does).
-        let kept = (old.datatype & XATTR != 0)
-            .then(|| {
-                let it = vb.store.get(key).expect("live above").to_item();
-                with_system_attrs(it.value(), b"")
-            })
-            .flatten();
+        let kept = tombstone_attrs(&vb, key, old.datatype);
         let meta = ItemMeta {
             expiry: now,
             rev_seqno: old.rev_seqno + 1,
@@ -935,13 +939,17 @@ impl Engine {
     ) -> Result<Written<MutationResult>> {
         self.write_update(bucket, key, cas, durability, |cur| {
             let cur = cur.ok_or(Error::NotStored)?;
+            // The body grows; extended attributes stay at the front.
+            let body = cur.body();
+            let attrs = &cur.value()[..cur.value().len() - body.len()];
             let mut value = Vec::with_capacity(cur.value().len() + data.len());
+            value.extend_from_slice(attrs);
             if at_end {
-                value.extend_from_slice(cur.value());
+                value.extend_from_slice(body);
                 value.extend_from_slice(data);
             } else {
                 value.extend_from_slice(data);
-                value.extend_from_slice(cur.value());
+                value.extend_from_slice(body);
             }
             Ok(Update {
                 value,
@@ -1020,11 +1028,13 @@ impl Engine {
         let mut existed = false;
         let r = self.write_update(bucket, key, cas, durability, |cur| {
             existed = cur.is_some();
+            // A counter is the body; extended attributes stay at the front.
+            let attrs = cur.map_or(&[][..], |i| &i.value()[..i.value().len() - i.body().len()]);
             let (n, flags, exp) = match cur {
                 None if expiry == u32::MAX => return Err(Error::NotFound),
                 None => (initial, 0, absolute_expiry(touch.unwrap_or(expiry), now)),
                 Some(i) => {
-                    let text = std::str::from_utf8(i.value()).map_err(|_| Error::NotNumeric)?;
+                    let text = std::str::from_utf8(i.body()).map_err(|_| Error::NotNumeric)?;
                     let n: u64 = text.trim().parse().map_err(|_| Error::NotNumeric)?;
                     let n = if increment {
                         n.wrapping_add(delta)
@@ -1035,11 +1045,13 @@ impl Engine {
                     (n, i.meta.flags, exp)
                 }
             };
+            let mut value = attrs.to_vec();
+            value.extend_from_slice(n.to_string().as_bytes());
             Ok(Update {
-                value: n.to_string().into_bytes(),
+                value,
                 flags,
                 expiry: exp,
-                datatype: 0,
+                datatype: if attrs.is_empty() { 0 } else { XATTR },
             })
         });
         // As memcached counts: a counter created from its initial value is a miss.
@@ -1172,9 +1184,19 @@ impl Inner {
     }
 }
 
+/// What a tombstone of `key` keeps of its live version (`datatype` its datatype): the system
+/// extended attributes, as Couchbase's deletions and expirations keep them; None for none.
+pub(super) fn tombstone_attrs(vb: &VBucket, key: &[u8], datatype: u8) -> Option<Vec<u8>> {
+    if datatype & XATTR == 0 {
+        return None;
+    }
+    let it = vb.store.get(key)?.to_item();
+    with_system_attrs(it.value(), b"")
+}
+
 /// The number an INCR or DECR stored (its value is the decimal text of a u64).
 pub fn counter_value(item: &Item) -> u64 {
-    std::str::from_utf8(item.value())
+    std::str::from_utf8(item.body())
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(0)

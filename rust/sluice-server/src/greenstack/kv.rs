@@ -65,11 +65,14 @@ impl Session {
         };
         let found = self.ctx.port.engine.get_with(bucket, id, |value, meta| {
             write_success(f, out, |p| {
+                // The body, as GET answers it.
+                let body = sluice_proto::xattr::body(value, meta.datatype);
+                let datatype = meta.datatype & !sluice_proto::xattr::DATATYPE_XATTR;
                 MapWriter::new(p, 4)
-                    .bin("value", value)
+                    .bin("value", body)
                     .uint("flags", meta.flags as u64)
                     .uint("cas", meta.cas)
-                    .uint("datatype", meta.datatype as u64);
+                    .uint("datatype", datatype as u64);
             })
         });
         match found {

@@ -353,11 +353,17 @@ fn next_batch(
         out.extend_from_slice(&m.expiry.to_be_bytes());
         out.extend_from_slice(&m.by_seqno.to_be_bytes());
         out.extend_from_slice(&m.cas.to_be_bytes());
-        out.push(m.datatype & sluice_core::item::DATATYPE_CLIENT_BITS);
+        // A scan's documents are their bodies, as GET's are.
+        out.push(
+            m.datatype
+                & sluice_core::item::DATATYPE_CLIENT_BITS
+                & !sluice_proto::xattr::DATATYPE_XATTR,
+        );
         put_leb128(out, key.len());
         out.extend_from_slice(&key);
-        put_leb128(out, it.value().len());
-        out.extend_from_slice(it.value());
+        let body = sluice_proto::xattr::body(it.value(), m.datatype);
+        put_leb128(out, body.len());
+        out.extend_from_slice(body);
     }
     Ok((sent, scan.queued.is_empty() && scan.walked_all))
 }

@@ -108,12 +108,13 @@ impl KvSession {
             einval!(reply, xerror, "ADD takes no CAS");
         }
         if req.datatype & sluice_proto::xattr::DATATYPE_XATTR != 0
-            && sluice_proto::xattr::split(req.value).is_err()
+            && !super::subdoc::xattrs_readable(req.value)
         {
             einval!(
                 reply,
                 xerror,
-                "the datatype says the value starts with extended attributes, which do not read"
+                "the datatype says the value starts with extended attributes, which do not read \
+                 (keys of 1 to 15 bytes, JSON values, 1 MiB at most)"
             );
         }
         let r = StoreRequest {

@@ -13,6 +13,10 @@ use super::SubdocError;
 /// The datatype bit of a JSON body.
 const JSON: u8 = 0x01;
 
+/// The most bytes a document's extended attributes may take (kv_engine's limit for system
+/// ones; sluice holds user ones to it too, apart from the body's own limit).
+pub(super) const MAX_XATTR_BYTES: usize = 1 << 20;
+
 pub(super) struct Document {
     /// Always an object: attribute key to value.
     pub attrs: Value,
@@ -27,13 +31,18 @@ impl Document {
     /// A stored value and its datatype.
     pub fn read(value: &[u8], datatype: u8) -> Result<Document, SubdocError> {
         let (pairs, body) = if datatype & DATATYPE_XATTR != 0 {
-            xattr::split(value).map_err(|_| SubdocError::XattrEinval)?
+            let (pairs, body) = xattr::split(value).map_err(|_| SubdocError::XattrEinval)?;
+            if value.len() - body.len() > MAX_XATTR_BYTES {
+                return Err(SubdocError::DocTooBig);
+            }
+            (pairs, body)
         } else {
             (Vec::new(), value)
         };
         let mut attrs = Map::new();
         for (k, v) in pairs {
             let k = std::str::from_utf8(k).map_err(|_| SubdocError::XattrEinval)?;
+            check_key(k)?;
             let v = serde_json::from_slice(v).map_err(|_| SubdocError::XattrEinval)?;
             attrs.insert(k.to_string(), v);
         }

@@ -295,6 +295,13 @@ fn validate(c: &Command<'_>) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Whether a value a client stores with the XATTR datatype starts with extended attributes
+/// that sub-document commands can read: keys of 1 to 15 bytes of UTF-8, values JSON, within
+/// their size limit.
+pub(in crate::kv) fn xattrs_readable(value: &[u8]) -> bool {
+    Document::read(value, sluice_proto::xattr::DATATYPE_XATTR).is_ok()
+}
+
 /// The virtual extended attributes Couchbase computes from an item's metadata.
 fn virtual_xattr(
     name: &str,
@@ -371,13 +378,11 @@ impl KvSession {
         let (item, deleted) = match engine.get(&bucket, req.key) {
             Ok(Some(it)) => (it, false),
             Ok(None) if c.doc_flags & DOC_ACCESS_DELETED != 0 => {
-                // A tombstone, with the extended attributes it kept.
-                match engine.metadata(&bucket, req.key) {
-                    Ok(Some(m)) if m.deleted => match engine.get_meta(&bucket, req.key) {
-                        Some(it) => (it, true),
-                        None => fail!(reply, xerror, Error::NotFound),
-                    },
-                    Ok(_) => fail!(reply, xerror, Error::NotFound),
+                // A tombstone, with the extended attributes it kept (a document that expired
+                // was made one by the read above).
+                match engine.get_tombstone(&bucket, req.key) {
+                    Ok(Some(it)) => (it, true),
+                    Ok(None) => fail!(reply, xerror, Error::NotFound),
                     Err(e) => fail!(reply, xerror, e),
                 }
             }
@@ -577,7 +582,20 @@ impl KvSession {
                                 let value = if s.flags & PATH_EXPAND_MACROS != 0 {
                                     match document::expand(s.value, landing)? {
                                         Expanded::Value(v) => v,
+                                        // Written where a dictionary key names it, once the
+                                        // body is final; an array position cannot be named
+                                        // again afterwards.
                                         Expanded::BodyCrc => {
+                                            let keyed = matches!(p.last(), Some(Segment::Key(_)));
+                                            let sets = matches!(
+                                                m,
+                                                Mutation::DictAdd
+                                                    | Mutation::DictUpsert
+                                                    | Mutation::Replace
+                                            );
+                                            if !(keyed && sets) {
+                                                return Err(SubdocError::XattrEinval);
+                                            }
                                             crc_paths.push(p);
                                             b"null".to_vec()
                                         }
@@ -592,6 +610,9 @@ impl KvSession {
                     } else if s.opcode == op::SET {
                         doc.set_body(s.value.to_vec());
                         Ok(None)
+                    } else if deleted {
+                        // A document that stays deleted has no body to change.
+                        Err(SubdocError::DeletedCantHaveValue)
                     } else {
                         let m = mutation_of(s.opcode).expect("validated");
                         let mkdir = s.flags & PATH_MKDIR_P != 0 || mkdoc || add;
@@ -608,14 +629,20 @@ impl KvSession {
                     let crc = serde_json::to_vec(&document::crc_text(doc.body()))
                         .expect("a string serializes");
                     for p in crc_paths {
-                        ops::mutate(&mut doc.attrs, Mutation::DictUpsert, p, &crc, true)
-                            .expect("the path was just written");
+                        // A later spec may have removed it: then there is nothing to fill.
+                        let _ = ops::mutate(&mut doc.attrs, Mutation::Replace, p, &crc, false);
                     }
                 }
                 if deleted && doc.body_changed && !doc.body().is_empty() {
                     return abort(&mut failed, 0, SubdocError::DeletedCantHaveValue);
                 }
                 let (value, datatype) = doc.write();
+                if datatype & sluice_proto::xattr::DATATYPE_XATTR != 0
+                    && sluice_proto::xattr::split(&value)
+                        .is_ok_and(|(_, body)| value.len() - body.len() > document::MAX_XATTR_BYTES)
+                {
+                    return abort(&mut failed, 0, SubdocError::DocTooBig);
+                }
                 Ok(DocumentUpdate {
                     update: Update {
                         value,

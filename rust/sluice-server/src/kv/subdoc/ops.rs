@@ -65,6 +65,7 @@ impl SubdocError {
                 | SubdocError::DocTooBig
                 | SubdocError::CanOnlyReviveDeleted
                 | SubdocError::DeletedCantHaveValue
+                | SubdocError::XattrEinval
         )
     }
 }
