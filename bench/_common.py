@@ -48,6 +48,18 @@ def wait_until(pred, timeout: float, what: str, interval: float = POLL_S) -> flo
         time.sleep(interval)
 
 
+def wait_port(port: int, timeout: float = 30) -> None:
+    """Waits until something accepts connections on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
 def percentile(values: list[float], p: float) -> float:
     """Nearest rank."""
     s = sorted(values)

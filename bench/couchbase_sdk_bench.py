@@ -28,8 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, cpu_seconds, free_port, percentile, pyplot, write_json
-from server_bench import wait_port
+from _common import RESULTS, cpu_seconds, free_port, percentile, pyplot, wait_port, write_json
 
 KEYS = 100_000
 VALUE = os.urandom(1024)

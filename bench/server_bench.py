@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, cpu_seconds, free_port, pyplot, write_json
+from _common import RESULTS, cpu_seconds, free_port, pyplot, wait_port, write_json
 
 LOADS = [
     # name, get ratio, value size, pipeline
@@ -38,17 +36,6 @@ LOADS = [
     ("90% GET, 100 B, no pipelining", 0.9, 100, 1),
     ("100% SET, 100 B, pipeline 32", 0.0, 100, 32),
 ]
-
-
-def wait_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def make_certificate(root: Path) -> tuple[Path, Path, Path]:

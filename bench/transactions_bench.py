@@ -27,8 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import sluice
-from _common import RESULTS, cpu_seconds, free_port, percentile, pyplot, write_json
-from server_bench import wait_port
+from _common import RESULTS, cpu_seconds, free_port, percentile, pyplot, wait_port, write_json
 
 USER, PASSWORD = "bench", "bench-secret"
 REPL = "repl"
