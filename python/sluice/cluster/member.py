@@ -44,6 +44,9 @@ class Member:
         self.stop_event = threading.Event()
         self.lease = 0
         self.map_revision = 0
+        # Per topic, the partitions this node leads under the map it applied (each with a
+        # branch of history started here before it was put in force).
+        self.led: dict[str, list[int]] = {}
         # This process's run: a node failed over while it runs is taken back once it restarts.
         self.incarnation = uuid.uuid4().hex
         self._threads: list[threading.Thread] = []
@@ -116,8 +119,10 @@ class Member:
                 "partitions": n,
                 "settings": settings,
                 "hwm": self.engine.topic_high_water_marks(name),
-                # A copy on its leader's branch holds nothing its leader lacks.
+                # A copy on its leader's branch holds nothing its leader lacks; a leader's branch
+                # counts once its status says it leads (it started that branch first).
                 "branch": self.engine.topic_branches(name),
+                "led": self.led.get(name, []),
             }
             for name, n, settings in self.engine.topics()
         }
@@ -321,6 +326,7 @@ class Member:
         held = {n: sum(1 for t in placed.values() for c in t["chains"] if n in c) for n in every}
         nodes = [(tank_of(n), n not in failed, held[n]) for n in every]
         self.server.place_topics(self.s.cluster, self.s.buckets[0], parts, nodes)
+        self.led = {name: [p for p, part in enumerate(ps) if part[0] == "here"] for name, ps in parts.items()}
 
     def _take_over(self, move: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One vbucket taken over in every bucket: its outcome for the orchestrator."""

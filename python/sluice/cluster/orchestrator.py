@@ -152,7 +152,7 @@ class Orchestrator:
 
     def topic_marks(self, field: str = "hwm") -> dict[str, dict[str, list[int]]]:
         """Per node, per topic: each partition's high-water mark (or, with `field` "branch",
-        its branch of history), as last published."""
+        its branch of history; "led", the partitions it leads), as last published."""
         return {
             node: {name: t.get(field, []) for name, t in st.get("topics", {}).items()}
             for node, st in self.statuses().items()
@@ -236,7 +236,7 @@ class Orchestrator:
         if not doc.get("topics"):
             return False
         topics, joined = topicmap.admit_caught_up(
-            doc["topics"], self.topic_marks(), set(nodes), self.topic_marks("branch")
+            doc["topics"], self.topic_marks(), set(nodes), self.topic_marks("branch"), self.topic_marks("led")
         )
         if not joined or not self.publish({**doc, "topics": topics}, revision):
             return False

@@ -105,12 +105,18 @@ def take_back(
 
 
 def admit_caught_up(
-    topics: Mapping[str, Mapping[str, Any]], held: Held, alive: set[str], branches: Held | None = None
+    topics: Mapping[str, Mapping[str, Any]],
+    held: Held,
+    alive: set[str],
+    branches: Held | None = None,
+    led: Held | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, int, str]]]:
     """Each copy alive, not in sync, that holds at least what its leader holds (as both last
-    published) joins those in sync; with `branches`, only a copy on its leader's branch of
-    history (one that holds more on another branch, taken by an old leader, has not been cut
-    back yet). Returns the topics and what joined: (topic, partition, node)."""
+    published) joins those in sync; with `branches` and `led` (per node and topic, the
+    partitions its status says it leads), only a copy on its leader's branch of history, as
+    the leader published it since it leads (a copy that holds more on another branch, taken
+    by an old leader, has not been cut back yet; a leader's status from before it led shows
+    the branch it copied). Returns the topics and what joined: (topic, partition, node)."""
     out: dict[str, dict[str, Any]] = {}
     joined: list[tuple[str, int, str]] = []
     for name, t in topics.items():
@@ -126,6 +132,8 @@ def admit_caught_up(
                 if branches is not None:
                     branch = hwm(branches, n, name, p)
                     if branch < 0 or branch != hwm(branches, leader, name, p):
+                        continue
+                    if led is not None and p not in led.get(leader, {}).get(name, []):
                         continue
                 if hwm(held, n, name, p) >= lead_hwm:
                     in_sync[p].append(n)
