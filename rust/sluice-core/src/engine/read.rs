@@ -164,13 +164,7 @@ impl Engine {
     /// GET_META: a key's metadata on an active vbucket, tombstones included (an item past its
     /// expiry reads as deleted); None when the key is unknown here (or its tombstone purged).
     pub fn metadata(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<ItemMeta>> {
-        validate_key(key)?;
-        self.check_open()?;
-        let vbid = bucket.vbucket_of(key);
-        let vb = bucket.lock_vbucket(vbid).expect("in range");
-        if vb.state != VbState::Active {
-            return Err(Error::NotMyVbucket(vbid));
-        }
+        let vb = self.active_vbucket_of(bucket, key)?;
         Ok(vb.store.get(key).map(|i| {
             let mut m = i.meta();
             m.deleted |= is_expired(&m, now_secs());
@@ -181,6 +175,21 @@ impl Engine {
     /// A key's tombstone with what it kept (extended attributes), from an active vbucket;
     /// None when the key is live or unknown.
     pub fn get_tombstone(&self, bucket: &Bucket, key: &[u8]) -> Result<Option<Item>> {
+        let vb = self.active_vbucket_of(bucket, key)?;
+        Ok(vb
+            .store
+            .get(key)
+            .filter(|i| i.meta().deleted)
+            .map(|i| i.to_item()))
+    }
+
+    /// `key`'s vbucket, locked, if it is active here (NOT_MY_VBUCKET otherwise): what reads of
+    /// an active's metadata and tombstones start from.
+    fn active_vbucket_of<'b>(
+        &self,
+        bucket: &'b Bucket,
+        key: &[u8],
+    ) -> Result<parking_lot::MutexGuard<'b, VBucket>> {
         validate_key(key)?;
         self.check_open()?;
         let vbid = bucket.vbucket_of(key);
@@ -188,11 +197,7 @@ impl Engine {
         if vb.state != VbState::Active {
             return Err(Error::NotMyVbucket(vbid));
         }
-        Ok(vb
-            .store
-            .get(key)
-            .filter(|i| i.meta().deleted)
-            .map(|i| i.to_item()))
+        Ok(vb)
     }
 
     /// The current version of a key including tombstones, regardless of vbucket state.

@@ -796,40 +796,12 @@ impl Engine {
         durability: Option<Requirement>,
         f: impl FnOnce(Option<&Item>) -> Result<Update>,
     ) -> Result<Written<(MutationResult, Item)>> {
-        validate_key(key)?;
-        let durability = durability.unwrap_or_else(|| bucket.config.durability.into());
-        self.admit_write(bucket, durability.level, ChangeOp::Mutation)?;
-        let vbid = bucket.vbucket_of(key);
-        self.check_replicas(bucket, vbid, durability.level)?;
-        let mut vb = bucket.lock_vbucket(vbid).expect("vbucket_of is in range");
-        check_writable(&vb, 1)?;
-        let now = now_secs();
-        let existing = vb.store.get(key).map(|i| i.to_item());
-        let rev = existing.as_ref().map(|i| i.meta.rev_seqno + 1).unwrap_or(1);
-        let live = existing.filter(|i| !i.meta.deleted && !is_expired(&i.meta, now));
-        check_cas(&mut vb, key, live.as_ref().map(|i| &i.meta), cas)?;
-        let u = f(live.as_ref())?;
-        if u.value.len() > bucket.config.max_item_size {
-            return Err(Error::TooBig {
-                size: u.value.len(),
-                max: bucket.config.max_item_size,
-            });
-        }
-        let meta = ItemMeta {
-            flags: u.flags,
-            expiry: u.expiry,
-            datatype: u.datatype,
-            rev_seqno: rev,
-            ..Default::default()
-        };
-        let r =
-            self.inner
-                .apply_locked(bucket, &mut vb, ChangeOp::Mutation, key, &u.value, meta)?;
-        vb.locks.unlock(key);
-        let item = vb.store.get(key).expect("just stored").to_item();
-        drop(vb);
-        bucket.stats.sets.fetch_add(1, Ordering::Relaxed);
-        Ok(self.written(bucket, durability, r).map(|r| (r, item)))
+        self.write_document(bucket, key, cas, durability, false, |cur, _| {
+            f(cur).map(|update| DocumentUpdate {
+                update,
+                deleted: false,
+            })
+        })
     }
 
     /// A read-modify-write of one key under its vbucket's lock that may see and leave a deleted
