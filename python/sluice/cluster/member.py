@@ -482,6 +482,10 @@ def join(
             buckets=buckets,
         ),
     )
+    # In a cluster a node leads only the topic partitions the map places on it: until a map
+    # is in force (none yet, or etcd unreachable), it leads none, and no message is taken by
+    # a node the placement then makes a copy.
+    server.place_topics(name, buckets[0], {}, [])
     try:
         current = etcd.get(member.keys.map)
         if current is not None:

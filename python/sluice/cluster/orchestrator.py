@@ -199,8 +199,10 @@ class Orchestrator:
                 groups=groups if any(groups.values()) else None,
             )
             in_sync = [[n for n in c if n is not None] for c in chains]
-            # A partition that already holds messages somewhere (produced before it was placed)
-            # is led where it holds the most: what was acknowledged stays reachable.
+            # A partition that already holds messages somewhere (a topic a node held before it
+            # joined the cluster; in a cluster, no node takes messages for a partition the map
+            # does not place) is led where it holds the most: what was acknowledged stays
+            # reachable.
             for p in range(t["partitions"]):
                 hwms = {
                     n: h[p] for n, h in held.get(name, {}).items() if n in members and p < len(h) and h[p]

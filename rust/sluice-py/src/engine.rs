@@ -450,27 +450,32 @@ impl EmbeddedEngine {
 
     /// Each partition's high-water mark (its last sequence number, 0 while it holds none);
     /// NotFoundError for an unknown topic.
-    fn topic_high_water_marks(&self, name: &str) -> PyResult<Vec<u64>> {
+    fn topic_high_water_marks(&self, py: Python<'_>, name: &str) -> PyResult<Vec<u64>> {
         let t = self
             .engine
             .topic(name)
             .ok_or_else(|| to_py(sluice_core::Error::NotFound))?;
-        Ok((0..t.num_partitions())
-            .map(|p| t.high_water_mark(p))
-            .collect())
+        // Partition locks are waited for without the GIL (their holders may log).
+        Ok(py.detach(|| {
+            (0..t.num_partitions())
+                .map(|p| t.high_water_mark(p))
+                .collect()
+        }))
     }
 
     /// Each partition's branch of history: the uuid of its newest entry (a copy takes its
     /// leader's when it follows it, after being cut back to where they part); NotFoundError
     /// for an unknown topic.
-    fn topic_branches(&self, name: &str) -> PyResult<Vec<u64>> {
+    fn topic_branches(&self, py: Python<'_>, name: &str) -> PyResult<Vec<u64>> {
         let t = self
             .engine
             .topic(name)
             .ok_or_else(|| to_py(sluice_core::Error::NotFound))?;
-        Ok((0..t.num_partitions())
-            .map(|p| t.history(p)[0].uuid)
-            .collect())
+        Ok(py.detach(|| {
+            (0..t.num_partitions())
+                .map(|p| t.history(p)[0].uuid)
+                .collect()
+        }))
     }
 
     fn recovery_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,8 +1,9 @@
 //! Where a cluster places its topics' partitions: which node leads each (the cluster map's
 //! `topics`, set by the cluster side as it converges), so that the TANK front serves the
 //! partitions led here and sends the client to the leader of the others, as TANK's clustered
-//! broker does. A node on its own, or a topic the map does not name yet, leads every partition
-//! itself. With each leader, the map gives the partition's copies and how many of them are in
+//! broker does. A node on its own leads every partition itself; in a cluster, a partition the
+//! map does not place yet has no leader (TANK's 0xfd, which its client retries), so that a
+//! message is never taken by a node the placement then makes a copy. With each leader, the map gives the partition's copies and how many of them are in
 //! sync, which a produce's `required acks` is counted against.
 
 use std::collections::HashMap;
@@ -16,7 +17,8 @@ pub enum Lead {
     Here,
     /// Another node, at its TANK listener.
     At(SocketAddrV4),
-    /// No node now (its leader failed and no copy may take over).
+    /// No node now (its leader failed and no copy may take over, or the map places it
+    /// nowhere yet).
     Nobody,
 }
 
@@ -34,12 +36,18 @@ pub struct Placed {
 }
 
 impl Placed {
-    /// A partition of a node on its own, or of a topic the map does not place yet.
+    /// A partition of a node on its own.
     pub const HERE: Placed = Placed {
         lead: Lead::Here,
         copies: 1,
         in_sync: 1,
         copy_here: false,
+    };
+
+    /// A partition of a cluster's topic the map does not place yet.
+    pub const UNPLACED: Placed = Placed {
+        lead: Lead::Nobody,
+        ..Placed::HERE
     };
 
     /// How many copies besides the leader must hold a produced bundle before it is
@@ -130,12 +138,14 @@ impl Placements {
         led
     }
 
-    /// Who leads `partition` of `topic`: here unless the map places it elsewhere.
+    /// Who leads `partition` of `topic`: here on a node on its own; in a cluster, who the map
+    /// says, or nobody yet.
     pub fn lead(&self, topic: &str, partition: u16) -> Lead {
         self.placed(topic, partition).lead
     }
 
-    /// Where the map places `partition` of `topic`: here, alone, unless it says otherwise.
+    /// Where the map places `partition` of `topic`: here, alone, on a node on its own; in a
+    /// cluster, where the map says (`Placed::UNPLACED` before it places it).
     pub fn placed(&self, topic: &str, partition: u16) -> Placed {
         if !self.clustered.load(Ordering::Acquire) {
             return Placed::HERE;
@@ -144,7 +154,7 @@ impl Placements {
         p.topics
             .get(topic)
             .and_then(|parts| parts.get(partition as usize).copied())
-            .unwrap_or(Placed::HERE)
+            .unwrap_or(Placed::UNPLACED)
     }
 }
 
@@ -153,7 +163,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_node_on_its_own_and_unplaced_topics_lead_here() {
+    fn a_node_on_its_own_leads_and_a_cluster_leads_what_its_map_places() {
         let p = Placements::default();
         assert_eq!(p.lead("events", 3), Lead::Here);
         assert!(p.current().is_none());
@@ -174,7 +184,8 @@ mod tests {
         assert_eq!(p.lead("events", 0), Lead::Here);
         assert_eq!(p.lead("events", 1), Lead::At(there));
         assert_eq!(p.lead("events", 2), Lead::Nobody);
-        assert_eq!(p.lead("other", 1), Lead::Here);
+        // A topic the map does not place yet is led by no node until it does.
+        assert_eq!(p.lead("other", 1), Lead::Nobody);
         // Partition 1 comes to be led here; 0 was already.
         let mut next = p.current().unwrap().as_ref().clone();
         next.topics.get_mut("events").unwrap()[1].lead = Lead::Here;

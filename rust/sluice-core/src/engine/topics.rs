@@ -280,6 +280,9 @@ impl Engine {
         let e = history.create_entry(part.log.high_water_mark());
         part.set_history(history)
             .map_err(|e| history_error(topic, p, e))?;
+        // Logged without the partition's lock: a log line may wait for the embedding
+        // interpreter, whose threads may wait for this lock.
+        drop(part);
         log::info!(
             "topic {:?} partition {p}: led here from sequence number {} (history {:#x})",
             topic.name,
