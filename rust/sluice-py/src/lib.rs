@@ -3,7 +3,8 @@
 //! Rust defaults of the configuration keys, which config.py reads), `items` (what engine calls
 //! return), `engine` (the embedded engine), `server` (the network server), `dcp` (the DCP
 //! consumer), `tuples` (a space's tuples as typed columns), `policy` (the policy plugins'
-//! questions), `tank` (TANK's frames for the Python client), `tools` (WAL dump, benchmark drivers).
+//! questions), `tank` (TANK's frames for the Python client), `tools` (WAL dump, benchmark drivers),
+//! `logging` (the Rust side's log lines, handed to Python's `logging` by a thread of their own).
 //! Every call that can block (disk, network, durability waits) releases the GIL.
 //!
 //! May depend on every other crate of the workspace; none depends on it.
@@ -15,6 +16,7 @@ mod errinj;
 mod errors;
 mod greenstack;
 mod items;
+mod logging;
 mod policy;
 mod records;
 mod server;
@@ -33,7 +35,7 @@ static GLOBAL: sluice_core::alloc::Allocator = sluice_core::alloc::ALLOCATOR;
 #[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sluice_core::alloc::tune();
-    let _ = pyo3_log::try_init();
+    logging::install(m.py());
     m.add_class::<settings::EngineSettings>()?;
     m.add_class::<settings::BucketSettings>()?;
     m.add_class::<engine::EmbeddedEngine>()?;
@@ -52,6 +54,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::tarantool_tail, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tarantool_schema, m)?)?;
     m.add_function(wrap_pyfunction!(tools::vbucket_of, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::flush_logs, m)?)?;
+    // What the Rust side logged before the interpreter exits is written.
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (m.getattr("flush_logs")?,))?;
     m.add_function(wrap_pyfunction!(errinj::errinj_set, m)?)?;
     m.add_function(wrap_pyfunction!(errinj::errinj_enable, m)?)?;
     m.add_function(wrap_pyfunction!(errinj::errinj_values, m)?)?;
