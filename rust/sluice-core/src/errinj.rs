@@ -45,6 +45,19 @@ impl Injection {
         self.value.store(value, Relaxed);
     }
 
+    /// Counts one event down: true for the event that takes the value from 1 to 0 (the one
+    /// the point was set to fall on), false while it is off or still counting.
+    pub fn count_down(&self) -> bool {
+        let mut v = self.value.load(Relaxed);
+        while v > 0 {
+            match self.value.compare_exchange_weak(v, v - 1, Relaxed, Relaxed) {
+                Ok(_) => return v == 1,
+                Err(now) => v = now,
+            }
+        }
+        false
+    }
+
     /// The value as a duration in milliseconds, None when off (0 or below).
     pub fn millis(&self) -> Option<std::time::Duration> {
         u64::try_from(self.get())
@@ -81,12 +94,22 @@ pub static TOPIC_STREAMS_HELD: Injection = Injection::new(
     "while not 0, DCP streams of topic partitions send nothing (their copies fall behind)",
 );
 
+/// Set to N, the process kills itself with SIGKILL (`kill -9`) as it is about to apply the
+/// Nth local write from then: a test stops a node at one exact write of a sequence a client
+/// drives (a transaction's commit record, then its documents), which a kill from outside can
+/// only race, since what is applied streams to replicas at once.
+pub static KILL_AT_WRITE: Injection = Injection::new(
+    "kill_at_write",
+    "N: the process kills itself (SIGKILL) before applying its Nth local write from now",
+);
+
 /// Every injection point, by name.
 pub static ALL: &[&Injection] = &[
     &CLOCK_OFFSET_SECS,
     &WAL_WRITE_DELAY_MS,
     &SNAPSHOT_BLOCK_DELAY_MS,
     &TOPIC_STREAMS_HELD,
+    &KILL_AT_WRITE,
 ];
 
 /// Sets the point named `name`; Err names the points there are.
@@ -121,4 +144,21 @@ pub fn set_all(spec: &str) -> Result<(), String> {
 /// Every point with its value now.
 pub fn values() -> Vec<(&'static str, i64)> {
     ALL.iter().map(|i| (i.name, i.get())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_count_down_falls_on_the_event_it_was_set_to() {
+        let point = Injection::new("test_point", "a point of this test alone");
+        assert!(!point.count_down(), "off: nothing counts");
+        point.set(3);
+        assert_eq!(
+            [(); 5].map(|_| point.count_down()),
+            [false, false, true, false, false]
+        );
+        assert_eq!(point.get(), 0);
+    }
 }

@@ -1140,6 +1140,12 @@ impl Inner {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
+        if crate::errinj::KILL_AT_WRITE.count_down() {
+            // SAFETY: kill(2) on this process's own id; it does not return.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
         let change = vb.apply_local(op, key, value, meta, now_ns);
         let (cas, seqno) = (change.meta().cas, change.seqno());
         let lsn = self.wal.appender()?.push(WalPayload::Change(change));
