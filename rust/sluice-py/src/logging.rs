@@ -6,7 +6,9 @@
 //! stop for good. So a line is queued (formatted, with its level and where it came from) and
 //! a forwarding thread, which holds no lock, writes it with the GIL. A line is never waited
 //! for; when the queue is full, lines are counted and dropped, and the count is logged.
-//! `flush` waits for what is queued (at exit, and before a test reads what was logged).
+//! `flush_logs` waits for what is queued (at exit, and before a test reads what was logged).
+//! A process forked after the import has no forwarding thread: its Rust lines fill the queue
+//! and are dropped (sluice forks nothing; Spark's Python workers import it after their fork).
 
 use log::{Log, Metadata, Record};
 use pyo3::prelude::*;
