@@ -222,6 +222,13 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
                     assert time.monotonic() < deadline, e.value
                     time.sleep(0.1)
         assert re.search(rf"events\s+{orphans[0]}\s+none \(waits for {second}\)", cli(etcd, "status"))
+        # sluice's tools say which partitions no node leads rather than fail.
+        with TankConnection(nodes[third].tank) as t:
+            assert [p for p, r in enumerate(t.ranges("events")) if r is None] == sorted(orphans)
+        listed = run_cli("topic", "list", "--address", nodes[third].tank, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        for p in orphans:
+            assert re.search(rf"events\s+{p}\s+-\s+no leader now", listed.stdout), listed.stdout
         # It returns (a new run): it leads them again, with what it held.
         nodes[second].stop()
         nodes[second] = cluster_node(tmp_path, etcd, second, config=GUEST)

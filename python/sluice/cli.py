@@ -148,8 +148,11 @@ def cmd_topic_list(args: argparse.Namespace) -> int:
         with TankConnection(args.address) as t:
             rows = [("topic", "partition", "first", "high-water mark")]
             for name, _ in t.topics():
-                for p, (first, hwm) in enumerate(t.partitions(name)):
-                    rows.append((name, str(p), f"{first:,}", f"{hwm:,}"))
+                for p, known in enumerate(t.ranges(name)):
+                    if known is None:
+                        rows.append((name, str(p), "-", "no leader now"))
+                    else:
+                        rows.append((name, str(p), f"{known[0]:,}", f"{known[1]:,}"))
     except TankError as e:
         print(f"sluice topic list: {mismatch(args.address, 'tank') or e}", file=sys.stderr)
         return EXIT_FAILURE

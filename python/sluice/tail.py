@@ -139,20 +139,26 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
 
     try:
         tank = conn(address)
-        ranges = tank.partitions(args.topic) if args.topic in dict(tank.topics()) else None
-        if ranges is None:
+        known = tank.ranges(args.topic) if args.topic in dict(tank.topics()) else None
+        if known is None:
             print(f"sluice tail: topic {args.topic!r} is unknown at {address}", file=sys.stderr)
             return EXIT_FAILURE
         try:
-            wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(ranges))
+            wanted = _parse_vbuckets(args.partitions) if args.partitions else range(len(known))
         except ValueError as e:
             print(f"sluice tail: --partitions: {e}", file=sys.stderr)
             return EXIT_USAGE
         start = 0 if args.start == "beginning" else TAIL
-        seqs = {p: positions.get(p, start) for p in wanted if p < len(ranges)}
+        seqs = {p: positions.get(p, start) for p in wanted if p < len(known)}
         if len(seqs) != len(wanted):
-            print(f"sluice tail: topic {args.topic!r} has {len(ranges)} partition(s)", file=sys.stderr)
+            print(f"sluice tail: topic {args.topic!r} has {len(known)} partition(s)", file=sys.stderr)
             return EXIT_USAGE
+        # A partition no broker leads yet (a topic just created in a cluster) is waited for.
+        while leaderless := sorted(p for p in seqs if known[p] is None):
+            print(f"sluice tail: no broker leads partition(s) {leaderless} now", file=sys.stderr)
+            time.sleep(1.0)
+            known = tank.ranges(args.topic)
+        ranges = [r or (0, 0) for r in known]
         # --until-now: each partition's high-water mark at the start.
         until = {p: ranges[p][1] for p in seqs} if args.until_now else None
         if until is not None:

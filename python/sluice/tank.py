@@ -403,20 +403,27 @@ class TankConnection:
     def partitions(self, name: str) -> list[tuple[int, int]]:
         """Per partition of a topic: (first available sequence number, high-water mark), asked
         of each partition's leader (NotLeader for one no broker leads now)."""
-        found = self._discover(name)
-        elsewhere: dict[str, list[int]] = {}
+        found = self.ranges(name)
         for p, f in enumerate(found):
             if f is None:
                 raise NotLeader(name, p, None)
+        return [f for f in found if f is not None]
+
+    def ranges(self, name: str) -> list[tuple[int, int] | None]:
+        """`partitions()`, with None for a partition no broker leads now (in a sluice cluster:
+        its leader failed over, or the map places it nowhere yet)."""
+        found = self._discover(name)
+        elsewhere: dict[str, list[int]] = {}
+        for p, f in enumerate(found):
             if isinstance(f, str):
                 elsewhere.setdefault(f, []).append(p)
         for leader, ids in elsewhere.items():
             with TankConnection(leader, self._timeout, cafile=self._cafile) as t:
                 for p, f in zip(ids, t._discover(name, ids), strict=True):
-                    if not isinstance(f, tuple):
+                    if isinstance(f, str):
                         raise NotLeader(name, p, f)
                     found[p] = f
-        return [f for f in found if isinstance(f, tuple)]
+        return [f if isinstance(f, tuple) else None for f in found]
 
 
 def _varint(n: int) -> bytes:

@@ -484,8 +484,8 @@ def join(
     )
     # In a cluster a node leads only the topic partitions the map places on it: until a map
     # is in force (none yet, or etcd unreachable), it leads none, and no message is taken by
-    # a node the placement then makes a copy.
-    server.place_topics(name, buckets[0], {}, [])
+    # a node the placement then makes a copy. DiscoverTopology names this node alone.
+    server.place_topics(name, buckets[0], {}, [(member.s.tank, True, 0)])
     try:
         current = etcd.get(member.keys.map)
         if current is not None:

@@ -70,6 +70,8 @@ class Orchestrator:
         self.lease_ttl = LEASE_TTL
         self.absent_since: dict[str, float] = {}
         self._told_budget: set[str] = set()
+        # Topics said to be unplaceable (no node with a TANK address), said once each.
+        self.unplaceable: set[str] = set()
 
     # -- reading and writing the map
 
@@ -188,6 +190,14 @@ class Orchestrator:
         # Partitions are led by nodes TANK clients can be sent to.
         members = [n for n in nodes if n not in doc["failed"] and nodes[n].get("tank")]
         if new and not members:
+            unplaced = sorted(set(new) - self.unplaceable)
+            if unplaced:
+                log.error(
+                    "cluster: topic(s) %s not placed: no node of the map has a TANK address "
+                    "clients can be sent to (an IPv4 tank_listen); no node leads them until one does",
+                    ", ".join(unplaced),
+                )
+                self.unplaceable |= set(unplaced)
             return False
         topics = dict(placed)
         groups = {n: nodes[n].get("group", "") for n in members}

@@ -82,7 +82,7 @@ impl EmbeddedEngine {
     #[new]
     fn new(py: Python<'_>, settings: &EngineSettings) -> PyResult<Self> {
         let cfg = settings.inner.clone();
-        let engine = py.detach(|| Engine::open(cfg)).map_err(to_py)?;
+        let engine = crate::logging::detach_command(py, || Engine::open(cfg)).map_err(to_py)?;
         Ok(EmbeddedEngine {
             engine: Arc::new(engine),
         })
@@ -523,7 +523,7 @@ impl EmbeddedEngine {
 
     /// Flushes and closes the WAL cleanly. Further calls fail with ClosedError.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.engine.close())
+        crate::logging::detach_command(py, || self.engine.close())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -538,7 +538,8 @@ impl EmbeddedEngine {
 
 impl Drop for EmbeddedEngine {
     /// An engine garbage-collected without close() still closes, with the GIL released: the
-    /// engine's threads log through Python's logging, which needs the GIL.
+    /// close waits for the engine's threads, and none of them should wait on the thread that
+    /// holds the GIL.
     fn drop(&mut self) {
         // SAFETY: a read-only query of the interpreter's state.
         if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {

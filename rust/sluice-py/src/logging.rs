@@ -6,14 +6,20 @@
 //! stop for good. So a line is queued (formatted, with its level and where it came from) and
 //! a forwarding thread, which holds no lock, writes it with the GIL. A line is never waited
 //! for; when the queue is full, lines are counted and dropped, and the count is logged.
-//! `flush_logs` waits for what is queued (at exit, and before a test reads what was logged).
-//! A process forked after the import has no forwarding thread: its Rust lines fill the queue
-//! and are dropped (sluice forks nothing; Spark's Python workers import it after their fork).
+//! Lines at a level Python's logger for their target leaves out are not queued, once the
+//! forwarder has met that target (the logger keeps Python's levels by target).
+//!
+//! Calls that run a command from Python (a tool, an engine's open and close, a server's start
+//! and stop) end with `flush`, so their lines come before what Python prints next; at exit
+//! `flush_logs` writes what is left. A process forked after the import has no forwarding
+//! thread: its Rust lines fill the queue and are dropped (sluice forks nothing; Spark's Python
+//! workers import it after their fork).
 
 use log::{Log, Metadata, Record};
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Lines queued at most; past it they are dropped (and counted) rather than waited for.
@@ -29,23 +35,42 @@ struct Line {
     line: Option<u32>,
 }
 
+impl Line {
+    fn write(&self, logger: &pyo3_log::Logger) {
+        logger.log(
+            &Record::builder()
+                .level(self.level)
+                .target(&self.target)
+                .args(format_args!("{}", self.message))
+                .module_path_static(self.module_path)
+                .file_static(self.file)
+                .line(self.line)
+                .build(),
+        );
+    }
+}
+
 struct Queued {
-    inner: pyo3_log::Logger,
+    /// Shared with the forwarding thread, whose writes fill its cache of Python's levels.
+    logger: Arc<pyo3_log::Logger>,
     queue: SyncSender<Line>,
 }
 
+/// Lines taken for the queue (counted before they are sent, so that a flush counts a line
+/// its caller logged before any line sent after it).
 static QUEUED: AtomicU64 = AtomicU64::new(0);
+/// Lines the forwarding thread has written (or found left out by Python's levels).
 static WRITTEN: AtomicU64 = AtomicU64::new(0);
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 
 impl Log for Queued {
     fn enabled(&self, metadata: &Metadata) -> bool {
         // The logger's cache of Python's levels: no GIL.
-        self.inner.enabled(metadata)
+        self.logger.enabled(metadata)
     }
 
     fn log(&self, record: &Record) {
-        if !self.inner.enabled(record.metadata()) {
+        if !self.logger.enabled(record.metadata()) {
             return;
         }
         let line = Line {
@@ -56,13 +81,10 @@ impl Log for Queued {
             file: record.file_static(),
             line: record.line(),
         };
-        match self.queue.try_send(line) {
-            Ok(()) => {
-                QUEUED.fetch_add(1, Ordering::AcqRel);
-            }
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                DROPPED.fetch_add(1, Ordering::Relaxed);
-            }
+        QUEUED.fetch_add(1, Ordering::AcqRel);
+        if self.queue.try_send(line).is_err() {
+            QUEUED.fetch_sub(1, Ordering::AcqRel);
+            DROPPED.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -70,28 +92,27 @@ impl Log for Queued {
 }
 
 /// Writes queued lines with the GIL, as many as are waiting under one acquisition.
-fn forward(inner: &pyo3_log::Logger, queue: Receiver<Line>) {
+fn forward(logger: &pyo3_log::Logger, queue: Receiver<Line>) {
     while let Ok(first) = queue.recv() {
+        let mut batch = vec![first];
+        batch.extend(queue.try_iter());
+        // Lines Python's levels leave out (known from the cache) take no GIL.
+        let (wanted, left_out): (Vec<Line>, Vec<Line>) = batch.into_iter().partition(|l| {
+            logger.enabled(&Metadata::builder().level(l.level).target(&l.target).build())
+        });
+        WRITTEN.fetch_add(left_out.len() as u64, Ordering::AcqRel);
+        if wanted.is_empty() {
+            continue;
+        }
         // None once the interpreter shuts down: what is left is not written.
         let attached = Python::try_attach(|_py| {
-            let mut next = Some(first);
-            while let Some(l) = next {
-                inner.log(
-                    &Record::builder()
-                        .level(l.level)
-                        .target(&l.target)
-                        .args(format_args!("{}", l.message))
-                        .module_path_static(l.module_path)
-                        .file_static(l.file)
-                        .line(l.line)
-                        .build(),
-                );
+            for l in &wanted {
+                l.write(logger);
                 WRITTEN.fetch_add(1, Ordering::AcqRel);
-                next = queue.try_recv().ok();
             }
             let dropped = DROPPED.swap(0, Ordering::Relaxed);
             if dropped > 0 {
-                inner.log(
+                logger.log(
                     &Record::builder()
                         .level(log::Level::Warn)
                         .target("sluice")
@@ -110,32 +131,30 @@ fn forward(inner: &pyo3_log::Logger, queue: Receiver<Line>) {
 
 /// Installs the queued logger (once per process; a second call does nothing).
 pub fn install(py: Python<'_>) {
-    let Ok(inner) = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels) else {
+    let Ok(logger) = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels) else {
         return;
     };
+    let logger = Arc::new(logger);
     let (queue, lines) = sync_channel(QUEUE);
-    let logger = Queued { inner, queue };
-    // The forwarding thread's own logger writes what the queue gives it.
-    let Ok(forwarder) = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels) else {
-        return;
+    let queued = Queued {
+        logger: logger.clone(),
+        queue,
     };
-    if log::set_boxed_logger(Box::new(logger)).is_err() {
+    if log::set_boxed_logger(Box::new(queued)).is_err() {
         return;
     }
     log::set_max_level(log::LevelFilter::Debug);
     let _ = std::thread::Builder::new()
         .name("sluice-log".into())
-        .spawn(move || forward(&forwarder, lines));
+        .spawn(move || forward(&logger, lines));
 }
 
-/// Waits (without the GIL) until the log lines queued so far are written, for at most
-/// `timeout` seconds; returns whether they were.
-#[pyfunction]
-#[pyo3(signature = (timeout = 1.0))]
-pub fn flush_logs(py: Python<'_>, timeout: f64) -> bool {
+/// Waits until the lines queued so far are written, for at most `timeout`; returns whether
+/// they were. The forwarding thread needs the GIL: call it without (`flush_logs` lets it go).
+pub fn flush(timeout: Duration) -> bool {
     let target = QUEUED.load(Ordering::Acquire);
-    let deadline = Instant::now() + Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
-    py.detach(|| loop {
+    let deadline = Instant::now() + timeout;
+    loop {
         if WRITTEN.load(Ordering::Acquire) >= target {
             return true;
         }
@@ -143,5 +162,27 @@ pub fn flush_logs(py: Python<'_>, timeout: f64) -> bool {
             return false;
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// How long a command's call waits for its lines at its end, at most.
+pub const COMMAND_FLUSH: Duration = Duration::from_secs(1);
+
+/// Waits (without the GIL) until the log lines queued so far are written, for at most
+/// `timeout` seconds; returns whether they were.
+#[pyfunction]
+#[pyo3(signature = (timeout = 1.0))]
+pub fn flush_logs(py: Python<'_>, timeout: f64) -> bool {
+    let timeout = Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
+    py.detach(|| flush(timeout))
+}
+
+/// `py.detach(f)` for a call that runs a command from Python: once `f` is done, its log lines
+/// (and any queued before them) are written before Python goes on.
+pub fn detach_command<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(|| {
+        let out = f();
+        flush(COMMAND_FLUSH);
+        out
     })
 }

@@ -124,32 +124,31 @@ impl Server {
         let e = engine.engine.clone();
         let host = policies.clone();
         let warmup = greenstack_warmup.map(GreenstackWarmup::take).transpose()?;
-        let server = py
-            .detach(|| {
-                let prebound = match warmup {
-                    Some(w) => vec![w.into_prebound()?],
-                    None => Vec::new(),
-                };
-                sluice_server::Server::start_with(
-                    e,
-                    config,
-                    host,
-                    prebound,
-                    sluice_server::server::FRONTS,
-                )
-            })
-            .map_err(|err| {
-                use std::io::ErrorKind::{AddrInUse, AddrNotAvailable, InvalidInput};
-                match err.kind() {
-                    InvalidInput => ConfigError::new_err(format!("invalid config: {err}")),
-                    // A listener that cannot bind names itself, its address and its key.
-                    AddrInUse | AddrNotAvailable => {
-                        SluiceError::new_err(format!("cannot listen: {err}"))
-                    }
-                    // A file it could not write (the admin token on a full disk) names itself.
-                    _ => SluiceError::new_err(format!("cannot start: {err}")),
+        let server = crate::logging::detach_command(py, || {
+            let prebound = match warmup {
+                Some(w) => vec![w.into_prebound()?],
+                None => Vec::new(),
+            };
+            sluice_server::Server::start_with(
+                e,
+                config,
+                host,
+                prebound,
+                sluice_server::server::FRONTS,
+            )
+        })
+        .map_err(|err| {
+            use std::io::ErrorKind::{AddrInUse, AddrNotAvailable, InvalidInput};
+            match err.kind() {
+                InvalidInput => ConfigError::new_err(format!("invalid config: {err}")),
+                // A listener that cannot bind names itself, its address and its key.
+                AddrInUse | AddrNotAvailable => {
+                    SluiceError::new_err(format!("cannot listen: {err}"))
                 }
-            })?;
+                // A file it could not write (the admin token on a full disk) names itself.
+                _ => SluiceError::new_err(format!("cannot start: {err}")),
+            }
+        })?;
         let address = server.local_addr().to_string();
         let admin_address = server.admin_addr().map(|a| a.to_string());
         let tls_address = server.tls_addr().map(|a| a.to_string());
@@ -539,7 +538,7 @@ impl Server {
         let grace = secs("grace", grace)?;
         let server = self.inner.lock().take();
         if let Some(mut s) = server {
-            py.detach(move || s.shutdown(grace));
+            crate::logging::detach_command(py, move || s.shutdown(grace));
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ use crate::settings::{secs, socket_addr};
 /// Returns how many records were printed.
 #[pyfunction]
 pub(crate) fn wal_dump(py: Python<'_>, path: PathBuf, fd: i32) -> PyResult<u64> {
-    py.detach(|| {
+    crate::logging::detach_command(py, || {
         let mut out = std::io::BufWriter::new(output(fd)?);
         let n = sluice_core::dump::dump(&path, &mut out)?;
         match std::io::Write::flush(&mut out) {
@@ -68,7 +68,7 @@ pub(crate) fn tarantool_tail(
         idle: secs("idle", idle)?,
         state,
     };
-    py.detach(|| {
+    crate::logging::detach_command(py, || {
         let mut out = std::io::BufWriter::new(output(fd).map_err(to_py)?);
         tail.run(&mut out)
             .map_err(|e| SluiceError::new_err(format!("{address}: {e}")))
@@ -91,9 +91,9 @@ pub(crate) fn tarantool_schema(
         user: user.map(|u| (u, password.unwrap_or_default())),
         timeout: secs("timeout", timeout)?,
     };
-    let schema = py
-        .detach(|| sluice_tools::tarantool_schema::read(&upstream))
-        .map_err(|e| SluiceError::new_err(format!("{address}: {e}")))?;
+    let schema =
+        crate::logging::detach_command(py, || sluice_tools::tarantool_schema::read(&upstream))
+            .map_err(|e| SluiceError::new_err(format!("{address}: {e}")))?;
     Ok((schema.spaces, schema.indexes))
 }
 
@@ -129,9 +129,10 @@ pub(crate) fn tap_drain<'py>(
     };
     let addr = socket_addr("target", target)?;
     let timeout = secs("timeout", timeout)?;
-    let r = py
-        .detach(|| sluice_tools::tap_reader::drain(addr, &connect, count, timeout))
-        .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
+    let r = crate::logging::detach_command(py, || {
+        sluice_tools::tap_reader::drain(addr, &connect, count, timeout)
+    })
+    .map_err(|e| SluiceError::new_err(format!("TAP stream from {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("messages", r.messages)?;
     d.set_item("mutations", r.mutations)?;
@@ -257,8 +258,7 @@ pub(crate) fn run_bench<'py>(
         durability,
         unordered,
     };
-    let r = py
-        .detach(|| sluice_tools::bench::run(cfg))
+    let r = crate::logging::detach_command(py, || sluice_tools::bench::run(cfg))
         .map_err(|e| SluiceError::new_err(format!("bench against {target}: {e}")))?;
     let d = PyDict::new(py);
     d.set_item("ops", r.ops)?;

@@ -116,7 +116,7 @@ impl Placements {
     }
 
     /// The partitions `next` makes this node lead that the placement in force does not (all
-    /// it leads, when none is in force yet: a node starting, or joining a cluster). Each
+    /// it leads, after the empty placement a node of a cluster starts with). Each
     /// starts a branch of its history (`Engine::start_topic_branch`) before `next` is in
     /// force, so that a copy holding messages this node never had is cut back to its end.
     pub fn newly_led(&self, next: &Placement) -> Vec<(String, u16)> {

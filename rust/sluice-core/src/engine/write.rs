@@ -1141,10 +1141,13 @@ impl Inner {
             return Err(Error::Closed);
         }
         if crate::errinj::KILL_AT_WRITE.count_down() {
-            // SAFETY: kill(2) on this process's own id; it does not return.
+            // SAFETY: kill(2) on this process's own id.
             unsafe {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
+            // SIGKILL ends every thread of the process, this one with them; a kill that failed
+            // ends it all the same, and the write is never applied.
+            std::process::abort();
         }
         let change = vb.apply_local(op, key, value, meta, now_ns);
         let (cas, seqno) = (change.meta().cas, change.seqno());

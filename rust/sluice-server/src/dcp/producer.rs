@@ -720,7 +720,7 @@ impl Producer {
             );
             return Flow::Continue;
         }
-        // A partition the cluster places on other nodes only is not read here.
+        // A partition the cluster places on other nodes only, or nowhere yet, is not read here.
         if sr.vbucket < topic.num_partitions()
             && topic_stream::partition_state(&topic, sr.vbucket, &self.ctx.clustermap.topics)
                 == sluice_core::vbucket::VbState::Dead
@@ -729,7 +729,7 @@ impl Producer {
                 out,
                 req,
                 status::NOT_MY_VBUCKET,
-                b"the cluster places this partition on other nodes",
+                b"the cluster map places no copy of this partition here",
             );
             return Flow::Continue;
         }

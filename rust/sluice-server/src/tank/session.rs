@@ -382,7 +382,14 @@ fn produce(
                 continue;
             }
             let placed = ctx.clustermap.topics.placed(&topic.name, part.partition);
-            // Checked before the leader, as TANK's broker does.
+            // A partition no node leads (its leader failed over, or the map places it nowhere
+            // yet) answers so whatever the acks asked: a client tries it again later, where
+            // "insufficient replicas" would end its produce.
+            if placed.lead == Lead::Nobody {
+                errors.push(redirect::NO_LEADER);
+                continue;
+            }
+            // Checked before the redirect to a leader, as TANK's broker does.
             let peers = match placed.peers_needed(p.required_acks) {
                 Some(n) => n,
                 None if !clustered => 0,
@@ -391,17 +398,10 @@ fn produce(
                     continue;
                 }
             };
-            match placed.lead {
-                Lead::Here => {}
-                Lead::At(leader) => {
-                    errors.push(redirect::OTHER_LEADER);
-                    Endpoint::from(leader).write(&mut errors);
-                    continue;
-                }
-                Lead::Nobody => {
-                    errors.push(redirect::NO_LEADER);
-                    continue;
-                }
+            if let Lead::At(leader) = placed.lead {
+                errors.push(redirect::OTHER_LEADER);
+                Endpoint::from(leader).write(&mut errors);
+                continue;
             }
             errors.push(
                 match ctx.port.engine.produce(
