@@ -157,10 +157,10 @@ def cmd_tail_topic(args: argparse.Namespace) -> int:
         while leaderless := sorted(p for p in seqs if known[p] is None):
             print(f"sluice tail: no broker leads partition(s) {leaderless} now", file=sys.stderr)
             time.sleep(1.0)
-            known = tank.ranges(args.topic)
-        ranges = [r or (0, 0) for r in known]
+            if None not in [tank.leaders(args.topic)[p] for p in leaderless]:
+                known = tank.ranges(args.topic)
         # --until-now: each partition's high-water mark at the start.
-        until = {p: ranges[p][1] for p in seqs} if args.until_now else None
+        until = {p: (known[p] or (0, 0))[1] for p in seqs} if args.until_now else None
         if until is not None:
             seqs = {p: s for p, s in seqs.items() if s != TAIL and until[p] and s <= until[p]}
         leaders = tank.leaders(args.topic)

@@ -193,8 +193,9 @@ class Orchestrator:
             unplaced = sorted(set(new) - self.unplaceable)
             if unplaced:
                 log.error(
-                    "cluster: topic(s) %s not placed: no node of the map has a TANK address "
-                    "clients can be sent to (an IPv4 tank_listen); no node leads them until one does",
+                    "cluster: topic(s) %s not placed: no node of the map that is not failed over has "
+                    "a TANK address clients can be sent to (an IPv4 tank_listen); none leads them "
+                    "until one does",
                     ", ".join(unplaced),
                 )
                 self.unplaceable |= set(unplaced)

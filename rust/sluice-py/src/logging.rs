@@ -17,7 +17,7 @@
 
 use log::{Log, Metadata, Record};
 use pyo3::prelude::*;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,6 +62,13 @@ static QUEUED: AtomicU64 = AtomicU64::new(0);
 /// Lines the forwarding thread has written (or found left out by Python's levels).
 static WRITTEN: AtomicU64 = AtomicU64::new(0);
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+/// Whether the forwarding thread runs, and in which process (a fork has none).
+static FORWARDING: AtomicBool = AtomicBool::new(false);
+static FORWARDER_PID: AtomicU32 = AtomicU32::new(0);
+
+thread_local! {
+    static IS_FORWARDER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 impl Log for Queued {
     fn enabled(&self, metadata: &Metadata) -> bool {
@@ -100,16 +107,18 @@ fn forward(logger: &pyo3_log::Logger, queue: Receiver<Line>) {
         let (wanted, left_out): (Vec<Line>, Vec<Line>) = batch.into_iter().partition(|l| {
             logger.enabled(&Metadata::builder().level(l.level).target(&l.target).build())
         });
-        WRITTEN.fetch_add(left_out.len() as u64, Ordering::AcqRel);
+        // Counted after what came before them in the queue is written: a flush waits for
+        // its caller's lines, and a count that runs ahead would let it go early.
         if wanted.is_empty() {
+            WRITTEN.fetch_add(left_out.len() as u64, Ordering::AcqRel);
             continue;
         }
         // None once the interpreter shuts down: what is left is not written.
         let attached = Python::try_attach(|_py| {
             for l in &wanted {
                 l.write(logger);
-                WRITTEN.fetch_add(1, Ordering::AcqRel);
             }
+            WRITTEN.fetch_add((wanted.len() + left_out.len()) as u64, Ordering::AcqRel);
             let dropped = DROPPED.swap(0, Ordering::Relaxed);
             if dropped > 0 {
                 logger.log(
@@ -124,9 +133,10 @@ fn forward(logger: &pyo3_log::Logger, queue: Receiver<Line>) {
             }
         });
         if attached.is_none() {
-            return;
+            break;
         }
     }
+    FORWARDING.store(false, Ordering::Release);
 }
 
 /// Installs the queued logger (once per process; a second call does nothing).
@@ -144,14 +154,29 @@ pub fn install(py: Python<'_>) {
         return;
     }
     log::set_max_level(log::LevelFilter::Debug);
-    let _ = std::thread::Builder::new()
+    FORWARDER_PID.store(std::process::id(), Ordering::Release);
+    FORWARDING.store(true, Ordering::Release);
+    let spawned = std::thread::Builder::new()
         .name("sluice-log".into())
-        .spawn(move || forward(&logger, lines));
+        .spawn(move || {
+            IS_FORWARDER.with(|f| f.set(true));
+            forward(&logger, lines)
+        });
+    if spawned.is_err() {
+        FORWARDING.store(false, Ordering::Release);
+    }
 }
 
 /// Waits until the lines queued so far are written, for at most `timeout`; returns whether
 /// they were. The forwarding thread needs the GIL: call it without (`flush_logs` lets it go).
 pub fn flush(timeout: Duration) -> bool {
+    // No forwarder to wait for: none runs (shut down, or a forked process), or this is it.
+    if !FORWARDING.load(Ordering::Acquire)
+        || FORWARDER_PID.load(Ordering::Acquire) != std::process::id()
+        || IS_FORWARDER.with(|f| f.get())
+    {
+        return false;
+    }
     let target = QUEUED.load(Ordering::Acquire);
     let deadline = Instant::now() + timeout;
     loop {
