@@ -116,17 +116,7 @@ def test_every_partition_is_reached_through_any_node_and_a_failed_leader_is_not_
                 t.produce("early", [b"early 0"], partition=0)
             assert e.value.leader is None
             for p in range(3):
-                address = nodes["n3"].tank
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        with TankConnection(address) as there:
-                            there.produce("early", [b"early %d" % p], partition=p)
-                        break
-                    except NotLeader as e:
-                        assert time.monotonic() < deadline, e
-                        address = e.leader or address
-                        time.sleep(0.05 if e.leader else 0.2)
+                produce_following_leaders(nodes["n3"].tank, "early", [b"early %d" % p], p)
         wait_map(etcd, lambda m: "early" in m.get("topics", {}))
         r = run_cli("tail", "--topic", "early", "--address", nodes["n1"].tank, "--from", "beginning",
                     "--until-now", "--format", "json", timeout=60)  # fmt: skip
@@ -325,6 +315,21 @@ def test_an_old_leader_back_after_a_failover_drops_what_no_copy_got(tmp_path, et
         assert got == led
     finally:
         stop_all(nodes)
+
+
+def produce_following_leaders(address: str, topic: str, messages: list[bytes], partition: int) -> None:
+    """Produces through `address` as TANK's client does: sent on to the leader a refusal names,
+    and tried again a little later while none leads the partition (for up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with TankConnection(address) as t:
+                t.produce(topic, messages, partition=partition)
+            return
+        except NotLeader as e:
+            assert time.monotonic() < deadline, e
+            address = e.leader or address
+            time.sleep(0.05 if e.leader else 0.2)
 
 
 def once_led(call):

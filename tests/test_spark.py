@@ -726,8 +726,9 @@ def test_a_topic_reads_as_kafka_rows_in_batch_and_streaming(spark, tmp_path):
 def test_a_cluster_is_read_from_its_map_in_etcd(spark, tmp_path):
     """Given the cluster's etcd URL, the source plans over the nodes of the map and reads each
     vbucket once (from a replica where there is one)."""
-    from sluice.tank import NotLeader, TankConnection
+    from sluice.tank import TankConnection
     from test_cluster import EtcdServer, collection, form, stop_all, wait_map
+    from test_cluster_topics import produce_following_leaders
     from test_permissions import PASSWORD
 
     etcd = EtcdServer(tmp_path / "etcd")
@@ -760,17 +761,7 @@ def test_a_cluster_is_read_from_its_map_in_etcd(spark, tmp_path):
             t.create_topic("events", 6)
         wait_map(etcd, lambda m: "events" in m.get("topics", {}))
         for p in range(6):
-            deadline = time.monotonic() + 30
-            address = nodes["n1"].tank
-            while True:
-                try:
-                    with TankConnection(address) as t:
-                        t.produce("events", [b"message %d" % p], partition=p)
-                    break
-                except NotLeader as e:
-                    assert time.monotonic() < deadline, e
-                    address = e.leader or address
-                    time.sleep(0.05 if e.leader else 0.2)
+            produce_following_leaders(nodes["n1"].tank, "events", [b"message %d" % p], p)
         deadline = time.monotonic() + 30
         while True:
             df = (
