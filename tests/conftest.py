@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -52,14 +53,14 @@ def clock():
     _native.errinj_set("clock_offset_secs", 0)
 
 
-# The suite runs in worker processes side by side (pytest-xdist, `--dist loadgroup`, set in
+# The suite runs in worker processes side by side (pytest-xdist, `--dist loadfile`, set in
 # pyproject.toml). A file's tests stay together on one worker (module fixtures such as Spark's
-# session or a shared node are built once, and a file's tests keep their order); the tests that
-# run cargo share one group, so two builds never compete for the two cores and the target
-# directory; the heaviest files are handed out first, so the longest one does not start last.
-# Their tests are marked `slow` (Spark, clusters on etcd, kill -9 loads, builds): `-m "not slow"`
-# runs the rest in about a minute and a half.
-CARGO = {"test_lint.py", "test_packaging.py"}
+# session or a shared node are built once, and a file's tests keep their order: the README's
+# examples build on each other). The heaviest files are handed out first, so the longest one
+# does not start last; their tests are marked `slow` (Spark, clusters on etcd, kill -9 loads,
+# builds): `-m "not slow"` runs the rest in about a minute and a half. The two tests that
+# compile (clippy, the wheel) take `one_build_at_a_time`, so two builds never compete for the
+# two cores: cargo's own lock is per profile, and they build different ones.
 HEAVY_FIRST = [
     "test_spark.py",
     "test_cluster.py",
@@ -78,14 +79,9 @@ HEAVY_FIRST = [
 ]
 
 
-# Before xdist's own hook, which reads the groups.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        name = Path(str(item.fspath)).name
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            item.add_marker(pytest.mark.xdist_group("cargo" if name in CARGO else name))
-        if name in HEAVY_FIRST:
+        if Path(str(item.fspath)).name in HEAVY_FIRST:
             item.add_marker(pytest.mark.slow)
 
     def rank(item: pytest.Item) -> int:
@@ -93,3 +89,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture
+def one_build_at_a_time():
+    """Holds a lock shared by every worker of the run (and any other run on this tree) while
+    the test compiles."""
+    target = Path(os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parent.parent / "target"))
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".tests-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

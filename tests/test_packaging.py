@@ -27,7 +27,7 @@ def _maturin() -> list[str] | None:
     return [sys.executable, "-m", "maturin"] if probe.returncode == 0 else None
 
 
-def test_the_wheel_installs_as_sluice_kv_with_the_spark_extra(tmp_path):
+def test_the_wheel_installs_as_sluice_kv_with_the_spark_extra(tmp_path, one_build_at_a_time):
     maturin = _maturin()
     if maturin is None:
         pytest.skip("maturin is not installed: no wheel can be built (pip install maturin)")
