@@ -443,3 +443,21 @@ def test_a_failover_promotes_the_most_advanced_copy_in_sync_and_never_one_out_of
     # c caught up with a on 1; a with c on 0; a is behind b on 2.
     assert sorted(joined) == [("t", 0, "a"), ("t", 1, "c")]
     assert admitted["t"]["isr"] == [["b", "c", "a"], ["a", "c"], ["b"]]
+
+
+def test_a_copy_that_keeps_up_with_a_steady_producer_joins_those_in_sync():
+    """Under a steady producer a copy's status seldom shows all its leader's last one shows
+    (each is published on its own clock): it joins once it holds what its leader held the time
+    before, never while it is further behind."""
+    topic = {"t": {"partitions": 1, "chains": [["a", "b"]], "isr": [["a"]]}}
+    last = {"a": {"t": [120]}, "b": {"t": [110]}}
+    assert topicmap.admit_caught_up(topic, last, {"a", "b"})[1] == []
+    before = {"a": {"t": [100]}, "b": {"t": [90]}}
+    _, joined = topicmap.admit_caught_up(topic, last, {"a", "b"}, held_before=before)
+    assert joined == [("t", 0, "b")]
+    before = {"a": {"t": [111]}, "b": {"t": [105]}}
+    assert topicmap.admit_caught_up(topic, last, {"a", "b"}, held_before=before)[1] == []
+    # A leader whose earlier status shows more than its last (cut back to a new leader's
+    # history) is held to its last.
+    before = {"a": {"t": [130]}}
+    assert topicmap.admit_caught_up(topic, last, {"a", "b"}, held_before=before)[1] == []

@@ -5,6 +5,7 @@ writer that keeps going, unchanged, while the replica is promoted after its acti
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from datetime import timedelta
@@ -174,6 +175,8 @@ class SteadyWriter:
         self.outage_until: float | None = None
         # When each acknowledgement came (monotonic), for the longest stretch without one.
         self.acked_at: list[float] = []
+        # The last operations: (started, ended, key, outcome), for a failure's message.
+        self.timeline: collections.deque[tuple[float, float, str, str]] = collections.deque(maxlen=400)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run)
         self.thread.start()
@@ -205,19 +208,24 @@ class SteadyWriter:
             options = (
                 UpsertOptions(durability=ServerDurability(level)) if level is not None else UpsertOptions()
             )
+            outcome = "ok"
             try:
                 self.coll.upsert(key, {"i": i}, options)
                 self.acked[key] = i
                 self.acked_at.append(time.monotonic())
                 self.ambiguous.discard(key)
-            except DurabilitySyncWriteAmbiguousException:
+            except DurabilitySyncWriteAmbiguousException as e:
                 self.ambiguous.add(key)
+                outcome = type(e).__name__
             except outage as e:
                 self.ambiguous.add(key)
+                outcome = type(e).__name__
                 if not self.in_outage(started):
                     self.errors.append(f"{key}: {type(e).__name__} outside an outage: {e}")
             except Exception as e:  # anything else is an error an application would see
+                outcome = type(e).__name__
                 self.errors.append(f"{key}: {type(e).__name__}: {e}")
+            self.timeline.append((started, time.monotonic(), key, outcome))
             i += 1
 
     def longest_stall(self, since: float) -> float:
@@ -228,6 +236,25 @@ class SteadyWriter:
             if len(stamps) > 1
             else float("inf")
         )
+
+    def since(self, t0: float) -> str:
+        """The operations that ended after `t0`, a line each (seconds from `t0`), acknowledged
+        runs collapsed."""
+        lines: list[str] = []
+        oks = 0
+        for started, ended, key, outcome in self.timeline:
+            if ended < t0:
+                continue
+            if outcome == "ok":
+                oks += 1
+                continue
+            if oks:
+                lines.append(f"  {oks} acknowledged")
+                oks = 0
+            lines.append(f"  {started - t0:+.2f}..{ended - t0:+.2f} s {key}: {outcome}")
+        if oks:
+            lines.append(f"  {oks} acknowledged")
+        return "\n".join(lines) or "  (no operation ended)"
 
     def finish(self) -> None:
         self.stop.set()

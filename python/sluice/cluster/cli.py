@@ -225,6 +225,9 @@ def cmd_rebalance(args: argparse.Namespace, etcd: Etcd, keys: Keys) -> int:
             line = f"rebalance {reb.get('state')} " + _bar(reb.get("done", 0), reb.get("total", 0))
             if reb.get("phase") == "waiting":
                 line += f" waiting for {', '.join(reb.get('waiting_for', []))} (gone)"
+            elif reb.get("state") == "running" and reb.get("phase") not in (None, "moving"):
+                # Past the vbuckets' moves: what it waits for (the bar is full then).
+                line += f" {reb['phase']}"
             if line != last:
                 print(("\r" if tty else "") + line, end="" if tty else "\n", flush=True)
                 last = line

@@ -72,6 +72,10 @@ class Orchestrator:
         self._told_budget: set[str] = set()
         # Topics said to be unplaceable (no node with a TANK address), said once each.
         self.unplaceable: set[str] = set()
+        # Per node: the etcd revision and content of its last status read, and the status it
+        # published before that one (what a copy must hold to join those in sync).
+        self._last_status: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._status_before: dict[str, dict[str, Any]] = {}
 
     # -- reading and writing the map
 
@@ -152,12 +156,16 @@ class Orchestrator:
 
     # -- topics
 
-    def topic_marks(self, field: str = "hwm") -> dict[str, dict[str, list[int]]]:
+    def topic_marks(self, field: str = "hwm", before: bool = False) -> dict[str, dict[str, list[int]]]:
         """Per node, per topic: each partition's high-water mark (or, with `field` "branch",
-        its branch of history; "led", the partitions it leads), as last published."""
+        its branch of history; "led", the partitions it leads), as last published; `before`,
+        as published the time before (of the statuses read since this orchestrator began)."""
+        statuses = self.statuses()
+        if before:
+            statuses = {n: st for n, st in self._status_before.items() if n in statuses}
         return {
             node: {name: t.get(field, []) for name, t in st.get("topics", {}).items()}
-            for node, st in self.statuses().items()
+            for node, st in statuses.items()
         }
 
     def place_topics(self, doc: dict[str, Any], revision: int) -> bool:
@@ -249,7 +257,12 @@ class Orchestrator:
         if not doc.get("topics"):
             return False
         topics, joined = topicmap.admit_caught_up(
-            doc["topics"], self.topic_marks(), set(nodes), self.topic_marks("branch"), self.topic_marks("led")
+            doc["topics"],
+            self.topic_marks(),
+            set(nodes),
+            self.topic_marks("branch"),
+            self.topic_marks("led"),
+            self.topic_marks(before=True),
         )
         if not joined or not self.publish({**doc, "topics": topics}, revision):
             return False
@@ -528,7 +541,7 @@ class Orchestrator:
             # Then the topics' partitions, a step at a time.
             moved = self.move_topics(doc, revision)
             if moved is not None:
-                if not moved and reb.get("phase") != "moving partitions":
+                if reb.get("phase") != "moving partitions":
                     self.set_rebalance(kv, phase="moving partitions")
                 return moved
             wanted = set(doc["wanted"])
@@ -635,9 +648,17 @@ class Orchestrator:
         }
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        """What each node last published of its vbuckets."""
+        """What each node last published of its vbuckets and topics."""
         kvs, _ = self.etcd.get_prefix(self.keys.status())
-        return {kv.key.rsplit("/", 1)[1]: kv.json() for kv in kvs}
+        out = {}
+        for kv in kvs:
+            node, status = kv.key.rsplit("/", 1)[1], kv.json()
+            seen = self._last_status.get(node)
+            if seen is not None and seen[0] != kv.mod_revision:
+                self._status_before[node] = seen[1]
+            self._last_status[node] = (kv.mod_revision, status)
+            out[node] = status
+        return out
 
     def replicas_streaming(self, doc: dict[str, Any]) -> bool:
         """Whether every active has each replica of its chain streaming from it, as the nodes

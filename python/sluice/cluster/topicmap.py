@@ -110,13 +110,17 @@ def admit_caught_up(
     alive: set[str],
     branches: Held | None = None,
     led: Held | None = None,
+    held_before: Held | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, int, str]]]:
     """Each copy alive, not in sync, that holds at least what its leader holds (as both last
-    published) joins those in sync; with `branches` and `led` (per node and topic, the
-    partitions its status says it leads), only a copy on its leader's branch of history, as
-    the leader published it since it leads (a copy that holds more on another branch, taken
-    by an old leader, has not been cut back yet; a leader's status from before it led shows
-    the branch it copied). Returns the topics and what joined: (topic, partition, node)."""
+    published) joins those in sync; with `held_before` (what each node published the time
+    before its last), at least what its leader held then: under a steady producer a copy that
+    keeps up seldom holds what its leader holds at the same moment, and the two statuses are
+    not taken together. With `branches` and `led` (per node and topic, the partitions its
+    status says it leads), only a copy on its leader's branch of history, as the leader
+    published it since it leads (a copy that holds more on another branch, taken by an old
+    leader, has not been cut back yet; a leader's status from before it led shows the branch
+    it copied). Returns the topics and what joined: (topic, partition, node)."""
     out: dict[str, dict[str, Any]] = {}
     joined: list[tuple[str, int, str]] = []
     for name, t in topics.items():
@@ -126,6 +130,9 @@ def admit_caught_up(
             if leader is None or leader not in alive:
                 continue
             lead_hwm = hwm(held, leader, name, p)
+            if held_before is not None and lead_hwm >= 0:
+                before = hwm(held_before, leader, name, p)
+                lead_hwm = before if 0 <= before <= lead_hwm else lead_hwm
             for n in chain[1:]:
                 if n is None or n in in_sync[p] or n not in alive or lead_hwm < 0:
                     continue
