@@ -254,6 +254,33 @@ def assert_followed(etcd: EtcdServer, nodes: dict) -> None:
     assert not short, f"vbuckets {short} lack a follower"
 
 
+def wait_replicated(etcd: EtcdServer, nodes: dict, timeout: float = 30) -> None:
+    """Until every replica holds what its active holds, in every bucket (as the nodes' admin
+    endpoints say): writes without durability reach replicas a moment after they are
+    acknowledged, and a failover keeps only what its replica got."""
+    m = cluster_map(etcd)
+    deadline = time.monotonic() + timeout
+    while True:
+        highs = {
+            n: {b["name"]: [v["high_seqno"] for v in b["vbuckets"]] for b in node.status()["buckets"]}
+            for n, node in nodes.items()
+            if n in m["nodes"] and n not in m["failed"]
+        }
+        behind = [
+            (bucket, vb, replica, highs[replica][bucket][vb], high)
+            for vb, chain in enumerate(m["chains"])
+            if chain[0] in highs
+            for bucket, marks in highs[chain[0]].items()
+            if (high := marks[vb])
+            for replica in chain[1:]
+            if replica in highs and highs[replica][bucket][vb] < high
+        ]
+        if not behind:
+            return
+        assert time.monotonic() < deadline, f"behind (bucket, vbucket, replica, has, active): {behind[:10]}"
+        time.sleep(0.1)
+
+
 def wait_registered(etcd: EtcdServer, names: list[str]) -> None:
     api = etcd.api()
     deadline = time.monotonic() + 30

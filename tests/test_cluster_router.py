@@ -26,7 +26,7 @@ from helpers import Node, metric_value, start_node
 from pymemcache.client.base import Client as MemcacheClient
 from tarantool.const import ITERATOR_ALL, ITERATOR_GE, ITERATOR_GT, ITERATOR_LE, ITERATOR_LT
 from tarantool_peer import PASSWORD, TARANTOOL, USER, TarantoolPeer, sluice_config
-from test_cluster import EtcdServer, cli, cluster_map, stop_all, wait_map, wait_registered
+from test_cluster import EtcdServer, cli, cluster_map, stop_all, wait_map, wait_registered, wait_replicated
 from test_iproto_netbox import run_script
 
 pytestmark = [
@@ -162,6 +162,7 @@ def test_iproto_clients_reach_every_vbucket_through_one_node(tmp_path, etcd):
         # A node killed: a SELECT over every vbucket fails rather than answer in part.
         with connect(nodes["n1"].iproto) as c:
             before = c.select("users", [1000], iterator=ITERATOR_GE, limit=1000).data
+        wait_replicated(etcd, nodes)
         assert [r[0] for r in before if r[0] < 2000] == sorted(expected)
         nodes["n3"].stop(sig=9)
         with connect(nodes["n1"].iproto) as c:
