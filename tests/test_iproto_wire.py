@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import re
 import socket
+import time
 
 import msgpack
 import pytest
@@ -207,3 +208,52 @@ def test_only_the_nodes_replication_login_may_name_the_user_a_request_runs_as(no
     header, body, _ = read_reply(s)
     assert header[0] == 0x8000 | 42, (header, body)  # ER_ACCESS_DENIED
     s.close()
+
+
+def test_a_read_over_a_cluster_reads_the_vbuckets_it_names_and_fails_on_one_not_active(tmp_path):
+    """sluice's part header key (0x71) carries, with a read one node fans out over a cluster,
+    the vbuckets the node that answers is to read (one bit each): exactly those, and an error
+    when one of them is not active there (a node that has not applied the asking node's map
+    yet), never an answer that leaves its tuples out."""
+    from iproto_helpers import NUM_VBUCKETS
+
+    active = start_iproto_node(tmp_path, "active", users=False)
+    replica = None
+    every, none = bytes([0xFF]) * (NUM_VBUCKETS // 8), bytes(NUM_VBUCKETS // 8)
+    select_all = {0x10: USERS_SPACE, 0x20: [], 0x12: 100, 0x14: 2}
+    try:
+        s, _ = connect(active)
+        for i in range(1, 21):
+            s.sendall(packet({0: 2, 1: i}, {0x10: USERS_SPACE, 0x21: [i, f"user {i}", 20 + i]}))
+            assert read_reply(s)[0][0] == 0
+        s.sendall(packet({0: 1, 1: 100, 0x71: every}, select_all))
+        header, body, _ = read_reply(s)
+        assert header[0] == 0 and [t[0] for t in body[0x30]] == list(range(1, 21)), (header, body)
+        s.sendall(packet({0: 1, 1: 101, 0x71: none}, select_all))
+        header, body, _ = read_reply(s)
+        assert header[0] == 0 and body[0x30] == [], (header, body)
+        s.sendall(packet({0: 1, 1: 102, 0x71: bytes(129)}, select_all))
+        header, body, _ = read_reply(s)
+        assert header[0] == 0x8000 | 20, (header, body)  # ER_INVALID_MSGPACK
+        s.close()
+
+        # Every vbucket of a replica is a replica: it serves a plain SELECT, and refuses a part.
+        replica = start_iproto_node(tmp_path, "replica", "--replica-of", active.address, users=False)
+        r, _ = connect(replica)
+        deadline = time.monotonic() + 30
+        while True:
+            r.sendall(packet({0: 1, 1: 1}, select_all))
+            header, body, _ = read_reply(r)
+            if header[0] == 0 and len(body[0x30]) == 20:
+                break
+            assert time.monotonic() < deadline, (header, body)
+            time.sleep(0.1)
+        r.sendall(packet({0: 1, 1: 2, 0x71: every}, select_all))
+        header, body, _ = read_reply(r)
+        assert header[0] == 0x8000 | 115, (header, body)  # ER_SYSTEM
+        assert re.search(r"vbucket \d+ is not active on the node the cluster map says \(the map is", body[0x31]), body
+        r.close()
+    finally:
+        if replica is not None:
+            assert replica.stop() == 0
+        assert active.stop() == 0

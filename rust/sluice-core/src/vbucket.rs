@@ -141,3 +141,78 @@ impl VBucket {
         self.store.mem_bytes() + self.checkpoints.mem_bytes()
     }
 }
+
+/// A set of a bucket's vbuckets (any of the first `MAX_VBUCKETS`): the vbuckets one node
+/// answers for in a read over a whole cluster. On the wire, one bit per vbucket, vbucket `n`
+/// in bit `n % 8` of byte `n / 8`.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub struct VbSet([u64; VbSet::WORDS]);
+
+impl VbSet {
+    const WORDS: usize = crate::config::MAX_VBUCKETS as usize / 64;
+    /// The longest encoding `from_bytes` takes.
+    pub const MAX_BYTES: usize = VbSet::WORDS * 8;
+
+    /// Adds `vb`; a vbucket past `MAX_VBUCKETS` is no bucket's, and is not added.
+    pub fn insert(&mut self, vb: u16) {
+        if let Some(w) = self.0.get_mut(vb as usize / 64) {
+            *w |= 1 << (vb % 64);
+        }
+    }
+
+    pub fn contains(&self, vb: u16) -> bool {
+        self.0
+            .get(vb as usize / 64)
+            .is_some_and(|w| w & (1 << (vb % 64)) != 0)
+    }
+
+    /// The bytes for the first `count` vbuckets.
+    pub fn to_bytes(&self, count: u16) -> Vec<u8> {
+        (0..(count as usize).div_ceil(8).min(VbSet::MAX_BYTES))
+            .map(|i| (self.0[i / 8] >> ((i % 8) * 8)) as u8)
+            .collect()
+    }
+
+    /// The set `to_bytes` wrote; None when longer than any bucket's vbuckets need.
+    pub fn from_bytes(bytes: &[u8]) -> Option<VbSet> {
+        if bytes.len() > VbSet::MAX_BYTES {
+            return None;
+        }
+        let mut set = VbSet::default();
+        for (i, &b) in bytes.iter().enumerate() {
+            set.0[i / 8] |= u64::from(b) << ((i % 8) * 8);
+        }
+        Some(set)
+    }
+}
+
+impl std::fmt::Debug for VbSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all = (0..crate::config::MAX_VBUCKETS).filter(|&vb| self.contains(vb));
+        f.debug_set().entries(all).finish()
+    }
+}
+
+#[cfg(test)]
+mod vbset_tests {
+    use super::VbSet;
+
+    #[test]
+    fn a_set_of_vbuckets_goes_through_its_bytes() {
+        let mut s = VbSet::default();
+        for vb in [0, 7, 8, 63, 64, 1000, 1023] {
+            s.insert(vb);
+        }
+        s.insert(1024);
+        assert!(s.contains(1000) && !s.contains(1) && !s.contains(1024));
+        let bytes = s.to_bytes(1024);
+        assert_eq!(bytes.len(), 128);
+        assert_eq!(bytes[0], 0b1000_0001);
+        assert_eq!(VbSet::from_bytes(&bytes), Some(s));
+        // A bucket of 10 vbuckets sends 2 bytes: the rest are not its.
+        let short = s.to_bytes(10);
+        assert_eq!(short, vec![0b1000_0001, 0b1]);
+        assert!(VbSet::from_bytes(&short).unwrap().contains(8));
+        assert_eq!(VbSet::from_bytes(&[0; 129]), None);
+    }
+}

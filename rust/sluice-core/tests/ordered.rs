@@ -465,3 +465,61 @@ fn reopen(
     *engine = Engine::open(cfg.clone()).unwrap();
     *bucket = engine.bucket("default").unwrap();
 }
+
+#[test]
+fn a_part_reads_exactly_its_vbuckets_and_fails_on_one_not_active() {
+    use sluice_core::engine::Part;
+    use sluice_core::vbucket::VbSet;
+
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(ordered_config(dir.path(), 4)).unwrap();
+    let bucket = engine.bucket("default").unwrap();
+    let keys: Vec<Vec<u8>> = (0..40u64).map(|u| k2(u, "a")).collect();
+    for k in &keys {
+        engine.store(&bucket, &StoreRequest::set(k, b"v")).unwrap();
+    }
+    let of = |vbs: &[u16]| {
+        let mut s = VbSet::default();
+        vbs.iter().for_each(|&vb| s.insert(vb));
+        s
+    };
+    let select = |part| engine.select_from(&bucket, SelectIterator::All, &[], 0, u32::MAX, part);
+    let in_vbs = |vbs: &[u16]| -> Vec<Vec<u8>> {
+        keys.iter()
+            .filter(|k| vbs.contains(&bucket.vbucket_of(k)))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        keys_of(&select(Part::Exactly(of(&[1, 3]))).unwrap()),
+        in_vbs(&[1, 3])
+    );
+    assert_eq!(
+        engine
+            .count_from(
+                &bucket,
+                SelectIterator::All,
+                &[],
+                Part::Exactly(of(&[0, 2]))
+            )
+            .unwrap(),
+        in_vbs(&[0, 2]).len() as u64
+    );
+    // A replica here: read by a node on its own, left out of its actives, and a part that
+    // names it fails rather than answer without it.
+    engine
+        .set_vbucket_state(&bucket, 3, VbState::Replica)
+        .unwrap();
+    assert_eq!(select(Part::Held).unwrap().len(), keys.len());
+    assert_eq!(keys_of(&select(Part::Active).unwrap()), in_vbs(&[0, 1, 2]));
+    let err = select(Part::Exactly(of(&[1, 3]))).unwrap_err();
+    assert!(matches!(err, Error::NotMyVbucket(3)), "{err:?}");
+    let err = engine
+        .count_from(&bucket, SelectIterator::All, &[], Part::Exactly(of(&[3])))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotMyVbucket(3)), "{err:?}");
+    assert_eq!(
+        keys_of(&select(Part::Exactly(of(&[1]))).unwrap()),
+        in_vbs(&[1])
+    );
+}

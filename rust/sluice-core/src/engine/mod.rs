@@ -41,7 +41,7 @@ mod write;
 use crate::catalog::Catalog;
 pub use follow::{FollowedChange, MAX_GROUP};
 pub use read::StreamPosition;
-pub use select::SelectIterator;
+pub use select::{Part, SelectIterator};
 pub use topics::TopicRead;
 pub use write::{
     counter_value, DocumentUpdate, Landing, MutationResult, StoreMode, StoreRequest, Update,

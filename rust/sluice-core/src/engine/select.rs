@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::hlc::now_secs;
 use crate::item::{is_expired, Item};
 use crate::item_store::Seek;
-use crate::vbucket::VbState;
+use crate::vbucket::{VbSet, VbState};
 
 /// Tarantool's iterator types, with their iproto codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,15 +49,27 @@ const BATCH: usize = 64;
 /// Index entries (tombstones and expired items included) one batch steps over at most.
 const BATCH_STEPS: usize = 4 * BATCH;
 
+/// Which of a bucket's vbuckets a select or count reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The active and replica vbuckets: a node on its own, whose replicas serve reads.
+    Held,
+    /// The active vbuckets only.
+    Active,
+    /// These vbuckets only, each active here whenever it is read, else the read fails with
+    /// `NotMyVbucket`: a node's part of a read over a whole cluster, as the map of the node
+    /// that asks gives it. A node that has not applied the same map yet (a failover, a
+    /// vbucket moving) fails it rather than leave its vbuckets out.
+    Exactly(VbSet),
+}
+
 /// What a select reads: where each vbucket's scan starts, which way, and (EQ, REQ) the
 /// prefix the keys must keep.
 struct Plan<'k> {
     start: Seek<'k>,
     descending: bool,
     prefix: Option<&'k [u8]>,
-    /// Read the active vbuckets only (a cluster's node answering its part of a SELECT that
-    /// another node fans out), not the replicas too.
-    active_only: bool,
+    part: Part,
 }
 
 impl<'k> Plan<'k> {
@@ -70,7 +82,7 @@ impl<'k> Plan<'k> {
                 start: Seek::Ends,
                 descending,
                 prefix: None,
-                active_only: false,
+                part: Part::Held,
             };
         }
         let start = match iterator {
@@ -82,7 +94,7 @@ impl<'k> Plan<'k> {
             start,
             descending,
             prefix: matches!(iterator, Eq | Req).then_some(key),
-            active_only: false,
+            part: Part::Held,
         }
     }
 }
@@ -148,11 +160,11 @@ impl Engine {
         offset: u32,
         limit: u32,
     ) -> Result<Vec<Item>> {
-        self.select_from(bucket, iterator, key, offset, limit, false)
+        self.select_from(bucket, iterator, key, offset, limit, Part::Held)
     }
 
-    /// `select`, reading the vbuckets active here only when `active_only` (the node's part of
-    /// a SELECT over a cluster, whose vbuckets' replicas live on the other nodes).
+    /// `select` of the vbuckets `part` names (a node's part of a SELECT over a cluster, whose
+    /// vbuckets' replicas live on the other nodes, reads its actives only).
     pub fn select_from(
         &self,
         bucket: &Bucket,
@@ -160,7 +172,7 @@ impl Engine {
         key: &[u8],
         offset: u32,
         limit: u32,
-        active_only: bool,
+        part: Part,
     ) -> Result<Vec<Item>> {
         self.check_open()?;
         if !bucket.config.ordered_keys {
@@ -170,12 +182,12 @@ impl Engine {
             )));
         }
         let mut plan = Plan::new(iterator, key);
-        plan.active_only = active_only;
+        plan.part = part;
         let wanted = offset as usize + limit as usize;
         if limit == 0 {
             return Ok(Vec::new());
         }
-        if let Some(prefix) = plan.prefix.filter(|_| !active_only) {
+        if let Some(prefix) = plan.prefix.filter(|_| part == Part::Held) {
             if let Some(found) = self.select_one(bucket, prefix, |i| i.to_item()) {
                 return Ok(found.into_iter().skip(offset as usize).collect());
             }
@@ -191,7 +203,7 @@ impl Engine {
             .collect();
         let mut heap = BinaryHeap::with_capacity(feeds.len());
         for (i, feed) in feeds.iter_mut().enumerate() {
-            refill(bucket, feed, &plan, wanted, now);
+            refill(bucket, feed, &plan, wanted, now)?;
             if let Some(head) = feed.items.front() {
                 heap.push(Head {
                     key: head.key().to_vec(),
@@ -214,7 +226,7 @@ impl Engine {
                 }
             }
             if feed.items.is_empty() {
-                refill(bucket, feed, &plan, wanted - skipped - out.len(), now);
+                refill(bucket, feed, &plan, wanted - skipped - out.len(), now)?;
             }
             if let Some(head) = feed.items.front() {
                 heap.push(Head {
@@ -258,16 +270,16 @@ impl Engine {
     /// How many live items `select` with this iterator and key would return with no limit,
     /// counted in each vbucket's index without copying an item (Tarantool's `index:count`).
     pub fn count(&self, bucket: &Bucket, iterator: SelectIterator, key: &[u8]) -> Result<u64> {
-        self.count_from(bucket, iterator, key, false)
+        self.count_from(bucket, iterator, key, Part::Held)
     }
 
-    /// `count`, of the vbuckets active here only when `active_only` (see `select_from`).
+    /// `count` of the vbuckets `part` names (see `select_from`).
     pub fn count_from(
         &self,
         bucket: &Bucket,
         iterator: SelectIterator,
         key: &[u8],
-        active_only: bool,
+        part: Part,
     ) -> Result<u64> {
         self.check_open()?;
         if !bucket.config.ordered_keys {
@@ -277,7 +289,7 @@ impl Engine {
             )));
         }
         let mut plan = Plan::new(iterator, key);
-        plan.active_only = active_only;
+        plan.part = part;
         let now = now_secs();
         let mut total = 0u64;
         for vbid in 0..bucket.num_vbuckets() {
@@ -287,7 +299,7 @@ impl Engine {
                     let meta = item.meta();
                     total += u64::from(!meta.deleted && !is_expired(&meta, now));
                     true
-                });
+                })?;
                 if done || next.is_none() {
                     break;
                 }
@@ -331,16 +343,23 @@ impl Engine {
 
 /// Reads batches of one vbucket until it has an item or has no more (a batch may step over
 /// nothing but tombstones).
-fn refill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) {
+fn refill(
+    bucket: &Bucket,
+    feed: &mut Feed,
+    plan: &Plan<'_>,
+    wanted: usize,
+    now: u32,
+) -> Result<()> {
     while feed.items.is_empty() && !feed.done {
-        fill(bucket, feed, plan, wanted, now);
+        fill(bucket, feed, plan, wanted, now)?;
     }
+    Ok(())
 }
 
 /// Reads one vbucket's next batch: up to `wanted` (at most BATCH) live items after where the
-/// feed stands, under the vbucket's lock only. A vbucket that is neither active nor replica
-/// here contributes nothing.
-fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) {
+/// feed stands, under the vbucket's lock only. A vbucket the plan's part does not read here
+/// contributes nothing.
+fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u32) -> Result<()> {
     let batch = wanted.clamp(1, BATCH);
     let items = &mut feed.items;
     let (done, resume) = scan_batch(bucket, feed.vbid, plan, feed.resume.take(), |item| {
@@ -352,30 +371,35 @@ fn fill(bucket: &Bucket, feed: &mut Feed, plan: &Plan<'_>, wanted: usize, now: u
             items.push_back(item.to_item());
         }
         true
-    });
+    })?;
     feed.done = done;
     feed.resume = resume;
+    Ok(())
 }
 
 /// One batch of a vbucket's ordered index from `resume` (or the plan's start): `visit` sees
 /// each entry (tombstones and expired items too) until it returns false, the batch has
 /// stepped BATCH_STEPS entries, or the plan's prefix or the index ends. Returns whether the
-/// vbucket has no more for the plan, and where the next batch resumes.
+/// vbucket has no more for the plan, and where the next batch resumes; `NotMyVbucket` when the
+/// plan's part must read it and it is not active here.
 fn scan_batch(
     bucket: &Bucket,
     vbid: u16,
     plan: &Plan<'_>,
     resume: Option<Vec<u8>>,
     mut visit: impl FnMut(crate::item_store::ItemRef<'_>) -> bool,
-) -> (bool, Option<Vec<u8>>) {
+) -> Result<(bool, Option<Vec<u8>>)> {
     let vb = bucket.lock_vbucket(vbid).expect("in range");
-    let readable = match vb.state {
-        VbState::Active => true,
-        VbState::Replica => !plan.active_only,
+    let readable = match (plan.part, vb.state) {
+        (Part::Exactly(set), _) if !set.contains(vbid) => false,
+        (Part::Exactly(_), VbState::Active) => true,
+        (Part::Exactly(_), _) => return Err(Error::NotMyVbucket(vbid)),
+        (_, VbState::Active) => true,
+        (Part::Held, VbState::Replica) => true,
         _ => false,
     };
     if !readable {
-        return (true, resume);
+        return Ok((true, resume));
     }
     let from = resume.as_deref().map_or(plan.start, Seek::Key);
     let mut steps = 0;
@@ -398,5 +422,5 @@ fn scan_batch(
         true
     });
     let resume = if steps > 0 { Some(last) } else { resume };
-    (reached_end || past_prefix, resume)
+    Ok((reached_end || past_prefix, resume))
 }

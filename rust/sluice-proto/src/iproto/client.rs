@@ -11,8 +11,8 @@ use std::fmt;
 use super::codes::{self, *};
 use super::MAX_DEPTH;
 use crate::msgpack::{
-    write_array_len, write_map_len, write_str, write_str_bytes, write_uint, DecodeError, Reader,
-    Value,
+    write_array_len, write_bin, write_map_len, write_str, write_str_bytes, write_uint, DecodeError,
+    Reader, Value,
 };
 
 /// Starts a packet of `request_type`: a 5-byte length placeholder and the header. Returns
@@ -53,21 +53,21 @@ fn key_raw(out: &mut Vec<u8>, key: u8, value: &[u8]) {
 
 /// A request relayed to another node: `code` with the original `body` (a MessagePack map, as
 /// the client sent it), under this connection's `sync`, naming the user it runs as
-/// (`KEY_SLUICE_FORWARDED_FOR`) and whether only the node's active vbuckets are read
-/// (`KEY_SLUICE_ACTIVE_ONLY`).
+/// (`KEY_SLUICE_FORWARDED_FOR`) and, for its part of a read over the cluster, the vbuckets the
+/// node is to read, one bit each (`KEY_SLUICE_PART`).
 pub fn write_relayed(
     out: &mut Vec<u8>,
     code: u32,
     sync: u64,
     forwarded_for: Option<&str>,
-    active_only: bool,
+    part: Option<&[u8]>,
     body: &[u8],
 ) {
     let start = out.len();
     out.extend_from_slice(&[0xce, 0, 0, 0, 0]);
     write_map_len(
         out,
-        2 + u32::from(forwarded_for.is_some()) + u32::from(active_only),
+        2 + u32::from(forwarded_for.is_some()) + u32::from(part.is_some()),
     );
     out.push(KEY_REQUEST_TYPE);
     write_uint(out, code as u64);
@@ -77,9 +77,9 @@ pub fn write_relayed(
         out.push(KEY_SLUICE_FORWARDED_FOR);
         write_str(out, user);
     }
-    if active_only {
-        out.push(KEY_SLUICE_ACTIVE_ONLY);
-        write_uint(out, 1);
+    if let Some(set) = part {
+        out.push(KEY_SLUICE_PART);
+        write_bin(out, set);
     }
     out.extend_from_slice(body);
     finish(out, start);
@@ -740,9 +740,9 @@ mod relay_tests {
         );
         let body = crate::iproto::request::body_of(&sel).to_vec();
         let mut out = Vec::new();
-        write_relayed(&mut out, SELECT, 7, Some("app"), true, &body);
+        write_relayed(&mut out, SELECT, 7, Some("app"), Some(&[0b101, 1]), &body);
         let (h, r) = crate::iproto::request::decode(&out).unwrap();
-        assert!(h.active_only);
+        assert_eq!(h.part(&out), Some(&[0b101, 1][..]));
         assert_eq!(h.forwarded_for(&out), Some(&b"app"[..]));
         assert!(
             matches!(

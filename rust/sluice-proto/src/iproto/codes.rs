@@ -74,10 +74,10 @@ pub const KEY_ERROR: u8 = 0x52;
 pub const KEY_MAX_2_6: u8 = 0x53;
 /// sluice's own header keys, between the nodes of a cluster: a request a node forwards to the
 /// owner of its key carries the user it runs as (honoured only from a login with the
-/// `replication` permission), and a SELECT one node fans out reads only the vbuckets active
-/// on the node that answers.
+/// `replication` permission), and a read one node fans out names the vbuckets the node that
+/// answers is to read (each active there, as the asking node's map says, else it fails).
 pub const KEY_SLUICE_FORWARDED_FOR: u8 = 0x70;
-pub const KEY_SLUICE_ACTIVE_ONLY: u8 = 0x71;
+pub const KEY_SLUICE_PART: u8 = 0x71;
 /// IPROTO_ID's body (2.10).
 pub const KEY_VERSION: u8 = 0x54;
 pub const KEY_FEATURES: u8 = 0x55;

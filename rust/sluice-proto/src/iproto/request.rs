@@ -19,14 +19,21 @@ pub struct Header {
     pub stream_id: Option<u64>,
     /// sluice's KEY_SLUICE_FORWARDED_FOR: where the user name lies in the packet (start, end).
     pub forwarded_for: Option<(u32, u32)>,
-    /// sluice's KEY_SLUICE_ACTIVE_ONLY.
-    pub active_only: bool,
+    /// sluice's KEY_SLUICE_PART: where the vbuckets to read lie in the packet (start, end).
+    pub part: Option<(u32, u32)>,
 }
 
 impl Header {
     /// The user a forwarded request runs as, from the packet it was decoded from.
     pub fn forwarded_for<'p>(&self, packet: &'p [u8]) -> Option<&'p [u8]> {
         let (start, end) = self.forwarded_for?;
+        packet.get(start as usize..end as usize)
+    }
+
+    /// The vbuckets another node asks this one to read, from the packet it was decoded from:
+    /// one bit each (see `sluice_core::vbucket::VbSet`).
+    pub fn part<'p>(&self, packet: &'p [u8]) -> Option<&'p [u8]> {
+        let (start, end) = self.part?;
         packet.get(start as usize..end as usize)
     }
 }
@@ -179,7 +186,7 @@ fn header_key_type(key: u64) -> Option<MpType> {
         0x26 | 0x29..=0x2b => MpType::Map,
         0x2c..=0x52 => MpType::Nil,
         0x70 => MpType::Str,
-        0x71 => MpType::UInt,
+        0x71 => MpType::Bin,
         _ => return None,
     })
 }
@@ -307,7 +314,9 @@ fn decode_header(r: &mut Reader<'_>) -> Result<Header, RequestError> {
                 header.forwarded_for = Some((end - name.len() as u32, end));
             }
             0x71 => {
-                header.active_only = h.read_uint().map_err(|_| bad(seen_sync, header.sync))? != 0
+                let set = h.read_bin().map_err(|_| bad(seen_sync, header.sync))?;
+                let end = (header_at + h.position()) as u32;
+                header.part = Some((end - set.len() as u32, end));
             }
             _ => h
                 .skip_value(MAX_DEPTH)

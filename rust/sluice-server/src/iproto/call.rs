@@ -12,6 +12,7 @@
 //! Any other CALL gets ER_NO_SUCH_PROC naming the procedure, any other EVAL ER_UNSUPPORTED
 //! naming the expression.
 
+use sluice_core::engine::Part;
 use sluice_core::SelectIterator;
 use sluice_proto::iproto::request::Request;
 use sluice_proto::iproto::{codes, response};
@@ -257,12 +258,16 @@ impl Session {
         }
         let (key, _) = canonical_key(&key)?;
         // In a cluster, this node's part: the nodes' parts are summed (see `route`).
-        let active_only = self.active_only || self.ctx.clustermap.router.routes().is_some();
+        let part = match self.part {
+            Some(set) => Part::Exactly(set),
+            None if self.ctx.clustermap.router.routes().is_some() => Part::Active,
+            None => Part::Held,
+        };
         self.ctx
             .port
             .engine
-            .count_from(&s.bucket, iterator, &key, active_only)
-            .map_err(|e| super::failure::engine_failure(e, &s.name))
+            .count_from(&s.bucket, iterator, &key, part)
+            .map_err(|e| super::failure::read_failure(e, &s.name))
     }
 }
 

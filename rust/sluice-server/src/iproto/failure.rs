@@ -53,6 +53,22 @@ impl From<sluice_proto::iproto::tuple::TupleError> for Failure {
 
 pub type Outcome = Result<(), Failure>;
 
+/// A read's engine error in Tarantool's terms. A vbucket not active here fails a node's part
+/// of a read over the cluster whose asker's map says it is (a failover or a move this node has
+/// not applied yet): the whole read fails, never leaving that vbucket's tuples out.
+pub fn read_failure(e: Error, space: &str) -> Failure {
+    match e {
+        Error::NotMyVbucket(vb) => Failure::new(
+            more_codes::ER_SYSTEM,
+            format!(
+                "space '{space}': vbucket {vb} is not active on the node the cluster map says \
+                 (the map is changing); nothing is returned rather than a part of the answer"
+            ),
+        ),
+        e => engine_failure(e, space),
+    }
+}
+
 /// An engine error in Tarantool's terms.
 pub fn engine_failure(e: Error, space: &str) -> Failure {
     match e {

@@ -23,6 +23,7 @@ use super::write::key_of;
 use crate::auth::READ;
 use crate::router::iproto_link::{Replier, Reply};
 use crate::router::Routes;
+use sluice_core::engine::Part;
 use sluice_core::vbucket::VbState;
 use sluice_core::SelectIterator;
 
@@ -55,7 +56,7 @@ impl Session {
         req: &Request<'_>,
         out: &mut Vec<u8>,
     ) -> bool {
-        if header.forwarded_for.is_some() || header.active_only {
+        if header.forwarded_for.is_some() || header.part.is_some() {
             return false;
         }
         let Some(routes) = self.ctx.clustermap.router.routes() else {
@@ -206,7 +207,7 @@ impl Session {
         let reply = Replier::Tagged(self.forwarded.tx.clone(), tag);
         router
             .iproto(addr)
-            .send(code, Some(&user), false, body, reply)
+            .send(code, Some(&user), None, body, reply)
             .await
             .map_err(|why| unreachable(router, &space.name, &why))?;
         self.forwarded.waiting.insert(
@@ -261,7 +262,9 @@ impl Session {
     }
 
     /// A SELECT over every vbucket: this node's active part and every other node's, merged in
-    /// the iterator's order, then OFFSET and LIMIT applied once. Any part that fails fails it.
+    /// the iterator's order, then OFFSET and LIMIT applied once. Each node reads the vbuckets
+    /// this node's map says are active there, and fails when one is not (a node that has not
+    /// applied the same map); any part that fails fails it.
     #[allow(clippy::too_many_arguments)]
     async fn fan_out(
         &mut self,
@@ -314,8 +317,9 @@ impl Session {
         );
         let body = request::body_of(&body).to_vec();
         let user = self.routed_user();
+        let (mine, others) = routes.parts();
         let mut asked = Vec::new();
-        for node in routes.other_actives() {
+        for (node, set) in others {
             let Some(addr) = node.iproto else {
                 return Err(unreachable(
                     router,
@@ -326,15 +330,16 @@ impl Session {
             let link = router.iproto(addr);
             let body = body.clone();
             let user = user.clone();
+            let part = set.to_bytes(space.bucket.num_vbuckets());
             asked.push(tokio::spawn(async move {
-                link.call(codes::SELECT, Some(&user), true, body, ROUTED_TIMEOUT)
+                link.call(codes::SELECT, Some(&user), Some(part), body, ROUTED_TIMEOUT)
                     .await
             }));
         }
         let engine = &self.ctx.port.engine;
         let here = engine
-            .select_from(&space.bucket, it, &canon, 0, wanted, true)
-            .map_err(|e| super::failure::engine_failure(e, &space.name))?;
+            .select_from(&space.bucket, it, &canon, 0, wanted, Part::Exactly(mine))
+            .map_err(|e| super::failure::read_failure(e, &space.name))?;
         let mut rows: Vec<(Vec<u8>, Vec<u8>)> = here
             .iter()
             .map(|i| (i.key().to_vec(), i.value().to_vec()))
@@ -393,13 +398,13 @@ impl Session {
             .stats
             .iproto_fanned_out
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if let Some(vb) = routes.without_active(
-            self.spaces
-                .values()
-                .map(|s| s.bucket.num_vbuckets())
-                .max()
-                .unwrap_or(0),
-        ) {
+        let num_vbuckets = self
+            .spaces
+            .values()
+            .map(|s| s.bucket.num_vbuckets())
+            .max()
+            .unwrap_or(0);
+        if let Some(vb) = routes.without_active(num_vbuckets) {
             return Err(unreachable(
                 router,
                 "",
@@ -408,8 +413,9 @@ impl Session {
         }
         let user = self.routed_user();
         let body = request::body_of(packet).to_vec();
+        let (mine, others) = routes.parts();
         let mut asked = Vec::new();
-        for node in routes.other_actives() {
+        for (node, set) in others {
             let Some(addr) = node.iproto else {
                 return Err(unreachable(
                     router,
@@ -420,16 +426,23 @@ impl Session {
             let link = router.iproto(addr);
             let (body, user) = (body.clone(), user.clone());
             let code = header.code;
+            let part = set.to_bytes(num_vbuckets);
             asked.push(tokio::spawn(async move {
-                link.call(code, Some(&user), true, body, ROUTED_TIMEOUT)
+                link.call(code, Some(&user), Some(part), body, ROUTED_TIMEOUT)
                     .await
             }));
         }
         let mut here = Vec::new();
+        // This node's part is counted as the others' are: the vbuckets the map gives it.
+        self.part = Some(mine);
         let local = match *req {
-            Request::Call { name, args, .. } => self.call(name, args, 0, &mut here),
-            Request::Eval { expr, args } => self.eval(expr, args, 0, &mut here),
-            _ => return Ok(()),
+            Request::Call { name, args, .. } => Some(self.call(name, args, 0, &mut here)),
+            Request::Eval { expr, args } => Some(self.eval(expr, args, 0, &mut here)),
+            _ => None,
+        };
+        self.part = None;
+        let Some(local) = local else {
+            return Ok(());
         };
         local?;
         let (_, _, body) = client::split_reply(&here).map_err(|_| unreadable())?;

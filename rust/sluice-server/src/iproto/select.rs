@@ -2,6 +2,7 @@
 //! REQ, ALL, LT, LE, GE, GT on full and partial keys, OFFSET and LIMIT), or a system view.
 //! A replica node serves reads too.
 
+use sluice_core::engine::Part;
 use sluice_core::SelectIterator;
 use sluice_proto::iproto::{codes, response, tuple};
 use sluice_proto::msgpack::{
@@ -110,10 +111,10 @@ impl Session {
         let start = out.len();
         let mut data = response::DataWriter::begin(out, sync, version);
         let engine = &self.ctx.port.engine;
-        let read = if self.active_only {
-            // Another node's fanned-out SELECT: its part is what is active here.
+        let read = if let Some(set) = self.part {
+            // Another node's fanned-out SELECT: its part, the vbuckets it names.
             engine
-                .select_from(&space.bucket, it, &key, offset, limit, true)
+                .select_from(&space.bucket, it, &key, offset, limit, Part::Exactly(set))
                 .map(|items| {
                     for i in &items {
                         data.push_raw(out, i.value());
@@ -126,7 +127,7 @@ impl Session {
         };
         if let Err(e) = read {
             out.truncate(start);
-            return Err(super::failure::engine_failure(e, &space.name));
+            return Err(super::failure::read_failure(e, &space.name));
         }
         data.finish(out);
         Ok(())

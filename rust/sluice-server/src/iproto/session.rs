@@ -9,6 +9,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use sluice_core::vbucket::VbSet;
 use sluice_proto::iproto::request::{Request, Scramble};
 use sluice_proto::iproto::{codes, frame, greeting, request, response};
 use tokio::sync::watch;
@@ -54,9 +55,9 @@ pub(super) struct Session {
     pub login_deadline: Option<std::time::Instant>,
     /// Logins are refused on it (`require_tls`, plain text from beyond loopback).
     pub login_needs_tls: bool,
-    /// The request being answered is another node's part of a SELECT it fans out: only the
-    /// vbuckets active here are read.
-    pub active_only: bool,
+    /// The request being answered is another node's part of a read it fans out: the vbuckets
+    /// it names are read, each active here (as that node's map says) or the read fails.
+    pub part: Option<sluice_core::vbucket::VbSet>,
     /// Requests sent on to the node their key is active on, their answers to come.
     pub forwarded: super::forwarded::Forwarded,
 }
@@ -156,6 +157,19 @@ impl Session {
         if self.route(packet, &header, &req, out).await {
             return;
         }
+        // Another node's part of a read it fans out.
+        self.part = match header.part(packet).map(VbSet::from_bytes) {
+            None => None,
+            Some(Some(set)) => Some(set),
+            Some(None) => {
+                let f = Failure::new(
+                    codes::ER_INVALID_MSGPACK,
+                    "Invalid MsgPack - packet header (a part of more vbuckets than any bucket has)",
+                );
+                self.fail(out, sync, f);
+                return;
+            }
+        };
         // Another node's request, run as the user it names: only from the nodes' replication
         // login, and for this request only.
         let forwarded = header.forwarded_for(packet);
@@ -163,15 +177,15 @@ impl Session {
             Some(name) => match self.run_as(name, &req) {
                 Ok(own) => Some(own),
                 Err(f) => {
+                    self.part = None;
                     self.fail(out, sync, f);
                     return;
                 }
             },
             None => None,
         };
-        self.active_only = header.active_only;
         self.dispatch(req, sync, header.code, peer, out, acks).await;
-        self.active_only = false;
+        self.part = None;
         if let Some(own) = own_user {
             self.user = own;
             self.refresh_permissions();
@@ -445,7 +459,7 @@ pub(super) async fn run(mut conn: Conn, ctx: Arc<IprotoContext>) {
         granted: Default::default(),
         login_deadline: conn.login_deadline(),
         login_needs_tls: conn.login_needs_tls(),
-        active_only: false,
+        part: None,
         forwarded: Default::default(),
     };
     session.refresh_permissions();

@@ -57,7 +57,8 @@ impl Replier {
 struct Call {
     code: u32,
     forwarded_for: Option<String>,
-    active_only: bool,
+    /// The vbuckets the node is to read (`client::write_relayed`).
+    part: Option<Vec<u8>>,
     body: Vec<u8>,
     reply: Replier,
 }
@@ -81,12 +82,12 @@ impl Link {
         &self,
         code: u32,
         forwarded_for: Option<&str>,
-        active_only: bool,
+        part: Option<Vec<u8>>,
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<Reply, String> {
         let (reply, answer) = oneshot::channel();
-        self.send(code, forwarded_for, active_only, body, Replier::Once(reply))
+        self.send(code, forwarded_for, part, body, Replier::Once(reply))
             .await?;
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(r)) => r,
@@ -103,14 +104,14 @@ impl Link {
         &self,
         code: u32,
         forwarded_for: Option<&str>,
-        active_only: bool,
+        part: Option<Vec<u8>>,
         body: Vec<u8>,
         reply: Replier,
     ) -> Result<(), String> {
         let call = Call {
             code,
             forwarded_for: forwarded_for.map(str::to_string),
-            active_only,
+            part,
             body,
             reply,
         };
@@ -205,7 +206,7 @@ fn encode(out: &mut Vec<u8>, sync: u64, c: &Call) {
         c.code,
         sync,
         c.forwarded_for.as_deref(),
-        c.active_only,
+        c.part.as_deref(),
         &c.body,
     );
 }

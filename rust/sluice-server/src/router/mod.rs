@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::metrics::metric;
+use sluice_core::vbucket::VbSet;
 
 /// One node of the cluster map, as the router reaches it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,21 +56,30 @@ impl Routes {
         (0..count).find(|&vb| self.actives.get(vb as usize).is_none_or(|&i| i < 0))
     }
 
-    /// The other nodes some vbucket is active on: those a SELECT over every vbucket asks.
-    pub fn other_actives(&self) -> Vec<&RouteNode> {
-        let mut seen = vec![false; self.nodes.len()];
-        for &i in &self.actives {
-            if i >= 0 && Some(i as usize) != self.this {
-                if let Some(s) = seen.get_mut(i as usize) {
-                    *s = true;
-                }
+    /// The parts of a read over every vbucket: this node's vbuckets (empty when it is active
+    /// for none), and each other node some vbucket is active on with its vbuckets.
+    pub fn parts(&self) -> (VbSet, Vec<(&RouteNode, VbSet)>) {
+        let mut sets = vec![VbSet::default(); self.nodes.len()];
+        let mut here = VbSet::default();
+        for (vb, &i) in self.actives.iter().enumerate() {
+            if i < 0 {
+                continue;
+            }
+            if Some(i as usize) == self.this {
+                here.insert(vb as u16);
+            } else if let Some(s) = sets.get_mut(i as usize) {
+                s.insert(vb as u16);
             }
         }
-        self.nodes
+        let others = self
+            .nodes
             .iter()
-            .zip(seen)
-            .filter_map(|(n, s)| s.then_some(n))
-            .collect()
+            .zip(sets)
+            .enumerate()
+            .filter(|&(i, (_, s))| Some(i) != self.this && s != VbSet::default())
+            .map(|(_, (n, s))| (n, s))
+            .collect();
+        (here, others)
     }
 }
 
@@ -199,6 +209,16 @@ mod tests {
         assert_eq!(r.elsewhere(1), None);
         assert_eq!(r.elsewhere(3), None);
         assert_eq!(r.elsewhere(9), None);
-        assert_eq!(r.other_actives(), vec![&node(1), &node(3)]);
+        let (here, others) = r.parts();
+        let set = |vbs: &[u16]| {
+            let mut s = VbSet::default();
+            vbs.iter().for_each(|&vb| s.insert(vb));
+            s
+        };
+        assert_eq!(here, set(&[1]));
+        assert_eq!(
+            others,
+            vec![(&node(1), set(&[0, 4])), (&node(3), set(&[2]))]
+        );
     }
 }
