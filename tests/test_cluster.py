@@ -189,7 +189,17 @@ def cluster_node(
 
 
 def cli(etcd: EtcdServer, *args: str, timeout: float = 120) -> str:
-    r = run_cli("cluster", *args, "--cluster", etcd.url, timeout=timeout)
+    try:
+        r = run_cli("cluster", *args, "--cluster", etcd.url, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        # What it printed, and where the cluster stood: what a stuck command waits for.
+        out = e.stdout or b""
+        printed = out.decode(errors="replace") if isinstance(out, bytes) else out
+        m = cluster_map(etcd) or {}
+        raise AssertionError(
+            f"sluice cluster {' '.join(args)} ran over {timeout} s; it printed:\n{printed}\n"
+            f"rebalance: {rebalance_state(etcd)}\ntopics: {m.get('topics')}"
+        ) from None
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 

@@ -251,7 +251,9 @@ def test_a_read_over_a_cluster_reads_the_vbuckets_it_names_and_fails_on_one_not_
         r.sendall(packet({0: 1, 1: 2, 0x71: every}, select_all))
         header, body, _ = read_reply(r)
         assert header[0] == 0x8000 | 115, (header, body)  # ER_SYSTEM
-        assert re.search(r"vbucket \d+ is not active on the node the cluster map says \(the map is", body[0x31]), body
+        assert re.search(
+            r"vbucket \d+ is not active on the node the cluster map says \(the map is", body[0x31]
+        ), body
         r.close()
     finally:
         if replica is not None:

@@ -205,6 +205,9 @@ impl Server {
         // Each front gets what it works with; none sees the others' state.
         let stats = Arc::new(ConnectionStats::default());
         let clustermap = Arc::new(ClusterMap::new(local_addr, tls_addr));
+        // The map the node starts with, before any client connects: a client told of map
+        // changes hears of real ones, not of the first look at the vbuckets (`watch_layout`).
+        clustermap.refresh(&engine);
         let users = Arc::new(UserTable::new(config.users.clone()));
         let prelogin = Arc::new(PreLogin::new(config.login.clone()));
         let throttle = Arc::new(crate::throttle::LoginThrottle::default());
