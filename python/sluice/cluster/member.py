@@ -308,8 +308,11 @@ class Member:
             # A copy here streams from its leader (while a new one takes over too).
             copy_from = doc["nodes"][leader]["kv"] if self.s.node in chain[1:] else ""
             if handing_over:
-                # No node takes messages while its leader changes (see Orchestrator.move_topics).
-                return ("", copies, len(in_sync), copy_from, counted)
+                # No node takes messages while its leader changes (see Orchestrator.move_topics);
+                # the old leader still serves its copies, the new leader among them, which may
+                # be a message behind or connect anew (a copy just counted in sync does).
+                held = "handing over" if leader == self.s.node else ""
+                return (held, copies, len(in_sync), copy_from, counted)
             if leader == self.s.node:
                 return ("here", copies, len(in_sync), "", counted)
             return (tank_of(leader), copies, len(in_sync), copy_from, counted)

@@ -347,8 +347,9 @@ impl Server {
     }
 
     /// Puts the cluster map's topic placement in force: `topics` gives each topic's partitions
-    /// in order as (leader: "here", the leader's TANK address "IPv4:PORT", or "" while none
-    /// leads it; its copies; those in sync; the leader's KV address when this node holds a
+    /// in order as (leader: "here", the leader's TANK address "IPv4:PORT", "" while none
+    /// leads it, or "handing over" on the leader of a partition whose leader changes, which
+    /// takes no messages and still streams the partition to its copies; its copies; those in sync; the leader's KV address when this node holds a
     /// copy it does not lead, else ""; whether this node's copy is in sync, its
     /// acknowledgements counting toward produces); `nodes` the map's nodes in order: (TANK address or "",
     /// whether it is available, how many partitions it holds a copy of). The copies this node
@@ -380,16 +381,17 @@ impl Server {
         for (topic, parts) in topics {
             let mut placed = Vec::with_capacity(parts.len());
             for (p, (lead, copies, in_sync, copy_from, counted)) in parts.iter().enumerate() {
+                let handing_over = lead == "handing over";
                 let lead = match lead.as_str() {
                     "here" => Lead::Here,
-                    "" => Lead::Nobody,
+                    "" | "handing over" => Lead::Nobody,
                     a => Lead::At(address(a)?),
                 };
                 placed.push(Placed {
                     lead,
                     copies: *copies,
                     in_sync: *in_sync,
-                    copy_here: !copy_from.is_empty(),
+                    copy_here: !copy_from.is_empty() || handing_over,
                 });
                 if !copy_from.is_empty() {
                     copied

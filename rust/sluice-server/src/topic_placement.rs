@@ -31,7 +31,8 @@ pub struct Placed {
     /// The copies in sync (the leader's among them): holding every message acknowledged with
     /// acks from all of them, and the only ones a failover may promote.
     pub in_sync: u8,
-    /// This node holds a copy it does not lead.
+    /// This node holds a copy it does not lead (a copy, or the leader of a partition whose
+    /// leader changes, which streams it to its copies until the new leader leads).
     pub copy_here: bool,
 }
 
