@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ],
     ids=["ruff-check", "ruff-format", "cargo-fmt", "cargo-clippy", "stubtest"],
 )
+# A cold clippy may first wait for the wheel's build (`one_build_at_a_time`).
+@pytest.mark.timeout(1200)
 def test_clean(cmd: list[str], request: pytest.FixtureRequest) -> None:
     if shutil.which(cmd[0]) is None:
         pytest.fail(f"{cmd[0]} is not installed; `pip install '.[test]'` brings ruff, rustup brings cargo")

@@ -27,6 +27,8 @@ def _maturin() -> list[str] | None:
     return [sys.executable, "-m", "maturin"] if probe.returncode == 0 else None
 
 
+# The build may first wait for a cold clippy (`one_build_at_a_time`).
+@pytest.mark.timeout(1200)
 def test_the_wheel_installs_as_sluice_kv_with_the_spark_extra(tmp_path, one_build_at_a_time):
     maturin = _maturin()
     if maturin is None:

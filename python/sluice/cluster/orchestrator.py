@@ -24,6 +24,9 @@ MOVE_TIMEOUT = 120.0
 MOVES_PER_NODE = 4
 # How long a finished rebalance waits for its replicas' streams to register on their actives.
 REGISTER_WAIT = 30.0
+# How much older than a node's last status its previous one may be to count as "the time
+# before" (nodes publish every half second).
+STATUS_BEFORE_MAX_AGE = 2.0
 
 
 def node_entry(registration: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +165,14 @@ class Orchestrator:
         as published the time before (of the statuses read since this orchestrator began)."""
         statuses = self.statuses()
         if before:
-            statuses = {n: st for n, st in self._status_before.items() if n in statuses}
+            # Only a status published just before the last (by the node's own clock): one this
+            # orchestrator kept through a long step (a task waits up to MOVE_TIMEOUT) would let
+            # a copy far behind count as in sync.
+            statuses = {
+                n: st
+                for n, st in self._status_before.items()
+                if n in statuses and 0 <= statuses[n].get("at", 0) - st.get("at", 0) <= STATUS_BEFORE_MAX_AGE
+            }
         return {
             node: {name: t.get(field, []) for name, t in st.get("topics", {}).items()}
             for node, st in statuses.items()
