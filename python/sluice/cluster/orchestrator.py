@@ -159,23 +159,28 @@ class Orchestrator:
 
     # -- topics
 
-    def topic_marks(self, field: str = "hwm", before: bool = False) -> dict[str, dict[str, list[int]]]:
+    def topic_marks(
+        self, field: str = "hwm", statuses: dict[str, dict[str, Any]] | None = None
+    ) -> dict[str, dict[str, list[int]]]:
         """Per node, per topic: each partition's high-water mark (or, with `field` "branch",
-        its branch of history; "led", the partitions it leads), as last published; `before`,
-        as published the time before (of the statuses read since this orchestrator began)."""
-        statuses = self.statuses()
-        if before:
-            # Only a status published just before the last (by the node's own clock): one this
-            # orchestrator kept through a long step (a task waits up to MOVE_TIMEOUT) would let
-            # a copy far behind count as in sync.
-            statuses = {
-                n: st
-                for n, st in self._status_before.items()
-                if n in statuses and 0 <= statuses[n].get("at", 0) - st.get("at", 0) <= STATUS_BEFORE_MAX_AGE
-            }
+        its branch of history; "led", the partitions it leads), as `statuses` (default: as last
+        published) give them."""
+        if statuses is None:
+            statuses = self.statuses()
         return {
             node: {name: t.get(field, []) for name, t in st.get("topics", {}).items()}
             for node, st in statuses.items()
+        }
+
+    def statuses_before(self, statuses: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Per node of `statuses` (the last read), the status it published the time before.
+        Only one at most STATUS_BEFORE_MAX_AGE older by the node's own clock: one this
+        orchestrator kept through a long step (a task waits up to MOVE_TIMEOUT) would let a copy
+        far behind count as in sync."""
+        return {
+            n: st
+            for n, st in self._status_before.items()
+            if n in statuses and 0 <= statuses[n].get("at", 0) - st.get("at", 0) <= STATUS_BEFORE_MAX_AGE
         }
 
     def place_topics(self, doc: dict[str, Any], revision: int) -> bool:
@@ -266,13 +271,14 @@ class Orchestrator:
         sync."""
         if not doc.get("topics"):
             return False
+        statuses = self.statuses()
         topics, joined = topicmap.admit_caught_up(
             doc["topics"],
-            self.topic_marks(),
+            self.topic_marks(statuses=statuses),
             set(nodes),
-            self.topic_marks("branch"),
-            self.topic_marks("led"),
-            self.topic_marks(before=True),
+            self.topic_marks("branch", statuses),
+            self.topic_marks("led", statuses),
+            self.topic_marks(statuses=self.statuses_before(statuses)),
         )
         if not joined or not self.publish({**doc, "topics": topics}, revision):
             return False

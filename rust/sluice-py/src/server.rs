@@ -349,12 +349,13 @@ impl Server {
     /// Puts the cluster map's topic placement in force: `topics` gives each topic's partitions
     /// in order as (leader: "here", the leader's TANK address "IPv4:PORT", "" while none
     /// leads it, or "handing over" on the leader of a partition whose leader changes, which
-    /// takes no messages and still streams the partition to its copies; its copies; those in sync; the leader's KV address when this node holds a
-    /// copy it does not lead, else ""; whether this node's copy is in sync, its
-    /// acknowledgements counting toward produces); `nodes` the map's nodes in order: (TANK address or "",
-    /// whether it is available, how many partitions it holds a copy of). The copies this node
-    /// holds are streamed from their leaders (logging in to `bucket` with the replication
-    /// login) before the new leaders are in force.
+    /// takes no messages and still streams the partition to its copies; its copies; those in
+    /// sync; the leader's KV address when this node holds a copy it does not lead, else "";
+    /// whether this node's copy is in sync, its acknowledgements counting toward produces);
+    /// `nodes` the map's nodes in order: (TANK address or "", whether it is available, how
+    /// many partitions it holds a copy of). The copies this node holds are streamed from their
+    /// leaders (logging in to `bucket` with the replication login) before the new leaders are
+    /// in force.
     fn place_topics(
         &self,
         py: Python<'_>,

@@ -57,7 +57,7 @@ pub(super) struct Session {
     pub login_needs_tls: bool,
     /// The request being answered is another node's part of a read it fans out: the vbuckets
     /// it names are read, each active here (as that node's map says) or the read fails.
-    pub part: Option<sluice_core::vbucket::VbSet>,
+    pub part: Option<VbSet>,
     /// Requests sent on to the node their key is active on, their answers to come.
     pub forwarded: super::forwarded::Forwarded,
 }
